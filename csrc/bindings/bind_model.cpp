@@ -1,0 +1,123 @@
+// Python bindings of ModelConfig, the models (CausalLM) and the static-batch ModelRunner.
+#include <torch/csrc/utils/pybind.h>
+#include <pybind11/stl.h>
+
+#include "bindings/bindings.h"
+#include "kvserve/kv_cache.h"
+#include "kvserve/model_runner.h"
+#include "models/model_factory.h"
+
+namespace py = pybind11;
+
+namespace kvserve::bindings {
+namespace {
+
+void bind_config(py::module_& m) {
+  py::class_<RopeScaling>(m, "RopeScaling")
+      .def(py::init<>())
+      .def_readwrite("rope_type", &RopeScaling::rope_type)
+      .def_readwrite("factor", &RopeScaling::factor)
+      .def_readwrite("low_freq_factor", &RopeScaling::low_freq_factor)
+      .def_readwrite("high_freq_factor", &RopeScaling::high_freq_factor)
+      .def_readwrite("original_max_position_embeddings",
+                     &RopeScaling::original_max_position_embeddings)
+      .def_readwrite("beta_fast", &RopeScaling::beta_fast)
+      .def_readwrite("beta_slow", &RopeScaling::beta_slow)
+      .def_readwrite("attention_factor", &RopeScaling::attention_factor);
+
+  py::class_<ModelConfig>(m, "ModelConfig")
+      .def(py::init<>())
+      .def_readwrite("architecture", &ModelConfig::architecture)
+      .def_readwrite("vocab_size", &ModelConfig::vocab_size)
+      .def_readwrite("hidden_size", &ModelConfig::hidden_size)
+      .def_readwrite("intermediate_size", &ModelConfig::intermediate_size)
+      .def_readwrite("num_layers", &ModelConfig::num_layers)
+      .def_readwrite("num_heads", &ModelConfig::num_heads)
+      .def_readwrite("num_kv_heads", &ModelConfig::num_kv_heads)
+      .def_readwrite("head_dim", &ModelConfig::head_dim)
+      .def_readwrite("max_position_embeddings", &ModelConfig::max_position_embeddings)
+      .def_readwrite("rms_norm_eps", &ModelConfig::rms_norm_eps)
+      .def_readwrite("rope_theta", &ModelConfig::rope_theta)
+      .def_readwrite("rope_scaling", &ModelConfig::rope_scaling)
+      .def_readwrite("tie_word_embeddings", &ModelConfig::tie_word_embeddings)
+      .def_readwrite("qkv_bias", &ModelConfig::qkv_bias)
+      .def_readwrite("o_proj_bias", &ModelConfig::o_proj_bias)
+      .def_readwrite("mlp_bias", &ModelConfig::mlp_bias)
+      .def_readwrite("qk_norm", &ModelConfig::qk_norm)
+      .def_readwrite("sliding_windows", &ModelConfig::sliding_windows)
+      .def("validate", &ModelConfig::validate);
+}
+
+void bind_causal_lm(py::module_& m) {
+  py::class_<AttentionMetadata>(m, "AttentionMetadata")
+      .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(), py::arg("slot_mapping"),
+           py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("block_tables"))
+      .def_readwrite("slot_mapping", &AttentionMetadata::slot_mapping)
+      .def_readwrite("query_start_loc", &AttentionMetadata::query_start_loc)
+      .def_readwrite("seq_lens", &AttentionMetadata::seq_lens)
+      .def_readwrite("block_tables", &AttentionMetadata::block_tables);
+
+  py::class_<CausalLM, std::shared_ptr<CausalLM>>(m, "CausalLM", "A loaded decoder-only model.")
+      .def(
+          "forward",
+          [](CausalLM& model, const at::Tensor& input_ids, const at::Tensor& positions,
+             const AttentionMetadata& metadata, const std::vector<KVCache>& caches) {
+            std::vector<LayerKVCache> views;
+            for (const KVCache& cache : caches) views.push_back(cache.layer_view());
+            return model.forward(input_ids, positions, metadata, views);
+          },
+          py::arg("input_ids"), py::arg("positions"), py::arg("metadata"), py::arg("kv_caches"),
+          py::call_guard<py::gil_scoped_release>(),
+          "Hidden states [T, hidden] of a flattened batch; writes K/V at metadata.slot_mapping.")
+      .def("compute_logits", &CausalLM::compute_logits, py::arg("hidden"),
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "__call__",
+          [](CausalLM& model, const at::Tensor& input_ids, std::vector<KVCache>& kv_caches) {
+            return forward_with_kv_cache(model, input_ids, kv_caches);
+          },
+          py::arg("input_ids"), py::arg("kv_caches"), py::call_guard<py::gil_scoped_release>(),
+          "The notes' loop: input_ids [B, S] appended to the caches; returns logits [B, S, V].")
+      .def_property_readonly("config", &CausalLM::config, py::return_value_policy::reference_internal)
+      .def_property_readonly("dtype", &CausalLM::dtype)
+      .def_property_readonly("device", &CausalLM::device)
+      .def_property_readonly("weight_bytes", &CausalLM::weight_bytes);
+
+  m.def("supported_architectures", &supported_architectures);
+  m.def("create_causal_lm", &create_causal_lm, py::arg("config"), py::arg("weights"),
+        py::arg("max_positions"));
+}
+
+void bind_model_runner(py::module_& m) {
+  py::class_<GenerationRequest>(m, "GenerationRequest")
+      .def(py::init<std::vector<int64_t>, SamplingParams>(), py::arg("prompt_token_ids"),
+           py::arg("params"))
+      .def_readwrite("prompt_token_ids", &GenerationRequest::prompt_token_ids)
+      .def_readwrite("params", &GenerationRequest::params);
+
+  py::class_<GenerationResult>(m, "GenerationResult")
+      .def_readonly("token_ids", &GenerationResult::token_ids)
+      .def_readonly("finish_reason", &GenerationResult::finish_reason)
+      .def_readonly("start_time", &GenerationResult::start_time)
+      .def_readonly("first_token_time", &GenerationResult::first_token_time)
+      .def_readonly("finish_time", &GenerationResult::finish_time);
+
+  py::class_<ModelRunner>(m, "ModelRunner")
+      .def(py::init<std::shared_ptr<CausalLM>, int64_t, int64_t, std::vector<int64_t>>(),
+           py::arg("model"), py::arg("max_model_len"), py::arg("max_num_seqs"),
+           py::arg("eos_token_ids"))
+      .def("generate", &ModelRunner::generate, py::arg("requests"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("validate", &ModelRunner::validate, py::arg("request"))
+      .def_property_readonly("max_model_len", &ModelRunner::max_model_len);
+}
+
+}  // namespace
+
+void bind_model(py::module_& m) {
+  bind_config(m);
+  bind_causal_lm(m);
+  bind_model_runner(m);
+}
+
+}  // namespace kvserve::bindings

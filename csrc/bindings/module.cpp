@@ -1,0 +1,15 @@
+// kvserve._C: the C++ engine bound to Python. Ops are reached as torch.ops.kvserve.* once this
+// module is imported (their registrations live in the runtime library it links).
+#include "bindings/bindings.h"
+#include "kernels/cpu_dispatch.h"
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "kvserve C++ runtime";
+  m.def(
+      "cpu_capability",
+      [] { return kvserve::cpu::capability_name(kvserve::cpu::cpu_capability()); },
+      "Vector instruction set the CPU kernels use: default, avx2 or avx512.");
+  kvserve::bindings::bind_kv_cache(m);
+  kvserve::bindings::bind_model(m);
+  kvserve::bindings::bind_sampler(m);
+}

@@ -1,0 +1,91 @@
+#include "kvserve/kv_cache.h"
+
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/tensor.h>
+
+#include <stdexcept>
+#include <string>
+
+namespace kvserve {
+
+KVCache::KVCache(int64_t max_batch_size, int64_t max_seq_len, int64_t num_kv_heads,
+                 int64_t head_dim, at::ScalarType dtype, at::Device device) {
+  if (max_batch_size <= 0 || max_seq_len <= 0 || num_kv_heads <= 0 || head_dim <= 0) {
+    throw std::invalid_argument("KVCache: max_batch_size, max_seq_len, num_kv_heads and head_dim "
+                                "must all be positive");
+  }
+  const auto options = at::TensorOptions().dtype(dtype).device(device);
+  key_ = at::empty({max_batch_size, max_seq_len, num_kv_heads, head_dim}, options);
+  value_ = at::empty({max_batch_size, max_seq_len, num_kv_heads, head_dim}, options);
+  seq_lens_.assign(max_batch_size, 0);
+}
+
+std::vector<KVCache> KVCache::from_model_config(int64_t max_batch_size, int64_t max_seq_len,
+                                                int64_t num_layers, int64_t num_kv_heads,
+                                                int64_t head_dim, at::ScalarType dtype,
+                                                at::Device device) {
+  std::vector<KVCache> caches;
+  caches.reserve(num_layers);
+  for (int64_t i = 0; i < num_layers; ++i) {
+    caches.emplace_back(max_batch_size, max_seq_len, num_kv_heads, head_dim, dtype, device);
+  }
+  return caches;
+}
+
+void KVCache::reset() { std::fill(seq_lens_.begin(), seq_lens_.end(), 0); }
+
+void KVCache::advance(int64_t row, int64_t num_tokens) {
+  if (seq_lens_.at(row) + num_tokens > max_seq_len()) {
+    throw std::out_of_range("KVCache: row " + std::to_string(row) + " would hold " +
+                            std::to_string(seq_lens_[row] + num_tokens) +
+                            " tokens, max_seq_len is " + std::to_string(max_seq_len()));
+  }
+  seq_lens_[row] += num_tokens;
+}
+
+at::Tensor forward_with_kv_cache(CausalLM& model, const at::Tensor& input_ids,
+                                 std::vector<KVCache>& caches) {
+  if (input_ids.dim() != 2) throw std::invalid_argument("input_ids must be [batch, seq]");
+  if (caches.size() != static_cast<size_t>(model.config().num_layers)) {
+    throw std::invalid_argument("need one KVCache per layer (" +
+                                std::to_string(model.config().num_layers) + ")");
+  }
+  const int64_t batch = input_ids.size(0), seq = input_ids.size(1);
+  const KVCache& first = caches.front();
+  if (batch > first.max_batch_size()) {
+    throw std::invalid_argument("batch of " + std::to_string(batch) + " exceeds max_batch_size " +
+                                std::to_string(first.max_batch_size()));
+  }
+  std::vector<int64_t> positions, slots;
+  std::vector<int32_t> query_start{0}, lens, tables;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t start = first.seq_len(b);
+    if (start + seq > first.max_seq_len()) {
+      throw std::out_of_range("row " + std::to_string(b) + " would exceed max_seq_len " +
+                              std::to_string(first.max_seq_len()));
+    }
+    for (int64_t s = 0; s < seq; ++s) {
+      positions.push_back(start + s);
+      slots.push_back(b * first.max_seq_len() + start + s);
+    }
+    query_start.push_back(static_cast<int32_t>((b + 1) * seq));
+    lens.push_back(static_cast<int32_t>(start + seq));
+    tables.push_back(static_cast<int32_t>(b));
+  }
+  const at::Device device = first.key().device();
+  auto to_device = [&](auto& values) { return at::tensor(values).to(device); };
+  AttentionMetadata metadata{to_device(slots), to_device(query_start), to_device(lens),
+                             to_device(tables).view({batch, 1})};
+  std::vector<LayerKVCache> views;
+  for (const KVCache& cache : caches) views.push_back(cache.layer_view());
+  at::Tensor hidden =
+      model.forward(input_ids.reshape({-1}).to(device, at::kLong), to_device(positions), metadata, views);
+  at::Tensor logits = model.compute_logits(hidden).view({batch, seq, -1});
+  for (KVCache& cache : caches) {
+    for (int64_t b = 0; b < batch; ++b) cache.advance(b, seq);
+  }
+  return logits;
+}
+
+}  // namespace kvserve

@@ -1,0 +1,24 @@
+#pragma once
+// What one forward pass needs to know about the flattened batch besides its tokens.
+
+#include <ATen/core/Tensor.h>
+
+namespace kvserve {
+
+/// Attention metadata of one flattened batch of T tokens from B sequences (see paged_attention.h).
+struct AttentionMetadata {
+  at::Tensor slot_mapping;     ///< int64 [T]: cache slot of each token's K/V; -1 = do not write
+  at::Tensor query_start_loc;  ///< int32 [B + 1]: token offsets of each sequence's queries
+  at::Tensor seq_lens;         ///< int32 [B]: context length of each sequence after this step
+  at::Tensor block_tables;     ///< int32 [B, max_blocks_per_seq]: cache blocks of each sequence
+};
+
+/// One layer's cache as the attention sees it: key and value
+/// [num_blocks, block_size, num_kv_heads, head_dim]. A contiguous cache is the special case of one
+/// block per batch row, max_seq_len tokens long.
+struct LayerKVCache {
+  at::Tensor key;
+  at::Tensor value;
+};
+
+}  // namespace kvserve

@@ -1,0 +1,28 @@
+#pragma once
+// Attention of variable-length query runs over a paged KV cache: prefill, prefill after a cached
+// prefix, chunked prefill and decode through one interface.
+
+#include <ATen/core/Tensor.h>
+
+namespace kvserve::ops {
+
+/// For each sequence b, its queries are tokens [query_start_loc[b], query_start_loc[b+1]) of
+/// `query` and are the last positions of its context of seq_lens[b] tokens, whose keys/values
+/// are already in the cache (write them with kv_cache_write first). Query i of a run of q tokens
+/// sits at position seq_lens[b] - q + i and attends causally to positions <= its own, limited to
+/// the last `sliding_window` positions when sliding_window > 0. Scores are scale * q.k, soft-capped
+/// as c * tanh(s / c) when logit_softcap > 0; softmax and accumulation are fp32.
+/// out, query: [num_tokens, num_heads, head_size] (rows may be strided; heads contiguous).
+/// key_cache, value_cache: contiguous [num_blocks, block_size, num_kv_heads, head_size];
+///   num_heads must be a multiple of num_kv_heads (GQA/MQA).
+/// query_start_loc: int32 [num_seqs + 1]; seq_lens: int32 [num_seqs];
+/// block_tables: int32 [num_seqs, max_blocks_per_seq], position p of sequence b lives in block
+///   block_tables[b][p / block_size] at offset p % block_size.
+/// Throws on inconsistent metadata (a run longer than its context, a block id outside the cache,
+/// a context longer than its block table).
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& query_start_loc,
+                     const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale,
+                     int64_t sliding_window, double logit_softcap);
+
+}  // namespace kvserve::ops

@@ -1,0 +1,76 @@
+#pragma once
+// Signatures of the vectorized CPU kernel bodies (raw pointers, sizes, strides; no tensors).
+// Launchers in `*_cpu.cpp` check their tensors and call `stub.get()(...)`; the bodies live in
+// `*_cpu_kernel.cpp`, compiled once per CPU capability. Strides count elements, not bytes.
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+
+#include "kernels/cpu_dispatch.h"
+
+namespace kvserve::cpu {
+
+/// out[r] = input[r] * rsqrt(mean(input[r]^2) + eps) * weight, fp32 accumulation.
+/// input/out [rows, hidden] with row strides; weight [hidden]; all of `dtype`.
+using RmsNormFn = void (*)(c10::ScalarType dtype, void* out, int64_t out_stride, const void* input,
+                           int64_t input_stride, const void* weight, int64_t rows, int64_t hidden,
+                           float eps);
+KVSERVE_CPU_STUB(rms_norm_stub, RmsNormFn);
+
+/// residual[r] += input[r] (rounded to dtype); input[r] = rms_norm(residual[r]) * weight.
+using FusedAddRmsNormFn = void (*)(c10::ScalarType dtype, void* input, int64_t input_stride,
+                                   void* residual, int64_t residual_stride, const void* weight,
+                                   int64_t rows, int64_t hidden, float eps);
+KVSERVE_CPU_STUB(fused_add_rms_norm_stub, FusedAddRmsNormFn);
+
+/// out[t, i] = silu(input[t, i]) * input[t, d + i] for i < d; input [T, 2d], out [T, d].
+using SiluAndMulFn = void (*)(c10::ScalarType dtype, void* out, int64_t out_stride, const void* input,
+                              int64_t input_stride, int64_t num_tokens, int64_t d);
+KVSERVE_CPU_STUB(silu_and_mul_stub, SiluAndMulFn);
+
+/// Rotates query [T, num_heads, head_size] and key [T, num_kv_heads, head_size] in place
+/// (rows strided by query_stride/key_stride, heads contiguous) with cos_sin_cache
+/// [max_position, rot_dim] (fp32: rot_dim/2 cosines then rot_dim/2 sines) at positions [T].
+/// is_neox: rotate halves (x[i], x[i + rot_dim/2]); otherwise adjacent pairs (x[2i], x[2i+1]).
+using RotaryEmbeddingFn = void (*)(c10::ScalarType dtype, const int64_t* positions, void* query,
+                                   int64_t query_stride, int64_t num_heads, void* key,
+                                   int64_t key_stride, int64_t num_kv_heads, int64_t head_size,
+                                   const float* cos_sin_cache, int64_t rot_dim, int64_t num_tokens,
+                                   bool is_neox);
+KVSERVE_CPU_STUB(rotary_embedding_stub, RotaryEmbeddingFn);
+
+/// Geometry of one paged_attention call; see kernels/attention/paged_attention.h for the contract.
+struct PagedAttentionArgs {
+  c10::ScalarType dtype;
+  void* out;                       // [T, num_heads, head_size], row stride out_stride
+  const void* query;               // [T, num_heads, head_size], row stride query_stride
+  const void* key_cache;           // [num_blocks, block_size, num_kv_heads, head_size]
+  const void* value_cache;         // same layout as key_cache
+  const int32_t* query_start_loc;  // [num_seqs + 1]
+  const int32_t* seq_lens;         // [num_seqs], context length including the new queries
+  const int32_t* block_tables;     // [num_seqs, max_blocks_per_seq]
+  int64_t out_stride, query_stride;
+  int64_t num_seqs, num_heads, num_kv_heads, head_size, block_size, max_blocks_per_seq;
+  int64_t cache_block_stride;      // elements between blocks of the cache
+  float scale;
+  int64_t sliding_window;          // <= 0: no window
+  float logit_softcap;             // <= 0: no soft-cap
+};
+using PagedAttentionFn = void (*)(const PagedAttentionArgs& args);
+KVSERVE_CPU_STUB(paged_attention_stub, PagedAttentionFn);
+
+/// Per row of logits [rows, vocab] (fp32, row stride): divides by temperature and sets to -inf
+/// what top-k, then top-p, then min-p remove. Rows with temperature 0 are left untouched.
+using SamplingFilterFn = void (*)(float* logits, int64_t stride, int64_t rows, int64_t vocab,
+                                  const float* temperature, const int64_t* top_k,
+                                  const float* top_p, const float* min_p);
+KVSERVE_CPU_STUB(sampling_filter_stub, SamplingFilterFn);
+
+/// Per row of filtered logits: argmax when temperature is 0, else the token whose cumulative
+/// softmax probability first exceeds uniform[r] (inverse CDF; deterministic given uniform).
+using SamplingSampleFn = void (*)(const float* logits, int64_t stride, int64_t rows, int64_t vocab,
+                                  const float* temperature, const float* uniform, int64_t* out);
+KVSERVE_CPU_STUB(sampling_sample_stub, SamplingSampleFn);
+
+}  // namespace kvserve::cpu

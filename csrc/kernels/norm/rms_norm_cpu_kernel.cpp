@@ -1,0 +1,85 @@
+// Vectorized RMSNorm bodies; compiled once per CPU capability (see kernels/cpu_dispatch.h).
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+#include "kernels/cpu_kernels.h"
+#include "kernels/cpu_vec.h"
+
+namespace kvserve::cpu {
+inline namespace CPU_CAPABILITY {
+namespace {
+
+template <typename T>
+float inverse_rms(const T* x, int64_t hidden, float eps) {
+  Vec acc(0.0f);
+  int64_t i = 0;
+  for (; i + Vec::size() <= hidden; i += Vec::size()) {
+    const Vec v = load_as_float(x + i);
+    acc = at::vec::fmadd(v, v, acc);
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+  for (; i < hidden; ++i) sum += static_cast<float>(x[i]) * static_cast<float>(x[i]);
+  return 1.0f / std::sqrt(sum / static_cast<float>(hidden) + eps);
+}
+
+template <typename T>
+void normalize_row(T* out, const T* x, const T* weight, int64_t hidden, float inv) {
+  const Vec scale(inv);
+  int64_t i = 0;
+  for (; i + Vec::size() <= hidden; i += Vec::size()) {
+    store_from_float(out + i, load_as_float(x + i) * scale * load_as_float(weight + i));
+  }
+  for (; i < hidden; ++i) {
+    out[i] = static_cast<T>(static_cast<float>(x[i]) * inv * static_cast<float>(weight[i]));
+  }
+}
+
+void rms_norm_impl(c10::ScalarType dtype, void* out, int64_t out_stride, const void* input,
+                   int64_t input_stride, const void* weight, int64_t rows, int64_t hidden,
+                   float eps) {
+  KVSERVE_DISPATCH_FLOATING(dtype, [&] {
+    auto* o = static_cast<scalar_t*>(out);
+    const auto* x = static_cast<const scalar_t*>(input);
+    const auto* w = static_cast<const scalar_t*>(weight);
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* row = x + r * input_stride;
+        normalize_row(o + r * out_stride, row, w, hidden, inverse_rms(row, hidden, eps));
+      }
+    });
+  });
+}
+
+void fused_add_rms_norm_impl(c10::ScalarType dtype, void* input, int64_t input_stride,
+                             void* residual, int64_t residual_stride, const void* weight,
+                             int64_t rows, int64_t hidden, float eps) {
+  KVSERVE_DISPATCH_FLOATING(dtype, [&] {
+    auto* x = static_cast<scalar_t*>(input);
+    auto* res = static_cast<scalar_t*>(residual);
+    const auto* w = static_cast<const scalar_t*>(weight);
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        scalar_t* xr = x + r * input_stride;
+        scalar_t* rr = res + r * residual_stride;
+        // The sum is rounded to the model dtype before normalizing, as the reference models do.
+        int64_t i = 0;
+        for (; i + Vec::size() <= hidden; i += Vec::size()) {
+          store_from_float(rr + i, load_as_float(rr + i) + load_as_float(xr + i));
+        }
+        for (; i < hidden; ++i) {
+          rr[i] = static_cast<scalar_t>(static_cast<float>(rr[i]) + static_cast<float>(xr[i]));
+        }
+        normalize_row(xr, rr, w, hidden, inverse_rms(rr, hidden, eps));
+      }
+    });
+  });
+}
+
+}  // namespace
+
+KVSERVE_REGISTER_CPU_KERNEL(rms_norm_stub, &rms_norm_impl);
+KVSERVE_REGISTER_CPU_KERNEL(fused_add_rms_norm_stub, &fused_add_rms_norm_impl);
+
+}  // namespace CPU_CAPABILITY
+}  // namespace kvserve::cpu

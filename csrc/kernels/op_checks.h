@@ -1,0 +1,32 @@
+#pragma once
+// Argument checks shared by the op launchers. Every failure is a c10::Error (a Python
+// RuntimeError) that names the op and the argument.
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+namespace kvserve::ops {
+
+/// Checks that t is on the CPU, has `dim` dimensions and a contiguous last dimension.
+inline void check_rows(const char* op, const char* name, const at::Tensor& t, int64_t dim) {
+  TORCH_CHECK(t.dim() == dim, op, ": ", name, " must have ", dim, " dimensions, got ", t.sizes());
+  TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) == 1, op, ": ", name,
+              " must be contiguous in its last dimension");
+}
+
+/// Checks that t has the same dtype and device as ref.
+inline void check_like(const char* op, const char* name, const at::Tensor& t, const at::Tensor& ref) {
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), op, ": ", name, " has dtype ", t.scalar_type(),
+              ", expected ", ref.scalar_type());
+  TORCH_CHECK(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), ", expected ",
+              ref.device());
+}
+
+/// Checks that t is a contiguous tensor of the given dtype.
+inline void check_contiguous(const char* op, const char* name, const at::Tensor& t,
+                             at::ScalarType dtype) {
+  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+}
+
+}  // namespace kvserve::ops

@@ -1,0 +1,106 @@
+// The one declaration of every kvserve op (torch.ops.kvserve.*), and the C++ entry points that
+// call them through the dispatcher so that callers never choose a device themselves.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include "kernels/activation/silu_and_mul.h"
+#include "kernels/attention/paged_attention.h"
+#include "kernels/cache/kv_cache_write.h"
+#include "kernels/norm/rms_norm.h"
+#include "kernels/rotary/rotary_embedding.h"
+#include "kernels/sampling/sampling.h"
+
+TORCH_LIBRARY(kvserve, m) {
+  m.def("rms_norm(Tensor! out, Tensor input, Tensor weight, float epsilon) -> ()");
+  m.def("fused_add_rms_norm(Tensor! input, Tensor! residual, Tensor weight, float epsilon) -> ()");
+  m.def("silu_and_mul(Tensor! out, Tensor input) -> ()");
+  m.def(
+      "rotary_embedding(Tensor positions, Tensor! query, Tensor! key, int head_size, "
+      "Tensor cos_sin_cache, bool is_neox) -> ()");
+  m.def(
+      "kv_cache_write(Tensor key, Tensor value, Tensor! key_cache, Tensor! value_cache, "
+      "Tensor slot_mapping) -> ()");
+  m.def(
+      "paged_attention(Tensor! out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, float scale, "
+      "int sliding_window, float logit_softcap) -> ()");
+  m.def(
+      "sampling_filter_logits(Tensor! logits, Tensor temperature, Tensor top_k, Tensor top_p, "
+      "Tensor min_p) -> ()");
+  m.def("sampling_from_logits(Tensor logits, Tensor temperature, Tensor uniform) -> Tensor");
+}
+
+namespace kvserve::ops {
+namespace {
+
+// The typed handle of kvserve::<name>, looked up once.
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> handle(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+}  // namespace
+
+void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, double epsilon) {
+  static const auto op = handle<void(at::Tensor&, const at::Tensor&, const at::Tensor&, double)>(
+      "kvserve::rms_norm");
+  op.call(out, input, weight, epsilon);
+}
+
+void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight,
+                        double epsilon) {
+  static const auto op = handle<void(at::Tensor&, at::Tensor&, const at::Tensor&, double)>(
+      "kvserve::fused_add_rms_norm");
+  op.call(input, residual, weight, epsilon);
+}
+
+void silu_and_mul(at::Tensor& out, const at::Tensor& input) {
+  static const auto op = handle<void(at::Tensor&, const at::Tensor&)>("kvserve::silu_and_mul");
+  op.call(out, input);
+}
+
+void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
+                      int64_t head_size, const at::Tensor& cos_sin_cache, bool is_neox) {
+  static const auto op =
+      handle<void(const at::Tensor&, at::Tensor&, at::Tensor&, int64_t, const at::Tensor&, bool)>(
+          "kvserve::rotary_embedding");
+  op.call(positions, query, key, head_size, cos_sin_cache, is_neox);
+}
+
+void kv_cache_write(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                    at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  static const auto op = handle<void(const at::Tensor&, const at::Tensor&, at::Tensor&,
+                                     at::Tensor&, const at::Tensor&)>("kvserve::kv_cache_write");
+  op.call(key, value, key_cache, value_cache, slot_mapping);
+}
+
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& query_start_loc,
+                     const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale,
+                     int64_t sliding_window, double logit_softcap) {
+  static const auto op =
+      handle<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                  const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
+                  double)>("kvserve::paged_attention");
+  op.call(out, query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale,
+          sliding_window, logit_softcap);
+}
+
+void sampling_filter_logits(at::Tensor& logits, const at::Tensor& temperature,
+                            const at::Tensor& top_k, const at::Tensor& top_p,
+                            const at::Tensor& min_p) {
+  static const auto op = handle<void(at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                     const at::Tensor&, const at::Tensor&)>(
+      "kvserve::sampling_filter_logits");
+  op.call(logits, temperature, top_k, top_p, min_p);
+}
+
+at::Tensor sampling_from_logits(const at::Tensor& logits, const at::Tensor& temperature,
+                                const at::Tensor& uniform) {
+  static const auto op =
+      handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
+          "kvserve::sampling_from_logits");
+  return op.call(logits, temperature, uniform);
+}
+
+}  // namespace kvserve::ops

@@ -1,0 +1,44 @@
+// CPU launcher for rotary_embedding.
+#include <torch/library.h>
+
+#include "kernels/cpu_kernels.h"
+#include "kernels/op_checks.h"
+#include "kernels/rotary/rotary_embedding.h"
+
+namespace kvserve::ops {
+namespace {
+
+void rotary_embedding_cpu(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
+                          int64_t head_size, const at::Tensor& cos_sin_cache, bool is_neox) {
+  constexpr const char* op = "rotary_embedding";
+  check_contiguous(op, "positions", positions, at::kLong);
+  check_contiguous(op, "cos_sin_cache", cos_sin_cache, at::kFloat);
+  check_rows(op, "query", query, 2);
+  check_rows(op, "key", key, 2);
+  check_like(op, "key", key, query);
+  const int64_t num_tokens = positions.numel();
+  TORCH_CHECK(query.size(0) == num_tokens && key.size(0) == num_tokens, op,
+              ": query and key need one row per position");
+  TORCH_CHECK(head_size > 0 && query.size(1) % head_size == 0 && key.size(1) % head_size == 0, op,
+              ": row widths must be multiples of head_size ", head_size);
+  TORCH_CHECK(cos_sin_cache.dim() == 2 && cos_sin_cache.size(1) % 2 == 0 &&
+                  cos_sin_cache.size(1) <= head_size,
+              op, ": cos_sin_cache must be [max_position, rot_dim] with even rot_dim <= head_size");
+  const int64_t max_position = cos_sin_cache.size(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_position, op, ": position ", pos[t],
+                " is outside the rotary cache [0, ", max_position, ")");
+  }
+  cpu::rotary_embedding_stub.get()(query.scalar_type(), pos, query.data_ptr(), query.stride(0),
+                                   query.size(1) / head_size, key.data_ptr(), key.stride(0),
+                                   key.size(1) / head_size, head_size,
+                                   cos_sin_cache.data_ptr<float>(), cos_sin_cache.size(1),
+                                   num_tokens, is_neox);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("rotary_embedding", &rotary_embedding_cpu); }
+
+}  // namespace kvserve::ops

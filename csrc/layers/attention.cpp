@@ -1,0 +1,63 @@
+#include "layers/attention.h"
+
+#include <ATen/ops/empty.h>
+
+#include <cmath>
+
+#include "kernels/attention/paged_attention.h"
+#include "kernels/cache/kv_cache_write.h"
+
+namespace kvserve {
+
+Attention::Attention(const ModelConfig& c, int64_t layer, const WeightMap& w,
+                     const RotaryEmbedding* rotary)
+    : rotary_(rotary),
+      num_heads_(c.num_heads),
+      num_kv_heads_(c.num_kv_heads),
+      head_dim_(c.head_dim),
+      sliding_window_(c.sliding_windows.empty() ? 0 : c.sliding_windows.at(layer)),
+      scale_(1.0 / std::sqrt(static_cast<double>(c.head_dim))) {
+  const std::string p = "layers." + std::to_string(layer) + ".self_attn.";
+  qkv_proj_ = Linear(w.get(p + "qkv_proj.weight"), w.get_optional(p + "qkv_proj.bias"));
+  o_proj_ = Linear(w.get(p + "o_proj.weight"), w.get_optional(p + "o_proj.bias"));
+  if (c.qk_norm) {
+    q_norm_ = RMSNorm(w.get(p + "q_norm.weight"), c.rms_norm_eps);
+    k_norm_ = RMSNorm(w.get(p + "k_norm.weight"), c.rms_norm_eps);
+  }
+  TORCH_CHECK(qkv_proj_.out_features() == (num_heads_ + 2 * num_kv_heads_) * head_dim_,
+              "layer ", layer, ": qkv_proj has ", qkv_proj_.out_features(), " outputs, expected ",
+              (num_heads_ + 2 * num_kv_heads_) * head_dim_);
+}
+
+at::Tensor Attention::forward(const at::Tensor& positions, const at::Tensor& hidden,
+                              const AttentionMetadata& m, const LayerKVCache& kv) const {
+  const int64_t num_tokens = hidden.size(0);
+  const int64_t q_width = num_heads_ * head_dim_, kv_width = num_kv_heads_ * head_dim_;
+  at::Tensor qkv = qkv_proj_.forward(hidden);  // [T, q_width + 2 * kv_width]
+  at::Tensor q = qkv.narrow(1, 0, q_width);
+  at::Tensor k = qkv.narrow(1, q_width, kv_width);
+  at::Tensor v = qkv.narrow(1, q_width + kv_width, kv_width);
+  if (q_norm_.defined()) {  // Qwen3: RMSNorm over each head before RoPE
+    q = q_norm_.forward(q.reshape({num_tokens * num_heads_, head_dim_})).view({num_tokens, q_width});
+    k = k_norm_.forward(k.reshape({num_tokens * num_kv_heads_, head_dim_}))
+            .view({num_tokens, kv_width});
+  }
+  rotary_->apply(positions, q, k);
+
+  at::Tensor key_cache = kv.key, value_cache = kv.value;
+  ops::kv_cache_write(k.view({num_tokens, num_kv_heads_, head_dim_}),
+                      v.view({num_tokens, num_kv_heads_, head_dim_}), key_cache, value_cache,
+                      m.slot_mapping);
+  at::Tensor out = at::empty({num_tokens, num_heads_, head_dim_}, hidden.options());
+  ops::paged_attention(out, q.view({num_tokens, num_heads_, head_dim_}), key_cache, value_cache,
+                       m.query_start_loc, m.seq_lens, m.block_tables, scale_, sliding_window_,
+                       0.0);
+  return o_proj_.forward(out.view({num_tokens, q_width}));
+}
+
+int64_t Attention::weight_bytes() const {
+  return qkv_proj_.weight_bytes() + o_proj_.weight_bytes() + q_norm_.weight_bytes() +
+         k_norm_.weight_bytes();
+}
+
+}  // namespace kvserve

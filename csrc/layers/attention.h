@@ -1,0 +1,40 @@
+#pragma once
+// Self-attention block of the Llama family: fused qkv projection, optional per-head q/k norm,
+// RoPE, cache write, paged attention, output projection.
+
+#include <ATen/core/Tensor.h>
+
+#include "kvserve/attention_metadata.h"
+#include "kvserve/model_config.h"
+#include "layers/linear.h"
+#include "layers/norm.h"
+#include "layers/rotary.h"
+#include "layers/weights.h"
+
+namespace kvserve {
+
+/// One layer's attention. Weights: `<prefix>qkv_proj.weight` [(H + 2 Hkv) * D, hidden] (+ bias),
+/// `<prefix>o_proj.weight` [hidden, H * D] (+ bias), optional `<prefix>q_norm.weight` /
+/// `<prefix>k_norm.weight` [D].
+class Attention {
+ public:
+  Attention(const ModelConfig& config, int64_t layer, const WeightMap& weights,
+            const RotaryEmbedding* rotary);
+
+  /// hidden [T, hidden_size] -> [T, hidden_size]; writes this step's K/V into kv_cache first.
+  at::Tensor forward(const at::Tensor& positions, const at::Tensor& hidden,
+                     const AttentionMetadata& metadata, const LayerKVCache& kv_cache) const;
+
+  int64_t weight_bytes() const;
+
+ private:
+  Linear qkv_proj_;
+  Linear o_proj_;
+  RMSNorm q_norm_;
+  RMSNorm k_norm_;
+  const RotaryEmbedding* rotary_;
+  int64_t num_heads_, num_kv_heads_, head_dim_, sliding_window_;
+  double scale_;
+};
+
+}  // namespace kvserve

@@ -1,0 +1,35 @@
+#include "layers/linear.h"
+
+#include <ATen/ops/linear.h>
+
+#include <stdexcept>
+
+#include "layers/weights.h"
+
+namespace kvserve {
+
+const at::Tensor& WeightMap::get(const std::string& name) const {
+  auto it = tensors_.find(name);
+  if (it == tensors_.end()) throw std::invalid_argument("missing weight: " + name);
+  return it->second;
+}
+
+at::Tensor WeightMap::get_optional(const std::string& name) const {
+  auto it = tensors_.find(name);
+  return it == tensors_.end() ? at::Tensor() : it->second;
+}
+
+Linear::Linear(at::Tensor weight, at::Tensor bias) : weight_(std::move(weight)), bias_(std::move(bias)) {
+  TORCH_CHECK(weight_.dim() == 2, "Linear: weight must be [out, in], got ", weight_.sizes());
+  TORCH_CHECK(!bias_.defined() || (bias_.dim() == 1 && bias_.size(0) == weight_.size(0)),
+              "Linear: bias must be [", weight_.size(0), "]");
+  weight_ = weight_.contiguous();
+}
+
+at::Tensor Linear::forward(const at::Tensor& x) const { return at::linear(x, weight_, bias_); }
+
+int64_t Linear::weight_bytes() const {
+  return weight_.nbytes() + (bias_.defined() ? static_cast<int64_t>(bias_.nbytes()) : 0);
+}
+
+}  // namespace kvserve

@@ -1,0 +1,27 @@
+#pragma once
+// Dense linear layer y = x W^T + b over flattened tokens.
+
+#include <ATen/core/Tensor.h>
+
+namespace kvserve {
+
+/// A dense projection; quantized variants come as siblings with the same forward().
+class Linear {
+ public:
+  Linear() = default;
+  /// weight [out_features, in_features]; bias [out_features] or undefined.
+  Linear(at::Tensor weight, at::Tensor bias);
+
+  /// x [T, in_features] -> [T, out_features], in the weight dtype.
+  at::Tensor forward(const at::Tensor& x) const;
+
+  int64_t in_features() const { return weight_.size(1); }
+  int64_t out_features() const { return weight_.size(0); }
+  int64_t weight_bytes() const;
+
+ private:
+  at::Tensor weight_;
+  at::Tensor bias_;
+};
+
+}  // namespace kvserve

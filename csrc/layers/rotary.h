@@ -1,0 +1,34 @@
+#pragma once
+// Rotary position embedding with the cos/sin table precomputed for every position.
+
+#include <ATen/core/Tensor.h>
+
+#include "kvserve/model_config.h"
+
+namespace kvserve {
+
+/// Precomputes cos/sin for positions [0, max_positions) from the config's rope_theta and
+/// rope_scaling (default, linear, llama3, yarn), in fp32 as Hugging Face does.
+class RotaryEmbedding {
+ public:
+  RotaryEmbedding() = default;
+  /// Throws std::invalid_argument for an unsupported rope_type.
+  RotaryEmbedding(const ModelConfig& config, int64_t max_positions, at::Device device,
+                  bool is_neox = true);
+
+  /// Rotates query [T, num_heads * head_dim] and key [T, num_kv_heads * head_dim] in place.
+  void apply(const at::Tensor& positions, at::Tensor& query, at::Tensor& key) const;
+
+  /// fp32 [max_positions, head_dim]: head_dim/2 cosines then head_dim/2 sines.
+  const at::Tensor& cos_sin_cache() const { return cos_sin_cache_; }
+
+ private:
+  at::Tensor cos_sin_cache_;
+  int64_t head_dim_ = 0;
+  bool is_neox_ = true;
+};
+
+/// Inverse frequencies fp32 [head_dim / 2] and the attention scaling factor for a config.
+std::pair<at::Tensor, double> rope_inverse_frequencies(const ModelConfig& config);
+
+}  // namespace kvserve

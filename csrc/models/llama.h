@@ -1,0 +1,55 @@
+#pragma once
+// The Llama family: Llama 2/3 (incl. Llama-3 RoPE scaling, tied or untied embeddings), Mistral,
+// Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm, explicit head_dim). The differences are flags
+// of ModelConfig; the layer structure is shared.
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <vector>
+
+#include "kvserve/causal_lm.h"
+#include "layers/attention.h"
+#include "layers/mlp.h"
+#include "layers/norm.h"
+#include "layers/rotary.h"
+#include "layers/weights.h"
+
+namespace kvserve {
+
+/// Pre-norm decoder: embed -> L x (norm, attention, residual, norm, MLP, residual) -> norm.
+/// Weights (loader names, already fused): embed_tokens.weight [vocab, hidden], norm.weight,
+/// lm_head.weight unless tied, and per layer input_layernorm.weight,
+/// post_attention_layernorm.weight plus those of Attention and GatedMLP.
+class LlamaForCausalLM : public CausalLM {
+ public:
+  /// Throws std::invalid_argument on a missing weight or inconsistent config.
+  /// max_positions bounds the positions this instance will see (the RoPE table size).
+  LlamaForCausalLM(const ModelConfig& config, const WeightMap& weights, int64_t max_positions);
+
+  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions,
+                     const AttentionMetadata& metadata,
+                     const std::vector<LayerKVCache>& kv_caches) override;
+  at::Tensor compute_logits(const at::Tensor& hidden) override;
+  const ModelConfig& config() const override { return config_; }
+  at::ScalarType dtype() const override { return embed_tokens_.scalar_type(); }
+  at::Device device() const override { return embed_tokens_.device(); }
+  int64_t weight_bytes() const override;
+
+ private:
+  struct Layer {
+    RMSNorm input_layernorm;
+    std::unique_ptr<Attention> self_attn;
+    RMSNorm post_attention_layernorm;
+    std::unique_ptr<GatedMLP> mlp;
+  };
+
+  ModelConfig config_;
+  at::Tensor embed_tokens_;  // [vocab, hidden]
+  RotaryEmbedding rotary_;
+  std::vector<Layer> layers_;
+  RMSNorm norm_;
+  Linear lm_head_;
+};
+
+}  // namespace kvserve
