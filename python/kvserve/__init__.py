@@ -1,7 +1,26 @@
-"""kvserve: a small LLM inference engine with a C++ core."""
+"""kvserve: a small LLM inference engine with a C++ core.
+
+    from kvserve import LLM, SamplingParams
+    llm = LLM("path/to/hf-checkpoint")
+    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+    print(out[0].outputs[0].text)
+"""
 
 import torch  # noqa: F401  (loads libtorch before the extension that links it)
 
 from kvserve import _C
+from kvserve.kv_cache import KVCache, reset_all_caches
+from kvserve.llm import LLM, SamplingParams
+from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "KVCache",
+    "reset_all_caches",
+    "RequestOutput",
+    "CompletionOutput",
+    "RequestMetrics",
+]

@@ -1,0 +1,5 @@
+"""Checkpoint loading: safetensors weights, renamed and fused for the C++ runtime."""
+
+from kvserve.loader.safetensors_loader import load_weights
+
+__all__ = ["load_weights"]

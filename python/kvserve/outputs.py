@@ -1,0 +1,49 @@
+"""What generate() returns, shaped like vLLM's outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One generated continuation of a prompt."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" (EOS / stop token) or "length"
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps in seconds on the monotonic clock (time.monotonic())."""
+
+    arrival_time: float
+    first_token_time: float
+    finished_time: float
+    num_generated_tokens: int
+
+    @property
+    def time_to_first_token(self) -> float:
+        """TTFT: from arrival to the first sampled token (queueing + prefill + sampling)."""
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def time_per_output_token(self) -> float:
+        """TPOT: mean gap between tokens after the first; 0 for a single token."""
+        if self.num_generated_tokens < 2:
+            return 0.0
+        return (self.finished_time - self.first_token_time) / (self.num_generated_tokens - 1)
+
+
+@dataclass
+class RequestOutput:
+    """The result of one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = True
+    metrics: RequestMetrics | None = None

@@ -1,0 +1,1 @@
+"""Helpers shared by tests, benchmarks and notebooks (references, tiny checkpoints)."""

@@ -1,0 +1,87 @@
+"""Tiny random Hugging Face checkpoints built with ``transformers`` (the reference
+implementation), for tests, benchmarks and the demo. Needs the ``test`` extra.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+# Enough text for a byte-level BPE of a few hundred tokens.
+_TOKENIZER_TEXT = """\
+Once upon a time there was a little engine that served tokens all day long.
+It kept its keys and values in a cache, page by page, and never forgot a prefix.
+The quick brown fox jumps over the lazy dog; the lazy dog sleeps in the sun.
+To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer
+the slings and arrows of outrageous fortune, or to take arms against a sea of troubles.
+Attention is all you need, they said, and so the heads attended to every token before them.
+""" * 4
+
+# Small shapes per architecture; initializer_range is large so that logits are far from ties.
+TINY_CONFIGS = {
+    "LlamaForCausalLM": dict(model_type="llama"),
+    "MistralForCausalLM": dict(model_type="mistral", sliding_window=None),
+    "Qwen2ForCausalLM": dict(model_type="qwen2"),
+    "Qwen3ForCausalLM": dict(model_type="qwen3", head_dim=24),
+}
+
+
+def build_tokenizer(vocab_size: int = 320):
+    """A byte-level BPE trained on a fixed text: ids 0/1/2 = <unk>/<s>/</s>, BOS prepended."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_TOKENIZER_TEXT.splitlines(), trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return tok
+
+
+def make_config(architecture: str = "LlamaForCausalLM", **overrides):
+    """A transformers config of a tiny model of `architecture` (fp32, GQA 4:2, 2 layers)."""
+    from transformers import AutoConfig
+
+    spec = dict(TINY_CONFIGS[architecture])
+    model_type = spec.pop("model_type")
+    kwargs = dict(vocab_size=384, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  initializer_range=0.15, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+                  tie_word_embeddings=False)
+    kwargs.update(spec)
+    kwargs.update(overrides)
+    config = AutoConfig.for_model(model_type, **kwargs)
+    config.architectures = [architecture]
+    return config
+
+
+def make_checkpoint(out_dir: str | Path, architecture: str = "LlamaForCausalLM",
+                    dtype: torch.dtype = torch.float32, seed: int = 0,
+                    max_shard_size: str | None = None, with_tokenizer: bool = True,
+                    **config_overrides) -> Path:
+    """Writes config.json, safetensors weights (sharded when max_shard_size is given) and a
+    tokenizer.json for a randomly initialised model. Returns the directory."""
+    from transformers import AutoModelForCausalLM
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = make_config(architecture, **config_overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Norm weights are initialised to one; perturb them so that a missed norm shows up.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+            elif name.endswith(".bias"):
+                p.normal_(0, 0.5)
+    model = model.to(dtype)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, **kwargs)
+    if with_tokenizer:
+        build_tokenizer(min(config.vocab_size, 320)).save(str(out_dir / "tokenizer.json"))
+    return out_dir
