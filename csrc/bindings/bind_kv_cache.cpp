@@ -9,7 +9,7 @@ namespace py = pybind11;
 namespace kvserve::bindings {
 
 void bind_kv_cache(py::module_& m) {
-  py::class_<KVCache>(m, "KVCache", "Contiguous pre-allocated KV cache of one layer.")
+  py::class_<KVCache, std::shared_ptr<KVCache>>(m, "KVCache", "Contiguous pre-allocated KV cache of one layer.")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, at::ScalarType, at::Device>(),
            py::arg("max_batch_size"), py::arg("max_seq_len"), py::arg("num_kv_heads"),
            py::arg("head_dim"), py::arg("dtype") = at::kFloat, py::arg("device") = at::Device("cpu"))

@@ -61,9 +61,10 @@ void bind_causal_lm(py::module_& m) {
       .def(
           "forward",
           [](CausalLM& model, const at::Tensor& input_ids, const at::Tensor& positions,
-             const AttentionMetadata& metadata, const std::vector<KVCache>& caches) {
+             const AttentionMetadata& metadata,
+             const std::vector<std::shared_ptr<KVCache>>& caches) {
             std::vector<LayerKVCache> views;
-            for (const KVCache& cache : caches) views.push_back(cache.layer_view());
+            for (const auto& cache : caches) views.push_back(cache->layer_view());
             return model.forward(input_ids, positions, metadata, views);
           },
           py::arg("input_ids"), py::arg("positions"), py::arg("metadata"), py::arg("kv_caches"),
@@ -73,8 +74,11 @@ void bind_causal_lm(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def(
           "__call__",
-          [](CausalLM& model, const at::Tensor& input_ids, std::vector<KVCache>& kv_caches) {
-            return forward_with_kv_cache(model, input_ids, kv_caches);
+          [](CausalLM& model, const at::Tensor& input_ids,
+             const std::vector<std::shared_ptr<KVCache>>& kv_caches) {
+            std::vector<KVCache*> caches;
+            for (const auto& cache : kv_caches) caches.push_back(cache.get());
+            return forward_with_kv_cache(model, input_ids, caches);
           },
           py::arg("input_ids"), py::arg("kv_caches"), py::call_guard<py::gil_scoped_release>(),
           "The notes' loop: input_ids [B, S] appended to the caches; returns logits [B, S, V].")

@@ -45,14 +45,14 @@ void KVCache::advance(int64_t row, int64_t num_tokens) {
 }
 
 at::Tensor forward_with_kv_cache(CausalLM& model, const at::Tensor& input_ids,
-                                 std::vector<KVCache>& caches) {
+                                 const std::vector<KVCache*>& caches) {
   if (input_ids.dim() != 2) throw std::invalid_argument("input_ids must be [batch, seq]");
-  if (caches.size() != static_cast<size_t>(model.config().num_layers)) {
+  if (caches.empty() || caches.size() != static_cast<size_t>(model.config().num_layers)) {
     throw std::invalid_argument("need one KVCache per layer (" +
                                 std::to_string(model.config().num_layers) + ")");
   }
   const int64_t batch = input_ids.size(0), seq = input_ids.size(1);
-  const KVCache& first = caches.front();
+  const KVCache& first = *caches.front();
   if (batch > first.max_batch_size()) {
     throw std::invalid_argument("batch of " + std::to_string(batch) + " exceeds max_batch_size " +
                                 std::to_string(first.max_batch_size()));
@@ -78,12 +78,12 @@ at::Tensor forward_with_kv_cache(CausalLM& model, const at::Tensor& input_ids,
   AttentionMetadata metadata{to_device(slots), to_device(query_start), to_device(lens),
                              to_device(tables).view({batch, 1})};
   std::vector<LayerKVCache> views;
-  for (const KVCache& cache : caches) views.push_back(cache.layer_view());
+  for (const KVCache* cache : caches) views.push_back(cache->layer_view());
   at::Tensor hidden =
       model.forward(input_ids.reshape({-1}).to(device, at::kLong), to_device(positions), metadata, views);
   at::Tensor logits = model.compute_logits(hidden).view({batch, seq, -1});
-  for (KVCache& cache : caches) {
-    for (int64_t b = 0; b < batch; ++b) cache.advance(b, seq);
+  for (KVCache* cache : caches) {
+    for (int64_t b = 0; b < batch; ++b) cache->advance(b, seq);
   }
   return logits;
 }

@@ -59,6 +59,6 @@ class KVCache {
 /// caches (one per layer, all at the same lengths), runs the model and returns fp32 logits
 /// [B, S, vocab]. Throws if a row would exceed max_seq_len or B > max_batch_size.
 at::Tensor forward_with_kv_cache(CausalLM& model, const at::Tensor& input_ids,
-                                 std::vector<KVCache>& caches);
+                                 const std::vector<KVCache*>& caches);
 
 }  // namespace kvserve
