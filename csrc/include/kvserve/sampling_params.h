@@ -12,7 +12,7 @@ namespace kvserve {
 /// Sampling and stopping parameters of one request; temperature 0 means greedy.
 struct SamplingParams {
   double temperature = 1.0;
-  int64_t top_k = -1;   ///< -1 (or 0): off
+  int64_t top_k = -1;   ///< -1: off
   double top_p = 1.0;   ///< in (0, 1]; 1: off
   double min_p = 0.0;   ///< in [0, 1]; 0: off
   std::optional<uint64_t> seed;  ///< fixes this request's random stream, whatever else is batched

@@ -68,9 +68,11 @@ void sampling_filter_impl(float* logits, int64_t stride, int64_t rows, int64_t v
     for (int64_t r = begin; r < end; ++r) {
       if (temperature[r] == 0.0f) continue;  // greedy rows keep their raw logits
       float* x = logits + r * stride;
-      const Vec inv(1.0f / temperature[r]);
+      // Divide (not multiply by the reciprocal) in both loops: equal logits must stay equal
+      // wherever they sit, or top-k would split ties; this also matches torch's logits / t.
+      const Vec t(temperature[r]);
       int64_t i = 0;
-      for (; i + Vec::size() <= vocab; i += Vec::size()) (Vec::loadu(x + i) * inv).store(x + i);
+      for (; i + Vec::size() <= vocab; i += Vec::size()) (Vec::loadu(x + i) / t).store(x + i);
       for (; i < vocab; ++i) x[i] /= temperature[r];
       apply_top_k(x, vocab, top_k[r], scratch);
       apply_top_p(x, vocab, top_p[r], order);

@@ -1,0 +1,217 @@
+"""Slow, obviously-correct pure-torch references for the kvserve ops (torch.ops.kvserve.*).
+
+Each function mirrors the contract of one op (csrc/kernels/<domain>/<op>.h) but computes in fp64
+with plain loops and indexing, and returns new tensors instead of writing in place. Tests,
+benchmarks (--refcheck) and notebooks compare the real kernels against these. Speed is not a goal.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "rms_norm",
+    "fused_add_rms_norm",
+    "silu_and_mul",
+    "rotary_cos_sin_cache",
+    "rotary_embedding",
+    "kv_cache_write",
+    "paged_attention",
+    "sampling_filter_logits",
+    "sampling_probs",
+]
+
+# ----------------------------------------------------------------------------------------- norms
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + epsilon) * weight, row by row.
+
+    x [T, hidden], weight [hidden] -> fp64 [T, hidden].
+    """
+    x = x.double()
+    inv_rms = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + epsilon)
+    return x * inv_rms * weight.double()
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x) fp64 [T, hidden], residual + x [T, hidden] in residual's dtype).
+
+    x, residual [T, hidden]; weight [hidden]. The sum is rounded to the model dtype before it
+    is normalized, as the op (and HF models) do.
+    """
+    new_residual = (residual.double() + x.double()).to(residual.dtype)
+    return rms_norm(new_residual, weight, epsilon), new_residual
+
+
+# ------------------------------------------------------------------------------------ activation
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x = [gate | up] [T, 2d] -> fp64 [T, d]."""
+    gate, up = x.double().chunk(2, dim=-1)
+    return gate / (1.0 + torch.exp(-gate)) * up
+
+
+# ---------------------------------------------------------------------------------------- rotary
+
+
+def rotary_cos_sin_cache(max_position: int, rot_dim: int, base: float = 10000.0) -> torch.Tensor:
+    """The standard RoPE table fp32 [max_position, rot_dim]: rot_dim/2 cosines, then the sines."""
+    inv_freq = 1.0 / base ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim)
+    angles = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
+    """Rotates the first rot_dim dims of each head. x [heads, head_size], cos/sin [rot_dim/2]."""
+    half = cos.numel()
+    out = x.clone()
+    if is_neox:  # pairs (i, i + half): Hugging Face rotate_half
+        first, second = x[:, :half], x[:, half:2 * half]
+        out[:, :half] = first * cos - second * sin
+        out[:, half:2 * half] = second * cos + first * sin
+    else:  # pairs (2i, 2i + 1): GPT-J / llama2.c interleaved
+        even, odd = x[:, 0:2 * half:2], x[:, 1:2 * half:2]
+        out[:, 0:2 * half:2] = even * cos - odd * sin
+        out[:, 1:2 * half:2] = odd * cos + even * sin
+    return out
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     head_size: int, cos_sin_cache: torch.Tensor,
+                     is_neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated (query, key) in fp64, same shapes as the inputs.
+
+    positions [T]; query [T, num_heads * head_size]; key [T, num_kv_heads * head_size];
+    cos_sin_cache [max_position, rot_dim] (cosines then sines); dims past rot_dim pass through.
+    """
+    half = cos_sin_cache.size(1) // 2
+    q_out, k_out = query.double().clone(), key.double().clone()
+    for t in range(positions.numel()):
+        row = cos_sin_cache[int(positions[t])].double()
+        cos, sin = row[:half], row[half:]
+        for out in (q_out, k_out):
+            heads = out[t].view(-1, head_size)
+            out[t] = _rotate(heads, cos, sin, is_neox).reshape(-1)
+    return q_out, k_out
+
+
+# ----------------------------------------------------------------------------------------- cache
+
+
+def kv_cache_write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns copies of the caches with token t written at slot_mapping[t] (skipped when -1).
+
+    key, value [T, num_kv_heads, head_size];
+    key_cache, value_cache [num_blocks, block_size, num_kv_heads, head_size]; slot_mapping [T].
+    """
+    block_size = key_cache.size(1)
+    new_key, new_value = key_cache.clone(), value_cache.clone()
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        block, offset = divmod(slot, block_size)
+        new_key[block, offset] = key[t]
+        new_value[block, offset] = value[t]
+    return new_key, new_value
+
+
+# ------------------------------------------------------------------------------------- attention
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                    block_tables: torch.Tensor, scale: float, sliding_window: int = 0,
+                    logit_softcap: float = 0.0) -> torch.Tensor:
+    """Causal attention of variable-length query runs over a paged KV cache.
+
+    query [T, num_heads, head_size]; key_cache, value_cache [num_blocks, block_size, num_kv_heads,
+    head_size]; query_start_loc [B + 1]; seq_lens [B]; block_tables [B, max_blocks_per_seq].
+    The q queries of sequence b are the last q positions of its context of seq_lens[b] tokens;
+    position p of b is at block block_tables[b][p // block_size], offset p % block_size. A query
+    at position i sees positions (i - sliding_window, i] (all of [0, i] when sliding_window <= 0);
+    scores are scale * q.k, then c * tanh(score / c) when logit_softcap c > 0.
+    Returns fp64 [T, num_heads, head_size].
+    """
+    num_heads, block_size, num_kv_heads = query.size(1), key_cache.size(1), key_cache.size(2)
+    group = num_heads // num_kv_heads  # query heads per kv head (GQA; MQA when num_kv_heads is 1)
+    out = torch.zeros(query.shape, dtype=torch.float64)
+    starts = query_start_loc.tolist()
+    for b, context_len in enumerate(seq_lens.tolist()):
+        query_len = starts[b + 1] - starts[b]
+        if query_len == 0:
+            continue
+        table = block_tables[b].tolist()
+        # Walk the block table: keys, values [context_len, num_kv_heads, head_size].
+        slots = [(table[p // block_size], p % block_size) for p in range(context_len)]
+        keys = torch.stack([key_cache[blk, off] for blk, off in slots]).double()
+        values = torch.stack([value_cache[blk, off] for blk, off in slots]).double()
+        for i in range(query_len):
+            t, position = starts[b] + i, context_len - query_len + i
+            first = max(0, position - sliding_window + 1) if sliding_window > 0 else 0
+            for h in range(num_heads):
+                k = keys[first:position + 1, h // group]  # [n, head_size]
+                v = values[first:position + 1, h // group]
+                scores = (k @ query[t, h].double()) * scale  # [n]
+                if logit_softcap > 0:
+                    scores = logit_softcap * torch.tanh(scores / logit_softcap)
+                out[t, h] = torch.softmax(scores, dim=0) @ v
+    return out
+
+
+# -------------------------------------------------------------------------------------- sampling
+
+
+def _filter_row(x: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                min_p: float) -> torch.Tensor:
+    """One row [vocab] fp64: temperature, then top-k, top-p and min-p set removed logits to -inf."""
+    x = x / temperature
+    vocab = x.numel()
+    if 0 < top_k < vocab:  # keep everything >= the k-th largest, so ties at the threshold stay
+        threshold = torch.sort(x, descending=True).values[top_k - 1]
+        x = x.masked_fill(x < threshold, -math.inf)
+    if top_p < 1.0:  # drop the least likely tokens while their ascending cumsum stays <= 1 - p
+        order = torch.argsort(x, stable=True)
+        cumulative = torch.softmax(x[order], dim=0).cumsum(dim=0)
+        remove = cumulative <= 1.0 - top_p
+        remove[-1] = False  # the most likely token always stays
+        x = x.clone()
+        x[order[remove]] = -math.inf
+    if min_p > 0.0:  # drop tokens less likely than min_p times the most likely one
+        probs = torch.softmax(x, dim=0)
+        x = x.masked_fill(probs < min_p * probs.max(), -math.inf)
+    return x
+
+
+def sampling_filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                           top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Filtered logits fp64 [rows, vocab]: removed tokens are -inf; greedy rows (temperature 0)
+    are returned unchanged.
+
+    logits [rows, vocab]; temperature, top_p, min_p [rows] float; top_k [rows] int (<= 0: off).
+    """
+    out = logits.double().clone()
+    for r in range(out.size(0)):
+        if float(temperature[r]) == 0.0:
+            continue
+        out[r] = _filter_row(out[r], float(temperature[r]), int(top_k[r]), float(top_p[r]),
+                             float(min_p[r]))
+    return out
+
+
+def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                   top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """The distribution each row samples from, fp64 [rows, vocab]: softmax of the filtered logits,
+    or one-hot on the (first) argmax for greedy rows (temperature 0)."""
+    filtered = sampling_filter_logits(logits, temperature, top_k, top_p, min_p)
+    probs = torch.softmax(filtered, dim=-1)
+    for r in range(probs.size(0)):
+        if float(temperature[r]) == 0.0:
+            probs[r] = torch.nn.functional.one_hot(filtered[r].argmax(), probs.size(1)).double()
+    return probs

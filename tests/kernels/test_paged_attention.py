@@ -1,0 +1,304 @@
+"""paged_attention against kvserve.testing.reference: prefill, prefill after a cached prefix,
+chunked prefill, decode and a mix of them in one call; GQA/MQA; sliding window; soft-cap.
+Every cache slot that holds no token (and the null block 0) is NaN, so reading one shows up."""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kvserve  # noqa: F401  (registers torch.ops.kvserve)
+from kvserve.testing import reference
+
+ops = torch.ops.kvserve
+
+# One tolerance per dtype: fp32 softmax and accumulation, then one rounding to the dtype.
+TOLERANCES = {
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2),
+    torch.float16: dict(atol=1e-3, rtol=2e-3),
+}
+DTYPES = list(TOLERANCES)
+BLOCK_SIZES = [1, 8, 16, 32]
+# (head_size, num_heads, num_kv_heads): GQA ratios 1, 2, 4, 8, MQA, and a group wider than the
+# kernel's 32-row work item.
+CONFIGS = [(64, 4, 4), (80, 8, 4), (96, 8, 2), (128, 16, 2), (256, 2, 2), (24, 8, 1), (40, 6, 3),
+           (32, 40, 1)]
+# A batch is a list of (context_len, query_len) per sequence: the queries are the last query_len
+# positions of the context. query_len == context_len: prefill from scratch; smaller: prefill
+# after a cached prefix or a later chunk of a chunked prefill; 1: decode.
+SCENARIOS = {
+    "prefill": [(1, 1), (7, 7), (45, 45)],
+    "prefix-prefill": [(37, 5), (20, 19), (66, 33)],
+    "decode": [(1, 1), (19, 1), (100, 1), (33, 1)],
+    "mixed": [(13, 13), (37, 5), (1, 1), (70, 1), (9, 0), (40, 3)],
+}
+
+
+class Batch:
+    """A paged cache holding the contexts of `seqs`, with blocks handed out in random order and
+    everything else NaN, and the query of the new tokens as a strided view of a fused qkv."""
+
+    def __init__(self, seqs, head_size, num_heads, num_kv_heads, block_size, dtype, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        blocks_per_seq = [math.ceil(context / block_size) for context, _ in seqs]
+        num_blocks = 1 + sum(blocks_per_seq) + 2  # block 0 is the null block; 2 stay unused
+        free = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+        shape = (num_blocks, block_size, num_kv_heads, head_size)
+        self.key_cache = torch.full(shape, float("nan"), dtype=dtype)
+        self.value_cache = torch.full(shape, float("nan"), dtype=dtype)
+        # One spare column of padding, pointing at the (poisoned) null block.
+        self.block_tables = torch.zeros(len(seqs), max(blocks_per_seq) + 1, dtype=torch.int32)
+        for b, (context, _) in enumerate(seqs):
+            table = [free.pop() for _ in range(blocks_per_seq[b])]
+            self.block_tables[b, :len(table)] = torch.tensor(table, dtype=torch.int32)
+            for p in range(context):
+                block, offset = table[p // block_size], p % block_size
+                self.key_cache[block, offset] = torch.randn(num_kv_heads, head_size, generator=g)
+                self.value_cache[block, offset] = torch.randn(num_kv_heads, head_size, generator=g)
+        query_lens = [q for _, q in seqs]
+        self.query_start_loc = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0).int()
+        self.seq_lens = torch.tensor([context for context, _ in seqs], dtype=torch.int32)
+        num_tokens = sum(query_lens)
+        qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_size, generator=g)
+        self.query = qkv.to(dtype)[:, :num_heads]
+        self.scale = head_size ** -0.5
+
+    def metadata(self):
+        return self.query_start_loc, self.seq_lens, self.block_tables
+
+    def run(self, sliding_window=0, logit_softcap=0.0, scale=None):
+        """Runs the op into a strided out view; checks it wrote nothing outside that view."""
+        num_tokens, num_heads, head_size = self.query.shape
+        out_full = torch.full((num_tokens, num_heads + 3, head_size), float("nan"),
+                              dtype=self.query.dtype)
+        out = out_full[:, :num_heads]
+        ops.paged_attention(out, self.query, self.key_cache, self.value_cache, *self.metadata(),
+                            scale or self.scale, sliding_window, logit_softcap)
+        assert out_full[:, num_heads:].isnan().all(), "paged_attention wrote outside out"
+        return out
+
+    def reference(self, sliding_window=0, logit_softcap=0.0, scale=None):
+        return reference.paged_attention(self.query, self.key_cache, self.value_cache,
+                                         *self.metadata(), scale or self.scale, sliding_window,
+                                         logit_softcap)
+
+
+def check(batch, dtype, **kwargs):
+    out = batch.run(**kwargs)
+    assert not out.isnan().any(), "read a poisoned cache slot"
+    torch.testing.assert_close(out.double(), batch.reference(**kwargs), **TOLERANCES[dtype])
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("head_size, num_heads, num_kv_heads", CONFIGS)
+def test_mixed_batch(head_size, num_heads, num_kv_heads, block_size, dtype):
+    batch = Batch(SCENARIOS["mixed"], head_size, num_heads, num_kv_heads, block_size, dtype)
+    check(batch, dtype)
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_scenarios(scenario, block_size):
+    batch = Batch(SCENARIOS[scenario], 64, 8, 2, block_size, torch.bfloat16)
+    check(batch, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("sliding_window, logit_softcap", [(1, 0.0), (4, 0.0), (17, 0.0),
+                                                           (1000, 0.0), (0, 5.0), (0, 50.0),
+                                                           (6, 5.0)])
+def test_sliding_window_and_softcap(sliding_window, logit_softcap, block_size, dtype):
+    """scale 1 makes scores large enough that the soft-cap changes the result."""
+    batch = Batch(SCENARIOS["mixed"] + [(45, 45)], 64, 8, 2, block_size, dtype)
+    out = check(batch, dtype, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=1.0)
+    plain = batch.reference(scale=1.0)
+    if sliding_window < 45:  # the option must matter, or this test could not fail
+        assert (out.double() - plain).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("sliding_window", [0, 5])
+@pytest.mark.parametrize("chunk", [1, 7, 16])
+def test_chunked_prefill_equals_one_shot(chunk, sliding_window):
+    """Prefilling a prompt chunk by chunk gives the rows of the one-shot prefill."""
+    prompt_len, dtype = 45, torch.float32
+    full = Batch([(prompt_len, prompt_len)], 64, 4, 2, 8, dtype, seed=3)
+    one_shot = check(full, dtype, sliding_window=sliding_window)
+    for begin in range(0, prompt_len, chunk):
+        end = min(begin + chunk, prompt_len)
+        part = Batch([(end, end - begin)], 64, 4, 2, 8, dtype)
+        # The same cache (positions >= end are not read, prove it) and the same query rows.
+        part.key_cache, part.value_cache = full.key_cache.clone(), full.value_cache.clone()
+        part.block_tables = full.block_tables.clone()
+        for p in range(end, prompt_len):
+            block = int(part.block_tables[0, p // 8])
+            part.key_cache[block, p % 8] = float("nan")
+            part.value_cache[block, p % 8] = float("nan")
+        part.query = full.query[begin:end]
+        chunk_out = check(part, dtype, sliding_window=sliding_window)
+        torch.testing.assert_close(chunk_out, one_shot[begin:end], **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batched_equals_per_sequence(dtype):
+    """Each sequence's rows are the same, bit for bit, whatever else is in the batch."""
+    seqs = SCENARIOS["mixed"]
+    batch = Batch(seqs, 64, 8, 2, 16, dtype)
+    batched = batch.run(sliding_window=9, logit_softcap=20.0)
+    starts = batch.query_start_loc.tolist()
+    for b in range(len(seqs)):
+        alone = Batch(seqs[b:b + 1], 64, 8, 2, 16, dtype)
+        alone.key_cache, alone.value_cache = batch.key_cache, batch.value_cache
+        alone.block_tables = batch.block_tables[b:b + 1].clone()
+        alone.query = batch.query[starts[b]:starts[b + 1]]
+        assert torch.equal(alone.run(sliding_window=9, logit_softcap=20.0),
+                           batched[starts[b]:starts[b + 1]]), f"sequence {b}"
+
+
+def test_contiguous_query_and_out():
+    batch = Batch(SCENARIOS["mixed"], 80, 8, 2, 16, torch.float32)
+    query = batch.query.contiguous()
+    out = torch.empty_like(query)
+    ops.paged_attention(out, query, batch.key_cache, batch.value_cache, *batch.metadata(),
+                        batch.scale, 0, 0.0)
+    assert torch.equal(out, batch.run())
+
+
+def test_empty_batch():
+    batch = Batch([(5, 0)], 64, 4, 2, 8, torch.float32)
+    out = torch.empty(0, 4, 64)
+    ops.paged_attention(out, batch.query, batch.key_cache, batch.value_cache, *batch.metadata(),
+                        batch.scale, 0, 0.0)
+
+
+@pytest.mark.parametrize("sliding_window", [0, 3])
+def test_reference_matches_sdpa(sliding_window):
+    """Self-check of the reference against torch's scaled_dot_product_attention with an explicit
+    mask, for a prefill after a cached prefix with GQA."""
+    context, query_len, num_heads, num_kv_heads = 11, 4, 6, 2
+    batch = Batch([(context, query_len)], 16, num_heads, num_kv_heads, 4, torch.float64)
+    slots = [int(batch.block_tables[0, p // 4]) * 4 + p % 4 for p in range(context)]
+    keys = batch.key_cache.view(-1, num_kv_heads, 16)[slots]  # [context, kv_heads, 16]
+    values = batch.value_cache.view(-1, num_kv_heads, 16)[slots]
+    group = num_heads // num_kv_heads
+    q_pos = torch.arange(context - query_len, context)[:, None]
+    k_pos = torch.arange(context)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window:
+        mask &= k_pos > q_pos - sliding_window
+    want = torch.nn.functional.scaled_dot_product_attention(
+        batch.query.transpose(0, 1), keys.transpose(0, 1).repeat_interleave(group, 0),
+        values.transpose(0, 1).repeat_interleave(group, 0), attn_mask=mask,
+        scale=batch.scale).transpose(0, 1)
+    torch.testing.assert_close(batch.reference(sliding_window=sliding_window), want)
+
+
+def bad_call(query_heads=4, query_dtype=torch.float32, out_dtype=None, cache_head_size=16,
+             seq_lens=(5, 3), query_lens=(2, 1), table=((1, 2), (3, 0)), query_start_loc=None,
+             metadata_dtype=torch.int32, cache=None):
+    """Arguments of a small valid call (4 blocks of 4 slots, 2 kv heads), with one thing changed."""
+    num_tokens = sum(query_lens)
+    query = torch.randn(num_tokens, query_heads, 16, dtype=query_dtype)
+    out = torch.empty(num_tokens, query_heads, 16, dtype=out_dtype or query_dtype)
+    key_cache = cache if cache is not None else torch.zeros(4, 4, 2, cache_head_size)
+    if query_start_loc is None:
+        query_start_loc = [0, query_lens[0], num_tokens]
+    meta = [torch.tensor(x, dtype=metadata_dtype) for x in (query_start_loc, seq_lens, table)]
+    return (out, query, key_cache, key_cache.clone(), *meta, 0.25, 0, 0.0)
+
+
+def test_bad_call_baseline_is_valid():
+    ops.paged_attention(*bad_call())
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (bad_call(query_dtype=torch.bfloat16), "dtype"),
+        (bad_call(out_dtype=torch.float16), "dtype"),
+        (bad_call(cache_head_size=32), "head_size"),
+        (bad_call(query_heads=3), "not a multiple of num_kv_heads"),
+        (bad_call(table=((1, 4), (3, 0))), "block id 4 is outside the cache of 4 blocks"),
+        (bad_call(table=((1, -1), (3, 0))), "block id -1 is outside the cache"),
+        (bad_call(seq_lens=(5, 0)), "sequence 1 has 1 queries but a context of 0"),
+        (bad_call(seq_lens=(1, 3)), "sequence 0 has 2 queries but a context of 1"),
+        (bad_call(seq_lens=(9, 3)), "needs 3 blocks, its table has 2"),
+        (bad_call(query_start_loc=[0, 2, 2]), "query_start_loc must run from 0"),
+        (bad_call(query_start_loc=[0, 3]), "query_start_loc must have 3 entries"),
+        (bad_call(query_start_loc=[0, 4, 3]), "sequence 1 has -1 queries"),
+        (bad_call(metadata_dtype=torch.int64), "must be Int"),
+        (bad_call(cache=torch.zeros(4, 2, 4, 16).transpose(1, 2)), "contiguous"),
+    ],
+    ids=["query-dtype", "out-dtype", "head-size", "gqa", "block-too-large", "block-negative",
+         "run-longer-than-context", "run-longer-than-context-2", "table-too-short",
+         "start-loc-end", "start-loc-length", "start-loc-decreasing", "metadata-dtype",
+         "cache-not-contiguous"],
+)
+def test_paged_attention_rejects_bad_arguments(args, match):
+    with pytest.raises(RuntimeError, match=match):
+        ops.paged_attention(*args)
+
+
+def test_rejects_out_shape_and_strided_heads():
+    out, query, *rest = bad_call()
+    with pytest.raises(RuntimeError, match="shape of query"):
+        ops.paged_attention(out[:, :2], query, *rest)
+    with pytest.raises(RuntimeError, match="contiguous heads"):
+        ops.paged_attention(out, query.transpose(0, 1).contiguous().transpose(0, 1), *rest)
+
+
+# ------------------------------------------------------------------ every CPU capability variant
+
+CAPABILITIES = ["default", "avx2", "avx512"]
+
+
+def capability_checks():
+    """A subset of the checks above, run once per CPU capability."""
+    for dtype in DTYPES:
+        for head_size, num_heads, num_kv_heads in [(40, 6, 3), (128, 8, 1)]:
+            batch = Batch(SCENARIOS["mixed"], head_size, num_heads, num_kv_heads, 16, dtype)
+            check(batch, dtype)
+            check(batch, dtype, sliding_window=6, logit_softcap=5.0, scale=1.0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def capability_processes(request):
+    """{capability: process running capability_checks()}, one fresh process per capability below
+    this one (the variable only lowers it at process start). They start with the module, so they
+    run beside its other tests, and only when test_cpu_capability_variants is selected."""
+    selected = any(item.module is request.module
+                   and item.originalname == "test_cpu_capability_variants"
+                   for item in request.session.items)
+    lower = CAPABILITIES[:CAPABILITIES.index(kvserve._C.cpu_capability())] if selected else []
+    script = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import kvserve; "
+              f"print('capability=' + kvserve._C.cpu_capability()); "
+              f"import {__name__.rpartition('.')[2]} as m; m.capability_checks()")
+    # One thread each: they share the cores with this process (the vector code is what differs).
+    procs = {name: subprocess.Popen([sys.executable, "-c", script], text=True,
+                                    env={**os.environ, "KVSERVE_CPU_CAPABILITY": name,
+                                         "OMP_NUM_THREADS": "1"},
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for name in lower}
+    yield procs
+    for proc in procs.values():  # left running when a test stopped the session early
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+@pytest.mark.parametrize("capability", CAPABILITIES)
+def test_cpu_capability_variants(capability, capability_processes):
+    if capability == kvserve._C.cpu_capability():
+        capability_checks()  # this process already runs the variant
+        return
+    if capability not in capability_processes:
+        pytest.skip(f"{capability} is above this process's {kvserve._C.cpu_capability()}")
+    output, _ = capability_processes[capability].communicate(timeout=300)
+    assert f"capability={capability}\n" in output, output
+    assert capability_processes[capability].returncode == 0, output

@@ -1,0 +1,193 @@
+"""rotary_embedding (neox rotate-half and interleaved, full and partial) against
+kvserve.testing.reference."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kvserve  # noqa: F401  (registers torch.ops.kvserve)
+from kvserve.testing import reference
+
+ops = torch.ops.kvserve
+
+# One tolerance per dtype: fp32 rotation, then one rounding to the dtype.
+TOLERANCES = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.bfloat16: dict(atol=2e-2, rtol=1.6e-2),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+}
+DTYPES = list(TOLERANCES)
+MAX_POSITION = 4099
+# (head_size, rot_dim): full rotary for the usual and odd head sizes, partial rotary for some.
+HEAD_SIZES = [(24, 24), (40, 40), (64, 64), (80, 80), (96, 96), (128, 128), (256, 256),
+              (64, 32), (80, 20), (128, 64), (40, 2)]
+# (num_heads, num_kv_heads): MHA, GQA 2/4/8, MQA
+HEADS = [(2, 2), (4, 2), (8, 2), (8, 1)]
+
+
+def make_qkv(num_tokens, num_heads, num_kv_heads, head_size, dtype, seed=0):
+    """A fused qkv [T, (num_heads + 2 * num_kv_heads) * head_size] and its q and k column views,
+    whose rows are strided (as the model hands them to the op)."""
+    g = torch.Generator().manual_seed(seed)
+    q_width, k_width = num_heads * head_size, num_kv_heads * head_size
+    qkv = torch.randn(num_tokens, q_width + 2 * k_width, generator=g).to(dtype)
+    return qkv, qkv[:, :q_width], qkv[:, q_width:q_width + k_width]
+
+
+def make_positions(num_tokens, seed=0):
+    """Random positions, both ends of the cache included and one repeated (as in a batch)."""
+    g = torch.Generator().manual_seed(seed)
+    positions = torch.randint(0, MAX_POSITION, (num_tokens,), generator=g)
+    positions[0], positions[-1] = 0, MAX_POSITION - 1
+    if num_tokens > 3:
+        positions[1] = positions[2]
+    return positions
+
+
+@pytest.fixture(scope="module")
+def cos_sin_caches():
+    return {rot_dim: reference.rotary_cos_sin_cache(MAX_POSITION, rot_dim)
+            for rot_dim in {r for _, r in HEAD_SIZES}}
+
+
+def check_rotary(num_tokens, heads, head_size, rot_dim, is_neox, dtype, cache):
+    num_heads, num_kv_heads = heads
+    qkv, query, key = make_qkv(num_tokens, num_heads, num_kv_heads, head_size, dtype)
+    value_before = qkv[:, query.size(1) + key.size(1):].clone()
+    positions = make_positions(num_tokens)
+    want_q, want_k = reference.rotary_embedding(positions, query, key, head_size, cache, is_neox)
+    ops.rotary_embedding(positions, query, key, head_size, cache, is_neox)
+    torch.testing.assert_close(query.double(), want_q, **TOLERANCES[dtype])
+    torch.testing.assert_close(key.double(), want_k, **TOLERANCES[dtype])
+    assert torch.equal(qkv[:, query.size(1) + key.size(1):], value_before), "v was modified"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "interleaved"])
+@pytest.mark.parametrize("head_size, rot_dim", HEAD_SIZES)
+def test_rotary_embedding(head_size, rot_dim, is_neox, dtype, cos_sin_caches):
+    check_rotary(7, (4, 2), head_size, rot_dim, is_neox, dtype, cos_sin_caches[rot_dim])
+
+
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "interleaved"])
+@pytest.mark.parametrize("heads", HEADS, ids=str)
+@pytest.mark.parametrize("num_tokens", [1, 2, 33])
+def test_rotary_embedding_heads_and_tokens(num_tokens, heads, is_neox, cos_sin_caches):
+    check_rotary(num_tokens, heads, 64, 64, is_neox, torch.bfloat16, cos_sin_caches[64])
+
+
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "interleaved"])
+def test_contiguous_inputs_and_batch_invariance(is_neox, cos_sin_caches):
+    """Contiguous q/k give what strided views give, and each token is rotated on its own."""
+    cache = cos_sin_caches[128]
+    _, query, key = make_qkv(9, 4, 2, 128, torch.float32)
+    positions = make_positions(9)
+    strided_q, strided_k = query.clone(), key.clone()  # contiguous copies
+    ops.rotary_embedding(positions, query, key, 128, cache, is_neox)
+    ops.rotary_embedding(positions, strided_q, strided_k, 128, cache, is_neox)
+    assert torch.equal(query, strided_q) and torch.equal(key, strided_k)
+    _, q2, k2 = make_qkv(9, 4, 2, 128, torch.float32)
+    for t in range(9):
+        q_t, k_t = q2[t:t + 1].clone(), k2[t:t + 1].clone()
+        ops.rotary_embedding(positions[t:t + 1], q_t, k_t, 128, cache, is_neox)
+        assert torch.equal(q_t, query[t:t + 1]) and torch.equal(k_t, key[t:t + 1]), f"token {t}"
+
+
+def test_reference_matches_complex_rotation():
+    """Self-check of the reference: interleaved RoPE is multiplication by e^(i * angle) of the
+    complex numbers x[2j] + i x[2j+1] (Meta's Llama), and neox RoPE is the same on halves."""
+    positions, head_size = torch.tensor([0, 3, 17]), 16
+    cache = reference.rotary_cos_sin_cache(32, head_size)
+    x = torch.randn(3, head_size, dtype=torch.float64)
+    angle = torch.complex(cache[positions, :8].double(), cache[positions, 8:].double())
+    interleaved = torch.view_as_real(torch.view_as_complex(x.view(3, 8, 2)) * angle).view(3, 16)
+    got, _ = reference.rotary_embedding(positions, x, x, head_size, cache, is_neox=False)
+    torch.testing.assert_close(got, interleaved, atol=1e-6, rtol=1e-6)
+    halves = torch.complex(x[:, :8], x[:, 8:]) * angle
+    got, _ = reference.rotary_embedding(positions, x, x, head_size, cache, is_neox=True)
+    want = torch.cat([halves.real, halves.imag], dim=1)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def bad(num_tokens=3, width=64, key_width=32, head_size=16, rot_dim=16, max_position=8,
+        positions=None, dtype=torch.float32, key_dtype=None, cache_dtype=torch.float32):
+    positions = torch.arange(num_tokens) if positions is None else positions
+    return (positions, torch.randn(num_tokens, width, dtype=dtype),
+            torch.randn(num_tokens, key_width, dtype=key_dtype or dtype), head_size,
+            torch.ones(max_position, rot_dim, dtype=cache_dtype))
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (bad(positions=torch.tensor([0, 8, 1])), "position 8 is outside the rotary cache"),
+        (bad(positions=torch.tensor([0, -1, 1])), "position -1 is outside the rotary cache"),
+        (bad(positions=torch.tensor([0, 1, 2], dtype=torch.int32)), "positions must be Long"),
+        (bad(positions=torch.tensor([0, 1])), "one row per position"),
+        (bad(key_dtype=torch.bfloat16), "dtype"),
+        (bad(cache_dtype=torch.float64), "cos_sin_cache must be Float"),
+        (bad(width=60), "multiples of head_size"),
+        (bad(rot_dim=32), "rot_dim <= head_size"),
+        (bad(rot_dim=5), "even rot_dim"),
+        (bad(dtype=torch.float64), "dtype"),
+    ],
+    ids=["position-too-large", "position-negative", "positions-int32", "rows", "key-dtype",
+         "cache-dtype", "width", "rot-dim-too-large", "rot-dim-odd", "unsupported-dtype"],
+)
+def test_rotary_embedding_rejects_bad_arguments(args, match):
+    with pytest.raises(RuntimeError, match=match):
+        ops.rotary_embedding(*args, True)
+
+
+# ------------------------------------------------------------------ every CPU capability variant
+
+CAPABILITIES = ["default", "avx2", "avx512"]
+
+
+def capability_checks():
+    """A subset of the checks above, run once per CPU capability."""
+    caches = {r: reference.rotary_cos_sin_cache(MAX_POSITION, r) for r in (40, 64, 128)}
+    for dtype in DTYPES:
+        for is_neox in (True, False):
+            for head_size, rot_dim in [(40, 40), (128, 128), (128, 64)]:
+                check_rotary(5, (4, 2), head_size, rot_dim, is_neox, dtype, caches[rot_dim])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def capability_processes(request):
+    """{capability: process running capability_checks()}, one fresh process per capability below
+    this one (the variable only lowers it at process start). They start with the module, so they
+    run beside its other tests, and only when test_cpu_capability_variants is selected."""
+    selected = any(item.module is request.module
+                   and item.originalname == "test_cpu_capability_variants"
+                   for item in request.session.items)
+    lower = CAPABILITIES[:CAPABILITIES.index(kvserve._C.cpu_capability())] if selected else []
+    script = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import kvserve; "
+              f"print('capability=' + kvserve._C.cpu_capability()); "
+              f"import {__name__.rpartition('.')[2]} as m; m.capability_checks()")
+    # One thread each: they share the cores with this process (the vector code is what differs).
+    procs = {name: subprocess.Popen([sys.executable, "-c", script], text=True,
+                                    env={**os.environ, "KVSERVE_CPU_CAPABILITY": name,
+                                         "OMP_NUM_THREADS": "1"},
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for name in lower}
+    yield procs
+    for proc in procs.values():  # left running when a test stopped the session early
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+@pytest.mark.parametrize("capability", CAPABILITIES)
+def test_cpu_capability_variants(capability, capability_processes):
+    if capability == kvserve._C.cpu_capability():
+        capability_checks()  # this process already runs the variant
+        return
+    if capability not in capability_processes:
+        pytest.skip(f"{capability} is above this process's {kvserve._C.cpu_capability()}")
+    output, _ = capability_processes[capability].communicate(timeout=300)
+    assert f"capability={capability}\n" in output, output
+    assert capability_processes[capability].returncode == 0, output

@@ -1,0 +1,233 @@
+"""sampling_filter_logits and sampling_from_logits against kvserve.testing.reference.
+The Sampler built on them, its statistics and Hugging Face parity: tests/engine/test_sampler.py."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kvserve  # noqa: F401  (registers torch.ops.kvserve)
+from kvserve.testing import reference
+
+ops = torch.ops.kvserve
+
+# Logits are fp32 only. Kept logits differ from the fp64 reference by the rounding of x / t.
+TOLERANCES = {torch.float32: dict(atol=1e-5, rtol=1e-6)}
+VOCAB_SIZES = [1, 2, 7, 16, 33, 100, 1000]
+TEMPERATURES = [0.0, 0.3, 0.7, 1.0, 1.7]
+TOP_K = [-1, 0, 1, 2, 5, 31, 5000]
+TOP_P = [1.0, 0.99, 0.9, 0.5, 0.1, 1e-6]
+MIN_P = [0.0, 0.01, 0.1, 0.5, 1.0]
+
+
+def random_params(rows, seed=0):
+    """Per-row (temperature, top_k, top_p, min_p) tensors drawn from the lists above; every
+    option appears alone in the first rows and in random combinations after them."""
+    g = torch.Generator().manual_seed(seed)
+
+    def pick(values, dtype, off):
+        column = torch.tensor(values, dtype=dtype)[torch.randint(len(values), (rows,), generator=g)]
+        column[:4] = off
+        return column
+
+    temperature = pick(TEMPERATURES, torch.float32, 1.0)
+    top_k = pick(TOP_K, torch.long, -1)
+    top_p, min_p = pick(TOP_P, torch.float32, 1.0), pick(MIN_P, torch.float32, 0.0)
+    top_k[1], top_p[2], min_p[3] = 3, 0.8, 0.2
+    return temperature, top_k, top_p, min_p
+
+
+def random_logits(rows, vocab, seed=0, ties=False):
+    g = torch.Generator().manual_seed(seed)
+    if ties:  # a few distinct values, so top-k and min-p thresholds fall on ties
+        return torch.randint(0, 6, (rows, vocab), generator=g).float() * 0.75
+    return torch.randn(rows, vocab, generator=g) * torch.rand(rows, 1, generator=g).mul(5)
+
+
+def check_filter(logits, params):
+    want = reference.sampling_filter_logits(logits, *params)
+    got = logits.clone()
+    ops.sampling_filter_logits(got, *params)
+    removed = got.isneginf()
+    differ = torch.nonzero((removed != want.isneginf()).any(dim=1)).flatten().tolist()
+    assert not differ, f"masks differ from the reference in rows {differ}"
+    torch.testing.assert_close(got.double()[~removed], want[~removed], **TOLERANCES[torch.float32])
+    assert (~removed).any(dim=1).all(), "a row lost every token"
+    greedy = params[0] == 0
+    assert torch.equal(got[greedy], logits[greedy]), "greedy rows must stay untouched"
+    return got
+
+
+@pytest.mark.parametrize("vocab", VOCAB_SIZES)
+def test_filter_logits(vocab):
+    rows = 200
+    check_filter(random_logits(rows, vocab, seed=vocab), random_params(rows, seed=vocab))
+
+
+@pytest.mark.parametrize("vocab", [7, 17, 37, 100])
+@pytest.mark.parametrize("temperature", [0.3, 0.7, 1.1])
+def test_filter_logits_keeps_ties(vocab, temperature):
+    """top-k keeps every token equal to the k-th largest, and min-p compares ties alike, wherever
+    the tokens sit in the row (vector body or scalar tail of the kernel). top-p is off: which of
+    several tied tokens it drops first is not specified."""
+    rows = 60
+    logits = random_logits(rows, vocab, seed=vocab, ties=True)
+    temperature_t, top_k, _, min_p = random_params(rows, seed=vocab + 1)
+    temperature_t.fill_(temperature)
+    top_k[top_k <= 0] = 4
+    filtered = check_filter(logits, (temperature_t, top_k, torch.ones(rows), min_p))
+    kept = ~filtered.isneginf()
+    for r in range(rows):  # tied logits share one fate
+        for value in logits[r].unique():
+            assert kept[r][logits[r] == value].unique().numel() == 1, f"row {r} split a tie"
+
+
+def test_filter_large_vocab():
+    logits = random_logits(8, 32003, seed=5)
+    check_filter(logits, random_params(8, seed=5))
+
+
+def test_filter_strided_rows():
+    """Rows of a wider buffer (row stride != vocab): the padding columns are never touched."""
+    full = random_logits(40, 57, seed=9)
+    params = random_params(40, seed=9)
+    want = reference.sampling_filter_logits(full[:, :50], *params)
+    ops.sampling_filter_logits(full[:, :50], *params)
+    assert torch.equal(full[:, :50].isneginf(), want.isneginf())
+    assert torch.equal(full[:, 50:], random_logits(40, 57, seed=9)[:, 50:])
+
+
+def inverse_cdf(probs, uniform):
+    """The first token whose cumulative probability exceeds u, per row (fp64)."""
+    cdf = probs.cumsum(dim=1)
+    index = (cdf <= uniform.double()[:, None]).sum(dim=1)
+    return torch.minimum(index, (probs > 0).long().cumsum(1).argmax(1))
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 33, 1000])
+def test_sample_from_logits(vocab):
+    rows = 300
+    logits, params = random_logits(rows, vocab, seed=vocab), random_params(rows, seed=vocab)
+    g = torch.Generator().manual_seed(vocab)
+    uniform = torch.rand(rows, generator=g)
+    uniform[:3] = torch.tensor([0.0, 0.5, 1.0 - 2 ** -24])  # both ends of [0, 1)
+    filtered = logits.clone()
+    ops.sampling_filter_logits(filtered, *params)
+    tokens = ops.sampling_from_logits(filtered, params[0], uniform)
+    assert tokens.dtype == torch.long and tokens.shape == (rows,)
+    want = inverse_cdf(reference.sampling_probs(logits, *params), uniform)
+    assert torch.equal(tokens, want), f"rows {torch.nonzero(tokens != want).flatten().tolist()}"
+    assert not filtered.gather(1, tokens[:, None]).isneginf().any(), "sampled a removed token"
+
+
+def test_greedy_is_first_argmax():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0], [-1.0, -2.0, -1.0, -5.0], [2.0, 2.0, 2.0, 2.0]])
+    tokens = ops.sampling_from_logits(logits, torch.zeros(3), torch.full((3,), 0.99))
+    assert tokens.tolist() == [1, 0, 0]
+    logits = random_logits(50, 1000, seed=2)
+    assert torch.equal(ops.sampling_from_logits(logits, torch.zeros(50), torch.rand(50)),
+                       logits.argmax(dim=1))
+
+
+def test_batched_equals_per_row():
+    logits, params = random_logits(30, 77, seed=4), random_params(30, seed=4)
+    uniform = torch.rand(30, generator=torch.Generator().manual_seed(4))
+    batched = logits.clone()
+    ops.sampling_filter_logits(batched, *params)
+    tokens = ops.sampling_from_logits(batched, params[0], uniform)
+    for r in range(30):
+        row = logits[r:r + 1].clone()
+        row_params = [p[r:r + 1].clone() for p in params]
+        ops.sampling_filter_logits(row, *row_params)
+        assert torch.equal(row, batched[r:r + 1])
+        assert ops.sampling_from_logits(row, row_params[0], uniform[r:r + 1]).item() == tokens[r]
+
+
+def filter_args(rows=3, vocab=8, logits_dtype=torch.float32, k_dtype=torch.long, p_rows=None):
+    return (torch.randn(rows, vocab, dtype=logits_dtype), torch.ones(rows),
+            torch.full((rows,), -1, dtype=k_dtype), torch.ones(p_rows or rows), torch.zeros(rows))
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (filter_args(logits_dtype=torch.bfloat16), "logits must be float32"),
+        (filter_args(k_dtype=torch.int32), "top_k must be Long"),
+        (filter_args(p_rows=2), "top_p must have one entry per row"),
+        ((torch.randn(8), torch.ones(1), torch.ones(1, dtype=torch.long), torch.ones(1),
+          torch.zeros(1)), "logits must have 2 dimensions"),
+        ((torch.randn(8, 3).t(), torch.ones(3), torch.ones(3, dtype=torch.long), torch.ones(3),
+          torch.zeros(3)), "contiguous in its last dimension"),
+    ],
+    ids=["logits-dtype", "top-k-dtype", "top-p-rows", "logits-1d", "logits-strided"],
+)
+def test_filter_rejects_bad_arguments(args, match):
+    with pytest.raises(RuntimeError, match=match):
+        ops.sampling_filter_logits(*args)
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((torch.randn(3, 8, dtype=torch.float16), torch.ones(3), torch.rand(3)), "float32"),
+        ((torch.randn(3, 0), torch.ones(3), torch.rand(3)), "empty vocabulary"),
+        ((torch.randn(3, 8), torch.ones(2), torch.rand(3)), "temperature must have one entry"),
+        ((torch.randn(3, 8), torch.ones(3), torch.rand(3).double()), "uniform must be Float"),
+    ],
+    ids=["logits-dtype", "empty-vocab", "temperature-rows", "uniform-dtype"],
+)
+def test_sample_rejects_bad_arguments(args, match):
+    with pytest.raises(RuntimeError, match=match):
+        ops.sampling_from_logits(*args)
+
+
+# ------------------------------------------------------------------ every CPU capability variant
+
+CAPABILITIES = ["default", "avx2", "avx512"]
+
+
+def capability_checks():
+    """A subset of the checks above, run once per CPU capability."""
+    for vocab in (7, 33, 1000):
+        test_filter_logits(vocab)
+        test_sample_from_logits(vocab)
+    test_filter_logits_keeps_ties(37, 1.1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def capability_processes(request):
+    """{capability: process running capability_checks()}, one fresh process per capability below
+    this one (the variable only lowers it at process start). They start with the module, so they
+    run beside its other tests, and only when test_cpu_capability_variants is selected."""
+    selected = any(item.module is request.module
+                   and item.originalname == "test_cpu_capability_variants"
+                   for item in request.session.items)
+    lower = CAPABILITIES[:CAPABILITIES.index(kvserve._C.cpu_capability())] if selected else []
+    script = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import kvserve; "
+              f"print('capability=' + kvserve._C.cpu_capability()); "
+              f"import {__name__.rpartition('.')[2]} as m; m.capability_checks()")
+    # One thread each: they share the cores with this process (the vector code is what differs).
+    procs = {name: subprocess.Popen([sys.executable, "-c", script], text=True,
+                                    env={**os.environ, "KVSERVE_CPU_CAPABILITY": name,
+                                         "OMP_NUM_THREADS": "1"},
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for name in lower}
+    yield procs
+    for proc in procs.values():  # left running when a test stopped the session early
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+@pytest.mark.parametrize("capability", CAPABILITIES)
+def test_cpu_capability_variants(capability, capability_processes):
+    if capability == kvserve._C.cpu_capability():
+        capability_checks()  # this process already runs the variant
+        return
+    if capability not in capability_processes:
+        pytest.skip(f"{capability} is above this process's {kvserve._C.cpu_capability()}")
+    output, _ = capability_processes[capability].communicate(timeout=300)
+    assert f"capability={capability}\n" in output, output
+    assert capability_processes[capability].returncode == 0, output
