@@ -60,6 +60,14 @@ struct PagedAttentionArgs {
 using PagedAttentionFn = void (*)(const PagedAttentionArgs& args);
 KVSERVE_CPU_STUB(paged_attention_stub, PagedAttentionFn);
 
+/// out [m, n] = input [m, k] (row stride input_stride) @ weight^T ([n, k] contiguous) + bias [n]
+/// (nullable); all of `dtype`, fp32 accumulation. For small m: the weight is streamed once per
+/// block of tokens.
+using GemvFn = void (*)(c10::ScalarType dtype, const void* input, int64_t input_stride,
+                        const void* weight, const void* bias, void* out, int64_t m, int64_t n,
+                        int64_t k);
+KVSERVE_CPU_STUB(gemv_stub, GemvFn);
+
 /// Per row of logits [rows, vocab] (fp32, row stride): divides by temperature and sets to -inf
 /// what top-k, then top-p, then min-p remove. Rows with temperature 0 are left untouched.
 using SamplingFilterFn = void (*)(float* logits, int64_t stride, int64_t rows, int64_t vocab,

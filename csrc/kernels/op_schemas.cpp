@@ -6,6 +6,7 @@
 #include "kernels/activation/silu_and_mul.h"
 #include "kernels/attention/paged_attention.h"
 #include "kernels/cache/kv_cache_write.h"
+#include "kernels/linear/linear.h"
 #include "kernels/norm/rms_norm.h"
 #include "kernels/rotary/rotary_embedding.h"
 #include "kernels/sampling/sampling.h"
@@ -14,6 +15,7 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("rms_norm(Tensor! out, Tensor input, Tensor weight, float epsilon) -> ()");
   m.def("fused_add_rms_norm(Tensor! input, Tensor! residual, Tensor weight, float epsilon) -> ()");
   m.def("silu_and_mul(Tensor! out, Tensor input) -> ()");
+  m.def("linear(Tensor input, Tensor weight, Tensor? bias) -> Tensor");
   m.def(
       "rotary_embedding(Tensor positions, Tensor! query, Tensor! key, int head_size, "
       "Tensor cos_sin_cache, bool is_neox) -> ()");
@@ -57,6 +59,14 @@ void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tenso
 void silu_and_mul(at::Tensor& out, const at::Tensor& input) {
   static const auto op = handle<void(at::Tensor&, const at::Tensor&)>("kvserve::silu_and_mul");
   op.call(out, input);
+}
+
+at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,
+                  const std::optional<at::Tensor>& bias) {
+  static const auto op =
+      handle<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>(
+          "kvserve::linear");
+  return op.call(input, weight, bias);
 }
 
 void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,

@@ -1,9 +1,9 @@
 #include "layers/linear.h"
 
-#include <ATen/ops/linear.h>
 
 #include <stdexcept>
 
+#include "kernels/linear/linear.h"
 #include "layers/weights.h"
 
 namespace kvserve {
@@ -26,7 +26,9 @@ Linear::Linear(at::Tensor weight, at::Tensor bias) : weight_(std::move(weight)),
   weight_ = weight_.contiguous();
 }
 
-at::Tensor Linear::forward(const at::Tensor& x) const { return at::linear(x, weight_, bias_); }
+at::Tensor Linear::forward(const at::Tensor& x) const {
+  return ops::linear(x, weight_, bias_.defined() ? std::optional<at::Tensor>(bias_) : std::nullopt);
+}
 
 int64_t Linear::weight_bytes() const {
   return weight_.nbytes() + (bias_.defined() ? static_cast<int64_t>(bias_.nbytes()) : 0);

@@ -56,6 +56,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return gate / (1.0 + torch.exp(-gate)) * up
 
 
+# ---------------------------------------------------------------------------------------- linear
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [T, k] @ weight [n, k]^T + bias [n] -> fp64 [T, n]."""
+    out = x.double() @ weight.double().T
+    return out if bias is None else out + bias.double()
+
+
 # ---------------------------------------------------------------------------------------- rotary
 
 

@@ -1,0 +1,103 @@
+// Streaming GEMV body for a few tokens: each thread owns a contiguous range of output features
+// and reads those weight rows once, sequentially, keeping the (small) input in cache. Register
+// blocks of kRowBlock weight rows x up to kTokenBlock tokens give independent FMA chains.
+// Compiled once per CPU capability.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "kernels/cpu_kernels.h"
+#include "kernels/cpu_vec.h"
+
+namespace kvserve::cpu {
+inline namespace CPU_CAPABILITY {
+namespace {
+
+constexpr int64_t kRowBlock = 4;    // weight rows per register block
+constexpr int64_t kTokenBlock = 4;  // tokens per register block (weight read once per block)
+
+float reduce(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
+}
+
+// out[t][r] (fp32, stride n) = dot(x[t], w[r]) for R weight rows and exactly TB tokens. Both are
+// compile-time constants so that the TB x R accumulators stay in registers.
+template <typename T, int64_t R, int64_t TB>
+void block_dot(const float* x, const T* w, int64_t k, float* out, int64_t n) {
+  Vec acc[TB][R];
+  for (int64_t t = 0; t < TB; ++t)
+    for (int64_t r = 0; r < R; ++r) acc[t][r] = Vec(0.0f);
+  int64_t i = 0;
+  for (; i + Vec::size() <= k; i += Vec::size()) {
+    Vec wv[R];
+    for (int64_t r = 0; r < R; ++r) wv[r] = load_as_float(w + r * k + i);
+    for (int64_t t = 0; t < TB; ++t) {
+      const Vec xv = Vec::loadu(x + t * k + i);
+      for (int64_t r = 0; r < R; ++r) acc[t][r] = at::vec::fmadd(xv, wv[r], acc[t][r]);
+    }
+  }
+  for (int64_t t = 0; t < TB; ++t) {
+    for (int64_t r = 0; r < R; ++r) {
+      float sum = reduce(acc[t][r]);
+      for (int64_t j = i; j < k; ++j) sum += x[t * k + j] * static_cast<float>(w[r * k + j]);
+      out[t * n + r] = sum;
+    }
+  }
+}
+
+// Output rows [row_begin, row_end) for TB tokens.
+template <typename T, int64_t TB>
+void rows_for_tokens(const float* x, const T* weight, int64_t k, int64_t row_begin,
+                     int64_t row_end, float* y, int64_t n) {
+  int64_t r = row_begin;
+  for (; r + kRowBlock <= row_end; r += kRowBlock) {
+    block_dot<T, kRowBlock, TB>(x, weight + r * k, k, y + r, n);
+  }
+  for (; r < row_end; ++r) block_dot<T, 1, TB>(x, weight + r * k, k, y + r, n);
+}
+
+template <typename T>
+void gemv_typed(const T* input, int64_t input_stride, const T* weight, const T* bias, T* out,
+                int64_t m, int64_t n, int64_t k) {
+  // The input in fp32 once; the fp32 result once, converted at the end.
+  std::vector<float> x(m * k), y(m * n);
+  for (int64_t t = 0; t < m; ++t) convert_to_float(input + t * input_stride, x.data() + t * k, k);
+  const int64_t blocks = (n + kRowBlock - 1) / kRowBlock;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    const int64_t row_begin = begin * kRowBlock, row_end = std::min(n, end * kRowBlock);
+    for (int64_t t0 = 0; t0 < m; t0 += kTokenBlock) {
+      const float* xt = x.data() + t0 * k;
+      float* yt = y.data() + t0 * n;
+      switch (std::min(kTokenBlock, m - t0)) {
+        case 1: rows_for_tokens<T, 1>(xt, weight, k, row_begin, row_end, yt, n); break;
+        case 2: rows_for_tokens<T, 2>(xt, weight, k, row_begin, row_end, yt, n); break;
+        case 3: rows_for_tokens<T, 3>(xt, weight, k, row_begin, row_end, yt, n); break;
+        default: rows_for_tokens<T, 4>(xt, weight, k, row_begin, row_end, yt, n); break;
+      }
+    }
+  });
+  for (int64_t t = 0; t < m; ++t) {
+    float* row = y.data() + t * n;
+    if (bias != nullptr) {
+      for (int64_t j = 0; j < n; ++j) row[j] += static_cast<float>(bias[j]);
+    }
+    convert_from_float(row, out + t * n, n);
+  }
+}
+
+void gemv_impl(c10::ScalarType dtype, const void* input, int64_t input_stride, const void* weight,
+               const void* bias, void* out, int64_t m, int64_t n, int64_t k) {
+  KVSERVE_DISPATCH_FLOATING(dtype, [&] {
+    gemv_typed(static_cast<const scalar_t*>(input), input_stride,
+               static_cast<const scalar_t*>(weight), static_cast<const scalar_t*>(bias),
+               static_cast<scalar_t*>(out), m, n, k);
+  });
+}
+
+}  // namespace
+
+KVSERVE_REGISTER_CPU_KERNEL(gemv_stub, &gemv_impl);
+
+}  // namespace CPU_CAPABILITY
+}  // namespace kvserve::cpu

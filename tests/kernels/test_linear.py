@@ -1,0 +1,82 @@
+"""linear (the GEMV path for a few tokens and the GEMM fallback) against an fp64 matmul."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kvserve
+from kvserve.testing import reference
+
+ops = torch.ops.kvserve
+
+# fp32 accumulation over k terms; bf16/fp16 outputs are one rounding of the fp32 sum.
+TOLERANCES = {
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.bfloat16: dict(atol=2e-2, rtol=1.6e-2),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+}
+SHAPES = [(1, 1), (7, 5), (33, 16), (64, 100), (130, 257), (96, 1024)]  # (n, k)
+TOKENS = [1, 2, 3, 4, 5, 8, 9, 33]  # <= 8 takes the GEMV kernel, more the GEMM
+
+
+def operands(m, n, k, dtype, bias, pad=0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k + pad, generator=g).to(dtype)[:, :k]
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("m", TOKENS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_reference(m, n, k, dtype, bias):
+    x, w, b = operands(m, n, k, dtype, bias)
+    out = ops.linear(x, w, b)
+    assert out.dtype == dtype and out.shape == (m, n)
+    torch.testing.assert_close(out.double(), reference.linear(x, w, b), **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_input_rows_and_batch_independence(dtype):
+    x, w, b = operands(6, 70, 90, dtype, True, pad=11)
+    assert not x.is_contiguous()
+    batched = ops.linear(x, w, b)
+    torch.testing.assert_close(batched.double(), reference.linear(x, w, b), **TOLERANCES[dtype])
+    for t in range(6):  # a row's result must not depend on the others in its token block
+        torch.testing.assert_close(ops.linear(x[t:t + 1], w, b), batched[t:t + 1], rtol=0, atol=0)
+
+
+def test_bad_arguments():
+    x, w, _ = operands(2, 8, 16, torch.float32, False)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        ops.linear(x, w[:, :15], None)
+    with pytest.raises(RuntimeError, match="dtype"):
+        ops.linear(x, w.double(), None)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        ops.linear(x, w, torch.zeros(7))
+
+
+def capability_checks():
+    for dtype in TOLERANCES:
+        for m in (1, 3, 4, 6):
+            x, w, b = operands(m, 37, 130, dtype, True, seed=m)
+            torch.testing.assert_close(ops.linear(x, w, b).double(), reference.linear(x, w, b),
+                                       **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
+def test_cpu_capability_variants(capability):
+    order = ["default", "avx2", "avx512"]
+    if order.index(capability) > order.index(kvserve._C.cpu_capability()):
+        pytest.skip(f"this CPU runs {kvserve._C.cpu_capability()}")
+    script = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import kvserve; "
+              f"assert kvserve._C.cpu_capability() == {capability!r}; "
+              f"import test_linear as t; t.capability_checks()")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env={**os.environ, "KVSERVE_CPU_CAPABILITY": capability}, timeout=300)
+    assert result.returncode == 0, result.stderr
