@@ -7,6 +7,10 @@
 #include <algorithm>
 #include <vector>
 
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
 #include "kernels/cpu_kernels.h"
 #include "kernels/cpu_vec.h"
 
@@ -20,6 +24,63 @@ constexpr int64_t kTokenBlock = 4;  // tokens per register block (weight read on
 float reduce(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
 }
+
+#if defined(CPU_CAPABILITY_AVX512)
+// bf16 weights on AVX-512: one 64-byte load holds 32 weights; unpacking against zero turns them
+// into two fp32 vectors (a bf16 is the top half of an fp32) in a lane order that the input is
+// pre-permuted to match, so the loop does no shifts or conversions. The dot product does not care
+// about the order of its terms.
+constexpr int64_t kBf16Chunk = 32;
+
+// x [tokens, k] fp32 -> the same values with each full 32-element chunk reordered to
+// [unpacklo lanes | unpackhi lanes]; the tail keeps its order.
+void permute_for_bf16_unpack(std::vector<float>& x, int64_t tokens, int64_t k) {
+  float chunk[kBf16Chunk];
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t c = 0; c + kBf16Chunk <= k; c += kBf16Chunk) {
+      float* src = x.data() + t * k + c;
+      for (int64_t lane = 0; lane < 4; ++lane) {
+        for (int64_t j = 0; j < 4; ++j) {
+          chunk[lane * 4 + j] = src[lane * 8 + j];           // unpacklo half of each lane
+          chunk[16 + lane * 4 + j] = src[lane * 8 + 4 + j];  // unpackhi half
+        }
+      }
+      std::copy(chunk, chunk + kBf16Chunk, src);
+    }
+  }
+}
+
+template <int64_t R, int64_t TB>
+void block_dot_bf16(const float* x, const c10::BFloat16* w, int64_t k, float* out, int64_t n) {
+  __m512 acc[TB][R];
+  for (int64_t t = 0; t < TB; ++t)
+    for (int64_t r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
+  const __m512i zero = _mm512_setzero_si512();
+  int64_t i = 0;
+  for (; i + kBf16Chunk <= k; i += kBf16Chunk) {
+    __m512 lo[R], hi[R];
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512i raw = _mm512_loadu_si512(w + r * k + i);
+      lo[r] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, raw));
+      hi[r] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, raw));
+    }
+    for (int64_t t = 0; t < TB; ++t) {
+      const __m512 xlo = _mm512_loadu_ps(x + t * k + i), xhi = _mm512_loadu_ps(x + t * k + i + 16);
+      for (int64_t r = 0; r < R; ++r) {
+        acc[t][r] = _mm512_fmadd_ps(xlo, lo[r], acc[t][r]);
+        acc[t][r] = _mm512_fmadd_ps(xhi, hi[r], acc[t][r]);
+      }
+    }
+  }
+  for (int64_t t = 0; t < TB; ++t) {
+    for (int64_t r = 0; r < R; ++r) {
+      float sum = _mm512_reduce_add_ps(acc[t][r]);
+      for (int64_t j = i; j < k; ++j) sum += x[t * k + j] * static_cast<float>(w[r * k + j]);
+      out[t * n + r] = sum;
+    }
+  }
+}
+#endif
 
 // out[t][r] (fp32, stride n) = dot(x[t], w[r]) for R weight rows and exactly TB tokens. Both are
 // compile-time constants so that the TB x R accumulators stay in registers.
@@ -51,6 +112,15 @@ template <typename T, int64_t TB>
 void rows_for_tokens(const float* x, const T* weight, int64_t k, int64_t row_begin,
                      int64_t row_end, float* y, int64_t n) {
   int64_t r = row_begin;
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    for (; r + kRowBlock <= row_end; r += kRowBlock) {
+      block_dot_bf16<kRowBlock, TB>(x, weight + r * k, k, y + r, n);
+    }
+    for (; r < row_end; ++r) block_dot_bf16<1, TB>(x, weight + r * k, k, y + r, n);
+    return;
+  }
+#endif
   for (; r + kRowBlock <= row_end; r += kRowBlock) {
     block_dot<T, kRowBlock, TB>(x, weight + r * k, k, y + r, n);
   }
@@ -63,6 +133,9 @@ void gemv_typed(const T* input, int64_t input_stride, const T* weight, const T* 
   // The input in fp32 once; the fp32 result once, converted at the end.
   std::vector<float> x(m * k), y(m * n);
   for (int64_t t = 0; t < m; ++t) convert_to_float(input + t * input_stride, x.data() + t * k, k);
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) permute_for_bf16_unpack(x, m, k);
+#endif
   const int64_t blocks = (n + kRowBlock - 1) / kRowBlock;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     const int64_t row_begin = begin * kRowBlock, row_end = std::min(n, end * kRowBlock);
