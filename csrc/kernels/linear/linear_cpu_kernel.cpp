@@ -18,7 +18,7 @@ namespace kvserve::cpu {
 inline namespace CPU_CAPABILITY {
 namespace {
 
-constexpr int64_t kRowBlock = 4;    // weight rows per register block
+constexpr int64_t kRowBlock = 8;    // weight rows per register block (4 for 3-4 tokens)
 constexpr int64_t kTokenBlock = 4;  // tokens per register block (weight read once per block)
 
 float reduce(const Vec& v) {
@@ -111,19 +111,18 @@ void block_dot(const float* x, const T* w, int64_t k, float* out, int64_t n) {
 template <typename T, int64_t TB>
 void rows_for_tokens(const float* x, const T* weight, int64_t k, int64_t row_begin,
                      int64_t row_end, float* y, int64_t n) {
+  // Enough independent weight streams and FMA chains to keep loads in flight, few enough that the
+  // TB x R accumulators fit the 32 vector registers.
+  constexpr int64_t R = TB <= 2 ? kRowBlock : kRowBlock / 2;
   int64_t r = row_begin;
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    for (; r + kRowBlock <= row_end; r += kRowBlock) {
-      block_dot_bf16<kRowBlock, TB>(x, weight + r * k, k, y + r, n);
-    }
+    for (; r + R <= row_end; r += R) block_dot_bf16<R, TB>(x, weight + r * k, k, y + r, n);
     for (; r < row_end; ++r) block_dot_bf16<1, TB>(x, weight + r * k, k, y + r, n);
     return;
   }
 #endif
-  for (; r + kRowBlock <= row_end; r += kRowBlock) {
-    block_dot<T, kRowBlock, TB>(x, weight + r * k, k, y + r, n);
-  }
+  for (; r + R <= row_end; r += R) block_dot<T, R, TB>(x, weight + r * k, k, y + r, n);
   for (; r < row_end; ++r) block_dot<T, 1, TB>(x, weight + r * k, k, y + r, n);
 }
 
