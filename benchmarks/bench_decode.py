@@ -6,7 +6,7 @@ For each model and dtype, on one random-initialised checkpoint of realistic shap
   * transformers: `generate` on the same checkpoint, dtype, prompt and token count (greedy,
     use_cache, min_new_tokens = max_new_tokens); prefill = generate(max_new_tokens=1), decode per
     token = (time(N) - time(1)) / (N - 1);
-  * the limit: decode reads every weight (a tied embedding once, as the lm_head; the embedding row
+  * the limit (probed right before and after each kvserve decode, and overall): decode reads every weight (a tied embedding once, as the lm_head; the embedding row
     gather is negligible) plus the KV cache each step, so achieved GB/s = bytes per step / TPOT,
     compared with this machine's measured memory read bandwidth; prefill FLOPs (2 * linear params
     * prompt + causal attention + one lm_head row) / TTFT, compared with a large torch.mm.
@@ -122,11 +122,17 @@ def bench_one(name, dtype, args):
 
     kvserve_run(llm, prompt, 4)  # warm-up: allocator, oneDNN primitives, lazy inits
     hf_run(hf, ids, 4)
-    kv_ttft, kv_tpot, hf_ttft, hf_tpot = [], [], [], []
+    costs = model_costs(cfg, DTYPES[dtype].itemsize, llm.model.weight_bytes, P, N)
+    kv_ttft, kv_tpot, hf_ttft, hf_tpot, adjacent = [], [], [], [], []
     bandwidth = memory_read_bandwidth(repeats=5)  # the host's bandwidth varies over time
     contention = CpuContention().start()
     for r in range(args.repeats):
+        # Probes right before and after the decode: the fraction of the bandwidth of that moment.
+        before = memory_read_bandwidth(nbytes=1 << 29, repeats=3)
         ttft, tpot, kv_tokens = kvserve_run(llm, prompt, N)
+        after = memory_read_bandwidth(nbytes=1 << 29, repeats=3)
+        adjacent.append(costs["decode_bytes_per_step"] / tpot / ((before + after) / 2))
+        bandwidth = max(bandwidth, before, after)
         t1, _ = hf_run(hf, ids, 1)
         tn, hf_tokens = hf_run(hf, ids, N)
         kv_ttft.append(ttft), kv_tpot.append(tpot), hf_ttft.append(t1)
@@ -138,14 +144,14 @@ def bench_one(name, dtype, args):
     bandwidth = max(bandwidth, memory_read_bandwidth(repeats=5))
     match = next((i for i, (a, b) in enumerate(zip(kv_tokens, hf_tokens)) if a != b), N)
 
-    costs = model_costs(cfg, DTYPES[dtype].itemsize, llm.model.weight_bytes, P, N)
     res = dict(model=name, dtype=dtype, architecture=arch, config=cfg, checkpoint=str(path),
                prompt_len=P, decode_tokens=N, weight_bytes=llm.model.weight_bytes, **costs,
                kvserve_ttft_s=median(kv_ttft), kvserve_tpot_s=median(kv_tpot),
                hf_ttft_s=median(hf_ttft), hf_tpot_s=median(hf_tpot),
                samples=dict(kvserve_ttft_s=kv_ttft, kvserve_tpot_s=kv_tpot, hf_ttft_s=hf_ttft,
                             hf_tpot_s=hf_tpot),
-               greedy_tokens_agree=match)
+               greedy_tokens_agree=match,
+               kvserve_decode_fraction_of_adjacent_bandwidth=median(adjacent))
     # 0 = the machine to ourselves; 0.5 = one of two cores taken
     res["other_processes_cpu_load"] = None if others is None else round(others, 3)
     res["read_bandwidth_Bps_around_run"] = bandwidth  # best probe just before/after the repeats
@@ -218,11 +224,12 @@ def main():
 
     headers = ["model", "dtype", "kvserve TTFT ms", "HF TTFT ms", "kvserve TPOT ms", "HF TPOT ms",
                "decode speedup vs HF", "kvserve GB/s", "fraction of BW (best seen)",
-               "fraction of BW (around run)", "prefill fraction of mm peak", "others' CPU load"]
+               "fraction of BW (around run)", "fraction of BW (adjacent probes)", "prefill fraction of mm peak", "others' CPU load"]
     rows = [[r["model"], r["dtype"], r["kvserve_ttft_s"] * 1e3, r["hf_ttft_s"] * 1e3,
              r["kvserve_tpot_s"] * 1e3, r["hf_tpot_s"] * 1e3, r["decode_speedup_vs_hf"],
              r["kvserve_decode_GBps"], r["kvserve_decode_fraction_of_bandwidth"],
              r["kvserve_decode_fraction_of_bandwidth_around_run"],
+             r["kvserve_decode_fraction_of_adjacent_bandwidth"],
              r["kvserve_prefill_fraction_of_mm_peak"], r["other_processes_cpu_load"]]
             for r in results]
     print(f"\nbatch 1, prompt {args.prompt_len} tokens, {args.decode_tokens} decode tokens, "
