@@ -29,11 +29,14 @@ class LLM:
         max_model_len: longest prompt + generation; defaults to the config's
             max_position_embeddings.
         max_num_seqs: prompts run together in one batch.
+        device: "cpu" (CUDA kernels are not written yet).
     """
 
     def __init__(self, model: str | Path, dtype: str | torch.dtype = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = 256,
                  device: str | torch.device = "cpu"):
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"device {device!r} is not supported yet: kvserve's kernels run on the CPU")
         info = load_checkpoint_info(model)
         self.model_dir = Path(model)
         self.config = info.config

@@ -103,6 +103,8 @@ def test_missing_tensor(checkpoint_copy):
     ({"dtype": "int8"}, "dtype must be"),
     ({"max_model_len": 10_000}, "max_model_len must be"),
     ({"max_model_len": 1}, "max_model_len must be"),
+    ({"max_num_seqs": 0}, "max_num_seqs must be"),
+    ({"device": "cuda"}, "not supported yet"),
 ])
 def test_bad_llm_arguments(checkpoint_factory, kwargs, message):
     with pytest.raises(ValueError, match=message):
