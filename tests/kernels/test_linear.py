@@ -1,14 +1,11 @@
 """linear (the GEMV path for a few tokens and the GEMM fallback) against an fp64 matmul."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-import kvserve
+import kvserve  # noqa: F401  (registers torch.ops.kvserve)
 from kvserve.testing import reference
+from tests.kernels.capability import CAPABILITIES, check_variant
 
 ops = torch.ops.kvserve
 
@@ -69,14 +66,6 @@ def capability_checks():
                                        **TOLERANCES[dtype])
 
 
-@pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
-def test_cpu_capability_variants(capability):
-    order = ["default", "avx2", "avx512"]
-    if order.index(capability) > order.index(kvserve._C.cpu_capability()):
-        pytest.skip(f"this CPU runs {kvserve._C.cpu_capability()}")
-    script = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import kvserve; "
-              f"assert kvserve._C.cpu_capability() == {capability!r}; "
-              f"import test_linear as t; t.capability_checks()")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            env={**os.environ, "KVSERVE_CPU_CAPABILITY": capability}, timeout=300)
-    assert result.returncode == 0, result.stderr
+@pytest.mark.parametrize("capability", CAPABILITIES)
+def test_cpu_capability_variants(capability, capability_processes):
+    check_variant(capability, capability_processes, capability_checks)

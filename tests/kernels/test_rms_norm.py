@@ -1,14 +1,11 @@
 """rms_norm and fused_add_rms_norm against kvserve.testing.reference."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import kvserve  # noqa: F401  (registers torch.ops.kvserve)
 from kvserve.testing import reference
+from tests.kernels.capability import CAPABILITIES, check_variant
 
 ops = torch.ops.kvserve
 
@@ -137,7 +134,6 @@ def test_fused_add_rms_norm_rejects_bad_arguments(make_args, match):
 
 # ------------------------------------------------------------------ every CPU capability variant
 
-CAPABILITIES = ["default", "avx2", "avx512"]
 
 
 def capability_checks():
@@ -149,38 +145,8 @@ def capability_checks():
         test_rms_norm_strided_rows(33, dtype)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def capability_processes(request):
-    """{capability: process running capability_checks()}, one fresh process per capability below
-    this one (the variable only lowers it at process start). They start with the module, so they
-    run beside its other tests, and only when test_cpu_capability_variants is selected."""
-    selected = any(item.module is request.module
-                   and item.originalname == "test_cpu_capability_variants"
-                   for item in request.session.items)
-    lower = CAPABILITIES[:CAPABILITIES.index(kvserve._C.cpu_capability())] if selected else []
-    script = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import kvserve; "
-              f"print('capability=' + kvserve._C.cpu_capability()); "
-              f"import {__name__.rpartition('.')[2]} as m; m.capability_checks()")
-    # One thread each: they share the cores with this process (the vector code is what differs).
-    procs = {name: subprocess.Popen([sys.executable, "-c", script], text=True,
-                                    env={**os.environ, "KVSERVE_CPU_CAPABILITY": name,
-                                         "OMP_NUM_THREADS": "1"},
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for name in lower}
-    yield procs
-    for proc in procs.values():  # left running when a test stopped the session early
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate()
 
 
 @pytest.mark.parametrize("capability", CAPABILITIES)
 def test_cpu_capability_variants(capability, capability_processes):
-    if capability == kvserve._C.cpu_capability():
-        capability_checks()  # this process already runs the variant
-        return
-    if capability not in capability_processes:
-        pytest.skip(f"{capability} is above this process's {kvserve._C.cpu_capability()}")
-    output, _ = capability_processes[capability].communicate(timeout=300)
-    assert f"capability={capability}\n" in output, output
-    assert capability_processes[capability].returncode == 0, output
+    check_variant(capability, capability_processes, capability_checks)

@@ -1,0 +1,47 @@
+"""Running a kernel test module's `capability_checks()` under every CPU capability variant.
+
+KVSERVE_CPU_CAPABILITY only lowers the variant at process start, so each lower variant runs in a
+fresh process. The processes start with the module (tests/kernels/conftest.py), so they run beside
+its other tests; test_cpu_capability_variants then waits for them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import kvserve
+
+CAPABILITIES = ["default", "avx2", "avx512"]
+
+
+def start_processes(module) -> dict[str, subprocess.Popen]:
+    """{capability: process running module.capability_checks()} for each variant below ours."""
+    ours = kvserve._C.cpu_capability()
+    name = module.__name__.rpartition(".")[2]
+    here = os.path.dirname(os.path.abspath(module.__file__))
+    root = os.path.dirname(os.path.dirname(here))  # the repository, for `tests.kernels...`
+    script = (f"import sys; sys.path[:0] = [{here!r}, {root!r}]; "
+              f"import kvserve; print('capability=' + kvserve._C.cpu_capability()); "
+              f"import {name} as m; m.capability_checks()")
+    # One thread each: they share the cores with this process (the vector code is what differs).
+    return {cap: subprocess.Popen([sys.executable, "-c", script], text=True,
+                                  env={**os.environ, "KVSERVE_CPU_CAPABILITY": cap,
+                                       "OMP_NUM_THREADS": "1"},
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            for cap in CAPABILITIES[:CAPABILITIES.index(ours)]}
+
+
+def check_variant(capability: str, processes: dict[str, subprocess.Popen], checks) -> None:
+    """Passes when `checks` pass under `capability` (here, or in its process)."""
+    if capability == kvserve._C.cpu_capability():
+        checks()  # this process already runs the variant
+        return
+    if capability not in processes:
+        pytest.skip(f"this CPU lacks {capability} (it runs {kvserve._C.cpu_capability()})")
+    output, _ = processes[capability].communicate(timeout=300)
+    assert f"capability={capability}\n" in output, output
+    assert processes[capability].returncode == 0, output
