@@ -1,11 +1,11 @@
 #include "kvserve/kv_cache.h"
 
-#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/tensor.h>
 
 #include <stdexcept>
 #include <string>
+
+#include "kvserve/forward_batch.h"
 
 namespace kvserve {
 
@@ -57,30 +57,21 @@ at::Tensor forward_with_kv_cache(CausalLM& model, const at::Tensor& input_ids,
     throw std::invalid_argument("batch of " + std::to_string(batch) + " exceeds max_batch_size " +
                                 std::to_string(first.max_batch_size()));
   }
-  std::vector<int64_t> positions, slots;
-  std::vector<int32_t> query_start{0}, lens, tables;
+  ForwardBatchBuilder builder(first.max_seq_len());  // row b is one block of max_seq_len tokens
+  const at::Tensor ids = input_ids.to(at::kCPU, at::kLong).contiguous();
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t start = first.seq_len(b);
-    if (start + seq > first.max_seq_len()) {
+    const int64_t* row = ids.data_ptr<int64_t>() + b * seq;
+    try {
+      builder.add(std::vector<int64_t>(row, row + seq), first.seq_len(b), {static_cast<int32_t>(b)});
+    } catch (const std::out_of_range&) {
       throw std::out_of_range("row " + std::to_string(b) + " would exceed max_seq_len " +
                               std::to_string(first.max_seq_len()));
     }
-    for (int64_t s = 0; s < seq; ++s) {
-      positions.push_back(start + s);
-      slots.push_back(b * first.max_seq_len() + start + s);
-    }
-    query_start.push_back(static_cast<int32_t>((b + 1) * seq));
-    lens.push_back(static_cast<int32_t>(start + seq));
-    tables.push_back(static_cast<int32_t>(b));
   }
-  const at::Device device = first.key().device();
-  auto to_device = [&](auto& values) { return at::tensor(values).to(device); };
-  AttentionMetadata metadata{to_device(slots), to_device(query_start), to_device(lens),
-                             to_device(tables).view({batch, 1})};
+  const ForwardBatch fb = builder.build(first.key().device());
   std::vector<LayerKVCache> views;
   for (const KVCache* cache : caches) views.push_back(cache->layer_view());
-  at::Tensor hidden =
-      model.forward(input_ids.reshape({-1}).to(device, at::kLong), to_device(positions), metadata, views);
+  at::Tensor hidden = model.forward(fb.input_ids, fb.positions, fb.metadata, views);
   at::Tensor logits = model.compute_logits(hidden).view({batch, seq, -1});
   for (KVCache* cache : caches) {
     for (int64_t b = 0; b < batch; ++b) cache->advance(b, seq);

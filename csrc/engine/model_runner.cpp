@@ -1,11 +1,10 @@
 #include "kvserve/model_runner.h"
 
-#include <ATen/ops/from_blob.h>
-
 #include <algorithm>
 #include <chrono>
 #include <stdexcept>
 
+#include "kvserve/forward_batch.h"
 #include "kvserve/kv_cache.h"
 
 namespace kvserve {
@@ -13,13 +12,6 @@ namespace {
 
 double now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-template <typename T>
-at::Tensor to_tensor(std::vector<T>& values, at::ScalarType dtype, at::Device device) {
-  const int64_t n = static_cast<int64_t>(values.size());
-  return at::from_blob(values.data(), {n}, at::TensorOptions().dtype(dtype)).to(device, dtype,
-                                                                                 false, true);
 }
 
 bool contains(const std::vector<int64_t>& ids, int64_t id) {
@@ -97,29 +89,16 @@ void ModelRunner::run_batch(const std::vector<GenerationRequest>& requests, size
   }
 
   while (!active.empty()) {
-    std::vector<int64_t> ids, positions, slots, logits_rows;
-    std::vector<int32_t> query_start{0}, seq_lens, tables;
+    // Row b of the contiguous cache is one block of max_len tokens.
+    ForwardBatchBuilder builder(max_len);
     for (int64_t b : active) {
-      for (size_t s = 0; s < pending[b].size(); ++s) {
-        ids.push_back(pending[b][s]);
-        positions.push_back(fed[b] + static_cast<int64_t>(s));
-        slots.push_back(b * max_len + fed[b] + static_cast<int64_t>(s));
-      }
+      builder.add(pending[b], fed[b], {static_cast<int32_t>(b)});
       fed[b] += static_cast<int64_t>(pending[b].size());
-      query_start.push_back(static_cast<int32_t>(ids.size()));
-      seq_lens.push_back(static_cast<int32_t>(fed[b]));
-      tables.push_back(static_cast<int32_t>(b));
-      logits_rows.push_back(static_cast<int64_t>(ids.size()) - 1);
     }
     const int64_t rows = static_cast<int64_t>(active.size());
-    AttentionMetadata metadata{to_tensor(slots, at::kLong, device),
-                               to_tensor(query_start, at::kInt, device),
-                               to_tensor(seq_lens, at::kInt, device),
-                               to_tensor(tables, at::kInt, device).view({rows, 1})};
-    at::Tensor hidden = model_->forward(to_tensor(ids, at::kLong, device),
-                                        to_tensor(positions, at::kLong, device), metadata, views);
-    at::Tensor logits =
-        model_->compute_logits(hidden.index_select(0, to_tensor(logits_rows, at::kLong, device)));
+    const ForwardBatch batch = builder.build(device);
+    at::Tensor hidden = model_->forward(batch.input_ids, batch.positions, batch.metadata, views);
+    at::Tensor logits = model_->compute_logits(hidden.index_select(0, batch.logits_indices));
 
     std::vector<const SamplingParams*> params;
     std::vector<RequestRandom*> streams;

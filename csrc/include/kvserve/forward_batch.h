@@ -1,0 +1,45 @@
+#pragma once
+// The flattened tensors of one forward pass, and a builder that appends sequences to them.
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "kvserve/attention_metadata.h"
+
+namespace kvserve {
+
+/// Inputs of CausalLM::forward for T tokens from B sequences, plus where to take logits.
+struct ForwardBatch {
+  at::Tensor input_ids;       ///< int64 [T]
+  at::Tensor positions;       ///< int64 [T]
+  AttentionMetadata metadata;
+  at::Tensor logits_indices;  ///< int64 [B]: the last token of each sequence
+};
+
+/// Collects sequences (new tokens + where their context lives in the cache) into a ForwardBatch.
+class ForwardBatchBuilder {
+ public:
+  /// block_size: tokens per cache block (a contiguous KVCache is one block of max_seq_len).
+  explicit ForwardBatchBuilder(int64_t block_size) : block_size_(block_size) {}
+
+  /// Appends `tokens` of a sequence whose cache already holds `num_cached` tokens; position p of
+  /// the sequence lives in block block_table[p / block_size]. Throws std::out_of_range when the
+  /// table is too short for the new tokens.
+  void add(const std::vector<int64_t>& tokens, int64_t num_cached,
+           const std::vector<int32_t>& block_table);
+
+  /// The tensors on `device`; block tables padded with block 0 to the longest.
+  ForwardBatch build(at::Device device) const;
+
+  int64_t num_sequences() const { return static_cast<int64_t>(seq_lens_.size()); }
+
+ private:
+  int64_t block_size_;
+  std::vector<int64_t> ids_, positions_, slots_, logits_indices_;
+  std::vector<int32_t> query_start_loc_{0}, seq_lens_;
+  std::vector<std::vector<int32_t>> block_tables_;
+};
+
+}  // namespace kvserve

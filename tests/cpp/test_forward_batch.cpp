@@ -1,0 +1,42 @@
+#include "kvserve/forward_batch.h"
+
+#include <gtest/gtest.h>
+
+#include <stdexcept>
+
+namespace kvserve {
+namespace {
+
+template <typename T>
+std::vector<T> values(const at::Tensor& t) {
+  const at::Tensor c = t.contiguous();
+  return std::vector<T>(c.data_ptr<T>(), c.data_ptr<T>() + c.numel());
+}
+
+TEST(ForwardBatchBuilder, FlattensPrefillsAndDecodesWithExactSlots) {
+  ForwardBatchBuilder builder(/*block_size=*/4);
+  builder.add({11, 12, 13, 14, 15}, /*num_cached=*/0, {7, 2});  // prefill across two blocks
+  builder.add({21}, /*num_cached=*/6, {3, 9});                 // decode at position 6
+  builder.add({31, 32}, /*num_cached=*/1, {5});                // chunk after a cached prefix
+  const ForwardBatch b = builder.build(at::Device("cpu"));
+  EXPECT_EQ(values<int64_t>(b.input_ids), (std::vector<int64_t>{11, 12, 13, 14, 15, 21, 31, 32}));
+  EXPECT_EQ(values<int64_t>(b.positions), (std::vector<int64_t>{0, 1, 2, 3, 4, 6, 1, 2}));
+  // slot = block_table[p / 4] * 4 + p % 4
+  EXPECT_EQ(values<int64_t>(b.metadata.slot_mapping),
+            (std::vector<int64_t>{28, 29, 30, 31, 8, 38, 21, 22}));
+  EXPECT_EQ(values<int32_t>(b.metadata.query_start_loc), (std::vector<int32_t>{0, 5, 6, 8}));
+  EXPECT_EQ(values<int32_t>(b.metadata.seq_lens), (std::vector<int32_t>{5, 7, 3}));
+  EXPECT_EQ(b.metadata.block_tables.sizes(), (std::vector<int64_t>{3, 2}));
+  EXPECT_EQ(values<int32_t>(b.metadata.block_tables), (std::vector<int32_t>{7, 2, 3, 9, 5, 0}));
+  EXPECT_EQ(values<int64_t>(b.logits_indices), (std::vector<int64_t>{4, 5, 7}));
+}
+
+TEST(ForwardBatchBuilder, RejectsASequenceLongerThanItsBlocks) {
+  ForwardBatchBuilder builder(4);
+  EXPECT_THROW(builder.add({1, 2, 3}, 2, {0}), std::out_of_range);
+  EXPECT_EQ(builder.num_sequences(), 0);
+  EXPECT_NO_THROW(builder.add({1, 2}, 2, {0}));
+}
+
+}  // namespace
+}  // namespace kvserve
