@@ -1,9 +1,12 @@
-"""Command line: ``python -m kvserve generate --model DIR --prompt TEXT``."""
+"""Command line: ``python -m kvserve generate --model DIR --prompt TEXT``,
+``python -m kvserve convert llama2c --checkpoint FILE.bin --tokenizer TOK.bin --out DIR``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from kvserve.convert.llama2c import add_llama2c_parser
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -41,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--max-model-len", type=int, default=None)
     g.set_defaults(func=_generate)
+    c = sub.add_parser("convert", help="write another format's checkpoint as a Hugging Face dir")
+    add_llama2c_parser(c.add_subparsers(dest="format", required=True))
     return parser
 
 
