@@ -1,0 +1,299 @@
+"""Train a small Hugging Face Llama on a text file, on the CPU, from scratch.
+
+    python scripts/train_tiny.py --out models/shakespeare-target --preset target
+    python scripts/train_tiny.py --out models/shakespeare-draft --preset draft \
+        --tokenizer models/shakespeare-target
+
+The corpus (default ../shared/data/tinyshakespeare/input.txt) is split by characters: the first
+90% trains, the last 10% validates. A byte-level BPE tokenizer is trained on the training part with
+the `tokenizers` library unless --tokenizer names a directory whose tokenizer.json to reuse (a draft
+model must share its target's tokenizer). Every training sequence is BOS followed by a random
+window of the corpus, so that generation from "<s> prompt" starts in a familiar state.
+
+Writes a standard Hugging Face directory (config.json, model.safetensors, generation_config.json,
+tokenizer.json, tokenizer_config.json) plus train_log.csv (step, tokens, train and validation loss,
+learning rate, elapsed seconds) and training.json (the command, the split, steps, wall time, final
+losses), which scripts/write_model_card.py turns into the model card.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2
+BOS_ID, EOS_ID = 1, 2
+
+# Shapes of the shipped models. The target is the largest that reaches its best validation loss
+# within 30 minutes on a 2-core CPU; the draft is ~10x smaller for speculative decoding.
+PRESETS = {
+    "target": dict(hidden_size=320, num_hidden_layers=6, num_attention_heads=8,
+                   num_key_value_heads=2, intermediate_size=864, steps=1500, batch_size=8,
+                   lr=1.5e-3),
+    "draft": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=344, steps=1500, batch_size=8,
+                  lr=3e-3),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", required=True, type=Path, help="output model directory")
+    p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="reuse this directory's tokenizer.json instead of training one")
+    p.add_argument("--vocab-size", type=int, default=1024)
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="model shape and schedule; explicit flags override it")
+    p.add_argument("--hidden-size", type=int)
+    p.add_argument("--num-hidden-layers", type=int)
+    p.add_argument("--num-attention-heads", type=int)
+    p.add_argument("--num-key-value-heads", type=int)
+    p.add_argument("--intermediate-size", type=int)
+    p.add_argument("--seq-len", type=int, default=512, help="training context (tokens, BOS included)")
+    p.add_argument("--max-position-embeddings", type=int, default=1024,
+                   help="the context the config declares (RoPE has no learned positions; text "
+                        "quality degrades past the training context)")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--min-lr-ratio", type=float, default=0.1)
+    p.add_argument("--warmup-steps", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--eval-every", type=int, default=150)
+    p.add_argument("--eval-batches", type=int, default=0,
+                   help="validation windows to score per evaluation (0 = the whole split)")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
+                   help="matmul precision: bf16 autocast (fp32 master weights; ~1.4x faster on "
+                        "CPUs with AVX512-BF16) or plain fp32")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    args = p.parse_args(argv)
+    preset = PRESETS.get(args.preset, {})
+    for key, value in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    missing = [k for k in PRESETS["target"] if getattr(args, k) is None]
+    if missing:
+        p.error("without --preset, give " + ", ".join("--" + k.replace("_", "-") for k in missing))
+    return args
+
+
+def read_split(corpus: Path) -> tuple[str, str]:
+    """The corpus text split 90/10 by characters, at a line boundary."""
+    if not corpus.is_file():
+        raise SystemExit(f"corpus {corpus} not found (the shared data lives in ../shared/data)")
+    text = corpus.read_text(encoding="utf-8")
+    cut = text.rfind("\n", 0, int(len(text) * 0.9)) + 1
+    return text[:cut], text[cut:]
+
+
+def train_tokenizer(text: str, vocab_size: int):
+    """A byte-level BPE: any text encodes (no unknown tokens) and decodes back exactly."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(text.splitlines(keepends=True), trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", BOS_ID)])
+    return tok
+
+
+def load_or_train_tokenizer(args: argparse.Namespace, train_text: str):
+    from tokenizers import Tokenizer
+
+    if args.tokenizer is None:
+        return train_tokenizer(train_text, args.vocab_size)
+    tok = Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
+    for i, name in enumerate(SPECIAL_TOKENS):
+        if tok.token_to_id(name) != i:
+            raise SystemExit(f"{args.tokenizer}: expected {name} at id {i}")
+    return tok
+
+
+def encode(tok, text: str) -> torch.Tensor:
+    return torch.tensor(tok.encode(text, add_special_tokens=False).ids, dtype=torch.long)
+
+
+def make_config(args: argparse.Namespace, vocab_size: int):
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size, num_hidden_layers=args.num_hidden_layers,
+        num_attention_heads=args.num_attention_heads,
+        num_key_value_heads=args.num_key_value_heads,
+        max_position_embeddings=args.max_position_embeddings, rms_norm_eps=1e-5,
+        initializer_range=0.02, tie_word_embeddings=True, bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID, attention_bias=False, mlp_bias=False)
+    config.architectures = ["LlamaForCausalLM"]
+    return config
+
+
+def sample_batch(ids: torch.Tensor, batch_size: int, seq_len: int,
+                 gen: torch.Generator) -> torch.Tensor:
+    """[batch, seq_len]: BOS then seq_len - 1 consecutive corpus tokens from a random offset."""
+    starts = torch.randint(0, len(ids) - seq_len + 1, (batch_size,), generator=gen)
+    rows = torch.stack([ids[s:s + seq_len - 1] for s in starts.tolist()])
+    bos = torch.full((batch_size, 1), BOS_ID, dtype=torch.long)
+    return torch.cat([bos, rows], dim=1)
+
+
+def validation_windows(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Non-overlapping BOS-prefixed windows covering the validation split."""
+    body = seq_len - 1
+    n = (len(ids) - 1) // body
+    rows = ids[:n * body].view(n, body)
+    return torch.cat([torch.full((n, 1), BOS_ID, dtype=torch.long), rows], dim=1)
+
+
+@torch.no_grad()
+def evaluate(model, windows: torch.Tensor, limit: int, batch_size: int) -> float:
+    """Mean next-token cross entropy over the windows (the loss at BOS is not counted)."""
+    model.eval()
+    if limit:
+        windows = windows[:limit * batch_size]
+    total, count = 0.0, 0
+    for chunk in windows.split(batch_size):
+        logits = model(chunk).logits[:, :-1].float()
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), chunk[:, 1:].reshape(-1), reduction="sum")
+        total += loss.item()
+        count += chunk[:, 1:].numel()
+    model.train()
+    return total / count
+
+
+def learning_rate(step: int, args: argparse.Namespace) -> float:
+    """Linear warm-up, then cosine decay to min_lr_ratio * lr."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+    floor = args.lr * args.min_lr_ratio
+    return floor + 0.5 * (args.lr - floor) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def save(model, tok, out: Path) -> None:
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+    model.save_pretrained(out)
+    GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, do_sample=True, temperature=0.8,
+                     top_k=50).save_pretrained(out)
+    tok.save(str(out / "tokenizer.json"))
+    fast = PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"), unk_token="<unk>",
+                                   bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(out)
+    tok.save(str(out / "tokenizer.json"))  # keep our post-processor (BOS) byte-for-byte
+    # The portable class name (transformers 4 and 5 both map it to the tokenizers backend).
+    tok_config_path = out / "tokenizer_config.json"
+    tok_config = json.loads(tok_config_path.read_text())
+    tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tok_config_path.write_text(json.dumps(tok_config, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    from tqdm import tqdm
+    from transformers import LlamaForCausalLM
+
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    started = time.monotonic()
+
+    train_text, val_text = read_split(args.corpus)
+    tok = load_or_train_tokenizer(args, train_text)
+    train_ids, val_ids = encode(tok, train_text), encode(tok, val_text)
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    model = LlamaForCausalLM(make_config(args, vocab_size))
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"corpus {args.corpus}: {len(train_text):,} train / {len(val_text):,} validation chars, "
+          f"{len(train_ids):,} / {len(val_ids):,} tokens (vocab {vocab_size}); "
+          f"model {n_params / 1e6:.2f}M parameters", file=sys.stderr)
+
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=args.lr, betas=(0.9, 0.95))
+    val_windows = validation_windows(val_ids, args.seq_len)
+    args.out.mkdir(parents=True, exist_ok=True)
+    log_path = args.out / "train_log.csv"
+    tokens_per_step = args.batch_size * (args.seq_len - 1)
+    train_loss = val_loss = float("nan")
+    model.train()
+    with open(log_path, "w", newline="") as log_file, \
+            tqdm(range(args.steps), desc="train", unit="step", file=sys.stderr) as bar:
+        log = csv.writer(log_file)
+        log.writerow(["step", "tokens", "train_loss", "val_loss", "lr", "elapsed_s"])
+        running = None
+        best = (float("inf"), 0, None)  # validation loss, step, weights
+        for step in bar:
+            lr = learning_rate(step, args)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            batch = sample_batch(train_ids, args.batch_size, args.seq_len, gen)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+                loss = model(batch, labels=batch).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            train_loss = loss.item()
+            running = train_loss if running is None else 0.95 * running + 0.05 * train_loss
+            last = step + 1 == args.steps
+            if (step + 1) % args.eval_every == 0 or last:
+                val_loss = evaluate(model, val_windows, args.eval_batches, args.batch_size)
+                if val_loss < best[0]:
+                    best = (val_loss, step + 1, copy.deepcopy(model.state_dict()))
+            bar.set_postfix(loss=f"{running:.3f}", val=f"{val_loss:.3f}", lr=f"{lr:.1e}")
+            log.writerow([step + 1, (step + 1) * tokens_per_step, f"{train_loss:.4f}",
+                          f"{val_loss:.4f}" if (step + 1) % args.eval_every == 0 or last else "",
+                          f"{lr:.3e}", f"{time.monotonic() - started:.1f}"])
+            log_file.flush()
+    # Early stopping: the small corpus is seen many times over, so keep the weights with the best
+    # validation loss.
+    val_loss, best_step, state = best
+    model.load_state_dict(state)
+    final_train = evaluate(model, validation_windows(train_ids[-len(val_ids):], args.seq_len),
+                           0, args.batch_size)
+    wall = time.monotonic() - started
+    save(model, tok, args.out)
+    summary = {
+        "command": "python " + " ".join(shlex.quote(a) for a in
+                                        ["scripts/train_tiny.py", *(argv or sys.argv[1:])]),
+        "corpus": os.path.relpath(args.corpus.resolve(), REPO),
+        "train_chars": len(train_text), "validation_chars": len(val_text),
+        "train_tokens": len(train_ids), "validation_tokens": len(val_ids),
+        "vocab_size": vocab_size, "parameters": n_params, "steps": args.steps,
+        "best_step": best_step, "batch_size": args.batch_size, "precision": args.precision, "seq_len": args.seq_len,
+        "tokens_seen": args.steps * tokens_per_step, "lr": args.lr, "seed": args.seed,
+        "threads": torch.get_num_threads(), "wall_time_s": round(wall, 1),
+        "final_train_loss": round(final_train, 4), "final_validation_loss": round(val_loss, 4),
+    }
+    (args.out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"done in {wall / 60:.1f} min: kept step {best_step}: train loss {final_train:.3f} "
+          f"(last 10%-sized slice of the training split), validation loss {val_loss:.3f} "
+          f"-> {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Measure a model trained by scripts/train_tiny.py and write its model card (README.md).
+
+    python scripts/write_model_card.py --model models/shakespeare-target
+    python scripts/write_model_card.py --model models/shakespeare-draft --target models/shakespeare-target
+
+Measures, on the validation split that training held out: perplexity by transformers and by
+kvserve (the same strided windows), the draft's greedy agreement with its target, the KV-cache
+bytes per token, and a sample from kvserve. Reads the training facts from training.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import kvserve
+from kvserve.perplexity import evaluate_perplexity
+from kvserve.testing.hf_reference import greedy_agreement, hf_perplexity, load_hf_model
+from train_tiny import BOS_ID, DEFAULT_CORPUS, REPO, read_split
+
+SAMPLE_PROMPT = "ROMEO:\n"
+
+
+def kv_bytes_per_token(config, dtype_bytes: int) -> int:
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * \
+        (config.hidden_size // config.num_attention_heads) * dtype_bytes
+
+
+def measure(model_dir: Path, target_dir: Path | None, corpus: Path) -> dict:
+    training = json.loads((model_dir / "training.json").read_text())
+    _, val_text = read_split(corpus)
+    llm = kvserve.LLM(model_dir, dtype="float32")
+    ids = llm.tokenizer.encode(val_text)
+    window = training["seq_len"]
+    stride = window // 2
+    ours = evaluate_perplexity(llm.model, ids, max_length=window, stride=stride)
+    hf = load_hf_model(model_dir)
+    theirs = hf_perplexity(hf, ids, window, stride)
+    facts = dict(training=training, config=hf.config, val_tokens=len(ids), window=window,
+                 stride=stride, ppl_kvserve=ours.perplexity, ppl_hf=theirs)
+    if target_dir is not None:
+        facts["target"] = target_dir.name
+        facts["agreement"] = greedy_agreement(hf, load_hf_model(target_dir), ids[1:], window, BOS_ID)
+    params = kvserve.SamplingParams(temperature=0.8, top_k=50, seed=0, max_tokens=96,
+                                    ignore_eos=True)
+    facts["sample"] = llm.generate([SAMPLE_PROMPT], params)[0].outputs[0].text
+    return facts
+
+
+def render(name: str, f: dict) -> str:
+    t, c = f["training"], f["config"]
+    head_dim = c.hidden_size // c.num_attention_heads
+    role = ("the default model of `make demo` and `python -m kvserve generate`"
+            if "target" not in f else f"the speculative-decoding draft for `{f['target']}`")
+    lines = [
+        f"# {name}",
+        "",
+        f"A small Llama trained from scratch on Tiny Shakespeare by kvserve's own "
+        f"`scripts/train_tiny.py`; {role}. It writes Shakespeare-like text, not sense: it has "
+        f"{t['parameters'] / 1e6:.2f}M parameters and saw {t['tokens_seen'] / 1e6:.1f}M tokens.",
+        "",
+        "## Architecture",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| class | `LlamaForCausalLM` (Hugging Face format, fp32 safetensors) |",
+        f"| parameters | {t['parameters']:,} (embeddings tied with the output layer) |",
+        f"| layers, hidden, MLP | {c.num_hidden_layers}, {c.hidden_size}, {c.intermediate_size} (SwiGLU) |",
+        f"| attention | {c.num_attention_heads} query heads, {c.num_key_value_heads} KV heads "
+        f"(GQA {c.num_attention_heads // c.num_key_value_heads}:1), head dim {head_dim}, RoPE θ "
+        f"{int(c.rope_parameters['rope_theta'])} |",
+        f"| context | trained on {t['seq_len']}-token windows; the config allows "
+        f"{c.max_position_embeddings} (RoPE has no learned positions, but text past "
+        f"{t['seq_len']} tokens is out of distribution) |",
+        f"| KV cache per token | {kv_bytes_per_token(c, 4):,} bytes in fp32, "
+        f"{kv_bytes_per_token(c, 2):,} in bf16 |",
+        "",
+        "## Tokenizer",
+        "",
+        f"Byte-level BPE, {t['vocab_size']:,} tokens (ids 0/1/2 = `<unk>`/`<s>`/`</s>`), trained "
+        f"with the `tokenizers` library on the training split; every text encodes without unknown "
+        f"tokens. The tokenizer prepends `<s>`. Shared by `shakespeare-target` and "
+        f"`shakespeare-draft`.",
+        "",
+        "## Training",
+        "",
+        f"- Corpus: `{t['corpus']}` (Tiny Shakespeare). Split by characters at a line boundary: "
+        f"the first 90% trains ({t['train_chars']:,} chars, {t['train_tokens']:,} tokens), the last "
+        f"10% validates ({t['validation_chars']:,} chars, {t['validation_tokens']:,} tokens).",
+        f"- Each sequence is `<s>` + {t['seq_len'] - 1} tokens from a random offset; batch "
+        f"{t['batch_size']}; AdamW (β 0.9/0.95, weight decay 0.1), peak learning rate {t['lr']}, "
+        f"warm-up then cosine decay; bf16 autocast with fp32 weights; seed {t['seed']}; "
+        f"{t['threads']} CPU threads.",
+        f"- {t['steps']:,} steps in {t['wall_time_s'] / 60:.1f} minutes of wall time; the weights "
+        f"kept are those of step {t['best_step']:,}, the best validation loss.",
+        f"- Final loss (mean next-token cross entropy, nats): train {t['final_train_loss']:.3f} "
+        f"(on a 10%-sized slice of the training split), validation {t['final_validation_loss']:.3f}."
+        f" The per-step log is `train_log.csv`.",
+        "",
+        "## Evaluation",
+        "",
+        f"Validation perplexity over all {f['val_tokens']:,} validation tokens, in strided "
+        f"windows of {f['window']} tokens with stride {f['stride']}. kvserve's figure is what "
+        f"this prints:",
+        "",
+        "```",
+        f"tail -c {t['validation_chars']} {t['corpus']} > /tmp/validation.txt",
+        f"python -m kvserve eval-ppl --model models/{name} --text /tmp/validation.txt "
+        f"--max-length {f['window']} --stride {f['stride']}",
+        "```",
+        "",
+        "| runtime | perplexity |",
+        "|---|---|",
+        f"| transformers | {f['ppl_hf']:.4f} |",
+        f"| kvserve | {f['ppl_kvserve']:.4f} |",
+        "",
+        f"They differ by {abs(f['ppl_kvserve'] / f['ppl_hf'] - 1) * 100:.4f}%.",
+    ]
+    if "agreement" in f:
+        lines += ["", f"Greedy agreement with `{f['target']}`: the two models' argmax next tokens "
+                  f"agree at **{f['agreement'] * 100:.1f}%** of validation positions "
+                  f"(teacher-forced, {f['window']}-token windows)."]
+    lines += [
+        "",
+        "## Sample",
+        "",
+        f"kvserve, prompt `{SAMPLE_PROMPT!r}`, temperature 0.8, top-k 50, seed 0, 96 tokens:",
+        "",
+        "```",
+        SAMPLE_PROMPT + f["sample"],
+        "```",
+        "",
+        "## Rebuild",
+        "",
+        "```",
+        t["command"],
+        f"python scripts/write_model_card.py --model models/{name}"
+        + (f" --target models/{f['target']}" if "target" in f else ""),
+        "```",
+        "",
+        "Training is seeded; the same CPU and library versions give the same weights.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--target", type=Path, default=None, help="for a draft: its target model")
+    p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    args = p.parse_args()
+    torch.manual_seed(0)
+    facts = measure(args.model, args.target, args.corpus)
+    card = render(args.model.resolve().name, facts)
+    (args.model / "README.md").write_text(card)
+    print(card)
+    print(f"wrote {args.model / 'README.md'} (repo {REPO})", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
