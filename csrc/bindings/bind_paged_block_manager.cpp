@@ -1,0 +1,66 @@
+// Python bindings of the PagedBlockManager and its BlockCopy.
+#include <torch/csrc/utils/pybind.h>
+#include <pybind11/operators.h>
+#include <pybind11/stl.h>
+
+#include <string>
+
+#include "bindings/bindings.h"
+#include "kvserve/paged_block_manager.h"
+
+namespace py = pybind11;
+
+namespace kvserve::bindings {
+
+void bind_paged_block_manager(py::module_& m) {
+  py::class_<BlockCopy>(m, "BlockCopy", "Copy block src into block dst before writing dst.")
+      .def(py::init<int32_t, int32_t>(), py::arg("src"), py::arg("dst"))
+      .def_readonly("src", &BlockCopy::src)
+      .def_readonly("dst", &BlockCopy::dst)
+      .def(py::self == py::self)
+      .def("__repr__", [](const BlockCopy& c) {
+        return "BlockCopy(src=" + std::to_string(c.src) + ", dst=" + std::to_string(c.dst) + ")";
+      });
+
+  using M = PagedBlockManager;
+  py::class_<M>(m, "PagedBlockManager",
+                "KV cache block ids, reference counts and prefix cache; block 0 is the null block.")
+      .def(py::init<int64_t, int64_t, bool, double>(), py::arg("num_blocks"),
+           py::arg("block_size") = 16, py::arg("enable_prefix_caching") = true,
+           py::arg("watermark") = 0.01)
+      .def("can_allocate", &M::can_allocate, py::arg("prompt_tokens"), py::arg("extra_key") = 0)
+      .def("allocate", &M::allocate, py::arg("seq_id"), py::arg("prompt_tokens"),
+           py::arg("extra_key") = 0, "Returns how many prompt tokens the prefix cache holds.")
+      .def("can_append_slots", &M::can_append_slots, py::arg("seq_id"), py::arg("num_new_tokens"))
+      .def("append_slots", &M::append_slots, py::arg("seq_id"), py::arg("new_tokens"),
+           "Returns the BlockCopy list to apply to the KV tensors before the step.")
+      .def("mark_computed", &M::mark_computed, py::arg("seq_id"), py::arg("num_computed_tokens"))
+      .def("fork", &M::fork, py::arg("parent_id"), py::arg("child_id"))
+      .def("free", &M::free, py::arg("seq_id"))
+      .def("reset_prefix_cache", &M::reset_prefix_cache)
+      .def("check_invariants", &M::check_invariants)
+      .def("num_blocks", &M::num_blocks)
+      .def("block_size", &M::block_size)
+      .def("num_usable_blocks", &M::num_usable_blocks)
+      .def("num_free_blocks", &M::num_free_blocks)
+      .def("usage", &M::usage)
+      .def("num_cached_blocks", &M::num_cached_blocks)
+      .def("prefix_cache_queries", &M::prefix_cache_queries)
+      .def("prefix_cache_hits", &M::prefix_cache_hits)
+      .def("num_evictions", &M::num_evictions)
+      .def("free_block_ids", &M::free_block_ids)
+      .def("ref_count", &M::ref_count, py::arg("block_id"))
+      .def("has_sequence", &M::has_sequence, py::arg("seq_id"))
+      .def("num_sequences", &M::num_sequences)
+      .def("block_table", &M::block_table, py::arg("seq_id"))
+      .def("num_tokens", &M::num_tokens, py::arg("seq_id"))
+      .def("num_computed_tokens", &M::num_computed_tokens, py::arg("seq_id"))
+      .def("__repr__", [](const M& m) {
+        return "PagedBlockManager(num_blocks=" + std::to_string(m.num_blocks()) +
+               ", block_size=" + std::to_string(m.block_size()) +
+               ", num_free_blocks=" + std::to_string(m.num_free_blocks()) +
+               ", num_sequences=" + std::to_string(m.num_sequences()) + ")";
+      });
+}
+
+}  // namespace kvserve::bindings

@@ -1,0 +1,121 @@
+"""The PagedBlockManager (kvserve._C.PagedBlockManager) through its bindings: an exact trace, the
+invariants after random operations, and the errors bad arguments raise. The exhaustive traces and
+the randomized KV check live in tests/cpp/test_paged_block_manager.cpp."""
+
+import random
+
+import pytest
+
+import kvserve  # noqa: F401  (loads libtorch before the extension)
+from kvserve._C import BlockCopy, PagedBlockManager
+
+
+def test_trace_with_prefix_hit_fork_copy_and_free():
+    m = PagedBlockManager(num_blocks=10, block_size=4)
+    prompt = list(range(10))
+    assert m.allocate(1, prompt) == 0
+    assert m.block_table(1) == [1, 2, 3]
+    m.mark_computed(1, 10)
+    assert m.num_cached_blocks() == 2
+    assert m.allocate(2, prompt) == 8  # two full blocks; the last two tokens are recomputed
+    assert m.block_table(2) == [1, 2, 4]
+    assert m.num_computed_tokens(2) == 8
+    assert [m.ref_count(b) for b in range(5)] == [0, 2, 2, 1, 1]
+    assert (m.prefix_cache_queries(), m.prefix_cache_hits()) == (20, 8)
+
+    m.fork(2, 3)
+    copies = m.append_slots(3, [99])  # block 4 is shared and half full: copy before writing
+    assert copies == [BlockCopy(src=4, dst=5)]
+    assert repr(copies[0]) == "BlockCopy(src=4, dst=5)"
+    assert m.block_table(3) == [1, 2, 5] and m.num_tokens(3) == 11
+    assert m.append_slots(2, [98]) == []  # block 4 is sequence 2's alone now
+    m.check_invariants()
+
+    for seq_id in (3, 2, 1):
+        m.free(seq_id)
+    # Uncached blocks at the head, cached ones at the tail, each sequence's last block first.
+    assert m.free_block_ids() == [3, 4, 5, 6, 7, 8, 9, 2, 1]
+    assert m.num_free_blocks() == m.num_usable_blocks() == 9
+    assert m.usage() == 0.0 and m.num_sequences() == 0
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+@pytest.mark.parametrize("block_size", [1, 3])
+def test_random_operations_keep_the_invariants(block_size, enable_prefix_caching):
+    rng = random.Random(block_size)
+    m = PagedBlockManager(num_blocks=20, block_size=block_size,
+                          enable_prefix_caching=enable_prefix_caching)
+    prefixes = [[rng.randrange(4) for _ in range(9)] for _ in range(2)]
+    live, next_id = [], 0
+    for _ in range(600):
+        op = rng.random()
+        if not live or op < 0.3:
+            prompt = rng.choice(prefixes)[: rng.randrange(10)] + [rng.randrange(4)]
+            if m.can_allocate(prompt):
+                m.allocate(next_id, prompt)
+                live.append(next_id)
+                next_id += 1
+        elif op < 0.7:
+            seq_id = rng.choice(live)
+            if m.num_computed_tokens(seq_id) < m.num_tokens(seq_id):
+                m.mark_computed(seq_id, m.num_tokens(seq_id))
+            elif m.can_append_slots(seq_id, 1):
+                m.append_slots(seq_id, [rng.randrange(4)])
+        elif op < 0.8:
+            m.fork(rng.choice(live), next_id)
+            live.append(next_id)
+            next_id += 1
+        else:
+            m.free(live.pop(rng.randrange(len(live))))
+        m.check_invariants()
+    if enable_prefix_caching:
+        assert m.prefix_cache_hits() > 0 and m.num_evictions() > 0
+    for seq_id in live:
+        m.free(seq_id)
+    m.check_invariants()
+    assert m.num_free_blocks() == m.num_usable_blocks()
+
+
+def test_errors_name_the_problem_and_change_nothing():
+    m = PagedBlockManager(num_blocks=4, block_size=4)
+    m.allocate(1, [1, 2, 3, 4, 5])
+    with pytest.raises(IndexError, match="unknown sequence id 7"):
+        m.block_table(7)
+    with pytest.raises(IndexError, match="unknown sequence id 7"):
+        m.append_slots(7, [1])
+    with pytest.raises(IndexError, match="unknown sequence id 7"):
+        m.free(7)
+    with pytest.raises(IndexError, match=r"block id 4 is outside \[0, 4\)"):
+        m.ref_count(4)
+    with pytest.raises(ValueError, match="sequence id 1 is already allocated"):
+        m.allocate(1, [1])
+    with pytest.raises(ValueError, match="empty prompt"):
+        m.allocate(2, [])
+    with pytest.raises(ValueError, match="token ids must be non-negative, got -2"):
+        m.allocate(2, [1, -2])
+    with pytest.raises(ValueError, match="token ids must be non-negative"):
+        m.append_slots(1, [-1])
+    with pytest.raises(ValueError, match="cannot set 6"):
+        m.mark_computed(1, 6)
+    with pytest.raises(ValueError, match="num_new_tokens must be >= 0"):
+        m.can_append_slots(1, -1)
+    with pytest.raises(RuntimeError, match=r"sequence 2 needs 3 free KV cache blocks \(1 free\)"):
+        m.allocate(2, list(range(9)))
+    with pytest.raises(RuntimeError, match="not enough free KV cache blocks"):
+        m.append_slots(1, list(range(8)))
+    with pytest.raises(TypeError):
+        m.allocate(2, [2**31])  # token ids are int32
+    assert m.free_block_ids() == [3] and m.num_sequences() == 1 and m.num_tokens(1) == 5
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_blocks=1), "num_blocks must be in"),
+    (dict(num_blocks=4, block_size=0), "block_size must be >= 1"),
+    (dict(num_blocks=4, watermark=1.0), r"watermark must be in \[0, 1\)"),
+    (dict(num_blocks=4, watermark=-0.5), r"watermark must be in \[0, 1\)"),
+])
+def test_constructor_rejects_bad_sizes(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PagedBlockManager(**kwargs)
