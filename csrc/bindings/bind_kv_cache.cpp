@@ -1,8 +1,10 @@
-// Python bindings of KVCache and the notes' simple cached forward.
+// Python bindings of the caches: the contiguous KVCache of the notes and the PagedKVCache.
 #include <torch/csrc/utils/pybind.h>
+#include <pybind11/stl.h>
 
 #include "bindings/bindings.h"
 #include "kvserve/kv_cache.h"
+#include "kvserve/paged_kv_cache.h"
 
 namespace py = pybind11;
 
@@ -28,6 +30,54 @@ void bind_kv_cache(py::module_& m) {
       .def_property_readonly("num_kv_heads", &KVCache::num_kv_heads)
       .def_property_readonly("head_dim", &KVCache::head_dim)
       .def_property_readonly("nbytes", &KVCache::nbytes);
+
+  py::class_<PagedKVCache, std::shared_ptr<PagedKVCache>>(
+      m, "PagedKVCache",
+      "Per-layer pools of KV blocks, key and value [num_blocks, block_size, num_kv_heads, "
+      "head_dim]; block 0 is the null block.")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, at::ScalarType, at::Device>(),
+           py::arg("num_layers"), py::arg("num_blocks"), py::arg("block_size"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("dtype") = at::kFloat,
+           py::arg("device") = at::Device("cpu"))
+      .def_static(
+          "from_memory",
+          [](int64_t memory_bytes, int64_t num_layers, int64_t block_size, int64_t num_kv_heads,
+             int64_t head_dim, at::ScalarType dtype, at::Device device) {
+            return std::make_shared<PagedKVCache>(PagedKVCache::from_memory(
+                memory_bytes, num_layers, block_size, num_kv_heads, head_dim, dtype, device));
+          },
+          py::arg("memory_bytes"), py::arg("num_layers"), py::arg("block_size"),
+          py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("dtype") = at::kFloat,
+          py::arg("device") = at::Device("cpu"), "As many blocks as fit in memory_bytes.")
+      .def_static("bytes_per_block", &PagedKVCache::bytes_per_block, py::arg("num_layers"),
+                  py::arg("block_size"), py::arg("num_kv_heads"), py::arg("head_dim"),
+                  py::arg("dtype") = at::kFloat)
+      .def("copy_blocks", &PagedKVCache::copy_blocks, py::arg("copies"),
+           "Copies whole blocks in every layer; copies is a list of (src, dst).")
+      .def_property_readonly("key_caches", [](const PagedKVCache& c) {
+        std::vector<at::Tensor> keys;
+        for (const auto& layer : c.layers()) keys.push_back(layer.key);
+        return keys;
+      })
+      .def_property_readonly("value_caches", [](const PagedKVCache& c) {
+        std::vector<at::Tensor> values;
+        for (const auto& layer : c.layers()) values.push_back(layer.value);
+        return values;
+      })
+      .def_property_readonly("num_layers", &PagedKVCache::num_layers)
+      .def_property_readonly("num_blocks", &PagedKVCache::num_blocks)
+      .def_property_readonly("block_size", &PagedKVCache::block_size)
+      .def_property_readonly("num_kv_heads", &PagedKVCache::num_kv_heads)
+      .def_property_readonly("head_dim", &PagedKVCache::head_dim)
+      .def_property_readonly("capacity_tokens", &PagedKVCache::capacity_tokens)
+      .def_property_readonly("bytes_per_token", &PagedKVCache::bytes_per_token)
+      .def_property_readonly("nbytes", &PagedKVCache::nbytes)
+      .def("__repr__", [](const PagedKVCache& c) {
+        return "PagedKVCache(num_layers=" + std::to_string(c.num_layers()) +
+               ", num_blocks=" + std::to_string(c.num_blocks()) +
+               ", block_size=" + std::to_string(c.block_size()) +
+               ", capacity_tokens=" + std::to_string(c.capacity_tokens()) + ")";
+      });
 }
 
 }  // namespace kvserve::bindings

@@ -3,7 +3,9 @@
 #include <pybind11/stl.h>
 
 #include "bindings/bindings.h"
+#include "kvserve/forward_batch.h"
 #include "kvserve/kv_cache.h"
+#include "kvserve/paged_kv_cache.h"
 #include "kvserve/model_runner.h"
 #include "models/model_factory.h"
 
@@ -48,6 +50,21 @@ void bind_config(py::module_& m) {
       .def("validate", &ModelConfig::validate);
 }
 
+void bind_forward_batch(py::module_& m) {
+  py::class_<ForwardBatch>(m, "ForwardBatch", "The flattened tensors of one forward pass.")
+      .def_readonly("input_ids", &ForwardBatch::input_ids)
+      .def_readonly("positions", &ForwardBatch::positions)
+      .def_readonly("metadata", &ForwardBatch::metadata)
+      .def_readonly("logits_indices", &ForwardBatch::logits_indices);
+  py::class_<ForwardBatchBuilder>(m, "ForwardBatchBuilder")
+      .def(py::init<int64_t>(), py::arg("block_size"))
+      .def("add", &ForwardBatchBuilder::add, py::arg("tokens"), py::arg("num_cached"),
+           py::arg("block_table"),
+           "Appends a sequence's new tokens; its first num_cached tokens are already cached.")
+      .def("build", &ForwardBatchBuilder::build, py::arg("device") = at::Device("cpu"))
+      .def_property_readonly("num_sequences", &ForwardBatchBuilder::num_sequences);
+}
+
 void bind_causal_lm(py::module_& m) {
   py::class_<AttentionMetadata>(m, "AttentionMetadata")
       .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(), py::arg("slot_mapping"),
@@ -70,6 +87,15 @@ void bind_causal_lm(py::module_& m) {
           py::arg("input_ids"), py::arg("positions"), py::arg("metadata"), py::arg("kv_caches"),
           py::call_guard<py::gil_scoped_release>(),
           "Hidden states [T, hidden] of a flattened batch; writes K/V at metadata.slot_mapping.")
+      .def(
+          "forward",
+          [](CausalLM& model, const at::Tensor& input_ids, const at::Tensor& positions,
+             const AttentionMetadata& metadata, const PagedKVCache& cache) {
+            return model.forward(input_ids, positions, metadata, cache.layers());
+          },
+          py::arg("input_ids"), py::arg("positions"), py::arg("metadata"), py::arg("kv_cache"),
+          py::call_guard<py::gil_scoped_release>(),
+          "The same over a PagedKVCache (slots and block tables index its blocks).")
       .def("compute_logits", &CausalLM::compute_logits, py::arg("hidden"),
            py::call_guard<py::gil_scoped_release>())
       .def(
@@ -120,6 +146,7 @@ void bind_model_runner(py::module_& m) {
 
 void bind_model(py::module_& m) {
   bind_config(m);
+  bind_forward_batch(m);
   bind_causal_lm(m);
   bind_model_runner(m);
 }

@@ -5,6 +5,7 @@
 
 #include "kernels/activation/silu_and_mul.h"
 #include "kernels/attention/paged_attention.h"
+#include "kernels/cache/kv_cache_copy_blocks.h"
 #include "kernels/cache/kv_cache_write.h"
 #include "kernels/linear/linear.h"
 #include "kernels/norm/rms_norm.h"
@@ -22,6 +23,9 @@ TORCH_LIBRARY(kvserve, m) {
   m.def(
       "kv_cache_write(Tensor key, Tensor value, Tensor! key_cache, Tensor! value_cache, "
       "Tensor slot_mapping) -> ()");
+  m.def(
+      "kv_cache_copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "
+      "Tensor block_mapping) -> ()");
   m.def(
       "paged_attention(Tensor! out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, float scale, "
@@ -82,6 +86,13 @@ void kv_cache_write(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   static const auto op = handle<void(const at::Tensor&, const at::Tensor&, at::Tensor&,
                                      at::Tensor&, const at::Tensor&)>("kvserve::kv_cache_write");
   op.call(key, value, key_cache, value_cache, slot_mapping);
+}
+
+void kv_cache_copy_blocks(at::TensorList key_caches, at::TensorList value_caches,
+                          const at::Tensor& block_mapping) {
+  static const auto op = handle<void(at::TensorList, at::TensorList, const at::Tensor&)>(
+      "kvserve::kv_cache_copy_blocks");
+  op.call(key_caches, value_caches, block_mapping);
 }
 
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,

@@ -18,6 +18,7 @@ __all__ = [
     "rotary_cos_sin_cache",
     "rotary_embedding",
     "kv_cache_write",
+    "kv_cache_copy_blocks",
     "paged_attention",
     "sampling_filter_logits",
     "sampling_probs",
@@ -129,6 +130,19 @@ def kv_cache_write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
         new_key[block, offset] = key[t]
         new_value[block, offset] = value[t]
     return new_key, new_value
+
+
+def kv_cache_copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
+                         block_mapping: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Returns copies of every layer's caches with block dst replaced by block src for each
+    (src, dst) row of block_mapping [num_pairs, 2]; sources are read before any write."""
+    new_keys = [k.clone() for k in key_caches]
+    new_values = [v.clone() for v in value_caches]
+    for layer in range(len(key_caches)):
+        for src, dst in block_mapping.tolist():
+            new_keys[layer][dst] = key_caches[layer][src]
+            new_values[layer][dst] = value_caches[layer][src]
+    return new_keys, new_values
 
 
 # ------------------------------------------------------------------------------------- attention

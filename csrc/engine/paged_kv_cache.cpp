@@ -1,0 +1,78 @@
+#include "kvserve/paged_kv_cache.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/tensor.h>
+#include <c10/core/ScalarType.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "kernels/cache/kv_cache_copy_blocks.h"
+
+namespace kvserve {
+
+PagedKVCache::PagedKVCache(int64_t num_layers, int64_t num_blocks, int64_t block_size,
+                           int64_t num_kv_heads, int64_t head_dim, at::ScalarType dtype,
+                           at::Device device) {
+  if (num_layers < 1 || block_size < 1 || num_kv_heads < 1 || head_dim < 1) {
+    throw std::invalid_argument("PagedKVCache: num_layers, block_size, num_kv_heads and head_dim "
+                                "must be positive");
+  }
+  if (num_blocks < 2) {
+    throw std::invalid_argument("PagedKVCache: need at least 2 blocks (block 0 is the null "
+                                "block), got " + std::to_string(num_blocks));
+  }
+  const auto options = at::TensorOptions().dtype(dtype).device(device);
+  layers_.reserve(num_layers);
+  for (int64_t l = 0; l < num_layers; ++l) {
+    layers_.push_back({at::empty({num_blocks, block_size, num_kv_heads, head_dim}, options),
+                       at::empty({num_blocks, block_size, num_kv_heads, head_dim}, options)});
+  }
+}
+
+int64_t PagedKVCache::bytes_per_block(int64_t num_layers, int64_t block_size,
+                                      int64_t num_kv_heads, int64_t head_dim,
+                                      at::ScalarType dtype) {
+  return 2 * num_layers * block_size * num_kv_heads * head_dim *
+         static_cast<int64_t>(c10::elementSize(dtype));
+}
+
+PagedKVCache PagedKVCache::from_memory(int64_t memory_bytes, int64_t num_layers,
+                                       int64_t block_size, int64_t num_kv_heads,
+                                       int64_t head_dim, at::ScalarType dtype, at::Device device) {
+  const int64_t per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype);
+  const int64_t num_blocks = per_block > 0 ? memory_bytes / per_block : 0;
+  if (num_blocks < 2) {
+    throw std::invalid_argument(
+        "PagedKVCache: " + std::to_string(memory_bytes) + " bytes hold " +
+        std::to_string(num_blocks) + " blocks of " + std::to_string(per_block) +
+        " bytes; at least 2 are needed (block 0 is the null block)");
+  }
+  return PagedKVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device);
+}
+
+int64_t PagedKVCache::bytes_per_token() const {
+  return bytes_per_block(num_layers(), 1, num_kv_heads(), head_dim(), dtype());
+}
+
+int64_t PagedKVCache::nbytes() const { return bytes_per_token() * block_size() * num_blocks(); }
+
+void PagedKVCache::copy_blocks(const std::vector<std::pair<int32_t, int32_t>>& copies) {
+  if (copies.empty()) return;
+  std::vector<int64_t> flat;
+  flat.reserve(2 * copies.size());
+  for (const auto& [src, dst] : copies) {
+    flat.push_back(src);
+    flat.push_back(dst);
+  }
+  const at::Tensor mapping =
+      at::tensor(flat, at::TensorOptions().dtype(at::kLong)).view({-1, 2}).to(device());
+  std::vector<at::Tensor> keys, values;
+  for (const LayerKVCache& layer : layers_) {
+    keys.push_back(layer.key);
+    values.push_back(layer.value);
+  }
+  ops::kv_cache_copy_blocks(keys, values, mapping);
+}
+
+}  // namespace kvserve

@@ -1,0 +1,58 @@
+#pragma once
+// The paged KV cache: per layer, one pool of fixed-size blocks that sequences share through their
+// block tables. The tensors live here; which block belongs to whom is PagedBlockManager's business
+// (block ids only). Block 0 is the null block that pads block tables; it holds no tokens.
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "kvserve/attention_metadata.h"
+
+namespace kvserve {
+
+class PagedKVCache {
+ public:
+  /// Allocates num_blocks blocks per layer (uninitialised), key and value each
+  /// [num_blocks, block_size, num_kv_heads, head_dim]. Throws std::invalid_argument on sizes < 1
+  /// or fewer than 2 blocks (block 0 is reserved).
+  PagedKVCache(int64_t num_layers, int64_t num_blocks, int64_t block_size, int64_t num_kv_heads,
+               int64_t head_dim, at::ScalarType dtype, at::Device device);
+
+  /// As many blocks as fit in `memory_bytes` (both key and value, all layers).
+  static PagedKVCache from_memory(int64_t memory_bytes, int64_t num_layers, int64_t block_size,
+                                  int64_t num_kv_heads, int64_t head_dim, at::ScalarType dtype,
+                                  at::Device device);
+
+  /// Bytes one block takes over all layers (key + value).
+  static int64_t bytes_per_block(int64_t num_layers, int64_t block_size, int64_t num_kv_heads,
+                                 int64_t head_dim, at::ScalarType dtype);
+
+  /// The per-layer views the model's attention reads and writes.
+  const std::vector<LayerKVCache>& layers() const { return layers_; }
+
+  /// Copies whole blocks (src -> dst) in every layer: the copy-on-write copies the block manager
+  /// lists. Throws (c10::Error) on ids outside the pool.
+  void copy_blocks(const std::vector<std::pair<int32_t, int32_t>>& copies);
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  int64_t num_blocks() const { return layers_.front().key.size(0); }
+  int64_t block_size() const { return layers_.front().key.size(1); }
+  int64_t num_kv_heads() const { return layers_.front().key.size(2); }
+  int64_t head_dim() const { return layers_.front().key.size(3); }
+  at::ScalarType dtype() const { return layers_.front().key.scalar_type(); }
+  at::Device device() const { return layers_.front().key.device(); }
+  /// Tokens the usable blocks (all but the null block) can hold.
+  int64_t capacity_tokens() const { return (num_blocks() - 1) * block_size(); }
+  /// KV bytes per token over all layers.
+  int64_t bytes_per_token() const;
+  /// Bytes of all tensors.
+  int64_t nbytes() const;
+
+ private:
+  std::vector<LayerKVCache> layers_;
+};
+
+}  // namespace kvserve
