@@ -1,9 +1,20 @@
 // Paged attention body: variable-length causal queries over a paged KV cache, online softmax in
-// fp32, one work item per (sequence, kv head, query tile) so the queries of a GQA group share
-// every key and value they load. Compiled once per CPU capability.
+// fp32. A work item is (sequence, kv head, block of queries): its rows are those queries times
+// the query heads of the GQA group, so all of them share every key and value it loads.
+// Compiled once per CPU capability.
+//
+// Two paths, chosen per item from its own sizes only (so a sequence's rows do not depend on the
+// rest of the batch):
+//  * few rows (decode, short chunks): each row scores a key with one dot product;
+//  * many rows (prefill): flash-attention style tiles. The item's queries are transposed once to
+//    q_t [head_size, rows], so the scores of a key tile, S^T [keys, rows], come from a register-
+//    blocked micro-kernel that broadcasts key elements against vectors of rows, and the online
+//    softmax runs a vector of rows at a time (no horizontal sums); O [rows, head_size] += P V with
+//    a second micro-kernel. fp32 keys and values are read in place from their cache blocks.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -15,127 +26,277 @@ namespace kvserve::cpu {
 inline namespace CPU_CAPABILITY {
 namespace {
 
-constexpr int64_t kKeyTile = 32;      // keys scored per pass of the online softmax
-// From this many rows per work item on (prefill), keys are transposed once per tile and scored a
-// vector of keys at a time; below it (decode: one query x its GQA group) the transpose costs more
-// than it saves, and each key is scored with one dot product.
-constexpr int64_t kTransposeMinRows = 8;
-constexpr int64_t kRowsPerItem = 32;  // (query, head) rows that share one pass over the keys
+constexpr int64_t kKeyTile = 64;       // keys per pass of the online softmax
+constexpr int64_t kRowsPerItem = 64;   // target (query, head) rows per work item
+// From this many rows on an item takes the tiled path; below it, rows are padded to whole vectors
+// for too little reuse, and a dot product per (row, key) is cheaper.
+constexpr int64_t kTiledMinRows = 8;
+constexpr int kScoreKeys = 4;          // score micro-kernel: keys x vectors of rows in registers
+constexpr int kPvRows = 4;             // P V micro-kernel: rows x vectors of head_size
+constexpr int kVecsPerBlock = 2;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Scratch of one work item; reused across items run by the same thread.
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+/// One work item: rows of queries [q_begin, q_end) of `seq` for the heads of `kv_head`'s group.
+struct Item {
+  int64_t seq, kv_head, q_begin, q_end, cost;
+};
+
+// Scratch of one thread, reused across its items.
 struct Scratch {
-  std::vector<float> q, acc, max, sum, scores, key_t, key_tile, value_tile;
+  std::vector<float> q, acc, max, sum, corr, lo, hi, scores, key_rows, value_rows;
   std::vector<const float*> keys, values;
   void reserve(int64_t rows, int64_t head_size) {
-    q.resize(rows * head_size);
-    acc.resize(rows * head_size);
-    max.resize(rows);
-    sum.resize(rows);
-    scores.resize(kKeyTile);
-    key_t.assign(head_size * kKeyTile, 0.0f);
-    key_tile.resize(kKeyTile * head_size);
-    value_tile.resize(kKeyTile * head_size);
+    const int64_t mp = round_up(rows, Vec::size()), dp = round_up(head_size, Vec::size());
+    q.resize(mp * head_size);
+    acc.resize(mp * dp);
+    for (auto* v : {&max, &sum, &corr, &lo, &hi}) v->resize(mp);
+    scores.resize(kKeyTile * mp);
+    key_rows.resize(kKeyTile * head_size);
+    value_rows.assign(kKeyTile * dp, 0.0f);
     keys.resize(kKeyTile);
     values.resize(kKeyTile);
   }
 };
 
-// For context positions [first, last): values[j] pointing at fp32 value rows, and either the
-// keys transposed to fp32 key_t [head_size, kKeyTile] (`transposed`: scores are then computed a
-// vector of keys at a time, with no horizontal sums) or keys[j] pointing at fp32 key rows.
-// Rows are converted when the cache is not fp32.
+// keys[t], values[t]: fp32 rows of context positions [first, last). Rows are used in place when
+// the cache is fp32 (values also need whole vectors: head_size a multiple of Vec::size());
+// otherwise converted into key_rows [kKeyTile, head_size] / value_rows [kKeyTile, value_stride]
+// (columns past head_size are never output, so what lies there does not matter).
 template <typename T>
-void gather_tile(const PagedAttentionArgs& a, const int32_t* block_table, int64_t kv_head,
-                 int64_t first, int64_t last, bool transposed, Scratch& s) {
+void load_rows(const PagedAttentionArgs& a, const int32_t* block_table, int64_t kv_head,
+               int64_t first, int64_t last, int64_t value_stride, Scratch& s) {
   const T* kc = static_cast<const T*>(a.key_cache);
   const T* vc = static_cast<const T*>(a.value_cache);
-  for (int64_t j = first; j < last; ++j) {
-    const int64_t block = block_table[j / a.block_size];
-    const int64_t offset = block * a.cache_block_stride +
-                           ((j % a.block_size) * a.num_kv_heads + kv_head) * a.head_size;
-    const int64_t t = j - first;
-    const T* key = kc + offset;
-    if (transposed) {
-      for (int64_t d = 0; d < a.head_size; ++d) {
-        s.key_t[d * kKeyTile + t] = static_cast<float>(key[d]);
-      }
-    }
-    if constexpr (std::is_same_v<T, float>) {
-      s.keys[t] = key;
-      s.values[t] = vc + offset;
-    } else {
-      float* vd = s.value_tile.data() + t * a.head_size;
-      convert_to_float(vc + offset, vd, a.head_size);
-      s.values[t] = vd;
-      if (!transposed) {
-        float* kd = s.key_tile.data() + t * a.head_size;
-        convert_to_float(key, kd, a.head_size);
-        s.keys[t] = kd;
-      }
-    }
-  }
-}
-
-// scores[t] = q . key_t[:, t] for the whole tile, vectorized over keys.
-void score_tile(const float* q, const float* key_t, int64_t head_size, float* scores) {
-  constexpr int64_t kVecs = kKeyTile / Vec::size();
-  Vec acc[kVecs];
-  for (int64_t v = 0; v < kVecs; ++v) acc[v] = Vec(0.0f);
-  for (int64_t d = 0; d < head_size; ++d) {
-    const Vec qd(q[d]);
-    for (int64_t v = 0; v < kVecs; ++v) {
-      acc[v] = at::vec::fmadd(qd, Vec::loadu(key_t + d * kKeyTile + v * Vec::size()), acc[v]);
-    }
-  }
-  for (int64_t v = 0; v < kVecs; ++v) acc[v].store(scores + v * Vec::size());
-}
-
-// Attends rows (query q_begin.., head group of kv_head) of sequence `seq` over their context.
-template <typename T>
-void attend_item(const PagedAttentionArgs& a, int64_t seq, int64_t kv_head, int64_t q_begin,
-                 int64_t q_end, Scratch& s) {
   const int64_t d = a.head_size;
+  for (int64_t j = first; j < last; ++j) {
+    const int64_t offset = block_table[j / a.block_size] * a.cache_block_stride +
+                           ((j % a.block_size) * a.num_kv_heads + kv_head) * d;
+    const int64_t t = j - first;
+    if constexpr (std::is_same_v<T, float>) {
+      s.keys[t] = kc + offset;
+    } else {
+      convert_to_float(kc + offset, s.key_rows.data() + t * d, d);
+      s.keys[t] = s.key_rows.data() + t * d;
+    }
+    if (std::is_same_v<T, float> && value_stride == d) {
+      s.values[t] = reinterpret_cast<const float*>(vc + offset);
+    } else {
+      convert_to_float(vc + offset, s.value_rows.data() + t * value_stride, d);
+      s.values[t] = s.value_rows.data() + t * value_stride;
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------- tiled path
+
+// scores[k, c] = keys[k] . q_t[:, c] for NK keys and C vectors of rows (q_t [d, mp], scores
+// [*, mp]).
+template <int NK, int C>
+void score_block(const float* const* keys, const float* q_t, int64_t mp, int64_t d,
+                 float* scores) {
+  Vec acc[NK][C];
+  for (int k = 0; k < NK; ++k)
+    for (int c = 0; c < C; ++c) acc[k][c] = Vec(0.0f);
+  for (int64_t i = 0; i < d; ++i) {
+    Vec q[C];
+    for (int c = 0; c < C; ++c) q[c] = Vec::loadu(q_t + i * mp + c * Vec::size());
+    for (int k = 0; k < NK; ++k) {
+      const Vec key(keys[k][i]);
+      for (int c = 0; c < C; ++c) acc[k][c] = at::vec::fmadd(key, q[c], acc[k][c]);
+    }
+  }
+  for (int k = 0; k < NK; ++k)
+    for (int c = 0; c < C; ++c) acc[k][c].store(scores + k * mp + c * Vec::size());
+}
+
+template <int NK>
+void score_keys(const float* const* keys, const float* q_t, int64_t mp, int64_t d, float* scores) {
+  int64_t c = 0;
+  for (; c + kVecsPerBlock * Vec::size() <= mp; c += kVecsPerBlock * Vec::size()) {
+    score_block<NK, kVecsPerBlock>(keys, q_t + c, mp, d, scores + c);
+  }
+  for (; c < mp; c += Vec::size()) score_block<NK, 1>(keys, q_t + c, mp, d, scores + c);
+}
+
+// scores [n, mp] = keys[0..n) . q_t.
+void score_tile(const float* const* keys, int64_t n, const float* q_t, int64_t mp, int64_t d,
+                float* scores) {
+  int64_t k = 0;
+  for (; k + kScoreKeys <= n; k += kScoreKeys) {
+    score_keys<kScoreKeys>(keys + k, q_t, mp, d, scores + k * mp);
+  }
+  for (; k < n; ++k) score_keys<1>(keys + k, q_t, mp, d, scores + k * mp);
+}
+
+// acc[r, col..] += sum_t probs[t, r] * values[t][col..] for R rows and C vectors of columns.
+template <int R, int C>
+void pv_block(const float* probs, int64_t mp, const float* const* values, int64_t col, int64_t n,
+              float* acc, int64_t dp) {
+  Vec o[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) o[r][c] = Vec::loadu(acc + r * dp + col + c * Vec::size());
+  for (int64_t t = 0; t < n; ++t) {
+    Vec v[C];
+    for (int c = 0; c < C; ++c) v[c] = Vec::loadu(values[t] + col + c * Vec::size());
+    for (int r = 0; r < R; ++r) {
+      const Vec p(probs[t * mp + r]);
+      for (int c = 0; c < C; ++c) o[r][c] = at::vec::fmadd(p, v[c], o[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) o[r][c].store(acc + r * dp + col + c * Vec::size());
+}
+
+// acc [mp, dp] += probs^T [mp, n] values [n, dp]; mp is a multiple of kPvRows.
+void pv_tile(const float* probs, int64_t mp, const float* const* values, int64_t n, float* acc,
+             int64_t dp) {
+  for (int64_t r = 0; r < mp; r += kPvRows) {
+    int64_t col = 0;
+    for (; col + kVecsPerBlock * Vec::size() <= dp; col += kVecsPerBlock * Vec::size()) {
+      pv_block<kPvRows, kVecsPerBlock>(probs + r, mp, values, col, n, acc + r * dp, dp);
+    }
+    for (; col < dp; col += Vec::size()) {
+      pv_block<kPvRows, 1>(probs + r, mp, values, col, n, acc + r * dp, dp);
+    }
+  }
+}
+
+// Online softmax over one tile of scores [n, mp] (keys k0..k0+n) for every vector of rows:
+// scale, soft-cap, mask (positions outside [lo, hi] of the row), then scores become
+// probabilities relative to the running max, and corr the factor the row's accumulator needs.
+void softmax_tile(const PagedAttentionArgs& a, int64_t k0, int64_t n, int64_t mp, bool masked,
+                  Scratch& s) {
+  const Vec scale(a.scale), cap(a.logit_softcap), inv_cap(1.0f / a.logit_softcap);
+  const Vec neg_inf(kNegInf), zero(0.0f);
+  for (int64_t c = 0; c < mp; c += Vec::size()) {
+    const Vec lo = Vec::loadu(s.lo.data() + c), hi = Vec::loadu(s.hi.data() + c);
+    Vec tile_max = neg_inf;
+    for (int64_t t = 0; t < n; ++t) {
+      float* x_ptr = s.scores.data() + t * mp + c;
+      Vec x = Vec::loadu(x_ptr) * scale;
+      if (a.logit_softcap > 0.0f) x = cap * (x * inv_cap).tanh();
+      if (masked) {
+        const Vec pos(static_cast<float>(k0 + t));
+        x = Vec::blendv(x, neg_inf, (pos > hi) | (pos < lo));
+      }
+      x.store(x_ptr);
+      tile_max = at::vec::maximum(tile_max, x);
+    }
+    const Vec old_max = Vec::loadu(s.max.data() + c);
+    const Vec new_max = at::vec::maximum(old_max, tile_max);
+    // A row with no key yet keeps max -inf; shifting by 0 then gives it probabilities 0.
+    const Vec shift = Vec::blendv(new_max, zero, new_max == neg_inf);
+    Vec sum = zero;
+    for (int64_t t = 0; t < n; ++t) {
+      float* x_ptr = s.scores.data() + t * mp + c;
+      const Vec p = (Vec::loadu(x_ptr) - shift).exp();
+      p.store(x_ptr);
+      sum = sum + p;
+    }
+    const Vec corr = (old_max - shift).exp();  // 0 while the row had no key
+    (Vec::loadu(s.sum.data() + c) * corr + sum).store(s.sum.data() + c);
+    new_max.store(s.max.data() + c);
+    corr.store(s.corr.data() + c);
+  }
+}
+
+template <typename T>
+void attend_tiled(const PagedAttentionArgs& a, const Item& it, Scratch& s) {
+  const int64_t d = a.head_size, dp = round_up(d, Vec::size());
   const int64_t group = a.num_heads / a.num_kv_heads;
-  const int64_t token0 = a.query_start_loc[seq];
-  const int64_t query_len = a.query_start_loc[seq + 1] - token0;
-  const int64_t context_len = a.seq_lens[seq];
-  const int32_t* block_table = a.block_tables + seq * a.max_blocks_per_seq;
-  const int64_t rows = (q_end - q_begin) * group;
+  const int64_t token0 = a.query_start_loc[it.seq];
+  const int64_t query_len = a.query_start_loc[it.seq + 1] - token0;
+  const int64_t context_len = a.seq_lens[it.seq];
+  const int32_t* block_table = a.block_tables + it.seq * a.max_blocks_per_seq;
+  const int64_t rows = (it.q_end - it.q_begin) * group;
+  const int64_t mp = round_up(rows, Vec::size());
   const T* query = static_cast<const T*>(a.query);
 
-  // Row r is query q_begin + r / group, head kv_head * group + r % group. Its keys are the
-  // positions [lo, hi] of the context: causal, and inside the sliding window when there is one.
-  auto row_hi = [&](int64_t r) { return context_len - query_len + q_begin + r / group; };
+  // Row r is query q_begin + r / group, head kv_head * group + r % group; it sees positions
+  // [lo, hi]. Padding rows up to mp repeat the last row (finite, discarded).
+  auto row_hi = [&](int64_t r) { return context_len - query_len + it.q_begin + r / group; };
+  auto row_lo = [&](int64_t r) {
+    return a.sliding_window > 0 ? std::max<int64_t>(0, row_hi(r) - a.sliding_window + 1) : 0;
+  };
+  for (int64_t r = 0; r < mp; ++r) {
+    const int64_t src = std::min(r, rows - 1);
+    const T* q = query + (token0 + it.q_begin + src / group) * a.query_stride +
+                 (it.kv_head * group + src % group) * d;
+    for (int64_t i = 0; i < d; ++i) s.q[i * mp + r] = static_cast<float>(q[i]);
+    s.lo[r] = static_cast<float>(row_lo(src));
+    s.hi[r] = static_cast<float>(row_hi(src));
+    s.max[r] = kNegInf;
+    s.sum[r] = 0.0f;
+  }
+  std::fill_n(s.acc.data(), mp * dp, 0.0f);
+
+  const int64_t first_key = row_lo(0), last_key = row_hi(rows - 1) + 1;
+  const int64_t all_from = row_lo(rows - 1), all_to = row_hi(0);  // keys every row sees
+  for (int64_t k0 = first_key; k0 < last_key; k0 += kKeyTile) {
+    const int64_t n = std::min(k0 + kKeyTile, last_key) - k0;
+    load_rows<T>(a, block_table, it.kv_head, k0, k0 + n, dp, s);
+    score_tile(s.keys.data(), n, s.q.data(), mp, d, s.scores.data());
+    softmax_tile(a, k0, n, mp, k0 < all_from || k0 + n - 1 > all_to, s);
+    for (int64_t r = 0; r < mp; ++r) {
+      const float corr = s.corr[r];
+      if (corr == 1.0f) continue;
+      float* acc = s.acc.data() + r * dp;
+      for (int64_t i = 0; i < dp; i += Vec::size()) (Vec::loadu(acc + i) * Vec(corr)).store(acc + i);
+    }
+    pv_tile(s.scores.data(), mp, s.values.data(), n, s.acc.data(), dp);
+  }
+
+  T* out = static_cast<T*>(a.out);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* acc = s.acc.data() + r * dp;
+    const float inv = s.sum[r] > 0.0f ? 1.0f / s.sum[r] : 0.0f;
+    for (int64_t i = 0; i < d; ++i) acc[i] *= inv;
+    convert_from_float(acc, out + (token0 + it.q_begin + r / group) * a.out_stride +
+                                (it.kv_head * group + r % group) * d, d);
+  }
+}
+
+// ------------------------------------------------------------------------- dot-product path
+
+// Attends an item of few rows: each row scores each key with one dot product.
+template <typename T>
+void attend_rows(const PagedAttentionArgs& a, const Item& it, Scratch& s) {
+  const int64_t d = a.head_size;
+  const int64_t group = a.num_heads / a.num_kv_heads;
+  const int64_t token0 = a.query_start_loc[it.seq];
+  const int64_t query_len = a.query_start_loc[it.seq + 1] - token0;
+  const int64_t context_len = a.seq_lens[it.seq];
+  const int32_t* block_table = a.block_tables + it.seq * a.max_blocks_per_seq;
+  const int64_t rows = (it.q_end - it.q_begin) * group;
+  const T* query = static_cast<const T*>(a.query);
+
+  auto row_hi = [&](int64_t r) { return context_len - query_len + it.q_begin + r / group; };
   auto row_lo = [&](int64_t r) {
     return a.sliding_window > 0 ? std::max<int64_t>(0, row_hi(r) - a.sliding_window + 1) : 0;
   };
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t head = kv_head * group + r % group;
-    convert_to_float(query + (token0 + q_begin + r / group) * a.query_stride + head * d,
+    const int64_t head = it.kv_head * group + r % group;
+    convert_to_float(query + (token0 + it.q_begin + r / group) * a.query_stride + head * d,
                      s.q.data() + r * d, d);
     std::fill_n(s.acc.data() + r * d, d, 0.0f);
     s.max[r] = kNegInf;
     s.sum[r] = 0.0f;
   }
 
-  const bool transposed = rows >= kTransposeMinRows;
   const Vec scale(a.scale), cap(a.logit_softcap), inv_cap(1.0f / a.logit_softcap);
   const int64_t first_key = row_lo(0);
   const int64_t last_key = row_hi(rows - 1) + 1;
   for (int64_t k0 = first_key; k0 < last_key; k0 += kKeyTile) {
     const int64_t k1 = std::min(k0 + kKeyTile, last_key);
-    gather_tile<T>(a, block_table, kv_head, k0, k1, transposed, s);
+    load_rows<T>(a, block_table, it.kv_head, k0, k1, d, s);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t lo = std::max(row_lo(r), k0) - k0, hi = std::min(row_hi(r) + 1, k1) - k0;
       if (lo >= hi) continue;
       float* scores = s.scores.data();
       const float* q = s.q.data() + r * d;
-      if (transposed) {
-        score_tile(q, s.key_t.data(), d, scores);
-      } else {
-        for (int64_t j = lo; j < hi; ++j) scores[j] = dot(q, s.keys[j], d);
-      }
+      for (int64_t j = lo; j < hi; ++j) scores[j] = dot(q, s.keys[j], d);
       for (int64_t j = 0; j < kKeyTile; j += Vec::size()) {
         Vec x = Vec::loadu(scores + j) * scale;
         if (a.logit_softcap > 0.0f) x = cap * (x * inv_cap).tanh();
@@ -167,38 +328,59 @@ void attend_item(const PagedAttentionArgs& a, int64_t seq, int64_t kv_head, int6
 
   T* out = static_cast<T*>(a.out);
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t head = kv_head * group + r % group;
+    const int64_t head = it.kv_head * group + r % group;
     float* acc = s.acc.data() + r * d;
     const float inv = s.sum[r] > 0.0f ? 1.0f / s.sum[r] : 0.0f;
     for (int64_t i = 0; i < d; ++i) acc[i] *= inv;
-    convert_from_float(acc, out + (token0 + q_begin + r / group) * a.out_stride + head * d, d);
+    convert_from_float(acc, out + (token0 + it.q_begin + r / group) * a.out_stride + head * d, d);
   }
+}
+
+// ------------------------------------------------------------------------------- scheduling
+
+// Items of every sequence, most expensive first: threads take the next one as they finish, so a
+// causal prefill (whose late query blocks see more keys) or a thread slowed by a neighbouring
+// process does not leave the others idle.
+std::vector<Item> make_items(const PagedAttentionArgs& a, int64_t queries_per_item) {
+  const int64_t group = a.num_heads / a.num_kv_heads;
+  std::vector<Item> items;
+  for (int64_t b = 0; b < a.num_seqs; ++b) {
+    const int64_t query_len = a.query_start_loc[b + 1] - a.query_start_loc[b];
+    for (int64_t q0 = 0; q0 < query_len; q0 += queries_per_item) {
+      const int64_t q1 = std::min(q0 + queries_per_item, query_len);
+      const int64_t hi = a.seq_lens[b] - query_len + q1;
+      const int64_t lo = a.sliding_window > 0
+                             ? std::max<int64_t>(0, a.seq_lens[b] - query_len + q0 -
+                                                        a.sliding_window + 1)
+                             : 0;
+      for (int64_t h = 0; h < a.num_kv_heads; ++h) {
+        items.push_back({b, h, q0, q1, (q1 - q0) * group * (hi - lo + kKeyTile)});
+      }
+    }
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& x, const Item& y) { return x.cost > y.cost; });
+  return items;
 }
 
 void paged_attention_impl(const PagedAttentionArgs& a) {
   const int64_t group = a.num_heads / a.num_kv_heads;
   const int64_t queries_per_item = std::max<int64_t>(1, kRowsPerItem / group);
-  // Work items: (sequence, kv head, query tile), flattened so that parallel_for can split them.
-  std::vector<int64_t> item_start(a.num_seqs + 1, 0);
-  for (int64_t b = 0; b < a.num_seqs; ++b) {
-    const int64_t query_len = a.query_start_loc[b + 1] - a.query_start_loc[b];
-    const int64_t tiles = (query_len + queries_per_item - 1) / queries_per_item;
-    item_start[b + 1] = item_start[b] + tiles * a.num_kv_heads;
-  }
+  const std::vector<Item> items = make_items(a, queries_per_item);
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
+  std::atomic<int64_t> next{0};
   KVSERVE_DISPATCH_FLOATING(a.dtype, [&] {
-    at::parallel_for(0, item_start[a.num_seqs], 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
       Scratch scratch;
       scratch.reserve(queries_per_item * group, a.head_size);
-      int64_t seq = std::upper_bound(item_start.begin(), item_start.end(), begin) -
-                    item_start.begin() - 1;
-      for (int64_t item = begin; item < end; ++item) {
-        while (item >= item_start[seq + 1]) ++seq;
-        const int64_t local = item - item_start[seq];
-        const int64_t kv_head = local % a.num_kv_heads;
-        const int64_t q_begin = (local / a.num_kv_heads) * queries_per_item;
-        const int64_t query_len = a.query_start_loc[seq + 1] - a.query_start_loc[seq];
-        const int64_t q_end = std::min(q_begin + queries_per_item, query_len);
-        attend_item<scalar_t>(a, seq, kv_head, q_begin, q_end, scratch);
+      for (int64_t i = next++; i < num_items; i = next++) {
+        const Item& it = items[i];
+        if ((it.q_end - it.q_begin) * group >= kTiledMinRows) {
+          attend_tiled<scalar_t>(a, it, scratch);
+        } else {
+          attend_rows<scalar_t>(a, it, scratch);
+        }
       }
     });
   });
