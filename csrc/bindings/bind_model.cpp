@@ -130,16 +130,32 @@ void bind_model_runner(py::module_& m) {
       .def_readonly("finish_reason", &GenerationResult::finish_reason)
       .def_readonly("start_time", &GenerationResult::start_time)
       .def_readonly("first_token_time", &GenerationResult::first_token_time)
-      .def_readonly("finish_time", &GenerationResult::finish_time);
+      .def_readonly("finish_time", &GenerationResult::finish_time)
+      .def_readonly("num_cached_tokens", &GenerationResult::num_cached_tokens);
+
+  py::class_<KVCacheConfig>(m, "KVCacheConfig", "How the runner's paged KV cache is sized.")
+      .def(py::init([](int64_t block_size, int64_t num_blocks, bool enable_prefix_caching) {
+             return KVCacheConfig{block_size, num_blocks, enable_prefix_caching};
+           }),
+           py::kw_only(), py::arg("block_size") = 16, py::arg("num_blocks") = 0,
+           py::arg("enable_prefix_caching") = true)
+      .def_readwrite("block_size", &KVCacheConfig::block_size)
+      .def_readwrite("num_blocks", &KVCacheConfig::num_blocks)
+      .def_readwrite("enable_prefix_caching", &KVCacheConfig::enable_prefix_caching);
 
   py::class_<ModelRunner>(m, "ModelRunner")
-      .def(py::init<std::shared_ptr<CausalLM>, int64_t, int64_t, std::vector<int64_t>>(),
+      .def(py::init<std::shared_ptr<CausalLM>, int64_t, int64_t, std::vector<int64_t>,
+                    KVCacheConfig>(),
            py::arg("model"), py::arg("max_model_len"), py::arg("max_num_seqs"),
-           py::arg("eos_token_ids"))
+           py::arg("eos_token_ids"), py::arg("cache_config") = KVCacheConfig{})
       .def("generate", &ModelRunner::generate, py::arg("requests"),
            py::call_guard<py::gil_scoped_release>())
       .def("validate", &ModelRunner::validate, py::arg("request"))
-      .def_property_readonly("max_model_len", &ModelRunner::max_model_len);
+      .def_property_readonly("max_model_len", &ModelRunner::max_model_len)
+      .def_property_readonly("kv_cache", &ModelRunner::kv_cache,
+                             py::return_value_policy::reference_internal)
+      .def_property_readonly("block_manager", &ModelRunner::block_manager,
+                             py::return_value_policy::reference_internal);
 }
 
 }  // namespace

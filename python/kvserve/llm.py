@@ -18,6 +18,10 @@ SamplingParams = _C.SamplingParams
 
 PromptType = str | Sequence[str] | Sequence[Sequence[int]]
 
+# Upper bound of the default KV pool (vLLM's CPU backend defaults to 4 GiB too). Pages of the
+# pool are only committed when first written.
+DEFAULT_KV_CACHE_MEMORY = 4 << 30
+
 
 class LLM:
     """A model loaded for offline generation.
@@ -30,11 +34,19 @@ class LLM:
             max_position_embeddings.
         max_num_seqs: prompts run together in one batch.
         device: "cpu" (CUDA kernels are not written yet).
+        block_size: tokens per KV-cache block.
+        num_kv_blocks: blocks in the paged KV pool (block 0, the null block, included); or
+        kv_cache_memory: bytes for the pool. Default: enough for max_num_seqs sequences of
+            max_model_len tokens, at most DEFAULT_KV_CACHE_MEMORY.
+        enable_prefix_caching: reuse the KV of identical prompt prefixes (full blocks) across
+            requests and generate() calls.
     """
 
     def __init__(self, model: str | Path, dtype: str | torch.dtype = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = 256,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", *, block_size: int = 16,
+                 num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
+                 enable_prefix_caching: bool = True):
         if torch.device(device).type != "cpu":
             raise ValueError(f"device {device!r} is not supported yet: kvserve's kernels run on the CPU")
         info = load_checkpoint_info(model)
@@ -50,10 +62,46 @@ class LLM:
         self.max_model_len = max_model_len
         self.eos_token_ids = info.eos_token_ids
         self.tokenizer = Tokenizer.from_model_dir(model)
+        num_blocks = self._kv_blocks(block_size, num_kv_blocks, kv_cache_memory, max_num_seqs)
         weights = load_weights(self.model_dir, info.config, self.dtype, device)
         self.model = _C.create_causal_lm(info.config, weights, max_model_len)
-        self._runner = _C.ModelRunner(self.model, max_model_len, max_num_seqs, info.eos_token_ids)
+        cache_config = _C.KVCacheConfig(block_size=block_size, num_blocks=num_blocks,
+                                        enable_prefix_caching=bool(enable_prefix_caching))
+        self._runner = _C.ModelRunner(self.model, max_model_len, max_num_seqs, info.eos_token_ids,
+                                      cache_config)
         self._next_request_id = 0
+
+    def _kv_blocks(self, block_size, num_kv_blocks, kv_cache_memory, max_num_seqs) -> int:
+        """Blocks of the paged KV pool, from an explicit count, a byte budget or the default."""
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        if num_kv_blocks is not None and kv_cache_memory is not None:
+            raise ValueError("give num_kv_blocks or kv_cache_memory, not both")
+        c = self.config
+        per_block = _C.PagedKVCache.bytes_per_block(c.num_layers, block_size, c.num_kv_heads,
+                                                    c.head_dim, self.dtype)
+        if num_kv_blocks is not None:
+            if not isinstance(num_kv_blocks, int) or num_kv_blocks < 2:
+                raise ValueError(f"num_kv_blocks must be an integer >= 2 (block 0 is reserved), "
+                                 f"got {num_kv_blocks!r}")
+            return num_kv_blocks
+        if kv_cache_memory is None:
+            full = max_num_seqs * -(-self.max_model_len // block_size) + 1
+            return max(2, min(full, DEFAULT_KV_CACHE_MEMORY // per_block))
+        if not isinstance(kv_cache_memory, int) or kv_cache_memory < 2 * per_block:
+            raise ValueError(f"kv_cache_memory must be at least 2 blocks ({2 * per_block} bytes), "
+                             f"got {kv_cache_memory!r}")
+        return kv_cache_memory // per_block
+
+    @property
+    def kv_cache(self):
+        """The paged KV pool (PagedKVCache): blocks, capacity_tokens, bytes_per_token."""
+        return self._runner.kv_cache
+
+    @property
+    def block_manager(self):
+        """The PagedBlockManager: free blocks, usage, prefix-cache hits, evictions."""
+        return self._runner.block_manager
 
     def generate(self, prompts: PromptType,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -73,11 +121,11 @@ class LLM:
         outputs = []
         for text, ids, result in zip(texts, token_lists, results):
             token_ids = list(result.token_ids)
-            completion = CompletionOutput(0, self._decode(token_ids), token_ids, result.finish_reason)
+            completion = CompletionOutput(0, self._decode(ids, token_ids), token_ids, result.finish_reason)
             metrics = RequestMetrics(arrival, result.first_token_time, result.finish_time,
                                      len(token_ids))
             outputs.append(RequestOutput(str(self._next_request_id), text, ids, [completion],
-                                         True, metrics))
+                                         True, metrics, result.num_cached_tokens))
             self._next_request_id += 1
         return outputs
 
@@ -113,5 +161,7 @@ class LLM:
             raise ValueError(f"expected one SamplingParams or a list of {count}")
         return params
 
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
+    def _decode(self, prompt_ids: list[int], token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode_continuation(prompt_ids, token_ids)

@@ -47,3 +47,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
     metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
