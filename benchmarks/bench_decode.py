@@ -26,17 +26,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
-import json
-import shutil
 import time
 from pathlib import Path
 
 import torch
 
 import kvserve
-from kvserve.testing.bench import (CpuContention, machine_info, markdown_table, matmul_flops,
-                                   median, memory_read_bandwidth, write_json)
+from kvserve.testing.bench import (CpuContention, cached_checkpoint, machine_info,
+                                   markdown_table, matmul_flops, median, memory_read_bandwidth,
+                                   write_json)
 
 HERE = Path(__file__).resolve().parent
 COMMON = dict(initializer_range=0.02, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
@@ -58,22 +56,6 @@ QUICK = {
                        num_attention_heads=4, num_key_value_heads=2, head_dim=32),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def checkpoint(cache_dir: Path, name: str, arch: str, config: dict, dtype: str) -> Path:
-    """The cached checkpoint of this shape and dtype, built on first use."""
-    from kvserve.testing.checkpoints import make_checkpoint
-
-    key = hashlib.sha1(json.dumps([arch, config, dtype], sort_keys=True).encode()).hexdigest()[:10]
-    path = cache_dir / f"{name}-{dtype}-{key}"
-    if not (path / "config.json").is_file():
-        print(f"building {path.name} ...", flush=True)
-        tmp = path.with_name(path.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        make_checkpoint(tmp, arch, dtype=DTYPES[dtype], **config)
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)
-    return path
 
 
 def kvserve_run(llm, prompt: list[int], n: int):
@@ -112,7 +94,7 @@ def bench_one(name, dtype, args):
 
     arch, cfg = MODELS[name]
     cfg = {**COMMON, **cfg, **(QUICK[name] if args.quick else {})}
-    path = checkpoint(args.cache_dir, name + ("-tiny" if args.quick else ""), arch, cfg, dtype)
+    path = cached_checkpoint(args.cache_dir, name + ("-tiny" if args.quick else ""), arch, cfg, dtype)
     P, N = args.prompt_len, args.decode_tokens
     llm = kvserve.LLM(path, dtype=dtype, max_model_len=P + N)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()

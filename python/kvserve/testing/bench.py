@@ -127,3 +127,23 @@ def write_json(path: str | Path, data: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
     return path
+
+
+def cached_checkpoint(cache_dir: Path, name: str, arch: str, config: dict, dtype: str) -> Path:
+    """A random checkpoint of this shape and dtype ("float32" | "bfloat16"), built on first use
+    under cache_dir and reused by later runs."""
+    import hashlib
+    import shutil
+
+    from kvserve.testing.checkpoints import make_checkpoint
+
+    key = hashlib.sha1(json.dumps([arch, config, dtype], sort_keys=True).encode()).hexdigest()[:10]
+    path = Path(cache_dir) / f"{name}-{dtype}-{key}"
+    if not (path / "config.json").is_file():
+        print(f"building {path.name} ...", flush=True)
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        make_checkpoint(tmp, arch, dtype=getattr(torch, dtype), **config)
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
+    return path
