@@ -34,6 +34,12 @@ SCENARIOS = {
     "decode": [(1, 1), (19, 1), (100, 1), (33, 1)],
     "mixed": [(13, 13), (37, 5), (1, 1), (70, 1), (9, 0), (40, 3)],
 }
+# Lengths around the CPU kernel's tiles: 64 keys per softmax pass; work items of 64 (query, head)
+# rows (16 queries with a GQA group of 4, 64 with MHA); items of 8 rows or more take the tiled
+# path, smaller ones (decode) the dot-product path. Prefills just below / at / above a tile,
+# prefixes whose query block starts mid-tile, and several such runs in one batch.
+TILE_EDGES = [(63, 63), (64, 64), (65, 65), (129, 17), (128, 16), (200, 2), (97, 33), (66, 1),
+              (140, 130)]
 
 
 class Batch:
@@ -144,9 +150,18 @@ def test_chunked_prefill_equals_one_shot(chunk, sliding_window):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_batched_equals_per_sequence(dtype):
+@pytest.mark.parametrize("head_size, num_heads, num_kv_heads", [(64, 8, 2), (80, 6, 6), (24, 8, 1)])
+@pytest.mark.parametrize("sliding_window, logit_softcap", [(0, 0.0), (70, 10.0)])
+def test_tile_edges(sliding_window, logit_softcap, head_size, num_heads, num_kv_heads, dtype):
+    batch = Batch(TILE_EDGES, head_size, num_heads, num_kv_heads, 16, dtype)
+    check(batch, dtype, sliding_window=sliding_window, logit_softcap=logit_softcap)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scenario", ["mixed", "tile-edges"])
+def test_batched_equals_per_sequence(dtype, scenario):
     """Each sequence's rows are the same, bit for bit, whatever else is in the batch."""
-    seqs = SCENARIOS["mixed"]
+    seqs = SCENARIOS["mixed"] if scenario == "mixed" else TILE_EDGES
     batch = Batch(seqs, 64, 8, 2, 16, dtype)
     batched = batch.run(sliding_window=9, logit_softcap=20.0)
     starts = batch.query_start_loc.tolist()
@@ -262,6 +277,7 @@ def capability_checks():
             batch = Batch(SCENARIOS["mixed"], head_size, num_heads, num_kv_heads, 16, dtype)
             check(batch, dtype)
             check(batch, dtype, sliding_window=6, logit_softcap=5.0, scale=1.0)
+        check(Batch(TILE_EDGES, 80, 8, 2, 16, dtype), dtype, sliding_window=70, logit_softcap=10.0)
 
 
 
