@@ -1,0 +1,239 @@
+#include "kvserve/scheduler.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+namespace kvserve {
+
+void SchedulerConfig::validate() const {
+  if (max_num_seqs < 1) throw std::invalid_argument("max_num_seqs must be >= 1");
+  if (max_num_batched_tokens < 1) {
+    throw std::invalid_argument("max_num_batched_tokens must be >= 1");
+  }
+  if (max_model_len < 2) throw std::invalid_argument("max_model_len must be >= 2");
+}
+
+Scheduler::Scheduler(SchedulerConfig config, PagedBlockManager& blocks)
+    : config_(config), blocks_(blocks) {
+  config_.validate();
+}
+
+Scheduler::Sequence& Scheduler::seq(int64_t seq_id) {
+  auto it = sequences_.find(seq_id);
+  if (it == sequences_.end()) {
+    throw std::out_of_range("unknown sequence id " + std::to_string(seq_id));
+  }
+  return it->second;
+}
+
+const Scheduler::Sequence& Scheduler::seq(int64_t seq_id) const {
+  return const_cast<Scheduler*>(this)->seq(seq_id);
+}
+
+const std::vector<int32_t>& Scheduler::token_ids(int64_t seq_id) const { return seq(seq_id).tokens; }
+int64_t Scheduler::num_computed_tokens(int64_t seq_id) const { return seq(seq_id).num_computed; }
+int64_t Scheduler::num_prompt_tokens(int64_t seq_id) const { return seq(seq_id).num_prompt_tokens; }
+int64_t Scheduler::num_cached_tokens(int64_t seq_id) const { return seq(seq_id).num_cached; }
+
+void Scheduler::add(int64_t seq_id, std::vector<int32_t> prompt_token_ids, int64_t priority) {
+  if (sequences_.count(seq_id)) {
+    throw std::invalid_argument("sequence id " + std::to_string(seq_id) + " already exists");
+  }
+  const int64_t len = static_cast<int64_t>(prompt_token_ids.size());
+  if (len == 0) throw std::invalid_argument("the prompt is empty");
+  if (len > config_.max_model_len) {
+    throw std::invalid_argument("the prompt has " + std::to_string(len) +
+                                " tokens; max_model_len is " +
+                                std::to_string(config_.max_model_len));
+  }
+  for (int32_t t : prompt_token_ids) {
+    if (t < 0) throw std::invalid_argument("negative token id " + std::to_string(t));
+  }
+  const int64_t blocks_needed = (len + blocks_.block_size() - 1) / blocks_.block_size();
+  if (blocks_needed > blocks_.num_usable_blocks()) {
+    throw std::invalid_argument("the prompt needs " + std::to_string(blocks_needed) +
+                                " KV blocks; the cache has " +
+                                std::to_string(blocks_.num_usable_blocks()));
+  }
+  Sequence s;
+  s.tokens = std::move(prompt_token_ids);
+  s.num_prompt_tokens = len;
+  s.priority = priority;
+  s.arrival = next_arrival_++;
+  sequences_.emplace(seq_id, std::move(s));
+  enqueue_waiting(seq_id);
+}
+
+void Scheduler::enqueue_waiting(int64_t seq_id) {
+  const Sequence& s = seq(seq_id);
+  auto later = std::find_if(waiting_.begin(), waiting_.end(), [&](int64_t other) {
+    const Sequence& o = seq(other);
+    return o.priority > s.priority || (o.priority == s.priority && o.arrival > s.arrival);
+  });
+  waiting_.insert(later, seq_id);
+}
+
+SchedulerOutput Scheduler::schedule() {
+  SchedulerOutput out;
+  int64_t budget = config_.max_num_batched_tokens;
+  schedule_running(/*decodes=*/true, budget, out);
+  schedule_running(/*decodes=*/false, budget, out);
+  // Like vLLM, admit nothing in a step that had to preempt: memory is short.
+  if (out.preempted.empty()) admit_waiting(budget, out);
+  for (const auto& s : out.scheduled) out.num_batched_tokens += s.num_new_tokens;
+  return out;
+}
+
+void Scheduler::schedule_running(bool decodes, int64_t& budget, SchedulerOutput& out) {
+  const std::vector<int64_t> snapshot = running_;
+  for (int64_t id : snapshot) {
+    if (budget == 0) return;
+    if (std::find(running_.begin(), running_.end(), id) == running_.end()) continue;  // preempted
+    const Sequence& s = seq(id);
+    const int64_t remaining = static_cast<int64_t>(s.tokens.size()) - s.num_computed;
+    if ((remaining == 1) != decodes) continue;
+    if (!reserve_slots(id, out)) continue;
+    // A preemption inside reserve_slots may have dropped sequences scheduled earlier: refund.
+    budget = config_.max_num_batched_tokens;
+    for (const auto& sched : out.scheduled) budget -= sched.num_new_tokens;
+    const int64_t chunk = std::min(remaining, budget);
+    if (chunk == 0) return;
+    out.scheduled.push_back({id, s.num_computed, chunk, s.num_computed + chunk ==
+                                                            static_cast<int64_t>(s.tokens.size())});
+    budget -= chunk;
+  }
+}
+
+bool Scheduler::reserve_slots(int64_t seq_id, SchedulerOutput& out) {
+  const Sequence& s = seq(seq_id);
+  const int64_t held = blocks_.num_tokens(seq_id);
+  const int64_t missing = static_cast<int64_t>(s.tokens.size()) - held;
+  if (missing == 0) return true;
+  while (!blocks_.can_append_slots(seq_id, missing)) {
+    const bool self = running_.back() == seq_id;
+    preempt_last(out);
+    if (self) return false;
+  }
+  const std::vector<int32_t> tail(s.tokens.begin() + held, s.tokens.end());
+  for (const BlockCopy& copy : blocks_.append_slots(seq_id, tail)) {
+    out.block_copies.push_back(copy);
+  }
+  return true;
+}
+
+void Scheduler::preempt_last(SchedulerOutput& out) {
+  const int64_t victim = running_.back();
+  running_.pop_back();
+  // Blocks it got this step (copy-on-write targets) go back to the pool: drop their copies, and
+  // drop its share of the step.
+  const std::vector<int32_t>& table = blocks_.block_table(victim);
+  out.block_copies.erase(
+      std::remove_if(out.block_copies.begin(), out.block_copies.end(),
+                     [&](const BlockCopy& c) {
+                       return std::find(table.begin(), table.end(), c.dst) != table.end() &&
+                              blocks_.ref_count(c.dst) == 1;
+                     }),
+      out.block_copies.end());
+  out.scheduled.erase(std::remove_if(out.scheduled.begin(), out.scheduled.end(),
+                                     [&](const ScheduledSequence& s) { return s.seq_id == victim; }),
+                      out.scheduled.end());
+  blocks_.free(victim);
+  Sequence& s = seq(victim);
+  s.allocated = false;
+  s.num_computed = 0;
+  waiting_.push_front(victim);
+  out.preempted.push_back(victim);
+  ++num_preemptions_;
+}
+
+void Scheduler::admit_waiting(int64_t& budget, SchedulerOutput& out) {
+  while (!waiting_.empty() && budget > 0 &&
+         static_cast<int64_t>(running_.size()) < config_.max_num_seqs) {
+    const int64_t id = waiting_.front();
+    Sequence& s = seq(id);
+    // The watermark keeps headroom for running sequences' growth; with nothing running there is
+    // nothing to protect, so a sequence that fits the pool at all is admitted.
+    if (!blocks_.can_allocate(s.tokens) && !running_.empty()) return;
+    int64_t cached = 0;
+    try {
+      cached = blocks_.allocate(id, s.tokens);
+    } catch (const std::runtime_error&) {
+      return;  // not enough free blocks (only reachable with nothing running)
+    }
+    waiting_.pop_front();
+    running_.push_back(id);
+    s.allocated = true;
+    s.num_computed = cached;
+    s.num_cached = cached;
+    const int64_t remaining = static_cast<int64_t>(s.tokens.size()) - cached;
+    const int64_t chunk = std::min(remaining, budget);
+    out.scheduled.push_back({id, cached, chunk, chunk == remaining});
+    budget -= chunk;
+  }
+}
+
+void Scheduler::update_computed(const SchedulerOutput& output) {
+  for (const ScheduledSequence& sched : output.scheduled) {
+    Sequence& s = seq(sched.seq_id);
+    if (s.num_computed != sched.num_computed) {
+      throw std::logic_error("update_computed: sequence " + std::to_string(sched.seq_id) +
+                             " changed since it was scheduled");
+    }
+    s.num_computed += sched.num_new_tokens;
+    blocks_.mark_computed(sched.seq_id, s.num_computed);
+  }
+}
+
+void Scheduler::append_token(int64_t seq_id, int32_t token) {
+  Sequence& s = seq(seq_id);
+  if (static_cast<int64_t>(s.tokens.size()) >= config_.max_model_len) {
+    throw std::logic_error("sequence " + std::to_string(seq_id) + " is at max_model_len");
+  }
+  s.tokens.push_back(token);
+}
+
+void Scheduler::fork(int64_t parent_id, int64_t child_id) {
+  const Sequence& parent = seq(parent_id);
+  if (!parent.allocated) throw std::invalid_argument("fork: the parent is not running");
+  if (sequences_.count(child_id)) {
+    throw std::invalid_argument("sequence id " + std::to_string(child_id) + " already exists");
+  }
+  blocks_.fork(parent_id, child_id);
+  Sequence child = parent;
+  sequences_.emplace(child_id, std::move(child));
+  running_.push_back(child_id);
+}
+
+void Scheduler::finish(int64_t seq_id) {
+  Sequence& s = seq(seq_id);
+  if (s.allocated) {
+    blocks_.free(seq_id);
+    running_.erase(std::find(running_.begin(), running_.end(), seq_id));
+  } else {
+    waiting_.erase(std::find(waiting_.begin(), waiting_.end(), seq_id));
+  }
+  sequences_.erase(seq_id);
+}
+
+void Scheduler::check_invariants() const {
+  auto fail = [](const std::string& what) { throw std::logic_error("Scheduler: " + what); };
+  if (running_.size() + waiting_.size() != sequences_.size()) fail("queues and sequences differ");
+  if (blocks_.num_sequences() != static_cast<int64_t>(running_.size())) {
+    fail("the block manager holds other sequences than the running ones");
+  }
+  for (int64_t id : running_) {
+    const Sequence& s = seq(id);
+    if (!s.allocated || !blocks_.has_sequence(id)) fail("a running sequence holds no blocks");
+    const int64_t held = blocks_.num_tokens(id);
+    if (s.num_computed > held || held > static_cast<int64_t>(s.tokens.size())) {
+      fail("computed <= reserved <= tokens does not hold for " + std::to_string(id));
+    }
+  }
+  for (int64_t id : waiting_) {
+    if (seq(id).allocated || blocks_.has_sequence(id)) fail("a waiting sequence holds blocks");
+  }
+  blocks_.check_invariants();
+}
+
+}  // namespace kvserve

@@ -1,0 +1,122 @@
+#pragma once
+// Iteration-level scheduling: which sequences advance by how many tokens in the next engine step,
+// under a token budget, with chunked prefill, prefix caching and preemption by recomputation.
+// Plain C++ without torch: it moves sequence ids between queues and asks the PagedBlockManager for
+// blocks; the engine runs the model over what it schedules.
+
+#include <cstdint>
+#include <deque>
+#include <unordered_map>
+#include <vector>
+
+#include "kvserve/paged_block_manager.h"
+
+namespace kvserve {
+
+struct SchedulerConfig {
+  int64_t max_num_seqs = 256;             ///< running sequences at most
+  int64_t max_num_batched_tokens = 2048;  ///< tokens per step (decodes + prefill chunks)
+  int64_t max_model_len = 2048;           ///< tokens a sequence may hold (prompt + output)
+
+  /// Throws std::invalid_argument naming the first bad field.
+  void validate() const;
+};
+
+/// One sequence's share of a step: tokens [num_computed, num_computed + num_new_tokens) of it are
+/// fed to the model; `samples` when they reach its last token, so its logits give the next one.
+struct ScheduledSequence {
+  int64_t seq_id;
+  int64_t num_computed;
+  int64_t num_new_tokens;
+  bool samples;
+};
+
+/// What one step runs. Decodes come first, then prefill chunks (running, then newly admitted).
+struct SchedulerOutput {
+  std::vector<ScheduledSequence> scheduled;
+  std::vector<BlockCopy> block_copies;  ///< copy-on-write copies to do before the forward
+  std::vector<int64_t> preempted;       ///< sent back to the waiting queue this step
+  int64_t num_batched_tokens = 0;
+
+  bool empty() const { return scheduled.empty(); }
+};
+
+class Scheduler {
+ public:
+  /// The scheduler allocates from `blocks`, which must outlive it.
+  Scheduler(SchedulerConfig config, PagedBlockManager& blocks);
+
+  /// Queues a new sequence. Waiting sequences are admitted by (priority, arrival): a lower
+  /// priority value first, first come first served among equals. Throws std::invalid_argument
+  /// when the id exists, the prompt is empty or longer than max_model_len, or the prompt alone
+  /// could never fit in the block pool.
+  void add(int64_t seq_id, std::vector<int32_t> prompt_token_ids, int64_t priority = 0);
+
+  /// Picks the next step's work and reserves its KV slots. When blocks run out, preempts the
+  /// most recently admitted running sequence: its blocks are freed and it goes back to the front
+  /// of the waiting queue, to be recomputed (prompt + output so far) when it is readmitted.
+  SchedulerOutput schedule();
+
+  /// The step ran: advances what it scheduled and lets the block manager cache full blocks.
+  void update_computed(const SchedulerOutput& output);
+
+  /// Appends a sampled token to a sequence (its KV slot is reserved at the next schedule()).
+  void append_token(int64_t seq_id, int32_t token);
+
+  /// A new running sequence `child` sharing all of `parent`'s tokens and blocks (for n > 1
+  /// samples of one prompt): call after the parent's prefill, before either appends a token.
+  void fork(int64_t parent_id, int64_t child_id);
+
+  /// Drops a sequence (finished or aborted) from whichever queue holds it, freeing its blocks.
+  void finish(int64_t seq_id);
+
+  bool has_pending_work() const { return !running_.empty() || !waiting_.empty(); }
+  int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
+  int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
+  int64_t num_preemptions() const { return num_preemptions_; }
+  bool has_sequence(int64_t seq_id) const { return sequences_.count(seq_id) > 0; }
+  /// Prompt + output tokens of a sequence; num_computed_tokens of them have KV in the cache.
+  const std::vector<int32_t>& token_ids(int64_t seq_id) const;
+  int64_t num_computed_tokens(int64_t seq_id) const;
+  int64_t num_prompt_tokens(int64_t seq_id) const;
+  /// Prompt tokens the prefix cache supplied when the sequence was (last) admitted.
+  int64_t num_cached_tokens(int64_t seq_id) const;
+  const std::vector<int64_t>& running() const { return running_; }
+  const std::deque<int64_t>& waiting() const { return waiting_; }
+  const SchedulerConfig& config() const { return config_; }
+  const PagedBlockManager& block_manager() const { return blocks_; }
+
+  /// Throws std::logic_error if the queues and the block manager disagree (tests).
+  void check_invariants() const;
+
+ private:
+  struct Sequence {
+    std::vector<int32_t> tokens;
+    int64_t num_prompt_tokens = 0;
+    int64_t num_computed = 0;
+    int64_t num_cached = 0;
+    int64_t priority = 0;
+    uint64_t arrival = 0;
+    bool allocated = false;  ///< holds blocks (running)
+  };
+
+  Sequence& seq(int64_t seq_id);
+  const Sequence& seq(int64_t seq_id) const;
+  void enqueue_waiting(int64_t seq_id);
+  /// Reserves slots for seq's unallocated tokens, preempting from the back of running_ while
+  /// they do not fit. False when seq itself had to be preempted.
+  bool reserve_slots(int64_t seq_id, SchedulerOutput& out);
+  void preempt_last(SchedulerOutput& out);
+  void schedule_running(bool decodes, int64_t& budget, SchedulerOutput& out);
+  void admit_waiting(int64_t& budget, SchedulerOutput& out);
+
+  SchedulerConfig config_;
+  PagedBlockManager& blocks_;
+  std::unordered_map<int64_t, Sequence> sequences_;
+  std::vector<int64_t> running_;  ///< in admission order; the back is preempted first
+  std::deque<int64_t> waiting_;
+  uint64_t next_arrival_ = 0;
+  int64_t num_preemptions_ = 0;
+};
+
+}  // namespace kvserve

@@ -1,0 +1,185 @@
+// The Scheduler over a real PagedBlockManager: exact step-by-step traces of the token budget,
+// chunked prefill, admission order, preemption and forks, and a randomized run that checks the
+// invariants after every step and that every sequence completes.
+#include "kvserve/scheduler.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+#include <random>
+#include <stdexcept>
+
+namespace kvserve {
+namespace {
+
+std::vector<int32_t> prompt(int32_t first, int64_t len) {
+  std::vector<int32_t> p(len);
+  for (int64_t i = 0; i < len; ++i) p[i] = first + static_cast<int32_t>(i);
+  return p;
+}
+
+/// (seq id, num_computed, num_new_tokens, samples) of every scheduled sequence.
+using Trace = std::vector<std::tuple<int64_t, int64_t, int64_t, bool>>;
+
+Trace trace(const SchedulerOutput& out) {
+  Trace t;
+  for (const auto& s : out.scheduled) t.emplace_back(s.seq_id, s.num_computed, s.num_new_tokens, s.samples);
+  return t;
+}
+
+/// Runs the step and appends a token to every sequence that sampled.
+Trace step(Scheduler& scheduler, int32_t token = 7) {
+  SchedulerOutput out = scheduler.schedule();
+  scheduler.update_computed(out);
+  for (const auto& s : out.scheduled) {
+    if (s.samples) scheduler.append_token(s.seq_id, token);
+  }
+  scheduler.check_invariants();
+  return trace(out);
+}
+
+TEST(Scheduler, ChunkedPrefillUnderTheTokenBudgetThenDecodesFirst) {
+  PagedBlockManager blocks(64, 4);
+  Scheduler scheduler({/*max_num_seqs=*/8, /*max_num_batched_tokens=*/10, /*max_model_len=*/64},
+                      blocks);
+  scheduler.add(0, prompt(100, 6));
+  scheduler.add(1, prompt(200, 13));
+  // Step 1: seq 0's whole prompt (6), then 4 tokens of seq 1's prompt.
+  EXPECT_EQ(step(scheduler), (Trace{{0, 0, 6, true}, {1, 0, 4, false}}));
+  // Step 2: seq 0 decodes first, then seq 1 continues its prefill with the rest of the budget.
+  EXPECT_EQ(step(scheduler), (Trace{{0, 6, 1, true}, {1, 4, 9, true}}));
+  EXPECT_EQ(step(scheduler), (Trace{{0, 7, 1, true}, {1, 13, 1, true}}));
+  EXPECT_EQ(scheduler.num_running(), 2);
+  scheduler.finish(0);
+  scheduler.finish(1);
+  EXPECT_FALSE(scheduler.has_pending_work());
+  EXPECT_EQ(blocks.num_sequences(), 0);
+  scheduler.check_invariants();
+}
+
+TEST(Scheduler, AdmitsByPriorityThenArrivalAndRespectsMaxNumSeqs) {
+  PagedBlockManager blocks(64, 4);
+  Scheduler scheduler({2, 100, 64}, blocks);
+  scheduler.add(0, prompt(1, 3), /*priority=*/1);
+  scheduler.add(1, prompt(10, 3), /*priority=*/0);
+  scheduler.add(2, prompt(20, 3), /*priority=*/1);
+  scheduler.add(3, prompt(30, 3), /*priority=*/0);
+  EXPECT_EQ(std::vector<int64_t>(scheduler.waiting().begin(), scheduler.waiting().end()),
+            (std::vector<int64_t>{1, 3, 0, 2}));
+  EXPECT_EQ(step(scheduler), (Trace{{1, 0, 3, true}, {3, 0, 3, true}}));  // max_num_seqs = 2
+  scheduler.finish(3);
+  EXPECT_EQ(step(scheduler), (Trace{{1, 3, 1, true}, {0, 0, 3, true}}));
+}
+
+TEST(Scheduler, PreemptsTheNewestWhenBlocksRunOutAndResumesItByRecompute) {
+  // 6 usable blocks of 2 tokens; two sequences of 4-token prompts take 2 blocks each.
+  PagedBlockManager blocks(7, 2, /*enable_prefix_caching=*/false, /*watermark=*/0.0);
+  Scheduler scheduler({4, 100, 32}, blocks);
+  scheduler.add(0, prompt(1, 4));
+  scheduler.add(1, prompt(50, 4));
+  EXPECT_EQ(step(scheduler, 90), (Trace{{0, 0, 4, true}, {1, 0, 4, true}}));
+  // Each now needs a third block for its sampled token: 2 free, fine.
+  EXPECT_EQ(step(scheduler, 91), (Trace{{0, 4, 1, true}, {1, 4, 1, true}}));
+  EXPECT_EQ(blocks.num_free_blocks(), 0);
+  // Token 6 fits the third blocks; token 7 needs a fourth block each: seq 1 (newest) is
+  // preempted to make room for seq 0, and nothing is admitted in that step.
+  EXPECT_EQ(step(scheduler, 92), (Trace{{0, 5, 1, true}, {1, 5, 1, true}}));
+  const SchedulerOutput out = scheduler.schedule();
+  EXPECT_EQ(trace(out), (Trace{{0, 6, 1, true}}));
+  EXPECT_EQ(out.preempted, (std::vector<int64_t>{1}));
+  EXPECT_EQ(scheduler.num_preemptions(), 1);
+  EXPECT_EQ(scheduler.num_computed_tokens(1), 0);
+  EXPECT_EQ(scheduler.token_ids(1), (std::vector<int32_t>{50, 51, 52, 53, 90, 91, 92}));
+  scheduler.update_computed(out);
+  scheduler.append_token(0, 93);
+  scheduler.check_invariants();
+  // Once seq 0 finishes, seq 1 comes back and recomputes prompt + its 3 outputs in one prefill.
+  scheduler.finish(0);
+  EXPECT_EQ(step(scheduler), (Trace{{1, 0, 7, true}}));
+  EXPECT_EQ(scheduler.token_ids(1).size(), 8u);
+}
+
+TEST(Scheduler, PrefixHitsStartTheFirstChunkAfterTheCachedTokens) {
+  PagedBlockManager blocks(32, 4);
+  Scheduler scheduler({8, 100, 64}, blocks);
+  scheduler.add(0, prompt(1, 10));
+  step(scheduler);
+  scheduler.add(1, prompt(1, 10));
+  EXPECT_EQ(step(scheduler), (Trace{{0, 10, 1, true}, {1, 8, 2, true}}));
+  EXPECT_EQ(scheduler.num_cached_tokens(1), 8);
+}
+
+TEST(Scheduler, ForkedSequencesRunOnTheirOwn) {
+  PagedBlockManager blocks(32, 4);
+  Scheduler scheduler({8, 100, 64}, blocks);
+  scheduler.add(0, prompt(1, 6));
+  SchedulerOutput out = scheduler.schedule();
+  scheduler.update_computed(out);
+  scheduler.fork(0, 1);
+  scheduler.append_token(0, 100);
+  scheduler.append_token(1, 200);
+  out = scheduler.schedule();
+  EXPECT_EQ(trace(out), (Trace{{0, 6, 1, true}, {1, 6, 1, true}}));
+  // The shared half-full block is copied for the first writer.
+  ASSERT_EQ(out.block_copies.size(), 1u);
+  EXPECT_EQ(blocks.block_table(0)[1], out.block_copies[0].dst);
+  scheduler.update_computed(out);
+  scheduler.check_invariants();
+}
+
+TEST(Scheduler, RejectsSequencesThatCanNeverRun) {
+  PagedBlockManager blocks(4, 4);  // 12 tokens
+  Scheduler scheduler({8, 100, 16}, blocks);
+  EXPECT_THROW(scheduler.add(0, {}), std::invalid_argument);
+  EXPECT_THROW(scheduler.add(0, prompt(1, 17)), std::invalid_argument);  // > max_model_len
+  EXPECT_THROW(scheduler.add(0, prompt(1, 13)), std::invalid_argument);  // > the pool
+  EXPECT_THROW(scheduler.add(0, {1, -2}), std::invalid_argument);
+  scheduler.add(0, prompt(1, 12));
+  EXPECT_THROW(scheduler.add(0, prompt(1, 2)), std::invalid_argument);  // duplicate id
+  EXPECT_THROW(Scheduler({0, 100, 16}, blocks), std::invalid_argument);
+  EXPECT_THROW(scheduler.finish(42), std::out_of_range);
+}
+
+TEST(Scheduler, RandomizedRunKeepsInvariantsAndFinishesEverything) {
+  for (int seed = 0; seed < 3; ++seed) {
+    std::mt19937 rng(seed);
+    PagedBlockManager blocks(24, 4, /*enable_prefix_caching=*/seed != 1);
+    Scheduler scheduler({6, 16, 48}, blocks);
+    std::map<int64_t, int64_t> target_len;  // seq id -> total tokens at which it finishes
+    int64_t next_id = 0, finished = 0, steps = 0;
+    while (next_id < 60 || scheduler.has_pending_work()) {
+      if (next_id < 60 && rng() % 2 == 0) {
+        const int64_t len = 1 + rng() % 20;
+        std::vector<int32_t> p(len);
+        for (auto& t : p) t = static_cast<int32_t>(rng() % 3);  // shared prefixes are common
+        target_len[next_id] = len + 1 + rng() % 20;
+        scheduler.add(next_id++, p, static_cast<int64_t>(rng() % 2));
+      }
+      SchedulerOutput out = scheduler.schedule();
+      int64_t tokens = 0;
+      for (const auto& s : out.scheduled) tokens += s.num_new_tokens;
+      ASSERT_LE(tokens, 16);
+      ASSERT_EQ(tokens, out.num_batched_tokens);
+      scheduler.update_computed(out);
+      for (const auto& s : out.scheduled) {
+        if (!s.samples) continue;
+        const int64_t len = static_cast<int64_t>(scheduler.token_ids(s.seq_id).size());
+        if (len >= target_len[s.seq_id] || rng() % 50 == 0) {  // done, or aborted
+          scheduler.finish(s.seq_id);
+          ++finished;
+        } else {
+          scheduler.append_token(s.seq_id, static_cast<int32_t>(rng() % 3));
+        }
+      }
+      scheduler.check_invariants();
+      ASSERT_LT(++steps, 5000) << "the scheduler stopped making progress";
+    }
+    EXPECT_EQ(finished, 60);
+    EXPECT_EQ(blocks.num_free_blocks(), blocks.num_usable_blocks());
+    if (seed == 0) EXPECT_GT(scheduler.num_preemptions(), 0);
+  }
+}
+
+}  // namespace
+}  // namespace kvserve
