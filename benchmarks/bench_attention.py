@@ -18,6 +18,7 @@ Other processes' CPU use during each case is recorded (a busy neighbour skews a 
     python benchmarks/bench_attention.py                  # full run
     python benchmarks/bench_attention.py --quick          # few cases, few repeats
     python benchmarks/bench_attention.py --refcheck       # check outputs agree before timing
+    python benchmarks/bench_attention.py --threads 1      # one thread (steadier on a shared box)
 """
 
 from __future__ import annotations
@@ -141,8 +142,12 @@ def main():
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--kinds", nargs="+", default=["decode", "prefill", "prefix"])
     parser.add_argument("--repeats", type=int, default=None, help="override the repeat count")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for both (default: torch's, one per usable CPU)")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "bench_attention.json")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     cases = QUICK_CASES if args.quick else CASES
     results = []

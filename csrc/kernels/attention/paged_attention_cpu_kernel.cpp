@@ -10,7 +10,7 @@
 //    q_t [head_size, rows], so the scores of a key tile, S^T [keys, rows], come from a register-
 //    blocked micro-kernel that broadcasts key elements against vectors of rows, and the online
 //    softmax runs a vector of rows at a time (no horizontal sums); O [rows, head_size] += P V with
-//    a second micro-kernel. fp32 keys and values are read in place from their cache blocks.
+//    a second micro-kernel.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -60,10 +60,11 @@ struct Scratch {
   }
 };
 
-// keys[t], values[t]: fp32 rows of context positions [first, last). Rows are used in place when
-// the cache is fp32 (values also need whole vectors: head_size a multiple of Vec::size());
-// otherwise converted into key_rows [kKeyTile, head_size] / value_rows [kKeyTile, value_stride]
-// (columns past head_size are never output, so what lies there does not matter).
+// keys[t], values[t]: fp32 copies of the rows of context positions [first, last) in key_rows
+// [kKeyTile, head_size] / value_rows [kKeyTile, value_stride] (columns past head_size are never
+// output, so what lies there does not matter). Copied even when the cache is fp32: in place, the
+// rows of a block sit num_kv_heads * head_size apart (4 KiB for 8 heads of 128 floats), so a
+// tile's rows would fight over a few L1 sets.
 template <typename T>
 void load_rows(const PagedAttentionArgs& a, const int32_t* block_table, int64_t kv_head,
                int64_t first, int64_t last, int64_t value_stride, Scratch& s) {
@@ -74,18 +75,10 @@ void load_rows(const PagedAttentionArgs& a, const int32_t* block_table, int64_t 
     const int64_t offset = block_table[j / a.block_size] * a.cache_block_stride +
                            ((j % a.block_size) * a.num_kv_heads + kv_head) * d;
     const int64_t t = j - first;
-    if constexpr (std::is_same_v<T, float>) {
-      s.keys[t] = kc + offset;
-    } else {
-      convert_to_float(kc + offset, s.key_rows.data() + t * d, d);
-      s.keys[t] = s.key_rows.data() + t * d;
-    }
-    if (std::is_same_v<T, float> && value_stride == d) {
-      s.values[t] = reinterpret_cast<const float*>(vc + offset);
-    } else {
-      convert_to_float(vc + offset, s.value_rows.data() + t * value_stride, d);
-      s.values[t] = s.value_rows.data() + t * value_stride;
-    }
+    convert_to_float(kc + offset, s.key_rows.data() + t * d, d);
+    s.keys[t] = s.key_rows.data() + t * d;
+    convert_to_float(vc + offset, s.value_rows.data() + t * value_stride, d);
+    s.values[t] = s.value_rows.data() + t * value_stride;
   }
 }
 
