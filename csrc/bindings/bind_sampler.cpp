@@ -2,6 +2,10 @@
 #include <torch/csrc/utils/pybind.h>
 #include <pybind11/stl.h>
 
+#include <sstream>
+#include <string>
+#include <variant>
+
 #include "bindings/bindings.h"
 #include "kvserve/sampler.h"
 
@@ -12,35 +16,79 @@ namespace kvserve::bindings {
 void bind_sampler(py::module_& m) {
   py::class_<SamplingParams>(m, "SamplingParams",
                              "How a request samples and when it stops; temperature=0 is greedy.")
-      .def(py::init([](double temperature, int64_t top_k, double top_p, double min_p,
-                       std::optional<uint64_t> seed, int64_t max_tokens, bool ignore_eos,
-                       std::optional<std::vector<int64_t>> stop_token_ids) {
+      .def(py::init([](int64_t n, double temperature, int64_t top_k, double top_p, double min_p,
+                       double repetition_penalty, double presence_penalty,
+                       double frequency_penalty, std::optional<uint64_t> seed, int64_t max_tokens,
+                       int64_t min_tokens, bool ignore_eos,
+                       std::optional<std::vector<int64_t>> stop_token_ids,
+                       std::optional<std::variant<std::string, std::vector<std::string>>> stop,
+                       bool include_stop_str_in_output, std::optional<int64_t> logprobs) {
              SamplingParams p;
+             p.n = n;
              p.temperature = temperature;
              p.top_k = top_k;
              p.top_p = top_p;
              p.min_p = min_p;
+             p.repetition_penalty = repetition_penalty;
+             p.presence_penalty = presence_penalty;
+             p.frequency_penalty = frequency_penalty;
              p.seed = seed;
              p.max_tokens = max_tokens;
+             p.min_tokens = min_tokens;
              p.ignore_eos = ignore_eos;
              p.stop_token_ids = stop_token_ids.value_or(std::vector<int64_t>{});
+             if (stop && std::holds_alternative<std::string>(*stop)) {
+               p.stop = {std::get<std::string>(*stop)};  // one string, as the OpenAI API allows
+             } else if (stop) {
+               p.stop = std::get<std::vector<std::string>>(*stop);
+             }
+             p.include_stop_str_in_output = include_stop_str_in_output;
+             p.logprobs = logprobs;
              p.validate();
              return p;
            }),
-           py::kw_only(), py::arg("temperature") = 1.0, py::arg("top_k") = -1,
-           py::arg("top_p") = 1.0, py::arg("min_p") = 0.0, py::arg("seed") = py::none(),
-           py::arg("max_tokens") = 16, py::arg("ignore_eos") = false,
-           py::arg("stop_token_ids") = py::none())
+           py::kw_only(), py::arg("n") = 1, py::arg("temperature") = 1.0, py::arg("top_k") = -1,
+           py::arg("top_p") = 1.0, py::arg("min_p") = 0.0, py::arg("repetition_penalty") = 1.0,
+           py::arg("presence_penalty") = 0.0, py::arg("frequency_penalty") = 0.0,
+           py::arg("seed") = py::none(), py::arg("max_tokens") = 16, py::arg("min_tokens") = 0,
+           py::arg("ignore_eos") = false, py::arg("stop_token_ids") = py::none(),
+           py::arg("stop") = py::none(), py::arg("include_stop_str_in_output") = false,
+           py::arg("logprobs") = py::none())
+      .def_readwrite("n", &SamplingParams::n)
       .def_readwrite("temperature", &SamplingParams::temperature)
       .def_readwrite("top_k", &SamplingParams::top_k)
       .def_readwrite("top_p", &SamplingParams::top_p)
       .def_readwrite("min_p", &SamplingParams::min_p)
+      .def_readwrite("repetition_penalty", &SamplingParams::repetition_penalty)
+      .def_readwrite("presence_penalty", &SamplingParams::presence_penalty)
+      .def_readwrite("frequency_penalty", &SamplingParams::frequency_penalty)
       .def_readwrite("seed", &SamplingParams::seed)
       .def_readwrite("max_tokens", &SamplingParams::max_tokens)
+      .def_readwrite("min_tokens", &SamplingParams::min_tokens)
       .def_readwrite("ignore_eos", &SamplingParams::ignore_eos)
       .def_readwrite("stop_token_ids", &SamplingParams::stop_token_ids)
+      .def_readwrite("stop", &SamplingParams::stop)
+      .def_readwrite("include_stop_str_in_output", &SamplingParams::include_stop_str_in_output)
+      .def_readwrite("logprobs", &SamplingParams::logprobs)
       .def("validate", &SamplingParams::validate)
       .def("__repr__", &SamplingParams::repr);
+
+  py::class_<TokenLogprobs>(m, "TokenLogprobs",
+                            "Log-probabilities of one sampled token, from the raw logits.")
+      .def_readonly("token_id", &TokenLogprobs::token_id)
+      .def_readonly("logprob", &TokenLogprobs::logprob)
+      .def_readonly("rank", &TokenLogprobs::rank, "1-based; tokens at least as likely")
+      .def_readonly("top", &TokenLogprobs::top, "[(token_id, logprob)], most likely first")
+      .def("__repr__", [](const TokenLogprobs& t) {
+        std::ostringstream out;
+        out << "TokenLogprobs(token_id=" << t.token_id << ", logprob=" << t.logprob
+            << ", rank=" << t.rank << ", top=[";
+        for (size_t i = 0; i < t.top.size(); ++i) {
+          out << (i ? ", " : "") << '(' << t.top[i].first << ", " << t.top[i].second << ')';
+        }
+        out << "])";
+        return out.str();
+      });
 
   py::class_<RequestRandom>(m, "RequestRandom", "The random stream of one request.")
       .def(py::init<std::optional<uint64_t>>(), py::arg("seed") = py::none())
@@ -57,7 +105,37 @@ void bind_sampler(py::module_& m) {
             return sampler.sample(logits, ptrs, randoms);
           },
           py::arg("logits"), py::arg("params"), py::arg("randoms"),
-          "Next tokens int64 [rows] for fp32 logits [rows, vocab] (filtered in place).");
+          "Next tokens int64 [rows] for fp32 logits [rows, vocab] (filtered in place); "
+          "temperature, top-k, top-p and min-p only.")
+      .def(
+          "sample_rows",
+          [](const Sampler& sampler, at::Tensor logits, const std::vector<SamplingParams>& params,
+             std::vector<RequestRandom*> randoms,
+             std::optional<std::vector<std::vector<int64_t>>> prompt_token_ids,
+             std::optional<std::vector<std::vector<int64_t>>> output_token_ids,
+             std::vector<int64_t> eos_token_ids) {
+            const size_t num_rows = params.size();
+            const std::vector<std::vector<int64_t>> none(num_rows);
+            const auto& prompts = prompt_token_ids ? *prompt_token_ids : none;
+            const auto& outputs = output_token_ids ? *output_token_ids : none;
+            TORCH_CHECK(randoms.size() == num_rows && prompts.size() == num_rows &&
+                            outputs.size() == num_rows,
+                        "Sampler: need one SamplingParams, random stream, prompt and output "
+                        "token list per row");
+            std::vector<SamplingRow> rows(num_rows);
+            for (size_t r = 0; r < num_rows; ++r) {
+              rows[r] = SamplingRow{&params[r], randoms[r], &prompts[r], &outputs[r],
+                                    &eos_token_ids};
+            }
+            SamplerOutput out = sampler.sample(logits, rows);
+            return std::make_pair(out.token_ids, std::move(out.logprobs));
+          },
+          py::arg("logits"), py::arg("params"), py::arg("randoms"),
+          py::arg("prompt_token_ids") = py::none(), py::arg("output_token_ids") = py::none(),
+          py::arg("eos_token_ids") = std::vector<int64_t>{},
+          "(tokens int64 [rows], [TokenLogprobs or None per row]) for fp32 logits [rows, vocab] "
+          "(changed in place): logprobs from the raw logits, then min_tokens, penalties and "
+          "filters. Token id lists: one per row (None: all empty).");
 }
 
 }  // namespace kvserve::bindings

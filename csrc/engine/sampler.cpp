@@ -1,10 +1,18 @@
 #include "kvserve/sampler.h"
 
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/log_softmax.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <ATen/ops/topk.h>
+#include <ATen/ops/where.h>
 
+#include <algorithm>
+#include <charconv>
 #include <cmath>
+#include <limits>
 #include <sstream>
 #include <stdexcept>
+#include <tuple>
 
 #include "kernels/sampling/sampling.h"
 
@@ -15,29 +23,103 @@ void require(bool ok, const std::string& message) {
   if (!ok) throw std::invalid_argument("SamplingParams: " + message);
 }
 
+// The string as Python's repr() writes it (ASCII escapes; other bytes as they are).
+std::string python_repr(const std::string& s) {
+  const bool has_single = s.find('\'') != std::string::npos;
+  const char quote = has_single && s.find('"') == std::string::npos ? '"' : '\'';
+  std::string out(1, quote);
+  for (const char c : s) {
+    switch (c) {
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\r': out += "\\r"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (c == quote) {
+          out += '\\';
+          out += c;
+        } else if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) {
+          static const char* kHex = "0123456789abcdef";
+          out += "\\x";
+          out += kHex[(c >> 4) & 0xf];
+          out += kHex[c & 0xf];
+        } else {
+          out += c;
+        }
+    }
+  }
+  return out + quote;
+}
+
+// The number as Python's repr() writes a float: shortest round-trip digits, "1.0" not "1".
+std::string python_float(double value) {
+  if (std::isnan(value)) return "nan";
+  if (std::isinf(value)) return value > 0 ? "inf" : "-inf";
+  char buffer[32];
+  const auto end = std::to_chars(buffer, buffer + sizeof(buffer), value).ptr;
+  std::string out(buffer, end);
+  if (out.find_first_of(".e") == std::string::npos) out += ".0";
+  return out;
+}
+
+template <typename T, typename Format>
+void write_list(std::ostream& out, const std::vector<T>& values, Format format) {
+  out << '[';
+  for (size_t i = 0; i < values.size(); ++i) out << (i ? ", " : "") << format(values[i]);
+  out << ']';
+}
+
 }  // namespace
 
 void SamplingParams::validate() const {
+  require(n >= 1, "n must be >= 1, got " + std::to_string(n));
   require(std::isfinite(temperature) && temperature >= 0.0,
           "temperature must be a finite number >= 0, got " + std::to_string(temperature));
   require(top_k == -1 || top_k >= 1, "top_k must be -1 (off) or >= 1, got " + std::to_string(top_k));
   require(top_p > 0.0 && top_p <= 1.0, "top_p must be in (0, 1], got " + std::to_string(top_p));
   require(min_p >= 0.0 && min_p <= 1.0, "min_p must be in [0, 1], got " + std::to_string(min_p));
+  require(std::isfinite(repetition_penalty) && repetition_penalty > 0.0,
+          "repetition_penalty must be a finite number > 0, got " +
+              std::to_string(repetition_penalty));
+  require(presence_penalty >= -2.0 && presence_penalty <= 2.0,
+          "presence_penalty must be in [-2, 2], got " + std::to_string(presence_penalty));
+  require(frequency_penalty >= -2.0 && frequency_penalty <= 2.0,
+          "frequency_penalty must be in [-2, 2], got " + std::to_string(frequency_penalty));
   require(max_tokens >= 1, "max_tokens must be >= 1, got " + std::to_string(max_tokens));
+  require(min_tokens >= 0 && min_tokens <= max_tokens,
+          "min_tokens must be in [0, max_tokens=" + std::to_string(max_tokens) + "], got " +
+              std::to_string(min_tokens));
   for (int64_t id : stop_token_ids) {
     require(id >= 0, "stop_token_ids must be non-negative, got " + std::to_string(id));
   }
+  for (const std::string& s : stop) require(!s.empty(), "stop strings must be non-empty");
+  require(!logprobs || *logprobs >= 0,
+          "logprobs must be None or >= 0, got " + std::to_string(logprobs.value_or(0)));
+}
+
+bool SamplingParams::needs_token_history() const {
+  return repetition_penalty != 1.0 || presence_penalty != 0.0 || frequency_penalty != 0.0 ||
+         min_tokens > 0;
 }
 
 std::string SamplingParams::repr() const {
+  const char* kBool[] = {"False", "True"};
   std::ostringstream out;
-  out << "SamplingParams(temperature=" << temperature << ", top_k=" << top_k
-      << ", top_p=" << top_p << ", min_p=" << min_p << ", seed=";
+  out << "SamplingParams(n=" << n << ", temperature=" << python_float(temperature)
+      << ", top_k=" << top_k << ", top_p=" << python_float(top_p)
+      << ", min_p=" << python_float(min_p)
+      << ", repetition_penalty=" << python_float(repetition_penalty)
+      << ", presence_penalty=" << python_float(presence_penalty)
+      << ", frequency_penalty=" << python_float(frequency_penalty) << ", seed=";
   if (seed) out << *seed; else out << "None";
-  out << ", max_tokens=" << max_tokens << ", ignore_eos=" << (ignore_eos ? "True" : "False")
-      << ", stop_token_ids=[";
-  for (size_t i = 0; i < stop_token_ids.size(); ++i) out << (i ? ", " : "") << stop_token_ids[i];
-  out << "])";
+  out << ", max_tokens=" << max_tokens << ", min_tokens=" << min_tokens
+      << ", ignore_eos=" << kBool[ignore_eos] << ", stop=";
+  write_list(out, stop, python_repr);
+  out << ", stop_token_ids=";
+  write_list(out, stop_token_ids, [](int64_t id) { return id; });
+  out << ", include_stop_str_in_output=" << kBool[include_stop_str_in_output] << ", logprobs=";
+  if (logprobs) out << *logprobs; else out << "None";
+  out << ')';
   return out.str();
 }
 
@@ -50,37 +132,244 @@ float RequestRandom::next_uniform() {
   return static_cast<float>(engine_() >> 40) * (1.0f / 16777216.0f);
 }
 
-at::Tensor Sampler::sample(at::Tensor& logits, const std::vector<const SamplingParams*>& params,
-                           const std::vector<RequestRandom*>& randoms) const {
-  const int64_t rows = logits.size(0);
-  TORCH_CHECK(static_cast<int64_t>(params.size()) == rows &&
-                  static_cast<int64_t>(randoms.size()) == rows,
-              "Sampler: need one SamplingParams and one random stream per row");
-  std::vector<float> temperature(rows), top_p(rows), min_p(rows), uniform(rows, 0.0f);
-  std::vector<int64_t> top_k(rows);
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+at::Tensor to_device(std::vector<int64_t>& v, const at::Device& device) {
+  return at::from_blob(v.data(), {static_cast<int64_t>(v.size())}, at::kLong).to(device);
+}
+
+at::Tensor to_device(std::vector<float>& v, const at::Device& device) {
+  return at::from_blob(v.data(), {static_cast<int64_t>(v.size())}, at::kFloat).to(device);
+}
+
+// Logits of many (row, token) cells read, changed and written back in one gather and one scatter,
+// so the cost follows the number of distinct history tokens, never the vocabulary.
+struct CellUpdates {
+  std::vector<int64_t> row, token;
+  std::vector<float> divide_positive;  // repetition penalty (1: none)
+  std::vector<float> subtract;         // presence * (count > 0) + frequency * count
+
+  size_t size() const { return row.size(); }
+};
+
+void check_history_id(int64_t id, int64_t vocab, size_t row) {
+  TORCH_CHECK(id >= 0 && id < vocab, "Sampler: row ", row, " has token id ", id,
+              " in its history, outside the vocabulary [0, ", vocab, ")");
+}
+
+// Appends one cell per distinct token of the row's prompt and output that a penalty changes.
+// slot: vocab-sized scratch, all -1 on entry and on return.
+void add_penalty_cells(int64_t r, const SamplingRow& row, int64_t vocab,
+                       std::vector<int64_t>& slot, CellUpdates& cells) {
+  const SamplingParams& p = *row.params;
+  const size_t first = cells.size();
+  std::vector<int64_t> counts;
+  std::vector<bool> repeated;
+  auto cell = [&](int64_t id) {
+    check_history_id(id, vocab, r);
+    if (slot[id] < 0) {
+      slot[id] = static_cast<int64_t>(counts.size());
+      counts.push_back(0);
+      repeated.push_back(false);
+      cells.row.push_back(r);
+      cells.token.push_back(id);
+    }
+    return slot[id];
+  };
+  if (p.repetition_penalty != 1.0) {
+    for (int64_t id : *row.prompt_token_ids) repeated[cell(id)] = true;
+    for (int64_t id : *row.output_token_ids) repeated[cell(id)] = true;
+  }
+  if (p.presence_penalty != 0.0 || p.frequency_penalty != 0.0) {
+    for (int64_t id : *row.output_token_ids) ++counts[cell(id)];
+  }
+  for (size_t k = 0; k < counts.size(); ++k) {
+    cells.divide_positive.push_back(repeated[k] ? static_cast<float>(p.repetition_penalty) : 1.0f);
+    cells.subtract.push_back(static_cast<float>(
+        p.presence_penalty * (counts[k] > 0) + p.frequency_penalty * counts[k]));
+    slot[cells.token[first + k]] = -1;
+  }
+}
+
+void apply_cells(at::Tensor& logits, CellUpdates& cells) {
+  if (cells.size() == 0) return;
+  const at::Device device = logits.device();
+  const c10::List<std::optional<at::Tensor>> index{to_device(cells.row, device),
+                                                   to_device(cells.token, device)};
+  const at::Tensor x = logits.index(index);
+  const at::Tensor divide = to_device(cells.divide_positive, device);
+  // Hugging Face / vLLM: a positive logit is divided by the penalty, a negative one multiplied.
+  const at::Tensor penalized = at::where(x.gt(0), x.div(divide), x.mul(divide));
+  logits.index_put_(index, penalized.sub(to_device(cells.subtract, device)));
+}
+
+// While fewer than min_tokens tokens were generated, EOS (unless ignore_eos) and the stop token
+// ids are masked to -inf. Ids outside the vocabulary can never be sampled and are skipped.
+void mask_until_min_tokens(at::Tensor& logits, const std::vector<SamplingRow>& rows) {
+  const int64_t vocab = logits.size(1);
+  std::vector<int64_t> mask_row, mask_token;
+  auto mask = [&](int64_t r, int64_t id) {
+    if (id >= 0 && id < vocab) {
+      mask_row.push_back(r);
+      mask_token.push_back(id);
+    }
+  };
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const SamplingParams& p = *rows[r].params;
+    if (p.min_tokens == 0 ||
+        static_cast<int64_t>(rows[r].output_token_ids->size()) >= p.min_tokens) {
+      continue;
+    }
+    for (int64_t id : p.stop_token_ids) mask(r, id);
+    if (!p.ignore_eos && rows[r].eos_token_ids) {
+      for (int64_t id : *rows[r].eos_token_ids) mask(r, id);
+    }
+  }
+  if (mask_row.empty()) return;
+  const at::Device device = logits.device();
+  const c10::List<std::optional<at::Tensor>> index{to_device(mask_row, device),
+                                                   to_device(mask_token, device)};
+  logits.index_put_(index, at::scalar_tensor(kNegInf, logits.options()));
+}
+
+// Applies min_tokens, then the repetition penalty, then presence/frequency, in place.
+void apply_history(at::Tensor& logits, const std::vector<SamplingRow>& rows) {
+  const int64_t vocab = logits.size(1);
+  std::vector<int64_t> slot;
+  CellUpdates cells;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const SamplingParams& p = *rows[r].params;
+    if (!p.needs_token_history()) continue;
+    TORCH_CHECK(rows[r].prompt_token_ids && rows[r].output_token_ids, "Sampler: row ", r,
+                " uses penalties or min_tokens but has no prompt/output token ids");
+    if (p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0) {
+      if (slot.empty()) slot.assign(vocab, -1);
+      add_penalty_cells(static_cast<int64_t>(r), rows[r], vocab, slot, cells);
+    }
+  }
+  mask_until_min_tokens(logits, rows);  // -inf stays -inf through the penalties below
+  apply_cells(logits, cells);
+}
+
+// Log-probabilities of the raw logits for the rows that ask, kept until the tokens are known.
+struct PendingLogprobs {
+  std::vector<int64_t> rows;  // batch rows that asked, ascending
+  at::Tensor logprobs;        // fp32 [rows.size(), vocab]
+  at::Tensor top_values, top_ids;  // [rows.size(), max N]
+};
+
+PendingLogprobs raw_logprobs(const at::Tensor& logits, const std::vector<SamplingRow>& rows) {
+  PendingLogprobs pending;
+  int64_t max_top = 0;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    if (!rows[r].params->logprobs) continue;
+    pending.rows.push_back(static_cast<int64_t>(r));
+    max_top = std::max(max_top, std::min(*rows[r].params->logprobs, logits.size(1)));
+  }
+  if (pending.rows.empty()) return pending;
+  const at::Tensor selected = logits.index_select(0, to_device(pending.rows, logits.device()));
+  pending.logprobs = at::log_softmax(selected, 1, at::kFloat);
+  std::tie(pending.top_values, pending.top_ids) = at::topk(pending.logprobs, max_top, 1);
+  return pending;
+}
+
+std::vector<std::optional<TokenLogprobs>> finish_logprobs(PendingLogprobs& pending,
+                                                          const at::Tensor& tokens,
+                                                          const std::vector<SamplingRow>& rows) {
+  std::vector<std::optional<TokenLogprobs>> out(rows.size());
+  if (pending.rows.empty()) return out;
+  const at::Tensor index = to_device(pending.rows, tokens.device());
+  const at::Tensor sampled = tokens.index_select(0, index).unsqueeze(1);
+  const at::Tensor sampled_logprob = pending.logprobs.gather(1, sampled);
+  // vLLM's rank: how many tokens are at least as likely as the sampled one.
+  const at::Tensor rank = pending.logprobs.ge(sampled_logprob).sum(1);
+  const at::Tensor ids = sampled.cpu().contiguous(), logprob = sampled_logprob.cpu().contiguous();
+  const at::Tensor ranks = rank.cpu().contiguous();
+  const at::Tensor top_values = pending.top_values.cpu().contiguous();
+  const at::Tensor top_ids = pending.top_ids.cpu().contiguous();
+  const int64_t max_top = top_ids.size(1);
+  for (size_t i = 0; i < pending.rows.size(); ++i) {
+    const int64_t r = pending.rows[i];
+    TokenLogprobs result;
+    result.token_id = ids.data_ptr<int64_t>()[i];
+    result.logprob = logprob.data_ptr<float>()[i];
+    result.rank = ranks.data_ptr<int64_t>()[i];
+    const int64_t num_top = std::min(*rows[r].params->logprobs, max_top);
+    for (int64_t k = 0; k < num_top; ++k) {
+      result.top.emplace_back(top_ids.data_ptr<int64_t>()[i * max_top + k],
+                              top_values.data_ptr<float>()[i * max_top + k]);
+    }
+    out[r] = std::move(result);
+  }
+  return out;
+}
+
+// Temperature, top-k, top-p, min-p, then the draw (greedy rows draw nothing). Returns int64
+// [rows] on the logits' device.
+at::Tensor filter_and_draw(at::Tensor& logits, const std::vector<SamplingRow>& rows) {
+  const int64_t num_rows = logits.size(0);
+  std::vector<float> temperature(num_rows), top_p(num_rows), min_p(num_rows);
+  std::vector<float> uniform(num_rows, 0.0f);
+  std::vector<int64_t> top_k(num_rows);
   bool any_filter = false;
-  for (int64_t r = 0; r < rows; ++r) {
-    const SamplingParams& p = *params[r];
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const SamplingParams& p = *rows[r].params;
     temperature[r] = static_cast<float>(p.temperature);
     top_k[r] = p.top_k;
     top_p[r] = static_cast<float>(p.top_p);
     min_p[r] = static_cast<float>(p.min_p);
     if (p.temperature > 0.0) {
-      uniform[r] = randoms[r]->next_uniform();
+      uniform[r] = rows[r].random->next_uniform();
       any_filter = true;
     }
   }
   const auto device = logits.device();
-  auto host = [&](auto& v, at::ScalarType dtype) {
-    return at::from_blob(v.data(), {rows}, at::TensorOptions().dtype(dtype)).to(device);
-  };
-  at::Tensor temperature_t = host(temperature, at::kFloat);
+  at::Tensor temperature_t = to_device(temperature, device);
   if (any_filter) {
-    ops::sampling_filter_logits(logits, temperature_t, host(top_k, at::kLong),
-                                host(top_p, at::kFloat), host(min_p, at::kFloat));
+    ops::sampling_filter_logits(logits, temperature_t, to_device(top_k, device),
+                                to_device(top_p, device), to_device(min_p, device));
   }
   // On the CPU the parameter tensors alias the vectors above, which outlive the ops.
-  return ops::sampling_from_logits(logits, temperature_t, host(uniform, at::kFloat)).cpu();
+  return ops::sampling_from_logits(logits, temperature_t, to_device(uniform, device));
+}
+
+void check_rows(const at::Tensor& logits, const std::vector<SamplingRow>& rows) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat,
+              "Sampler: logits must be float32 [rows, vocab]");
+  TORCH_CHECK(static_cast<int64_t>(rows.size()) == logits.size(0),
+              "Sampler: need one SamplingParams and one random stream per row");
+  for (const SamplingRow& row : rows) {
+    TORCH_CHECK(row.params && row.random, "Sampler: every row needs params and a random stream");
+  }
+}
+
+}  // namespace
+
+SamplerOutput Sampler::sample(at::Tensor& logits, const std::vector<SamplingRow>& rows) const {
+  check_rows(logits, rows);
+  PendingLogprobs pending = raw_logprobs(logits, rows);  // before anything changes the logits
+  apply_history(logits, rows);
+  SamplerOutput out;
+  const at::Tensor tokens = filter_and_draw(logits, rows);
+  out.logprobs = finish_logprobs(pending, tokens, rows);
+  out.token_ids = tokens.cpu();
+  return out;
+}
+
+at::Tensor Sampler::sample(at::Tensor& logits, const std::vector<const SamplingParams*>& params,
+                           const std::vector<RequestRandom*>& randoms) const {
+  TORCH_CHECK(params.size() == randoms.size() &&
+                  static_cast<int64_t>(params.size()) == logits.size(0),
+              "Sampler: need one SamplingParams and one random stream per row");
+  std::vector<SamplingRow> rows(params.size());
+  for (size_t r = 0; r < rows.size(); ++r) {
+    rows[r].params = params[r];
+    rows[r].random = randoms[r];
+  }
+  check_rows(logits, rows);
+  return filter_and_draw(logits, rows).cpu();
 }
 
 }  // namespace kvserve

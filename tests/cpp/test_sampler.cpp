@@ -1,10 +1,13 @@
 #include "kvserve/sampler.h"
 
 #include <ATen/ops/cat.h>
+#include <ATen/ops/log_softmax.h>
 #include <ATen/ops/randn.h>
+#include <ATen/ops/tensor.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <stdexcept>
 
 namespace kvserve {
@@ -25,6 +28,25 @@ TEST(SamplingParams, ValidatesEachField) {
   invalid([](SamplingParams& p) { p.min_p = -0.1; });
   invalid([](SamplingParams& p) { p.max_tokens = 0; });
   invalid([](SamplingParams& p) { p.stop_token_ids = {-2}; });
+  invalid([](SamplingParams& p) { p.n = 0; });
+  invalid([](SamplingParams& p) { p.repetition_penalty = 0.0; });
+  invalid([](SamplingParams& p) { p.presence_penalty = 2.5; });
+  invalid([](SamplingParams& p) { p.frequency_penalty = -2.5; });
+  invalid([](SamplingParams& p) { p.min_tokens = p.max_tokens + 1; });
+  invalid([](SamplingParams& p) { p.min_tokens = -1; });
+  invalid([](SamplingParams& p) { p.logprobs = -1; });
+  invalid([](SamplingParams& p) { p.stop = {"ok", ""}; });
+}
+
+TEST(SamplingParams, ReprListsEveryField) {
+  SamplingParams p;
+  p.stop = {"\n\n", "it's"};
+  p.logprobs = 2;
+  EXPECT_EQ(p.repr(),
+            "SamplingParams(n=1, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, "
+            "repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=None, "
+            "max_tokens=16, min_tokens=0, ignore_eos=False, stop=['\\n\\n', \"it's\"], "
+            "stop_token_ids=[], include_stop_str_in_output=False, logprobs=2)");
 }
 
 TEST(RequestRandom, SeedFixesTheStreamAndValuesStayInUnitInterval) {
@@ -86,6 +108,84 @@ TEST(Sampler, TopKOfOneIsGreedy) {
                   .sample(logits, {&p, &p, &p, &p},
                           {&randoms[0], &randoms[1], &randoms[2], &randoms[3]})
                   .equal(expected));
+}
+
+TEST(Sampler, PenaltyArithmeticIsExact) {
+  // Repetition over prompt and output, then presence and frequency over the output only.
+  at::Tensor logits = at::tensor({2.0f, -2.0f, 1.0f, 0.5f, 3.0f}).reshape({1, 5});
+  SamplingParams p;
+  p.temperature = 0.0;
+  p.repetition_penalty = 2.0;
+  p.presence_penalty = 0.5;
+  p.frequency_penalty = 0.25;
+  const std::vector<int64_t> prompt = {0, 1}, output = {2, 2, 1};
+  RequestRandom random(std::optional<uint64_t>(0));
+  const SamplerOutput out =
+      Sampler().sample(logits, {SamplingRow{&p, &random, &prompt, &output, nullptr}});
+  // 0: 2 / 2; 1: -2 * 2 - 0.5 - 0.25; 2: 1 / 2 - 0.5 - 2 * 0.25; 3 and 4 untouched.
+  const std::vector<float> expected = {1.0f, -4.75f, -0.5f, 0.5f, 3.0f};
+  for (int64_t i = 0; i < 5; ++i) EXPECT_EQ(logits[0][i].item<float>(), expected[i]) << i;
+  EXPECT_EQ(out.token_ids[0].item<int64_t>(), 4);
+  EXPECT_FALSE(out.logprobs[0].has_value());
+}
+
+TEST(Sampler, MinTokensMasksEosAndStopIdsUntilReached) {
+  SamplingParams p;
+  p.temperature = 0.0;
+  p.min_tokens = 2;
+  p.stop_token_ids = {1};
+  const std::vector<int64_t> eos = {3}, prompt = {}, one = {0}, two = {0, 0};
+  RequestRandom random(std::optional<uint64_t>(0));
+  const at::Tensor base = at::tensor({0.0f, 5.0f, 1.0f, 6.0f});
+  const float inf = std::numeric_limits<float>::infinity();
+
+  at::Tensor logits = base.clone().reshape({1, 4});
+  SamplerOutput out = Sampler().sample(logits, {SamplingRow{&p, &random, &prompt, &one, &eos}});
+  const std::vector<float> masked = {0.0f, -inf, 1.0f, -inf};
+  for (int64_t i = 0; i < 4; ++i) EXPECT_EQ(logits[0][i].item<float>(), masked[i]) << i;
+  EXPECT_EQ(out.token_ids[0].item<int64_t>(), 2);
+
+  p.ignore_eos = true;  // EOS is no longer masked specially; the stop id still is
+  logits = base.clone().reshape({1, 4});
+  out = Sampler().sample(logits, {SamplingRow{&p, &random, &prompt, &one, &eos}});
+  EXPECT_EQ(out.token_ids[0].item<int64_t>(), 3);
+  EXPECT_EQ(logits[0][1].item<float>(), -inf);
+
+  p.ignore_eos = false;
+  logits = base.clone().reshape({1, 4});
+  out = Sampler().sample(logits, {SamplingRow{&p, &random, &prompt, &two, &eos}});
+  EXPECT_TRUE(logits.equal(base.reshape({1, 4})));
+  EXPECT_EQ(out.token_ids[0].item<int64_t>(), 3);
+}
+
+TEST(Sampler, LogprobsComeFromTheRawLogits) {
+  at::Tensor logits = at::tensor({1.0f, 3.0f, 2.0f, 0.0f}).reshape({1, 4});
+  const at::Tensor raw = at::log_softmax(logits, 1);
+  SamplingParams p;
+  p.temperature = 0.0;
+  p.repetition_penalty = 10.0;  // moves the greedy choice from token 1 to token 2
+  p.logprobs = 2;
+  const std::vector<int64_t> prompt = {1}, output = {};
+  RequestRandom random(std::optional<uint64_t>(0));
+  const SamplerOutput out =
+      Sampler().sample(logits, {SamplingRow{&p, &random, &prompt, &output, nullptr}});
+  ASSERT_TRUE(out.logprobs[0].has_value());
+  const TokenLogprobs& lp = *out.logprobs[0];
+  EXPECT_EQ(lp.token_id, 2);
+  EXPECT_EQ(lp.rank, 2);
+  EXPECT_FLOAT_EQ(lp.logprob, raw[0][2].item<float>());
+  ASSERT_EQ(lp.top.size(), 2u);
+  EXPECT_EQ(lp.top[0].first, 1);
+  EXPECT_EQ(lp.top[1].first, 2);
+  EXPECT_FLOAT_EQ(lp.top[0].second, raw[0][1].item<float>());
+}
+
+TEST(Sampler, RowsThatNeedHistoryMustHaveIt) {
+  at::Tensor logits = at::randn({1, 8});
+  SamplingParams p;
+  p.frequency_penalty = 0.5;
+  RequestRandom random(std::nullopt);
+  EXPECT_THROW(Sampler().sample(logits, {SamplingRow{&p, &random}}), c10::Error);
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 """The Sampler (kvserve._C.Sampler), its random streams (kvserve._C.RequestRandom) and
 SamplingParams validation. Masks are checked against kvserve.testing.reference and against
 Hugging Face transformers' logits warpers; sampled tokens against the filtered distribution with
-chi-square tests."""
+chi-square tests. Penalties against reference.apply_penalties and transformers'
+RepetitionPenaltyLogitsProcessor; logprobs against torch.log_softmax of the raw logits."""
 
 import itertools
 import math
@@ -10,8 +11,10 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
-from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
-                                                    TopKLogitsWarper, TopPLogitsWarper)
+from transformers.generation.logits_process import (MinPLogitsWarper,
+                                                    RepetitionPenaltyLogitsProcessor,
+                                                    TemperatureLogitsWarper, TopKLogitsWarper,
+                                                    TopPLogitsWarper)
 
 import kvserve
 from kvserve import SamplingParams
@@ -223,6 +226,26 @@ def test_sampler_rejects_mismatched_rows():
         (dict(min_p=math.nan), r"min_p must be in \[0, 1\]"),
         (dict(max_tokens=0), "max_tokens must be >= 1"),
         (dict(max_tokens=-3), "max_tokens must be >= 1"),
+        (dict(n=0), "n must be >= 1"),
+        (dict(n=-1), "n must be >= 1"),
+        (dict(repetition_penalty=0.0), "repetition_penalty must be a finite number > 0"),
+        (dict(repetition_penalty=-1.0), "repetition_penalty must be a finite number > 0"),
+        (dict(repetition_penalty=math.nan), "repetition_penalty must be a finite number > 0"),
+        (dict(repetition_penalty=math.inf), "repetition_penalty must be a finite number > 0"),
+        (dict(presence_penalty=2.01), r"presence_penalty must be in \[-2, 2\]"),
+        (dict(presence_penalty=-2.5), r"presence_penalty must be in \[-2, 2\]"),
+        (dict(presence_penalty=math.nan), r"presence_penalty must be in \[-2, 2\]"),
+        (dict(frequency_penalty=3.0), r"frequency_penalty must be in \[-2, 2\]"),
+        (dict(frequency_penalty=-2.01), r"frequency_penalty must be in \[-2, 2\]"),
+        (dict(frequency_penalty=math.nan), r"frequency_penalty must be in \[-2, 2\]"),
+        (dict(min_tokens=-1), r"min_tokens must be in \[0, max_tokens=16\]"),
+        (dict(min_tokens=17), r"min_tokens must be in \[0, max_tokens=16\]"),
+        (dict(min_tokens=5, max_tokens=4), r"min_tokens must be in \[0, max_tokens=4\]"),
+        (dict(logprobs=-1), "logprobs must be None or >= 0"),
+        (dict(stop=[""]), "stop strings must be non-empty"),
+        (dict(stop=["ok", ""]), "stop strings must be non-empty"),
+        (dict(stop=""), "stop strings must be non-empty"),
+        (dict(stop_token_ids=[3, -1]), "stop_token_ids must be non-negative"),
     ],
     ids=lambda v: str(v) if isinstance(v, dict) else "",
 )
@@ -233,7 +256,15 @@ def test_invalid_sampling_params_raise_value_error(kwargs, match):
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=0.0), dict(top_p=1.0), dict(top_p=1e-6),
                                     dict(top_k=-1), dict(top_k=1), dict(min_p=0.0),
-                                    dict(min_p=1.0), dict(max_tokens=1)], ids=str)
+                                    dict(min_p=1.0), dict(max_tokens=1), dict(n=1), dict(n=8),
+                                    dict(repetition_penalty=1e-3),
+                                    dict(repetition_penalty=1.0),
+                                    dict(presence_penalty=-2.0), dict(presence_penalty=2.0),
+                                    dict(frequency_penalty=-2.0),
+                                    dict(frequency_penalty=2.0), dict(min_tokens=0),
+                                    dict(min_tokens=16), dict(logprobs=0), dict(logprobs=20),
+                                    dict(stop=["\n\n", "END"]), dict(stop=[]),
+                                    dict(include_stop_str_in_output=True)], ids=str)
 def test_boundary_sampling_params_are_valid(kwargs):
     params = SamplingParams(**kwargs)
     params.validate()
@@ -243,3 +274,272 @@ def test_boundary_sampling_params_are_valid(kwargs):
 
 def test_sampling_params_is_the_public_class():
     assert kvserve.SamplingParams is SamplingParams
+
+
+def test_new_fields_default_off_and_keywords_only():
+    params = SamplingParams()
+    assert (params.n, params.repetition_penalty, params.presence_penalty,
+            params.frequency_penalty, params.min_tokens, params.logprobs, params.stop,
+            params.include_stop_str_in_output) == (1, 1.0, 0.0, 0.0, 0, None, [], False)
+    with pytest.raises(TypeError):
+        SamplingParams(1.0)  # keyword-only
+
+
+def test_sampling_params_keywords_and_repr():
+    params = SamplingParams(stop=["\n\n", "it's"], n=2, logprobs=3, temperature=0.7, top_k=5,
+                            repetition_penalty=1.1, presence_penalty=-0.5,
+                            frequency_penalty=0.25, seed=9, max_tokens=30, min_tokens=4,
+                            ignore_eos=True, stop_token_ids=[7, 8],
+                            include_stop_str_in_output=True)
+    assert (params.n, params.logprobs, params.stop, params.min_tokens) == (2, 3, ["\n\n", "it's"], 4)
+    assert repr(params) == (
+        "SamplingParams(n=2, temperature=0.7, top_k=5, top_p=1.0, min_p=0.0, "
+        "repetition_penalty=1.1, presence_penalty=-0.5, frequency_penalty=0.25, seed=9, "
+        "max_tokens=30, min_tokens=4, ignore_eos=True, stop=['\\n\\n', \"it's\"], "
+        "stop_token_ids=[7, 8], include_stop_str_in_output=True, logprobs=3)")
+    assert SamplingParams(stop="###").stop == ["###"], "a single stop string, as in the OpenAI API"
+    assert "logprobs=None" in repr(SamplingParams())
+
+
+# ------------------------------------------------------------------------ penalties and min_tokens
+
+
+def random_history(g, rows, vocab, max_len):
+    """Per-row prompt and output id lists with repeats (short vocabularies repeat a lot)."""
+    def ids():
+        n = int(torch.randint(0, max_len + 1, (1,), generator=g))
+        return torch.randint(0, vocab, (n,), generator=g).tolist()
+    return [ids() for _ in range(rows)], [ids() for _ in range(rows)]
+
+
+PENALTY_GRID = list(itertools.product([1.0, 0.5, 1.3, 2.0], [0.0, -2.0, 0.7, 2.0],
+                                      [0.0, 1.5, -0.3]))
+
+
+@pytest.mark.parametrize("vocab", [3, 50, 1000])
+def test_penalties_equal_reference(vocab):
+    """Every (repetition, presence, frequency) of the grid on its own row, greedy so that the
+    logits left in place are exactly the penalized ones."""
+    g = torch.Generator().manual_seed(vocab)
+    rows = len(PENALTY_GRID)
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    prompts, outputs = random_history(g, rows, vocab, 40)
+    prompts[0], outputs[1] = [], []  # an empty prompt and an empty output
+    params = [SamplingParams(temperature=0.0, repetition_penalty=rep, presence_penalty=pres,
+                             frequency_penalty=freq) for rep, pres, freq in PENALTY_GRID]
+    got = logits.clone()
+    tokens, logprobs = Sampler().sample_rows(got, params, [RequestRandom(0)] * rows, prompts,
+                                             outputs)
+    want = reference.apply_penalties(logits, prompts, outputs, *zip(*PENALTY_GRID))
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-6)
+    assert torch.equal(tokens, want.argmax(1))
+    assert logprobs == [None] * rows
+    changed = (want != logits.double()).any(1)
+    assert not changed[0] and changed.sum() >= rows - 4, "the grid must change most rows"
+
+
+def test_repetition_penalty_equals_transformers():
+    """Hugging Face applies it over input_ids = prompt + output, as vLLM does over both."""
+    g = torch.Generator().manual_seed(1)
+    vocab, rows = 200, 6
+    logits = torch.randn(rows, vocab, generator=g) * 4
+    prompts, outputs = random_history(g, rows, vocab, 60)
+    penalties = [1.0, 1.2, 0.8, 2.0, 1.05, 5.0]
+    params = [SamplingParams(temperature=0.0, repetition_penalty=p) for p in penalties]
+    got = logits.clone()
+    Sampler().sample_rows(got, params, [RequestRandom(0)] * rows, prompts, outputs)
+    for r, penalty in enumerate(penalties):
+        input_ids = torch.tensor([prompts[r] + outputs[r]], dtype=torch.long)
+        hf = RepetitionPenaltyLogitsProcessor(penalty)(input_ids, logits[r:r + 1].clone())[0]
+        torch.testing.assert_close(got[r], hf, atol=1e-6, rtol=1e-6)
+    assert not torch.equal(got, logits)
+
+
+def test_presence_and_frequency_count_output_tokens_only():
+    logits = torch.tensor([[1.0, 2.0, -1.0, 0.5, 0.0]])
+    params = SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.25)
+    got = logits.clone()
+    Sampler().sample_rows(got, [params], [RequestRandom(0)], [[0, 0, 1, 3]], [[1, 2, 2, 2]])
+    # token 0 and 3: prompt only, untouched; 1: once (-0.75); 2: three times (-1.25)
+    assert got.tolist() == [[1.0, 1.25, -2.25, 0.5, 0.0]]
+
+
+@pytest.mark.parametrize("kwargs, history, expected", [
+    # logits [2.0, 1.9, 1.0, -1.0]: token 0 leads until a penalty pushes it below token 1
+    (dict(), ([], [0]), 0),
+    (dict(repetition_penalty=1.2), ([], [0]), 1),        # 2.0 / 1.2 < 1.9
+    (dict(repetition_penalty=1.2), ([0], []), 1),        # the prompt counts too
+    (dict(repetition_penalty=1.04), ([0], []), 0),       # 2.0 / 1.04 > 1.9
+    (dict(presence_penalty=0.2), ([0], []), 0),          # the prompt does not count
+    (dict(presence_penalty=0.2), ([], [0]), 1),
+    (dict(frequency_penalty=0.06), ([], [0]), 0),        # 2.0 - 0.06 > 1.9
+    (dict(frequency_penalty=0.06), ([], [0, 0]), 1),     # 2.0 - 0.12 < 1.9
+    (dict(presence_penalty=-2.0), ([], [2]), 2),         # negative: 1.0 + 2.0 > 2.0
+    (dict(repetition_penalty=0.4), ([], [2]), 2),        # below 1: 1.0 / 0.4 > 2.0
+    (dict(repetition_penalty=0.4), ([], [3]), 0),        # below 1: -1.0 * 0.4 stays negative
+], ids=str)
+def test_greedy_with_penalties_picks_expected_token(kwargs, history, expected):
+    logits = torch.tensor([[2.0, 1.9, 1.0, -1.0]])
+    params = SamplingParams(temperature=0.0, **kwargs)
+    tokens, _ = Sampler().sample_rows(logits, [params], [RequestRandom(0)], [history[0]],
+                                      [history[1]])
+    assert tokens.tolist() == [expected]
+
+
+EOS, STOP = [5, 9], [2]
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_min_tokens_masks_eos_and_stop_ids_until_reached(ignore_eos):
+    vocab, min_tokens = 12, 3
+    base = torch.zeros(vocab)
+    base[EOS + STOP] = 10.0  # the stopping tokens are by far the most likely
+    params = SamplingParams(temperature=0.0, min_tokens=min_tokens, max_tokens=8,
+                            stop_token_ids=STOP, ignore_eos=ignore_eos)
+    masked_ids = STOP if ignore_eos else EOS + STOP
+    for generated in range(6):
+        logits = base[None].clone()
+        tokens, _ = Sampler().sample_rows(logits, [params], [RequestRandom(0)], [[5, 2]],
+                                          [[0] * generated], EOS)
+        if generated < min_tokens:
+            assert logits[0, masked_ids].isneginf().all(), generated
+            assert torch.equal(logits[0, [i for i in range(vocab) if i not in masked_ids]],
+                               base[[i for i in range(vocab) if i not in masked_ids]])
+            assert int(tokens) not in masked_ids
+            if ignore_eos:
+                assert int(tokens) == EOS[0], "ignore_eos: EOS is not masked specially"
+        else:
+            assert torch.equal(logits[0], base), f"masked after {generated} tokens"
+            assert int(tokens) == min(EOS + STOP)
+
+
+def test_min_tokens_mask_holds_for_sampled_rows():
+    """Temperature rows never sample a masked id, even when it dominates the distribution."""
+    vocab, rows = 8, 400
+    logits = torch.zeros(rows, vocab)
+    logits[:, EOS[0]] = 5.0
+    params = [SamplingParams(temperature=1.0, min_tokens=2, seed=s) for s in range(rows)]
+    randoms = [RequestRandom(s) for s in range(rows)]
+    tokens, _ = Sampler().sample_rows(logits.clone(), params, randoms, None, [[1]] * rows, EOS)
+    assert EOS[0] not in tokens.tolist() and len(set(tokens.tolist())) > 4
+    tokens, _ = Sampler().sample_rows(logits.clone(), params, randoms, None, [[1, 1]] * rows, EOS)
+    assert (tokens == EOS[0]).float().mean() > 0.8
+
+
+def test_penalized_sampling_matches_penalized_distribution():
+    """Seeded temperature/top-k/top-p/min-p sampling after penalties samples
+    softmax(filter(apply_penalties(logits)))."""
+    params = SamplingParams(temperature=0.8, top_k=8, top_p=0.95, min_p=0.1,
+                            repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2)
+    prompt, output = [0, 4, 11], [0, 1, 1, 2, 9]
+    penalized = reference.apply_penalties(CHI_LOGITS[None], [prompt], [output], [1.3], [0.4],
+                                          [0.2]).float()
+    num_requests, num_steps = 200, NUM_DRAWS // 200
+    randoms = [RequestRandom(seed) for seed in range(num_requests)]
+    sampler = Sampler()
+    tokens = torch.cat([
+        sampler.sample_rows(CHI_LOGITS.repeat(num_requests, 1), [params] * num_requests, randoms,
+                            [prompt] * num_requests, [output] * num_requests)[0]
+        for _ in range(num_steps)])
+    probs = reference.sampling_probs(penalized, *param_tensors([params]))[0].numpy()
+    unpenalized = reference.sampling_probs(CHI_LOGITS[None], *param_tensors([params]))[0].numpy()
+    counts = np.bincount(tokens.numpy(), minlength=CHI_LOGITS.numel())
+    kept = probs > 0
+    assert counts[~kept].sum() == 0
+    assert stats.chisquare(counts[kept], probs[kept] * len(tokens)).pvalue > P_VALUE
+    # the penalties must move the target far, or this test could not fail
+    assert np.abs(probs - unpenalized).max() > 0.1
+
+
+def test_rows_without_new_fields_sample_as_before():
+    """With penalties, min_tokens and logprobs off, sample_rows draws exactly the tokens of the
+    history-free sample(); the recorded tokens pin the seeded streams across releases."""
+    recorded = [[20, 29, 15, 43], [77, 20, 55, 21], [32, 58, 27, 1], [65, 44, 68, 57],
+                [13, 90, 75, 22], [28, 53, 55, 58], [78, 24, 25, 86], [74, 30, 17, 7],
+                [64, 12, 77, 50], [83, 30, 17, 63], [22, 78, 48, 69], [20, 26, 81, 71]]
+    params = [SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=11),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.3, min_p=0.05, seed=12),
+              SamplingParams(temperature=0.6, seed=13)]
+
+    def run(rows_form):
+        g = torch.Generator().manual_seed(2024)
+        randoms = [RequestRandom(p.seed) for p in params]
+        out = []
+        for step in range(len(recorded)):
+            logits = torch.randn(4, 97, generator=g)
+            if rows_form:
+                history = [[1, 2, 3], [4], [], [5, 5]]
+                tokens, logprobs = Sampler().sample_rows(logits, params, randoms, history,
+                                                         history, [0, 1])
+                assert logprobs == [None] * 4
+            else:
+                tokens = Sampler().sample(logits, params, randoms)
+            out.append(tokens.tolist())
+        return out
+
+    assert run(False) == recorded
+    assert run(True) == recorded
+
+
+# ---------------------------------------------------------------------------------------- logprobs
+
+
+@pytest.mark.parametrize("vocab", [4, 37, 1000])
+def test_logprobs_come_from_raw_logits(vocab):
+    """Top-N ids and values, the sampled token's logprob and rank equal torch.log_softmax of the
+    raw logits, whatever the penalties, min_tokens mask, temperature and filters did after."""
+    g = torch.Generator().manual_seed(vocab)
+    rows = 8
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    num_top = [None, 0, 1, 3, 5, vocab, vocab + 7, 2]
+    params = [SamplingParams(temperature=t, top_k=k, repetition_penalty=1.5,
+                             presence_penalty=0.5, min_tokens=1, stop_token_ids=[1], logprobs=n,
+                             seed=r)
+              for r, (t, k, n) in enumerate(zip([0.0, 1.0, 0.5, 2.0, 0.0, 1.0, 0.7, 1.5],
+                                                [-1, 3, -1, 10, -1, -1, 2, -1], num_top))]
+    prompts, outputs = random_history(g, rows, vocab, 10)
+    outputs = [[] for _ in range(rows)]  # min_tokens=1 masks token 1 in every row
+    randoms = [RequestRandom(p.seed) for p in params]
+    processed = logits.clone()
+    tokens, logprobs = Sampler().sample_rows(processed, params, randoms, prompts, outputs)
+    want = torch.log_softmax(logits, dim=-1)
+    assert not torch.equal(torch.log_softmax(processed, -1), want), "processing changed nothing"
+    for r, n in enumerate(num_top):
+        if n is None:
+            assert logprobs[r] is None
+            continue
+        got, token = logprobs[r], int(tokens[r])
+        assert got.token_id == token and token != 1
+        assert got.logprob == pytest.approx(float(want[r, token]), abs=1e-6)
+        assert got.rank == int((want[r] >= want[r, token]).sum())
+        top = torch.topk(want[r], min(n, vocab))
+        assert [i for i, _ in got.top] == top.indices.tolist()
+        torch.testing.assert_close(torch.tensor([v for _, v in got.top]), top.values,
+                                   atol=1e-6, rtol=0)
+    ranks = [lp.rank for lp in logprobs if lp is not None]
+    assert ranks.count(1) < len(ranks), "some sampled tokens must not be the raw argmax"
+
+
+def test_logprobs_of_greedy_rows_without_processing():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0]])
+    _, (got,) = Sampler().sample_rows(logits.clone(), [SamplingParams(temperature=0.0,
+                                                                      logprobs=2)],
+                                      [RequestRandom(0)], None, None)
+    want = torch.log_softmax(logits[0], -1)
+    assert got.token_id == 1 and got.rank == 2  # a tie: vLLM counts every token >= the sampled
+    assert got.logprob == pytest.approx(float(want[1]))
+    assert sorted(i for i, _ in got.top) == [1, 3]
+    assert "TokenLogprobs(token_id=1" in repr(got)
+
+
+def test_sample_rows_rejects_bad_rows():
+    logits = torch.randn(2, 10)
+    two, randoms = [SamplingParams()] * 2, [RequestRandom(0)] * 2
+    with pytest.raises(RuntimeError, match="one SamplingParams, random stream, prompt and output"):
+        Sampler().sample_rows(logits, two, randoms, [[1]], [[1], [2]])
+    with pytest.raises(RuntimeError, match="one SamplingParams and one random stream per row"):
+        Sampler().sample_rows(torch.randn(3, 10), two, randoms)
+    with pytest.raises(RuntimeError, match="token id 10 in its history, outside the vocabulary"):
+        Sampler().sample_rows(logits, [SamplingParams(repetition_penalty=1.1)] * 2, randoms,
+                              [[1], [10]], [[], []])

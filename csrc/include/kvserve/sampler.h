@@ -1,11 +1,17 @@
 #pragma once
 // Turns the last-position logits of a batch into next tokens, each row with its own parameters
 // and its own random stream, so a seeded request samples the same tokens in any batch.
+//
+// Per row, in order: logprobs from the raw logits (rows that ask) -> min_tokens mask ->
+// repetition penalty -> presence/frequency penalties -> temperature, top-k, top-p, min-p ->
+// greedy argmax (temperature 0) or one draw from the row's random stream.
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "kvserve/sampling_params.h"
@@ -23,11 +29,42 @@ class RequestRandom {
   std::mt19937_64 engine_;
 };
 
+/// One row of a batch to sample: its parameters, random stream and token history. The pointers
+/// are borrowed for the call. prompt/output may be null only when the params need no history
+/// (no penalty, min_tokens 0); a null eos_token_ids means the model has no EOS.
+struct SamplingRow {
+  const SamplingParams* params = nullptr;
+  RequestRandom* random = nullptr;
+  const std::vector<int64_t>* prompt_token_ids = nullptr;
+  const std::vector<int64_t>* output_token_ids = nullptr;  ///< generated so far
+  const std::vector<int64_t>* eos_token_ids = nullptr;
+};
+
+/// Log-probabilities of one sampled token, from log_softmax of the raw fp32 logits.
+struct TokenLogprobs {
+  int64_t token_id = 0;  ///< the sampled token
+  float logprob = 0.0f;  ///< its log-probability
+  int64_t rank = 0;      ///< 1-based: tokens whose logprob is >= the sampled one's (vLLM)
+  std::vector<std::pair<int64_t, float>> top;  ///< min(N, vocab) most likely (id, logprob), descending
+};
+
+/// What one Sampler::sample call returns.
+struct SamplerOutput {
+  at::Tensor token_ids;  ///< int64 [rows] on the CPU
+  std::vector<std::optional<TokenLogprobs>> logprobs;  ///< one per row; set where params.logprobs is
+};
+
 /// Sampler for a batch of rows.
 class Sampler {
  public:
-  /// logits: fp32 [rows, vocab] (modified in place by the filters); one params and one random
-  /// stream per row. Returns int64 [rows] on the CPU. Greedy rows draw no random number.
+  /// logits: fp32 [rows, vocab] (modified in place by the masks, penalties and filters); one
+  /// SamplingRow per row. Greedy rows draw no random number; other rows draw exactly one.
+  /// Throws c10::Error when the row count differs, a row lacks a history its params need, or a
+  /// history token id is outside [0, vocab).
+  SamplerOutput sample(at::Tensor& logits, const std::vector<SamplingRow>& rows) const;
+
+  /// The history-free form: temperature, top-k, top-p and min-p only (penalties, min_tokens and
+  /// logprobs are not applied). Returns int64 [rows] on the CPU.
   at::Tensor sample(at::Tensor& logits, const std::vector<const SamplingParams*>& params,
                     const std::vector<RequestRandom*>& randoms) const;
 };

@@ -1,6 +1,6 @@
 #pragma once
 // How one request turns logits into tokens and when it stops. Bound to Python as
-// kvserve.SamplingParams (same names).
+// kvserve.SamplingParams (same names). Penalties and logprobs follow vLLM (v1) and the OpenAI API.
 
 #include <cstdint>
 #include <optional>
@@ -11,19 +11,38 @@ namespace kvserve {
 
 /// Sampling and stopping parameters of one request; temperature 0 means greedy.
 struct SamplingParams {
+  int64_t n = 1;  ///< samples per prompt (the engine forks the sequence); >= 1
   double temperature = 1.0;
   int64_t top_k = -1;   ///< -1: off
   double top_p = 1.0;   ///< in (0, 1]; 1: off
   double min_p = 0.0;   ///< in [0, 1]; 0: off
+  /// > 0; 1: off. Every token id in the prompt or the output so far: a positive logit is divided
+  /// by it, a negative one multiplied (Hugging Face / vLLM).
+  double repetition_penalty = 1.0;
+  /// In [-2, 2]; 0: off. Over output tokens only: logit -= presence * (count > 0) + frequency * count.
+  double presence_penalty = 0.0;
+  double frequency_penalty = 0.0;
   std::optional<uint64_t> seed;  ///< fixes this request's random stream, whatever else is batched
   int64_t max_tokens = 16;
+  /// In [0, max_tokens]: EOS (unless ignore_eos) and stop_token_ids are masked to -inf until this
+  /// many tokens were generated.
+  int64_t min_tokens = 0;
   bool ignore_eos = false;
   std::vector<int64_t> stop_token_ids;
+  /// Strings that end the output when they appear in the detokenized text (matched in Python).
+  std::vector<std::string> stop;
+  bool include_stop_str_in_output = false;
+  /// Unset: no logprobs. N >= 0: the sampled token's log-probability and the N most likely ones,
+  /// from the raw logits (before penalties, temperature and filters).
+  std::optional<int64_t> logprobs;
 
   /// Throws std::invalid_argument (Python ValueError) naming the first invalid field.
   void validate() const;
 
-  /// "SamplingParams(temperature=..., ...)"
+  /// True when the penalties or min_tokens need the request's token history.
+  bool needs_token_history() const;
+
+  /// "SamplingParams(n=..., temperature=..., ...)" with every field.
   std::string repr() const;
 };
 

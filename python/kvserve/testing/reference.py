@@ -238,3 +238,25 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
         if float(temperature[r]) == 0.0:
             probs[r] = torch.nn.functional.one_hot(filtered[r].argmax(), probs.size(1)).double()
     return probs
+
+
+def apply_penalties(logits: torch.Tensor, prompt_ids: list[list[int]], output_ids: list[list[int]],
+                    repetition: list[float], presence: list[float],
+                    frequency: list[float]) -> torch.Tensor:
+    """Penalized logits fp64 [rows, vocab], per row: the repetition penalty over every token id in
+    the prompt or the output (a positive logit divided by it, a negative one multiplied), then
+    logit -= presence * (count > 0) + frequency * count over the output tokens only.
+
+    logits [rows, vocab]; one id list and one float of each penalty per row (1, 0, 0: off).
+    """
+    out = logits.double().clone()
+    vocab = out.size(1)
+    for r in range(out.size(0)):
+        counts = torch.bincount(torch.tensor(output_ids[r], dtype=torch.long), minlength=vocab)
+        in_prompt = torch.bincount(torch.tensor(prompt_ids[r], dtype=torch.long), minlength=vocab)
+        seen = (counts + in_prompt) > 0
+        x = out[r]
+        penalized = torch.where(x > 0, x / float(repetition[r]), x * float(repetition[r]))
+        x = torch.where(seen, penalized, x)
+        out[r] = x - float(presence[r]) * (counts > 0).double() - float(frequency[r]) * counts.double()
+    return out
