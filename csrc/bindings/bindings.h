@@ -6,6 +6,7 @@
 namespace kvserve::bindings {
 
 void bind_kv_cache(pybind11::module_& m);
+void bind_continuous_batching_engine(pybind11::module_& m);
 void bind_model(pybind11::module_& m);
 void bind_paged_block_manager(pybind11::module_& m);
 void bind_sampler(pybind11::module_& m);

@@ -11,6 +11,7 @@ PYBIND11_MODULE(_C, m) {
       "Vector instruction set the CPU kernels use: default, avx2 or avx512.");
   kvserve::bindings::bind_kv_cache(m);
   kvserve::bindings::bind_model(m);
+  kvserve::bindings::bind_continuous_batching_engine(m);
   kvserve::bindings::bind_paged_block_manager(m);
   kvserve::bindings::bind_sampler(m);
 }

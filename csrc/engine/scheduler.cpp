@@ -170,6 +170,10 @@ void Scheduler::admit_waiting(int64_t& budget, SchedulerOutput& out) {
     const int64_t chunk = std::min(remaining, budget);
     out.scheduled.push_back({id, cached, chunk, chunk == remaining});
     budget -= chunk;
+    // This step's forward writes the chunk's K/V before any of its attention reads the cache, so
+    // sequences admitted after this one in the same step may already reuse its full blocks. (No
+    // preemption follows admission within a step, so the chunk does run.)
+    blocks_.mark_computed(id, cached + chunk);
   }
 }
 

@@ -12,7 +12,13 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" (EOS / stop token) or "length"
+    finish_reason: str | None  # None while running; "stop", "length" or "abort"
+    delta_text: str = ""  # text added since the previous LLMEngine.step() output
+    new_token_ids: list[int] = field(default_factory=list)  # ids added since then
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
@@ -21,8 +27,21 @@ class RequestMetrics:
 
     arrival_time: float
     first_token_time: float
-    finished_time: float
+    finished_time: float  # the last token's time while the request runs
     num_generated_tokens: int
+    first_scheduled_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        """From arrival to the first step that ran the request."""
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float:
+        return self.finished_time - self.arrival_time
 
     @property
     def time_to_first_token(self) -> float:
@@ -34,7 +53,8 @@ class RequestMetrics:
         """TPOT: mean gap between tokens after the first; 0 for a single token."""
         if self.num_generated_tokens < 2:
             return 0.0
-        return (self.finished_time - self.first_token_time) / (self.num_generated_tokens - 1)
+        last = self.finished_time if self.last_token_time is None else self.last_token_time
+        return (last - self.first_token_time) / (self.num_generated_tokens - 1)
 
 
 @dataclass

@@ -7,6 +7,11 @@ from pathlib import Path
 from tokenizers import Tokenizer as _HFTokenizer
 
 
+# Prompt tokens decoded along with a continuation; enough to settle spaces and multi-byte
+# characters at the boundary (vLLM's detokenizer uses 5).
+_CONTEXT_TOKENS = 6
+
+
 class Tokenizer:
     """Encodes with the tokenizer's own special-token template (e.g. a leading BOS)."""
 
@@ -29,6 +34,49 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def decode_continuation(self, prompt_ids: list[int], token_ids: list[int]) -> str:
+        """The text that token_ids add after the prompt.
+
+        Decoding token_ids alone can lose text that depends on what precedes them, e.g. a
+        SentencePiece decoder strips the leading space of the first token. So decode the last
+        few prompt tokens with and without the continuation and keep the difference."""
+        context = list(prompt_ids[-_CONTEXT_TOKENS:])
+        prefix = self.decode(context)
+        full = self.decode(context + list(token_ids))
+        if full.startswith(prefix):
+            return full[len(prefix):]
+        return self.decode(token_ids)  # the boundary changed the prefix (e.g. a split character)
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of generated token ids into text deltas, one step at a time.
+
+    Decodes a short window (a few tokens already shown + the new ones) rather than the whole
+    output, and holds back text that ends in an incomplete UTF-8 character (U+FFFD) until the
+    next token completes it (the scheme of vLLM's detokenizer)."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
+        self._tok = tokenizer
+        self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0            # window start
+        self._read_offset = len(self._ids)  # tokens before this are already in `text`
+        self.text = ""
+
+    def add(self, token_ids: list[int]) -> str:
+        """Appends generated tokens; returns the text they complete (possibly "")."""
+        self._ids.extend(token_ids)
+        self.last_delta = ""
+        shown = self._tok.decode(self._ids[self._prefix_offset:self._read_offset])
+        full = self._tok.decode(self._ids[self._prefix_offset:])
+        if len(full) <= len(shown) or full.endswith("\ufffd") or not full.startswith(shown):
+            return ""
+        delta = full[len(shown):]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self.text += delta
+        self.last_delta = delta
+        return delta

@@ -110,6 +110,17 @@ TEST(Scheduler, PrefixHitsStartTheFirstChunkAfterTheCachedTokens) {
   EXPECT_EQ(scheduler.num_cached_tokens(1), 8);
 }
 
+TEST(Scheduler, SequencesAdmittedInOneStepShareTheFirstOnesBlocks) {
+  PagedBlockManager blocks(32, 4);
+  Scheduler scheduler({8, 100, 64}, blocks);
+  scheduler.add(0, prompt(1, 10));
+  scheduler.add(1, prompt(1, 10));
+  scheduler.add(2, prompt(1, 3));  // shorter than a block: nothing to share
+  EXPECT_EQ(step(scheduler), (Trace{{0, 0, 10, true}, {1, 8, 2, true}, {2, 0, 3, true}}));
+  EXPECT_EQ(blocks.block_table(1)[0], blocks.block_table(0)[0]);
+  EXPECT_EQ(blocks.block_table(1)[1], blocks.block_table(0)[1]);
+}
+
 TEST(Scheduler, ForkedSequencesRunOnTheirOwn) {
   PagedBlockManager blocks(32, 4);
   Scheduler scheduler({8, 100, 64}, blocks);

@@ -132,8 +132,9 @@ def test_bad_prompts_raise_and_the_llm_keeps_serving(checkpoint_factory, tmp_pat
     expected = llm.generate([good], GREEDY)[0].outputs[0].token_ids
     vocab = llm.config.vocab_size
     cases = [
-        ([[1] * 32], ValueError, "max_model_len is 32"),
-        ([[1] * 40], ValueError, "max_model_len is 32"),
+        ([[1] * 32], ValueError, "exceeds max_model_len 32"),
+        ([[1] * 40], ValueError, "exceeds max_model_len 32"),
+        ([good, [1] * 40], ValueError, "exceeds max_model_len 32"),  # the good one is taken back
         ([[1, vocab]], ValueError, f"outside the vocabulary \\[0, {vocab}\\)"),
         ([[1, -1]], ValueError, "outside the vocabulary"),
         ([[]], ValueError, "prompt is empty"),

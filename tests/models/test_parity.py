@@ -145,9 +145,12 @@ def test_eos_and_stop_tokens_end_generation(checkpoint_factory, tmp_path):
     assert ignored.outputs[0].token_ids == free
 
 
-def test_generation_stops_at_max_model_len(checkpoint_factory):
+def test_requests_must_fit_max_model_len(checkpoint_factory):
+    """prompt + max_tokens may reach max_model_len, not exceed it (rejected when added)."""
     llm = kvserve.LLM(checkpoint_factory("LlamaForCausalLM"), max_model_len=16)
-    out = llm.generate([PROMPTS[0]], kvserve.SamplingParams(temperature=0, max_tokens=100,
+    fits = 16 - len(PROMPTS[0])
+    out = llm.generate([PROMPTS[0]], kvserve.SamplingParams(temperature=0, max_tokens=fits,
                                                             ignore_eos=True))[0].outputs[0]
-    assert len(PROMPTS[0]) + len(out.token_ids) == 16
-    assert out.finish_reason == "length"
+    assert len(out.token_ids) == fits and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="exceeds max_model_len 16"):
+        llm.generate([PROMPTS[0]], kvserve.SamplingParams(max_tokens=fits + 1))

@@ -55,6 +55,9 @@ class Scheduler {
   /// Picks the next step's work and reserves its KV slots. When blocks run out, preempts the
   /// most recently admitted running sequence: its blocks are freed and it goes back to the front
   /// of the waiting queue, to be recomputed (prompt + output so far) when it is readmitted.
+  /// A newly admitted sequence's scheduled chunk counts as computed at once, so the sequences
+  /// admitted after it in the same step can hit its prefix blocks (the forward writes all K/V
+  /// before attention reads); the caller must run the step or abort these sequences.
   SchedulerOutput schedule();
 
   /// The step ran: advances what it scheduled and lets the block manager cache full blocks.

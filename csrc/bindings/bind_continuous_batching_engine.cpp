@@ -1,0 +1,125 @@
+// Python bindings of the ContinuousBatchingEngine, its Scheduler (read-only) and its outputs.
+#include <torch/csrc/utils/pybind.h>
+#include <pybind11/stl.h>
+
+#include "bindings/bindings.h"
+#include "kvserve/continuous_batching_engine.h"
+
+namespace py = pybind11;
+
+namespace kvserve::bindings {
+namespace {
+
+void bind_outputs(py::module_& m) {
+  py::class_<RequestMetrics>(m, "EngineRequestMetrics",
+                             "Times of one request (seconds, time.monotonic() clock).")
+      .def_readonly("arrival_time", &RequestMetrics::arrival_time)
+      .def_readonly("first_scheduled_time", &RequestMetrics::first_scheduled_time)
+      .def_readonly("first_token_time", &RequestMetrics::first_token_time)
+      .def_readonly("last_token_time", &RequestMetrics::last_token_time)
+      .def_readonly("finished_time", &RequestMetrics::finished_time)
+      .def_readonly("num_generated_tokens", &RequestMetrics::num_generated_tokens)
+      .def_property_readonly("time_to_first_token", &RequestMetrics::time_to_first_token)
+      .def_property_readonly("queue_time", &RequestMetrics::queue_time)
+      .def_property_readonly("e2e_latency", &RequestMetrics::e2e_latency)
+      .def_property_readonly("time_per_output_token", &RequestMetrics::time_per_output_token);
+
+  py::class_<CompletionOutput>(m, "EngineCompletionOutput")
+      .def_readonly("index", &CompletionOutput::index)
+      .def_readonly("token_ids", &CompletionOutput::token_ids)
+      .def_readonly("new_token_ids", &CompletionOutput::new_token_ids)
+      .def_property_readonly("finish_reason", [](const CompletionOutput& o) -> py::object {
+        if (o.finish_reason.empty()) return py::none();
+        return py::str(o.finish_reason);
+      })
+      .def_readonly("logprobs", &CompletionOutput::logprobs)
+      .def_property_readonly("finished", &CompletionOutput::finished);
+
+  py::class_<RequestOutput>(m, "EngineRequestOutput",
+                            "What one request produced in a step (token ids only).")
+      .def_readonly("request_id", &RequestOutput::request_id)
+      .def_readonly("prompt_token_ids", &RequestOutput::prompt_token_ids)
+      .def_readonly("outputs", &RequestOutput::outputs)
+      .def_readonly("finished", &RequestOutput::finished)
+      .def_readonly("num_cached_tokens", &RequestOutput::num_cached_tokens)
+      .def_readonly("metrics", &RequestOutput::metrics)
+      .def("__repr__", [](const RequestOutput& o) {
+        return "EngineRequestOutput(request_id='" + o.request_id + "', finished=" +
+               (o.finished ? "True" : "False") + ", outputs=" +
+               std::to_string(o.outputs.size()) + ")";
+      });
+
+  py::class_<EngineStats>(m, "EngineStats")
+      .def_readonly("num_running_requests", &EngineStats::num_running_requests)
+      .def_readonly("num_waiting_requests", &EngineStats::num_waiting_requests)
+      .def_readonly("num_running_sequences", &EngineStats::num_running_sequences)
+      .def_readonly("kv_cache_usage", &EngineStats::kv_cache_usage)
+      .def_readonly("prefix_cache_queries", &EngineStats::prefix_cache_queries)
+      .def_readonly("prefix_cache_hits", &EngineStats::prefix_cache_hits)
+      .def_property_readonly("prefix_cache_hit_rate", [](const EngineStats& s) {
+        return s.prefix_cache_queries ? static_cast<double>(s.prefix_cache_hits) /
+                                            static_cast<double>(s.prefix_cache_queries)
+                                      : 0.0;
+      })
+      .def_readonly("num_preemptions", &EngineStats::num_preemptions)
+      .def_readonly("num_finished_requests", &EngineStats::num_finished_requests)
+      .def_readonly("finished_metrics", &EngineStats::finished_metrics);
+}
+
+}  // namespace
+
+void bind_continuous_batching_engine(py::module_& m) {
+  bind_outputs(m);
+
+  py::class_<EngineConfig>(m, "EngineConfig")
+      .def(py::init([](int64_t max_num_seqs, int64_t max_num_batched_tokens,
+                       int64_t max_model_len, int64_t block_size, int64_t num_blocks,
+                       bool enable_prefix_caching, std::vector<int64_t> eos_token_ids) {
+             return EngineConfig{max_num_seqs, max_num_batched_tokens, max_model_len, block_size,
+                                 num_blocks, enable_prefix_caching, std::move(eos_token_ids)};
+           }),
+           py::kw_only(), py::arg("max_num_seqs") = 256, py::arg("max_num_batched_tokens") = 2048,
+           py::arg("max_model_len") = 0, py::arg("block_size") = 16, py::arg("num_blocks"),
+           py::arg("enable_prefix_caching") = true,
+           py::arg("eos_token_ids") = std::vector<int64_t>{})
+      .def_readonly("max_num_seqs", &EngineConfig::max_num_seqs)
+      .def_readonly("max_num_batched_tokens", &EngineConfig::max_num_batched_tokens)
+      .def_readonly("max_model_len", &EngineConfig::max_model_len)
+      .def_readonly("block_size", &EngineConfig::block_size)
+      .def_readonly("num_blocks", &EngineConfig::num_blocks)
+      .def_readonly("enable_prefix_caching", &EngineConfig::enable_prefix_caching)
+      .def_readonly("eos_token_ids", &EngineConfig::eos_token_ids);
+
+  py::class_<Scheduler>(m, "Scheduler", "The engine's scheduler (read-only from Python).")
+      .def_property_readonly("has_pending_work", &Scheduler::has_pending_work)
+      .def_property_readonly("num_running", &Scheduler::num_running)
+      .def_property_readonly("num_waiting", &Scheduler::num_waiting)
+      .def_property_readonly("num_preemptions", &Scheduler::num_preemptions)
+      .def("check_invariants", &Scheduler::check_invariants);
+
+  py::class_<ContinuousBatchingEngine>(
+      m, "ContinuousBatchingEngine",
+      "Iteration-level batching over a model and a paged KV cache; drive it with step().")
+      .def(py::init<std::shared_ptr<CausalLM>, EngineConfig>(), py::arg("model"),
+           py::arg("config"))
+      .def("add_request", &ContinuousBatchingEngine::add_request, py::arg("request_id"),
+           py::arg("prompt_token_ids"), py::arg("sampling_params"),
+           py::arg("arrival_time") = py::none(), py::arg("priority") = 0)
+      .def("step", &ContinuousBatchingEngine::step, py::call_guard<py::gil_scoped_release>(),
+           "One iteration; the requests that produced tokens or finished in it.")
+      .def("has_unfinished_requests", &ContinuousBatchingEngine::has_unfinished_requests)
+      .def("abort_request", &ContinuousBatchingEngine::abort_request, py::arg("request_id"))
+      .def("finish_completion", &ContinuousBatchingEngine::finish_completion,
+           py::arg("request_id"), py::arg("index"), py::arg("reason"))
+      .def("get_stats", &ContinuousBatchingEngine::get_stats)
+      .def_property_readonly("scheduler", &ContinuousBatchingEngine::scheduler,
+                             py::return_value_policy::reference_internal)
+      .def_property_readonly("block_manager", &ContinuousBatchingEngine::block_manager,
+                             py::return_value_policy::reference_internal)
+      .def_property_readonly("kv_cache", &ContinuousBatchingEngine::kv_cache,
+                             py::return_value_policy::reference_internal)
+      .def_property_readonly("config", &ContinuousBatchingEngine::config,
+                             py::return_value_policy::reference_internal);
+}
+
+}  // namespace kvserve::bindings

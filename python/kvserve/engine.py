@@ -1,0 +1,251 @@
+"""``LLMEngine``: text in, text out, over the C++ ContinuousBatchingEngine.
+
+    engine = LLMEngine("models/shakespeare-target")
+    engine.add_request("a", "ROMEO:", SamplingParams(max_tokens=32, stop=["\\n\\n"]))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            print(out.outputs[0].delta_text, end="", flush=True)
+
+The C++ engine schedules, runs the model and samples token ids; this layer tokenizes prompts,
+detokenizes outputs incrementally (text deltas for streaming) and matches stop strings in the text,
+also across token boundaries.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvserve import _C
+from kvserve.config import load_checkpoint_info, resolve_dtype
+from kvserve.loader import load_weights
+from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+SamplingParams = _C.SamplingParams
+
+# Upper bound of the default KV pool (vLLM's CPU backend defaults to 4 GiB too). Pages of the
+# pool are only committed when first written.
+DEFAULT_KV_CACHE_MEMORY = 4 << 30
+
+
+@dataclass
+class _Sample:
+    """The text side of one completion."""
+
+    detokenizer: IncrementalDetokenizer | None
+    emitted: int = 0           # characters of the text already returned as deltas
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class _Request:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: dict[int, _Sample] = field(default_factory=dict)
+
+
+class LLMEngine:
+    """A model loaded for serving: add requests at any time, call step() to advance all of them.
+
+    Args (as for kvserve.LLM):
+        model: a Hugging Face checkpoint directory.
+        dtype: "float32", "bfloat16", "float16" or "auto".
+        max_model_len: longest prompt + output (default: the config's max_position_embeddings).
+        block_size, num_kv_blocks | kv_cache_memory: the paged KV pool (default: room for
+            max_num_seqs full-length sequences, at most DEFAULT_KV_CACHE_MEMORY bytes).
+        max_num_seqs: running sequences at most; max_num_batched_tokens: tokens per step.
+        enable_prefix_caching: reuse the KV of identical prompt prefixes.
+        log_memory_plan: print weights, KV capacity and concurrency at start-up (stderr).
+    """
+
+    def __init__(self, model: str | Path, dtype: str | torch.dtype = "auto",
+                 max_model_len: int | None = None, *, block_size: int = 16,
+                 num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 enable_prefix_caching: bool = True, device: str | torch.device = "cpu",
+                 log_memory_plan: bool = True):
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"device {device!r} is not supported yet: kvserve's kernels run on "
+                             "the CPU")
+        info = load_checkpoint_info(model)
+        self.model_dir = Path(model)
+        self.config = info.config
+        self.hf_config = info.hf_config
+        self.dtype = resolve_dtype(dtype, info.checkpoint_dtype)
+        limit = info.config.max_position_embeddings
+        if max_model_len is None:
+            max_model_len = limit
+        if not isinstance(max_model_len, int) or not 2 <= max_model_len <= limit:
+            raise ValueError(f"max_model_len must be an integer in [2, {limit}], "
+                             f"got {max_model_len!r}")
+        for name, value in [("max_num_seqs", max_num_seqs),
+                            ("max_num_batched_tokens", max_num_batched_tokens)]:
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.max_model_len = max_model_len
+        self.eos_token_ids = info.eos_token_ids
+        self.tokenizer = Tokenizer.from_model_dir(model)
+        num_blocks = self._kv_blocks(block_size, num_kv_blocks, kv_cache_memory, max_num_seqs)
+        weights = load_weights(self.model_dir, info.config, self.dtype, device)
+        self.model = _C.create_causal_lm(info.config, weights, max_model_len)
+        config = _C.EngineConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
+            enable_prefix_caching=bool(enable_prefix_caching), eos_token_ids=info.eos_token_ids)
+        self.engine = _C.ContinuousBatchingEngine(self.model, config)
+        self._requests: dict[str, _Request] = {}
+        if log_memory_plan:
+            print(self.memory_plan(), file=sys.stderr)
+
+    # ------------------------------------------------------------------------------ set-up
+    def _kv_blocks(self, block_size, num_kv_blocks, kv_cache_memory, max_num_seqs) -> int:
+        """Blocks of the paged KV pool, from an explicit count, a byte budget or the default."""
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        if num_kv_blocks is not None and kv_cache_memory is not None:
+            raise ValueError("give num_kv_blocks or kv_cache_memory, not both")
+        c = self.config
+        per_block = _C.PagedKVCache.bytes_per_block(c.num_layers, block_size, c.num_kv_heads,
+                                                    c.head_dim, self.dtype)
+        if num_kv_blocks is not None:
+            if not isinstance(num_kv_blocks, int) or num_kv_blocks < 2:
+                raise ValueError(f"num_kv_blocks must be an integer >= 2 (block 0 is reserved), "
+                                 f"got {num_kv_blocks!r}")
+            return num_kv_blocks
+        if kv_cache_memory is None:
+            full = max_num_seqs * -(-self.max_model_len // block_size) + 1
+            return max(2, min(full, DEFAULT_KV_CACHE_MEMORY // per_block))
+        if not isinstance(kv_cache_memory, int) or kv_cache_memory < 2 * per_block:
+            raise ValueError(f"kv_cache_memory must be at least 2 blocks ({2 * per_block} bytes), "
+                             f"got {kv_cache_memory!r}")
+        return kv_cache_memory // per_block
+
+    def memory_plan(self) -> str:
+        kv = self.engine.kv_cache
+        full_len = self.max_model_len
+        concurrent = kv.capacity_tokens // full_len
+        return (f"kvserve: weights {self.model.weight_bytes / 2**20:.1f} MiB ({self.dtype}); "
+                f"KV cache {kv.nbytes / 2**20:.1f} MiB = {kv.num_blocks - 1} blocks x "
+                f"{kv.block_size} tokens = {kv.capacity_tokens:,} tokens at "
+                f"{kv.bytes_per_token:,} bytes/token; {concurrent} sequences of max_model_len "
+                f"{full_len} fit at once")
+
+    # ------------------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None, arrival_time: float | None = None,
+                    priority: int = 0) -> None:
+        """Queues a prompt (text, or token ids). Raises ValueError / TypeError for bad input;
+        the engine keeps serving the other requests."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
+        if request_id in self._requests:
+            raise ValueError(f"request id '{request_id}' is already in use")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        text, ids = self._tokenize(prompt)
+        self.engine.add_request(request_id, ids, params, arrival_time, priority)
+        self._requests[request_id] = _Request(text, ids, params)
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.model_dir} has no tokenizer.json; pass token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise TypeError(f"a prompt must be a string or a list of ints, got {prompt!r:.80}")
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stops a request; its final output (finish_reason "abort") comes with the next step."""
+        return self.engine.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def get_stats(self):
+        return self.engine.get_stats()
+
+    @property
+    def scheduler(self):
+        return self.engine.scheduler
+
+    @property
+    def block_manager(self):
+        return self.engine.block_manager
+
+    @property
+    def kv_cache(self):
+        return self.engine.kv_cache
+
+    # ------------------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration: the requests that produced text or finished in it."""
+        outputs = []
+        for raw in self.engine.step():
+            request = self._requests[raw.request_id]
+            completions = [self._update_sample(raw.request_id, request, o) for o in raw.outputs]
+            finished = all(c.finished for c in completions) and len(completions) == request.params.n
+            m = raw.metrics
+            metrics = RequestMetrics(m.arrival_time, m.first_token_time,
+                                     m.finished_time if finished else m.last_token_time,
+                                     m.num_generated_tokens, m.first_scheduled_time,
+                                     m.last_token_time)
+            outputs.append(RequestOutput(raw.request_id, request.prompt, request.prompt_token_ids,
+                                         completions, finished, metrics, raw.num_cached_tokens))
+            if finished:
+                del self._requests[raw.request_id]
+        return outputs
+
+    def _update_sample(self, request_id: str, request: _Request, raw) -> CompletionOutput:
+        sample = request.samples.get(raw.index)
+        if sample is None:
+            detok = (IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+                     if self.tokenizer is not None else None)
+            sample = request.samples[raw.index] = _Sample(detok)
+        new_ids = list(raw.new_token_ids)
+        if sample.finish_reason is None:
+            sample.token_ids.extend(new_ids)
+            sample.finish_reason = raw.finish_reason
+            if sample.detokenizer is not None:
+                sample.detokenizer.add(new_ids)
+                self._match_stop_strings(request_id, request.params, sample, raw.index)
+        text = sample.detokenizer.text if sample.detokenizer is not None else ""
+        # While running, hold back what could be the start of a stop string.
+        visible = len(text) if sample.finish_reason else max(
+            sample.emitted, len(text) - self._stop_holdback(request.params))
+        delta = text[sample.emitted:visible]
+        sample.emitted = visible
+        return CompletionOutput(raw.index, text[:visible] if not sample.finish_reason else text,
+                                list(sample.token_ids), sample.finish_reason, delta, new_ids)
+
+    @staticmethod
+    def _stop_holdback(params: SamplingParams) -> int:
+        if not params.stop or params.include_stop_str_in_output:
+            return 0
+        return max(len(s) for s in params.stop) - 1
+
+    def _match_stop_strings(self, request_id, params, sample: _Sample, index: int) -> None:
+        """Ends the sample at the first stop string in its text (searching only where new text
+        could complete one); the stop string is cut unless include_stop_str_in_output."""
+        if not params.stop:
+            return
+        detok = sample.detokenizer
+        longest = max(len(s) for s in params.stop)
+        start = max(0, len(detok.text) - len(detok.last_delta) - longest + 1)
+        found = [(detok.text.find(s, start), s) for s in params.stop]
+        found = [(pos, s) for pos, s in found if pos >= 0]
+        if not found:
+            return
+        pos, stop = min(found)
+        detok.text = detok.text[:pos + len(stop) if params.include_stop_str_in_output else pos]
+        if sample.finish_reason is None:
+            self.engine.finish_completion(request_id, index, "stop")
+        sample.finish_reason = "stop"
