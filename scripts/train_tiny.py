@@ -40,7 +40,7 @@ BOS_ID, EOS_ID = 1, 2
 # within 30 minutes on a 2-core CPU; the draft is ~10x smaller for speculative decoding.
 PRESETS = {
     "target": dict(hidden_size=320, num_hidden_layers=6, num_attention_heads=8,
-                   num_key_value_heads=2, intermediate_size=864, steps=1500, batch_size=8,
+                   num_key_value_heads=2, intermediate_size=864, steps=700, batch_size=8,
                    lr=1.5e-3),
     "draft": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, intermediate_size=344, steps=1500, batch_size=8,

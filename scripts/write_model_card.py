@@ -40,7 +40,7 @@ def measure(model_dir: Path, target_dir: Path | None, corpus: Path) -> dict:
     ours = evaluate_perplexity(llm.model, ids, max_length=window, stride=stride)
     hf = load_hf_model(model_dir)
     theirs = hf_perplexity(hf, ids, window, stride)
-    facts = dict(training=training, config=hf.config, val_tokens=len(ids), window=window,
+    facts = dict(training=training, config=hf.config, val_tokens=ours.num_tokens, window=window,
                  stride=stride, ppl_kvserve=ours.perplexity, ppl_hf=theirs)
     if target_dir is not None:
         facts["target"] = target_dir.name
@@ -103,7 +103,7 @@ def render(name: str, f: dict) -> str:
         "",
         "## Evaluation",
         "",
-        f"Validation perplexity over all {f['val_tokens']:,} validation tokens, in strided "
+        f"Validation perplexity over all {f['val_tokens']:,} scored validation tokens, in strided "
         f"windows of {f['window']} tokens with stride {f['stride']}. kvserve's figure is what "
         f"this prints:",
         "",

@@ -1,18 +1,34 @@
-"""Command line: ``python -m kvserve generate --model DIR --prompt TEXT``,
-``python -m kvserve convert llama2c --checkpoint FILE.bin --tokenizer TOK.bin --out DIR``."""
+"""Command line:
+
+    python -m kvserve generate [--model DIR] --prompt TEXT
+    python -m kvserve eval-ppl --model DIR --text FILE [--max-tokens N]
+    python -m kvserve convert llama2c --checkpoint FILE.bin --tokenizer TOK.bin --out DIR
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from kvserve.convert.llama2c import add_llama2c_parser
+
+
+# The trained model that ships in the repository (models/), used when no --model is given.
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "shakespeare-target"
+
+
+def _default_model() -> Path:
+    if not (DEFAULT_MODEL / "config.json").is_file():
+        raise FileNotFoundError(f"no --model given and the shipped model is not at {DEFAULT_MODEL} "
+                                "(it ships in a source checkout of kvserve)")
+    return DEFAULT_MODEL
 
 
 def _generate(args: argparse.Namespace) -> int:
     from kvserve import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len)
+    llm = LLM(args.model or _default_model(), dtype=args.dtype, max_model_len=args.max_model_len)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
                             ignore_eos=args.ignore_eos)
@@ -28,11 +44,33 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval_ppl(args: argparse.Namespace) -> int:
+    from kvserve import LLM
+    from kvserve.perplexity import evaluate_perplexity
+
+    if not args.text.is_file():
+        raise FileNotFoundError(f"--text {args.text} not found")
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_length)
+    if llm.tokenizer is None:
+        raise ValueError(f"{args.model} has no tokenizer.json to encode the text with")
+    ids = llm.tokenizer.encode(args.text.read_text(encoding="utf-8"))
+    if args.max_tokens is not None:
+        if args.max_tokens < 2:
+            raise ValueError(f"--max-tokens must be at least 2, got {args.max_tokens}")
+        ids = ids[:args.max_tokens]
+    r = evaluate_perplexity(llm.model, ids, max_length=llm.max_model_len, stride=args.stride)
+    print(f"perplexity {r.perplexity:.4f} (mean NLL {r.nll:.4f} nats) over {r.num_tokens:,} "
+          f"tokens of {args.text}; {r.num_windows} windows of up to {r.max_length} tokens, "
+          f"stride {r.stride}; {llm.dtype}; {r.seconds:.1f} s")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kvserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="complete one prompt and print the text and its metrics")
-    g.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    g.add_argument("--model", help="Hugging Face checkpoint directory (default: the shipped "
+                   "models/shakespeare-target)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.8)
@@ -44,6 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--max-model-len", type=int, default=None)
     g.set_defaults(func=_generate)
+    e = sub.add_parser("eval-ppl", help="perplexity of a text file under a model")
+    e.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    e.add_argument("--text", required=True, type=Path, help="UTF-8 text file")
+    e.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
+    e.add_argument("--max-length", type=int, default=None,
+                   help="tokens per window (default: the model's context)")
+    e.add_argument("--stride", type=int, default=None, help="window step (default: half a window)")
+    e.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    e.set_defaults(func=_eval_ppl)
     c = sub.add_parser("convert", help="write another format's checkpoint as a Hugging Face dir")
     add_llama2c_parser(c.add_subparsers(dest="format", required=True))
     return parser

@@ -61,7 +61,7 @@ def evaluate_perplexity(model: _C.CausalLM, token_ids: list[int], max_length: in
     vocab = model.config.vocab_size
     if min(token_ids) < 0 or max(token_ids) >= vocab:
         raise ValueError(f"token ids must be in [0, {vocab})")
-    stride = stride or max(1, max_length // 2)
+    stride = max(1, max_length // 2) if stride is None else stride
     windows = strided_windows(len(token_ids), max_length, stride)
     config = model.config
     caches = _C.KVCache.from_model_config(1, max_length, config.num_layers, config.num_kv_heads,

@@ -6,7 +6,6 @@ TinyStories like the converted tokenizer.json. Plus an untied random checkpoint 
 from __future__ import annotations
 
 import json
-import os
 import random
 import struct
 from pathlib import Path
@@ -20,11 +19,11 @@ from tokenizers import Tokenizer
 import kvserve
 from kvserve.cli import main as cli_main
 from kvserve.convert import convert_llama2c
+from tests.conftest import SHARED_DATA
 
 transformers = pytest.importorskip("transformers")
 
-DATA_DIR = Path(os.environ.get("KVSERVE_DATA_DIR",
-                               Path(__file__).resolve().parents[2].parent / "shared" / "data"))
+DATA_DIR = SHARED_DATA
 CHECKPOINT = DATA_DIR / "stories260K" / "stories260K.bin"
 TOKENIZER = DATA_DIR / "stories260K" / "tok512.bin"
 VALID_TEXT = DATA_DIR / "tinystories-sample" / "TinyStories-valid.txt"
@@ -37,7 +36,7 @@ LOGIT_TOLERANCE = 1e-5  # fp32, relative to the largest |logit| (as in tests/mod
 def require(path: Path) -> Path:
     if not path.is_file():
         pytest.skip(f"{path} is missing: put the shared data folder at {DATA_DIR} "
-                    "or point KVSERVE_DATA_DIR at it")
+                    "or point KVSERVE_SHARED_DATA at it")
     return path
 
 
@@ -233,8 +232,11 @@ def test_transformers_runs_the_directory_like_kvserve(converted, llm):
             for _ in range(NUM_GREEDY_TOKENS):  # full forward passes: no cache, no heuristics
                 seq = torch.cat([seq, hf(seq).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
         assert out.outputs[0].token_ids == seq[0, len(ids):].tolist()
-        assert out.outputs[0].text == hf_tokenizer.decode(seq[0, len(ids):],
-                                                          skip_special_tokens=True)
+        # The completion is what the generated tokens add to the prompt's text, leading space
+        # included (decoding them alone would strip it).
+        full = hf_tokenizer.decode(seq[0], skip_special_tokens=True)
+        assert full.startswith(prompt) and out.outputs[0].text == full[len(prompt):]
+        assert out.outputs[0].text.startswith((" ", ",", "."))
 
 
 def test_numpy_llama2c_decodes_like_kvserve(llm, encoder):
