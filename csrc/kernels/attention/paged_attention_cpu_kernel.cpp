@@ -64,10 +64,11 @@ struct Scratch {
 // [kKeyTile, head_size] / value_rows [kKeyTile, value_stride] (columns past head_size are never
 // output, so what lies there does not matter). Copied even when the cache is fp32: in place, the
 // rows of a block sit num_kv_heads * head_size apart (4 KiB for 8 heads of 128 floats), so a
-// tile's rows would fight over a few L1 sets.
+// tile's rows would fight over a few L1 sets. Except with `in_place` (the dot-product path, which
+// reads each row once per row of its item): fp32 rows are then used where they are.
 template <typename T>
 void load_rows(const PagedAttentionArgs& a, const int32_t* block_table, int64_t kv_head,
-               int64_t first, int64_t last, int64_t value_stride, Scratch& s) {
+               int64_t first, int64_t last, int64_t value_stride, bool in_place, Scratch& s) {
   const T* kc = static_cast<const T*>(a.key_cache);
   const T* vc = static_cast<const T*>(a.value_cache);
   const int64_t d = a.head_size;
@@ -75,6 +76,13 @@ void load_rows(const PagedAttentionArgs& a, const int32_t* block_table, int64_t 
     const int64_t offset = block_table[j / a.block_size] * a.cache_block_stride +
                            ((j % a.block_size) * a.num_kv_heads + kv_head) * d;
     const int64_t t = j - first;
+    if constexpr (std::is_same_v<T, float>) {
+      if (in_place) {
+        s.keys[t] = kc + offset;
+        s.values[t] = vc + offset;
+        continue;
+      }
+    }
     convert_to_float(kc + offset, s.key_rows.data() + t * d, d);
     s.keys[t] = s.key_rows.data() + t * d;
     convert_to_float(vc + offset, s.value_rows.data() + t * value_stride, d);
@@ -229,7 +237,7 @@ void attend_tiled(const PagedAttentionArgs& a, const Item& it, Scratch& s) {
   const int64_t all_from = row_lo(rows - 1), all_to = row_hi(0);  // keys every row sees
   for (int64_t k0 = first_key; k0 < last_key; k0 += kKeyTile) {
     const int64_t n = std::min(k0 + kKeyTile, last_key) - k0;
-    load_rows<T>(a, block_table, it.kv_head, k0, k0 + n, dp, s);
+    load_rows<T>(a, block_table, it.kv_head, k0, k0 + n, dp, false, s);
     score_tile(s.keys.data(), n, s.q.data(), mp, d, s.scores.data());
     softmax_tile(a, k0, n, mp, k0 < all_from || k0 + n - 1 > all_to, s);
     for (int64_t r = 0; r < mp; ++r) {
@@ -283,7 +291,7 @@ void attend_rows(const PagedAttentionArgs& a, const Item& it, Scratch& s) {
   const int64_t last_key = row_hi(rows - 1) + 1;
   for (int64_t k0 = first_key; k0 < last_key; k0 += kKeyTile) {
     const int64_t k1 = std::min(k0 + kKeyTile, last_key);
-    load_rows<T>(a, block_table, it.kv_head, k0, k1, d, s);
+    load_rows<T>(a, block_table, it.kv_head, k0, k1, d, true, s);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t lo = std::max(row_lo(r), k0) - k0, hi = std::min(row_hi(r) + 1, k1) - k0;
       if (lo >= hi) continue;
