@@ -9,14 +9,19 @@
 import torch  # noqa: F401  (loads libtorch before the extension that links it)
 
 from kvserve import _C
+from kvserve.engine import LLMEngine
 from kvserve.kv_cache import KVCache, reset_all_caches
 from kvserve.llm import LLM, SamplingParams
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.serving import ContinuousBatchingEngine, GenerationRequest
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "LLMEngine",
+    "ContinuousBatchingEngine",
+    "GenerationRequest",
     "SamplingParams",
     "KVCache",
     "reset_all_caches",

@@ -223,8 +223,11 @@ class LLMEngine:
             sample.emitted, len(text) - self._stop_holdback(request.params))
         delta = text[sample.emitted:visible]
         sample.emitted = visible
+        logprobs = (list(raw.logprobs)[:len(sample.token_ids)]
+                    if request.params.logprobs is not None else None)
         return CompletionOutput(raw.index, text[:visible] if not sample.finish_reason else text,
-                                list(sample.token_ids), sample.finish_reason, delta, new_ids)
+                                list(sample.token_ids), sample.finish_reason, delta, new_ids,
+                                logprobs)
 
     @staticmethod
     def _stop_holdback(params: SamplingParams) -> int:

@@ -15,6 +15,9 @@ class CompletionOutput:
     finish_reason: str | None  # None while running; "stop", "length" or "abort"
     delta_text: str = ""  # text added since the previous LLMEngine.step() output
     new_token_ids: list[int] = field(default_factory=list)  # ids added since then
+    # With SamplingParams(logprobs=N): per token, its logprob, rank and the top-N
+    # (kvserve._C.TokenLogprobs: token_id, logprob, rank, top [(id, logprob), ...]).
+    logprobs: list | None = None
 
     @property
     def finished(self) -> bool:

@@ -1,0 +1,303 @@
+"""The continuous-batching engine end to end: a request's greedy tokens do not depend on what it
+is batched with, on preemption, on chunked prefill or on prefix caching; sampling features against
+references; n > 1 shares blocks; aborts and bad input leave the engine serving and the pool whole."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import kvserve
+from kvserve import LLMEngine, SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def path(checkpoint_factory):
+    return checkpoint_factory("LlamaForCausalLM")
+
+
+def engine(path, **kwargs) -> LLMEngine:
+    kwargs.setdefault("log_memory_plan", False)
+    return LLMEngine(path, dtype="float32", **kwargs)
+
+
+def mixed_requests(count: int, seed: int = 0):
+    """(prompt ids, max_tokens, arrival step) of `count` requests of mixed lengths."""
+    rng = random.Random(seed)
+    return [([1] + [rng.randrange(3, 384) for _ in range(rng.randrange(1, 60))],
+             rng.randrange(1, 24), rng.randrange(0, 20)) for _ in range(count)]
+
+
+def run(e: LLMEngine, requests, params=None) -> dict[str, list[int]]:
+    """Adds each request at its arrival step; returns token ids per request id, and checks the
+    engine's invariants every step and the pool afterwards."""
+    pending = sorted(((arrival, i, prompt, n) for i, (prompt, n, arrival) in enumerate(requests)))
+    results, step = {}, 0
+    while pending or e.has_unfinished_requests():
+        while pending and pending[0][0] <= step:
+            _, i, prompt, n = pending.pop(0)
+            e.add_request(str(i), prompt, params or SamplingParams(max_tokens=n, **GREEDY))
+        for out in e.step():
+            if out.finished:
+                results[out.request_id] = out.outputs[0].token_ids
+        e.scheduler.check_invariants()
+        step += 1
+    blocks = e.block_manager
+    assert blocks.num_free_blocks() == blocks.num_usable_blocks() and blocks.num_sequences() == 0
+    return results
+
+
+@pytest.fixture(scope="module")
+def alone(path):
+    """Each request of mixed_requests(32) run by itself."""
+    e = engine(path)
+    return {str(i): run(e, [(prompt, n, 0)])["0"] for i, (prompt, n, _) in
+            enumerate(mixed_requests(32))}
+
+
+def test_batched_with_arrivals_equals_alone(path, alone):
+    assert run(engine(path), mixed_requests(32)) == alone
+
+
+def test_preemption_gives_identical_results(path, alone):
+    e = engine(path, block_size=4, num_kv_blocks=40, enable_prefix_caching=False)
+    assert run(e, mixed_requests(32)) == alone
+    assert e.get_stats().num_preemptions > 0
+
+
+def test_chunked_prefill_gives_identical_results(path, alone):
+    e = engine(path, max_num_batched_tokens=16)  # smaller than most prompts
+    assert run(e, mixed_requests(32)) == alone
+
+
+def test_prefix_caching_on_and_off_agree(path):
+    system = [1] + list(range(100, 140))
+    requests = [(system + [200 + i] * (i % 5 + 1), 8, i % 3) for i in range(12)]
+    on, off = engine(path, block_size=8), engine(path, block_size=8, enable_prefix_caching=False)
+    assert run(on, requests) == run(off, requests)
+    stats = on.get_stats()
+    assert stats.prefix_cache_hits >= 11 * 40 and stats.prefix_cache_hit_rate > 0.8
+    assert off.get_stats().prefix_cache_hits == 0
+
+
+def test_stop_string_across_a_token_boundary(path):
+    e = engine(path)
+    prompt = "Once upon a time"
+    reference = kvserve.LLM(path, dtype="float32").generate(
+        prompt, SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)[0].outputs[0]
+    ids = reference.token_ids
+    tok = e.tokenizer
+    # A stop string made of the last character of one token's text and the first of the next
+    # one's, whose first occurrence is at that boundary.
+    prompt_ids = tok.encode(prompt)
+    stop = start = None
+    for k in range(2, len(ids) - 1):
+        before = tok.decode_continuation(prompt_ids, ids[:k])
+        after = tok.decode_continuation(prompt_ids + ids[:k], ids[k:k + 1])
+        if before and after and reference.text.find(before[-1] + after[0]) == len(before) - 1:
+            stop, start = before[-1] + after[0], len(before) - 1
+            break
+    assert stop is not None
+    e.add_request("s", prompt, SamplingParams(max_tokens=24, stop=[stop], **GREEDY))
+    streamed, final = "", None
+    while e.has_unfinished_requests():
+        for out in e.step():
+            streamed += out.outputs[0].delta_text
+            final = out
+    assert final.outputs[0].finish_reason == "stop"
+    assert final.outputs[0].text == reference.text[:start] == streamed
+    e.add_request("t", prompt, SamplingParams(max_tokens=24, stop=[stop],
+                                              include_stop_str_in_output=True, **GREEDY))
+    while e.has_unfinished_requests():
+        for out in e.step():
+            final = out
+    assert final.outputs[0].text == reference.text[:start + len(stop)]
+
+
+def test_min_tokens_holds_back_stop_tokens(path):
+    e = engine(path)
+    greedy = run(e, [([1, 5, 6, 7], 12, 0)])["0"]
+    stop_id = greedy[0]
+    params = SamplingParams(max_tokens=12, min_tokens=4, stop_token_ids=[stop_id], **GREEDY)
+    e.add_request("m", [1, 5, 6, 7], params)
+    tokens = None
+    while e.has_unfinished_requests():
+        for out in e.step():
+            tokens, reason = out.outputs[0].token_ids, out.outputs[0].finish_reason
+    assert stop_id not in tokens[:4] and len(tokens) >= 5
+    assert reason == "length" or (reason == "stop" and tokens[-1] == stop_id)
+
+
+def test_seeded_sampling_is_the_same_in_any_batch(path):
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
+    solo = run(engine(path), [([1, 9, 8, 7], 16, 0)], params)["0"]
+    crowd = mixed_requests(10, seed=3)
+    e = engine(path)
+    for i, (prompt, n, _) in enumerate(crowd):
+        e.add_request(f"x{i}", prompt, SamplingParams(max_tokens=n, temperature=1.0, seed=i))
+    e.add_request("seeded", [1, 9, 8, 7], params)
+    out = None
+    while e.has_unfinished_requests():
+        for o in e.step():
+            if o.request_id == "seeded" and o.finished:
+                out = o.outputs[0].token_ids
+    assert out == solo
+
+
+def hf_model(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_penalties_match_transformers_greedy(path):
+    """Repetition penalty: transformers' processor over prompt + output, greedy."""
+    prompt, n = [1, 5, 9, 5, 9, 5], 16
+    model = hf_model(path)
+    processor = transformers.RepetitionPenaltyLogitsProcessor(1.5)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            scores = processor(ids, model(ids).logits[:, -1])
+            ids = torch.cat([ids, scores.argmax(-1, keepdim=True)], dim=1)
+    expected = ids[0, len(prompt):].tolist()
+    params = SamplingParams(max_tokens=n, repetition_penalty=1.5, **GREEDY)
+    assert run(engine(path), [(prompt, n, 0)], params)["0"] == expected
+
+
+def test_logprobs_match_log_softmax(path):
+    prompt, n = [1, 40, 41, 42], 6
+    e = engine(path)
+    e.add_request("l", prompt, SamplingParams(max_tokens=n, logprobs=3, **GREEDY))
+    final = None
+    while e.has_unfinished_requests():
+        for out in e.step():
+            final = out
+    raw = final.outputs[0]
+    assert len(raw.logprobs) == n
+    tokens = raw.token_ids
+    with torch.no_grad():
+        logits = hf_model(path)(torch.tensor([prompt + tokens])).logits[0]
+    reference = torch.log_softmax(logits.double(), -1)[len(prompt) - 1:-1]
+    for lp, row, token in zip(raw.logprobs, reference, tokens):
+        assert lp.token_id == token and lp.rank == 1
+        assert lp.logprob == pytest.approx(row[token].item(), abs=1e-4)
+        top = row.topk(3)
+        assert [t for t, _ in lp.top] == top.indices.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+def test_n_samples_share_the_prompt_blocks(path):
+    e = engine(path, block_size=8)
+    prompt = [1] + list(range(50, 89))  # 40 tokens: five full blocks
+    params = SamplingParams(n=4, max_tokens=5, temperature=1.0, seed=7, ignore_eos=True)
+    e.add_request("n", prompt, params)
+    used = []
+    final = None
+    while e.has_unfinished_requests():
+        for out in e.step():
+            final = out
+        blocks = e.block_manager
+        used.append(blocks.num_usable_blocks() - blocks.num_free_blocks())
+    # After the fork every sample writes its own sixth block; the five prompt blocks are shared
+    # (without sharing: 4 x 6 = 24).
+    assert max(used) == 9
+    assert e.block_manager.usage() == 0
+    assert len(final.outputs) == 4 and all(len(c.token_ids) == 5 for c in final.outputs)
+    assert len({tuple(c.token_ids) for c in final.outputs}) > 1
+
+
+def test_abort_frees_everything_and_reports_once(path):
+    e = engine(path)
+    e.add_request("a", [1, 2, 3, 4], SamplingParams(max_tokens=50, **GREEDY))
+    e.add_request("b", [1, 7, 8], SamplingParams(max_tokens=5, **GREEDY))
+    e.step()
+    assert e.abort_request("a") and not e.abort_request("a") and not e.abort_request("zz")
+    reports = []
+    while e.has_unfinished_requests():
+        reports += e.step()
+    aborted = [o for o in reports if o.request_id == "a"]
+    assert len(aborted) == 1 and aborted[0].outputs[0].finish_reason == "abort"
+    assert [o for o in reports if o.request_id == "b"][-1].outputs[0].finish_reason == "length"
+    assert e.block_manager.num_sequences() == 0
+    assert e.block_manager.num_free_blocks() == e.block_manager.num_usable_blocks()
+
+
+@pytest.mark.parametrize("args, error, message", [
+    (("dup", [1, 2], SamplingParams()), ValueError, "already in use"),
+    (("e", [], SamplingParams()), ValueError, "prompt is empty"),
+    (("v", [1, 10**6], SamplingParams()), ValueError, "outside the vocabulary"),
+    (("v", [1, -3], SamplingParams()), ValueError, "outside the vocabulary"),
+    (("long", [1] * 250, SamplingParams(max_tokens=10)), ValueError, "exceeds max_model_len"),
+    (("lp", [1, 2], SamplingParams(logprobs=10**6)), ValueError, "logprobs"),
+    ((1, [1, 2], SamplingParams()), TypeError, "request_id"),
+    (("p", [1, 2], "greedy"), TypeError, "SamplingParams"),
+])
+def test_bad_input_is_rejected_and_the_engine_keeps_serving(path, args, error, message):
+    e = engine(path)
+    e.add_request("dup", [1, 2, 3], SamplingParams(max_tokens=4, **GREEDY))
+    with pytest.raises(error, match=message):
+        e.add_request(*args)
+    outputs = []
+    while e.has_unfinished_requests():
+        outputs += e.step()
+    assert outputs[-1].request_id == "dup" and len(outputs[-1].outputs[0].token_ids) == 4
+
+
+def test_a_request_larger_than_the_pool_is_rejected(path):
+    e = engine(path, block_size=4, num_kv_blocks=6)  # 20 tokens
+    with pytest.raises(ValueError, match="KV blocks"):
+        e.add_request("big", [1] * 12, SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="KV blocks"):
+        e.add_request("many", [1] * 4, SamplingParams(max_tokens=6, n=4))
+
+
+def test_randomized_arrivals_aborts_and_parameters(path):
+    rng = random.Random(5)
+    e = engine(path, block_size=4, num_kv_blocks=48, max_num_batched_tokens=24, max_num_seqs=6)
+    live, next_id, steps = set(), 0, 0
+    while next_id < 120 or e.has_unfinished_requests():
+        if next_id < 120 and rng.random() < 0.5:
+            params = SamplingParams(
+                max_tokens=rng.randrange(1, 16), temperature=rng.choice([0.0, 0.7, 1.0]),
+                top_k=rng.choice([-1, 5]), n=rng.choice([1, 1, 2]), seed=rng.randrange(100),
+                repetition_penalty=rng.choice([1.0, 1.2]), ignore_eos=rng.random() < 0.5,
+                logprobs=rng.choice([None, 2]))
+            prompt = [1] + [rng.randrange(3, 20) for _ in range(rng.randrange(1, 40))]
+            e.add_request(str(next_id), prompt, params, priority=rng.randrange(2))
+            live.add(str(next_id))
+            next_id += 1
+        if live and rng.random() < 0.05:
+            e.abort_request(rng.choice(sorted(live)))
+        for out in e.step():
+            if out.finished:
+                live.discard(out.request_id)
+                for c in out.outputs:
+                    assert c.finish_reason in ("length", "stop", "abort")
+        e.scheduler.check_invariants()
+        steps += 1
+        assert steps < 5000
+    assert not live
+    assert e.block_manager.num_sequences() == 0
+    assert e.block_manager.num_free_blocks() == e.block_manager.num_usable_blocks()
+
+
+def test_the_notes_api(path):
+    engine_ = kvserve.ContinuousBatchingEngine(model=path, tokenizer=None, device="cpu",
+                                               max_batch_size=16, max_seq_len=128)
+    first = engine_.add_request(kvserve.GenerationRequest(prompt="Hello", max_new_tokens=12,
+                                                          temperature=0.0))
+    second = engine_.add_request(kvserve.GenerationRequest(prompt="World", max_new_tokens=8))
+    while engine_.scheduler.has_pending_work:
+        engine_.step()
+    assert set(engine_.results) == {first, second}
+    assert len(engine_.results[second].outputs[0].token_ids) <= 8
+    expected = kvserve.LLM(path, dtype="float32").generate(
+        "Hello", SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)[0]
+    assert engine_.results[first].outputs[0].token_ids == expected.outputs[0].token_ids
+    with pytest.raises(TypeError, match="GenerationRequest"):
+        engine_.add_request("Hello")
