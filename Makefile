@@ -2,8 +2,8 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
-DEMO_MODEL ?= build/demo-random-llama
-DEMO_PROMPT ?= Once upon a time
+DEMO_MODEL ?= models/shakespeare-target
+DEMO_PROMPT ?= ROMEO:
 
 .PHONY: install build test-deps build-tests demo test test-cpp test-python bench clean
 
@@ -16,11 +16,11 @@ install:
 
 build: install
 
+# The shipped model (models/shakespeare-target, trained by scripts/train_tiny.py); override
+# DEMO_MODEL with any Hugging Face directory.
 demo: install
-	@$(PYTHON) -c "import transformers" 2>/dev/null || $(PIP) install -q transformers
-	@test -f $(DEMO_MODEL)/config.json || $(PYTHON) scripts/make_random_checkpoint.py --out $(DEMO_MODEL)
-	@echo "NOTE: no trained model ships yet; this demo runs a tiny RANDOM checkpoint, so the text is noise."
-	$(PYTHON) -m kvserve generate --model $(DEMO_MODEL) --prompt "$(DEMO_PROMPT)" --max-tokens 48
+	$(PYTHON) -m kvserve generate --model $(DEMO_MODEL) --prompt "$(DEMO_PROMPT)" --max-tokens 96 \
+		--temperature 0.8 --top-k 50 --seed 0
 
 # Test dependencies: pytest etc. from PyPI, GoogleTest from Debian.
 test-deps:

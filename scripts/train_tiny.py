@@ -41,10 +41,10 @@ BOS_ID, EOS_ID = 1, 2
 PRESETS = {
     "target": dict(hidden_size=320, num_hidden_layers=6, num_attention_heads=8,
                    num_key_value_heads=2, intermediate_size=864, steps=700, batch_size=8,
-                   lr=1.5e-3),
+                   lr=1.5e-3, dropout=0.1),
     "draft": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, intermediate_size=344, steps=1500, batch_size=8,
-                  lr=3e-3),
+                  lr=3e-3, dropout=0.0),
 }
 
 
@@ -72,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-lr-ratio", type=float, default=0.1)
     p.add_argument("--warmup-steps", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--dropout", type=float, default=None,
+                   help="training-only dropout on every attention and MLP output (the saved "
+                        "model is a plain Llama)")
     p.add_argument("--eval-every", type=int, default=150)
     p.add_argument("--eval-batches", type=int, default=0,
                    help="validation windows to score per evaluation (0 = the whole split)")
@@ -85,6 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in preset.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.dropout is None:
+        args.dropout = 0.0
     missing = [k for k in PRESETS["target"] if getattr(args, k) is None]
     if missing:
         p.error("without --preset, give " + ", ".join("--" + k.replace("_", "-") for k in missing))
@@ -145,6 +150,25 @@ def make_config(args: argparse.Namespace, vocab_size: int):
         eos_token_id=EOS_ID, attention_bias=False, mlp_bias=False)
     config.architectures = ["LlamaForCausalLM"]
     return config
+
+
+def add_residual_dropout(model, p: float) -> None:
+    """Dropout on each attention and MLP block's output before it joins the residual stream (as
+    in GPT-2 / nanoGPT), as forward hooks: active in train() mode only, and nothing of it is
+    saved, so the checkpoint stays a standard Llama."""
+    if p <= 0:
+        return
+
+    def hook(module, inputs, output):
+        if not module.training:
+            return output
+        if isinstance(output, tuple):
+            return (torch.nn.functional.dropout(output[0], p, True),) + output[1:]
+        return torch.nn.functional.dropout(output, p, True)
+
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_hook(hook)
+        layer.mlp.register_forward_hook(hook)
 
 
 def sample_batch(ids: torch.Tensor, batch_size: int, seq_len: int,
@@ -224,6 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     train_ids, val_ids = encode(tok, train_text), encode(tok, val_text)
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     model = LlamaForCausalLM(make_config(args, vocab_size))
+    add_residual_dropout(model, args.dropout)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"corpus {args.corpus}: {len(train_text):,} train / {len(val_text):,} validation chars, "
           f"{len(train_ids):,} / {len(val_ids):,} tokens (vocab {vocab_size}); "
@@ -284,7 +309,8 @@ def main(argv: list[str] | None = None) -> None:
         "train_chars": len(train_text), "validation_chars": len(val_text),
         "train_tokens": len(train_ids), "validation_tokens": len(val_ids),
         "vocab_size": vocab_size, "parameters": n_params, "steps": args.steps,
-        "best_step": best_step, "batch_size": args.batch_size, "precision": args.precision, "seq_len": args.seq_len,
+        "best_step": best_step, "batch_size": args.batch_size, "precision": args.precision,
+        "dropout": args.dropout, "seq_len": args.seq_len,
         "tokens_seen": args.steps * tokens_per_step, "lr": args.lr, "seed": args.seed,
         "threads": torch.get_num_threads(), "wall_time_s": round(wall, 1),
         "final_train_loss": round(final_train, 4), "final_validation_loss": round(val_loss, 4),

@@ -93,8 +93,10 @@ def render(name: str, f: dict) -> str:
         f"10% validates ({t['validation_chars']:,} chars, {t['validation_tokens']:,} tokens).",
         f"- Each sequence is `<s>` + {t['seq_len'] - 1} tokens from a random offset; batch "
         f"{t['batch_size']}; AdamW (β 0.9/0.95, weight decay 0.1), peak learning rate {t['lr']}, "
-        f"warm-up then cosine decay; bf16 autocast with fp32 weights; seed {t['seed']}; "
-        f"{t['threads']} CPU threads.",
+        f"warm-up then cosine decay; bf16 autocast with fp32 weights; "
+        + (f"dropout {t['dropout']} on every attention and MLP output (training only); "
+           if t.get("dropout") else "no dropout; ")
+        + f"seed {t['seed']}; {t['threads']} CPU thread{'s' if t['threads'] > 1 else ''}.",
         f"- {t['steps']:,} steps in {t['wall_time_s'] / 60:.1f} minutes of wall time; the weights "
         f"kept are those of step {t['best_step']:,}, the best validation loss.",
         f"- Final loss (mean next-token cross entropy, nats): train {t['final_train_loss']:.3f} "
@@ -142,7 +144,8 @@ def render(name: str, f: dict) -> str:
         + (f" --target models/{f['target']}" if "target" in f else ""),
         "```",
         "",
-        "Training is seeded; the same CPU and library versions give the same weights.",
+        "Training is seeded (initialization and data order). Bit-identical weights also need the "
+        "same CPU, thread count and library versions.",
         "",
     ]
     return "\n".join(lines)

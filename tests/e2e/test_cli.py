@@ -33,3 +33,35 @@ def test_errors_are_one_clear_line(tmp_path):
     assert "Traceback" not in result.stderr
     result = run_cli("generate", "--model", str(tmp_path), "--prompt", "hi", "--top-p", "0")
     assert result.returncode == 2 and "Traceback" not in result.stderr
+
+
+def test_eval_ppl_prints_the_library_figure(checkpoint_factory, tmp_path):
+    from kvserve.perplexity import evaluate_perplexity
+
+    path = checkpoint_factory("LlamaForCausalLM")
+    text = tmp_path / "text.txt"
+    text.write_text("To be, or not to be, that is the question.\n" * 20)
+    result = run_cli("eval-ppl", "--model", str(path), "--text", str(text), "--max-length", "64",
+                     "--stride", "40", "--max-tokens", "150")
+    assert result.returncode == 0, result.stderr
+    llm = kvserve.LLM(path, max_model_len=64)
+    ids = llm.tokenizer.encode(text.read_text())[:150]
+    expected = evaluate_perplexity(llm.model, ids, max_length=64, stride=40)
+    assert result.stdout.startswith(f"perplexity {expected.perplexity:.4f} ")
+    assert "over 149 tokens" in result.stdout
+
+
+def test_eval_ppl_errors_are_one_clear_line(checkpoint_factory, tmp_path):
+    path = checkpoint_factory("LlamaForCausalLM")
+    for args, message in [(["--text", str(tmp_path / "missing.txt")], "not found"),
+                          (["--text", __file__, "--stride", "0"], "stride"),
+                          (["--text", __file__, "--max-tokens", "1"], "max-tokens")]:
+        result = run_cli("eval-ppl", "--model", str(path), *args)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_generate_defaults_to_the_shipped_model():
+    result = run_cli("generate", "--prompt", "ROMEO:", "--max-tokens", "8", "--temperature", "0")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("ROMEO:") and "8 generated" in result.stderr
