@@ -3,24 +3,18 @@
 #include <ATen/ops/tensor.h>
 
 #include <algorithm>
-#include <chrono>
 #include <stdexcept>
 #include <unordered_set>
 
 #include "kvserve/forward_batch.h"
+#include "engine/engine_helpers.h"
 
 namespace kvserve {
 namespace {
 
-double now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-bool contains(const std::vector<int64_t>& ids, int64_t id) {
-  return std::find(ids.begin(), ids.end(), id) != ids.end();
-}
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+using engine_helpers::ceil_div;
+using engine_helpers::contains;
+using engine_helpers::now;
 
 EngineConfig resolved(const CausalLM& model, EngineConfig config) {
   const int64_t limit = model.config().max_position_embeddings;

@@ -1,23 +1,17 @@
 #include "kvserve/model_runner.h"
 
 #include <algorithm>
-#include <chrono>
 #include <stdexcept>
 
 #include "kvserve/forward_batch.h"
+#include "engine/engine_helpers.h"
 
 namespace kvserve {
 namespace {
 
-double now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-bool contains(const std::vector<int64_t>& ids, int64_t id) {
-  return std::find(ids.begin(), ids.end(), id) != ids.end();
-}
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+using engine_helpers::ceil_div;
+using engine_helpers::contains;
+using engine_helpers::now;
 
 PagedKVCache make_kv_cache(const CausalLM& model, int64_t max_model_len, int64_t max_num_seqs,
                            const KVCacheConfig& config) {
