@@ -1,11 +1,13 @@
 // Paged attention body: variable-length causal queries over a paged KV cache, online softmax in
 // fp32. A work item is (sequence, kv head, block of queries): its rows are those queries times
-// the query heads of the GQA group, so all of them share every key and value it loads.
+// the query heads of the GQA group, so all of them share every key and value it loads. Items of
+// few rows (decode) may take several KV heads of their sequence.
 // Compiled once per CPU capability.
 //
 // Two paths, chosen per item from its own sizes only (so a sequence's rows do not depend on the
 // rest of the batch):
-//  * few rows (decode, short chunks): each row scores a key with one dot product;
+//  * few rows (decode, short chunks): register-blocked dot products of a few rows against a few
+//    keys, over a tile copied from the cache in address order;
 //  * many rows (prefill): flash-attention style tiles. The item's queries are transposed once to
 //    q_t [head_size, rows], so the scores of a key tile, S^T [keys, rows], come from a register-
 //    blocked micro-kernel that broadcasts key elements against vectors of rows, and the online
@@ -31,6 +33,8 @@ constexpr int64_t kRowsPerItem = 64;   // target (query, head) rows per work ite
 // From this many rows on an item takes the tiled path; below it, rows are padded to whole vectors
 // for too little reuse, and a dot product per (row, key) is cheaper.
 constexpr int64_t kTiledMinRows = 8;
+// Decode items are sized so that each thread gets at least this many (load balance).
+constexpr int64_t kItemsPerThread = 4;
 constexpr int kScoreKeys = 4;          // score micro-kernel: keys x vectors of rows in registers
 constexpr int kPvRows = 4;             // P V micro-kernel: rows x vectors of head_size
 constexpr int kVecsPerBlock = 2;
@@ -38,24 +42,28 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-/// One work item: rows of queries [q_begin, q_end) of `seq` for the heads of `kv_head`'s group.
+/// One work item: rows of queries [q_begin, q_end) of `seq` for the query heads of the groups of
+/// KV heads [kv_head, kv_head_end) (one KV head on the tiled path).
 struct Item {
-  int64_t seq, kv_head, q_begin, q_end, cost;
+  int64_t seq, kv_head, kv_head_end, q_begin, q_end, cost;
 };
 
 // Scratch of one thread, reused across its items.
 struct Scratch {
   std::vector<float> q, acc, max, sum, corr, lo, hi, scores, key_rows, value_rows;
   std::vector<const float*> keys, values;
-  void reserve(int64_t rows, int64_t head_size) {
+  void reserve(int64_t rows, int64_t head_size, int64_t num_kv_heads) {
     const int64_t mp = round_up(rows, Vec::size()), dp = round_up(head_size, Vec::size());
-    q.resize(mp * head_size);
+    // The dot-product path keeps rows [rows, dp] and scores [rows, kKeyTile + Vec::size()].
+    q.resize(mp * dp);
     acc.resize(mp * dp);
     for (auto* v : {&max, &sum, &corr, &lo, &hi}) v->resize(mp);
-    scores.resize(kKeyTile * mp);
-    key_rows.resize(kKeyTile * head_size);
-    value_rows.assign(kKeyTile * dp, 0.0f);
-    keys.resize(kKeyTile);
+    scores.resize(mp * (kKeyTile + Vec::size()));
+    // The tiled path keeps [kKeyTile, head_size] / [kKeyTile, dp] rows of one head; the dot-product
+    // path [num_kv_heads, kKeyTile, dp] (zero padding).
+    key_rows.assign(kKeyTile * num_kv_heads * dp, 0.0f);
+    value_rows.assign(kKeyTile * num_kv_heads * dp, 0.0f);
+    keys.resize(kKeyTile + Vec::size());  // the dot-product path pads a tile to whole passes
     values.resize(kKeyTile);
   }
 };
@@ -64,11 +72,10 @@ struct Scratch {
 // [kKeyTile, head_size] / value_rows [kKeyTile, value_stride] (columns past head_size are never
 // output, so what lies there does not matter). Copied even when the cache is fp32: in place, the
 // rows of a block sit num_kv_heads * head_size apart (4 KiB for 8 heads of 128 floats), so a
-// tile's rows would fight over a few L1 sets. Except with `in_place` (the dot-product path, which
-// reads each row once per row of its item): fp32 rows are then used where they are.
+// tile's rows would fight over a few L1 sets.
 template <typename T>
 void load_rows(const PagedAttentionArgs& a, const int32_t* block_table, int64_t kv_head,
-               int64_t first, int64_t last, int64_t value_stride, bool in_place, Scratch& s) {
+               int64_t first, int64_t last, int64_t value_stride, Scratch& s) {
   const T* kc = static_cast<const T*>(a.key_cache);
   const T* vc = static_cast<const T*>(a.value_cache);
   const int64_t d = a.head_size;
@@ -76,17 +83,32 @@ void load_rows(const PagedAttentionArgs& a, const int32_t* block_table, int64_t 
     const int64_t offset = block_table[j / a.block_size] * a.cache_block_stride +
                            ((j % a.block_size) * a.num_kv_heads + kv_head) * d;
     const int64_t t = j - first;
-    if constexpr (std::is_same_v<T, float>) {
-      if (in_place) {
-        s.keys[t] = kc + offset;
-        s.values[t] = vc + offset;
-        continue;
-      }
-    }
     convert_to_float(kc + offset, s.key_rows.data() + t * d, d);
     s.keys[t] = s.key_rows.data() + t * d;
     convert_to_float(vc + offset, s.value_rows.data() + t * value_stride, d);
     s.values[t] = s.value_rows.data() + t * value_stride;
+  }
+}
+
+// Copies the rows of KV heads [kv_head, kv_head_end) at positions [first, last) to key_rows /
+// value_rows as fp32 [head, kKeyTile, dp] (columns past head_size stay 0). The heads of a position
+// are adjacent in the cache and the positions of a block too, so this reads whole runs of memory
+// in address order, which the hardware prefetchers follow; reading one head's rows in place
+// instead touches a few lines of every slot and runs at a fraction of the memory bandwidth.
+template <typename T>
+void gather_tile(const PagedAttentionArgs& a, const int32_t* block_table, int64_t kv_head,
+                 int64_t kv_head_end, int64_t first, int64_t last, int64_t dp, Scratch& s) {
+  const T* kc = static_cast<const T*>(a.key_cache);
+  const T* vc = static_cast<const T*>(a.value_cache);
+  const int64_t d = a.head_size;
+  for (int64_t j = first; j < last; ++j) {
+    const int64_t slot = block_table[j / a.block_size] * a.cache_block_stride +
+                         ((j % a.block_size) * a.num_kv_heads + kv_head) * d;
+    for (int64_t h = 0; h < kv_head_end - kv_head; ++h) {
+      const int64_t row = (h * kKeyTile + j - first) * dp;
+      convert_to_float(kc + slot + h * d, s.key_rows.data() + row, d);
+      convert_to_float(vc + slot + h * d, s.value_rows.data() + row, d);
+    }
   }
 }
 
@@ -237,7 +259,7 @@ void attend_tiled(const PagedAttentionArgs& a, const Item& it, Scratch& s) {
   const int64_t all_from = row_lo(rows - 1), all_to = row_hi(0);  // keys every row sees
   for (int64_t k0 = first_key; k0 < last_key; k0 += kKeyTile) {
     const int64_t n = std::min(k0 + kKeyTile, last_key) - k0;
-    load_rows<T>(a, block_table, it.kv_head, k0, k0 + n, dp, false, s);
+    load_rows<T>(a, block_table, it.kv_head, k0, k0 + n, dp, s);
     score_tile(s.keys.data(), n, s.q.data(), mp, d, s.scores.data());
     softmax_tile(a, k0, n, mp, k0 < all_from || k0 + n - 1 > all_to, s);
     for (int64_t r = 0; r < mp; ++r) {
@@ -260,80 +282,218 @@ void attend_tiled(const PagedAttentionArgs& a, const Item& it, Scratch& s) {
 }
 
 // ------------------------------------------------------------------------- dot-product path
+//
+// Rows go in blocks of R (4, 2 or 1) that share every key and value load, and Vec::size()
+// vector accumulators per pass (R rows x Vec::size() / R keys or columns; half the registers of
+// AVX2 and AVX512 alike). Scores accumulate vertically over head_size and are reduced to one
+// vector of Vec::size() scores at the end of the pass; P V keeps a block of each row's output in
+// registers across the tile, so the accumulator in memory is touched once per tile, not per key.
 
-// Attends an item of few rows: each row scores each key with one dot product.
+constexpr int64_t kScoreStride = kKeyTile + Vec::size();  // a row's scores, with pass padding
+
+// Lane j of the result is the sum of v[j]'s lanes (v [N], N = Vec::size(), clobbered). Each level
+// halves the vectors: deinterleaving a pair and adding gives the pairwise sums of the first in
+// the low half and of the second in the high half, so the order stays natural.
+template <int N>
+inline Vec reduce_lanes(Vec* v) {
+  if constexpr (N == 1) {
+    return v[0];
+  } else {
+#pragma GCC unroll 16
+    for (int i = 0; i < N / 2; ++i) {
+      const auto [even, odd] = at::vec::deinterleave2(v[2 * i], v[2 * i + 1]);
+      v[i] = even + odd;
+    }
+    return reduce_lanes<N / 2>(v);
+  }
+}
+
+// scores[r * kScoreStride + k] = q[r] . keys[k] for R rows (q [R, dp]) and Vec::size() / R keys
+// (rows of dp floats, zero past head_size).
+template <int R>
+void score_rows(const float* q, const float* const* keys, int64_t dp, float* scores) {
+  constexpr int K = Vec::size() / R;
+  Vec acc[R * K];
+#pragma GCC unroll 16
+  for (int j = 0; j < R * K; ++j) acc[j] = Vec(0.0f);
+  const float* key[K];
+#pragma GCC unroll 16
+  for (int k = 0; k < K; ++k) key[k] = keys[k];
+  for (int64_t i = 0; i < dp; i += Vec::size()) {
+    Vec qr[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) qr[r] = Vec::loadu(q + r * dp + i);
+#pragma GCC unroll 16
+    for (int k = 0; k < K; ++k) {
+      const Vec kv = Vec::loadu(key[k] + i);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) acc[r * K + k] = at::vec::fmadd(qr[r], kv, acc[r * K + k]);
+    }
+  }
+  alignas(64) float sums[Vec::size()];
+  reduce_lanes<Vec::size()>(acc).store(sums);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int k = 0; k < K; ++k) scores[r * kScoreStride + k] = sums[r * K + k];
+}
+
+// acc[r, col..] = acc[r, col..] * corr[r] + sum_t probs[r, t] * values[t][col..] for R rows and
+// C vectors of columns (probs [R, kScoreStride], acc [R, dp]).
+template <int R, int C>
+void pv_rows(const float* probs, const float* corr, const float* const* values, int64_t n,
+             int64_t col, float* acc, int64_t dp) {
+  Vec o[R][C];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c)
+      o[r][c] = Vec::loadu(acc + r * dp + col + c * Vec::size()) * Vec(corr[r]);
+  for (int64_t t = 0; t < n; ++t) {
+    Vec v[C];
+    const float* value = values[t] + col;
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) v[c] = Vec::loadu(value + c * Vec::size());
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const Vec p(probs[r * kScoreStride + t]);
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) o[r][c] = at::vec::fmadd(p, v[c], o[r][c]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) o[r][c].store(acc + r * dp + col + c * Vec::size());
+}
+
+// Scores, then P V, of one tile (n keys; keys[] padded to whole passes) for rows [r0, r0 + R).
+template <int R>
+void score_block_rows(Scratch& s, int64_t r0, int64_t n, int64_t dp) {
+  for (int64_t k = 0; k < n; k += Vec::size() / R) {
+    score_rows<R>(s.q.data() + r0 * dp, s.keys.data() + k, dp,
+                  s.scores.data() + r0 * kScoreStride + k);
+  }
+}
+
+template <int R>
+void pv_block_rows(Scratch& s, int64_t r0, int64_t n, int64_t dp) {
+  constexpr int C = Vec::size() / R;
+  const float* probs = s.scores.data() + r0 * kScoreStride;
+  float* acc = s.acc.data() + r0 * dp;
+  int64_t col = 0;
+  for (; col + C * Vec::size() <= dp; col += C * Vec::size()) {
+    pv_rows<R, C>(probs, s.corr.data() + r0, s.values.data(), n, col, acc, dp);
+  }
+  for (; col < dp; col += Vec::size()) {
+    pv_rows<R, 1>(probs, s.corr.data() + r0, s.values.data(), n, col, acc, dp);
+  }
+}
+
+// Calls f.template operator()<R>(r0) over rows [0, rows) in blocks of 4, 2 and 1.
+template <typename F>
+void for_row_blocks(int64_t rows, F&& f) {
+  int64_t r0 = 0;
+  for (; r0 + 4 <= rows; r0 += 4) f.template operator()<4>(r0);
+  if (r0 + 2 <= rows) {
+    f.template operator()<2>(r0);
+    r0 += 2;
+  }
+  if (r0 < rows) f.template operator()<1>(r0);
+}
+
+// Attends an item of few rows per KV head (fewer than kTiledMinRows), for one or several KV
+// heads of a sequence: see above. Tiles of keys are the outer loop and heads the inner one, so
+// each tile is gathered once for all the item's heads (see gather_tile).
 template <typename T>
 void attend_rows(const PagedAttentionArgs& a, const Item& it, Scratch& s) {
-  const int64_t d = a.head_size;
+  const int64_t d = a.head_size, dp = round_up(d, Vec::size());
   const int64_t group = a.num_heads / a.num_kv_heads;
   const int64_t token0 = a.query_start_loc[it.seq];
   const int64_t query_len = a.query_start_loc[it.seq + 1] - token0;
   const int64_t context_len = a.seq_lens[it.seq];
   const int32_t* block_table = a.block_tables + it.seq * a.max_blocks_per_seq;
-  const int64_t rows = (it.q_end - it.q_begin) * group;
+  const int64_t head_rows = (it.q_end - it.q_begin) * group;  // rows per KV head
+  const int64_t num_kv = it.kv_head_end - it.kv_head;
+  const int64_t rows = head_rows * num_kv;
   const T* query = static_cast<const T*>(a.query);
 
-  auto row_hi = [&](int64_t r) { return context_len - query_len + it.q_begin + r / group; };
+  // Row r is KV head it.kv_head + r / head_rows; within it, query q_begin + (r % head_rows) /
+  // group of query head kv_head * group + r % group.
+  auto row_head = [&](int64_t r) { return (it.kv_head + r / head_rows) * group + r % group; };
+  auto row_query = [&](int64_t r) { return it.q_begin + (r % head_rows) / group; };
+  auto row_hi = [&](int64_t r) { return context_len - query_len + row_query(r); };
   auto row_lo = [&](int64_t r) {
     return a.sliding_window > 0 ? std::max<int64_t>(0, row_hi(r) - a.sliding_window + 1) : 0;
   };
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t head = it.kv_head * group + r % group;
-    convert_to_float(query + (token0 + it.q_begin + r / group) * a.query_stride + head * d,
-                     s.q.data() + r * d, d);
-    std::fill_n(s.acc.data() + r * d, d, 0.0f);
+    float* q = s.q.data() + r * dp;
+    convert_to_float(query + (token0 + row_query(r)) * a.query_stride + row_head(r) * d, q, d);
+    std::fill(q + d, q + dp, 0.0f);
+    std::fill_n(s.acc.data() + r * dp, dp, 0.0f);
     s.max[r] = kNegInf;
     s.sum[r] = 0.0f;
   }
 
   const Vec scale(a.scale), cap(a.logit_softcap), inv_cap(1.0f / a.logit_softcap);
+  const Vec neg_inf(kNegInf);
   const int64_t first_key = row_lo(0);
-  const int64_t last_key = row_hi(rows - 1) + 1;
+  const int64_t last_key = row_hi(head_rows - 1) + 1;
   for (int64_t k0 = first_key; k0 < last_key; k0 += kKeyTile) {
-    const int64_t k1 = std::min(k0 + kKeyTile, last_key);
-    load_rows<T>(a, block_table, it.kv_head, k0, k1, d, true, s);
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t lo = std::max(row_lo(r), k0) - k0, hi = std::min(row_hi(r) + 1, k1) - k0;
-      if (lo >= hi) continue;
-      float* scores = s.scores.data();
-      const float* q = s.q.data() + r * d;
-      for (int64_t j = lo; j < hi; ++j) scores[j] = dot(q, s.keys[j], d);
-      for (int64_t j = 0; j < kKeyTile; j += Vec::size()) {
-        Vec x = Vec::loadu(scores + j) * scale;
-        if (a.logit_softcap > 0.0f) x = cap * (x * inv_cap).tanh();
-        x.store(scores + j);
+    const int64_t k1 = std::min(k0 + kKeyTile, last_key), n = k1 - k0;
+    gather_tile<T>(a, block_table, it.kv_head, it.kv_head_end, k0, k1, dp, s);
+    for (int64_t h = 0; h < num_kv; ++h) {
+      const int64_t base = h * head_rows;
+      for (int64_t t = 0; t < n; ++t) {
+        s.keys[t] = s.key_rows.data() + (h * kKeyTile + t) * dp;
+        s.values[t] = s.value_rows.data() + (h * kKeyTile + t) * dp;
       }
-      // Keys outside this row's range (and tile columns past the context) take no weight.
-      std::fill(scores, scores + lo, kNegInf);
-      std::fill(scores + hi, scores + kKeyTile, kNegInf);
-      const float tile_max = *std::max_element(scores + lo, scores + hi);
-      const float new_max = std::max(s.max[r], tile_max);
-      const float correction = std::exp(s.max[r] - new_max);  // 0 on the first tile
-      float* acc = s.acc.data() + r * d;
-      if (correction != 1.0f) {
-        for (int64_t i = 0; i < d; ++i) acc[i] *= correction;
+      // Passes past n score copies of the last key into the rows' padding.
+      std::fill(s.keys.begin() + n, s.keys.end(), s.keys[n - 1]);
+      for_row_blocks(head_rows,
+                     [&]<int R>(int64_t r0) { score_block_rows<R>(s, base + r0, n, dp); });
+      for (int64_t r = base; r < base + head_rows; ++r) {
+        // Keys outside this row's range (and tile columns past the context) take no weight.
+        const int64_t lo = std::max(row_lo(r), k0) - k0, hi = std::min(row_hi(r) + 1, k1) - k0;
+        const Vec lo_v(static_cast<float>(lo)), hi_v(static_cast<float>(hi));
+        float* scores = s.scores.data() + r * kScoreStride;
+        Vec tile_max = neg_inf;
+        for (int64_t j = 0; j < kKeyTile; j += Vec::size()) {
+          Vec x = Vec::loadu(scores + j) * scale;
+          if (a.logit_softcap > 0.0f) x = cap * (x * inv_cap).tanh();
+          const Vec idx = Vec::arange(static_cast<float>(j), 1.0f);
+          x = Vec::blendv(x, neg_inf, (idx < lo_v) | (idx >= hi_v));
+          x.store(scores + j);
+          tile_max = at::vec::maximum(tile_max, x);
+        }
+        const float new_max = std::max(
+            s.max[r], at::vec::vec_reduce_all<float>(
+                          [](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, tile_max));
+        // A row with no key yet keeps max -inf; shifting by 0 then gives it probabilities 0.
+        const float shift_value = new_max == kNegInf ? 0.0f : new_max;
+        const Vec shift(shift_value);
+        Vec sum(0.0f);
+        for (int64_t j = 0; j < kKeyTile; j += Vec::size()) {
+          const Vec p = (Vec::loadu(scores + j) - shift).exp();
+          p.store(scores + j);
+          sum = sum + p;
+        }
+        s.corr[r] = std::exp(s.max[r] - shift_value);  // 0 while the row had no key
+        s.sum[r] = s.sum[r] * s.corr[r] +
+                   at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sum);
+        s.max[r] = new_max;
       }
-      const Vec shift(new_max);
-      Vec sum(0.0f);
-      for (int64_t j = 0; j < kKeyTile; j += Vec::size()) {
-        const Vec p = (Vec::loadu(scores + j) - shift).exp();
-        p.store(scores + j);
-        sum = sum + p;
-      }
-      for (int64_t j = lo; j < hi; ++j) axpy(acc, scores[j], s.values[j], d);
-      s.sum[r] = s.sum[r] * correction +
-                 at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sum);
-      s.max[r] = new_max;
+      for_row_blocks(head_rows,
+                     [&]<int R>(int64_t r0) { pv_block_rows<R>(s, base + r0, n, dp); });
     }
   }
 
   T* out = static_cast<T*>(a.out);
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t head = it.kv_head * group + r % group;
-    float* acc = s.acc.data() + r * d;
+    float* acc = s.acc.data() + r * dp;
     const float inv = s.sum[r] > 0.0f ? 1.0f / s.sum[r] : 0.0f;
     for (int64_t i = 0; i < d; ++i) acc[i] *= inv;
-    convert_from_float(acc, out + (token0 + it.q_begin + r / group) * a.out_stride + head * d, d);
+    convert_from_float(acc, out + (token0 + row_query(r)) * a.out_stride + row_head(r) * d, d);
   }
 }
 
@@ -341,9 +501,18 @@ void attend_rows(const PagedAttentionArgs& a, const Item& it, Scratch& s) {
 
 // Items of every sequence, most expensive first: threads take the next one as they finish, so a
 // causal prefill (whose late query blocks see more keys) or a thread slowed by a neighbouring
-// process does not leave the others idle.
-std::vector<Item> make_items(const PagedAttentionArgs& a, int64_t queries_per_item) {
+// process does not leave the others idle. Items of few rows per KV head (decode) take several KV
+// heads of their sequence when there are enough of them to keep every thread busy.
+std::vector<Item> make_items(const PagedAttentionArgs& a, int64_t queries_per_item,
+                             int64_t threads) {
   const int64_t group = a.num_heads / a.num_kv_heads;
+  int64_t few_row_runs = 0;  // (sequence, query block) pairs on the dot-product path
+  for (int64_t b = 0; b < a.num_seqs; ++b) {
+    const int64_t query_len = a.query_start_loc[b + 1] - a.query_start_loc[b];
+    if (query_len > 0 && query_len * group < kTiledMinRows) ++few_row_runs;
+  }
+  const int64_t heads_per_item = std::clamp<int64_t>(
+      few_row_runs * a.num_kv_heads / (kItemsPerThread * threads), 1, a.num_kv_heads);
   std::vector<Item> items;
   for (int64_t b = 0; b < a.num_seqs; ++b) {
     const int64_t query_len = a.query_start_loc[b + 1] - a.query_start_loc[b];
@@ -354,8 +523,10 @@ std::vector<Item> make_items(const PagedAttentionArgs& a, int64_t queries_per_it
                              ? std::max<int64_t>(0, a.seq_lens[b] - query_len + q0 -
                                                         a.sliding_window + 1)
                              : 0;
-      for (int64_t h = 0; h < a.num_kv_heads; ++h) {
-        items.push_back({b, h, q0, q1, (q1 - q0) * group * (hi - lo + kKeyTile)});
+      const int64_t step = (q1 - q0) * group < kTiledMinRows ? heads_per_item : 1;
+      for (int64_t h = 0; h < a.num_kv_heads; h += step) {
+        const int64_t h1 = std::min(h + step, a.num_kv_heads);
+        items.push_back({b, h, h1, q0, q1, (h1 - h) * (q1 - q0) * group * (hi - lo + kKeyTile)});
       }
     }
   }
@@ -367,14 +538,18 @@ std::vector<Item> make_items(const PagedAttentionArgs& a, int64_t queries_per_it
 void paged_attention_impl(const PagedAttentionArgs& a) {
   const int64_t group = a.num_heads / a.num_kv_heads;
   const int64_t queries_per_item = std::max<int64_t>(1, kRowsPerItem / group);
-  const std::vector<Item> items = make_items(a, queries_per_item);
+  const int64_t threads = at::get_num_threads();
+  const std::vector<Item> items = make_items(a, queries_per_item, threads);
   const int64_t num_items = static_cast<int64_t>(items.size());
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
+  const int64_t workers = std::min<int64_t>(threads, num_items);
+  // Rows of a tiled item, or of a dot-product item of all KV heads.
+  const int64_t max_rows =
+      std::max(queries_per_item * group, (kTiledMinRows - 1) * a.num_kv_heads);
   std::atomic<int64_t> next{0};
   KVSERVE_DISPATCH_FLOATING(a.dtype, [&] {
     at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
       Scratch scratch;
-      scratch.reserve(queries_per_item * group, a.head_size);
+      scratch.reserve(max_rows, a.head_size, a.num_kv_heads);
       for (int64_t i = next++; i < num_items; i = next++) {
         const Item& it = items[i];
         if ((it.q_end - it.q_begin) * group >= kTiledMinRows) {
