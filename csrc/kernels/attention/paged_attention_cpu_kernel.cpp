@@ -35,6 +35,7 @@ constexpr int64_t kRowsPerItem = 64;   // target (query, head) rows per work ite
 constexpr int64_t kTiledMinRows = 8;
 // Decode items are sized so that each thread gets at least this many (load balance).
 constexpr int64_t kItemsPerThread = 4;
+constexpr int kPrefetchLocality = 2;   // __builtin_prefetch: 3 = all levels (t0), 2 = L2 (t1)
 constexpr int kScoreKeys = 4;          // score micro-kernel: keys x vectors of rows in registers
 constexpr int kPvRows = 4;             // P V micro-kernel: rows x vectors of head_size
 constexpr int kVecsPerBlock = 2;
@@ -48,10 +49,33 @@ struct Item {
   int64_t seq, kv_head, kv_head_end, q_begin, q_end, cost;
 };
 
+// Cache lines to hint into the cache a few at a time, between the micro-kernel passes of the
+// work that precedes their use: a burst of hints stalls like the loads it replaces (each takes a
+// miss buffer until its line arrives), while hints spread over computation overlap with it.
+struct LinePrefetcher {
+  std::vector<const char*> lines;
+  size_t next = 0, per_step = 0;
+  // Spreads the lines over about `steps` calls of step().
+  void start(size_t steps) {
+    next = 0;
+    per_step = (lines.size() + std::max<size_t>(steps, 1) - 1) / std::max<size_t>(steps, 1);
+  }
+  void step() {
+    for (const size_t end = std::min(lines.size(), next + per_step); next < end; ++next) {
+      __builtin_prefetch(lines[next], 0, kPrefetchLocality);
+    }
+  }
+  void finish() {
+    per_step = lines.size();
+    step();
+  }
+};
+
 // Scratch of one thread, reused across its items.
 struct Scratch {
   std::vector<float> q, acc, max, sum, corr, lo, hi, scores, key_rows, value_rows;
   std::vector<const float*> keys, values;
+  LinePrefetcher prefetch;
   void reserve(int64_t rows, int64_t head_size, int64_t num_kv_heads) {
     const int64_t mp = round_up(rows, Vec::size()), dp = round_up(head_size, Vec::size());
     // The dot-product path keeps rows [rows, dp] and scores [rows, kKeyTile + Vec::size()].
@@ -308,10 +332,21 @@ inline Vec reduce_lanes(Vec* v) {
   }
 }
 
-// scores[r * kScoreStride + k] = q[r] . keys[k] for R rows (q [R, dp]) and Vec::size() / R keys
-// (rows of dp floats, zero past head_size).
+// Loads x[0, count) as a vector, count <= Vec::size(); lanes past count are 0 and memory past it
+// is never read (a row's tail may be followed by a poisoned slot or the end of the cache).
+template <bool kPart>
+inline Vec load_row(const float* x, int64_t count) {
+  if constexpr (kPart) {
+    return Vec::loadu(x, count);
+  } else {
+    return Vec::loadu(x);
+  }
+}
+
+// scores[r * kScoreStride + k] = q[r] . keys[k] for R rows (q [R, dp], zero past d) and
+// Vec::size() / R keys of d floats.
 template <int R>
-void score_rows(const float* q, const float* const* keys, int64_t dp, float* scores) {
+void score_rows(const float* q, const float* const* keys, int64_t d, int64_t dp, float* scores) {
   constexpr int K = Vec::size() / R;
   Vec acc[R * K];
 #pragma GCC unroll 16
@@ -319,17 +354,20 @@ void score_rows(const float* q, const float* const* keys, int64_t dp, float* sco
   const float* key[K];
 #pragma GCC unroll 16
   for (int k = 0; k < K; ++k) key[k] = keys[k];
-  for (int64_t i = 0; i < dp; i += Vec::size()) {
+  auto chunk = [&]<bool kPart>(int64_t i) {
     Vec qr[R];
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) qr[r] = Vec::loadu(q + r * dp + i);
 #pragma GCC unroll 16
     for (int k = 0; k < K; ++k) {
-      const Vec kv = Vec::loadu(key[k] + i);
+      const Vec kv = load_row<kPart>(key[k] + i, d - i);
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) acc[r * K + k] = at::vec::fmadd(qr[r], kv, acc[r * K + k]);
     }
-  }
+  };
+  int64_t i = 0;
+  for (; i + Vec::size() <= d; i += Vec::size()) chunk.template operator()<false>(i);
+  if (i < d) chunk.template operator()<true>(i);
   alignas(64) float sums[Vec::size()];
   reduce_lanes<Vec::size()>(acc).store(sums);
 #pragma GCC unroll 16
@@ -339,10 +377,11 @@ void score_rows(const float* q, const float* const* keys, int64_t dp, float* sco
 }
 
 // acc[r, col..] = acc[r, col..] * corr[r] + sum_t probs[r, t] * values[t][col..] for R rows and
-// C vectors of columns (probs [R, kScoreStride], acc [R, dp]).
-template <int R, int C>
+// C vectors of columns (probs [R, kScoreStride], acc [R, dp]); with kPart the last vector holds
+// only `last` columns of the value rows.
+template <int R, int C, bool kPart>
 void pv_rows(const float* probs, const float* corr, const float* const* values, int64_t n,
-             int64_t col, float* acc, int64_t dp) {
+             int64_t col, int64_t last, float* acc, int64_t dp) {
   Vec o[R][C];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
@@ -353,7 +392,10 @@ void pv_rows(const float* probs, const float* corr, const float* const* values, 
     Vec v[C];
     const float* value = values[t] + col;
 #pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) v[c] = Vec::loadu(value + c * Vec::size());
+    for (int c = 0; c < C; ++c) {
+      v[c] = c == C - 1 ? load_row<kPart>(value + c * Vec::size(), last)
+                        : Vec::loadu(value + c * Vec::size());
+    }
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const Vec p(probs[r * kScoreStride + t]);
@@ -369,24 +411,39 @@ void pv_rows(const float* probs, const float* corr, const float* const* values, 
 
 // Scores, then P V, of one tile (n keys; keys[] padded to whole passes) for rows [r0, r0 + R).
 template <int R>
-void score_block_rows(Scratch& s, int64_t r0, int64_t n, int64_t dp) {
+void score_block_rows(Scratch& s, int64_t r0, int64_t n, int64_t d, int64_t dp) {
   for (int64_t k = 0; k < n; k += Vec::size() / R) {
-    score_rows<R>(s.q.data() + r0 * dp, s.keys.data() + k, dp,
+    s.prefetch.step();
+    score_rows<R>(s.q.data() + r0 * dp, s.keys.data() + k, d, dp,
                   s.scores.data() + r0 * kScoreStride + k);
   }
 }
 
+// Output columns in groups of up to 16 / R vectors (at most 4: registers for R x C accumulators
+// and C values).
 template <int R>
-void pv_block_rows(Scratch& s, int64_t r0, int64_t n, int64_t dp) {
-  constexpr int C = Vec::size() / R;
+void pv_block_rows(Scratch& s, int64_t r0, int64_t n, int64_t d, int64_t dp) {
+  constexpr int kMaxC = std::min(4, Vec::size() / R);
   const float* probs = s.scores.data() + r0 * kScoreStride;
   float* acc = s.acc.data() + r0 * dp;
-  int64_t col = 0;
-  for (; col + C * Vec::size() <= dp; col += C * Vec::size()) {
-    pv_rows<R, C>(probs, s.corr.data() + r0, s.values.data(), n, col, acc, dp);
-  }
-  for (; col < dp; col += Vec::size()) {
-    pv_rows<R, 1>(probs, s.corr.data() + r0, s.values.data(), n, col, acc, dp);
+  for (int64_t col = 0; col < dp;) {
+    const int64_t vecs = std::min<int64_t>(kMaxC, (dp - col) / Vec::size());
+    const int64_t end = col + vecs * Vec::size();
+    const int64_t last = std::min(d, end) - (end - Vec::size());  // columns of the last vector
+    auto run = [&]<int C>() {
+      if (last < Vec::size()) {
+        pv_rows<R, C, true>(probs, s.corr.data() + r0, s.values.data(), n, col, last, acc, dp);
+      } else {
+        pv_rows<R, C, false>(probs, s.corr.data() + r0, s.values.data(), n, col, last, acc, dp);
+      }
+    };
+    switch (vecs) {
+      case 1: run.template operator()<1>(); break;
+      case 2: if constexpr (kMaxC >= 2) run.template operator()<2>(); break;
+      case 3: if constexpr (kMaxC >= 3) run.template operator()<3>(); break;
+      default: if constexpr (kMaxC >= 4) run.template operator()<4>(); break;
+    }
+    col = end;
   }
 }
 
@@ -400,6 +457,28 @@ void for_row_blocks(int64_t rows, F&& f) {
     r0 += 2;
   }
   if (r0 < rows) f.template operator()<1>(r0);
+}
+
+// The cache lines gather_tile will read for positions [first, last), a block's run of slots at a
+// time (lines shared with heads outside the item are few and harmless).
+template <typename T>
+void tile_lines(const PagedAttentionArgs& a, const int32_t* block_table, int64_t kv_head,
+                int64_t kv_head_end, int64_t first, int64_t last, std::vector<const char*>& lines) {
+  const int64_t slot_bytes = a.num_kv_heads * a.head_size * static_cast<int64_t>(sizeof(T));
+  const int64_t head_bytes = a.head_size * static_cast<int64_t>(sizeof(T));
+  const int64_t begin = kv_head * head_bytes, end = kv_head_end * head_bytes;
+  lines.clear();
+  for (int64_t j = first; j < last;) {
+    const int64_t in_block = j % a.block_size;
+    const int64_t count = std::min(last - j, a.block_size - in_block);
+    const int64_t block = block_table[j / a.block_size] * a.cache_block_stride *
+                          static_cast<int64_t>(sizeof(T));
+    for (const void* cache : {a.key_cache, a.value_cache}) {
+      const char* run = static_cast<const char*>(cache) + block + in_block * slot_bytes;
+      for (int64_t b = begin; b < (count - 1) * slot_bytes + end; b += 64) lines.push_back(run + b);
+    }
+    j += count;
+  }
 }
 
 // Attends an item of few rows per KV head (fewer than kTiledMinRows), for one or several KV
@@ -441,17 +520,38 @@ void attend_rows(const PagedAttentionArgs& a, const Item& it, Scratch& s) {
   const int64_t last_key = row_hi(head_rows - 1) + 1;
   for (int64_t k0 = first_key; k0 < last_key; k0 += kKeyTile) {
     const int64_t k1 = std::min(k0 + kKeyTile, last_key), n = k1 - k0;
-    gather_tile<T>(a, block_table, it.kv_head, it.kv_head_end, k0, k1, dp, s);
+    // fp32 rows are read where they are (d floats each); others are converted to a tile of rows of
+    // dp floats.
+    constexpr bool kInPlace = std::is_same_v<T, float>;
+    const int64_t row_len = kInPlace ? d : dp;
+    if constexpr (!kInPlace) gather_tile<T>(a, block_table, it.kv_head, it.kv_head_end, k0, k1, dp, s);
+    // The next tile's lines are hinted during this tile's score passes (about one per 4 rows x 4
+    // keys).
+    tile_lines<T>(a, block_table, it.kv_head, it.kv_head_end, k1,
+                  std::min(k1 + kKeyTile, last_key), s.prefetch.lines);
+    s.prefetch.start(static_cast<size_t>(num_kv * ((head_rows + 3) / 4) * ((n + 3) / 4)));
     for (int64_t h = 0; h < num_kv; ++h) {
       const int64_t base = h * head_rows;
-      for (int64_t t = 0; t < n; ++t) {
-        s.keys[t] = s.key_rows.data() + (h * kKeyTile + t) * dp;
-        s.values[t] = s.value_rows.data() + (h * kKeyTile + t) * dp;
+      if constexpr (kInPlace) {
+        const T* kc = static_cast<const T*>(a.key_cache);
+        const T* vc = static_cast<const T*>(a.value_cache);
+        for (int64_t t = 0; t < n; ++t) {
+          const int64_t j = k0 + t;
+          const int64_t offset = block_table[j / a.block_size] * a.cache_block_stride +
+                                 ((j % a.block_size) * a.num_kv_heads + it.kv_head + h) * d;
+          s.keys[t] = kc + offset;
+          s.values[t] = vc + offset;
+        }
+      } else {
+        for (int64_t t = 0; t < n; ++t) {
+          s.keys[t] = s.key_rows.data() + (h * kKeyTile + t) * dp;
+          s.values[t] = s.value_rows.data() + (h * kKeyTile + t) * dp;
+        }
       }
       // Passes past n score copies of the last key into the rows' padding.
       std::fill(s.keys.begin() + n, s.keys.end(), s.keys[n - 1]);
       for_row_blocks(head_rows,
-                     [&]<int R>(int64_t r0) { score_block_rows<R>(s, base + r0, n, dp); });
+                     [&]<int R>(int64_t r0) { score_block_rows<R>(s, base + r0, n, row_len, dp); });
       for (int64_t r = base; r < base + head_rows; ++r) {
         // Keys outside this row's range (and tile columns past the context) take no weight.
         const int64_t lo = std::max(row_lo(r), k0) - k0, hi = std::min(row_hi(r) + 1, k1) - k0;
@@ -484,8 +584,9 @@ void attend_rows(const PagedAttentionArgs& a, const Item& it, Scratch& s) {
         s.max[r] = new_max;
       }
       for_row_blocks(head_rows,
-                     [&]<int R>(int64_t r0) { pv_block_rows<R>(s, base + r0, n, dp); });
+                     [&]<int R>(int64_t r0) { pv_block_rows<R>(s, base + r0, n, row_len, dp); });
     }
+    s.prefetch.finish();
   }
 
   T* out = static_cast<T*>(a.out);
