@@ -514,35 +514,42 @@ void attend_rows(const PagedAttentionArgs& a, const Item& it, Scratch& s) {
     s.sum[r] = 0.0f;
   }
 
+  // fp32 rows of an item of all KV heads are read where they are (d floats each, in address
+  // order, the next tile hinted into the cache meanwhile). Otherwise a tile is copied to rows of
+  // dp floats: converted from bf16/fp16, or, for some heads only, as a copy whose reads are
+  // demand loads (hints for a few lines out of every slot only stall).
+  const bool in_place = std::is_same_v<T, float> && num_kv == a.num_kv_heads;
+  const int64_t row_len = in_place ? d : dp;
   const Vec scale(a.scale), cap(a.logit_softcap), inv_cap(1.0f / a.logit_softcap);
   const Vec neg_inf(kNegInf);
   const int64_t first_key = row_lo(0);
   const int64_t last_key = row_hi(head_rows - 1) + 1;
   for (int64_t k0 = first_key; k0 < last_key; k0 += kKeyTile) {
     const int64_t k1 = std::min(k0 + kKeyTile, last_key), n = k1 - k0;
-    // fp32 rows are read where they are (d floats each); others are converted to a tile of rows of
-    // dp floats.
-    constexpr bool kInPlace = std::is_same_v<T, float>;
-    const int64_t row_len = kInPlace ? d : dp;
-    if constexpr (!kInPlace) gather_tile<T>(a, block_table, it.kv_head, it.kv_head_end, k0, k1, dp, s);
-    // The next tile's lines are hinted during this tile's score passes (about one per 4 rows x 4
-    // keys).
-    tile_lines<T>(a, block_table, it.kv_head, it.kv_head_end, k1,
-                  std::min(k1 + kKeyTile, last_key), s.prefetch.lines);
-    s.prefetch.start(static_cast<size_t>(num_kv * ((head_rows + 3) / 4) * ((n + 3) / 4)));
+    if (in_place) {
+      // The next tile's lines are hinted during this tile's score passes (about one per 4 rows x
+      // 4 keys).
+      tile_lines<T>(a, block_table, it.kv_head, it.kv_head_end, k1,
+                    std::min(k1 + kKeyTile, last_key), s.prefetch.lines);
+      s.prefetch.start(static_cast<size_t>(num_kv * ((head_rows + 3) / 4) * ((n + 3) / 4)));
+    } else {
+      s.prefetch.lines.clear();
+      gather_tile<T>(a, block_table, it.kv_head, it.kv_head_end, k0, k1, dp, s);
+    }
     for (int64_t h = 0; h < num_kv; ++h) {
       const int64_t base = h * head_rows;
-      if constexpr (kInPlace) {
-        const T* kc = static_cast<const T*>(a.key_cache);
-        const T* vc = static_cast<const T*>(a.value_cache);
-        for (int64_t t = 0; t < n; ++t) {
-          const int64_t j = k0 + t;
-          const int64_t offset = block_table[j / a.block_size] * a.cache_block_stride +
-                                 ((j % a.block_size) * a.num_kv_heads + it.kv_head + h) * d;
-          s.keys[t] = kc + offset;
-          s.values[t] = vc + offset;
+      if constexpr (std::is_same_v<T, float>) {
+        if (in_place) {
+          for (int64_t t = 0; t < n; ++t) {
+            const int64_t j = k0 + t;
+            const int64_t offset = block_table[j / a.block_size] * a.cache_block_stride +
+                                   ((j % a.block_size) * a.num_kv_heads + it.kv_head + h) * d;
+            s.keys[t] = static_cast<const float*>(a.key_cache) + offset;
+            s.values[t] = static_cast<const float*>(a.value_cache) + offset;
+          }
         }
-      } else {
+      }
+      if (!in_place) {
         for (int64_t t = 0; t < n; ++t) {
           s.keys[t] = s.key_rows.data() + (h * kKeyTile + t) * dp;
           s.values[t] = s.value_rows.data() + (h * kKeyTile + t) * dp;
