@@ -40,6 +40,7 @@ class _Sample:
     emitted: int = 0           # characters of the text already returned as deltas
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    detokenized: int = 0       # token_ids already given to the detokenizer
 
 
 @dataclass
@@ -186,12 +187,23 @@ class LLMEngine:
         return self.engine.kv_cache
 
     # ------------------------------------------------------------------------------ step
-    def step(self) -> list[RequestOutput]:
-        """One engine iteration: the requests that produced text or finished in it."""
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """One engine iteration: the requests that produced text or finished in it.
+
+        With final_only (what LLM.generate uses), only the requests that finished are returned,
+        and a running request's text is not built step by step unless it has stop strings to
+        match: its tokens are detokenized when it finishes, into the same text."""
         outputs = []
         for raw in self.engine.step():
             request = self._requests[raw.request_id]
-            completions = [self._update_sample(raw.request_id, request, o) for o in raw.outputs]
+            if final_only:
+                for o in raw.outputs:
+                    self._record_tokens(raw.request_id, request, o)
+                if len(raw.outputs) < request.params.n or any(
+                        self._sample(request, o.index).finish_reason is None for o in raw.outputs):
+                    continue
+            completions = [self._update_sample(raw.request_id, request, o, recorded=final_only)
+                           for o in raw.outputs]
             finished = all(c.finished for c in completions) and len(completions) == request.params.n
             m = raw.metrics
             metrics = RequestMetrics(m.arrival_time, m.first_token_time,
@@ -204,19 +216,47 @@ class LLMEngine:
                 del self._requests[raw.request_id]
         return outputs
 
-    def _update_sample(self, request_id: str, request: _Request, raw) -> CompletionOutput:
-        sample = request.samples.get(raw.index)
+    def _sample(self, request: _Request, index: int) -> _Sample:
+        sample = request.samples.get(index)
         if sample is None:
             detok = (IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
                      if self.tokenizer is not None else None)
-            sample = request.samples[raw.index] = _Sample(detok)
+            sample = request.samples[index] = _Sample(detok)
+        return sample
+
+    def _record_tokens(self, request_id: str, request: _Request, raw) -> None:
+        """Takes a step's new tokens of one completion; detokenizes them now only when stop
+        strings must be matched (final_only steps)."""
+        sample = self._sample(request, raw.index)
+        if sample.finish_reason is not None:
+            return
+        sample.token_ids.extend(raw.new_token_ids)
+        sample.finish_reason = raw.finish_reason
+        if request.params.stop:
+            self._detokenize(request_id, request, sample, raw.index)
+
+    def _detokenize(self, request_id: str, request: _Request, sample: _Sample, index: int,
+                    deferred: bool = False) -> None:
+        """Feeds the detokenizer the tokens it has not seen: a step's worth, or all of a
+        completion's at once when they were deferred (final_only)."""
+        if sample.detokenizer is None or sample.detokenized == len(sample.token_ids):
+            return
+        new_ids = sample.token_ids[sample.detokenized:]
+        sample.detokenized = len(sample.token_ids)
+        if deferred:
+            sample.detokenizer.add_all(new_ids)
+        else:
+            sample.detokenizer.add(new_ids)
+        self._match_stop_strings(request_id, request.params, sample, index)
+
+    def _update_sample(self, request_id: str, request: _Request, raw,
+                       recorded: bool = False) -> CompletionOutput:
+        sample = self._sample(request, raw.index)
         new_ids = list(raw.new_token_ids)
-        if sample.finish_reason is None:
+        if not recorded and sample.finish_reason is None:
             sample.token_ids.extend(new_ids)
             sample.finish_reason = raw.finish_reason
-            if sample.detokenizer is not None:
-                sample.detokenizer.add(new_ids)
-                self._match_stop_strings(request_id, request.params, sample, raw.index)
+        self._detokenize(request_id, request, sample, raw.index, deferred=recorded)
         text = sample.detokenizer.text if sample.detokenizer is not None else ""
         # While running, hold back what could be the start of a stop string.
         visible = len(text) if sample.finish_reason else max(

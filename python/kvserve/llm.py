@@ -106,12 +106,12 @@ class LLM:
                        dynamic_ncols=True, disable=None)
         started, out_tokens = time.monotonic(), 0
         while len(finished) < len(ids):
-            for out in self.llm_engine.step():
-                out_tokens += sum(len(c.new_token_ids) for c in out.outputs)
-                if out.finished:
-                    finished[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
+            # Only finished requests come back, their text detokenized once (see LLMEngine.step).
+            for out in self.llm_engine.step(final_only=True):
+                out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                finished[out.request_id] = out
+                if bar is not None:
+                    bar.update(1)
             if bar is not None:
                 bar.set_postfix_str(f"{out_tokens / max(time.monotonic() - started, 1e-9):.1f} "
                                     "tokens/s", refresh=False)

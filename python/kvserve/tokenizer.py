@@ -80,3 +80,26 @@ class IncrementalDetokenizer:
         self.text += delta
         self.last_delta = delta
         return delta
+
+    def add_all(self, token_ids: list[int]) -> str:
+        """Appends many tokens at once, with the text add() would give them one at a time: one
+        decode of the window instead of two per token. Where the window does not decode to a
+        clean continuation (it ends in an incomplete character, or the text before it changes),
+        falls back to add() per token."""
+        window = self._ids[self._prefix_offset:]
+        shown = self._tok.decode(window[:self._read_offset - self._prefix_offset])
+        full = self._tok.decode(window + list(token_ids))
+        if "\ufffd" in full[len(shown):] or not full.startswith(shown):
+            start = len(self.text)
+            for t in token_ids:
+                self.add([t])
+            self.last_delta = self.text[start:]
+            return self.last_delta
+        delta = full[len(shown):]
+        self._ids.extend(token_ids)
+        # As after add() of the last token: the window restarts at the last few tokens.
+        self._prefix_offset = max(self._read_offset, len(self._ids) - _CONTEXT_TOKENS)
+        self._read_offset = len(self._ids)
+        self.text += delta
+        self.last_delta = delta
+        return delta
