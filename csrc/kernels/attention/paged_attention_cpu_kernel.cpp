@@ -49,6 +49,25 @@ struct Item {
   int64_t seq, kv_head, kv_head_end, q_begin, q_end, cost;
 };
 
+/// The sequence of an item: where its queries are, its block table, and the positions each of its
+/// queries sees (causal, within the sliding window).
+struct SeqView {
+  int64_t token0, query_len, context_len;
+  const int32_t* block_table;
+  int64_t sliding_window;
+  SeqView(const PagedAttentionArgs& a, int64_t seq)
+      : token0(a.query_start_loc[seq]),
+        query_len(a.query_start_loc[seq + 1] - token0),
+        context_len(a.seq_lens[seq]),
+        block_table(a.block_tables + seq * a.max_blocks_per_seq),
+        sliding_window(a.sliding_window) {}
+  /// Last and first position that query i (of the sequence's run) attends to.
+  int64_t hi(int64_t i) const { return context_len - query_len + i; }
+  int64_t lo(int64_t i) const {
+    return sliding_window > 0 ? std::max<int64_t>(0, hi(i) - sliding_window + 1) : 0;
+  }
+};
+
 // Cache lines to hint into the cache a few at a time, between the micro-kernel passes of the
 // work that precedes their use: a burst of hints stalls like the loads it replaces (each takes a
 // miss buffer until its line arrives), while hints spread over computation overlap with it.
@@ -253,20 +272,17 @@ template <typename T>
 void attend_tiled(const PagedAttentionArgs& a, const Item& it, Scratch& s) {
   const int64_t d = a.head_size, dp = round_up(d, Vec::size());
   const int64_t group = a.num_heads / a.num_kv_heads;
-  const int64_t token0 = a.query_start_loc[it.seq];
-  const int64_t query_len = a.query_start_loc[it.seq + 1] - token0;
-  const int64_t context_len = a.seq_lens[it.seq];
-  const int32_t* block_table = a.block_tables + it.seq * a.max_blocks_per_seq;
+  const SeqView seq(a, it.seq);
+  const int64_t token0 = seq.token0;
+  const int32_t* block_table = seq.block_table;
   const int64_t rows = (it.q_end - it.q_begin) * group;
   const int64_t mp = round_up(rows, Vec::size());
   const T* query = static_cast<const T*>(a.query);
 
   // Row r is query q_begin + r / group, head kv_head * group + r % group; it sees positions
   // [lo, hi]. Padding rows up to mp repeat the last row (finite, discarded).
-  auto row_hi = [&](int64_t r) { return context_len - query_len + it.q_begin + r / group; };
-  auto row_lo = [&](int64_t r) {
-    return a.sliding_window > 0 ? std::max<int64_t>(0, row_hi(r) - a.sliding_window + 1) : 0;
-  };
+  auto row_hi = [&](int64_t r) { return seq.hi(it.q_begin + r / group); };
+  auto row_lo = [&](int64_t r) { return seq.lo(it.q_begin + r / group); };
   for (int64_t r = 0; r < mp; ++r) {
     const int64_t src = std::min(r, rows - 1);
     const T* q = query + (token0 + it.q_begin + src / group) * a.query_stride +
@@ -483,15 +499,14 @@ void tile_lines(const PagedAttentionArgs& a, const int32_t* block_table, int64_t
 
 // Attends an item of few rows per KV head (fewer than kTiledMinRows), for one or several KV
 // heads of a sequence: see above. Tiles of keys are the outer loop and heads the inner one, so
-// each tile is gathered once for all the item's heads (see gather_tile).
+// a tile's memory is read once, in address order, for all the item's heads.
 template <typename T>
 void attend_rows(const PagedAttentionArgs& a, const Item& it, Scratch& s) {
   const int64_t d = a.head_size, dp = round_up(d, Vec::size());
   const int64_t group = a.num_heads / a.num_kv_heads;
-  const int64_t token0 = a.query_start_loc[it.seq];
-  const int64_t query_len = a.query_start_loc[it.seq + 1] - token0;
-  const int64_t context_len = a.seq_lens[it.seq];
-  const int32_t* block_table = a.block_tables + it.seq * a.max_blocks_per_seq;
+  const SeqView seq(a, it.seq);
+  const int64_t token0 = seq.token0;
+  const int32_t* block_table = seq.block_table;
   const int64_t head_rows = (it.q_end - it.q_begin) * group;  // rows per KV head
   const int64_t num_kv = it.kv_head_end - it.kv_head;
   const int64_t rows = head_rows * num_kv;
@@ -501,10 +516,8 @@ void attend_rows(const PagedAttentionArgs& a, const Item& it, Scratch& s) {
   // group of query head kv_head * group + r % group.
   auto row_head = [&](int64_t r) { return (it.kv_head + r / head_rows) * group + r % group; };
   auto row_query = [&](int64_t r) { return it.q_begin + (r % head_rows) / group; };
-  auto row_hi = [&](int64_t r) { return context_len - query_len + row_query(r); };
-  auto row_lo = [&](int64_t r) {
-    return a.sliding_window > 0 ? std::max<int64_t>(0, row_hi(r) - a.sliding_window + 1) : 0;
-  };
+  auto row_hi = [&](int64_t r) { return seq.hi(row_query(r)); };
+  auto row_lo = [&](int64_t r) { return seq.lo(row_query(r)); };
   for (int64_t r = 0; r < rows; ++r) {
     float* q = s.q.data() + r * dp;
     convert_to_float(query + (token0 + row_query(r)) * a.query_stride + row_head(r) * d, q, d);
