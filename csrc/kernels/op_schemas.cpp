@@ -16,7 +16,8 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("rms_norm(Tensor! out, Tensor input, Tensor weight, float epsilon) -> ()");
   m.def("fused_add_rms_norm(Tensor! input, Tensor! residual, Tensor weight, float epsilon) -> ()");
   m.def("silu_and_mul(Tensor! out, Tensor input) -> ()");
-  m.def("linear(Tensor input, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("linear(Tensor input, Tensor weight, Tensor? bias, Tensor? packed_weight=None) -> Tensor");
+  m.def("linear_prepack(Tensor weight) -> Tensor");
   m.def(
       "rotary_embedding(Tensor positions, Tensor! query, Tensor! key, int head_size, "
       "Tensor cos_sin_cache, bool is_neox) -> ()");
@@ -34,6 +35,11 @@ TORCH_LIBRARY(kvserve, m) {
       "sampling_filter_logits(Tensor! logits, Tensor temperature, Tensor top_k, Tensor top_p, "
       "Tensor min_p) -> ()");
   m.def("sampling_from_logits(Tensor logits, Tensor temperature, Tensor uniform) -> Tensor");
+}
+
+// Devices without a packed weight layout: linear_prepack gives an undefined tensor.
+TORCH_LIBRARY_IMPL(kvserve, CompositeExplicitAutograd, m) {
+  m.impl("linear_prepack", [](const at::Tensor&) { return at::Tensor(); });
 }
 
 namespace kvserve::ops {
@@ -66,11 +72,18 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& input) {
 }
 
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,
-                  const std::optional<at::Tensor>& bias) {
+                  const std::optional<at::Tensor>& bias,
+                  const std::optional<at::Tensor>& packed_weight) {
+  using Optional = const std::optional<at::Tensor>&;
   static const auto op =
-      handle<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>(
+      handle<at::Tensor(const at::Tensor&, const at::Tensor&, Optional, Optional)>(
           "kvserve::linear");
-  return op.call(input, weight, bias);
+  return op.call(input, weight, bias, packed_weight);
+}
+
+at::Tensor linear_prepack(const at::Tensor& weight) {
+  static const auto op = handle<at::Tensor(const at::Tensor&)>("kvserve::linear_prepack");
+  return op.call(weight);
 }
 
 void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,

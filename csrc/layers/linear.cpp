@@ -24,14 +24,20 @@ Linear::Linear(at::Tensor weight, at::Tensor bias) : weight_(std::move(weight)),
   TORCH_CHECK(!bias_.defined() || (bias_.dim() == 1 && bias_.size(0) == weight_.size(0)),
               "Linear: bias must be [", weight_.size(0), "]");
   weight_ = weight_.contiguous();
+  packed_weight_ = ops::linear_prepack(weight_);
 }
 
 at::Tensor Linear::forward(const at::Tensor& x) const {
-  return ops::linear(x, weight_, bias_.defined() ? std::optional<at::Tensor>(bias_) : std::nullopt);
+  auto optional = [](const at::Tensor& t) {
+    return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+  };
+  return ops::linear(x, weight_, optional(bias_), optional(packed_weight_));
 }
 
 int64_t Linear::weight_bytes() const {
-  return weight_.nbytes() + (bias_.defined() ? static_cast<int64_t>(bias_.nbytes()) : 0);
+  // A packed tensor has no storage to ask; its layout pads little, so count it like the weight.
+  const int64_t packed = packed_weight_.defined() ? weight_.numel() * weight_.element_size() : 0;
+  return weight_.nbytes() + packed + (bias_.defined() ? static_cast<int64_t>(bias_.nbytes()) : 0);
 }
 
 }  // namespace kvserve

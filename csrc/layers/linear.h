@@ -9,7 +9,9 @@ namespace kvserve {
 class Linear {
  public:
   Linear() = default;
-  /// weight [out_features, in_features]; bias [out_features] or undefined.
+  /// weight [out_features, in_features]; bias [out_features] or undefined. Where the device has
+  /// one, a packed copy of the weight is kept for the GEMM (more than a couple of tokens); the
+  /// plain one stays for the GEMV that decodes a single sequence at memory bandwidth.
   Linear(at::Tensor weight, at::Tensor bias);
 
   /// x [T, in_features] -> [T, out_features], in the weight dtype.
@@ -17,10 +19,12 @@ class Linear {
 
   int64_t in_features() const { return weight_.size(1); }
   int64_t out_features() const { return weight_.size(0); }
+  /// Bytes of the weight, its packed copy and the bias.
   int64_t weight_bytes() const;
 
  private:
   at::Tensor weight_;
+  at::Tensor packed_weight_;  // undefined where the device has no packed layout
   at::Tensor bias_;
 };
 

@@ -60,8 +60,9 @@ at::Tensor LlamaForCausalLM::compute_logits(const at::Tensor& hidden) {
 }
 
 int64_t LlamaForCausalLM::weight_bytes() const {
-  int64_t bytes = embed_tokens_.nbytes() + norm_.weight_bytes();
-  if (!config_.tie_word_embeddings) bytes += lm_head_.weight_bytes();
+  // A tied LM head shares the embedding matrix; only its packed copy is its own.
+  int64_t bytes = embed_tokens_.nbytes() + norm_.weight_bytes() + lm_head_.weight_bytes();
+  if (config_.tie_word_embeddings) bytes -= embed_tokens_.nbytes();
   for (const Layer& layer : layers_) {
     bytes += layer.input_layernorm.weight_bytes() + layer.self_attn->weight_bytes() +
              layer.post_attention_layernorm.weight_bytes() + layer.mlp->weight_bytes();

@@ -1,4 +1,5 @@
-"""linear (the GEMV path for a few tokens and the GEMM fallback) against an fp64 matmul."""
+"""linear (the GEMV path for a few tokens, the GEMM on a packed weight and the plain GEMM) against
+an fp64 matmul."""
 
 import pytest
 import torch
@@ -16,7 +17,8 @@ TOLERANCES = {
     torch.float16: dict(atol=2e-3, rtol=2e-3),
 }
 SHAPES = [(1, 1), (7, 5), (33, 16), (64, 100), (130, 257), (96, 1024)]  # (n, k)
-TOKENS = [1, 2, 3, 4, 5, 8, 9, 33]  # <= 8 takes the GEMV kernel, more the GEMM
+TOKENS = [1, 2, 3, 4, 5, 8, 9, 33]  # <= 8 (<= 2 with a packed weight) take the GEMV kernel
+PACKABLE = [torch.float32, torch.bfloat16]  # oneDNN packs these on CPU
 
 
 def operands(m, n, k, dtype, bias, pad=0, seed=0):
@@ -36,6 +38,33 @@ def test_linear_matches_reference(m, n, k, dtype, bias):
     out = ops.linear(x, w, b)
     assert out.dtype == dtype and out.shape == (m, n)
     torch.testing.assert_close(out.double(), reference.linear(x, w, b), **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", PACKABLE)
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 9, 33, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_weight_matches_reference(m, n, k, dtype, bias):
+    x, w, b = operands(m, n, k, dtype, bias, pad=3)  # strided rows
+    packed = ops.linear_prepack(w)
+    assert packed is not None and packed.is_mkldnn and packed.shape == w.shape
+    out = ops.linear(x, w, b, packed)
+    assert out.dtype == dtype and out.shape == (m, n)
+    torch.testing.assert_close(out.double(), reference.linear(x, w, b), **TOLERANCES[dtype])
+
+
+def test_prepack_without_a_packed_layout():
+    assert ops.linear_prepack(torch.randn(8, 4).half()) is None  # fp16: the plain GEMM
+    x, w, b = operands(5, 8, 4, torch.float16, True)
+    torch.testing.assert_close(ops.linear(x, w, b, None).double(), reference.linear(x, w, b),
+                               **TOLERANCES[torch.float16])
+
+
+def test_packed_weight_must_match():
+    x, w, _ = operands(4, 8, 16, torch.float32, False)
+    for wrong in (w[:4], w.bfloat16()):
+        with pytest.raises(RuntimeError, match="packed_weight must come from linear_prepack"):
+            ops.linear(x, w, None, ops.linear_prepack(wrong.contiguous()))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
