@@ -71,21 +71,47 @@ struct SeqView {
 // Cache lines to hint into the cache a few at a time, between the micro-kernel passes of the
 // work that precedes their use: a burst of hints stalls like the loads it replaces (each takes a
 // miss buffer until its line arrives), while hints spread over computation overlap with it.
+// The lines are kept as runs of contiguous memory (a block's slots), not one by one: listing
+// and walking them must cost little next to the computation they overlap with.
 struct LinePrefetcher {
-  std::vector<const char*> lines;
-  size_t next = 0, per_step = 0;
+  struct Run {
+    const char* first_line;  // 64-byte aligned
+    int64_t lines;
+  };
+  std::vector<Run> runs;
+  int64_t total = 0, per_step = 0, run = 0, line = 0;
+  void clear() {
+    runs.clear();
+    total = 0;
+  }
+  // The lines holding bytes [begin, begin + bytes).
+  void add(const char* begin, int64_t bytes) {
+    const auto address = reinterpret_cast<uintptr_t>(begin);
+    const uintptr_t first = address & ~uintptr_t{63};
+    const int64_t lines = static_cast<int64_t>((address + bytes - first + 63) / 64);
+    runs.push_back({reinterpret_cast<const char*>(first), lines});
+    total += lines;
+  }
   // Spreads the lines over about `steps` calls of step().
-  void start(size_t steps) {
-    next = 0;
-    per_step = (lines.size() + std::max<size_t>(steps, 1) - 1) / std::max<size_t>(steps, 1);
+  void start(int64_t steps) {
+    run = line = 0;
+    per_step = (total + std::max<int64_t>(steps, 1) - 1) / std::max<int64_t>(steps, 1);
   }
   void step() {
-    for (const size_t end = std::min(lines.size(), next + per_step); next < end; ++next) {
-      __builtin_prefetch(lines[next], 0, kPrefetchLocality);
+    for (int64_t left = per_step; left > 0 && run < static_cast<int64_t>(runs.size());) {
+      const Run& r = runs[run];
+      const int64_t end = std::min(r.lines, line + left);
+      for (int64_t i = line; i < end; ++i) __builtin_prefetch(r.first_line + i * 64, 0, kPrefetchLocality);
+      left -= end - line;
+      line = end;
+      if (line == r.lines) {
+        ++run;
+        line = 0;
+      }
     }
   }
   void finish() {
-    per_step = lines.size();
+    per_step = total;
     step();
   }
 };
@@ -94,6 +120,7 @@ struct LinePrefetcher {
 struct Scratch {
   std::vector<float> q, acc, max, sum, corr, lo, hi, scores, key_rows, value_rows;
   std::vector<const float*> keys, values;
+  std::vector<int64_t> slots;  // a tile's cache offsets (elements) of its first KV head's rows
   LinePrefetcher prefetch;
   void reserve(int64_t rows, int64_t head_size, int64_t num_kv_heads) {
     const int64_t mp = round_up(rows, Vec::size()), dp = round_up(head_size, Vec::size());
@@ -108,8 +135,24 @@ struct Scratch {
     value_rows.assign(kKeyTile * num_kv_heads * dp, 0.0f);
     keys.resize(kKeyTile + Vec::size());  // the dot-product path pads a tile to whole passes
     values.resize(kKeyTile);
+    slots.resize(kKeyTile);
   }
 };
+
+// Calls f(position, offset, count) for the runs of positions [first, last) that share a block:
+// offset is the cache offset (elements) of position's slot, and the next count - 1 slots follow
+// it at a stride of one slot.
+template <typename F>
+void for_block_runs(const PagedAttentionArgs& a, const int32_t* block_table, int64_t first,
+                    int64_t last, F&& f) {
+  const int64_t slot = a.num_kv_heads * a.head_size;
+  for (int64_t j = first; j < last;) {
+    const int64_t in_block = j % a.block_size;
+    const int64_t count = std::min(last - j, a.block_size - in_block);
+    f(j, block_table[j / a.block_size] * a.cache_block_stride + in_block * slot, count);
+    j += count;
+  }
+}
 
 // keys[t], values[t]: fp32 copies of the rows of context positions [first, last) in key_rows
 // [kKeyTile, head_size] / value_rows [kKeyTile, value_stride] (columns past head_size are never
@@ -143,16 +186,17 @@ void gather_tile(const PagedAttentionArgs& a, const int32_t* block_table, int64_
                  int64_t kv_head_end, int64_t first, int64_t last, int64_t dp, Scratch& s) {
   const T* kc = static_cast<const T*>(a.key_cache);
   const T* vc = static_cast<const T*>(a.value_cache);
-  const int64_t d = a.head_size;
-  for (int64_t j = first; j < last; ++j) {
-    const int64_t slot = block_table[j / a.block_size] * a.cache_block_stride +
-                         ((j % a.block_size) * a.num_kv_heads + kv_head) * d;
-    for (int64_t h = 0; h < kv_head_end - kv_head; ++h) {
-      const int64_t row = (h * kKeyTile + j - first) * dp;
-      convert_to_float(kc + slot + h * d, s.key_rows.data() + row, d);
-      convert_to_float(vc + slot + h * d, s.value_rows.data() + row, d);
+  const int64_t d = a.head_size, slot = a.num_kv_heads * d;
+  for_block_runs(a, block_table, first, last, [&](int64_t j0, int64_t offset, int64_t count) {
+    for (int64_t c = 0; c < count; ++c) {
+      const int64_t j = j0 + c, at = offset + c * slot + kv_head * d;
+      for (int64_t h = 0; h < kv_head_end - kv_head; ++h) {
+        const int64_t row = (h * kKeyTile + j - first) * dp;
+        convert_to_float(kc + at + h * d, s.key_rows.data() + row, d);
+        convert_to_float(vc + at + h * d, s.value_rows.data() + row, d);
+      }
     }
-  }
+  });
 }
 
 // ------------------------------------------------------------------------------- tiled path
@@ -475,26 +519,21 @@ void for_row_blocks(int64_t rows, F&& f) {
   if (r0 < rows) f.template operator()<1>(r0);
 }
 
-// The cache lines gather_tile will read for positions [first, last), a block's run of slots at a
-// time (lines shared with heads outside the item are few and harmless).
+// The cache lines of KV heads [kv_head, kv_head_end) at positions [first, last), a block's run of
+// slots at a time (lines shared with heads outside the item are few and harmless).
 template <typename T>
 void tile_lines(const PagedAttentionArgs& a, const int32_t* block_table, int64_t kv_head,
-                int64_t kv_head_end, int64_t first, int64_t last, std::vector<const char*>& lines) {
-  const int64_t slot_bytes = a.num_kv_heads * a.head_size * static_cast<int64_t>(sizeof(T));
-  const int64_t head_bytes = a.head_size * static_cast<int64_t>(sizeof(T));
-  const int64_t begin = kv_head * head_bytes, end = kv_head_end * head_bytes;
-  lines.clear();
-  for (int64_t j = first; j < last;) {
-    const int64_t in_block = j % a.block_size;
-    const int64_t count = std::min(last - j, a.block_size - in_block);
-    const int64_t block = block_table[j / a.block_size] * a.cache_block_stride *
-                          static_cast<int64_t>(sizeof(T));
+                int64_t kv_head_end, int64_t first, int64_t last, LinePrefetcher& prefetch) {
+  const int64_t slot = a.num_kv_heads * a.head_size;
+  prefetch.clear();
+  for_block_runs(a, block_table, first, last, [&](int64_t, int64_t offset, int64_t count) {
+    const int64_t begin = offset + kv_head * a.head_size;
+    const int64_t elements = (count - 1) * slot + (kv_head_end - kv_head) * a.head_size;
     for (const void* cache : {a.key_cache, a.value_cache}) {
-      const char* run = static_cast<const char*>(cache) + block + in_block * slot_bytes;
-      for (int64_t b = begin; b < (count - 1) * slot_bytes + end; b += 64) lines.push_back(run + b);
+      prefetch.add(reinterpret_cast<const char*>(static_cast<const T*>(cache) + begin),
+                   elements * static_cast<int64_t>(sizeof(T)));
     }
-    j += count;
-  }
+  });
 }
 
 // Attends an item of few rows per KV head (fewer than kTiledMinRows), for one or several KV
@@ -543,22 +582,25 @@ void attend_rows(const PagedAttentionArgs& a, const Item& it, Scratch& s) {
       // The next tile's lines are hinted during this tile's score passes (about one per 4 rows x
       // 4 keys).
       tile_lines<T>(a, block_table, it.kv_head, it.kv_head_end, k1,
-                    std::min(k1 + kKeyTile, last_key), s.prefetch.lines);
-      s.prefetch.start(static_cast<size_t>(num_kv * ((head_rows + 3) / 4) * ((n + 3) / 4)));
+                    std::min(k1 + kKeyTile, last_key), s.prefetch);
+      s.prefetch.start(num_kv * ((head_rows + 3) / 4) * ((n + 3) / 4));
+      const int64_t slot = a.num_kv_heads * d;
+      for_block_runs(a, block_table, k0, k1, [&](int64_t j, int64_t offset, int64_t count) {
+        for (int64_t c = 0; c < count; ++c) s.slots[j - k0 + c] = offset + c * slot + it.kv_head * d;
+      });
     } else {
-      s.prefetch.lines.clear();
+      s.prefetch.clear();
       gather_tile<T>(a, block_table, it.kv_head, it.kv_head_end, k0, k1, dp, s);
     }
     for (int64_t h = 0; h < num_kv; ++h) {
       const int64_t base = h * head_rows;
       if constexpr (std::is_same_v<T, float>) {
         if (in_place) {
+          const float* keys = static_cast<const float*>(a.key_cache) + h * d;
+          const float* values = static_cast<const float*>(a.value_cache) + h * d;
           for (int64_t t = 0; t < n; ++t) {
-            const int64_t j = k0 + t;
-            const int64_t offset = block_table[j / a.block_size] * a.cache_block_stride +
-                                   ((j % a.block_size) * a.num_kv_heads + it.kv_head + h) * d;
-            s.keys[t] = static_cast<const float*>(a.key_cache) + offset;
-            s.values[t] = static_cast<const float*>(a.value_cache) + offset;
+            s.keys[t] = keys + s.slots[t];
+            s.values[t] = values + s.slots[t];
           }
         }
       }
