@@ -2,15 +2,38 @@
 
 #include <ATen/ops/empty.h>
 
+#include <algorithm>
+
 #include "kernels/activation/silu_and_mul.h"
 
 namespace kvserve {
+namespace {
+
+// Tokens go through the MLP in chunks whose gate_up output is at most this big, so that it is
+// still in the last-level cache when silu_and_mul and the down projection read it (a 2,048-token
+// step of a 768 -> 2 x 2,048 MLP writes 32 MiB; in 16 MiB chunks the MLP runs ~8% faster here).
+constexpr int64_t kChunkBytes = 16 << 20;
+
+}  // namespace
 
 GatedMLP::GatedMLP(const std::string& p, const WeightMap& w)
     : gate_up_proj_(w.get(p + "gate_up_proj.weight"), w.get_optional(p + "gate_up_proj.bias")),
       down_proj_(w.get(p + "down_proj.weight"), w.get_optional(p + "down_proj.bias")) {}
 
 at::Tensor GatedMLP::forward(const at::Tensor& x) const {
+  const int64_t tokens = x.size(0);
+  const int64_t row_bytes = gate_up_proj_.out_features() * x.element_size();
+  const int64_t chunks = std::max<int64_t>(1, (tokens * row_bytes + kChunkBytes - 1) / kChunkBytes);
+  if (chunks == 1) return forward_chunk(x);
+  at::Tensor out = at::empty({tokens, down_proj_.out_features()}, x.options());
+  for (int64_t c = 0; c < chunks; ++c) {  // equal chunks: no small GEMM at the end
+    const int64_t begin = tokens * c / chunks, end = tokens * (c + 1) / chunks;
+    out.narrow(0, begin, end - begin).copy_(forward_chunk(x.narrow(0, begin, end - begin)));
+  }
+  return out;
+}
+
+at::Tensor GatedMLP::forward_chunk(const at::Tensor& x) const {
   at::Tensor gate_up = gate_up_proj_.forward(x);
   at::Tensor act = at::empty({x.size(0), gate_up.size(1) / 2}, x.options());
   ops::silu_and_mul(act, gate_up);

@@ -22,6 +22,8 @@ class GatedMLP {
   int64_t weight_bytes() const { return gate_up_proj_.weight_bytes() + down_proj_.weight_bytes(); }
 
  private:
+  at::Tensor forward_chunk(const at::Tensor& x) const;
+
   Linear gate_up_proj_;
   Linear down_proj_;
 };

@@ -154,3 +154,14 @@ def test_requests_must_fit_max_model_len(checkpoint_factory):
     assert len(out.token_ids) == fits and out.finish_reason == "length"
     with pytest.raises(ValueError, match="exceeds max_model_len 16"):
         llm.generate([PROMPTS[0]], kvserve.SamplingParams(max_tokens=fits + 1))
+
+
+def test_long_prompt_mlp_chunks_match_transformers(checkpoint_factory):
+    """A prompt whose gate_up output passes the MLP's 16 MiB chunk (700 tokens x 2 x 4,096 fp32
+    = 22 MiB) runs in chunks; its logits must not change."""
+    path = checkpoint_factory("LlamaForCausalLM", intermediate_size=4096, num_hidden_layers=1,
+                              max_position_embeddings=1024, initializer_range=0.05)
+    prompt = [1] + [3 + (i * 37) % 380 for i in range(699)]
+    with torch.no_grad():
+        ref_logits = hf_model(path)(torch.tensor([prompt])).logits[0]
+    assert_logits_close(kvserve_prompt_logits(kvserve.LLM(path), prompt), ref_logits, torch.float32)
