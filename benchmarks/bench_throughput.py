@@ -5,9 +5,12 @@ ignore_eos, so both engines produce exactly the requested tokens. kvserve runs t
 LLM.generate (continuous batching, chunked prefill, paged KV). transformers runs `generate` over
 static batches of --hf-batch-size padded prompts (left padding), each batch decoding until its
 longest request is done; only the requested tokens count as useful output. Same checkpoint,
-dtype and machine, one run.
+dtype and machine, one run. With --repeats N the two engines alternate N times and the table
+gives the medians (a virtual machine's speed drifts between minutes; alternating lets both see
+the same drift).
 
     python benchmarks/bench_throughput.py [--models target llama-100m] [--requests 128]
+    python benchmarks/bench_throughput.py --models target --repeats 5
     python benchmarks/bench_throughput.py --quick      # a small smoke run
 """
 
@@ -21,7 +24,8 @@ from pathlib import Path
 import torch
 
 import kvserve
-from kvserve.testing.bench import cached_checkpoint, machine_info, markdown_table, write_json
+from kvserve.testing.bench import (cached_checkpoint, machine_info, markdown_table, median,
+                                   write_json)
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -85,6 +89,7 @@ def main() -> None:
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--repeats", type=int, default=1, help="alternating runs of both engines")
     p.add_argument("--quick", action="store_true", help="16 requests, short lengths, target only")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
@@ -99,21 +104,26 @@ def main() -> None:
         requests = workload(args.requests, vocab, args.prompt_range, args.output_range, args.seed)
         useful = sum(n for _, n in requests)
         prompt_tokens = sum(len(q) for q, _ in requests)
-        ours = run_kvserve(path, args.dtype, requests, args.max_num_batched_tokens)
-        theirs = None if args.skip_hf else run_hf(path, args.dtype, requests, args.hf_batch_size)
-        r = dict(model=name, requests=args.requests, prompt_tokens=prompt_tokens,
-                 output_tokens=useful, kvserve=ours, hf=theirs)
-        results.append(r)
-        speedup = theirs["wall_s"] / ours["wall_s"] if theirs else float("nan")
-        rows.append([name, args.dtype, f"{prompt_tokens:,} / {useful:,}",
-                     f"{useful / ours['wall_s']:.0f}",
-                     f"{useful / theirs['wall_s']:.0f}" if theirs else "-",
-                     f"{speedup:.1f}x" if theirs else "-", ours["preemptions"]])
-        print(f"{name}: kvserve {ours['wall_s']:.1f} s"
-              + (f", transformers {theirs['wall_s']:.1f} s" if theirs else ""), flush=True)
+        ours, theirs = [], []
+        for _ in range(args.repeats):
+            ours.append(run_kvserve(path, args.dtype, requests, args.max_num_batched_tokens))
+            if not args.skip_hf:
+                theirs.append(run_hf(path, args.dtype, requests, args.hf_batch_size))
+            print(f"{name}: kvserve {ours[-1]['wall_s']:.1f} s"
+                  + (f", transformers {theirs[-1]['wall_s']:.1f} s" if theirs else ""), flush=True)
+        ours_s = median([r["wall_s"] for r in ours])
+        theirs_s = median([r["wall_s"] for r in theirs]) if theirs else float("nan")
+        ratios = [h["wall_s"] / k["wall_s"] for k, h in zip(ours, theirs)]
+        results.append(dict(model=name, requests=args.requests, prompt_tokens=prompt_tokens,
+                            output_tokens=useful, kvserve=ours, hf=theirs, speedups=ratios))
+        rows.append([name, args.dtype, f"{prompt_tokens:,} / {useful:,}", f"{useful / ours_s:.0f}",
+                     f"{useful / theirs_s:.0f}" if theirs else "-",
+                     f"{median(ratios):.1f}x" if theirs else "-",
+                     " / ".join(f"{r:.1f}" for r in ratios) if theirs else "-",
+                     max(r["preemptions"] for r in ours)])
     print(markdown_table(["model", "dtype", "prompt / output tokens", "kvserve output tok/s",
                           f"HF static batch {args.hf_batch_size} output tok/s", "speedup",
-                          "preemptions"], rows))
+                          "speedup per repeat", "preemptions"], rows))
     path = write_json(HERE / "results" / "throughput.json",
                       dict(machine=machine_info(), args=vars(args), results=results))
     print(f"wrote {path}")
