@@ -101,7 +101,9 @@ struct LinePrefetcher {
     for (int64_t left = per_step; left > 0 && run < static_cast<int64_t>(runs.size());) {
       const Run& r = runs[run];
       const int64_t end = std::min(r.lines, line + left);
-      for (int64_t i = line; i < end; ++i) __builtin_prefetch(r.first_line + i * 64, 0, kPrefetchLocality);
+      for (int64_t i = line; i < end; ++i) {
+        __builtin_prefetch(r.first_line + i * 64, 0, kPrefetchLocality);
+      }
       left -= end - line;
       line = end;
       if (line == r.lines) {
@@ -586,7 +588,9 @@ void attend_rows(const PagedAttentionArgs& a, const Item& it, Scratch& s) {
       s.prefetch.start(num_kv * ((head_rows + 3) / 4) * ((n + 3) / 4));
       const int64_t slot = a.num_kv_heads * d;
       for_block_runs(a, block_table, k0, k1, [&](int64_t j, int64_t offset, int64_t count) {
-        for (int64_t c = 0; c < count; ++c) s.slots[j - k0 + c] = offset + c * slot + it.kv_head * d;
+        for (int64_t c = 0; c < count; ++c) {
+          s.slots[j - k0 + c] = offset + c * slot + it.kv_head * d;
+        }
       });
     } else {
       s.prefetch.clear();

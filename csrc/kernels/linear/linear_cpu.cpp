@@ -76,7 +76,9 @@ at::Tensor linear_cpu(const at::Tensor& input, const at::Tensor& weight,
                      (input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16 ||
                       input.scalar_type() == at::kHalf);
   if (m == 0 || n == 0) return at::linear(input, weight, bias);
-  if (!small) return packed ? onednn_linear(input, *packed_weight, bias) : at::linear(input, weight, bias);
+  if (!small) {
+    return packed ? onednn_linear(input, *packed_weight, bias) : at::linear(input, weight, bias);
+  }
   at::Tensor out = at::empty({m, n}, input.options());
   cpu::gemv_stub.get()(input.scalar_type(), input.data_ptr(), input.stride(0), weight.data_ptr(),
                        bias ? bias->data_ptr() : nullptr, out.data_ptr(), m, n, k);
