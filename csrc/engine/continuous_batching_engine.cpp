@@ -216,8 +216,16 @@ std::vector<RequestOutput> ContinuousBatchingEngine::step() {
     }
   }
   at::Tensor logits = model_->compute_logits(hidden.index_select(0, last));
-  logits = logits.index_select(
-      0, at::tensor(logit_rows, at::TensorOptions().dtype(at::kLong)).to(logits.device()));
+  // Rows repeat only for prompts forked into n samples; otherwise the logits are used as they are
+  // (a copy of [sequences, vocab] floats per step saved).
+  bool identity = logit_rows.size() == sample_rows.size();
+  for (size_t i = 0; identity && i < logit_rows.size(); ++i) {
+    identity = logit_rows[i] == static_cast<int64_t>(i);
+  }
+  if (!identity) {
+    logits = logits.index_select(
+        0, at::tensor(logit_rows, at::TensorOptions().dtype(at::kLong)).to(logits.device()));
+  }
   std::vector<SamplingRow> rows;
   for (const auto& [request, c] : targets) {
     Completion& completion = request->completions[c];
