@@ -2,7 +2,8 @@
 
 For each weight shape and dtype, and each number of tokens M, one call of y = x W^T on:
   * kvserve: `linear` as the engine calls it, with the packed weight (`linear_prepack`): the
-    streaming GEMV up to 2 tokens, oneDNN's GEMM on the packed layout above;
+    streaming GEMV up to 2 tokens (up to 8 for weights of at most 4 MiB, like qkv here), oneDNN's
+    GEMM on the packed layout above;
   * kvserve, no packed weight: the GEMV up to 8 tokens, ATen's GEMM above;
   * ATen: `torch.nn.functional.linear`, which repacks the weight on every call.
 Each timing cycles through enough copies of the weight to exceed the last-level cache, as a model's

@@ -53,6 +53,16 @@ def test_packed_weight_matches_reference(m, n, k, dtype, bias):
     torch.testing.assert_close(out.double(), reference.linear(x, w, b), **TOLERANCES[dtype])
 
 
+@pytest.mark.parametrize("dtype", PACKABLE)
+@pytest.mark.parametrize("m", [2, 3, 8])
+def test_packed_big_weight_takes_over_from_the_gemv_at_3_tokens(m, dtype):
+    """Weights over 4 MiB go to oneDNN from 3 tokens on (smaller ones keep the GEMV up to 8)."""
+    x, w, b = operands(m, 2304, 1024 if dtype == torch.float32 else 2048, dtype, True)
+    assert w.nbytes > 4 << 20
+    out = ops.linear(x, w, b, ops.linear_prepack(w))
+    torch.testing.assert_close(out.double(), reference.linear(x, w, b), **TOLERANCES[dtype])
+
+
 def test_prepack_without_a_packed_layout():
     assert ops.linear_prepack(torch.randn(8, 4).half()) is None  # fp16: the plain GEMM
     x, w, b = operands(5, 8, 4, torch.float16, True)
