@@ -10,8 +10,9 @@ class Linear {
  public:
   Linear() = default;
   /// weight [out_features, in_features]; bias [out_features] or undefined. Where the device has
-  /// one, a packed copy of the weight is kept for the GEMM (more than a couple of tokens); the
-  /// plain one stays for the GEMV that decodes a single sequence at memory bandwidth.
+  /// one, a packed copy of the weight is kept for the GEMM (beyond the few tokens that
+  /// ops::linear leaves to the GEMV); the plain one stays for that GEMV, which decodes a few
+  /// sequences at memory bandwidth.
   Linear(at::Tensor weight, at::Tensor bias);
 
   /// x [T, in_features] -> [T, out_features], in the weight dtype.
