@@ -1,4 +1,5 @@
-// Python bindings of the ContinuousBatchingEngine, its Scheduler (read-only) and its outputs.
+// Python bindings of the ContinuousBatchingEngine, its config, Scheduler (read-only), outputs and
+// stats.
 #include <torch/csrc/utils/pybind.h>
 #include <pybind11/stl.h>
 
@@ -10,9 +11,15 @@ namespace py = pybind11;
 namespace kvserve::bindings {
 namespace {
 
+py::object none_if_empty(const std::string& s) {
+  if (s.empty()) return py::none();
+  return py::str(s);
+}
+
 void bind_outputs(py::module_& m) {
-  py::class_<RequestMetrics>(m, "EngineRequestMetrics",
-                             "Times of one request (seconds, time.monotonic() clock).")
+  py::class_<RequestMetrics>(m, "RequestMetrics",
+                             "Times of one request (seconds, time.monotonic() clock; 0 until the "
+                             "moment happens).")
       .def_readonly("arrival_time", &RequestMetrics::arrival_time)
       .def_readonly("first_scheduled_time", &RequestMetrics::first_scheduled_time)
       .def_readonly("first_token_time", &RequestMetrics::first_token_time)
@@ -22,32 +29,53 @@ void bind_outputs(py::module_& m) {
       .def_property_readonly("time_to_first_token", &RequestMetrics::time_to_first_token)
       .def_property_readonly("queue_time", &RequestMetrics::queue_time)
       .def_property_readonly("e2e_latency", &RequestMetrics::e2e_latency)
-      .def_property_readonly("time_per_output_token", &RequestMetrics::time_per_output_token);
+      .def_property_readonly("time_per_output_token", &RequestMetrics::time_per_output_token)
+      .def("__repr__", [](const RequestMetrics& r) {
+        return "RequestMetrics(ttft=" + std::to_string(r.time_to_first_token()) +
+               ", tpot=" + std::to_string(r.time_per_output_token()) +
+               ", e2e=" + std::to_string(r.e2e_latency()) +
+               ", num_generated_tokens=" + std::to_string(r.num_generated_tokens) + ")";
+      });
 
-  py::class_<CompletionOutput>(m, "EngineCompletionOutput")
+  py::class_<CompletionOutput>(m, "CompletionOutput",
+                               "One sample's token ids (kvserve.CompletionOutput adds its text).")
       .def_readonly("index", &CompletionOutput::index)
       .def_readonly("token_ids", &CompletionOutput::token_ids)
       .def_readonly("new_token_ids", &CompletionOutput::new_token_ids)
-      .def_property_readonly("finish_reason", [](const CompletionOutput& o) -> py::object {
-        if (o.finish_reason.empty()) return py::none();
-        return py::str(o.finish_reason);
+      .def_property_readonly("finish_reason", [](const CompletionOutput& o) {
+        return none_if_empty(o.finish_reason);
       })
       .def_readonly("logprobs", &CompletionOutput::logprobs)
       .def_property_readonly("finished", &CompletionOutput::finished);
 
-  py::class_<RequestOutput>(m, "EngineRequestOutput",
-                            "What one request produced in a step (token ids only).")
+  py::class_<RequestOutput>(m, "RequestOutput",
+                            "What one request produced in a step, in token ids "
+                            "(kvserve.RequestOutput adds the text).")
       .def_readonly("request_id", &RequestOutput::request_id)
       .def_readonly("prompt_token_ids", &RequestOutput::prompt_token_ids)
       .def_readonly("outputs", &RequestOutput::outputs)
       .def_readonly("finished", &RequestOutput::finished)
       .def_readonly("num_cached_tokens", &RequestOutput::num_cached_tokens)
       .def_readonly("metrics", &RequestOutput::metrics)
+      .def_property_readonly("error", [](const RequestOutput& o) { return none_if_empty(o.error); })
       .def("__repr__", [](const RequestOutput& o) {
-        return "EngineRequestOutput(request_id='" + o.request_id + "', finished=" +
+        return "RequestOutput(request_id='" + o.request_id + "', finished=" +
                (o.finished ? "True" : "False") + ", outputs=" +
                std::to_string(o.outputs.size()) + ")";
       });
+
+  py::class_<LatencyHistogram>(m, "LatencyHistogram",
+                               "Counts per fixed bucket: counts[i] holds observations <= "
+                               "bounds[i] (and above the previous bound); the last is +inf.")
+      .def_property_readonly_static("bounds", [](py::object) {
+        return std::vector<double>(LatencyHistogram::kBounds.begin(),
+                                   LatencyHistogram::kBounds.end());
+      })
+      .def_property_readonly("counts", [](const LatencyHistogram& h) {
+        return std::vector<int64_t>(h.counts.begin(), h.counts.end());
+      })
+      .def_readonly("count", &LatencyHistogram::count)
+      .def_readonly("sum", &LatencyHistogram::sum);
 
   py::class_<EngineStats>(m, "EngineStats")
       .def_readonly("num_running_requests", &EngineStats::num_running_requests)
@@ -63,7 +91,13 @@ void bind_outputs(py::module_& m) {
       })
       .def_readonly("num_preemptions", &EngineStats::num_preemptions)
       .def_readonly("num_finished_requests", &EngineStats::num_finished_requests)
-      .def_readonly("finished_metrics", &EngineStats::finished_metrics);
+      .def_readonly("num_aborted_requests", &EngineStats::num_aborted_requests)
+      .def_readonly("num_failed_requests", &EngineStats::num_failed_requests)
+      .def_readonly("num_steps", &EngineStats::num_steps)
+      .def_readonly("num_generated_tokens", &EngineStats::num_generated_tokens)
+      .def_readonly("time_to_first_token", &EngineStats::time_to_first_token)
+      .def_readonly("time_per_output_token", &EngineStats::time_per_output_token)
+      .def_readonly("e2e_latency", &EngineStats::e2e_latency);
 }
 
 }  // namespace
@@ -74,21 +108,25 @@ void bind_continuous_batching_engine(py::module_& m) {
   py::class_<EngineConfig>(m, "EngineConfig")
       .def(py::init([](int64_t max_num_seqs, int64_t max_num_batched_tokens,
                        int64_t max_model_len, int64_t block_size, int64_t num_blocks,
-                       bool enable_prefix_caching, std::vector<int64_t> eos_token_ids) {
-             return EngineConfig{max_num_seqs, max_num_batched_tokens, max_model_len, block_size,
-                                 num_blocks, enable_prefix_caching, std::move(eos_token_ids)};
+                       bool enable_prefix_caching, std::vector<int64_t> eos_token_ids,
+                       int64_t max_logprobs) {
+             return EngineConfig{max_num_seqs,          max_num_batched_tokens,
+                                 max_model_len,         block_size,
+                                 num_blocks,            enable_prefix_caching,
+                                 std::move(eos_token_ids), max_logprobs};
            }),
            py::kw_only(), py::arg("max_num_seqs") = 256, py::arg("max_num_batched_tokens") = 2048,
            py::arg("max_model_len") = 0, py::arg("block_size") = 16, py::arg("num_blocks"),
            py::arg("enable_prefix_caching") = true,
-           py::arg("eos_token_ids") = std::vector<int64_t>{})
+           py::arg("eos_token_ids") = std::vector<int64_t>{}, py::arg("max_logprobs") = 20)
       .def_readonly("max_num_seqs", &EngineConfig::max_num_seqs)
       .def_readonly("max_num_batched_tokens", &EngineConfig::max_num_batched_tokens)
       .def_readonly("max_model_len", &EngineConfig::max_model_len)
       .def_readonly("block_size", &EngineConfig::block_size)
       .def_readonly("num_blocks", &EngineConfig::num_blocks)
       .def_readonly("enable_prefix_caching", &EngineConfig::enable_prefix_caching)
-      .def_readonly("eos_token_ids", &EngineConfig::eos_token_ids);
+      .def_readonly("eos_token_ids", &EngineConfig::eos_token_ids)
+      .def_readonly("max_logprobs", &EngineConfig::max_logprobs);
 
   py::class_<Scheduler>(m, "Scheduler", "The engine's scheduler (read-only from Python).")
       .def_property_readonly("has_pending_work", &Scheduler::has_pending_work)
@@ -102,15 +140,21 @@ void bind_continuous_batching_engine(py::module_& m) {
       "Iteration-level batching over a model and a paged KV cache; drive it with step().")
       .def(py::init<std::shared_ptr<CausalLM>, EngineConfig>(), py::arg("model"),
            py::arg("config"))
+      // The GIL is released wherever a call may wait for the step lock or run the model, so
+      // that other Python threads keep running (and a step never waits on the GIL).
       .def("add_request", &ContinuousBatchingEngine::add_request, py::arg("request_id"),
            py::arg("prompt_token_ids"), py::arg("sampling_params"),
-           py::arg("arrival_time") = py::none(), py::arg("priority") = 0)
+           py::arg("arrival_time") = py::none(), py::arg("priority") = 0,
+           py::call_guard<py::gil_scoped_release>(),
+           "Thread-safe: validates now, applied before the next step's work.")
       .def("step", &ContinuousBatchingEngine::step, py::call_guard<py::gil_scoped_release>(),
            "One iteration; the requests that produced tokens or finished in it.")
       .def("has_unfinished_requests", &ContinuousBatchingEngine::has_unfinished_requests)
-      .def("abort_request", &ContinuousBatchingEngine::abort_request, py::arg("request_id"))
+      .def("abort_request", &ContinuousBatchingEngine::abort_request, py::arg("request_id"),
+           py::call_guard<py::gil_scoped_release>())
       .def("finish_completion", &ContinuousBatchingEngine::finish_completion,
-           py::arg("request_id"), py::arg("index"), py::arg("reason"))
+           py::arg("request_id"), py::arg("index"), py::arg("reason"),
+           py::call_guard<py::gil_scoped_release>())
       .def("get_stats", &ContinuousBatchingEngine::get_stats)
       .def_property_readonly("scheduler", &ContinuousBatchingEngine::scheduler,
                              py::return_value_policy::reference_internal)

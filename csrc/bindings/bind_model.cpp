@@ -1,4 +1,4 @@
-// Python bindings of ModelConfig, the models (CausalLM) and the static-batch ModelRunner.
+// Python bindings of ModelConfig, the forward batch and the models (CausalLM).
 #include <torch/csrc/utils/pybind.h>
 #include <pybind11/stl.h>
 
@@ -6,7 +6,6 @@
 #include "kvserve/forward_batch.h"
 #include "kvserve/kv_cache.h"
 #include "kvserve/paged_kv_cache.h"
-#include "kvserve/model_runner.h"
 #include "models/model_factory.h"
 
 namespace py = pybind11;
@@ -118,53 +117,12 @@ void bind_causal_lm(py::module_& m) {
         py::arg("max_positions"));
 }
 
-void bind_model_runner(py::module_& m) {
-  py::class_<GenerationRequest>(m, "GenerationRequest")
-      .def(py::init<std::vector<int64_t>, SamplingParams>(), py::arg("prompt_token_ids"),
-           py::arg("params"))
-      .def_readwrite("prompt_token_ids", &GenerationRequest::prompt_token_ids)
-      .def_readwrite("params", &GenerationRequest::params);
-
-  py::class_<GenerationResult>(m, "GenerationResult")
-      .def_readonly("token_ids", &GenerationResult::token_ids)
-      .def_readonly("finish_reason", &GenerationResult::finish_reason)
-      .def_readonly("start_time", &GenerationResult::start_time)
-      .def_readonly("first_token_time", &GenerationResult::first_token_time)
-      .def_readonly("finish_time", &GenerationResult::finish_time)
-      .def_readonly("num_cached_tokens", &GenerationResult::num_cached_tokens);
-
-  py::class_<KVCacheConfig>(m, "KVCacheConfig", "How the runner's paged KV cache is sized.")
-      .def(py::init([](int64_t block_size, int64_t num_blocks, bool enable_prefix_caching) {
-             return KVCacheConfig{block_size, num_blocks, enable_prefix_caching};
-           }),
-           py::kw_only(), py::arg("block_size") = 16, py::arg("num_blocks") = 0,
-           py::arg("enable_prefix_caching") = true)
-      .def_readwrite("block_size", &KVCacheConfig::block_size)
-      .def_readwrite("num_blocks", &KVCacheConfig::num_blocks)
-      .def_readwrite("enable_prefix_caching", &KVCacheConfig::enable_prefix_caching);
-
-  py::class_<ModelRunner>(m, "ModelRunner")
-      .def(py::init<std::shared_ptr<CausalLM>, int64_t, int64_t, std::vector<int64_t>,
-                    KVCacheConfig>(),
-           py::arg("model"), py::arg("max_model_len"), py::arg("max_num_seqs"),
-           py::arg("eos_token_ids"), py::arg("cache_config") = KVCacheConfig{})
-      .def("generate", &ModelRunner::generate, py::arg("requests"),
-           py::call_guard<py::gil_scoped_release>())
-      .def("validate", &ModelRunner::validate, py::arg("request"))
-      .def_property_readonly("max_model_len", &ModelRunner::max_model_len)
-      .def_property_readonly("kv_cache", &ModelRunner::kv_cache,
-                             py::return_value_policy::reference_internal)
-      .def_property_readonly("block_manager", &ModelRunner::block_manager,
-                             py::return_value_policy::reference_internal);
-}
-
 }  // namespace
 
 void bind_model(py::module_& m) {
   bind_config(m);
   bind_forward_batch(m);
   bind_causal_lm(m);
-  bind_model_runner(m);
 }
 
 }  // namespace kvserve::bindings

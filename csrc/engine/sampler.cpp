@@ -72,10 +72,13 @@ void write_list(std::ostream& out, const std::vector<T>& values, Format format) 
 }  // namespace
 
 void SamplingParams::validate() const {
-  require(n >= 1, "n must be >= 1, got " + std::to_string(n));
+  require(n >= 1 && n <= kMaxN,
+          "n must be in [1, " + std::to_string(kMaxN) + "], got " + std::to_string(n));
   require(std::isfinite(temperature) && temperature >= 0.0,
           "temperature must be a finite number >= 0, got " + std::to_string(temperature));
-  require(top_k == -1 || top_k >= 1, "top_k must be -1 (off) or >= 1, got " + std::to_string(top_k));
+  require(top_k == -1 || (top_k >= 1 && top_k <= kMaxTopK),
+          "top_k must be -1 (off) or in [1, " + std::to_string(kMaxTopK) + "], got " +
+              std::to_string(top_k));
   require(top_p > 0.0 && top_p <= 1.0, "top_p must be in (0, 1], got " + std::to_string(top_p));
   require(min_p >= 0.0 && min_p <= 1.0, "min_p must be in [0, 1], got " + std::to_string(min_p));
   require(std::isfinite(repetition_penalty) && repetition_penalty > 0.0,
@@ -281,11 +284,13 @@ std::vector<std::optional<TokenLogprobs>> finish_logprobs(PendingLogprobs& pendi
   std::vector<std::optional<TokenLogprobs>> out(rows.size());
   if (pending.rows.empty()) return out;
   const at::Tensor index = to_device(pending.rows, tokens.device());
-  const at::Tensor sampled = tokens.index_select(0, index).unsqueeze(1);
+  const at::Tensor drawn = tokens.index_select(0, index);
+  // A row that had nothing to sample (token -1) gathers at 0; its entry is dropped below.
+  const at::Tensor sampled = drawn.clamp_min(0).unsqueeze(1);
   const at::Tensor sampled_logprob = pending.logprobs.gather(1, sampled);
   // vLLM's rank: how many tokens are at least as likely as the sampled one.
   const at::Tensor rank = pending.logprobs.ge(sampled_logprob).sum(1);
-  const at::Tensor ids = sampled.cpu().contiguous(), logprob = sampled_logprob.cpu().contiguous();
+  const at::Tensor ids = drawn.cpu().contiguous(), logprob = sampled_logprob.cpu().contiguous();
   const at::Tensor ranks = rank.cpu().contiguous();
   const at::Tensor top_values = pending.top_values.cpu().contiguous();
   const at::Tensor top_ids = pending.top_ids.cpu().contiguous();
@@ -294,6 +299,7 @@ std::vector<std::optional<TokenLogprobs>> finish_logprobs(PendingLogprobs& pendi
     const int64_t r = pending.rows[i];
     TokenLogprobs result;
     result.token_id = ids.data_ptr<int64_t>()[i];
+    if (result.token_id < 0) continue;
     result.logprob = logprob.data_ptr<float>()[i];
     result.rank = ranks.data_ptr<int64_t>()[i];
     const int64_t num_top = std::min(*rows[r].params->logprobs, max_top);
@@ -316,11 +322,16 @@ at::Tensor filter_and_draw(at::Tensor& logits, const std::vector<SamplingRow>& r
   bool any_filter = false;
   for (int64_t r = 0; r < num_rows; ++r) {
     const SamplingParams& p = *rows[r].params;
-    temperature[r] = static_cast<float>(p.temperature);
+    // Below kGreedyTemperature the division would overflow fp32 (vLLM draws greedily there
+    // too); above fp32's range the temperature is clamped, not turned into inf (-inf / inf is NaN).
+    const bool greedy = p.temperature < SamplingParams::kGreedyTemperature;
+    temperature[r] = greedy ? 0.0f
+                            : static_cast<float>(std::min<double>(
+                                  p.temperature, std::numeric_limits<float>::max()));
     top_k[r] = p.top_k;
     top_p[r] = static_cast<float>(p.top_p);
     min_p[r] = static_cast<float>(p.min_p);
-    if (p.temperature > 0.0) {
+    if (!greedy) {
       uniform[r] = rows[r].random->next_uniform();
       any_filter = true;
     }

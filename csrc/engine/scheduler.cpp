@@ -62,16 +62,27 @@ void Scheduler::add(int64_t seq_id, std::vector<int32_t> prompt_token_ids, int64
   s.priority = priority;
   s.arrival = next_arrival_++;
   sequences_.emplace(seq_id, std::move(s));
-  enqueue_waiting(seq_id);
+  enqueue_waiting(seq_id, /*preempted=*/false);
 }
 
-void Scheduler::enqueue_waiting(int64_t seq_id) {
-  const Sequence& s = seq(seq_id);
-  auto later = std::find_if(waiting_.begin(), waiting_.end(), [&](int64_t other) {
-    const Sequence& o = seq(other);
-    return o.priority > s.priority || (o.priority == s.priority && o.arrival > s.arrival);
-  });
-  waiting_.insert(later, seq_id);
+void Scheduler::enqueue_waiting(int64_t seq_id, bool preempted) {
+  Sequence& s = seq(seq_id);
+  // A preempted sequence goes back to the front, ahead of every new one, whatever its priority.
+  s.wait_key = preempted ? WaitKey{0, 0, -(next_preemption_order_++), seq_id}
+                         : WaitKey{1, s.priority, s.arrival, seq_id};
+  waiting_.insert(s.wait_key);
+}
+
+void Scheduler::start_running(int64_t seq_id) {
+  Sequence& s = seq(seq_id);
+  s.allocated = true;
+  s.running_pos = running_.insert(running_.end(), seq_id);
+}
+
+std::vector<int64_t> Scheduler::waiting() const {
+  std::vector<int64_t> ids;
+  for (const WaitKey& key : waiting_) ids.push_back(std::get<3>(key));
+  return ids;
 }
 
 SchedulerOutput Scheduler::schedule() {
@@ -86,11 +97,11 @@ SchedulerOutput Scheduler::schedule() {
 }
 
 void Scheduler::schedule_running(bool decodes, int64_t& budget, SchedulerOutput& out) {
-  const std::vector<int64_t> snapshot = running_;
+  const std::vector<int64_t> snapshot(running_.begin(), running_.end());
   for (int64_t id : snapshot) {
     if (budget == 0) return;
-    if (std::find(running_.begin(), running_.end(), id) == running_.end()) continue;  // preempted
     const Sequence& s = seq(id);
+    if (!s.allocated) continue;  // preempted earlier in this step
     const int64_t remaining = static_cast<int64_t>(s.tokens.size()) - s.num_computed;
     if ((remaining == 1) != decodes) continue;
     if (!reserve_slots(id, out)) continue;
@@ -142,7 +153,7 @@ void Scheduler::preempt_last(SchedulerOutput& out) {
   Sequence& s = seq(victim);
   s.allocated = false;
   s.num_computed = 0;
-  waiting_.push_front(victim);
+  enqueue_waiting(victim, /*preempted=*/true);
   out.preempted.push_back(victim);
   ++num_preemptions_;
 }
@@ -150,7 +161,7 @@ void Scheduler::preempt_last(SchedulerOutput& out) {
 void Scheduler::admit_waiting(int64_t& budget, SchedulerOutput& out) {
   while (!waiting_.empty() && budget > 0 &&
          static_cast<int64_t>(running_.size()) < config_.max_num_seqs) {
-    const int64_t id = waiting_.front();
+    const int64_t id = std::get<3>(*waiting_.begin());
     Sequence& s = seq(id);
     // The watermark keeps headroom for running sequences' growth; with nothing running there is
     // nothing to protect, so a sequence that fits the pool at all is admitted.
@@ -161,9 +172,8 @@ void Scheduler::admit_waiting(int64_t& budget, SchedulerOutput& out) {
     } catch (const std::runtime_error&) {
       return;  // not enough free blocks (only reachable with nothing running)
     }
-    waiting_.pop_front();
-    running_.push_back(id);
-    s.allocated = true;
+    waiting_.erase(waiting_.begin());
+    start_running(id);
     s.num_computed = cached;
     s.num_cached = cached;
     const int64_t remaining = static_cast<int64_t>(s.tokens.size()) - cached;
@@ -206,16 +216,16 @@ void Scheduler::fork(int64_t parent_id, int64_t child_id) {
   blocks_.fork(parent_id, child_id);
   Sequence child = parent;
   sequences_.emplace(child_id, std::move(child));
-  running_.push_back(child_id);
+  start_running(child_id);
 }
 
 void Scheduler::finish(int64_t seq_id) {
   Sequence& s = seq(seq_id);
   if (s.allocated) {
     blocks_.free(seq_id);
-    running_.erase(std::find(running_.begin(), running_.end(), seq_id));
+    running_.erase(s.running_pos);
   } else {
-    waiting_.erase(std::find(waiting_.begin(), waiting_.end(), seq_id));
+    waiting_.erase(s.wait_key);
   }
   sequences_.erase(seq_id);
 }
@@ -234,8 +244,10 @@ void Scheduler::check_invariants() const {
       fail("computed <= reserved <= tokens does not hold for " + std::to_string(id));
     }
   }
-  for (int64_t id : waiting_) {
+  for (const WaitKey& key : waiting_) {
+    const int64_t id = std::get<3>(key);
     if (seq(id).allocated || blocks_.has_sequence(id)) fail("a waiting sequence holds blocks");
+    if (seq(id).wait_key != key) fail("a waiting sequence's key is stale");
   }
   blocks_.check_invariants();
 }

@@ -9,11 +9,16 @@
 The C++ engine schedules, runs the model and samples token ids; this layer tokenizes prompts,
 detokenizes outputs incrementally (text deltas for streaming) and matches stop strings in the text,
 also across token boundaries.
+
+Threads: add_request, abort_request, has_unfinished_requests and get_stats may be called from any
+thread while one thread steps (kvserve.AsyncLLMEngine is that shape); two step() calls at once
+run one after the other.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +27,7 @@ import torch
 from kvserve import _C
 from kvserve.config import load_checkpoint_info, resolve_dtype
 from kvserve.loader import load_weights
-from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 SamplingParams = _C.SamplingParams
@@ -49,6 +54,7 @@ class _Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     samples: dict[int, _Sample] = field(default_factory=dict)
+    final_metrics: object = None  # set when stop strings finished it (the engine forgot it)
 
 
 class LLMEngine:
@@ -70,7 +76,7 @@ class LLMEngine:
                  num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, device: str | torch.device = "cpu",
-                 log_memory_plan: bool = True):
+                 max_logprobs: int = 20, log_memory_plan: bool = True):
         if torch.device(device).type != "cpu":
             raise ValueError(f"device {device!r} is not supported yet: kvserve's kernels run on "
                              "the CPU")
@@ -98,9 +104,12 @@ class LLMEngine:
         config = _C.EngineConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
-            enable_prefix_caching=bool(enable_prefix_caching), eos_token_ids=info.eos_token_ids)
+            enable_prefix_caching=bool(enable_prefix_caching), eos_token_ids=info.eos_token_ids,
+            max_logprobs=max_logprobs)
         self.engine = _C.ContinuousBatchingEngine(self.model, config)
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, _Request] = {}  # under _lock
+        self._lock = threading.Lock()
+        self._step_lock = threading.Lock()
         if log_memory_plan:
             print(self.memory_plan(), file=sys.stderr)
 
@@ -151,8 +160,17 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self._tokenize(prompt)
-        self.engine.add_request(request_id, ids, params, arrival_time, priority)
-        self._requests[request_id] = _Request(text, ids, params)
+        # Registered first: once the C++ engine has it, a step on another thread may report it.
+        with self._lock:
+            if request_id in self._requests:
+                raise ValueError(f"request id '{request_id}' is already in use")
+            self._requests[request_id] = _Request(text, ids, params)
+        try:
+            self.engine.add_request(request_id, ids, params, arrival_time, priority)
+        except BaseException:
+            with self._lock:
+                del self._requests[request_id]
+            raise
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -161,6 +179,10 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)) and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            vocab = self.config.vocab_size
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:  # before the C++ conversion, which rejects ints beyond int64
+                raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
             return None, list(prompt)
         raise TypeError(f"a prompt must be a string or a list of ints, got {prompt!r:.80}")
 
@@ -193,9 +215,14 @@ class LLMEngine:
         With final_only (what LLM.generate uses), only the requests that finished are returned,
         and a running request's text is not built step by step unless it has stop strings to
         match: its tokens are detokenized when it finishes, into the same text."""
+        with self._step_lock:
+            return self._step(final_only)
+
+    def _step(self, final_only: bool) -> list[RequestOutput]:
         outputs = []
         for raw in self.engine.step():
-            request = self._requests[raw.request_id]
+            with self._lock:
+                request = self._requests[raw.request_id]
             if final_only:
                 for o in raw.outputs:
                     self._record_tokens(raw.request_id, request, o)
@@ -205,15 +232,13 @@ class LLMEngine:
             completions = [self._update_sample(raw.request_id, request, o, recorded=final_only)
                            for o in raw.outputs]
             finished = all(c.finished for c in completions) and len(completions) == request.params.n
-            m = raw.metrics
-            metrics = RequestMetrics(m.arrival_time, m.first_token_time,
-                                     m.finished_time if finished else m.last_token_time,
-                                     m.num_generated_tokens, m.first_scheduled_time,
-                                     m.last_token_time)
+            metrics = request.final_metrics if request.final_metrics is not None else raw.metrics
             outputs.append(RequestOutput(raw.request_id, request.prompt, request.prompt_token_ids,
-                                         completions, finished, metrics, raw.num_cached_tokens))
+                                         completions, finished, metrics, raw.num_cached_tokens,
+                                         raw.error))
             if finished:
-                del self._requests[raw.request_id]
+                with self._lock:
+                    del self._requests[raw.request_id]
         return outputs
 
     def _sample(self, request: _Request, index: int) -> _Sample:
@@ -247,7 +272,7 @@ class LLMEngine:
             sample.detokenizer.add_all(new_ids)
         else:
             sample.detokenizer.add(new_ids)
-        self._match_stop_strings(request_id, request.params, sample, index)
+        self._match_stop_strings(request_id, request, sample, index)
 
     def _update_sample(self, request_id: str, request: _Request, raw,
                        recorded: bool = False) -> CompletionOutput:
@@ -275,9 +300,11 @@ class LLMEngine:
             return 0
         return max(len(s) for s in params.stop) - 1
 
-    def _match_stop_strings(self, request_id, params, sample: _Sample, index: int) -> None:
+    def _match_stop_strings(self, request_id, request: _Request, sample: _Sample,
+                            index: int) -> None:
         """Ends the sample at the first stop string in its text (searching only where new text
         could complete one); the stop string is cut unless include_stop_str_in_output."""
+        params = request.params
         if not params.stop:
             return
         detok = sample.detokenizer
@@ -290,5 +317,7 @@ class LLMEngine:
         pos, stop = min(found)
         detok.text = detok.text[:pos + len(stop) if params.include_stop_str_in_output else pos]
         if sample.finish_reason is None:
-            self.engine.finish_completion(request_id, index, "stop")
+            metrics = self.engine.finish_completion(request_id, index, "stop")
+            if metrics.finished_time > 0:
+                request.final_metrics = metrics
         sample.finish_reason = "stop"

@@ -1,18 +1,31 @@
-"""What generate() returns, shaped like vLLM's outputs."""
+"""What generate() and LLMEngine.step() return, shaped like vLLM's outputs.
+
+They are the C++ engine's outputs (kvserve._C.RequestOutput / CompletionOutput, in token ids)
+with the detokenized text added; every field they share means the same thing. RequestMetrics is
+the C++ struct itself.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve import _C
+
+# Times of one request (seconds on the time.monotonic() clock; 0 until the moment happens):
+# arrival_time, first_scheduled_time, first_token_time, last_token_time, finished_time,
+# num_generated_tokens, and the derived time_to_first_token, queue_time,
+# time_per_output_token and e2e_latency.
+RequestMetrics = _C.RequestMetrics
+
 
 @dataclass
 class CompletionOutput:
-    """One generated continuation of a prompt."""
+    """One generated continuation of a prompt: _C.CompletionOutput plus its text."""
 
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # None while running; "stop", "length" or "abort"
+    finish_reason: str | None  # None while running; "stop", "length", "abort" or "error"
     delta_text: str = ""  # text added since the previous LLMEngine.step() output
     new_token_ids: list[int] = field(default_factory=list)  # ids added since then
     # With SamplingParams(logprobs=N): per token, its logprob, rank and the top-N
@@ -25,44 +38,8 @@ class CompletionOutput:
 
 
 @dataclass
-class RequestMetrics:
-    """Timestamps in seconds on the monotonic clock (time.monotonic())."""
-
-    arrival_time: float
-    first_token_time: float
-    finished_time: float  # the last token's time while the request runs
-    num_generated_tokens: int
-    first_scheduled_time: float | None = None
-    last_token_time: float | None = None
-
-    @property
-    def queue_time(self) -> float | None:
-        """From arrival to the first step that ran the request."""
-        if self.first_scheduled_time is None:
-            return None
-        return self.first_scheduled_time - self.arrival_time
-
-    @property
-    def e2e_latency(self) -> float:
-        return self.finished_time - self.arrival_time
-
-    @property
-    def time_to_first_token(self) -> float:
-        """TTFT: from arrival to the first sampled token (queueing + prefill + sampling)."""
-        return self.first_token_time - self.arrival_time
-
-    @property
-    def time_per_output_token(self) -> float:
-        """TPOT: mean gap between tokens after the first; 0 for a single token."""
-        if self.num_generated_tokens < 2:
-            return 0.0
-        last = self.finished_time if self.last_token_time is None else self.last_token_time
-        return (last - self.first_token_time) / (self.num_generated_tokens - 1)
-
-
-@dataclass
 class RequestOutput:
-    """The result of one prompt."""
+    """The result of one prompt: _C.RequestOutput plus the prompt text and the outputs' text."""
 
     request_id: str
     prompt: str | None
@@ -71,3 +48,4 @@ class RequestOutput:
     finished: bool = True
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    error: str | None = None  # why a sample ended with finish_reason "error"

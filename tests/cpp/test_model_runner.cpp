@@ -1,4 +1,5 @@
-// ModelRunner and the model factory over a tiny random Llama built in C++.
+// ModelRunner (one forward over a scheduled step, logits at chosen positions, sampling) and the
+// model factory, over a tiny random Llama built in C++.
 #include "kvserve/model_runner.h"
 
 #include <ATen/TensorOperators.h>
@@ -6,6 +7,7 @@
 #include <ATen/ops/randn.h>
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <stdexcept>
 
 #include "models/model_factory.h"
@@ -48,59 +50,127 @@ std::unordered_map<std::string, at::Tensor> tiny_weights(const ModelConfig& c) {
   return w;
 }
 
-GenerationRequest greedy_request(std::vector<int64_t> prompt, int64_t max_tokens) {
-  GenerationRequest r;
-  r.prompt_token_ids = std::move(prompt);
-  r.params.temperature = 0.0;
-  r.params.max_tokens = max_tokens;
-  r.params.ignore_eos = true;
-  return r;
-}
+// A scheduler over its own pool with one sequence per prompt, and a runner reading from it.
+struct Harness {
+  explicit Harness(std::shared_ptr<CausalLM> model, int64_t budget = 64)
+      : blocks(64, 4, /*enable_prefix_caching=*/false),
+        scheduler(SchedulerConfig{8, budget, 32}, blocks),
+        runner(std::move(model), 64, 4, scheduler) {}
 
-class ModelRunnerTest : public ::testing::Test {
- protected:
-  ModelRunner runner_{create_causal_lm(tiny_config(), tiny_weights(tiny_config()), 32), 32, 8,
-                      {2}};
+  PagedBlockManager blocks;
+  Scheduler scheduler;
+  ModelRunner runner;
 };
 
-TEST_F(ModelRunnerTest, BatchedGreedyEqualsEachRequestAlone) {
-  std::vector<GenerationRequest> batch = {greedy_request({1, 5, 9, 11, 3}, 12),
-                                          greedy_request({7}, 20), greedy_request({4, 4, 4}, 3)};
-  const auto together = runner_.generate(batch);
-  for (size_t i = 0; i < batch.size(); ++i) {
-    const auto alone = runner_.generate({batch[i]});
-    EXPECT_EQ(together[i].token_ids, alone[0].token_ids) << "request " << i;
-    EXPECT_EQ(static_cast<int64_t>(together[i].token_ids.size()), batch[i].params.max_tokens);
-    EXPECT_EQ(together[i].finish_reason, "length");
-    EXPECT_LE(together[i].start_time, together[i].first_token_time);
-    EXPECT_LE(together[i].first_token_time, together[i].finish_time);
+std::shared_ptr<CausalLM> tiny_model() {
+  return create_causal_lm(tiny_config(), tiny_weights(tiny_config()), 32);
+}
+
+SamplingParams greedy() {
+  SamplingParams p;
+  p.temperature = 0.0;
+  return p;
+}
+
+// Greedy targets at `positions` of scheduled sequence `index`.
+std::vector<SamplingTarget> targets_at(int64_t index, const std::vector<int64_t>& positions,
+                                       const SamplingParams& params, RequestRandom& random) {
+  std::vector<SamplingTarget> targets;
+  for (int64_t p : positions) targets.push_back({index, p, SamplingRow{&params, &random}});
+  return targets;
+}
+
+TEST(ModelRunner, LogitsAtEveryPositionEqualEachPrefixAsTheLastToken) {
+  const std::vector<int32_t> prompt = {1, 5, 9, 11, 3, 7, 2};
+  const SamplingParams params = greedy();
+  RequestRandom random(0);
+  auto model = tiny_model();
+  Harness all(model);
+  all.scheduler.add(0, prompt);
+  const SchedulerOutput work = all.scheduler.schedule();
+  ASSERT_EQ(work.scheduled.size(), 1u);
+  const auto out = all.runner.execute(work, targets_at(0, {0, 1, 2, 3, 4, 5, 6}, params, random));
+  ASSERT_EQ(out.token_ids.size(), prompt.size());
+  for (size_t p = 0; p < prompt.size(); ++p) {
+    Harness one(model);
+    one.scheduler.add(0, std::vector<int32_t>(prompt.begin(), prompt.begin() + p + 1));
+    const SchedulerOutput w = one.scheduler.schedule();
+    const auto last = one.runner.execute(w, targets_at(0, {static_cast<int64_t>(p)}, params, random));
+    EXPECT_EQ(out.token_ids[p], last.token_ids[0]) << "position " << p;
   }
 }
 
-TEST_F(ModelRunnerTest, StopsAtAStopTokenAndAtMaxModelLen) {
-  const auto free = runner_.generate({greedy_request({1, 2, 3}, 10)})[0].token_ids;
-  auto stop = greedy_request({1, 2, 3}, 10);
-  stop.params.stop_token_ids = {free[4]};
-  const auto stopped = runner_.generate({stop})[0];
-  EXPECT_EQ(stopped.finish_reason, "stop");
-  EXPECT_EQ(stopped.token_ids.back(), free[4]);
-  EXPECT_LE(stopped.token_ids.size(), 5u);
+TEST(ModelRunner, ChunkedPrefillAndBatchingDoNotChangeTheTokens) {
+  const SamplingParams params = greedy();
+  RequestRandom random(0);
+  auto model = tiny_model();
+  Harness alone(model);
+  alone.scheduler.add(0, {4, 8, 15, 16, 23, 42, 9, 1, 3});
+  const SchedulerOutput w = alone.scheduler.schedule();
+  const int64_t want = alone.runner.execute(w, targets_at(0, {8}, params, random)).token_ids[0];
 
-  const auto capped = runner_.generate({greedy_request({1, 2, 3}, 100)})[0];
-  EXPECT_EQ(capped.token_ids.size(), 32u - 3u);  // prompt + output == max_model_len
-  EXPECT_EQ(capped.finish_reason, "length");
+  Harness chunked(model, /*budget=*/4);  // 4 tokens per step: the prompt runs in 3 steps
+  chunked.scheduler.add(7, {1, 2});
+  chunked.scheduler.add(0, {4, 8, 15, 16, 23, 42, 9, 1, 3});
+  int64_t got = -2;
+  for (int step = 0; step < 5 && got == -2; ++step) {
+    const SchedulerOutput work = chunked.scheduler.schedule();
+    std::vector<SamplingTarget> targets;
+    for (size_t i = 0; i < work.scheduled.size(); ++i) {
+      const ScheduledSequence& s = work.scheduled[i];
+      if (s.seq_id == 0 && s.samples) {
+        targets = targets_at(static_cast<int64_t>(i), {s.num_new_tokens - 1}, params, random);
+      }
+    }
+    const auto out = chunked.runner.execute(work, targets);
+    chunked.scheduler.update_computed(work);
+    if (step == 0) chunked.scheduler.finish(7);  // its prompt ran beside the first chunk
+    if (!targets.empty()) got = out.token_ids[0];
+  }
+  EXPECT_EQ(got, want);
 }
 
-TEST_F(ModelRunnerTest, RejectsBadRequestsBeforeRunningAny) {
-  EXPECT_THROW(runner_.generate({greedy_request({}, 4)}), std::invalid_argument);
-  EXPECT_THROW(runner_.generate({greedy_request({1, 64}, 4)}), std::invalid_argument);
-  EXPECT_THROW(runner_.generate({greedy_request({1, -1}, 4)}), std::invalid_argument);
-  EXPECT_THROW(runner_.generate({greedy_request(std::vector<int64_t>(32, 1), 4)}),
-               std::invalid_argument);
-  auto bad_params = greedy_request({1}, 4);
-  bad_params.params.top_p = 0.0;
-  EXPECT_THROW(runner_.generate({greedy_request({1}, 4), bad_params}), std::invalid_argument);
-  EXPECT_EQ(runner_.generate({greedy_request({1}, 4)})[0].token_ids.size(), 4u);
+TEST(ModelRunner, SamplesThatShareAPositionReadTheSameLogits) {
+  SamplingParams sampled;
+  sampled.temperature = 1.0;
+  sampled.seed = 3;
+  RequestRandom a(3), b(3), c(4);
+  Harness h(tiny_model());
+  h.scheduler.add(0, {1, 2, 3});
+  const SchedulerOutput work = h.scheduler.schedule();
+  const std::vector<SamplingTarget> targets = {{0, 2, SamplingRow{&sampled, &a}},
+                                               {0, 2, SamplingRow{&sampled, &b}},
+                                               {0, 2, SamplingRow{&sampled, &c}}};
+  const auto out = h.runner.execute(work, targets);
+  ASSERT_EQ(out.token_ids.size(), 3u);
+  EXPECT_EQ(out.token_ids[0], out.token_ids[1]);  // same logits, same stream
+  EXPECT_EQ(out.logprobs.size(), 3u);
+}
+
+TEST(ModelRunner, RejectsAPositionOutsideTheStep) {
+  const SamplingParams params = greedy();
+  RequestRandom random(0);
+  Harness h(tiny_model());
+  h.scheduler.add(0, {1, 2, 3});
+  const SchedulerOutput work = h.scheduler.schedule();
+  EXPECT_THROW(h.runner.execute(work, targets_at(0, {3}, params, random)), std::out_of_range);
+}
+
+TEST(ModelRunner, NaNLogitsGiveMinusOneNotACrash) {
+  auto weights = tiny_weights(tiny_config());
+  weights["lm_head.weight"].fill_(std::numeric_limits<float>::quiet_NaN());
+  SamplingParams sampled;
+  sampled.top_p = 0.5;
+  sampled.top_k = 3;
+  const SamplingParams params = greedy();
+  RequestRandom random(0);
+  Harness h(create_causal_lm(tiny_config(), weights, 32));
+  h.scheduler.add(0, {1, 2, 3});
+  const SchedulerOutput work = h.scheduler.schedule();
+  const std::vector<SamplingTarget> targets = {{0, 2, SamplingRow{&params, &random}},
+                                               {0, 2, SamplingRow{&sampled, &random}}};
+  const auto out = h.runner.execute(work, targets);
+  EXPECT_EQ(out.token_ids, (std::vector<int64_t>{-1, -1}));
 }
 
 TEST(ModelFactory, NamesTheSupportedArchitectures) {

@@ -65,7 +65,7 @@ TEST(Scheduler, AdmitsByPriorityThenArrivalAndRespectsMaxNumSeqs) {
   scheduler.add(1, prompt(10, 3), /*priority=*/0);
   scheduler.add(2, prompt(20, 3), /*priority=*/1);
   scheduler.add(3, prompt(30, 3), /*priority=*/0);
-  EXPECT_EQ(std::vector<int64_t>(scheduler.waiting().begin(), scheduler.waiting().end()),
+  EXPECT_EQ(scheduler.waiting(),
             (std::vector<int64_t>{1, 3, 0, 2}));
   EXPECT_EQ(step(scheduler), (Trace{{1, 0, 3, true}, {3, 0, 3, true}}));  // max_num_seqs = 2
   scheduler.finish(3);

@@ -143,6 +143,45 @@ def test_batched_equals_per_row():
         assert ops.sampling_from_logits(row, row_params[0], uniform[r:r + 1]).item() == tokens[r]
 
 
+def degenerate_rows(vocab):
+    """[rows, vocab] logits that are no distribution, and one valid row at the end: all -inf, a
+    NaN (at the first, last and a middle token), a +inf, NaN and -inf only."""
+    inf, nan = float("inf"), float("nan")
+    rows = [torch.full((vocab,), -inf)]
+    for at in sorted({0, vocab // 2, vocab - 1}):
+        row = torch.randn(vocab)
+        row[at] = nan
+        rows.append(row)
+        row = torch.randn(vocab)
+        row[at] = inf
+        rows.append(row)
+    row = torch.full((vocab,), -inf)
+    row[vocab // 2] = nan
+    rows.append(row)
+    rows.append(torch.randn(vocab))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 33, 1000])
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+@pytest.mark.parametrize("top_k, top_p, min_p", [(-1, 1.0, 0.0), (3, 0.5, 0.1), (1, 1e-6, 1.0)])
+def test_degenerate_rows_give_minus_one(vocab, temperature, top_k, top_p, min_p):
+    """A row with no distribution is left alone by the filter (no sort ever sees NaN) and draws
+    -1; the valid row beside them samples as usual. Before the fix, an all -inf row with top_p < 1
+    read past its sort order and crashed, and a NaN row drew token 0."""
+    logits = degenerate_rows(vocab)
+    rows = logits.size(0)
+    params = (torch.full((rows,), temperature), torch.full((rows,), top_k, dtype=torch.long),
+              torch.full((rows,), top_p), torch.full((rows,), min_p))
+    filtered = logits.clone()
+    ops.sampling_filter_logits(filtered, *params)
+    divided = logits / temperature if temperature else logits
+    assert torch.equal(filtered[:-1].isnan(), divided[:-1].isnan())
+    tokens = ops.sampling_from_logits(filtered, params[0], torch.full((rows,), 0.5))
+    assert tokens[:-1].tolist() == [-1] * (rows - 1)
+    assert 0 <= tokens[-1] < vocab
+
+
 def filter_args(rows=3, vocab=8, logits_dtype=torch.float32, k_dtype=torch.long, p_rows=None):
     return (torch.randn(rows, vocab, dtype=logits_dtype), torch.ones(rows),
             torch.full((rows,), -1, dtype=k_dtype), torch.ones(p_rows or rows), torch.zeros(rows))
@@ -191,6 +230,9 @@ def capability_checks():
         test_filter_logits(vocab)
         test_sample_from_logits(vocab)
     test_filter_logits_keeps_ties(37, 1.1)
+    for vocab in (7, 33):
+        test_degenerate_rows_give_minus_one(vocab, 0.7, 3, 0.5, 0.1)
+        test_degenerate_rows_give_minus_one(vocab, 0.0, -1, 1.0, 0.0)
 
 
 

@@ -1,86 +1,37 @@
 #pragma once
-// The serving engine: requests join and leave at every step. Each step() asks the Scheduler for
-// work under the token budget, runs one forward over the flattened mix of prefill chunks and
-// decode tokens on the paged KV cache, samples the sequences that reached their last token, and
+// The serving engine: requests join and leave at every step. A step is three calls:
+// Scheduler::schedule() picks how many tokens each request advances under the token budget,
+// ModelRunner::execute() runs one forward over that flattened mix and samples, and
+// update_from_output() appends the tokens, applies stop conditions, frees what finished and
 // reports what every request produced.
+//
+// Threads: one owner thread calls step() (and finish_completion()); any thread may call
+// add_request(), abort_request(), has_unfinished_requests() and get_stats() at any time. Those
+// validate at once and queue their change, which the next step applies first (or at once, when no
+// step is running). Two step() calls at once serialize.
 
-#include <ATen/core/Tensor.h>
-
+#include <atomic>
 #include <cstdint>
+#include <deque>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "kvserve/causal_lm.h"
+#include "kvserve/engine_config.h"
+#include "kvserve/engine_stats.h"
+#include "kvserve/model_runner.h"
 #include "kvserve/paged_block_manager.h"
-#include "kvserve/paged_kv_cache.h"
+#include "kvserve/request_output.h"
 #include "kvserve/sampler.h"
 #include "kvserve/sampling_params.h"
 #include "kvserve/scheduler.h"
 
 namespace kvserve {
-
-struct EngineConfig {
-  int64_t max_num_seqs = 256;
-  int64_t max_num_batched_tokens = 2048;
-  int64_t max_model_len = 0;  ///< 0: the model's max_position_embeddings
-  int64_t block_size = 16;
-  int64_t num_blocks = 0;     ///< KV pool size, null block included; required (>= 2)
-  bool enable_prefix_caching = true;
-  std::vector<int64_t> eos_token_ids;
-};
-
-/// Times of one request, in seconds of the monotonic clock (Python's time.monotonic()).
-struct RequestMetrics {
-  double arrival_time = 0.0;
-  double first_scheduled_time = 0.0;
-  double first_token_time = 0.0;
-  double last_token_time = 0.0;
-  double finished_time = 0.0;
-  int64_t num_generated_tokens = 0;
-
-  double time_to_first_token() const { return first_token_time - arrival_time; }
-  double queue_time() const { return first_scheduled_time - arrival_time; }
-  double e2e_latency() const { return finished_time - arrival_time; }
-  /// Mean time between output tokens after the first (0 with fewer than 2 tokens).
-  double time_per_output_token() const;
-};
-
-/// One sample of a request (index < SamplingParams::n).
-struct CompletionOutput {
-  int64_t index = 0;
-  std::vector<int64_t> token_ids;      ///< everything generated so far
-  std::vector<int64_t> new_token_ids;  ///< generated since the previous step() output
-  std::string finish_reason;           ///< "" while running; "length", "stop" or "abort"
-  /// When SamplingParams::logprobs is set: one entry per token of token_ids.
-  std::vector<TokenLogprobs> logprobs;
-  bool finished() const { return !finish_reason.empty(); }
-};
-
-/// What a request produced in one step (or its final state).
-struct RequestOutput {
-  std::string request_id;
-  std::vector<int64_t> prompt_token_ids;
-  std::vector<CompletionOutput> outputs;
-  bool finished = false;
-  int64_t num_cached_tokens = 0;  ///< prompt tokens whose KV came from the prefix cache
-  RequestMetrics metrics;
-};
-
-struct EngineStats {
-  int64_t num_running_requests = 0;
-  int64_t num_waiting_requests = 0;
-  int64_t num_running_sequences = 0;
-  double kv_cache_usage = 0.0;  ///< fraction of usable blocks referenced
-  int64_t prefix_cache_queries = 0;  ///< prompt tokens looked up
-  int64_t prefix_cache_hits = 0;     ///< prompt tokens found
-  int64_t num_preemptions = 0;
-  int64_t num_finished_requests = 0;
-  /// request id -> metrics of every finished request
-  std::unordered_map<std::string, RequestMetrics> finished_metrics;
-};
 
 class ContinuousBatchingEngine {
  public:
@@ -88,33 +39,46 @@ class ContinuousBatchingEngine {
   /// std::invalid_argument on a bad config.
   ContinuousBatchingEngine(std::shared_ptr<CausalLM> model, EngineConfig config);
 
-  /// Queues a request. Throws std::invalid_argument, changing nothing, for a duplicate id, an
-  /// empty prompt, a token id outside the vocabulary, invalid params, or a request that could
-  /// never fit: prompt + max_tokens beyond max_model_len or beyond the KV pool.
+  /// Queues a request (thread-safe). Throws std::invalid_argument, changing nothing, for an empty
+  /// or duplicate id (of an unfinished request), an empty prompt, a token id outside the
+  /// vocabulary, invalid params (n, logprobs beyond max_logprobs or the vocabulary), an
+  /// arrival_time that is not finite or lies in the future, or a request that could never fit:
+  /// prompt + max_tokens beyond max_model_len, or its n samples at full length beyond the pool.
   void add_request(const std::string& request_id, const std::vector<int64_t>& prompt_token_ids,
                    const SamplingParams& params, std::optional<double> arrival_time = std::nullopt,
                    int64_t priority = 0);
 
-  /// Runs one iteration; returns every request that produced tokens or finished in it (aborted
-  /// requests are reported once, in the next step).
+  /// Stops a request and frees its blocks (thread-safe; applied before the next step's work).
+  /// Its final output, finish_reason "abort", comes from that step. False if the id is unknown or
+  /// already finished.
+  bool abort_request(const std::string& request_id);
+
+  /// Runs one iteration: schedule -> execute -> update_from_output. Returns every request that
+  /// produced tokens or finished in it, aborted ones included. If the forward throws, the step's
+  /// requests are aborted and the exception propagates; the engine keeps serving the others.
+  /// Requests that can never be scheduled (nothing runs for two steps in a row while they wait)
+  /// finish with finish_reason "error" instead of waiting forever.
   std::vector<RequestOutput> step();
 
-  bool has_unfinished_requests() const { return !requests_.empty(); }
-  /// Stops a request and frees its blocks; false if the id is unknown or already finished.
-  bool abort_request(const std::string& request_id);
+  /// True while a request is queued, running, or has an output step() has not reported yet.
+  bool has_unfinished_requests() const;
 
   /// Ends one sample of a running request with `reason` (e.g. "stop" when the caller matched a
   /// stop string in its text) and frees its blocks; the request finishes with its last sample,
-  /// silently (the caller already knows). Throws std::out_of_range for an unknown request or
-  /// index; a no-op for a sample that already finished.
-  void finish_completion(const std::string& request_id, int64_t index, const std::string& reason);
+  /// silently (the caller already knows). Returns the request's metrics, with finished_time set
+  /// when this finished it. Owner thread only. Throws std::out_of_range for an unknown request
+  /// or index; a no-op for a sample that already finished.
+  RequestMetrics finish_completion(const std::string& request_id, int64_t index,
+                                   const std::string& reason);
 
+  /// Counters, gauges and latency histograms (thread-safe, O(1): nothing per request).
   EngineStats get_stats() const;
+
   const Scheduler& scheduler() const { return scheduler_; }
   const PagedBlockManager& block_manager() const { return block_manager_; }
-  const PagedKVCache& kv_cache() const { return kv_cache_; }
+  const PagedKVCache& kv_cache() const { return runner_.kv_cache(); }
   const EngineConfig& config() const { return config_; }
-  CausalLM& model() { return *model_; }
+  CausalLM& model() { return runner_.model(); }
 
  private:
   struct Completion {
@@ -122,37 +86,82 @@ class ContinuousBatchingEngine {
     CompletionOutput output;
     size_t num_reported = 0;  ///< token_ids already returned by step()
     RequestRandom random;
+    bool forked = true;  ///< false from plan_samples() until update_from_output() forks it
   };
   struct Request {
     std::string id;
     std::vector<int64_t> prompt;
     SamplingParams params;
+    int64_t priority = 0;
     RequestMetrics metrics;
     std::vector<Completion> completions;  ///< one until the prompt's first sample, then n
     int64_t num_cached_tokens = 0;        ///< prefix-cache hit when first scheduled
+    std::string error;
+    uint64_t mark = 0;  ///< the last step or count that touched it (dedup without a set)
+  };
+  struct Where {  ///< a sequence's request and completion
+    Request* request;
+    size_t completion;
+  };
+  struct Command {  ///< a queued add (request set) or abort
+    std::unique_ptr<Request> request;
+    std::string abort_id;
+  };
+  /// The sampling side of one step: its targets, and the requests whose samples fork after it.
+  struct StepSamples {
+    std::vector<SamplingTarget> targets;
+    std::vector<std::pair<Request*, Completion*>> completions;  ///< one per target
+    std::vector<Request*> forking;
   };
 
   void validate(const std::string& request_id, const std::vector<int64_t>& prompt,
-                const SamplingParams& params) const;
-  /// Forks completions 1..n-1 from completion 0 once the prompt is computed.
-  void fork_samples(Request& request);
+                const SamplingParams& params, std::optional<double> arrival_time) const;
+  /// Applies queued commands if no step runs now (called after queueing one).
+  void try_apply_commands();
+  void apply_commands();  ///< owner: under step_mutex_
+  void admit(std::unique_ptr<Request> request);
+  void abort_now(const std::string& request_id);
+  /// Records first-scheduled times and builds the step's sampling targets; a prompt whose n > 1
+  /// samples start now gets its samples' completions (forked in the scheduler after the step).
+  StepSamples plan_samples(const SchedulerOutput& work);
+  /// runner_.execute; if it throws, aborts the step's requests and drops the prefix cache.
+  ModelRunnerOutput execute(const SchedulerOutput& work, const StepSamples& samples);
+  void update_from_output(const SchedulerOutput& work, const StepSamples& samples,
+                          const ModelRunnerOutput& result, std::vector<RequestOutput>& outputs);
+  /// Ends every waiting request with an error after two steps in a row scheduled nothing.
+  void fail_if_stalled(std::vector<RequestOutput>& outputs);
+  /// Ends `completion` with `reason`, freeing its sequence.
+  void end_completion(Completion& completion, const std::string& reason);
   /// Applies stop conditions after `token` was appended to `completion`.
   void check_stop(Request& request, Completion& completion, int64_t token);
+  bool all_finished(const Request& request) const;
   RequestOutput make_output(Request& request) const;
-  /// Records a finished request's metrics and forgets it.
-  void retire(const std::string& request_id, double finished_time);
+  /// Stamps finished_time, counts the request in the stats and forgets it.
+  void retire(Request& request, double finished_time);
+  void publish_stats();
 
   std::shared_ptr<CausalLM> model_;
   EngineConfig config_;
-  PagedKVCache kv_cache_;
   PagedBlockManager block_manager_;
   Scheduler scheduler_;
-  Sampler sampler_;
+  ModelRunner runner_;
+
+  // Owned by the thread holding step_mutex_.
+  std::mutex step_mutex_;
   std::unordered_map<std::string, std::unique_ptr<Request>> requests_;
-  std::unordered_map<int64_t, Request*> request_of_seq_;
-  std::vector<std::unique_ptr<Request>> aborted_;  ///< reported by the next step()
-  std::unordered_map<std::string, RequestMetrics> finished_metrics_;
+  std::unordered_map<int64_t, Where> where_;  ///< seq id -> its request and completion
+  std::vector<std::unique_ptr<Request>> aborted_;  ///< reported by the current step()
   int64_t next_seq_id_ = 0;
+  uint64_t next_mark_ = 0;
+  int64_t num_idle_steps_ = 0;
+  EngineStats stats_;
+
+  // Shared with other threads, under inbox_mutex_.
+  mutable std::mutex inbox_mutex_;
+  std::deque<Command> inbox_;
+  std::unordered_set<std::string> live_ids_;  ///< queued or unfinished requests
+  int64_t num_unreported_ = 0;                ///< aborted requests whose output is not out yet
+  EngineStats published_stats_;
 };
 
 }  // namespace kvserve

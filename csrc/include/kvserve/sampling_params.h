@@ -11,9 +11,14 @@ namespace kvserve {
 
 /// Sampling and stopping parameters of one request; temperature 0 means greedy.
 struct SamplingParams {
-  int64_t n = 1;  ///< samples per prompt (the engine forks the sequence); >= 1
-  double temperature = 1.0;
-  int64_t top_k = -1;   ///< -1: off
+  static constexpr int64_t kMaxN = 1024;
+  static constexpr int64_t kMaxTopK = (int64_t{1} << 31) - 1;
+  /// Temperatures below this sample greedily (dividing by them would overflow fp32), as in vLLM.
+  static constexpr double kGreedyTemperature = 1e-5;
+
+  int64_t n = 1;  ///< samples per prompt (the engine forks the sequence); in [1, kMaxN]
+  double temperature = 1.0;  ///< finite, >= 0; below kGreedyTemperature: greedy
+  int64_t top_k = -1;   ///< -1: off; in [1, kMaxTopK], values >= the vocabulary keep every token
   double top_p = 1.0;   ///< in (0, 1]; 1: off
   double min_p = 0.0;   ///< in [0, 1]; 0: off
   /// > 0; 1: off. Every token id in the prompt or the output so far: a positive logit is divided
@@ -33,10 +38,12 @@ struct SamplingParams {
   std::vector<std::string> stop;
   bool include_stop_str_in_output = false;
   /// Unset: no logprobs. N >= 0: the sampled token's log-probability and the N most likely ones,
-  /// from the raw logits (before penalties, temperature and filters).
+  /// from the raw logits (before penalties, temperature and filters). The engine bounds N by its
+  /// max_logprobs.
   std::optional<int64_t> logprobs;
 
-  /// Throws std::invalid_argument (Python ValueError) naming the first invalid field.
+  /// Throws std::invalid_argument (Python ValueError) naming the first invalid field. Limits that
+  /// depend on the model (max_tokens vs max_model_len, logprobs vs vocabulary) are the engine's.
   void validate() const;
 
   /// True when the penalties or min_tokens need the request's token history.

@@ -5,7 +5,9 @@
 // blocks; the engine runs the model over what it schedules.
 
 #include <cstdint>
-#include <deque>
+#include <list>
+#include <set>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -74,6 +76,8 @@ class Scheduler {
   void finish(int64_t seq_id);
 
   bool has_pending_work() const { return !running_.empty() || !waiting_.empty(); }
+  // Every operation above costs O(log waiting) at most in queue bookkeeping; schedule() walks
+  // the running sequences once, and the waiting queue only as far as it admits.
   int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
   int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
   int64_t num_preemptions() const { return num_preemptions_; }
@@ -84,8 +88,10 @@ class Scheduler {
   int64_t num_prompt_tokens(int64_t seq_id) const;
   /// Prompt tokens the prefix cache supplied when the sequence was (last) admitted.
   int64_t num_cached_tokens(int64_t seq_id) const;
-  const std::vector<int64_t>& running() const { return running_; }
-  const std::deque<int64_t>& waiting() const { return waiting_; }
+  /// Running sequences in admission order (the last one is preempted first).
+  const std::list<int64_t>& running() const { return running_; }
+  /// Waiting sequences in admission order (O(waiting): for tests and introspection).
+  std::vector<int64_t> waiting() const;
   const SchedulerConfig& config() const { return config_; }
   const PagedBlockManager& block_manager() const { return blocks_; }
 
@@ -93,19 +99,25 @@ class Scheduler {
   void check_invariants() const;
 
  private:
+  /// Order of the waiting queue: preempted sequences first (the latest preempted first), then
+  /// by (priority, arrival).
+  using WaitKey = std::tuple<int, int64_t, int64_t, int64_t>;  // class, priority, order, seq id
   struct Sequence {
     std::vector<int32_t> tokens;
     int64_t num_prompt_tokens = 0;
     int64_t num_computed = 0;
     int64_t num_cached = 0;
     int64_t priority = 0;
-    uint64_t arrival = 0;
+    int64_t arrival = 0;
     bool allocated = false;  ///< holds blocks (running)
+    WaitKey wait_key;                          ///< while waiting
+    std::list<int64_t>::iterator running_pos;  ///< while running
   };
 
   Sequence& seq(int64_t seq_id);
   const Sequence& seq(int64_t seq_id) const;
-  void enqueue_waiting(int64_t seq_id);
+  void enqueue_waiting(int64_t seq_id, bool preempted);
+  void start_running(int64_t seq_id);
   /// Reserves slots for seq's unallocated tokens, preempting from the back of running_ while
   /// they do not fit. False when seq itself had to be preempted.
   bool reserve_slots(int64_t seq_id, SchedulerOutput& out);
@@ -116,9 +128,10 @@ class Scheduler {
   SchedulerConfig config_;
   PagedBlockManager& blocks_;
   std::unordered_map<int64_t, Sequence> sequences_;
-  std::vector<int64_t> running_;  ///< in admission order; the back is preempted first
-  std::deque<int64_t> waiting_;
-  uint64_t next_arrival_ = 0;
+  std::list<int64_t> running_;  ///< in admission order; the back is preempted first
+  std::set<WaitKey> waiting_;
+  int64_t next_arrival_ = 0;
+  int64_t next_preemption_order_ = 0;
   int64_t num_preemptions_ = 0;
 };
 

@@ -16,6 +16,8 @@ void sampling_filter_logits(at::Tensor& logits, const at::Tensor& temperature,
 
 /// Returns int64 [num_rows]: argmax for rows with temperature 0, otherwise the first token whose
 /// cumulative softmax probability exceeds uniform[r] (fp32 in [0, 1)). Logits as filtered above.
+/// A row that is no distribution (a NaN or +inf logit, or every logit -inf) gives -1; the filter
+/// leaves such rows unchanged after the temperature.
 at::Tensor sampling_from_logits(const at::Tensor& logits, const at::Tensor& temperature,
                                 const at::Tensor& uniform);
 

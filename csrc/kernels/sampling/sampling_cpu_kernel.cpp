@@ -1,5 +1,8 @@
 // Sampling bodies: temperature, top-k, top-p and min-p filtering of fp32 logits, then argmax or
 // inverse-CDF sampling from a given uniform number. One row per request; per CPU capability.
+// A row with a NaN or +inf logit, or with every logit -inf, has no distribution to sample: the
+// filter leaves it as it is and the draw returns -1 for it (never an out-of-range read: the sorts
+// below must not see NaN, whose comparisons break their ordering).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -36,6 +39,7 @@ void apply_top_p(float* x, int64_t vocab, float p, std::vector<int64_t>& order) 
   for (int64_t i = 0; i < vocab; ++i) {
     if (x[i] != kNegInf) order.push_back(i);
   }
+  if (order.empty()) return;
   std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return x[a] < x[b]; });
   const float max = x[order.back()];
   double total = 0.0;
@@ -59,6 +63,16 @@ void apply_min_p(float* x, int64_t vocab, float min_p) {
   }
 }
 
+// True when the row is a distribution: no NaN, no +inf, at least one finite logit.
+bool samplable(const float* x, int64_t vocab) {
+  bool any_finite = false;
+  for (int64_t i = 0; i < vocab; ++i) {
+    if (std::isnan(x[i]) || x[i] == std::numeric_limits<float>::infinity()) return false;
+    any_finite = any_finite || x[i] != kNegInf;
+  }
+  return any_finite;
+}
+
 void sampling_filter_impl(float* logits, int64_t stride, int64_t rows, int64_t vocab,
                           const float* temperature, const int64_t* top_k, const float* top_p,
                           const float* min_p) {
@@ -74,6 +88,7 @@ void sampling_filter_impl(float* logits, int64_t stride, int64_t rows, int64_t v
       int64_t i = 0;
       for (; i + Vec::size() <= vocab; i += Vec::size()) (Vec::loadu(x + i) / t).store(x + i);
       for (; i < vocab; ++i) x[i] /= temperature[r];
+      if (!samplable(x, vocab)) continue;  // the draw reports it
       apply_top_k(x, vocab, top_k[r], scratch);
       apply_top_p(x, vocab, top_p[r], order);
       apply_min_p(x, vocab, min_p[r]);
@@ -86,6 +101,10 @@ void sampling_sample_impl(const float* logits, int64_t stride, int64_t rows, int
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* x = logits + r * stride;
+      if (!samplable(x, vocab)) {
+        out[r] = -1;
+        continue;
+      }
       // Argmax picks the first of equal maxima, like torch.argmax.
       const int64_t best = std::max_element(x, x + vocab) - x;
       if (temperature[r] == 0.0f) {

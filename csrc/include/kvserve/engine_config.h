@@ -1,0 +1,21 @@
+#pragma once
+// How a ContinuousBatchingEngine is sized: batch limits, context length and the KV pool.
+
+#include <cstdint>
+#include <vector>
+
+namespace kvserve {
+
+/// Limits and KV-pool size of one engine.
+struct EngineConfig {
+  int64_t max_num_seqs = 256;            ///< running sequences at most
+  int64_t max_num_batched_tokens = 2048;  ///< tokens per step (decodes + prefill chunks)
+  int64_t max_model_len = 0;  ///< prompt + output tokens at most; 0: max_position_embeddings
+  int64_t block_size = 16;    ///< tokens per KV block
+  int64_t num_blocks = 0;     ///< KV pool size, null block included; required (>= 2)
+  bool enable_prefix_caching = true;
+  std::vector<int64_t> eos_token_ids;
+  int64_t max_logprobs = 20;  ///< SamplingParams::logprobs at most (vLLM's default)
+};
+
+}  // namespace kvserve

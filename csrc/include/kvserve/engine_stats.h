@@ -1,0 +1,41 @@
+#pragma once
+// Counters and gauges of a serving engine, cheap to read at any time: get_stats() copies a fixed
+// number of values, however many requests the engine has served.
+
+#include <array>
+#include <cstdint>
+
+namespace kvserve {
+
+/// A latency distribution in fixed buckets (seconds), Prometheus-style: counts[i] holds the
+/// observations <= kBounds[i] not counted in an earlier bucket; the last bucket is +inf.
+struct LatencyHistogram {
+  static constexpr std::array<double, 14> kBounds = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                                                     0.25,  0.5,    1.0,   2.5,  5.0,   10.0, 30.0};
+  std::array<int64_t, kBounds.size() + 1> counts{};
+  int64_t count = 0;
+  double sum = 0.0;
+
+  void observe(double seconds);
+};
+
+/// A snapshot of the engine: gauges as of its last step, counters since it started.
+struct EngineStats {
+  int64_t num_running_requests = 0;   ///< with at least one sequence holding KV blocks
+  int64_t num_waiting_requests = 0;   ///< unfinished and not running
+  int64_t num_running_sequences = 0;
+  double kv_cache_usage = 0.0;        ///< fraction of usable blocks referenced
+  int64_t prefix_cache_queries = 0;   ///< prompt tokens looked up
+  int64_t prefix_cache_hits = 0;      ///< prompt tokens found
+  int64_t num_preemptions = 0;
+  int64_t num_finished_requests = 0;  ///< every finish reason, aborts and errors included
+  int64_t num_aborted_requests = 0;
+  int64_t num_failed_requests = 0;    ///< ended with finish_reason "error"
+  int64_t num_steps = 0;              ///< steps that ran a forward
+  int64_t num_generated_tokens = 0;
+  LatencyHistogram time_to_first_token;  ///< of requests that produced a token
+  LatencyHistogram time_per_output_token;  ///< of finished requests with 2+ tokens
+  LatencyHistogram e2e_latency;            ///< of finished requests
+};
+
+}  // namespace kvserve
