@@ -9,6 +9,7 @@
 import torch  # noqa: F401  (loads libtorch before the extension that links it)
 
 from kvserve import _C
+from kvserve.async_engine import AsyncLLMEngine
 from kvserve.engine import LLMEngine
 from kvserve.kv_cache import KVCache, reset_all_caches
 from kvserve.llm import LLM, SamplingParams
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "LLMEngine",
+    "AsyncLLMEngine",
     "ContinuousBatchingEngine",
     "GenerationRequest",
     "SamplingParams",
