@@ -1,12 +1,14 @@
 """Parse a Hugging Face ``config.json`` into the C++ runtime's ``ModelConfig``.
 
-Everything that can be wrong with a checkpoint directory's configuration is reported here, as a
-``FileNotFoundError`` or ``ValueError`` that names the file and the field.
+Every field kvserve reads is checked here for type and range, before anything is sized from it,
+and reported as a ``FileNotFoundError`` or ``ValueError`` that names the file and the field.
+Whether the config agrees with the weights is checked by the loader (``kvserve.loader``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +20,19 @@ from kvserve import _C
 _QKV_BIAS_ARCHITECTURES = {"Qwen2ForCausalLM"}
 _QK_NORM_ARCHITECTURES = {"Qwen3ForCausalLM"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+# Upper bounds far beyond any released model (vocabularies reach ~262k, hidden sizes ~25k,
+# depths ~130 layers, contexts 10M tokens). A value above them is a corrupt or mistyped file;
+# rejecting it here keeps every size computed from the config (KV bytes per token, the RoPE
+# table of max_position_embeddings rows) small enough to never overflow or exhaust memory.
+_LIMITS = {
+    "vocab_size": 1 << 24, "hidden_size": 1 << 20, "intermediate_size": 1 << 22,
+    "num_hidden_layers": 1 << 12, "num_attention_heads": 1 << 12, "num_key_value_heads": 1 << 12,
+    "head_dim": 1 << 12, "max_position_embeddings": 1 << 24, "sliding_window": 1 << 24,
+    "original_max_position_embeddings": 1 << 24,
+}
+_REQUIRED = object()
 
 
 @dataclass
@@ -34,11 +49,13 @@ class CheckpointInfo:
 
 def read_json(path: Path) -> dict:
     """Loads a JSON object, with a clear error when the file is missing or malformed."""
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"{path} does not exist")
+    if not path.is_file():
+        raise ValueError(f"{path} is not a regular file")
     try:
-        value = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as e:  # JSON or UTF-8 errors; RecursionError: deep nesting
         raise ValueError(f"{path} is not valid JSON: {e}") from e
     if not isinstance(value, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
@@ -63,98 +80,221 @@ def load_checkpoint_info(model_dir: str | Path) -> CheckpointInfo:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
-    hf = read_json(model_dir / "config.json")
-    config = _model_config(hf, model_dir / "config.json")
+    path = model_dir / "config.json"
+    hf = read_json(path)
+    config = _model_config(hf, path)
+    fields = _Fields(hf, path)
+    bos = _token_ids(fields, "bos_token_id", config.vocab_size)
+    eos = _token_ids(fields, "eos_token_id", config.vocab_size)
     generation = model_dir / "generation_config.json"
-    generation_config = read_json(generation) if generation.is_file() else {}
-    eos = generation_config.get("eos_token_id", hf.get("eos_token_id"))
-    eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    dtype_name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-    checkpoint_dtype = _DTYPES.get(str(dtype_name).replace("torch.", ""), torch.float32)
-    return CheckpointInfo(model_dir, config, hf, checkpoint_dtype, eos_ids, hf.get("bos_token_id"))
+    if generation.is_file():
+        generation_fields = _Fields(read_json(generation), generation)
+        if generation_fields.values.get("eos_token_id") is not None:
+            eos = _token_ids(generation_fields, "eos_token_id", config.vocab_size)
+    return CheckpointInfo(model_dir, config, hf, _checkpoint_dtype(hf, path), eos,
+                          bos[0] if bos else None)
 
 
-def _require(hf: dict, key: str, path: Path, kind=int):
-    if key not in hf:
-        raise ValueError(f"{path}: missing required field '{key}'")
-    value = hf[key]
-    if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-        raise ValueError(f"{path}: '{key}' must be a non-negative integer, got {value!r}")
-    return value
+class _Fields:
+    """Typed, range-checked reads of one JSON object; every error names the file and the key."""
+
+    def __init__(self, values: dict, path: Path, prefix: str = ""):
+        self.values, self.path, self.prefix = values, path, prefix
+
+    def error(self, key: str, message: str) -> ValueError:
+        return ValueError(f"{self.path}: '{self.prefix}{key}' {message}")
+
+    def _get(self, key: str, default) -> tuple[object, bool]:
+        """(value, present); an absent or null optional field is (default, False)."""
+        value = self.values.get(key)
+        if value is None and default is not _REQUIRED:
+            return default, False
+        if key not in self.values:
+            raise ValueError(f"{self.path}: missing required field '{self.prefix}{key}'")
+        return value, True
+
+    def integer(self, key: str, default=_REQUIRED, minimum: int = 1) -> int:
+        value, present = self._get(key, default)
+        if not present:
+            return value
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # 64.0 is an integer; 64.5, NaN and inf are not
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            wanted = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+            raise self.error(key, f"must be {wanted}, got {_show(value)}")
+        limit = _LIMITS.get(key)
+        if limit is not None and value > limit:
+            raise self.error(key, f"is {_show(value)}, more than kvserve accepts ({limit}); "
+                                  "the file is probably corrupt")
+        return value
+
+    def number(self, key: str, default=_REQUIRED, above: float = 0.0) -> float:
+        value, present = self._get(key, default)
+        if not present:
+            return value
+        if (not isinstance(value, (int, float)) or isinstance(value, bool)
+                or not math.isfinite(value) or value <= above):
+            raise self.error(key, f"must be a finite number > {above:g}, got {_show(value)}")
+        return float(value)
+
+    def flag(self, key: str, default: bool) -> bool:
+        value, _ = self._get(key, default)
+        if not isinstance(value, bool):
+            raise self.error(key, f"must be true or false, got {_show(value)}")
+        return value
+
+    def mapping(self, key: str) -> dict:
+        value, _ = self._get(key, {})
+        if not isinstance(value, dict):
+            raise self.error(key, f"must be a JSON object or null, got {_show(value)}")
+        return value
+
+
+def _show(value) -> str:
+    """A value for an error message: strings quoted, the rest as JSON writes it, cut short."""
+    text = repr(value) if isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _model_config(hf: dict, path: Path) -> _C.ModelConfig:
-    architectures = hf.get("architectures")
-    supported = _C.supported_architectures()
-    if not architectures or not isinstance(architectures, list):
-        raise ValueError(f"{path}: missing 'architectures'; kvserve supports: {', '.join(supported)}")
-    if architectures[0] not in supported:
-        raise ValueError(
-            f"{path}: unsupported architecture '{architectures[0]}'; "
-            f"kvserve supports: {', '.join(supported)}"
-        )
+    f = _Fields(hf, path)
     c = _C.ModelConfig()
-    c.architecture = architectures[0]
-    c.vocab_size = _require(hf, "vocab_size", path)
-    c.hidden_size = _require(hf, "hidden_size", path)
-    c.intermediate_size = _require(hf, "intermediate_size", path)
-    c.num_layers = _require(hf, "num_hidden_layers", path)
-    c.num_heads = _require(hf, "num_attention_heads", path)
-    c.num_kv_heads = hf.get("num_key_value_heads") or c.num_heads
-    head_dim = hf.get("head_dim")
-    c.head_dim = head_dim if head_dim else c.hidden_size // max(c.num_heads, 1)
-    c.max_position_embeddings = _require(hf, "max_position_embeddings", path)
-    c.rms_norm_eps = float(hf.get("rms_norm_eps", 1e-6))
-    c.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
-    attention_bias = bool(hf.get("attention_bias", False))
+    c.architecture = _architecture(hf, path)
+    c.vocab_size = f.integer("vocab_size")
+    c.hidden_size = f.integer("hidden_size")
+    c.intermediate_size = f.integer("intermediate_size")
+    c.num_layers = f.integer("num_hidden_layers")
+    c.num_heads = f.integer("num_attention_heads")
+    c.num_kv_heads = f.integer("num_key_value_heads", default=c.num_heads)  # absent: no GQA
+    if c.num_heads % c.num_kv_heads:
+        raise f.error("num_key_value_heads", f"({c.num_kv_heads}) must divide "
+                                             f"num_attention_heads ({c.num_heads})")
+    c.head_dim = _head_dim(f, c)
+    c.max_position_embeddings = f.integer("max_position_embeddings")
+    c.rms_norm_eps = f.number("rms_norm_eps", 1e-6)
+    c.tie_word_embeddings = f.flag("tie_word_embeddings", False)
+    attention_bias = f.flag("attention_bias", False)
     c.qkv_bias = attention_bias or c.architecture in _QKV_BIAS_ARCHITECTURES
     c.o_proj_bias = attention_bias and c.architecture not in _QKV_BIAS_ARCHITECTURES
-    c.mlp_bias = bool(hf.get("mlp_bias", False))
+    c.mlp_bias = f.flag("mlp_bias", False)
     c.qk_norm = c.architecture in _QK_NORM_ARCHITECTURES
-    if hf.get("hidden_act", "silu") not in ("silu", "swish"):
-        raise ValueError(f"{path}: hidden_act '{hf['hidden_act']}' is not supported (only silu)")
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"{path}: hidden_act {_show(act)} is not supported (only silu)")
     _rope(c, hf, path)
-    c.sliding_windows = _sliding_windows(hf, c.num_layers)
+    c.sliding_windows = _sliding_windows(f, c.num_layers)
     try:
-        c.validate()
+        c.validate()  # the C++ side's own checks, a backstop behind the ones above
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
     return c
 
 
+def _architecture(hf: dict, path: Path) -> str:
+    architectures = hf.get("architectures")
+    supported = ", ".join(_C.supported_architectures())
+    if architectures is None:
+        raise ValueError(f"{path}: missing 'architectures'; kvserve supports: {supported}")
+    if not architectures or not isinstance(architectures, list):
+        raise ValueError(f"{path}: 'architectures' must be a non-empty list of names, got "
+                         f"{_show(architectures)}; kvserve supports: {supported}")
+    if architectures[0] not in _C.supported_architectures():
+        raise ValueError(f"{path}: unsupported architecture {_show(architectures[0])} in "
+                         f"'architectures'; kvserve supports: {supported}")
+    return architectures[0]
+
+
+def _head_dim(f: _Fields, c: _C.ModelConfig) -> int:
+    """head_dim, or hidden_size / num_attention_heads when absent; even, for RoPE."""
+    if f.values.get("head_dim") is not None:
+        head_dim, source = f.integer("head_dim"), "head_dim"
+    elif c.hidden_size % c.num_heads:
+        raise f.error("hidden_size", f"({c.hidden_size}) must be a multiple of num_attention_heads "
+                                     f"({c.num_heads}) when head_dim is not given")
+    else:
+        head_dim = c.hidden_size // c.num_heads
+        source = "head_dim (hidden_size / num_attention_heads)"
+    if head_dim % 2:
+        raise ValueError(f"{f.path}: {source} is {head_dim}, but rotary embeddings need an even "
+                         "head_dim")
+    return head_dim
+
+
 def _rope(c: _C.ModelConfig, hf: dict, path: Path) -> None:
     # transformers >= 5 writes `rope_parameters` (theta inside); older files `rope_theta` and
     # `rope_scaling`.
-    params = dict(hf.get("rope_scaling") or {})
-    params.update(hf.get("rope_parameters") or {})
-    c.rope_theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    top = _Fields(hf, path)
+    scaling, parameters = top.mapping("rope_scaling"), top.mapping("rope_parameters")
+    name = "rope_parameters" if parameters else "rope_scaling"
+    f = _Fields({**scaling, **parameters}, path, prefix=name + ".")
+    theta = f if "rope_theta" in f.values else top
+    c.rope_theta = theta.number("rope_theta", 10000.0, above=1.0)
     s = _C.RopeScaling()
-    s.rope_type = params.get("rope_type", params.get("type", "default"))
-    if s.rope_type not in ("default", "linear", "llama3", "yarn"):
-        raise ValueError(
-            f"{path}: rope type '{s.rope_type}' is not supported (default, linear, llama3, yarn)"
-        )
-    if s.rope_type != "default" and "factor" not in params:
-        raise ValueError(f"{path}: rope scaling '{s.rope_type}' needs a 'factor'")
-    for key in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow"):
-        if params.get(key) is not None:
-            setattr(s, key, float(params[key]))
-    if params.get("attention_factor") is not None:
-        s.attention_factor = float(params["attention_factor"])
-    if params.get("original_max_position_embeddings") is not None:
-        s.original_max_position_embeddings = int(params["original_max_position_embeddings"])
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"{path}: partial_rotary_factor != 1 is not supported")
+    rope_type = f.values.get("rope_type", f.values.get("type")) or "default"
+    if rope_type not in _ROPE_TYPES:
+        raise ValueError(f"{path}: '{name}': rope type {_show(rope_type)}"
+                         f" is not supported ({', '.join(_ROPE_TYPES)})")
+    s.rope_type = rope_type
+    if rope_type != "default":
+        if "factor" not in f.values:
+            raise ValueError(f"{path}: rope scaling '{rope_type}' needs a '{name}.factor'")
+        s.factor = f.number("factor")
+        if s.factor < 1.0:
+            raise f.error("factor", f"must be >= 1 for rope scaling, got {_show(s.factor)}")
+    if rope_type == "llama3":
+        s.low_freq_factor = f.number("low_freq_factor", 1.0)
+        s.high_freq_factor = f.number("high_freq_factor", 4.0)
+        if s.high_freq_factor <= s.low_freq_factor:
+            raise f.error("high_freq_factor", f"({s.high_freq_factor:g}) must be greater than "
+                                              f"low_freq_factor ({s.low_freq_factor:g})")
+    if rope_type == "yarn":
+        s.beta_fast = f.number("beta_fast", 32.0)
+        s.beta_slow = f.number("beta_slow", 1.0)
+        s.attention_factor = f.number("attention_factor", 0.0)  # 0: derived from factor
+    if rope_type in ("llama3", "yarn"):
+        s.original_max_position_embeddings = f.integer("original_max_position_embeddings", 0)
+    partial = f.values.get("partial_rotary_factor", 1.0)
+    if partial not in (None, 1, 1.0) or isinstance(partial, bool):
+        raise f.error("partial_rotary_factor", f"is {_show(partial)}; only 1 is supported")
     c.rope_scaling = s
 
 
-def _sliding_windows(hf: dict, num_layers: int) -> list[int]:
-    window = hf.get("sliding_window")
-    if not window:
-        return [0] * num_layers
-    layer_types = hf.get("layer_types")
+def _sliding_windows(f: _Fields, num_layers: int) -> list[int]:
+    window = f.integer("sliding_window", 0, minimum=0)
+    use = f.flag("use_sliding_window", True)
+    layer_types = f.values.get("layer_types")
     if layer_types is not None:  # Qwen2/3 and hybrid layouts say per layer
-        return [int(window) if t == "sliding_attention" else 0 for t in layer_types]
-    if "use_sliding_window" in hf and not hf["use_sliding_window"]:
+        kinds = ("full_attention", "sliding_attention")
+        if (not isinstance(layer_types, list) or len(layer_types) != num_layers
+                or any(t not in kinds for t in layer_types)):
+            raise f.error("layer_types", f"must list one of {kinds} per layer "
+                                         f"({num_layers} layers), got {_show(layer_types)}")
+        if window == 0 and "sliding_attention" in layer_types:
+            raise f.error("layer_types", "has sliding_attention layers but no sliding_window")
+        return [window if t == "sliding_attention" else 0 for t in layer_types]
+    if window == 0 or not use:
         return [0] * num_layers
-    return [int(window)] * num_layers
+    return [window] * num_layers
+
+
+def _token_ids(f: _Fields, key: str, vocab_size: int) -> list[int]:
+    """bos_token_id / eos_token_id: absent, one id, or a list of ids, each in the vocabulary."""
+    value = f.values.get(key)
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    for i in ids:
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < vocab_size:
+            raise f.error(key, f"must be a token id in [0, vocab_size={vocab_size}) or a list of "
+                               f"them, got {_show(value)}")
+    return ids
+
+
+def _checkpoint_dtype(hf: dict, path: Path) -> torch.dtype:
+    key = "dtype" if hf.get("dtype") is not None else "torch_dtype"
+    name = hf.get(key) or "float32"
+    if isinstance(name, str):
+        name = name.removeprefix("torch.")
+        if name == "float64":  # no float64 kernels: run such weights in the widest dtype there is
+            return torch.float32
+        if name in _DTYPES:
+            return _DTYPES[name]
+    raise ValueError(f"{path}: '{key}' is {_show(name)}; expected one of {sorted(_DTYPES)}")

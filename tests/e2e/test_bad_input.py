@@ -54,7 +54,7 @@ def test_config_that_is_not_json(checkpoint_copy):
 
 @pytest.mark.parametrize("changes, message", [
     ({"hidden_size": None}, "missing required field 'hidden_size'"),
-    ({"num_hidden_layers": "two"}, "'num_hidden_layers' must be a non-negative integer"),
+    ({"num_hidden_layers": "two"}, "'num_hidden_layers' must be a positive integer"),
     ({"num_key_value_heads": 3}, "must divide num_attention_heads"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope type 'dynamic'"),

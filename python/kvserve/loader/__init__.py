@@ -1,4 +1,5 @@
-"""Checkpoint loading: safetensors weights, renamed and fused for the C++ runtime."""
+"""Checkpoint loading: safetensors weights, checked against the config, renamed and fused for the
+C++ runtime."""
 
 from kvserve.loader.safetensors_loader import load_weights
 
