@@ -25,7 +25,7 @@ demo: install
 # Test dependencies: pytest etc. from PyPI, GoogleTest from Debian.
 test-deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==$(TORCH_VERSION)"
-	$(PIP) install -q pytest "transformers>=4.45" scipy nbclient nbformat ipykernel matplotlib "scikit-build-core>=0.10" ninja cmake
+	$(PIP) install -q pytest hypothesis "transformers>=4.45" scipy nbclient nbformat ipykernel matplotlib "scikit-build-core>=0.10" ninja cmake
 	@dpkg -s libgtest-dev >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq libgtest-dev)
 
 build-tests: test-deps
