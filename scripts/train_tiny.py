@@ -4,11 +4,12 @@
     python scripts/train_tiny.py --out models/shakespeare-draft --preset draft \
         --tokenizer models/shakespeare-target
 
-The corpus (default ../shared/data/tinyshakespeare/input.txt) is split by characters: the first
-90% trains, the last 10% validates. A byte-level BPE tokenizer is trained on the training part with
-the `tokenizers` library unless --tokenizer names a directory whose tokenizer.json to reuse (a draft
-model must share its target's tokenizer). Every training sequence is BOS followed by a random
-window of the corpus, so that generation from "<s> prompt" starts in a familiar state.
+The corpus (default: tinyshakespeare/input.txt in $KVSERVE_SHARED_DATA, else in ../shared/data
+beside the checkout) is split by characters: the first 90% trains, the last 10% validates. A
+byte-level BPE tokenizer is trained on the training part with the `tokenizers` library unless
+--tokenizer names a directory whose tokenizer.json to reuse (a draft model must share its target's
+tokenizer). Every training sequence is BOS followed by a random window of the corpus, so that
+generation from "<s> prompt" starts in a familiar state.
 
 Writes a standard Hugging Face directory (config.json, model.safetensors, generation_config.json,
 tokenizer.json, tokenizer_config.json) plus train_log.csv (step, tokens, train and validation loss,
@@ -32,7 +33,10 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+# The shared data folder: $KVSERVE_SHARED_DATA, else ../shared/data beside the checkout (the
+# rule of tests/conftest.py's shared_data_dir).
+SHARED_DATA = Path(os.environ.get("KVSERVE_SHARED_DATA") or REPO.parent / "shared" / "data")
+DEFAULT_CORPUS = SHARED_DATA / "tinyshakespeare" / "input.txt"
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2
 BOS_ID, EOS_ID = 1, 2
 
@@ -99,7 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def read_split(corpus: Path) -> tuple[str, str]:
     """The corpus text split 90/10 by characters, at a line boundary."""
     if not corpus.is_file():
-        raise SystemExit(f"corpus {corpus} not found (the shared data lives in ../shared/data)")
+        raise SystemExit(f"corpus {corpus} not found (the shared data lives in ../shared/data "
+                         "beside the checkout, or where KVSERVE_SHARED_DATA points)")
     text = corpus.read_text(encoding="utf-8")
     cut = text.rfind("\n", 0, int(len(text) * 0.9)) + 1
     return text[:cut], text[cut:]

@@ -10,7 +10,17 @@ import pytest
 import torch
 
 ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
-SHARED_DATA = Path(os.environ.get("KVSERVE_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+REPO = Path(__file__).resolve().parents[1]
+
+
+def shared_data_dir() -> Path:
+    """The shared data folder (corpora, stories260K): $KVSERVE_SHARED_DATA when set, else
+    ../shared/data beside the checkout. Tests that need a file from it skip when it is absent."""
+    configured = os.environ.get("KVSERVE_SHARED_DATA")
+    return Path(configured) if configured else REPO.parent / "shared" / "data"
+
+
+SHARED_DATA = shared_data_dir()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -8,21 +8,35 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from kvserve.convert.llama2c import add_llama2c_parser
 
-
-# The trained model that ships in the repository (models/), used when no --model is given.
+# generate's model when --model is not given: $KVSERVE_MODEL, else the trained model that ships in
+# models/ of the source checkout this package runs from (an editable install). An installed wheel
+# has no models/ beside it, so there it takes --model or KVSERVE_MODEL.
+MODEL_ENV = "KVSERVE_MODEL"
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "shakespeare-target"
 
 
 def _default_model() -> Path:
-    if not (DEFAULT_MODEL / "config.json").is_file():
-        raise FileNotFoundError(f"no --model given and the shipped model is not at {DEFAULT_MODEL} "
-                                "(it ships in a source checkout of kvserve)")
-    return DEFAULT_MODEL
+    """The model directory for generate without --model. Raises FileNotFoundError saying what to
+    pass when there is none."""
+    configured = os.environ.get(MODEL_ENV)
+    if configured:
+        if not Path(configured).is_dir():
+            raise FileNotFoundError(f"{MODEL_ENV}={configured} is not a directory: pass --model "
+                                    f"DIR or point {MODEL_ENV} at a checkpoint directory")
+        return Path(configured)
+    if (DEFAULT_MODEL / "config.json").is_file():
+        return DEFAULT_MODEL
+    raise FileNotFoundError(
+        f"no model given: pass --model DIR (a Hugging Face checkpoint directory) or set "
+        f"{MODEL_ENV}=DIR. The trained models that come with kvserve are in models/ of its source "
+        f"tree (models/shakespeare-target, models/shakespeare-draft); an installed package does "
+        f"not contain them")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -69,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kvserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="complete one prompt and print the text and its metrics")
-    g.add_argument("--model", help="Hugging Face checkpoint directory (default: the shipped "
-                   "models/shakespeare-target)")
+    g.add_argument("--model", help="Hugging Face checkpoint directory (default: $KVSERVE_MODEL, "
+                   "else models/shakespeare-target when run from a source checkout)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.8)

@@ -1,9 +1,12 @@
-"""`python -m kvserve generate` end to end in a subprocess."""
+"""`python -m kvserve` end to end in a subprocess, and in this process where a test patches the
+default model."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+
+import pytest
 
 import kvserve
 
@@ -65,3 +68,40 @@ def test_generate_defaults_to_the_shipped_model():
     result = run_cli("generate", "--prompt", "ROMEO:", "--max-tokens", "8", "--temperature", "0")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("ROMEO:") and "8 generated" in result.stderr
+
+
+def run_cli_here(capsys, *args) -> tuple[int, str, str]:
+    """The CLI in this process (so that monkeypatch reaches it): exit code, stdout, stderr."""
+    from kvserve.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(args))
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err
+
+
+def test_generate_without_a_model_says_to_pass_one(monkeypatch, capsys, tmp_path):
+    # As after `pip install .`: no models/ beside the installed package, no KVSERVE_MODEL.
+    monkeypatch.setattr("kvserve.cli.DEFAULT_MODEL", tmp_path / "models" / "shakespeare-target")
+    monkeypatch.delenv("KVSERVE_MODEL", raising=False)
+    code, out, err = run_cli_here(capsys, "generate", "--prompt", "hi")
+    assert code == 2 and out == ""
+    assert err.startswith("kvserve: error: no model given: pass --model DIR")
+    assert "KVSERVE_MODEL" in err and "models/shakespeare-target" in err
+    assert "Traceback" not in err
+
+
+def test_generate_model_from_the_environment(monkeypatch, capsys, checkpoint_factory, tmp_path):
+    path = checkpoint_factory("LlamaForCausalLM")
+    monkeypatch.setattr("kvserve.cli.DEFAULT_MODEL", tmp_path / "missing")
+    args = ("generate", "--prompt", "Once", "--max-tokens", "2", "--temperature", "0",
+            "--ignore-eos")
+    monkeypatch.setenv("KVSERVE_MODEL", str(path))
+    code, out, err = run_cli_here(capsys, *args)
+    assert code == 0 and out.startswith("Once") and "2 generated" in err
+    # --model wins over the environment; a KVSERVE_MODEL that is no directory is named.
+    monkeypatch.setenv("KVSERVE_MODEL", str(tmp_path / "nowhere"))
+    code, out, err = run_cli_here(capsys, *args, "--model", str(path))
+    assert code == 0 and "2 generated" in err
+    code, out, err = run_cli_here(capsys, *args)
+    assert code == 2 and "KVSERVE_MODEL=" in err and "is not a directory" in err
