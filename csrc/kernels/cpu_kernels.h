@@ -29,13 +29,13 @@ using SiluAndMulFn = void (*)(c10::ScalarType dtype, void* out, int64_t out_stri
                               int64_t input_stride, int64_t num_tokens, int64_t d);
 KVSERVE_CPU_STUB(silu_and_mul_stub, SiluAndMulFn);
 
-/// Rotates query [T, num_heads, head_size] and key [T, num_kv_heads, head_size] in place
+/// Rotates query [T, num_heads, head_dim] and key [T, num_kv_heads, head_dim] in place
 /// (rows strided by query_stride/key_stride, heads contiguous) with cos_sin_cache
 /// [max_position, rot_dim] (fp32: rot_dim/2 cosines then rot_dim/2 sines) at positions [T].
 /// is_neox: rotate halves (x[i], x[i + rot_dim/2]); otherwise adjacent pairs (x[2i], x[2i+1]).
 using RotaryEmbeddingFn = void (*)(c10::ScalarType dtype, const int64_t* positions, void* query,
                                    int64_t query_stride, int64_t num_heads, void* key,
-                                   int64_t key_stride, int64_t num_kv_heads, int64_t head_size,
+                                   int64_t key_stride, int64_t num_kv_heads, int64_t head_dim,
                                    const float* cos_sin_cache, int64_t rot_dim, int64_t num_tokens,
                                    bool is_neox);
 KVSERVE_CPU_STUB(rotary_embedding_stub, RotaryEmbeddingFn);
@@ -43,15 +43,15 @@ KVSERVE_CPU_STUB(rotary_embedding_stub, RotaryEmbeddingFn);
 /// Geometry of one paged_attention call; see kernels/attention/paged_attention.h for the contract.
 struct PagedAttentionArgs {
   c10::ScalarType dtype;
-  void* out;                       // [T, num_heads, head_size], row stride out_stride
-  const void* query;               // [T, num_heads, head_size], row stride query_stride
-  const void* key_cache;           // [num_blocks, block_size, num_kv_heads, head_size]
+  void* out;                       // [T, num_heads, head_dim], row stride out_stride
+  const void* query;               // [T, num_heads, head_dim], row stride query_stride
+  const void* key_cache;           // [num_blocks, block_size, num_kv_heads, head_dim]
   const void* value_cache;         // same layout as key_cache
   const int32_t* query_start_loc;  // [num_seqs + 1]
   const int32_t* seq_lens;         // [num_seqs], context length including the new queries
   const int32_t* block_tables;     // [num_seqs, max_blocks_per_seq]
   int64_t out_stride, query_stride;
-  int64_t num_seqs, num_heads, num_kv_heads, head_size, block_size, max_blocks_per_seq;
+  int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks_per_seq;
   int64_t cache_block_stride;      // elements between blocks of the cache
   float scale;
   int64_t sliding_window;          // <= 0: no window

@@ -19,7 +19,7 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("linear(Tensor input, Tensor weight, Tensor? bias, Tensor? packed_weight=None) -> Tensor");
   m.def("linear_prepack(Tensor weight) -> Tensor");
   m.def(
-      "rotary_embedding(Tensor positions, Tensor! query, Tensor! key, int head_size, "
+      "rotary_embedding(Tensor positions, Tensor! query, Tensor! key, int head_dim, "
       "Tensor cos_sin_cache, bool is_neox) -> ()");
   m.def(
       "kv_cache_write(Tensor key, Tensor value, Tensor! key_cache, Tensor! value_cache, "
@@ -87,11 +87,11 @@ at::Tensor linear_prepack(const at::Tensor& weight) {
 }
 
 void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
-                      int64_t head_size, const at::Tensor& cos_sin_cache, bool is_neox) {
+                      int64_t head_dim, const at::Tensor& cos_sin_cache, bool is_neox) {
   static const auto op =
       handle<void(const at::Tensor&, at::Tensor&, at::Tensor&, int64_t, const at::Tensor&, bool)>(
           "kvserve::rotary_embedding");
-  op.call(positions, query, key, head_size, cos_sin_cache, is_neox);
+  op.call(positions, query, key, head_dim, cos_sin_cache, is_neox);
 }
 
 void kv_cache_write(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,

@@ -47,8 +47,8 @@ class Llama2cModel:
         raw = path.read_bytes()
         dim, hidden, L, n_heads, n_kv_heads, vocab, seq_len = struct.unpack_from("<7i", raw)
         self.n_layers, self.n_heads, self.n_kv_heads = L, n_heads, n_kv_heads
-        self.head_size = dim // n_heads
-        kv_dim = n_kv_heads * self.head_size
+        self.head_dim = dim // n_heads
+        kv_dim = n_kv_heads * self.head_dim
         floats, offset = np.frombuffer(raw, "<f4", offset=28), 0
 
         def take(*shape):
@@ -62,7 +62,7 @@ class Llama2cModel:
         self.wv, self.wo, self.rms_ffn = take(L, kv_dim, dim), take(L, dim, dim), take(L, dim)
         self.w1, self.w2, self.w3 = take(L, hidden, dim), take(L, dim, hidden), take(L, hidden, dim)
         self.rms_final = take(dim)
-        take(2, seq_len, self.head_size // 2)  # freq_cis_real, freq_cis_imag
+        take(2, seq_len, self.head_dim // 2)  # freq_cis_real, freq_cis_imag
         self.wcls = self.emb if vocab > 0 else take(abs(vocab), dim)
         assert offset == floats.size
 
@@ -73,14 +73,14 @@ class Llama2cModel:
     def rope(self, vec, pos):
         """Rotates adjacent pairs (vec[i], vec[i + 1]) by pos * 10000^(-(i % hs) / hs), in place."""
         i = np.arange(0, vec.size, 2)
-        freq = 1.0 / np.power(10000.0, (i % self.head_size) / self.head_size)
+        freq = 1.0 / np.power(10000.0, (i % self.head_dim) / self.head_dim)
         cos, sin = np.cos(pos * freq).astype(np.float32), np.sin(pos * freq).astype(np.float32)
         v0, v1 = vec[0::2].copy(), vec[1::2].copy()
         vec[0::2], vec[1::2] = v0 * cos - v1 * sin, v0 * sin + v1 * cos
 
     def forward(self, token: int, cache: tuple[list, list]) -> np.ndarray:
         """The logits after `token` at position len(cache keys); appends its keys and values."""
-        hs, group = self.head_size, self.n_heads // self.n_kv_heads
+        hs, group = self.head_dim, self.n_heads // self.n_kv_heads
         keys, values = cache
         pos = len(keys[0])
         x = self.emb[token].copy()
@@ -281,11 +281,11 @@ def test_tokenizer_matches_llama2c_encode_on_random_strings(converted, encoder):
 def test_untied_classifier_and_mqa(tmp_path):
     """A random llama2.c checkpoint with odd sizes, one KV head and its own classifier."""
     dim, hidden, layers, heads, kv_heads, vocab, seq_len = 48, 40, 2, 6, 1, 512, 64
-    head_size, rng = dim // heads, np.random.default_rng(0)
-    shapes = [(vocab, dim), (layers, dim), (layers, dim, dim), (layers, kv_heads * head_size, dim),
-              (layers, kv_heads * head_size, dim), (layers, dim, dim), (layers, dim),
+    head_dim, rng = dim // heads, np.random.default_rng(0)
+    shapes = [(vocab, dim), (layers, dim), (layers, dim, dim), (layers, kv_heads * head_dim, dim),
+              (layers, kv_heads * head_dim, dim), (layers, dim, dim), (layers, dim),
               (layers, hidden, dim), (layers, dim, hidden), (layers, hidden, dim), (dim,),
-              (2, seq_len, head_size // 2), (vocab, dim)]
+              (2, seq_len, head_dim // 2), (vocab, dim)]
     arrays = [0.3 * rng.normal(size=s).astype("<f4") for s in shapes]
     for norm in (1, 6, 10):  # rms_att, rms_ffn, rms_final
         arrays[norm] += 1

@@ -11,11 +11,11 @@ from kvserve.testing import reference
 ops = torch.ops.kvserve
 
 
-def layer_caches(num_layers, num_blocks, block_size, num_kv_heads, head_size, dtype, seed=0):
+def layer_caches(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, seed=0):
     """Random blocks, with the even blocks >= 2 poisoned with NaN to show that they stay as they
     are unless a pair names them."""
     g = torch.Generator().manual_seed(seed)
-    shape = (num_blocks, block_size, num_kv_heads, head_size)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
     caches = [torch.randn(shape, generator=g).to(dtype) for _ in range(2 * num_layers)]
     for cache in caches:
         cache[2::2] = float("nan")
@@ -23,9 +23,9 @@ def layer_caches(num_layers, num_blocks, block_size, num_kv_heads, head_size, dt
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("block_size, num_kv_heads, head_size", [(1, 1, 64), (8, 2, 80), (16, 4, 128), (32, 1, 24)])
-def test_matches_reference(dtype, block_size, num_kv_heads, head_size):
-    keys, values = layer_caches(3, 12, block_size, num_kv_heads, head_size, dtype)
+@pytest.mark.parametrize("block_size, num_kv_heads, head_dim", [(1, 1, 64), (8, 2, 80), (16, 4, 128), (32, 1, 24)])
+def test_matches_reference(dtype, block_size, num_kv_heads, head_dim):
+    keys, values = layer_caches(3, 12, block_size, num_kv_heads, head_dim, dtype)
     mapping = torch.tensor([[1, 4], [3, 2], [1, 7], [0, 9]])
     want_keys, want_values = reference.kv_cache_copy_blocks(keys, values, mapping)
     ops.kv_cache_copy_blocks(keys, values, mapping)

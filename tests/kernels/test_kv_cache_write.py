@@ -13,21 +13,21 @@ ops = torch.ops.kvserve
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BLOCK_SIZES = [1, 8, 16, 32]
-# (num_heads, num_kv_heads, head_size): the caches hold only the kv heads
+# (num_heads, num_kv_heads, head_dim): the caches hold only the kv heads
 SHAPES = [(4, 4, 64), (8, 2, 80), (8, 1, 96), (4, 2, 128), (2, 1, 256), (6, 3, 24), (4, 4, 40)]
 
 
-def poisoned_caches(num_blocks, block_size, num_kv_heads, head_size, dtype):
-    shape = (num_blocks, block_size, num_kv_heads, head_size)
+def poisoned_caches(num_blocks, block_size, num_kv_heads, head_dim, dtype):
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
     return (torch.full(shape, float("nan"), dtype=dtype),
             torch.full(shape, float("nan"), dtype=dtype))
 
 
-def fused_kv(num_tokens, num_heads, num_kv_heads, head_size, dtype, seed=0):
-    """Key and value as column views of a fused qkv [T, num_heads + 2 * num_kv_heads, head_size]:
+def fused_kv(num_tokens, num_heads, num_kv_heads, head_dim, dtype, seed=0):
+    """Key and value as column views of a fused qkv [T, num_heads + 2 * num_kv_heads, head_dim]:
     strided rows, contiguous heads."""
     g = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_size, generator=g).to(dtype)
+    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=g).to(dtype)
     return qkv[:, num_heads:num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads:]
 
 
@@ -45,19 +45,19 @@ def assert_same(actual, expected):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
-@pytest.mark.parametrize("num_heads, num_kv_heads, head_size", SHAPES)
-def test_kv_cache_write(num_heads, num_kv_heads, head_size, block_size, dtype):
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", SHAPES)
+def test_kv_cache_write(num_heads, num_kv_heads, head_dim, block_size, dtype):
     num_blocks, num_tokens = 40 // block_size + 3, 29
-    key, value = fused_kv(num_tokens, num_heads, num_kv_heads, head_size, dtype)
+    key, value = fused_kv(num_tokens, num_heads, num_kv_heads, head_dim, dtype)
     assert not key.is_contiguous()
-    key_cache, value_cache = poisoned_caches(num_blocks, block_size, num_kv_heads, head_size, dtype)
+    key_cache, value_cache = poisoned_caches(num_blocks, block_size, num_kv_heads, head_dim, dtype)
     slots = random_slots(num_tokens, num_blocks * block_size, num_padding=4)
     want_key, want_value = reference.kv_cache_write(key, value, key_cache, value_cache, slots)
     ops.kv_cache_write(key, value, key_cache, value_cache, slots)
     assert_same(key_cache, want_key)
     assert_same(value_cache, want_value)
     assert key_cache.isnan().any(), "the test must leave unwritten slots"
-    written = key_cache.view(-1, num_kv_heads, head_size)[slots[slots >= 0]]
+    written = key_cache.view(-1, num_kv_heads, head_dim)[slots[slots >= 0]]
     assert not written.isnan().any()
 
 
@@ -93,13 +93,13 @@ def test_empty_batch():
     assert caches[0].isnan().all() and caches[1].isnan().all()
 
 
-def bad(num_tokens=3, heads=2, head_size=8, dtype=torch.float32, cache_dtype=torch.float32,
+def bad(num_tokens=3, heads=2, head_dim=8, dtype=torch.float32, cache_dtype=torch.float32,
         value_cache_dtype=None, slots=(0, 5, -1), slot_dtype=torch.long, value_heads=None,
         key_transform=None):
-    key = torch.randn(num_tokens, heads, head_size, dtype=dtype)
+    key = torch.randn(num_tokens, heads, head_dim, dtype=dtype)
     if key_transform is not None:
         key = key_transform(key)
-    value = torch.randn(num_tokens, value_heads or heads, head_size, dtype=dtype)
+    value = torch.randn(num_tokens, value_heads or heads, head_dim, dtype=dtype)
     key_cache = torch.zeros(4, 4, 2, 8, dtype=cache_dtype)  # 16 slots
     value_cache = torch.zeros(4, 4, 2, 8, dtype=value_cache_dtype or cache_dtype)
     return key, value, key_cache, value_cache, torch.tensor(slots, dtype=slot_dtype)
@@ -115,13 +115,13 @@ def bad(num_tokens=3, heads=2, head_size=8, dtype=torch.float32, cache_dtype=tor
         (bad(dtype=torch.bfloat16), "dtype"),
         (bad(value_cache_dtype=torch.float16), "dtype"),
         (bad(heads=3), "key must be"),
-        (bad(head_size=16), "key must be"),
+        (bad(head_dim=16), "key must be"),
         (bad(value_heads=1), "value must be"),
         (bad(num_tokens=3, key_transform=lambda k: k.transpose(0, 1).contiguous().transpose(0, 1)),
          "contiguous heads"),
     ],
     ids=["slot-too-large", "slot-negative", "token-count", "slot-dtype", "key-dtype",
-         "cache-dtypes", "heads", "head-size", "value-shape", "strided-heads"],
+         "cache-dtypes", "heads", "head-dim", "value-shape", "strided-heads"],
 )
 def test_kv_cache_write_rejects_bad_arguments(args, match):
     key, value, key_cache, value_cache, slots = args

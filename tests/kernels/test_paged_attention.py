@@ -21,7 +21,7 @@ TOLERANCES = {
 }
 DTYPES = list(TOLERANCES)
 BLOCK_SIZES = [1, 8, 16, 32]
-# (head_size, num_heads, num_kv_heads): GQA ratios 1, 2, 4, 8, MQA, and a group wider than the
+# (head_dim, num_heads, num_kv_heads): GQA ratios 1, 2, 4, 8, MQA, and a group wider than the
 # kernel's 32-row work item.
 CONFIGS = [(64, 4, 4), (80, 8, 4), (96, 8, 2), (128, 16, 2), (256, 2, 2), (24, 8, 1), (40, 6, 3),
            (32, 40, 1)]
@@ -46,12 +46,12 @@ class Batch:
     """A paged cache holding the contexts of `seqs`, with blocks handed out in random order and
     everything else NaN, and the query of the new tokens as a strided view of a fused qkv."""
 
-    def __init__(self, seqs, head_size, num_heads, num_kv_heads, block_size, dtype, seed=0):
+    def __init__(self, seqs, head_dim, num_heads, num_kv_heads, block_size, dtype, seed=0):
         g = torch.Generator().manual_seed(seed)
         blocks_per_seq = [math.ceil(context / block_size) for context, _ in seqs]
         num_blocks = 1 + sum(blocks_per_seq) + 2  # block 0 is the null block; 2 stay unused
         free = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
-        shape = (num_blocks, block_size, num_kv_heads, head_size)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.key_cache = torch.full(shape, float("nan"), dtype=dtype)
         self.value_cache = torch.full(shape, float("nan"), dtype=dtype)
         # One spare column of padding, pointing at the (poisoned) null block.
@@ -61,23 +61,23 @@ class Batch:
             self.block_tables[b, :len(table)] = torch.tensor(table, dtype=torch.int32)
             for p in range(context):
                 block, offset = table[p // block_size], p % block_size
-                self.key_cache[block, offset] = torch.randn(num_kv_heads, head_size, generator=g)
-                self.value_cache[block, offset] = torch.randn(num_kv_heads, head_size, generator=g)
+                self.key_cache[block, offset] = torch.randn(num_kv_heads, head_dim, generator=g)
+                self.value_cache[block, offset] = torch.randn(num_kv_heads, head_dim, generator=g)
         query_lens = [q for _, q in seqs]
         self.query_start_loc = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0).int()
         self.seq_lens = torch.tensor([context for context, _ in seqs], dtype=torch.int32)
         num_tokens = sum(query_lens)
-        qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_size, generator=g)
+        qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=g)
         self.query = qkv.to(dtype)[:, :num_heads]
-        self.scale = head_size ** -0.5
+        self.scale = head_dim ** -0.5
 
     def metadata(self):
         return self.query_start_loc, self.seq_lens, self.block_tables
 
     def run(self, sliding_window=0, logit_softcap=0.0, scale=None):
         """Runs the op into a strided out view; checks it wrote nothing outside that view."""
-        num_tokens, num_heads, head_size = self.query.shape
-        out_full = torch.full((num_tokens, num_heads + 3, head_size), float("nan"),
+        num_tokens, num_heads, head_dim = self.query.shape
+        out_full = torch.full((num_tokens, num_heads + 3, head_dim), float("nan"),
                               dtype=self.query.dtype)
         out = out_full[:, :num_heads]
         ops.paged_attention(out, self.query, self.key_cache, self.value_cache, *self.metadata(),
@@ -100,9 +100,9 @@ def check(batch, dtype, **kwargs):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
-@pytest.mark.parametrize("head_size, num_heads, num_kv_heads", CONFIGS)
-def test_mixed_batch(head_size, num_heads, num_kv_heads, block_size, dtype):
-    batch = Batch(SCENARIOS["mixed"], head_size, num_heads, num_kv_heads, block_size, dtype)
+@pytest.mark.parametrize("head_dim, num_heads, num_kv_heads", CONFIGS)
+def test_mixed_batch(head_dim, num_heads, num_kv_heads, block_size, dtype):
+    batch = Batch(SCENARIOS["mixed"], head_dim, num_heads, num_kv_heads, block_size, dtype)
     check(batch, dtype)
 
 
@@ -150,10 +150,10 @@ def test_chunked_prefill_equals_one_shot(chunk, sliding_window):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_size, num_heads, num_kv_heads", [(64, 8, 2), (80, 6, 6), (24, 8, 1)])
+@pytest.mark.parametrize("head_dim, num_heads, num_kv_heads", [(64, 8, 2), (80, 6, 6), (24, 8, 1)])
 @pytest.mark.parametrize("sliding_window, logit_softcap", [(0, 0.0), (70, 10.0)])
-def test_tile_edges(sliding_window, logit_softcap, head_size, num_heads, num_kv_heads, dtype):
-    batch = Batch(TILE_EDGES, head_size, num_heads, num_kv_heads, 16, dtype)
+def test_tile_edges(sliding_window, logit_softcap, head_dim, num_heads, num_kv_heads, dtype):
+    batch = Batch(TILE_EDGES, head_dim, num_heads, num_kv_heads, 16, dtype)
     check(batch, dtype, sliding_window=sliding_window, logit_softcap=logit_softcap)
 
 
@@ -212,14 +212,14 @@ def test_reference_matches_sdpa(sliding_window):
     torch.testing.assert_close(batch.reference(sliding_window=sliding_window), want)
 
 
-def bad_call(query_heads=4, query_dtype=torch.float32, out_dtype=None, cache_head_size=16,
+def bad_call(query_heads=4, query_dtype=torch.float32, out_dtype=None, cache_head_dim=16,
              seq_lens=(5, 3), query_lens=(2, 1), table=((1, 2), (3, 0)), query_start_loc=None,
              metadata_dtype=torch.int32, cache=None):
     """Arguments of a small valid call (4 blocks of 4 slots, 2 kv heads), with one thing changed."""
     num_tokens = sum(query_lens)
     query = torch.randn(num_tokens, query_heads, 16, dtype=query_dtype)
     out = torch.empty(num_tokens, query_heads, 16, dtype=out_dtype or query_dtype)
-    key_cache = cache if cache is not None else torch.zeros(4, 4, 2, cache_head_size)
+    key_cache = cache if cache is not None else torch.zeros(4, 4, 2, cache_head_dim)
     if query_start_loc is None:
         query_start_loc = [0, query_lens[0], num_tokens]
     meta = [torch.tensor(x, dtype=metadata_dtype) for x in (query_start_loc, seq_lens, table)]
@@ -235,7 +235,7 @@ def test_bad_call_baseline_is_valid():
     [
         (bad_call(query_dtype=torch.bfloat16), "dtype"),
         (bad_call(out_dtype=torch.float16), "dtype"),
-        (bad_call(cache_head_size=32), "head_size"),
+        (bad_call(cache_head_dim=32), "head_dim"),
         (bad_call(query_heads=3), "not a multiple of num_kv_heads"),
         (bad_call(table=((1, 4), (3, 0))), "block id 4 is outside the cache of 4 blocks"),
         (bad_call(table=((1, -1), (3, 0))), "block id -1 is outside the cache"),
@@ -248,7 +248,7 @@ def test_bad_call_baseline_is_valid():
         (bad_call(metadata_dtype=torch.int64), "must be Int"),
         (bad_call(cache=torch.zeros(4, 2, 4, 16).transpose(1, 2)), "contiguous"),
     ],
-    ids=["query-dtype", "out-dtype", "head-size", "gqa", "block-too-large", "block-negative",
+    ids=["query-dtype", "out-dtype", "head-dim", "gqa", "block-too-large", "block-negative",
          "run-longer-than-context", "run-longer-than-context-2", "table-too-short",
          "start-loc-end", "start-loc-length", "start-loc-decreasing", "metadata-dtype",
          "cache-not-contiguous"],
@@ -273,8 +273,8 @@ def test_rejects_out_shape_and_strided_heads():
 def capability_checks():
     """A subset of the checks above, run once per CPU capability."""
     for dtype in DTYPES:
-        for head_size, num_heads, num_kv_heads in [(40, 6, 3), (128, 8, 1)]:
-            batch = Batch(SCENARIOS["mixed"], head_size, num_heads, num_kv_heads, 16, dtype)
+        for head_dim, num_heads, num_kv_heads in [(40, 6, 3), (128, 8, 1)]:
+            batch = Batch(SCENARIOS["mixed"], head_dim, num_heads, num_kv_heads, 16, dtype)
             check(batch, dtype)
             check(batch, dtype, sliding_window=6, logit_softcap=5.0, scale=1.0)
         check(Batch(TILE_EDGES, 80, 8, 2, 16, dtype), dtype, sliding_window=70, logit_softcap=10.0)

@@ -19,18 +19,18 @@ TOLERANCES = {
 }
 DTYPES = list(TOLERANCES)
 MAX_POSITION = 4099
-# (head_size, rot_dim): full rotary for the usual and odd head sizes, partial rotary for some.
-HEAD_SIZES = [(24, 24), (40, 40), (64, 64), (80, 80), (96, 96), (128, 128), (256, 256),
-              (64, 32), (80, 20), (128, 64), (40, 2)]
+# (head_dim, rot_dim): full rotary for the usual and odd head dims, partial rotary for some.
+HEAD_DIMS = [(24, 24), (40, 40), (64, 64), (80, 80), (96, 96), (128, 128), (256, 256),
+             (64, 32), (80, 20), (128, 64), (40, 2)]
 # (num_heads, num_kv_heads): MHA, GQA 2/4/8, MQA
 HEADS = [(2, 2), (4, 2), (8, 2), (8, 1)]
 
 
-def make_qkv(num_tokens, num_heads, num_kv_heads, head_size, dtype, seed=0):
-    """A fused qkv [T, (num_heads + 2 * num_kv_heads) * head_size] and its q and k column views,
+def make_qkv(num_tokens, num_heads, num_kv_heads, head_dim, dtype, seed=0):
+    """A fused qkv [T, (num_heads + 2 * num_kv_heads) * head_dim] and its q and k column views,
     whose rows are strided (as the model hands them to the op)."""
     g = torch.Generator().manual_seed(seed)
-    q_width, k_width = num_heads * head_size, num_kv_heads * head_size
+    q_width, k_width = num_heads * head_dim, num_kv_heads * head_dim
     qkv = torch.randn(num_tokens, q_width + 2 * k_width, generator=g).to(dtype)
     return qkv, qkv[:, :q_width], qkv[:, q_width:q_width + k_width]
 
@@ -48,16 +48,16 @@ def make_positions(num_tokens, seed=0):
 @pytest.fixture(scope="module")
 def cos_sin_caches():
     return {rot_dim: reference.rotary_cos_sin_cache(MAX_POSITION, rot_dim)
-            for rot_dim in {r for _, r in HEAD_SIZES}}
+            for rot_dim in {r for _, r in HEAD_DIMS}}
 
 
-def check_rotary(num_tokens, heads, head_size, rot_dim, is_neox, dtype, cache):
+def check_rotary(num_tokens, heads, head_dim, rot_dim, is_neox, dtype, cache):
     num_heads, num_kv_heads = heads
-    qkv, query, key = make_qkv(num_tokens, num_heads, num_kv_heads, head_size, dtype)
+    qkv, query, key = make_qkv(num_tokens, num_heads, num_kv_heads, head_dim, dtype)
     value_before = qkv[:, query.size(1) + key.size(1):].clone()
     positions = make_positions(num_tokens)
-    want_q, want_k = reference.rotary_embedding(positions, query, key, head_size, cache, is_neox)
-    ops.rotary_embedding(positions, query, key, head_size, cache, is_neox)
+    want_q, want_k = reference.rotary_embedding(positions, query, key, head_dim, cache, is_neox)
+    ops.rotary_embedding(positions, query, key, head_dim, cache, is_neox)
     torch.testing.assert_close(query.double(), want_q, **TOLERANCES[dtype])
     torch.testing.assert_close(key.double(), want_k, **TOLERANCES[dtype])
     assert torch.equal(qkv[:, query.size(1) + key.size(1):], value_before), "v was modified"
@@ -65,9 +65,9 @@ def check_rotary(num_tokens, heads, head_size, rot_dim, is_neox, dtype, cache):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "interleaved"])
-@pytest.mark.parametrize("head_size, rot_dim", HEAD_SIZES)
-def test_rotary_embedding(head_size, rot_dim, is_neox, dtype, cos_sin_caches):
-    check_rotary(7, (4, 2), head_size, rot_dim, is_neox, dtype, cos_sin_caches[rot_dim])
+@pytest.mark.parametrize("head_dim, rot_dim", HEAD_DIMS)
+def test_rotary_embedding(head_dim, rot_dim, is_neox, dtype, cos_sin_caches):
+    check_rotary(7, (4, 2), head_dim, rot_dim, is_neox, dtype, cos_sin_caches[rot_dim])
 
 
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "interleaved"])
@@ -97,24 +97,24 @@ def test_contiguous_inputs_and_batch_invariance(is_neox, cos_sin_caches):
 def test_reference_matches_complex_rotation():
     """Self-check of the reference: interleaved RoPE is multiplication by e^(i * angle) of the
     complex numbers x[2j] + i x[2j+1] (Meta's Llama), and neox RoPE is the same on halves."""
-    positions, head_size = torch.tensor([0, 3, 17]), 16
-    cache = reference.rotary_cos_sin_cache(32, head_size)
-    x = torch.randn(3, head_size, dtype=torch.float64)
+    positions, head_dim = torch.tensor([0, 3, 17]), 16
+    cache = reference.rotary_cos_sin_cache(32, head_dim)
+    x = torch.randn(3, head_dim, dtype=torch.float64)
     angle = torch.complex(cache[positions, :8].double(), cache[positions, 8:].double())
     interleaved = torch.view_as_real(torch.view_as_complex(x.view(3, 8, 2)) * angle).view(3, 16)
-    got, _ = reference.rotary_embedding(positions, x, x, head_size, cache, is_neox=False)
+    got, _ = reference.rotary_embedding(positions, x, x, head_dim, cache, is_neox=False)
     torch.testing.assert_close(got, interleaved, atol=1e-6, rtol=1e-6)
     halves = torch.complex(x[:, :8], x[:, 8:]) * angle
-    got, _ = reference.rotary_embedding(positions, x, x, head_size, cache, is_neox=True)
+    got, _ = reference.rotary_embedding(positions, x, x, head_dim, cache, is_neox=True)
     want = torch.cat([halves.real, halves.imag], dim=1)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
-def bad(num_tokens=3, width=64, key_width=32, head_size=16, rot_dim=16, max_position=8,
+def bad(num_tokens=3, width=64, key_width=32, head_dim=16, rot_dim=16, max_position=8,
         positions=None, dtype=torch.float32, key_dtype=None, cache_dtype=torch.float32):
     positions = torch.arange(num_tokens) if positions is None else positions
     return (positions, torch.randn(num_tokens, width, dtype=dtype),
-            torch.randn(num_tokens, key_width, dtype=key_dtype or dtype), head_size,
+            torch.randn(num_tokens, key_width, dtype=key_dtype or dtype), head_dim,
             torch.ones(max_position, rot_dim, dtype=cache_dtype))
 
 
@@ -127,8 +127,8 @@ def bad(num_tokens=3, width=64, key_width=32, head_size=16, rot_dim=16, max_posi
         (bad(positions=torch.tensor([0, 1])), "one row per position"),
         (bad(key_dtype=torch.bfloat16), "dtype"),
         (bad(cache_dtype=torch.float64), "cos_sin_cache must be Float"),
-        (bad(width=60), "multiples of head_size"),
-        (bad(rot_dim=32), "rot_dim <= head_size"),
+        (bad(width=60), "multiples of head_dim"),
+        (bad(rot_dim=32), "rot_dim <= head_dim"),
         (bad(rot_dim=5), "even rot_dim"),
         (bad(dtype=torch.float64), "dtype"),
     ],
@@ -149,8 +149,8 @@ def capability_checks():
     caches = {r: reference.rotary_cos_sin_cache(MAX_POSITION, r) for r in (40, 64, 128)}
     for dtype in DTYPES:
         for is_neox in (True, False):
-            for head_size, rot_dim in [(40, 40), (128, 128), (128, 64)]:
-                check_rotary(5, (4, 2), head_size, rot_dim, is_neox, dtype, caches[rot_dim])
+            for head_dim, rot_dim in [(40, 40), (128, 128), (128, 64)]:
+                check_rotary(5, (4, 2), head_dim, rot_dim, is_neox, dtype, caches[rot_dim])
 
 
 

@@ -12,8 +12,8 @@ namespace kvserve::ops {
 /// sits at position seq_lens[b] - q + i and attends causally to positions <= its own, limited to
 /// the last `sliding_window` positions when sliding_window > 0. Scores are scale * q.k, soft-capped
 /// as c * tanh(s / c) when logit_softcap > 0; softmax and accumulation are fp32.
-/// out, query: [num_tokens, num_heads, head_size] (rows may be strided; heads contiguous).
-/// key_cache, value_cache: contiguous [num_blocks, block_size, num_kv_heads, head_size];
+/// out, query: [num_tokens, num_heads, head_dim] (rows may be strided; heads contiguous).
+/// key_cache, value_cache: contiguous [num_blocks, block_size, num_kv_heads, head_dim];
 ///   num_heads must be a multiple of num_kv_heads (GQA/MQA).
 /// query_start_loc: int32 [num_seqs + 1]; seq_lens: int32 [num_seqs];
 /// block_tables: int32 [num_seqs, max_blocks_per_seq], position p of sequence b lives in block

@@ -12,7 +12,7 @@ constexpr const char* kOp = "paged_attention";
 
 void check_heads(const char* name, const at::Tensor& t) {
   TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2), kOp, ": ", name,
-              " must be [num_tokens, num_heads, head_size] with contiguous heads, got ", t.sizes());
+              " must be [num_tokens, num_heads, head_dim] with contiguous heads, got ", t.sizes());
 }
 
 // Validates the attention metadata on the host so the kernel never reads outside the cache.
@@ -60,10 +60,10 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
   TORCH_CHECK(out.sizes() == query.sizes(), kOp, ": out must have the shape of query");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() &&
                   value_cache.sizes() == key_cache.sizes() && value_cache.is_contiguous(),
-              kOp, ": caches must be contiguous [num_blocks, block_size, num_kv_heads, head_size]");
+              kOp, ": caches must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]");
   const int64_t num_heads = query.size(1), num_kv_heads = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == query.size(2), kOp, ": cache head_size ", key_cache.size(3),
-              " differs from query head_size ", query.size(2));
+  TORCH_CHECK(key_cache.size(3) == query.size(2), kOp, ": cache head_dim ", key_cache.size(3),
+              " differs from query head_dim ", query.size(2));
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, kOp, ": num_heads ", num_heads,
               " is not a multiple of num_kv_heads ", num_kv_heads);
   check_metadata(query_start_loc, seq_lens, block_tables, query.size(0), key_cache.size(0),
@@ -83,7 +83,7 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
   args.num_seqs = seq_lens.numel();
   args.num_heads = num_heads;
   args.num_kv_heads = num_kv_heads;
-  args.head_size = query.size(2);
+  args.head_dim = query.size(2);
   args.block_size = key_cache.size(1);
   args.max_blocks_per_seq = block_tables.size(1);
   args.cache_block_stride = key_cache.stride(0);

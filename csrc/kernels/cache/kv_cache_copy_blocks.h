@@ -7,7 +7,7 @@ namespace kvserve::ops {
 
 /// For every layer l and pair i: key_caches[l][dst_i] = key_caches[l][src_i], and the same for
 /// value_caches, where (src_i, dst_i) = block_mapping[i].
-/// key_caches, value_caches: one contiguous [num_blocks, block_size, num_kv_heads, head_size]
+/// key_caches, value_caches: one contiguous [num_blocks, block_size, num_kv_heads, head_dim]
 /// tensor per layer, all of one shape and dtype.
 /// block_mapping: int64 [num_pairs, 2]. Throws if an id is outside the pool, a destination repeats,
 /// or a destination is also a source (the copies would depend on their order).

@@ -18,7 +18,7 @@ void kv_cache_copy_blocks_cpu(at::TensorList key_caches, at::TensorList value_ca
               key_caches.size(), " and ", value_caches.size());
   const at::Tensor& first = key_caches[0];
   TORCH_CHECK(first.dim() == 4, "kv_cache_copy_blocks: caches must be [num_blocks, block_size, "
-              "heads, head_size], got ", first.sizes());
+              "heads, head_dim], got ", first.sizes());
   for (const auto* list : {&key_caches, &value_caches}) {
     for (const at::Tensor& cache : *list) {
       TORCH_CHECK(cache.sizes() == first.sizes() && cache.is_contiguous(),

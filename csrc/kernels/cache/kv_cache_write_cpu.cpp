@@ -23,7 +23,7 @@ void kv_cache_write_cpu(const at::Tensor& key, const at::Tensor& value, at::Tens
                         at::Tensor& value_cache, const at::Tensor& slot_mapping) {
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() &&
                   value_cache.sizes() == key_cache.sizes() && value_cache.is_contiguous(),
-              "kv_cache_write: caches must be contiguous [num_blocks, block_size, heads, head_size]");
+              "kv_cache_write: caches must be contiguous [num_blocks, block_size, heads, head_dim]");
   check_like("kv_cache_write", "value_cache", value_cache, key_cache);
   check_token_rows("key", key, key_cache);
   check_token_rows("value", value, key_cache);

@@ -9,7 +9,7 @@ namespace kvserve::ops {
 namespace {
 
 void rotary_embedding_cpu(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
-                          int64_t head_size, const at::Tensor& cos_sin_cache, bool is_neox) {
+                          int64_t head_dim, const at::Tensor& cos_sin_cache, bool is_neox) {
   constexpr const char* op = "rotary_embedding";
   check_contiguous(op, "positions", positions, at::kLong);
   check_contiguous(op, "cos_sin_cache", cos_sin_cache, at::kFloat);
@@ -19,11 +19,11 @@ void rotary_embedding_cpu(const at::Tensor& positions, at::Tensor& query, at::Te
   const int64_t num_tokens = positions.numel();
   TORCH_CHECK(query.size(0) == num_tokens && key.size(0) == num_tokens, op,
               ": query and key need one row per position");
-  TORCH_CHECK(head_size > 0 && query.size(1) % head_size == 0 && key.size(1) % head_size == 0, op,
-              ": row widths must be multiples of head_size ", head_size);
+  TORCH_CHECK(head_dim > 0 && query.size(1) % head_dim == 0 && key.size(1) % head_dim == 0, op,
+              ": row widths must be multiples of head_dim ", head_dim);
   TORCH_CHECK(cos_sin_cache.dim() == 2 && cos_sin_cache.size(1) % 2 == 0 &&
-                  cos_sin_cache.size(1) <= head_size,
-              op, ": cos_sin_cache must be [max_position, rot_dim] with even rot_dim <= head_size");
+                  cos_sin_cache.size(1) <= head_dim,
+              op, ": cos_sin_cache must be [max_position, rot_dim] with even rot_dim <= head_dim");
   const int64_t max_position = cos_sin_cache.size(0);
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t t = 0; t < num_tokens; ++t) {
@@ -31,8 +31,8 @@ void rotary_embedding_cpu(const at::Tensor& positions, at::Tensor& query, at::Te
                 " is outside the rotary cache [0, ", max_position, ")");
   }
   cpu::rotary_embedding_stub.get()(query.scalar_type(), pos, query.data_ptr(), query.stride(0),
-                                   query.size(1) / head_size, key.data_ptr(), key.stride(0),
-                                   key.size(1) / head_size, head_size,
+                                   query.size(1) / head_dim, key.data_ptr(), key.stride(0),
+                                   key.size(1) / head_dim, head_dim,
                                    cos_sin_cache.data_ptr<float>(), cos_sin_cache.size(1),
                                    num_tokens, is_neox);
 }

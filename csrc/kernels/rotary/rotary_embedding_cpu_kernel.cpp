@@ -38,7 +38,7 @@ void rotate_head(T* x, const float* cos, const float* sin, int64_t rot_dim, bool
 
 void rotary_embedding_impl(c10::ScalarType dtype, const int64_t* positions, void* query,
                            int64_t query_stride, int64_t num_heads, void* key, int64_t key_stride,
-                           int64_t num_kv_heads, int64_t head_size, const float* cos_sin_cache,
+                           int64_t num_kv_heads, int64_t head_dim, const float* cos_sin_cache,
                            int64_t rot_dim, int64_t num_tokens, bool is_neox) {
   KVSERVE_DISPATCH_FLOATING(dtype, [&] {
     auto* q = static_cast<scalar_t*>(query);
@@ -48,10 +48,10 @@ void rotary_embedding_impl(c10::ScalarType dtype, const int64_t* positions, void
         const float* cos = cos_sin_cache + positions[t] * rot_dim;
         const float* sin = cos + rot_dim / 2;
         for (int64_t h = 0; h < num_heads; ++h) {
-          rotate_head(q + t * query_stride + h * head_size, cos, sin, rot_dim, is_neox);
+          rotate_head(q + t * query_stride + h * head_dim, cos, sin, rot_dim, is_neox);
         }
         for (int64_t h = 0; h < num_kv_heads; ++h) {
-          rotate_head(k + t * key_stride + h * head_size, cos, sin, rot_dim, is_neox);
+          rotate_head(k + t * key_stride + h * head_dim, cos, sin, rot_dim, is_neox);
         }
       }
     });

@@ -77,7 +77,7 @@ def rotary_cos_sin_cache(max_position: int, rot_dim: int, base: float = 10000.0)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
-    """Rotates the first rot_dim dims of each head. x [heads, head_size], cos/sin [rot_dim/2]."""
+    """Rotates the first rot_dim dims of each head. x [heads, head_dim], cos/sin [rot_dim/2]."""
     half = cos.numel()
     out = x.clone()
     if is_neox:  # pairs (i, i + half): Hugging Face rotate_half
@@ -92,11 +92,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool
 
 
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                     head_size: int, cos_sin_cache: torch.Tensor,
+                     head_dim: int, cos_sin_cache: torch.Tensor,
                      is_neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotated (query, key) in fp64, same shapes as the inputs.
 
-    positions [T]; query [T, num_heads * head_size]; key [T, num_kv_heads * head_size];
+    positions [T]; query [T, num_heads * head_dim]; key [T, num_kv_heads * head_dim];
     cos_sin_cache [max_position, rot_dim] (cosines then sines); dims past rot_dim pass through.
     """
     half = cos_sin_cache.size(1) // 2
@@ -105,7 +105,7 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
         row = cos_sin_cache[int(positions[t])].double()
         cos, sin = row[:half], row[half:]
         for out in (q_out, k_out):
-            heads = out[t].view(-1, head_size)
+            heads = out[t].view(-1, head_dim)
             out[t] = _rotate(heads, cos, sin, is_neox).reshape(-1)
     return q_out, k_out
 
@@ -118,8 +118,8 @@ def kv_cache_write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
                    slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns copies of the caches with token t written at slot_mapping[t] (skipped when -1).
 
-    key, value [T, num_kv_heads, head_size];
-    key_cache, value_cache [num_blocks, block_size, num_kv_heads, head_size]; slot_mapping [T].
+    key, value [T, num_kv_heads, head_dim];
+    key_cache, value_cache [num_blocks, block_size, num_kv_heads, head_dim]; slot_mapping [T].
     """
     block_size = key_cache.size(1)
     new_key, new_value = key_cache.clone(), value_cache.clone()
@@ -154,13 +154,13 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     logit_softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of variable-length query runs over a paged KV cache.
 
-    query [T, num_heads, head_size]; key_cache, value_cache [num_blocks, block_size, num_kv_heads,
-    head_size]; query_start_loc [B + 1]; seq_lens [B]; block_tables [B, max_blocks_per_seq].
+    query [T, num_heads, head_dim]; key_cache, value_cache [num_blocks, block_size, num_kv_heads,
+    head_dim]; query_start_loc [B + 1]; seq_lens [B]; block_tables [B, max_blocks_per_seq].
     The q queries of sequence b are the last q positions of its context of seq_lens[b] tokens;
     position p of b is at block block_tables[b][p // block_size], offset p % block_size. A query
     at position i sees positions (i - sliding_window, i] (all of [0, i] when sliding_window <= 0);
     scores are scale * q.k, then c * tanh(score / c) when logit_softcap c > 0.
-    Returns fp64 [T, num_heads, head_size].
+    Returns fp64 [T, num_heads, head_dim].
     """
     num_heads, block_size, num_kv_heads = query.size(1), key_cache.size(1), key_cache.size(2)
     group = num_heads // num_kv_heads  # query heads per kv head (GQA; MQA when num_kv_heads is 1)
@@ -171,7 +171,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         if query_len == 0:
             continue
         table = block_tables[b].tolist()
-        # Walk the block table: keys, values [context_len, num_kv_heads, head_size].
+        # Walk the block table: keys, values [context_len, num_kv_heads, head_dim].
         slots = [(table[p // block_size], p % block_size) for p in range(context_len)]
         keys = torch.stack([key_cache[blk, off] for blk, off in slots]).double()
         values = torch.stack([value_cache[blk, off] for blk, off in slots]).double()
@@ -179,7 +179,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             t, position = starts[b] + i, context_len - query_len + i
             first = max(0, position - sliding_window + 1) if sliding_window > 0 else 0
             for h in range(num_heads):
-                k = keys[first:position + 1, h // group]  # [n, head_size]
+                k = keys[first:position + 1, h // group]  # [n, head_dim]
                 v = values[first:position + 1, h // group]
                 scores = (k @ query[t, h].double()) * scale  # [n]
                 if logit_softcap > 0:
