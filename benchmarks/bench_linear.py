@@ -1,10 +1,11 @@
 """kvserve's linear against ATen's (what transformers calls) and the machine's limits, by tokens.
 
 For each weight shape and dtype, and each number of tokens M, one call of y = x W^T on:
-  * kvserve: `linear` as the engine calls it, with the packed weight (`linear_prepack`): the
-    streaming GEMV up to 2 tokens (up to 8 for weights of at most 4 MiB, like qkv here), oneDNN's
-    GEMM on the packed layout above;
-  * kvserve, no packed weight: the GEMV up to 8 tokens, ATen's GEMM above;
+  * kvserve: `linear` as the engine calls it, on the packed weight (`linear_prepack`, the only
+    copy the engine keeps): the streaming GEMV reading the packed layout up to 2 tokens (up to 8
+    for weights of at most 4 MiB, like qkv here), oneDNN's GEMM on it above;
+  * kvserve, plain weight: the GEMV on the row-major weight up to 8 tokens, ATen's GEMM above
+    (what a CPU whose oneDNN layout the GEMV cannot read gets);
   * ATen: `torch.nn.functional.linear`, which repacks the weight on every call.
 Each timing cycles through enough copies of the weight to exceed the last-level cache, as a model's
 layers do. A few tokens are bound by reading the weight (GB/s against the measured read
@@ -59,10 +60,11 @@ def main() -> None:
             copies = max(1, WORKING_SET // (n * k * dtype.itemsize))
             weights = [(torch.randn(n, k) / k**0.5).to(dtype) for _ in range(copies)]
             packed = {id(w): ops.linear_prepack(w) for w in weights}
+            packed = {key: p if p is not None else w for (key, p), w in zip(packed.items(), weights)}
             for m in args.tokens:
                 x = torch.randn(m, k).to(dtype)
                 t = dict(
-                    kvserve=time_per_call(lambda w: ops.linear(x, w, None, packed[id(w)]), weights),
+                    kvserve=time_per_call(lambda w: ops.linear(x, packed[id(w)], None), weights),
                     unpacked=time_per_call(lambda w: ops.linear(x, w, None), weights),
                     aten=time_per_call(lambda w: F.linear(x, w), weights))
                 flops, nbytes = 2 * m * n * k, n * k * dtype.itemsize
@@ -74,7 +76,7 @@ def main() -> None:
                                f"{flops / t['kvserve'] / peak:.0%}",
                                f"{nbytes / t['kvserve'] / bandwidth:.0%}"])
                 print(rows[-1], flush=True)
-    print(markdown_table(["dtype", "weight", "tokens", "kvserve GFLOP/s", "no packed GFLOP/s",
+    print(markdown_table(["dtype", "weight", "tokens", "kvserve GFLOP/s", "plain weight GFLOP/s",
                           "ATen GFLOP/s", "ATen time / kvserve", "of torch.mm 2048² FLOP/s",
                           "of read bandwidth"], rows))
     path = write_json(HERE / "results" / "linear.json",

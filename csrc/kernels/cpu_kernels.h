@@ -68,6 +68,13 @@ using GemvFn = void (*)(c10::ScalarType dtype, const void* input, int64_t input_
                         int64_t k);
 KVSERVE_CPU_STUB(gemv_stub, GemvFn);
 
+/// The same with the weight in oneDNN's packed layout (kernels/linear/linear_packed_layout.h:
+/// blocks of block_out outputs, k padded to k_padded, bf16 in pairs); fp32 or bf16 only.
+using GemvPackedFn = void (*)(c10::ScalarType dtype, const void* input, int64_t input_stride,
+                              const void* weight, const void* bias, void* out, int64_t m,
+                              int64_t n, int64_t k, int64_t block_out, int64_t k_padded);
+KVSERVE_CPU_STUB(gemv_packed_stub, GemvPackedFn);
+
 /// Per row of logits [rows, vocab] (fp32, row stride): divides by temperature and sets to -inf
 /// what top-k, then top-p, then min-p remove. Rows with temperature 0 are left untouched.
 using SamplingFilterFn = void (*)(float* logits, int64_t stride, int64_t rows, int64_t vocab,

@@ -16,8 +16,9 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("rms_norm(Tensor! out, Tensor input, Tensor weight, float epsilon) -> ()");
   m.def("fused_add_rms_norm(Tensor! input, Tensor! residual, Tensor weight, float epsilon) -> ()");
   m.def("silu_and_mul(Tensor! out, Tensor input) -> ()");
-  m.def("linear(Tensor input, Tensor weight, Tensor? bias, Tensor? packed_weight=None) -> Tensor");
+  m.def("linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("linear_prepack(Tensor weight) -> Tensor");
+  m.def("linear_gather_rows(Tensor weight, Tensor ids) -> Tensor");
   m.def(
       "rotary_embedding(Tensor positions, Tensor! query, Tensor! key, int head_dim, "
       "Tensor cos_sin_cache, bool is_neox) -> ()");
@@ -37,9 +38,12 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("sampling_from_logits(Tensor logits, Tensor temperature, Tensor uniform) -> Tensor");
 }
 
-// Devices without a packed weight layout: linear_prepack gives an undefined tensor.
+// Devices without a packed weight layout: linear_prepack gives an undefined tensor, and a plain
+// weight's rows are an index_select.
 TORCH_LIBRARY_IMPL(kvserve, CompositeExplicitAutograd, m) {
   m.impl("linear_prepack", [](const at::Tensor&) { return at::Tensor(); });
+  m.impl("linear_gather_rows",
+         [](const at::Tensor& weight, const at::Tensor& ids) { return weight.index_select(0, ids); });
 }
 
 namespace kvserve::ops {
@@ -72,18 +76,22 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& input) {
 }
 
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,
-                  const std::optional<at::Tensor>& bias,
-                  const std::optional<at::Tensor>& packed_weight) {
-  using Optional = const std::optional<at::Tensor>&;
+                  const std::optional<at::Tensor>& bias) {
   static const auto op =
-      handle<at::Tensor(const at::Tensor&, const at::Tensor&, Optional, Optional)>(
+      handle<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>(
           "kvserve::linear");
-  return op.call(input, weight, bias, packed_weight);
+  return op.call(input, weight, bias);
 }
 
 at::Tensor linear_prepack(const at::Tensor& weight) {
   static const auto op = handle<at::Tensor(const at::Tensor&)>("kvserve::linear_prepack");
   return op.call(weight);
+}
+
+at::Tensor linear_gather_rows(const at::Tensor& weight, const at::Tensor& ids) {
+  static const auto op =
+      handle<at::Tensor(const at::Tensor&, const at::Tensor&)>("kvserve::linear_gather_rows");
+  return op.call(weight, ids);
 }
 
 void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,

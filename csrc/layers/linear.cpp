@@ -1,6 +1,5 @@
 #include "layers/linear.h"
 
-
 #include <stdexcept>
 
 #include "kernels/linear/linear.h"
@@ -24,20 +23,19 @@ Linear::Linear(at::Tensor weight, at::Tensor bias) : weight_(std::move(weight)),
   TORCH_CHECK(!bias_.defined() || (bias_.dim() == 1 && bias_.size(0) == weight_.size(0)),
               "Linear: bias must be [", weight_.size(0), "]");
   weight_ = weight_.contiguous();
-  packed_weight_ = ops::linear_prepack(weight_);
+  at::Tensor packed = ops::linear_prepack(weight_);
+  if (packed.defined()) weight_ = std::move(packed);  // the plain copy is released
 }
 
 at::Tensor Linear::forward(const at::Tensor& x) const {
-  auto optional = [](const at::Tensor& t) {
-    return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
-  };
-  return ops::linear(x, weight_, optional(bias_), optional(packed_weight_));
+  return ops::linear(x, weight_, bias_.defined() ? std::optional<at::Tensor>(bias_) : std::nullopt);
 }
 
+at::Tensor Linear::rows(const at::Tensor& ids) const { return ops::linear_gather_rows(weight_, ids); }
+
 int64_t Linear::weight_bytes() const {
-  // A packed tensor has no storage to ask; its layout pads little, so count it like the weight.
-  const int64_t packed = packed_weight_.defined() ? weight_.numel() * weight_.element_size() : 0;
-  return weight_.nbytes() + packed + (bias_.defined() ? static_cast<int64_t>(bias_.nbytes()) : 0);
+  return ops::linear_weight_nbytes(weight_) +
+         (bias_.defined() ? static_cast<int64_t>(bias_.nbytes()) : 0);
 }
 
 }  // namespace kvserve

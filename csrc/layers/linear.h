@@ -9,23 +9,25 @@ namespace kvserve {
 class Linear {
  public:
   Linear() = default;
-  /// weight [out_features, in_features]; bias [out_features] or undefined. Where the device has
-  /// one, a packed copy of the weight is kept for the GEMM (beyond the few tokens that
-  /// ops::linear leaves to the GEMV); the plain one stays for that GEMV, which decodes a few
-  /// sequences at memory bandwidth.
+  /// weight [out_features, in_features]; bias [out_features] or undefined. One copy of the weight
+  /// is kept: packed by ops::linear_prepack where the device's GEMM has a packed layout that
+  /// kvserve's GEMV reads too (fp32 / bf16 on CPU), else the plain weight.
   Linear(at::Tensor weight, at::Tensor bias);
 
   /// x [T, in_features] -> [T, out_features], in the weight dtype.
   at::Tensor forward(const at::Tensor& x) const;
 
+  /// Rows `ids` (int64 [T]) of the weight, [T, in_features]: a tied embedding's lookup.
+  at::Tensor rows(const at::Tensor& ids) const;
+
   int64_t in_features() const { return weight_.size(1); }
   int64_t out_features() const { return weight_.size(0); }
-  /// Bytes of the weight, its packed copy and the bias.
+  bool packed() const { return weight_.is_mkldnn(); }
+  /// Bytes of the weight as held (a packed one pads its blocks) and the bias.
   int64_t weight_bytes() const;
 
  private:
-  at::Tensor weight_;
-  at::Tensor packed_weight_;  // undefined where the device has no packed layout
+  at::Tensor weight_;  // plain [out, in], or packed by ops::linear_prepack
   at::Tensor bias_;
 };
 

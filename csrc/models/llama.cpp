@@ -6,7 +6,10 @@ namespace kvserve {
 
 LlamaForCausalLM::LlamaForCausalLM(const ModelConfig& config, const WeightMap& w,
                                    int64_t max_positions)
-    : config_(config), embed_tokens_(w.get("embed_tokens.weight")) {
+    : config_(config),
+      embed_tokens_(w.get("embed_tokens.weight")),
+      dtype_(embed_tokens_.scalar_type()),
+      device_(embed_tokens_.device()) {
   config_.validate();
   TORCH_CHECK(embed_tokens_.dim() == 2 && embed_tokens_.size(0) == config_.vocab_size &&
                   embed_tokens_.size(1) == config_.hidden_size,
@@ -27,6 +30,8 @@ LlamaForCausalLM::LlamaForCausalLM(const ModelConfig& config, const WeightMap& w
   norm_ = RMSNorm(w.get("norm.weight"), config_.rms_norm_eps);
   lm_head_ = Linear(config_.tie_word_embeddings ? embed_tokens_ : w.get("lm_head.weight"),
                     at::Tensor());
+  // A tied embedding reads its rows from the LM head's (packed) weight: one copy of the matrix.
+  if (config_.tie_word_embeddings && lm_head_.packed()) embed_tokens_ = at::Tensor();
 }
 
 at::Tensor LlamaForCausalLM::forward(const at::Tensor& input_ids, const at::Tensor& positions,
@@ -36,7 +41,8 @@ at::Tensor LlamaForCausalLM::forward(const at::Tensor& input_ids, const at::Tens
               " KV caches for ", layers_.size(), " layers");
   TORCH_CHECK(input_ids.dim() == 1 && positions.sizes() == input_ids.sizes(),
               "forward: input_ids and positions must both be [T]");
-  at::Tensor hidden = at::embedding(embed_tokens_, input_ids);  // [T, hidden]
+  at::Tensor hidden = embed_tokens_.defined() ? at::embedding(embed_tokens_, input_ids)
+                                              : lm_head_.rows(input_ids);  // [T, hidden]
   at::Tensor residual;
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer& layer = layers_[i];
@@ -60,9 +66,9 @@ at::Tensor LlamaForCausalLM::compute_logits(const at::Tensor& hidden) {
 }
 
 int64_t LlamaForCausalLM::weight_bytes() const {
-  // A tied LM head shares the embedding matrix; only its packed copy is its own.
-  int64_t bytes = embed_tokens_.nbytes() + norm_.weight_bytes() + lm_head_.weight_bytes();
-  if (config_.tie_word_embeddings) bytes -= embed_tokens_.nbytes();
+  // A tied LM head shares the embedding matrix (or holds it alone, packed).
+  int64_t bytes = norm_.weight_bytes() + lm_head_.weight_bytes();
+  if (!config_.tie_word_embeddings) bytes += embed_tokens_.nbytes();
   for (const Layer& layer : layers_) {
     bytes += layer.input_layernorm.weight_bytes() + layer.self_attn->weight_bytes() +
              layer.post_attention_layernorm.weight_bytes() + layer.mlp->weight_bytes();

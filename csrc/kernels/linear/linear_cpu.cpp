@@ -1,30 +1,71 @@
-// CPU launcher for linear: the streaming GEMV kernel for a few tokens, oneDNN's GEMM on the
-// packed weight otherwise (ATen's GEMM when there is none), and linear_prepack that packs it.
+// CPU launcher for linear: the streaming GEMV kernels for a few tokens (on the plain weight or on
+// oneDNN's packed one), oneDNN's GEMM on the packed weight otherwise (ATen's GEMM on a plain
+// one), linear_prepack that packs a weight and checks that the GEMV can read it, and
+// linear_gather_rows for tied embeddings.
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <torch/library.h>
 
+#include <atomic>
+#include <cstring>
+
 #include "kernels/cpu_kernels.h"
 #include "kernels/linear/linear.h"
+#include "kernels/linear/linear_packed_layout.h"
 #include "kernels/op_checks.h"
+
+// Raw access to an MKLDNN (oneDNN) tensor's buffer; exported by libtorch_cpu for AOTInductor,
+// declared in a header (ATen/native/mkldnn/MKLDNNCommon.h) that the wheel does not ship.
+namespace at::native {
+TORCH_API void* data_ptr_from_mkldnn(const at::Tensor& mkldnn_tensor);
+TORCH_API int64_t nbytes_from_mkldnn(const at::Tensor& mkldnn_tensor);
+}  // namespace at::native
 
 namespace kvserve::ops {
 namespace {
 
-// Up to this many tokens the GEMV kernel wins: it reads the weight once per kTokenBlock tokens
-// and its time is the weight's bytes over memory bandwidth. Against ATen's GEMM, which repacks
-// the weight on every call (MKL's small-M one runs on one core here), it wins up to 8 tokens;
-// against oneDNN on a packed weight only up to 2 (benchmarks/bench_linear.py), once the weight
-// is bigger than kSmallWeightBytes. Below that, oneDNN's cost per call (tens of microseconds
-// in a model's step) outweighs what the GEMV loses by reading the weight again per 4 tokens: the
-// shipped 6.8M model decodes 3 sequences in 1.25 ms per step this way and in 1.5 ms on oneDNN,
-// while the ~100M Llama decodes 8 in 19 ms on oneDNN and in 34 ms with the GEMV.
+// Up to this many tokens the GEMV kernel wins: it reads the weight once per token block and its
+// time is the weight's bytes over memory bandwidth. Against ATen's GEMM, which repacks the weight
+// on every call (MKL's small-M one runs on one core here), it wins up to 8 tokens; against
+// oneDNN on a packed weight only up to 2 (benchmarks/bench_linear.py), once the weight is bigger
+// than kSmallWeightBytes. Below that, oneDNN's cost per call (tens of microseconds in a model's
+// step) outweighs what the GEMV loses by reading the weight again per token block.
 constexpr int64_t kMaxGemvTokens = 8;
 constexpr int64_t kMaxGemvTokensPacked = 2;
 constexpr int64_t kSmallWeightBytes = 4 << 20;
 
 bool packable(at::ScalarType dtype) { return dtype == at::kFloat || dtype == at::kBFloat16; }
+
+int64_t pair_of(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 2 : 1; }
+
+// The layout of a packed weight (as linear_prepack made it), from its size.
+std::optional<PackedLayout> layout_of(const at::Tensor& packed) {
+  const int64_t numel = at::native::nbytes_from_mkldnn(packed) /
+                        static_cast<int64_t>(packed.element_size());
+  return packed_layout(packed.size(0), packed.size(1), pair_of(packed.scalar_type()), numel);
+}
+
+// True when every element of `weight` sits where `layout` says in the packed buffer (bit-exact).
+template <typename T>
+bool layout_matches(const at::Tensor& weight, const void* packed, const PackedLayout& layout) {
+  const T* w = weight.data_ptr<T>();
+  const T* p = static_cast<const T*>(packed);
+  const int64_t n = weight.size(0), k = weight.size(1);
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end && ok.load(std::memory_order_relaxed); ++o) {
+      for (int64_t i = 0; i < k; ++i) {
+        if (std::memcmp(&w[o * k + i], &p[layout.offset(o, i)], sizeof(T)) != 0) {
+          ok = false;
+          break;
+        }
+      }
+    }
+  });
+  return ok;
+}
 
 // oneDNN's linear (mkldnn::_linear_pointwise, registered by torch) on a weight packed by
 // mkldnn::_reorder_linear_weight: the blocked layout its GEMM reads directly, so no call spends
@@ -49,56 +90,118 @@ at::Tensor linear_prepack_cpu(const at::Tensor& weight) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("mkldnn::_reorder_linear_weight", "")
                              .typed<at::Tensor(const at::Tensor&, std::optional<int64_t>)>();
+  const at::Tensor plain = weight.contiguous();
+  at::Tensor packed;
   try {
-    return op.call(weight.contiguous(), std::nullopt);
+    packed = op.call(plain, std::nullopt);
   } catch (const c10::Error&) {
     return at::Tensor();  // e.g. bf16 on a CPU without AVX-512: ATen's GEMM it is
   }
+  const std::optional<PackedLayout> layout = layout_of(packed);
+  const void* data = at::native::data_ptr_from_mkldnn(packed);
+  const bool readable =
+      layout && (plain.scalar_type() == at::kFloat ? layout_matches<float>(plain, data, *layout)
+                                                   : layout_matches<c10::BFloat16>(plain, data, *layout));
+  return readable ? packed : at::Tensor();
 }
 
 at::Tensor linear_cpu(const at::Tensor& input, const at::Tensor& weight,
-                      const std::optional<at::Tensor>& bias,
-                      const std::optional<at::Tensor>& packed_weight) {
+                      const std::optional<at::Tensor>& bias) {
   constexpr const char* op = "linear";
   check_rows(op, "input", input, 2);
-  check_like(op, "weight", weight, input);
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) == input.size(1), op, ": weight must be [out, ",
               input.size(1), "], got ", weight.sizes());
+  TORCH_CHECK(weight.scalar_type() == input.scalar_type(), op,
+              ": weight must have the input's dtype ", input.scalar_type(), ", got ",
+              weight.scalar_type());
   const int64_t m = input.size(0), n = weight.size(0), k = weight.size(1);
   if (bias) {
     check_like(op, "bias", *bias, input);
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(), op,
                 ": bias must be contiguous [", n, "]");
   }
-  const bool packed = packed_weight && packed_weight->defined();
+  const bool packed = weight.is_mkldnn();
+  std::optional<PackedLayout> layout;
   if (packed) {
-    TORCH_CHECK(packed_weight->is_mkldnn() && packed_weight->scalar_type() == input.scalar_type() &&
-                    packed_weight->sizes() == weight.sizes(),
-                op, ": packed_weight must come from linear_prepack of this weight");
+    layout = layout_of(weight);
+    TORCH_CHECK(layout && packable(weight.scalar_type()), op,
+                ": a packed weight must come from linear_prepack");
+  } else {
+    check_like(op, "weight", weight, input);
   }
-  const bool big_packed = packed && weight.nbytes() > static_cast<size_t>(kSmallWeightBytes);
-  const bool small = m <= (big_packed ? kMaxGemvTokensPacked : kMaxGemvTokens) &&
-                     weight.is_contiguous() &&
-                     (input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16 ||
-                      input.scalar_type() == at::kHalf);
-  if (m == 0 || n == 0) return at::linear(input, weight, bias);
-  if (!small) {
-    return packed ? onednn_linear(input, *packed_weight, bias) : at::linear(input, weight, bias);
+  const bool big = weight.numel() * static_cast<int64_t>(weight.element_size()) > kSmallWeightBytes;
+  const int64_t max_gemv = packed && big ? kMaxGemvTokensPacked : kMaxGemvTokens;
+  const bool gemv_dtype = input.scalar_type() == at::kFloat ||
+                          input.scalar_type() == at::kBFloat16 ||
+                          (!packed && input.scalar_type() == at::kHalf);
+  if (m == 0 || n == 0) return at::empty({m, n}, input.options());
+  if (m > max_gemv || !gemv_dtype || (!packed && !weight.is_contiguous())) {
+    return packed ? onednn_linear(input, weight, bias) : at::linear(input, weight, bias);
   }
   at::Tensor out = at::empty({m, n}, input.options());
-  cpu::gemv_stub.get()(input.scalar_type(), input.data_ptr(), input.stride(0), weight.data_ptr(),
-                       bias ? bias->data_ptr() : nullptr, out.data_ptr(), m, n, k);
+  const void* bias_data = bias ? bias->data_ptr() : nullptr;
+  if (packed) {
+    cpu::gemv_packed_stub.get()(input.scalar_type(), input.data_ptr(), input.stride(0),
+                                at::native::data_ptr_from_mkldnn(weight), bias_data,
+                                out.data_ptr(), m, n, k, layout->block_out, layout->k_padded);
+  } else {
+    cpu::gemv_stub.get()(input.scalar_type(), input.data_ptr(), input.stride(0), weight.data_ptr(),
+                         bias_data, out.data_ptr(), m, n, k);
+  }
+  return out;
+}
+
+// Rows of a packed weight: each element of a row sits in its own block column (strided reads).
+template <typename T>
+void gather_packed_rows(const T* packed, const PackedLayout& layout, const int64_t* ids,
+                        int64_t rows, int64_t k, int64_t n, T* out) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      TORCH_CHECK(ids[r] >= 0 && ids[r] < n, "linear_gather_rows: id ", ids[r],
+                  " is outside [0, ", n, ")");
+      for (int64_t i = 0; i < k; ++i) out[r * k + i] = packed[layout.offset(ids[r], i)];
+    }
+  });
+}
+
+at::Tensor linear_gather_rows_cpu(const at::Tensor& weight, const at::Tensor& ids) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong,
+              "linear_gather_rows: ids must be int64 [T]");
+  if (!weight.is_mkldnn()) return weight.index_select(0, ids);
+  const std::optional<PackedLayout> layout = layout_of(weight);
+  TORCH_CHECK(layout && packable(weight.scalar_type()),
+              "linear_gather_rows: a packed weight must come from linear_prepack");
+  const at::Tensor index = ids.contiguous();
+  const int64_t rows = index.size(0), n = weight.size(0), k = weight.size(1);
+  at::Tensor out = at::empty({rows, k}, at::TensorOptions().dtype(weight.scalar_type()));
+  const void* data = at::native::data_ptr_from_mkldnn(weight);
+  if (weight.scalar_type() == at::kFloat) {
+    gather_packed_rows(static_cast<const float*>(data), *layout, index.data_ptr<int64_t>(), rows,
+                       k, n, out.data_ptr<float>());
+  } else {
+    gather_packed_rows(static_cast<const c10::BFloat16*>(data), *layout,
+                       index.data_ptr<int64_t>(), rows, k, n, out.data_ptr<c10::BFloat16>());
+  }
   return out;
 }
 
 }  // namespace
 
+int64_t linear_weight_nbytes(const at::Tensor& weight) {
+  return weight.is_mkldnn() ? at::native::nbytes_from_mkldnn(weight)
+                            : static_cast<int64_t>(weight.nbytes());
+}
+
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("linear", &linear_cpu);
   m.impl("linear_prepack", &linear_prepack_cpu);
+  m.impl("linear_gather_rows", &linear_gather_rows_cpu);
 }
 
 // A packed weight is an MKLDNN tensor, whose dispatch key outranks CPU's.
-TORCH_LIBRARY_IMPL(kvserve, MkldnnCPU, m) { m.impl("linear", &linear_cpu); }
+TORCH_LIBRARY_IMPL(kvserve, MkldnnCPU, m) {
+  m.impl("linear", &linear_cpu);
+  m.impl("linear_gather_rows", &linear_gather_rows_cpu);
+}
 
 }  // namespace kvserve::ops

@@ -33,7 +33,9 @@ class _TensorReader:
             tensor = self.handles[info.file].get_tensor(name)
         except Exception as e:  # safetensors raises its own error types; its checks mirror ours
             raise ValueError(f"{info.file}: cannot read tensor '{name}': {e}") from e
-        return tensor.to(self.dtype)
+        # A copy even in the same dtype: a tensor that views the memory map would keep the whole
+        # file mapped (and its pages resident) for as long as the model lives.
+        return tensor.to(self.dtype, copy=True)
 
 
 def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,

@@ -1,0 +1,204 @@
+// Streaming GEMV body for a few tokens over a weight in oneDNN's packed layout
+// (linear_packed_layout.h): the GEMM's own copy of the weight, so no second copy is kept. Blocks
+// of B output features are contiguous and a thread owns whole blocks, reading each once,
+// sequentially. Inside a block one input's B weights are adjacent: the kernel broadcasts x[t][i]
+// and accumulates B outputs per token in registers, with no horizontal sums. bf16 pairs
+// (W[o][2j], W[o][2j+1]) share a 32-bit word: a shift and a mask turn them into fp32 exactly.
+// Compiled once per CPU capability.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
+#include "kernels/cpu_kernels.h"
+#include "kernels/cpu_vec.h"
+
+namespace kvserve::cpu {
+inline namespace CPU_CAPABILITY {
+namespace {
+
+constexpr int64_t kVS = Vec::size();
+constexpr int64_t kPrefetchBytes = 2048;  // ahead along the block's sequential stream
+
+// Vec::size() packed bf16 pairs -> the even inputs' and the odd inputs' weights, fp32.
+inline void unpack_pairs(const c10::BFloat16* p, Vec& even, Vec& odd) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i raw = _mm512_loadu_si512(p);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(0xFFFF0000u)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(0xFFFF0000u)));
+#else
+  float e[kVS], o[kVS];
+  for (int64_t j = 0; j < kVS; ++j) {
+    e[j] = static_cast<float>(p[2 * j]);
+    o[j] = static_cast<float>(p[2 * j + 1]);
+  }
+  even = Vec::loadu(e);
+  odd = Vec::loadu(o);
+#endif
+}
+
+// y[t][0, V * kVS) = sum_i x[t][i] * W[block][i] for TB tokens, fp32 weights (P = 1).
+template <int64_t V, int64_t TB>
+void block_fp32(const float* x, int64_t k, const float* w, float* y) {
+  constexpr int64_t B = V * kVS;
+  Vec acc[TB][V];
+  for (int64_t t = 0; t < TB; ++t)
+    for (int64_t v = 0; v < V; ++v) acc[t][v] = Vec(0.0f);
+  for (int64_t i = 0; i < k; ++i, w += B) {
+    Vec wv[V];
+    for (int64_t v = 0; v < V; ++v) {
+      __builtin_prefetch(reinterpret_cast<const char*>(w + v * kVS) + kPrefetchBytes);
+      wv[v] = Vec::loadu(w + v * kVS);
+    }
+    for (int64_t t = 0; t < TB; ++t) {
+      const Vec xt(x[t * k + i]);
+      for (int64_t v = 0; v < V; ++v) acc[t][v] = at::vec::fmadd(wv[v], xt, acc[t][v]);
+    }
+  }
+  for (int64_t t = 0; t < TB; ++t)
+    for (int64_t v = 0; v < V; ++v) acc[t][v].store(y + t * B + v * kVS);
+}
+
+// The same for bf16 weights in pairs (P = 2). An odd k's last pair uses its even half only (the
+// odd half is padding).
+template <int64_t V, int64_t TB>
+void block_bf16(const float* x, int64_t k, const c10::BFloat16* w, float* y) {
+  constexpr int64_t B = V * kVS;
+  // The odd inputs accumulate apart while registers allow: two FMA chains per output vector.
+  constexpr bool kSplit = TB * V <= 8;
+  Vec acc[TB][V], acc_odd[kSplit ? TB : 1][kSplit ? V : 1];
+  for (int64_t t = 0; t < TB; ++t)
+    for (int64_t v = 0; v < V; ++v) acc[t][v] = Vec(0.0f);
+  if constexpr (kSplit) {
+    for (int64_t t = 0; t < TB; ++t)
+      for (int64_t v = 0; v < V; ++v) acc_odd[t][v] = Vec(0.0f);
+  }
+  const int64_t pairs = k / 2;
+  for (int64_t j = 0; j < pairs; ++j, w += 2 * B) {
+    Vec even[V], odd[V];
+    for (int64_t v = 0; v < V; ++v) {
+      __builtin_prefetch(reinterpret_cast<const char*>(w + 2 * v * kVS) + kPrefetchBytes);
+      unpack_pairs(w + 2 * v * kVS, even[v], odd[v]);
+    }
+    for (int64_t t = 0; t < TB; ++t) {
+      const Vec x0(x[t * k + 2 * j]), x1(x[t * k + 2 * j + 1]);
+      for (int64_t v = 0; v < V; ++v) {
+        acc[t][v] = at::vec::fmadd(even[v], x0, acc[t][v]);
+        if constexpr (kSplit) {
+          acc_odd[t][v] = at::vec::fmadd(odd[v], x1, acc_odd[t][v]);
+        } else {
+          acc[t][v] = at::vec::fmadd(odd[v], x1, acc[t][v]);
+        }
+      }
+    }
+  }
+  if (k % 2 == 1) {
+    for (int64_t v = 0; v < V; ++v) {
+      Vec even, odd;
+      unpack_pairs(w + 2 * v * kVS, even, odd);
+      for (int64_t t = 0; t < TB; ++t) {
+        acc[t][v] = at::vec::fmadd(even, Vec(x[t * k + k - 1]), acc[t][v]);
+      }
+    }
+  }
+  if constexpr (kSplit) {
+    for (int64_t t = 0; t < TB; ++t)
+      for (int64_t v = 0; v < V; ++v) acc[t][v] = acc[t][v] + acc_odd[t][v];
+  }
+  for (int64_t t = 0; t < TB; ++t)
+    for (int64_t v = 0; v < V; ++v) acc[t][v].store(y + t * B + v * kVS);
+}
+
+// Tokens in register blocks of up to 4 (2 when a block needs 8 vectors per token), so that the
+// accumulators fit the vector registers.
+template <typename T, int64_t V>
+void block_all_tokens(const float* x, int64_t m, int64_t k, const T* w, float* y) {
+  constexpr int64_t kMaxTB = V >= 8 ? 2 : 4;
+  constexpr int64_t B = V * kVS;
+  for (int64_t t0 = 0; t0 < m; t0 += kMaxTB) {
+    const float* xt = x + t0 * k;
+    float* yt = y + t0 * B;
+    auto run = [&](auto tb) {
+      constexpr int64_t TB = decltype(tb)::value;
+      if constexpr (std::is_same_v<T, float>) {
+        block_fp32<V, TB>(xt, k, w, yt);
+      } else {
+        block_bf16<V, TB>(xt, k, w, yt);
+      }
+    };
+    const int64_t tokens = std::min<int64_t>(kMaxTB, m - t0);
+    if (tokens == 1) run(std::integral_constant<int64_t, 1>{});
+    if (tokens == 2) run(std::integral_constant<int64_t, 2>{});
+    if constexpr (kMaxTB == 4) {
+      if (tokens == 3) run(std::integral_constant<int64_t, 3>{});
+      if (tokens == 4) run(std::integral_constant<int64_t, 4>{});
+    }
+  }
+}
+
+template <typename T>
+void gemv_packed_typed(const T* input, int64_t input_stride, const T* weight, const T* bias,
+                       T* out, int64_t m, int64_t n, int64_t k, int64_t block_out,
+                       int64_t k_padded) {
+  std::vector<float> x(m * k), y(m * n);
+  for (int64_t t = 0; t < m; ++t) convert_to_float(input + t * input_stride, x.data() + t * k, k);
+  const int64_t blocks = (n + block_out - 1) / block_out;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> tile(m * block_out);
+    for (int64_t b = begin; b < end; ++b) {
+      const T* w = weight + b * k_padded * block_out;
+      switch (block_out / kVS) {
+        case 1: block_all_tokens<T, 1>(x.data(), m, k, w, tile.data()); break;
+        case 2: block_all_tokens<T, 2>(x.data(), m, k, w, tile.data()); break;
+        case 3: block_all_tokens<T, 3>(x.data(), m, k, w, tile.data()); break;
+        case 4: block_all_tokens<T, 4>(x.data(), m, k, w, tile.data()); break;
+        case 6: block_all_tokens<T, 6>(x.data(), m, k, w, tile.data()); break;
+        case 8: block_all_tokens<T, 8>(x.data(), m, k, w, tile.data()); break;
+        default: TORCH_CHECK(false, "gemv_packed: unsupported block of ", block_out, " outputs");
+      }
+      const int64_t o0 = b * block_out, count = std::min(block_out, n - o0);
+      for (int64_t t = 0; t < m; ++t) {
+        std::memcpy(y.data() + t * n + o0, tile.data() + t * block_out, count * sizeof(float));
+      }
+    }
+  });
+  for (int64_t t = 0; t < m; ++t) {
+    float* row = y.data() + t * n;
+    if (bias != nullptr) {
+      for (int64_t j = 0; j < n; ++j) row[j] += static_cast<float>(bias[j]);
+    }
+    convert_from_float(row, out + t * n, n);
+  }
+}
+
+void gemv_packed_impl(c10::ScalarType dtype, const void* input, int64_t input_stride,
+                      const void* weight, const void* bias, void* out, int64_t m, int64_t n,
+                      int64_t k, int64_t block_out, int64_t k_padded) {
+  if (dtype == c10::kFloat) {
+    gemv_packed_typed(static_cast<const float*>(input), input_stride,
+                      static_cast<const float*>(weight), static_cast<const float*>(bias),
+                      static_cast<float*>(out), m, n, k, block_out, k_padded);
+  } else {
+    TORCH_CHECK(dtype == c10::kBFloat16, "gemv_packed: fp32 or bf16 weights only");
+    using T = c10::BFloat16;
+    gemv_packed_typed(static_cast<const T*>(input), input_stride, static_cast<const T*>(weight),
+                      static_cast<const T*>(bias), static_cast<T*>(out), m, n, k, block_out,
+                      k_padded);
+  }
+}
+
+}  // namespace
+
+KVSERVE_REGISTER_CPU_KERNEL(gemv_packed_stub, &gemv_packed_impl);
+
+}  // namespace CPU_CAPABILITY
+}  // namespace kvserve::cpu
