@@ -10,24 +10,13 @@
 
 #include <cstdint>
 #include <optional>
-#include <random>
 #include <utility>
 #include <vector>
 
+#include "kvserve/request_random.h"
 #include "kvserve/sampling_params.h"
 
 namespace kvserve {
-
-/// The random stream of one request: one uniform number in [0, 1) per sampled token.
-class RequestRandom {
- public:
-  /// Seeded from `seed` when given, otherwise from std::random_device.
-  explicit RequestRandom(std::optional<uint64_t> seed);
-  float next_uniform();
-
- private:
-  std::mt19937_64 engine_;
-};
 
 /// One row of a batch to sample: its parameters, random stream and token history. The pointers
 /// are borrowed for the call. prompt/output may be null only when the params need no history
