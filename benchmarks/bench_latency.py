@@ -73,12 +73,12 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--prompt-range", type=int, nargs=2, default=[32, 256])
     p.add_argument("--output-range", type=int, nargs=2, default=[32, 128])
-    p.add_argument("--num-kv-blocks", type=int, default=None,
+    p.add_argument("--num-blocks", type=int, default=None,
                    help="a smaller pool shows preemption under load")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    engine = kvserve.LLMEngine(args.model, dtype=args.dtype, num_kv_blocks=args.num_kv_blocks,
+    engine = kvserve.LLMEngine(args.model, dtype=args.dtype, num_blocks=args.num_blocks,
                                max_num_batched_tokens=args.max_num_batched_tokens)
     vocab = engine.config.vocab_size
     results = [run_rate(engine, rate, args.requests, args.prompt_range, args.output_range, vocab,

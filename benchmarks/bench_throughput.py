@@ -100,7 +100,7 @@ def main() -> None:
     rows, results = [], []
     for name in args.models:
         path = model_dir(name, args.dtype)
-        vocab = kvserve.LLM(path, dtype=args.dtype, num_kv_blocks=2).config.vocab_size
+        vocab = kvserve.LLM(path, dtype=args.dtype, num_blocks=2).config.vocab_size
         requests = workload(args.requests, vocab, args.prompt_range, args.output_range, args.seed)
         useful = sum(n for _, n in requests)
         prompt_tokens = sum(len(q) for q, _ in requests)

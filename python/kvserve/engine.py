@@ -76,7 +76,7 @@ class LLMEngine:
         model: a Hugging Face checkpoint directory.
         dtype: "float32", "bfloat16", "float16" or "auto".
         max_model_len: longest prompt + output (default: the config's max_position_embeddings).
-        block_size, num_kv_blocks | kv_cache_memory: the paged KV pool (default: room for
+        block_size, num_blocks | kv_cache_memory: the paged KV pool (default: room for
             max_num_seqs full-length sequences, at most DEFAULT_KV_CACHE_MEMORY bytes).
         max_num_seqs: running sequences at most; max_num_batched_tokens: tokens per step.
         enable_prefix_caching: reuse the KV of identical prompt prefixes.
@@ -85,7 +85,7 @@ class LLMEngine:
 
     def __init__(self, model: str | Path, dtype: str | torch.dtype = "auto",
                  max_model_len: int | None = None, *, block_size: int = 16,
-                 num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
+                 num_blocks: int | None = None, kv_cache_memory: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, device: str | torch.device = "cpu",
                  max_logprobs: int = 20, log_memory_plan: bool = True):
@@ -110,14 +110,14 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.eos_token_ids = info.eos_token_ids
         self.tokenizer = Tokenizer.from_model_dir(model)
-        num_blocks = self._kv_blocks(block_size, num_kv_blocks, kv_cache_memory, max_num_seqs)
+        pool_blocks = self._kv_blocks(block_size, num_blocks, kv_cache_memory, max_num_seqs)
         weights = load_weights(self.model_dir, info.config, self.dtype, device)
         self.model = _C.create_causal_lm(info.config, weights, max_model_len)
         del weights  # the model packed or copied what it keeps
         _release_freed_memory()
         config = _C.EngineConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
+            max_model_len=max_model_len, block_size=block_size, num_blocks=pool_blocks,
             enable_prefix_caching=bool(enable_prefix_caching), eos_token_ids=info.eos_token_ids,
             max_logprobs=max_logprobs)
         self.engine = _C.ContinuousBatchingEngine(self.model, config)
@@ -128,20 +128,20 @@ class LLMEngine:
             print(self.memory_plan(), file=sys.stderr)
 
     # ------------------------------------------------------------------------------ set-up
-    def _kv_blocks(self, block_size, num_kv_blocks, kv_cache_memory, max_num_seqs) -> int:
+    def _kv_blocks(self, block_size, num_blocks, kv_cache_memory, max_num_seqs) -> int:
         """Blocks of the paged KV pool, from an explicit count, a byte budget or the default."""
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
-        if num_kv_blocks is not None and kv_cache_memory is not None:
-            raise ValueError("give num_kv_blocks or kv_cache_memory, not both")
+        if num_blocks is not None and kv_cache_memory is not None:
+            raise ValueError("give num_blocks or kv_cache_memory, not both")
         c = self.config
         per_block = _C.PagedKVCache.bytes_per_block(c.num_layers, block_size, c.num_kv_heads,
                                                     c.head_dim, self.dtype)
-        if num_kv_blocks is not None:
-            if not isinstance(num_kv_blocks, int) or num_kv_blocks < 2:
-                raise ValueError(f"num_kv_blocks must be an integer >= 2 (block 0 is reserved), "
-                                 f"got {num_kv_blocks!r}")
-            return num_kv_blocks
+        if num_blocks is not None:
+            if not isinstance(num_blocks, int) or num_blocks < 2:
+                raise ValueError(f"num_blocks must be an integer >= 2 (block 0 is reserved), "
+                                 f"got {num_blocks!r}")
+            return num_blocks
         if kv_cache_memory is None:
             full = max_num_seqs * -(-self.max_model_len // block_size) + 1
             return max(2, min(full, DEFAULT_KV_CACHE_MEMORY // per_block))

@@ -32,7 +32,7 @@ class LLM:
             (decodes + prefill chunks; longer prompts are prefilled in chunks).
         device: "cpu" (CUDA kernels are not written yet).
         block_size: tokens per KV-cache block.
-        num_kv_blocks: blocks in the paged KV pool (block 0, the null block, included); or
+        num_blocks: blocks in the paged KV pool (block 0, the null block, included); or
         kv_cache_memory: bytes for the pool. Default: enough for max_num_seqs sequences of
             max_model_len tokens, at most kvserve.engine.DEFAULT_KV_CACHE_MEMORY.
         enable_prefix_caching: reuse the KV of identical prompt prefixes (full blocks) across
@@ -43,11 +43,11 @@ class LLM:
     def __init__(self, model: str | Path, dtype: str | torch.dtype = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = 256,
                  device: str | torch.device = "cpu", *, block_size: int = 16,
-                 num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
+                 num_blocks: int | None = None, kv_cache_memory: int | None = None,
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  log_memory_plan: bool = False):
         self.llm_engine = LLMEngine(
-            model, dtype, max_model_len, block_size=block_size, num_kv_blocks=num_kv_blocks,
+            model, dtype, max_model_len, block_size=block_size, num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching, device=device,

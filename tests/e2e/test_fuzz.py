@@ -51,7 +51,7 @@ prompts = st.one_of(
 @pytest.fixture(scope="module")
 def served(checkpoint_factory):
     e = LLMEngine(checkpoint_factory("LlamaForCausalLM"), dtype="float32",
-                  max_model_len=MAX_MODEL_LEN, block_size=4, num_kv_blocks=64,
+                  max_model_len=MAX_MODEL_LEN, block_size=4, num_blocks=64,
                   log_memory_plan=False)
     yield e
     # Still serving after everything the fuzzers threw at it.

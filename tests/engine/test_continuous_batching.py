@@ -66,7 +66,7 @@ def test_batched_with_arrivals_equals_alone(path, alone):
 
 
 def test_preemption_gives_identical_results(path, alone):
-    e = engine(path, block_size=4, num_kv_blocks=40, enable_prefix_caching=False)
+    e = engine(path, block_size=4, num_blocks=40, enable_prefix_caching=False)
     assert run(e, mixed_requests(32)) == alone
     assert e.get_stats().num_preemptions > 0
 
@@ -249,7 +249,7 @@ def test_bad_input_is_rejected_and_the_engine_keeps_serving(path, args, error, m
 
 
 def test_a_request_larger_than_the_pool_is_rejected(path):
-    e = engine(path, block_size=4, num_kv_blocks=6)  # 20 tokens
+    e = engine(path, block_size=4, num_blocks=6)  # 20 tokens
     with pytest.raises(ValueError, match="KV blocks"):
         e.add_request("big", [1] * 12, SamplingParams(max_tokens=10))
     with pytest.raises(ValueError, match="KV blocks"):
@@ -258,7 +258,7 @@ def test_a_request_larger_than_the_pool_is_rejected(path):
 
 def test_randomized_arrivals_aborts_and_parameters(path):
     rng = random.Random(5)
-    e = engine(path, block_size=4, num_kv_blocks=48, max_num_batched_tokens=24, max_num_seqs=6)
+    e = engine(path, block_size=4, num_blocks=48, max_num_batched_tokens=24, max_num_seqs=6)
     live, next_id, steps = set(), 0, 0
     while next_id < 600 or e.has_unfinished_requests():
         if next_id < 600 and rng.random() < 0.4:

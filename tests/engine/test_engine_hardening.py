@@ -57,7 +57,7 @@ def serves_a_normal_request(e: LLMEngine) -> None:
 def test_limits_are_compared_without_overflow(path, kwargs, message):
     """prompt + max_tokens overflowed int64 and passed the checks; the request then never
     progressed (and n = 2**62 made step() loop forever)."""
-    e = engine(path, num_kv_blocks=64)
+    e = engine(path, num_blocks=64)
     with pytest.raises(ValueError, match=message):
         e.add_request("huge", [1, 2, 3], SamplingParams(**kwargs))
     serves_a_normal_request(e)

@@ -142,7 +142,7 @@ def test_small_pool_runs_requests_in_several_batches(checkpoint_factory):
     params = kvserve.SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     big = kvserve.LLM(path, dtype="float32")
     # 11 usable blocks of 4 tokens: room for about two of these requests at a time.
-    small = kvserve.LLM(path, dtype="float32", block_size=4, num_kv_blocks=12,
+    small = kvserve.LLM(path, dtype="float32", block_size=4, num_blocks=12,
                         enable_prefix_caching=False)
     assert small.kv_cache.capacity_tokens == 44
     assert ([o.outputs[0].token_ids for o in small.generate(prompts, params)] ==
@@ -151,7 +151,7 @@ def test_small_pool_runs_requests_in_several_batches(checkpoint_factory):
 
 def test_a_request_that_can_never_fit_is_rejected(checkpoint_factory):
     path = checkpoint_factory("LlamaForCausalLM")
-    llm = kvserve.LLM(path, dtype="float32", block_size=4, num_kv_blocks=5)  # 16 tokens
+    llm = kvserve.LLM(path, dtype="float32", block_size=4, num_blocks=5)  # 16 tokens
     params = kvserve.SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     with pytest.raises(ValueError, match="KV blocks"):
         llm.generate([[1, 2, 3, 4, 5, 6, 7, 8]], params)
@@ -161,9 +161,9 @@ def test_a_request_that_can_never_fit_is_rejected(checkpoint_factory):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(block_size=0), "block_size"),
-    (dict(num_kv_blocks=1), "num_kv_blocks"),
+    (dict(num_blocks=1), "num_blocks"),
     (dict(kv_cache_memory=10), "kv_cache_memory"),
-    (dict(num_kv_blocks=8, kv_cache_memory=1 << 20), "not both"),
+    (dict(num_blocks=8, kv_cache_memory=1 << 20), "not both"),
 ])
 def test_bad_cache_arguments(checkpoint_factory, kwargs, message):
     with pytest.raises(ValueError, match=message):

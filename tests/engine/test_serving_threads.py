@@ -25,7 +25,7 @@ def path(checkpoint_factory):
 
 def engine(path, **kwargs) -> LLMEngine:
     kwargs.setdefault("log_memory_plan", False)
-    return LLMEngine(path, dtype="float32", block_size=4, num_kv_blocks=200,
+    return LLMEngine(path, dtype="float32", block_size=4, num_blocks=200,
                      max_num_batched_tokens=64, max_num_seqs=16, **kwargs)
 
 

@@ -38,7 +38,7 @@ def checkpoint_bytes(path, dtype: torch.dtype) -> int:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_weight_bytes_are_the_checkpoint_size(checkpoint_factory, tied, dtype):
     path = checkpoint_factory("LlamaForCausalLM", tie_word_embeddings=tied, **SHAPE)
-    llm = kvserve.LLM(path, dtype=dtype, num_kv_blocks=4)
+    llm = kvserve.LLM(path, dtype=dtype, num_blocks=4)
     want = checkpoint_bytes(path, dtype)
     assert want * 0.999 <= llm.model.weight_bytes <= want * 1.02
     assert f"weights {llm.model.weight_bytes / 2**20:.1f} MiB" in llm.llm_engine.memory_plan()
@@ -61,7 +61,7 @@ def test_resident_memory_after_loading_is_one_copy(checkpoint_factory):
                 if line.startswith("VmRSS"):
                     return int(line.split()[1]) * 1024
         before = rss()
-        llm = kvserve.LLM({str(path)!r}, dtype="float32", num_kv_blocks=2)
+        llm = kvserve.LLM({str(path)!r}, dtype="float32", num_blocks=2)
         print(json.dumps(dict(growth=rss() - before, weights=llm.model.weight_bytes)))
     """)
     if not sys.platform.startswith("linux"):
