@@ -5,7 +5,7 @@ TORCH_VERSION ?= 2.13.0
 DEMO_MODEL ?= models/shakespeare-target
 DEMO_PROMPT ?= ROMEO:
 
-.PHONY: install build test-deps build-tests demo test test-cpp test-python bench clean
+.PHONY: install build test-deps build-tests demo test test-cpp test-python test-asan bench clean
 
 # torch first and pinned: an unpinned `torch` would pull a multi-GB CUDA build. Then the package,
 # built against that torch (no build isolation), with its runtime dependencies.
@@ -40,6 +40,20 @@ test-python: build-tests
 test: build-tests
 	ctest --test-dir build/py --output-on-failure
 	$(PYTHON) -m pytest -q
+
+# The C++ tests and the Python suite once more under AddressSanitizer + UndefinedBehaviorSanitizer:
+# an instrumented build in build/asan, loaded by an uninstrumented Python with the sanitizer
+# runtimes preloaded. Leak checking is off (CPython and libtorch keep allocations until exit).
+ASAN_BUILD := build/asan
+ASAN_ENV := ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:detect_odr_violation=0 \
+	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+test-asan: build-tests
+	cmake -S . -B $(ASAN_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVSERVE_SANITIZE=ON \
+		-DKVSERVE_BUILD_TESTS=ON -DPython_EXECUTABLE=$$($(PYTHON) -c "import sys; print(sys.executable)")
+	cmake --build $(ASAN_BUILD)
+	$(ASAN_ENV) ctest --test-dir $(ASAN_BUILD) --output-on-failure
+	$(ASAN_ENV) LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+		$(PYTHON) scripts/asan_pytest.py $(ASAN_BUILD) -q -p no:cacheprovider
 
 bench: install
 	$(PYTHON) benchmarks/bench_decode.py
