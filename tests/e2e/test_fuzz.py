@@ -8,6 +8,7 @@ import math
 import pytest
 
 from kvserve import LLMEngine, SamplingParams
+from tests.engine_loop import drain
 
 hypothesis = pytest.importorskip("hypothesis")
 pytest.importorskip("transformers")
@@ -57,22 +58,8 @@ def served(checkpoint_factory):
     # Still serving after everything the fuzzers threw at it.
     e.add_request("final", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0,
                                                      ignore_eos=True))
-    outs = run_all(e)
+    outs = drain(e, max_steps=2000)
     assert outs["final"].outputs[0].finish_reason == "length"
-
-
-def run_all(e: LLMEngine, max_steps: int = 2000) -> dict:
-    final = {}
-    for _ in range(max_steps):
-        if not e.has_unfinished_requests():
-            break
-        for out in e.step():
-            if out.finished:
-                final[out.request_id] = out
-    assert not e.has_unfinished_requests(), "a request made no progress"
-    blocks = e.block_manager
-    assert blocks.num_sequences() == 0 and blocks.num_free_blocks() == blocks.num_usable_blocks()
-    return final
 
 
 counter = iter(range(10**9))
@@ -94,7 +81,7 @@ def test_any_request_runs_or_raises_cleanly(served, kwargs, prompt, arrival, pri
         event(f"add_request raised {type(error).__name__}")
         assert not served.has_unfinished_requests()
         return
-    out = run_all(served)[request_id]
+    out = drain(served, max_steps=2000)[request_id]
     event(f"ran: {sorted({c.finish_reason for c in out.outputs})}")
     assert out.finished and len(out.outputs) == params.n
     for c in out.outputs:
@@ -113,5 +100,5 @@ def test_request_ids_and_params_types(served, request_id, params):
         served.add_request(request_id, [1, 2], params)
     except (ValueError, TypeError):
         return
-    out = run_all(served)[request_id]
+    out = drain(served, max_steps=2000)[request_id]
     assert out.finished

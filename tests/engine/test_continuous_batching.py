@@ -11,6 +11,7 @@ import torch
 
 import kvserve
 from kvserve import LLMEngine, SamplingParams
+from tests.engine_loop import fp32_engine as engine
 
 transformers = pytest.importorskip("transformers")
 
@@ -20,11 +21,6 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def path(checkpoint_factory):
     return checkpoint_factory("LlamaForCausalLM")
-
-
-def engine(path, **kwargs) -> LLMEngine:
-    kwargs.setdefault("log_memory_plan", False)
-    return LLMEngine(path, dtype="float32", **kwargs)
 
 
 def mixed_requests(count: int, seed: int = 0):

@@ -12,6 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvserve import LLMEngine, SamplingParams
+from tests.engine_loop import drain
+from tests.engine_loop import fp32_engine as engine
 
 pytest.importorskip("transformers")
 
@@ -21,26 +23,6 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def path(checkpoint_factory):
     return checkpoint_factory("LlamaForCausalLM")
-
-
-def engine(path, **kwargs) -> LLMEngine:
-    kwargs.setdefault("log_memory_plan", False)
-    return LLMEngine(path, dtype="float32", **kwargs)
-
-
-def drain(e: LLMEngine, max_steps: int = 10_000) -> dict:
-    """Steps until nothing is unfinished; the final output of each request by id."""
-    final = {}
-    for _ in range(max_steps):
-        if not e.has_unfinished_requests():
-            break
-        for out in e.step():
-            if out.finished:
-                final[out.request_id] = out
-    assert not e.has_unfinished_requests(), "the engine did not finish its requests"
-    blocks = e.block_manager
-    assert blocks.num_sequences() == 0 and blocks.num_free_blocks() == blocks.num_usable_blocks()
-    return final
 
 
 def serves_a_normal_request(e: LLMEngine) -> None:
