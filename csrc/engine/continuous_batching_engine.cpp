@@ -54,14 +54,7 @@ ContinuousBatchingEngine::ContinuousBatchingEngine(std::shared_ptr<CausalLM> mod
 std::vector<RequestOutput> ContinuousBatchingEngine::step() {
   std::lock_guard<std::mutex> owner(step_mutex_);
   apply_commands();
-  std::vector<RequestOutput> outputs;
-  for (auto& request : aborted_) outputs.push_back(make_output(*request));
-  {
-    std::lock_guard<std::mutex> lock(inbox_mutex_);
-    num_unreported_ -= static_cast<int64_t>(aborted_.size());
-  }
-  aborted_.clear();
-
+  std::vector<RequestOutput> outputs = take_aborted_outputs();
   const SchedulerOutput work = scheduler_.schedule();
   if (work.empty()) {
     fail_if_stalled(outputs);
@@ -72,6 +65,17 @@ std::vector<RequestOutput> ContinuousBatchingEngine::step() {
     update_from_output(work, samples, result, outputs);
   }
   publish_stats();
+  return outputs;
+}
+
+std::vector<RequestOutput> ContinuousBatchingEngine::take_aborted_outputs() {
+  std::vector<RequestOutput> outputs;
+  for (auto& request : aborted_) outputs.push_back(make_output(*request));
+  {
+    std::lock_guard<std::mutex> lock(inbox_mutex_);
+    num_unreported_ -= static_cast<int64_t>(aborted_.size());
+  }
+  aborted_.clear();
   return outputs;
 }
 

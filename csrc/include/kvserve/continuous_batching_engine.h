@@ -121,6 +121,8 @@ class ContinuousBatchingEngine {
   void apply_commands();  ///< owner: under step_mutex_
   void admit(std::unique_ptr<Request> request);
   void abort_now(const std::string& request_id);
+  /// The final outputs of requests aborted since the last step (each reported once).
+  std::vector<RequestOutput> take_aborted_outputs();
   /// Records first-scheduled times and builds the step's sampling targets; a prompt whose n > 1
   /// samples start now gets its samples' completions (forked in the scheduler after the step).
   StepSamples plan_samples(const SchedulerOutput& work);
