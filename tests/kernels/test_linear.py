@@ -57,9 +57,10 @@ def test_packed_weight_matches_reference(m, n, k, dtype, bias):
 
 
 @pytest.mark.parametrize("dtype", PACKABLE)
-@pytest.mark.parametrize("m", [2, 3, 8])
-def test_packed_big_weight_takes_over_from_the_gemv_at_3_tokens(m, dtype):
-    """Weights over 4 MiB go to oneDNN from 3 tokens on (smaller ones keep the GEMV up to 8)."""
+@pytest.mark.parametrize("m", [2, 3, 4, 5, 8])
+def test_packed_big_weight_on_both_sides_of_the_gemv_limit(m, dtype):
+    """Weights over 4 MiB go to oneDNN from 5 tokens on in fp32 and from 3 in bf16 (smaller ones
+    keep the GEMV up to 8)."""
     x, w, b = operands(m, 2304, 1024 if dtype == torch.float32 else 2048, dtype, True)
     assert w.nbytes > 4 << 20
     out = ops.linear(x, ops.linear_prepack(w), b)

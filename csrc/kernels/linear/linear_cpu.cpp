@@ -28,12 +28,15 @@ namespace {
 
 // Up to this many tokens the GEMV kernel wins: it reads the weight once per token block and its
 // time is the weight's bytes over memory bandwidth. Against ATen's GEMM, which repacks the weight
-// on every call (MKL's small-M one runs on one core here), it wins up to 8 tokens; against
-// oneDNN on a packed weight only up to 2 (benchmarks/bench_linear.py), once the weight is bigger
-// than kSmallWeightBytes. Below that, oneDNN's cost per call (tens of microseconds in a model's
-// step) outweighs what the GEMV loses by reading the weight again per token block.
+// on every call (MKL's small-M one runs on one core here), it wins up to 8 tokens. Against
+// oneDNN on the packed weight, once the weight is bigger than kSmallWeightBytes, the GEMV over the
+// packed layout wins up to 4 tokens in fp32 (1.2-1.5x at 3-4 tokens) but only up to 2 in bf16,
+// where oneDNN's kernel converts faster (benchmarks/bench_linear.py). Below kSmallWeightBytes,
+// oneDNN's cost per call (tens of microseconds in a model's step) outweighs what the GEMV loses by
+// reading the weight again per token block.
 constexpr int64_t kMaxGemvTokens = 8;
-constexpr int64_t kMaxGemvTokensPacked = 2;
+constexpr int64_t kMaxGemvTokensPackedFp32 = 4;
+constexpr int64_t kMaxGemvTokensPackedBf16 = 2;
 constexpr int64_t kSmallWeightBytes = 4 << 20;
 
 bool packable(at::ScalarType dtype) { return dtype == at::kFloat || dtype == at::kBFloat16; }
@@ -130,7 +133,10 @@ at::Tensor linear_cpu(const at::Tensor& input, const at::Tensor& weight,
     check_like(op, "weight", weight, input);
   }
   const bool big = weight.numel() * static_cast<int64_t>(weight.element_size()) > kSmallWeightBytes;
-  const int64_t max_gemv = packed && big ? kMaxGemvTokensPacked : kMaxGemvTokens;
+  const int64_t max_gemv =
+      !(packed && big) ? kMaxGemvTokens
+                       : (input.scalar_type() == at::kFloat ? kMaxGemvTokensPackedFp32
+                                                            : kMaxGemvTokensPackedBf16);
   const bool gemv_dtype = input.scalar_type() == at::kFloat ||
                           input.scalar_type() == at::kBFloat16 ||
                           (!packed && input.scalar_type() == at::kHalf);
