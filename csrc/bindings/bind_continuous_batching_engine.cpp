@@ -97,7 +97,21 @@ void bind_outputs(py::module_& m) {
       .def_readonly("num_generated_tokens", &EngineStats::num_generated_tokens)
       .def_readonly("time_to_first_token", &EngineStats::time_to_first_token)
       .def_readonly("time_per_output_token", &EngineStats::time_per_output_token)
-      .def_readonly("e2e_latency", &EngineStats::e2e_latency);
+      .def_readonly("e2e_latency", &EngineStats::e2e_latency)
+      .def("__repr__", [](const EngineStats& s) {
+        auto mean_ms = [](const LatencyHistogram& h) {
+          return h.count ? std::to_string(h.sum / static_cast<double>(h.count) * 1e3) : "-";
+        };
+        return "EngineStats(running=" + std::to_string(s.num_running_requests) +
+               ", waiting=" + std::to_string(s.num_waiting_requests) +
+               ", kv_cache_usage=" + std::to_string(s.kv_cache_usage) +
+               ", finished=" + std::to_string(s.num_finished_requests) +
+               ", aborted=" + std::to_string(s.num_aborted_requests) +
+               ", failed=" + std::to_string(s.num_failed_requests) +
+               ", preemptions=" + std::to_string(s.num_preemptions) +
+               ", mean_ttft_ms=" + mean_ms(s.time_to_first_token) +
+               ", mean_tpot_ms=" + mean_ms(s.time_per_output_token) + ")";
+      });
 }
 
 }  // namespace
