@@ -26,6 +26,14 @@ void bind_outputs(py::module_& m) {
       .def_readonly("last_token_time", &RequestMetrics::last_token_time)
       .def_readonly("finished_time", &RequestMetrics::finished_time)
       .def_readonly("num_generated_tokens", &RequestMetrics::num_generated_tokens)
+      .def_readonly("num_drafts", &RequestMetrics::num_drafts)
+      .def_readonly("num_draft_tokens", &RequestMetrics::num_draft_tokens)
+      .def_readonly("num_accepted_tokens", &RequestMetrics::num_accepted_tokens)
+      .def_property_readonly("mean_acceptance_length", [](const RequestMetrics& r) {
+        return r.num_drafts ? 1.0 + static_cast<double>(r.num_accepted_tokens) /
+                                        static_cast<double>(r.num_drafts)
+                            : 0.0;
+      })
       .def_property_readonly("time_to_first_token", &RequestMetrics::time_to_first_token)
       .def_property_readonly("queue_time", &RequestMetrics::queue_time)
       .def_property_readonly("e2e_latency", &RequestMetrics::e2e_latency)
@@ -98,6 +106,30 @@ void bind_outputs(py::module_& m) {
       .def_readonly("time_to_first_token", &EngineStats::time_to_first_token)
       .def_readonly("time_per_output_token", &EngineStats::time_per_output_token)
       .def_readonly("e2e_latency", &EngineStats::e2e_latency)
+      .def_readonly("num_drafts", &EngineStats::num_drafts)
+      .def_readonly("num_draft_tokens", &EngineStats::num_draft_tokens)
+      .def_readonly("num_accepted_tokens", &EngineStats::num_accepted_tokens)
+      .def_readonly("accepted_per_position", &EngineStats::accepted_per_position)
+      .def_property_readonly("acceptance_rate", [](const EngineStats& s) {
+        return s.num_draft_tokens ? static_cast<double>(s.num_accepted_tokens) /
+                                        static_cast<double>(s.num_draft_tokens)
+                                  : 0.0;
+      })
+      .def_property_readonly("mean_acceptance_length", [](const EngineStats& s) {
+        return s.num_drafts ? 1.0 + static_cast<double>(s.num_accepted_tokens) /
+                                        static_cast<double>(s.num_drafts)
+                            : 0.0;
+      })
+      .def_property_readonly("acceptance_rate_per_position", [](const EngineStats& s) {
+        std::vector<double> rates;
+        for (int64_t n : s.accepted_per_position) {
+          rates.push_back(s.num_drafts ? static_cast<double>(n) / static_cast<double>(s.num_drafts)
+                                       : 0.0);
+        }
+        return rates;
+      })
+      .def_readonly("propose_seconds", &EngineStats::propose_seconds)
+      .def_readonly("verify_seconds", &EngineStats::verify_seconds)
       .def("__repr__", [](const EngineStats& s) {
         auto mean_ms = [](const LatencyHistogram& h) {
           return h.count ? std::to_string(h.sum / static_cast<double>(h.count) * 1e3) : "-";
@@ -119,20 +151,43 @@ void bind_outputs(py::module_& m) {
 void bind_continuous_batching_engine(py::module_& m) {
   bind_outputs(m);
 
+  py::class_<SpeculativeConfig>(m, "SpeculativeConfig",
+                                "How the engine speculates: method \"draft_model\" or \"ngram\" "
+                                "(\"\": off).")
+      .def(py::init([](std::string method, int64_t num_speculative_tokens,
+                       int64_t prompt_lookup_min, int64_t prompt_lookup_max,
+                       int64_t disable_batch_size) {
+             SpeculativeConfig c{std::move(method), num_speculative_tokens, prompt_lookup_min,
+                                 prompt_lookup_max, disable_batch_size};
+             c.validate();
+             return c;
+           }),
+           py::kw_only(), py::arg("method") = "", py::arg("num_speculative_tokens") = 0,
+           py::arg("prompt_lookup_min") = 1, py::arg("prompt_lookup_max") = 4,
+           py::arg("disable_batch_size") = 0)
+      .def_readonly("method", &SpeculativeConfig::method)
+      .def_readonly("num_speculative_tokens", &SpeculativeConfig::num_speculative_tokens)
+      .def_readonly("prompt_lookup_min", &SpeculativeConfig::prompt_lookup_min)
+      .def_readonly("prompt_lookup_max", &SpeculativeConfig::prompt_lookup_max)
+      .def_readonly("disable_batch_size", &SpeculativeConfig::disable_batch_size)
+      .def_property_readonly("enabled", &SpeculativeConfig::enabled);
+
   py::class_<EngineConfig>(m, "EngineConfig")
       .def(py::init([](int64_t max_num_seqs, int64_t max_num_batched_tokens,
                        int64_t max_model_len, int64_t block_size, int64_t num_blocks,
                        bool enable_prefix_caching, std::vector<int64_t> eos_token_ids,
-                       int64_t max_logprobs) {
+                       int64_t max_logprobs, SpeculativeConfig speculative) {
              return EngineConfig{max_num_seqs,          max_num_batched_tokens,
                                  max_model_len,         block_size,
                                  num_blocks,            enable_prefix_caching,
-                                 std::move(eos_token_ids), max_logprobs};
+                                 std::move(eos_token_ids), max_logprobs,
+                                 std::move(speculative)};
            }),
            py::kw_only(), py::arg("max_num_seqs") = 256, py::arg("max_num_batched_tokens") = 2048,
            py::arg("max_model_len") = 0, py::arg("block_size") = 16, py::arg("num_blocks"),
            py::arg("enable_prefix_caching") = true,
-           py::arg("eos_token_ids") = std::vector<int64_t>{}, py::arg("max_logprobs") = 20)
+           py::arg("eos_token_ids") = std::vector<int64_t>{}, py::arg("max_logprobs") = 20,
+           py::arg("speculative") = SpeculativeConfig{})
       .def_readonly("max_num_seqs", &EngineConfig::max_num_seqs)
       .def_readonly("max_num_batched_tokens", &EngineConfig::max_num_batched_tokens)
       .def_readonly("max_model_len", &EngineConfig::max_model_len)
@@ -140,7 +195,8 @@ void bind_continuous_batching_engine(py::module_& m) {
       .def_readonly("num_blocks", &EngineConfig::num_blocks)
       .def_readonly("enable_prefix_caching", &EngineConfig::enable_prefix_caching)
       .def_readonly("eos_token_ids", &EngineConfig::eos_token_ids)
-      .def_readonly("max_logprobs", &EngineConfig::max_logprobs);
+      .def_readonly("max_logprobs", &EngineConfig::max_logprobs)
+      .def_readonly("speculative", &EngineConfig::speculative);
 
   py::class_<Scheduler>(m, "Scheduler", "The engine's scheduler (read-only from Python).")
       .def_property_readonly("has_pending_work", &Scheduler::has_pending_work)
@@ -152,8 +208,8 @@ void bind_continuous_batching_engine(py::module_& m) {
   py::class_<ContinuousBatchingEngine>(
       m, "ContinuousBatchingEngine",
       "Iteration-level batching over a model and a paged KV cache; drive it with step().")
-      .def(py::init<std::shared_ptr<CausalLM>, EngineConfig>(), py::arg("model"),
-           py::arg("config"))
+      .def(py::init<std::shared_ptr<CausalLM>, EngineConfig, std::shared_ptr<CausalLM>>(),
+           py::arg("model"), py::arg("config"), py::arg("draft_model") = nullptr)
       // The GIL is released wherever a call may wait for the step lock or run the model, so
       // that other Python threads keep running (and a step never waits on the GIL).
       .def("add_request", &ContinuousBatchingEngine::add_request, py::arg("request_id"),

@@ -31,9 +31,12 @@ void bind_paged_block_manager(py::module_& m) {
       .def("can_allocate", &M::can_allocate, py::arg("prompt_tokens"), py::arg("extra_key") = 0)
       .def("allocate", &M::allocate, py::arg("seq_id"), py::arg("prompt_tokens"),
            py::arg("extra_key") = 0, "Returns how many prompt tokens the prefix cache holds.")
-      .def("can_append_slots", &M::can_append_slots, py::arg("seq_id"), py::arg("num_new_tokens"))
+      .def("can_append_slots", &M::can_append_slots, py::arg("seq_id"), py::arg("num_new_tokens"),
+           py::arg("num_lookahead") = 0)
       .def("append_slots", &M::append_slots, py::arg("seq_id"), py::arg("new_tokens"),
-           "Returns the BlockCopy list to apply to the KV tensors before the step.")
+           py::arg("num_lookahead") = 0,
+           "Returns the BlockCopy list to apply to the KV tensors before the step; reserves "
+           "num_lookahead slots after the tokens (speculative drafts).")
       .def("mark_computed", &M::mark_computed, py::arg("seq_id"), py::arg("num_computed_tokens"))
       .def("fork", &M::fork, py::arg("parent_id"), py::arg("child_id"))
       .def("free", &M::free, py::arg("seq_id"))
@@ -54,6 +57,7 @@ void bind_paged_block_manager(py::module_& m) {
       .def("num_sequences", &M::num_sequences)
       .def("block_table", &M::block_table, py::arg("seq_id"))
       .def("num_tokens", &M::num_tokens, py::arg("seq_id"))
+      .def("num_lookahead", &M::num_lookahead, py::arg("seq_id"))
       .def("num_computed_tokens", &M::num_computed_tokens, py::arg("seq_id"))
       .def("__repr__", [](const M& m) {
         return "PagedBlockManager(num_blocks=" + std::to_string(m.num_blocks()) +

@@ -38,14 +38,21 @@ const char* kNeverScheduled =
 }  // namespace
 
 ContinuousBatchingEngine::ContinuousBatchingEngine(std::shared_ptr<CausalLM> model,
-                                                   EngineConfig config)
+                                                   EngineConfig config,
+                                                   std::shared_ptr<CausalLM> draft_model)
     : model_(std::move(model)),
       config_(resolved(*model_, std::move(config))),
       block_manager_(config_.num_blocks, config_.block_size, config_.enable_prefix_caching),
       scheduler_(SchedulerConfig{config_.max_num_seqs, config_.max_num_batched_tokens,
                                  config_.max_model_len},
                  block_manager_),
-      runner_(model_, config_.num_blocks, config_.block_size, scheduler_) {
+      speculator_(SpeculativeDecoder::create(config_.speculative, *model_, std::move(draft_model),
+                                             config_.num_blocks, config_.block_size,
+                                             config_.max_model_len)),
+      runner_(model_, config_.num_blocks, config_.block_size, scheduler_, speculator_.get()) {
+  if (speculator_) {
+    stats_.accepted_per_position.assign(config_.speculative.num_speculative_tokens, 0);
+  }
   publish_stats();
 }
 
@@ -55,7 +62,9 @@ std::vector<RequestOutput> ContinuousBatchingEngine::step() {
   std::lock_guard<std::mutex> owner(step_mutex_);
   apply_commands();
   std::vector<RequestOutput> outputs = take_aborted_outputs();
-  const SchedulerOutput work = scheduler_.schedule();
+  const int64_t num_speculative =
+      speculator_ ? speculator_->num_speculative_tokens(scheduler_.num_running()) : 0;
+  const SchedulerOutput work = scheduler_.schedule(num_speculative);
   if (work.empty()) {
     fail_if_stalled(outputs);
   } else {
@@ -171,24 +180,31 @@ void ContinuousBatchingEngine::update_from_output(const SchedulerOutput& work,
       request.mark = mark;
       touched.push_back(&request);
     }
-    const int64_t token = result.token_ids[i];
-    if (token < 0) {
-      request.error = kNoDistribution;
-      end_completion(completion, "error");
-      continue;
+    const SampledTokens& sampled = result.samples[i];
+    count_speculation(request, sampled);
+    for (size_t j = 0; j < sampled.token_ids.size(); ++j) {
+      const int64_t token = sampled.token_ids[j];
+      if (token < 0) {
+        request.error = kNoDistribution;
+        end_completion(completion, "error");
+        break;
+      }
+      completion.output.token_ids.push_back(token);
+      if (sampled.logprobs[j]) completion.output.logprobs.push_back(*sampled.logprobs[j]);
+      RequestMetrics& m = request.metrics;
+      if (m.first_token_time == 0.0) {
+        m.first_token_time = t;
+        stats_.time_to_first_token.observe(m.time_to_first_token());
+      }
+      m.last_token_time = t;
+      ++m.num_generated_tokens;
+      ++stats_.num_generated_tokens;
+      const bool accepted_draft = static_cast<int64_t>(j) < sampled.num_accepted;
+      if (!append_token(request, completion, token, accepted_draft)) break;
     }
-    completion.output.token_ids.push_back(token);
-    if (result.logprobs[i]) completion.output.logprobs.push_back(*result.logprobs[i]);
-    RequestMetrics& m = request.metrics;
-    if (m.first_token_time == 0.0) {
-      m.first_token_time = t;
-      stats_.time_to_first_token.observe(m.time_to_first_token());
-    }
-    m.last_token_time = t;
-    ++m.num_generated_tokens;
-    ++stats_.num_generated_tokens;
-    check_stop(request, completion, token);
   }
+  stats_.propose_seconds += result.propose_seconds;
+  stats_.verify_seconds += result.verify_seconds;
   for (Request* request : touched) {
     outputs.push_back(make_output(*request));
     if (outputs.back().finished) {
@@ -232,8 +248,20 @@ void ContinuousBatchingEngine::end_completion(Completion& completion, const std:
   where_.erase(completion.seq_id);
 }
 
-void ContinuousBatchingEngine::check_stop(Request& request, Completion& completion,
-                                          int64_t token) {
+void ContinuousBatchingEngine::count_speculation(Request& request, const SampledTokens& sampled) {
+  if (sampled.num_draft_tokens == 0) return;
+  RequestMetrics& m = request.metrics;
+  ++m.num_drafts;
+  m.num_draft_tokens += sampled.num_draft_tokens;
+  m.num_accepted_tokens += sampled.num_accepted;
+  ++stats_.num_drafts;
+  stats_.num_draft_tokens += sampled.num_draft_tokens;
+  stats_.num_accepted_tokens += sampled.num_accepted;
+  for (int64_t j = 0; j < sampled.num_accepted; ++j) ++stats_.accepted_per_position.at(j);
+}
+
+bool ContinuousBatchingEngine::append_token(Request& request, Completion& completion,
+                                            int64_t token, bool kv_written) {
   const SamplingParams& p = request.params;
   const int64_t generated = static_cast<int64_t>(completion.output.token_ids.size());
   const bool may_stop = generated >= p.min_tokens;
@@ -244,8 +272,10 @@ void ContinuousBatchingEngine::check_stop(Request& request, Completion& completi
              static_cast<int64_t>(request.prompt.size()) + generated >= config_.max_model_len) {
     end_completion(completion, "length");
   } else {
-    scheduler_.append_token(completion.seq_id, static_cast<int32_t>(token));
+    scheduler_.append_token(completion.seq_id, static_cast<int32_t>(token), kv_written);
+    return true;
   }
+  return false;
 }
 
 bool ContinuousBatchingEngine::all_finished(const Request& request) const {

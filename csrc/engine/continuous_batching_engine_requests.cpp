@@ -118,7 +118,7 @@ void ContinuousBatchingEngine::apply_commands() {
 void ContinuousBatchingEngine::admit(std::unique_ptr<Request> request) {
   const int64_t seq_id = next_seq_id_++;
   scheduler_.add(seq_id, std::vector<int32_t>(request->prompt.begin(), request->prompt.end()),
-                 request->priority);
+                 request->priority, request->params.max_tokens);
   request->completions.push_back(
       {seq_id, CompletionOutput{}, 0, RequestRandom(request->params.seed), true});
   where_[seq_id] = {request.get(), 0};

@@ -2,6 +2,8 @@
 
 #include <ATen/ops/from_blob.h>
 
+#include <algorithm>
+#include <chrono>
 #include <stdexcept>
 #include <string>
 
@@ -20,41 +22,26 @@ PagedKVCache make_kv_cache(const CausalLM& model, int64_t num_blocks, int64_t bl
                       model.dtype(), model.device());
 }
 
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
 }  // namespace
 
 ModelRunner::ModelRunner(std::shared_ptr<CausalLM> model, int64_t num_blocks, int64_t block_size,
-                         const Scheduler& scheduler)
+                         const Scheduler& scheduler, SpeculativeDecoder* speculator)
     : model_(std::move(model)),
       kv_cache_(make_kv_cache(*model_, num_blocks, block_size)),
-      scheduler_(scheduler) {}
+      scheduler_(scheduler),
+      speculator_(speculator) {}
 
 ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
                                        const std::vector<SamplingTarget>& targets) {
+  ModelRunnerOutput out;
   std::vector<std::pair<int32_t, int32_t>> copies;
   for (const BlockCopy& c : work.block_copies) copies.emplace_back(c.src, c.dst);
   kv_cache_.copy_blocks(copies);
 
-  ForwardBatchBuilder builder(kv_cache_.block_size());
-  const PagedBlockManager& blocks = scheduler_.block_manager();
-  for (const ScheduledSequence& s : work.scheduled) {
-    const auto& tokens = scheduler_.token_ids(s.seq_id);
-    builder.add(std::vector<int64_t>(tokens.begin() + s.num_computed,
-                                     tokens.begin() + s.num_computed + s.num_new_tokens),
-                s.num_computed, blocks.block_table(s.seq_id));
-  }
-  const ForwardBatch batch = builder.build(model_->device());
-  const at::Tensor hidden =
-      model_->forward(batch.input_ids, batch.positions, batch.metadata, kv_cache_.layers());
-  ModelRunnerOutput out;
-  if (targets.empty()) return out;
-
-  // Rows of `hidden` whose logits are needed, each once; consecutive targets at the same row
-  // (the n samples of one prompt) read the same logits.
-  std::vector<int64_t> starts(work.scheduled.size(), 0);  // host copy of query_start_loc
-  for (size_t i = 1; i < starts.size(); ++i) {
-    starts[i] = starts[i - 1] + work.scheduled[i - 1].num_new_tokens;
-  }
-  std::vector<int64_t> hidden_rows, logit_row_of_target;
   for (const SamplingTarget& t : targets) {
     const ScheduledSequence& s = work.scheduled.at(t.scheduled_index);
     if (t.position < 0 || t.position >= s.num_new_tokens) {
@@ -62,23 +49,126 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
                               " is outside the step's " + std::to_string(s.num_new_tokens) +
                               " tokens of sequence " + std::to_string(s.seq_id));
     }
+  }
+  Proposals proposals;
+  proposals.tokens.resize(work.scheduled.size());
+  if (speculator_) {
+    const auto started = std::chrono::steady_clock::now();
+    std::vector<const SamplingRow*> rows(work.scheduled.size(), nullptr);
+    for (const SamplingTarget& t : targets) {
+      const ScheduledSequence& s = work.scheduled[t.scheduled_index];
+      if (s.num_speculative_tokens == 0) continue;
+      if (rows[t.scheduled_index] || t.position != s.num_new_tokens - 1) {
+        throw std::invalid_argument("a sequence with draft slots needs one target at its last "
+                                    "new token");
+      }
+      rows[t.scheduled_index] = &t.row;
+    }
+    proposals = speculator_->propose({work, scheduler_, rows});
+    for (size_t i = 0; i < work.scheduled.size(); ++i) {
+      if (static_cast<int64_t>(proposals.tokens[i].size()) >
+          work.scheduled[i].num_speculative_tokens) {
+        throw std::logic_error("the proposer gave more drafts than the sequence has slots");
+      }
+    }
+    out.propose_seconds = seconds_since(started);
+  }
+  const bool verifies = proposals.num_tokens() > 0;
+  const auto forward_started = std::chrono::steady_clock::now();
+
+  ForwardBatchBuilder builder(kv_cache_.block_size());
+  const PagedBlockManager& blocks = scheduler_.block_manager();
+  std::vector<int64_t> starts;  // first row of each scheduled sequence in the flattened batch
+  int64_t num_rows = 0;
+  for (size_t i = 0; i < work.scheduled.size(); ++i) {
+    const ScheduledSequence& s = work.scheduled[i];
+    const auto& tokens = scheduler_.token_ids(s.seq_id);
+    std::vector<int64_t> fed(tokens.begin() + s.num_computed,
+                             tokens.begin() + s.num_computed + s.num_new_tokens);
+    fed.insert(fed.end(), proposals.tokens[i].begin(), proposals.tokens[i].end());
+    builder.add(fed, s.num_computed, blocks.block_table(s.seq_id));
+    starts.push_back(num_rows);
+    num_rows += static_cast<int64_t>(fed.size());
+  }
+  const ForwardBatch batch = builder.build(model_->device());
+  const at::Tensor hidden =
+      model_->forward(batch.input_ids, batch.positions, batch.metadata, kv_cache_.layers());
+  out.samples.resize(targets.size());
+  if (targets.empty()) return out;
+
+  // Rows of `hidden` whose logits are needed: plain targets first, each row once (consecutive
+  // targets at one row are the n samples of a prompt), then each verified target's k + 1 rows.
+  std::vector<int64_t> hidden_rows, logit_row_of_target;
+  std::vector<size_t> plain, verified;
+  for (size_t i = 0; i < targets.size(); ++i) {
+    const SamplingTarget& t = targets[i];
+    if (!proposals.tokens[t.scheduled_index].empty()) {
+      verified.push_back(i);
+      continue;
+    }
+    plain.push_back(i);
     const int64_t row = starts[t.scheduled_index] + t.position;
     if (hidden_rows.empty() || hidden_rows.back() != row) hidden_rows.push_back(row);
     logit_row_of_target.push_back(static_cast<int64_t>(hidden_rows.size()) - 1);
   }
+  const int64_t num_plain_rows = static_cast<int64_t>(hidden_rows.size());
+  for (size_t i : verified) {
+    const SamplingTarget& t = targets[i];
+    const int64_t k = static_cast<int64_t>(proposals.tokens[t.scheduled_index].size());
+    for (int64_t j = 0; j <= k; ++j) hidden_rows.push_back(starts[t.scheduled_index] + t.position + j);
+  }
   at::Tensor logits =
       model_->compute_logits(hidden.index_select(0, to_device(hidden_rows, hidden.device())));
-  // A copy of [targets, vocab] only when rows repeat.
-  if (logit_row_of_target.size() != hidden_rows.size()) {
-    logits = logits.index_select(0, to_device(logit_row_of_target, logits.device()));
+
+  if (!plain.empty()) {
+    at::Tensor plain_logits = logits.narrow(0, 0, num_plain_rows);
+    // A copy of [targets, vocab] only when rows repeat.
+    if (logit_row_of_target.size() != static_cast<size_t>(num_plain_rows)) {
+      plain_logits = plain_logits.index_select(0, to_device(logit_row_of_target, logits.device()));
+    }
+    std::vector<SamplingRow> rows;
+    for (size_t i : plain) rows.push_back(targets[i].row);
+    SamplerOutput sampled = sampler_.sample(plain_logits, rows);
+    const int64_t* token = sampled.token_ids.data_ptr<int64_t>();
+    for (size_t p = 0; p < plain.size(); ++p) {
+      out.samples[plain[p]].token_ids = {token[p]};
+      out.samples[plain[p]].logprobs = {std::move(sampled.logprobs[p])};
+    }
   }
-  std::vector<SamplingRow> rows;
-  rows.reserve(targets.size());
-  for (const SamplingTarget& t : targets) rows.push_back(t.row);
-  SamplerOutput sampled = sampler_.sample(logits, rows);
-  const int64_t* token = sampled.token_ids.data_ptr<int64_t>();
-  out.token_ids.assign(token, token + targets.size());
-  out.logprobs = std::move(sampled.logprobs);
+  if (!verified.empty()) {
+    at::Tensor verify_logits = logits.narrow(0, num_plain_rows, logits.size(0) - num_plain_rows);
+    std::vector<SamplingRow> rows;
+    std::vector<std::vector<int64_t>> drafts;
+    for (size_t i : verified) {
+      rows.push_back(targets[i].row);
+      drafts.push_back(proposals.tokens[targets[i].scheduled_index]);
+    }
+    // The draft distributions are in scheduled order; the targets normally are too.
+    at::Tensor draft_probs = proposals.probs;
+    if (draft_probs.defined() && !std::is_sorted(verified.begin(), verified.end(), [&](size_t a, size_t b) {
+          return targets[a].scheduled_index < targets[b].scheduled_index;
+        })) {
+      std::vector<int64_t> offset(work.scheduled.size() + 1, 0), order;
+      for (size_t i = 0; i < work.scheduled.size(); ++i) {
+        offset[i + 1] = offset[i] + static_cast<int64_t>(proposals.tokens[i].size());
+      }
+      for (size_t i : verified) {
+        const int64_t entry = targets[i].scheduled_index;
+        for (int64_t r = offset[entry]; r < offset[entry + 1]; ++r) order.push_back(r);
+      }
+      draft_probs = draft_probs.index_select(0, to_device(order, draft_probs.device()));
+    }
+    std::vector<VerifiedTokens> results =
+        speculator_->verify(verify_logits, rows, drafts, draft_probs);
+    for (size_t v = 0; v < verified.size(); ++v) {
+      SampledTokens& sample = out.samples[verified[v]];
+      sample.token_ids = std::move(results[v].token_ids);
+      sample.logprobs = std::move(results[v].logprobs);
+      sample.num_draft_tokens = static_cast<int64_t>(drafts[v].size());
+      sample.num_accepted = results[v].num_accepted;
+    }
+  }
+  if (verifies) out.verify_seconds = seconds_since(forward_started);
   return out;
 }
 

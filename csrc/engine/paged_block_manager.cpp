@@ -183,45 +183,64 @@ int64_t PagedBlockManager::allocate(int64_t seq_id, const std::vector<int32_t>& 
   return num_hit_blocks * block_size_;
 }
 
+// The next write lands in the last token's block; a shared one must be copied first.
 bool PagedBlockManager::needs_copy_on_write(const Sequence& seq) const {
-  const bool partial = static_cast<int64_t>(seq.tokens.size()) % block_size_ != 0;
-  return partial && blocks_[seq.block_table.back()].ref_count > 1;
+  const int64_t num_tokens = static_cast<int64_t>(seq.tokens.size());
+  const bool partial = num_tokens % block_size_ != 0;
+  return partial && blocks_[seq.block_table[num_tokens / block_size_]].ref_count > 1;
 }
 
-bool PagedBlockManager::can_append_slots(int64_t seq_id, int64_t num_new_tokens) const {
+bool PagedBlockManager::can_append_slots(int64_t seq_id, int64_t num_new_tokens,
+                                         int64_t num_lookahead) const {
   const Sequence& seq = sequence(seq_id);
   if (num_new_tokens < 0) {
     throw std::invalid_argument("can_append_slots: num_new_tokens must be >= 0, got " +
                                 std::to_string(num_new_tokens));
   }
-  if (num_new_tokens == 0) return true;
-  const int64_t num_new = blocks_for(static_cast<int64_t>(seq.tokens.size()) + num_new_tokens) -
+  if (num_lookahead < 0) {
+    throw std::invalid_argument("can_append_slots: num_lookahead must be >= 0, got " +
+                                std::to_string(num_lookahead));
+  }
+  const int64_t writes = num_new_tokens + num_lookahead;
+  if (writes == 0) return true;
+  const int64_t num_new = blocks_for(static_cast<int64_t>(seq.tokens.size()) + writes) -
                           static_cast<int64_t>(seq.block_table.size()) +
                           (needs_copy_on_write(seq) ? 1 : 0);
   return num_new <= num_free_blocks();
 }
 
 std::vector<BlockCopy> PagedBlockManager::append_slots(int64_t seq_id,
-                                                       const std::vector<int32_t>& new_tokens) {
+                                                       const std::vector<int32_t>& new_tokens,
+                                                       int64_t num_lookahead) {
   check_tokens(new_tokens, "append_slots");
-  if (!can_append_slots(seq_id, static_cast<int64_t>(new_tokens.size()))) {
+  if (!can_append_slots(seq_id, static_cast<int64_t>(new_tokens.size()), num_lookahead)) {
     throw std::runtime_error("append_slots: not enough free KV cache blocks for " +
-                             std::to_string(new_tokens.size()) + " more tokens of sequence " +
+                             std::to_string(new_tokens.size()) + " more tokens and " +
+                             std::to_string(num_lookahead) + " lookahead slots of sequence " +
                              std::to_string(seq_id));
   }
   Sequence& seq = sequence(seq_id);
   std::vector<BlockCopy> copies;
-  if (!new_tokens.empty() && needs_copy_on_write(seq)) {
-    // Another table still needs the old block's filled slots; ours gets a private copy.
-    const int32_t shared = seq.block_table.back();
-    const int32_t copy = take_free_block();
-    copies.push_back({shared, copy});
-    release(shared);
-    seq.block_table.back() = copy;
+  if (!new_tokens.empty() || num_lookahead > 0) {
+    if (needs_copy_on_write(seq)) {
+      // Another table still needs the old block's filled slots; ours gets a private copy.
+      int32_t& last = seq.block_table[seq.tokens.size() / block_size_];
+      const int32_t copy = take_free_block();
+      copies.push_back({last, copy});
+      release(last);
+      last = copy;
+    }
   }
   seq.tokens.insert(seq.tokens.end(), new_tokens.begin(), new_tokens.end());
-  while (static_cast<int64_t>(seq.block_table.size()) < blocks_for(seq.tokens.size())) {
+  seq.num_lookahead = num_lookahead;
+  const int64_t reserved = blocks_for(static_cast<int64_t>(seq.tokens.size()) + num_lookahead);
+  while (static_cast<int64_t>(seq.block_table.size()) < reserved) {
     seq.block_table.push_back(take_free_block());
+  }
+  // Lookahead blocks beyond the new reservation hold only rejected drafts: back to the pool.
+  while (static_cast<int64_t>(seq.block_table.size()) > reserved) {
+    release(seq.block_table.back());
+    seq.block_table.pop_back();
   }
   return copies;
 }
@@ -248,8 +267,10 @@ void PagedBlockManager::fork(int64_t parent_id, int64_t child_id) {
     throw std::invalid_argument("fork: sequence id " + std::to_string(child_id) +
                                 " is already allocated");
   }
-  for (int32_t b : parent.block_table) ++blocks_[b].ref_count;
   Sequence child = parent;
+  child.block_table.resize(blocks_for(static_cast<int64_t>(parent.tokens.size())));
+  child.num_lookahead = 0;
+  for (int32_t b : child.block_table) ++blocks_[b].ref_count;
   sequences_.emplace(child_id, std::move(child));
 }
 
@@ -418,9 +439,16 @@ void PagedBlockManager::check_invariants() const {
   for (const auto& [id, seq] : sequences_) {
     const std::string name = "sequence " + std::to_string(id);
     const int64_t num_tokens = static_cast<int64_t>(seq.tokens.size());
-    if (static_cast<int64_t>(seq.block_table.size()) != blocks_for(num_tokens)) {
+    if (seq.num_lookahead < 0 ||
+        static_cast<int64_t>(seq.block_table.size()) != blocks_for(num_tokens + seq.num_lookahead)) {
       fail(name + " has " + std::to_string(seq.block_table.size()) + " blocks for " +
-           std::to_string(num_tokens) + " tokens");
+           std::to_string(num_tokens) + " tokens and " + std::to_string(seq.num_lookahead) +
+           " lookahead slots");
+    }
+    // Blocks holding only lookahead slots are the sequence's own and never cached.
+    for (size_t i = blocks_for(num_tokens); i < seq.block_table.size(); ++i) {
+      const Block& block = blocks_[seq.block_table[i]];
+      if (block.ref_count != 1 || block.cached) fail(name + " shares or caches a lookahead block");
     }
     if (seq.num_computed < 0 || seq.num_computed > num_tokens) fail(name + " computed count");
     const int64_t num_hashed = enable_prefix_caching_ ? seq.num_computed / block_size_ : 0;

@@ -3,6 +3,7 @@
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/log_softmax.h>
 #include <ATen/ops/scalar_tensor.h>
+#include <ATen/ops/softmax.h>
 #include <ATen/ops/topk.h>
 #include <ATen/ops/where.h>
 
@@ -247,13 +248,6 @@ void apply_history(at::Tensor& logits, const std::vector<SamplingRow>& rows) {
   apply_cells(logits, cells);
 }
 
-// Log-probabilities of the raw logits for the rows that ask, kept until the tokens are known.
-struct PendingLogprobs {
-  std::vector<int64_t> rows;  // batch rows that asked, ascending
-  at::Tensor logprobs;        // fp32 [rows.size(), vocab]
-  at::Tensor top_values, top_ids;  // [rows.size(), max N]
-};
-
 PendingLogprobs raw_logprobs(const at::Tensor& logits, const std::vector<SamplingRow>& rows) {
   PendingLogprobs pending;
   int64_t max_top = 0;
@@ -269,7 +263,7 @@ PendingLogprobs raw_logprobs(const at::Tensor& logits, const std::vector<Samplin
   return pending;
 }
 
-std::vector<std::optional<TokenLogprobs>> finish_logprobs(PendingLogprobs& pending,
+std::vector<std::optional<TokenLogprobs>> complete_logprobs(PendingLogprobs& pending,
                                                           const at::Tensor& tokens,
                                                           const std::vector<SamplingRow>& rows) {
   std::vector<std::optional<TokenLogprobs>> out(rows.size());
@@ -303,9 +297,13 @@ std::vector<std::optional<TokenLogprobs>> finish_logprobs(PendingLogprobs& pendi
   return out;
 }
 
-// Temperature, top-k, top-p, min-p, then the draw (greedy rows draw nothing). Returns int64
-// [rows] on the logits' device.
-at::Tensor filter_and_draw(at::Tensor& logits, const std::vector<SamplingRow>& rows) {
+bool is_greedy(const SamplingParams& p) { return p.temperature < SamplingParams::kGreedyTemperature; }
+
+// Temperature, top-k, top-p, min-p, then the draw (greedy rows draw nothing; without `draw` no
+// row does, and only the greedy rows' argmax and the -1 of rows without a distribution mean
+// anything). Returns int64 [rows] on the logits' device.
+at::Tensor filter_and_draw(at::Tensor& logits, const std::vector<SamplingRow>& rows,
+                           bool draw = true) {
   const int64_t num_rows = logits.size(0);
   std::vector<float> temperature(num_rows), top_p(num_rows), min_p(num_rows);
   std::vector<float> uniform(num_rows, 0.0f);
@@ -315,7 +313,7 @@ at::Tensor filter_and_draw(at::Tensor& logits, const std::vector<SamplingRow>& r
     const SamplingParams& p = *rows[r].params;
     // Below kGreedyTemperature the division would overflow fp32 (vLLM draws greedily there
     // too); above fp32's range the temperature is clamped, not turned into inf (-inf / inf is NaN).
-    const bool greedy = p.temperature < SamplingParams::kGreedyTemperature;
+    const bool greedy = is_greedy(p);
     temperature[r] = greedy ? 0.0f
                             : static_cast<float>(std::min<double>(
                                   p.temperature, std::numeric_limits<float>::max()));
@@ -323,7 +321,7 @@ at::Tensor filter_and_draw(at::Tensor& logits, const std::vector<SamplingRow>& r
     top_p[r] = static_cast<float>(p.top_p);
     min_p[r] = static_cast<float>(p.min_p);
     if (!greedy) {
-      uniform[r] = rows[r].random->next_uniform();
+      if (draw) uniform[r] = rows[r].random->next_uniform();
       any_filter = true;
     }
   }
@@ -335,6 +333,31 @@ at::Tensor filter_and_draw(at::Tensor& logits, const std::vector<SamplingRow>& r
   }
   // On the CPU the parameter tensors alias the vectors above, which outlive the ops.
   return ops::sampling_from_logits(logits, temperature_t, to_device(uniform, device));
+}
+
+// The distributions behind `tokens` (int64 [rows] on the CPU) from the logits filter_and_draw
+// left: softmax for sampled rows, one-hot for greedy rows, zeros where the token is -1.
+at::Tensor distributions(const at::Tensor& filtered, const at::Tensor& tokens,
+                         const std::vector<SamplingRow>& rows) {
+  at::Tensor probs = at::softmax(filtered, 1);
+  std::vector<int64_t> zero_rows, one_rows, one_tokens;
+  const int64_t* token = tokens.data_ptr<int64_t>();
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const bool greedy = is_greedy(*rows[r].params);
+    if (token[r] < 0 || greedy) zero_rows.push_back(static_cast<int64_t>(r));
+    if (token[r] >= 0 && greedy) {
+      one_rows.push_back(static_cast<int64_t>(r));
+      one_tokens.push_back(token[r]);
+    }
+  }
+  const at::Device device = probs.device();
+  if (!zero_rows.empty()) probs.index_fill_(0, to_device(zero_rows, device), 0.0);
+  if (!one_rows.empty()) {
+    const c10::List<std::optional<at::Tensor>> index{to_device(one_rows, device),
+                                                     to_device(one_tokens, device)};
+    probs.index_put_(index, at::scalar_tensor(1.0, probs.options()));
+  }
+  return probs;
 }
 
 void check_rows(const at::Tensor& logits, const std::vector<SamplingRow>& rows) {
@@ -349,15 +372,35 @@ void check_rows(const at::Tensor& logits, const std::vector<SamplingRow>& rows) 
 
 }  // namespace
 
-SamplerOutput Sampler::sample(at::Tensor& logits, const std::vector<SamplingRow>& rows) const {
+SamplerOutput Sampler::sample(at::Tensor& logits, const std::vector<SamplingRow>& rows,
+                              bool want_probs) const {
   check_rows(logits, rows);
   PendingLogprobs pending = raw_logprobs(logits, rows);  // before anything changes the logits
   apply_history(logits, rows);
   SamplerOutput out;
   const at::Tensor tokens = filter_and_draw(logits, rows);
-  out.logprobs = finish_logprobs(pending, tokens, rows);
+  out.logprobs = complete_logprobs(pending, tokens, rows);
   out.token_ids = tokens.cpu();
+  if (want_probs) out.probs = distributions(logits, out.token_ids, rows);
   return out;
+}
+
+at::Tensor Sampler::probabilities(at::Tensor& logits, const std::vector<SamplingRow>& rows) const {
+  check_rows(logits, rows);
+  apply_history(logits, rows);
+  const at::Tensor tokens = filter_and_draw(logits, rows, /*draw=*/false).cpu();
+  return distributions(logits, tokens, rows);
+}
+
+PendingLogprobs Sampler::begin_logprobs(const at::Tensor& logits,
+                                        const std::vector<SamplingRow>& rows) const {
+  check_rows(logits, rows);
+  return raw_logprobs(logits, rows);
+}
+
+std::vector<std::optional<TokenLogprobs>> Sampler::finish_logprobs(
+    PendingLogprobs& pending, const at::Tensor& tokens, const std::vector<SamplingRow>& rows) const {
+  return complete_logprobs(pending, tokens, rows);
 }
 
 at::Tensor Sampler::sample(at::Tensor& logits, const std::vector<const SamplingParams*>& params,

@@ -36,7 +36,8 @@ int64_t Scheduler::num_computed_tokens(int64_t seq_id) const { return seq(seq_id
 int64_t Scheduler::num_prompt_tokens(int64_t seq_id) const { return seq(seq_id).num_prompt_tokens; }
 int64_t Scheduler::num_cached_tokens(int64_t seq_id) const { return seq(seq_id).num_cached; }
 
-void Scheduler::add(int64_t seq_id, std::vector<int32_t> prompt_token_ids, int64_t priority) {
+void Scheduler::add(int64_t seq_id, std::vector<int32_t> prompt_token_ids, int64_t priority,
+                    int64_t max_new_tokens) {
   if (sequences_.count(seq_id)) {
     throw std::invalid_argument("sequence id " + std::to_string(seq_id) + " already exists");
   }
@@ -50,6 +51,7 @@ void Scheduler::add(int64_t seq_id, std::vector<int32_t> prompt_token_ids, int64
   for (int32_t t : prompt_token_ids) {
     if (t < 0) throw std::invalid_argument("negative token id " + std::to_string(t));
   }
+  if (max_new_tokens < 1) throw std::invalid_argument("max_new_tokens must be >= 1");
   const int64_t blocks_needed = (len + blocks_.block_size() - 1) / blocks_.block_size();
   if (blocks_needed > blocks_.num_usable_blocks()) {
     throw std::invalid_argument("the prompt needs " + std::to_string(blocks_needed) +
@@ -59,6 +61,7 @@ void Scheduler::add(int64_t seq_id, std::vector<int32_t> prompt_token_ids, int64
   Sequence s;
   s.tokens = std::move(prompt_token_ids);
   s.num_prompt_tokens = len;
+  s.max_new_tokens = max_new_tokens;
   s.priority = priority;
   s.arrival = next_arrival_++;
   sequences_.emplace(seq_id, std::move(s));
@@ -85,18 +88,24 @@ std::vector<int64_t> Scheduler::waiting() const {
   return ids;
 }
 
-SchedulerOutput Scheduler::schedule() {
+SchedulerOutput Scheduler::schedule(int64_t num_speculative_tokens) {
+  if (num_speculative_tokens < 0) {
+    throw std::invalid_argument("num_speculative_tokens must be >= 0");
+  }
   SchedulerOutput out;
   int64_t budget = config_.max_num_batched_tokens;
-  schedule_running(/*decodes=*/true, budget, out);
-  schedule_running(/*decodes=*/false, budget, out);
+  schedule_running(/*decodes=*/true, budget, out, num_speculative_tokens);
+  schedule_running(/*decodes=*/false, budget, out, 0);
   // Like vLLM, admit nothing in a step that had to preempt: memory is short.
   if (out.preempted.empty()) admit_waiting(budget, out);
-  for (const auto& s : out.scheduled) out.num_batched_tokens += s.num_new_tokens;
+  for (const auto& s : out.scheduled) {
+    out.num_batched_tokens += s.num_new_tokens + s.num_speculative_tokens;
+  }
   return out;
 }
 
-void Scheduler::schedule_running(bool decodes, int64_t& budget, SchedulerOutput& out) {
+void Scheduler::schedule_running(bool decodes, int64_t& budget, SchedulerOutput& out,
+                                 int64_t num_speculative_tokens) {
   const std::vector<int64_t> snapshot(running_.begin(), running_.end());
   for (int64_t id : snapshot) {
     if (budget == 0) return;
@@ -104,23 +113,48 @@ void Scheduler::schedule_running(bool decodes, int64_t& budget, SchedulerOutput&
     if (!s.allocated) continue;  // preempted earlier in this step
     const int64_t remaining = static_cast<int64_t>(s.tokens.size()) - s.num_computed;
     if ((remaining == 1) != decodes) continue;
-    if (!reserve_slots(id, out)) continue;
+    const int64_t drafts = decodes ? reserve_draft_slots(id, num_speculative_tokens, budget, out)
+                                   : 0;
+    if (drafts == 0 && !reserve_slots(id, out)) continue;
     // A preemption inside reserve_slots may have dropped sequences scheduled earlier: refund.
     budget = config_.max_num_batched_tokens;
-    for (const auto& sched : out.scheduled) budget -= sched.num_new_tokens;
+    for (const auto& sched : out.scheduled) {
+      budget -= sched.num_new_tokens + sched.num_speculative_tokens;
+    }
     const int64_t chunk = std::min(remaining, budget);
     if (chunk == 0) return;
-    out.scheduled.push_back({id, s.num_computed, chunk, s.num_computed + chunk ==
-                                                            static_cast<int64_t>(s.tokens.size())});
-    budget -= chunk;
+    out.scheduled.push_back({id, s.num_computed, chunk,
+                             s.num_computed + chunk == static_cast<int64_t>(s.tokens.size()),
+                             drafts});
+    budget -= chunk + drafts;
   }
+}
+
+int64_t Scheduler::reserve_draft_slots(int64_t seq_id, int64_t wanted, int64_t budget,
+                                       SchedulerOutput& out) {
+  const Sequence& s = seq(seq_id);
+  const int64_t len = static_cast<int64_t>(s.tokens.size());
+  // The prompt's first sample is never speculative (its n samples fork from those logits).
+  if (wanted == 0 || len == s.num_prompt_tokens) return 0;
+  // A step emits at most drafts + 1 tokens; none may pass the sequence's limits.
+  const int64_t room = std::min(config_.max_model_len - len,
+                                s.max_new_tokens - (len - s.num_prompt_tokens)) - 1;
+  int64_t drafts = std::min({wanted, room, budget - 1});
+  if (drafts <= 0) return 0;
+  const int64_t held = blocks_.num_tokens(seq_id);
+  if (!blocks_.can_append_slots(seq_id, len - held, drafts)) return 0;
+  const std::vector<int32_t> tail(s.tokens.begin() + held, s.tokens.end());
+  for (const BlockCopy& copy : blocks_.append_slots(seq_id, tail, drafts)) {
+    out.block_copies.push_back(copy);
+  }
+  return drafts;
 }
 
 bool Scheduler::reserve_slots(int64_t seq_id, SchedulerOutput& out) {
   const Sequence& s = seq(seq_id);
   const int64_t held = blocks_.num_tokens(seq_id);
   const int64_t missing = static_cast<int64_t>(s.tokens.size()) - held;
-  if (missing == 0) return true;
+  if (missing == 0 && blocks_.num_lookahead(seq_id) == 0) return true;
   while (!blocks_.can_append_slots(seq_id, missing)) {
     const bool self = running_.back() == seq_id;
     preempt_last(out);
@@ -199,12 +233,26 @@ void Scheduler::update_computed(const SchedulerOutput& output) {
   }
 }
 
-void Scheduler::append_token(int64_t seq_id, int32_t token) {
+void Scheduler::append_token(int64_t seq_id, int32_t token, bool kv_written) {
   Sequence& s = seq(seq_id);
-  if (static_cast<int64_t>(s.tokens.size()) >= config_.max_model_len) {
+  const int64_t len = static_cast<int64_t>(s.tokens.size());
+  if (len >= config_.max_model_len) {
     throw std::logic_error("sequence " + std::to_string(seq_id) + " is at max_model_len");
   }
+  if (!kv_written) {
+    s.tokens.push_back(token);
+    // Draft slots left over from the step (rejected drafts) go back until the next schedule.
+    if (s.allocated && blocks_.num_lookahead(seq_id) > 0) blocks_.append_slots(seq_id, {}, 0);
+    return;
+  }
+  const int64_t lookahead = s.allocated ? blocks_.num_lookahead(seq_id) : 0;
+  if (s.num_computed != len || blocks_.num_tokens(seq_id) != len || lookahead == 0) {
+    throw std::logic_error("append_token: sequence " + std::to_string(seq_id) +
+                           " has no computed draft slot for an accepted token");
+  }
   s.tokens.push_back(token);
+  blocks_.append_slots(seq_id, {token}, lookahead - 1);
+  blocks_.mark_computed(seq_id, ++s.num_computed);
 }
 
 void Scheduler::fork(int64_t parent_id, int64_t child_id) {

@@ -88,4 +88,14 @@ using SamplingSampleFn = void (*)(const float* logits, int64_t stride, int64_t r
                                   const float* temperature, const float* uniform, int64_t* out);
 KVSERVE_CPU_STUB(sampling_sample_stub, SamplingSampleFn);
 
+/// Modified rejection sampling over B sequences (see kernels/sampling/rejection_sampling.h):
+/// target [N + B, vocab] and draft [N, vocab] (null: point-mass drafts) with row strides;
+/// out [B, out_stride] prefilled with -1; num_accepted [B].
+using RejectionSampleFn = void (*)(const float* target, int64_t target_stride, const float* draft,
+                                   int64_t draft_stride, int64_t vocab, const int64_t* draft_ids,
+                                   const int64_t* cu_num_drafts, int64_t batch,
+                                   const float* uniform, int64_t* out, int64_t out_stride,
+                                   int64_t* num_accepted);
+KVSERVE_CPU_STUB(rejection_sample_stub, RejectionSampleFn);
+
 }  // namespace kvserve::cpu

@@ -10,6 +10,7 @@
 #include "kernels/linear/linear.h"
 #include "kernels/norm/rms_norm.h"
 #include "kernels/rotary/rotary_embedding.h"
+#include "kernels/sampling/rejection_sampling.h"
 #include "kernels/sampling/sampling.h"
 
 TORCH_LIBRARY(kvserve, m) {
@@ -36,6 +37,9 @@ TORCH_LIBRARY(kvserve, m) {
       "sampling_filter_logits(Tensor! logits, Tensor temperature, Tensor top_k, Tensor top_p, "
       "Tensor min_p) -> ()");
   m.def("sampling_from_logits(Tensor logits, Tensor temperature, Tensor uniform) -> Tensor");
+  m.def(
+      "rejection_sample(Tensor target_probs, Tensor draft_probs, Tensor draft_token_ids, "
+      "Tensor cu_num_drafts, Tensor uniform) -> (Tensor, Tensor)");
 }
 
 // Devices without a packed weight layout: linear_prepack gives an undefined tensor, and a plain
@@ -143,6 +147,18 @@ at::Tensor sampling_from_logits(const at::Tensor& logits, const at::Tensor& temp
       handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
           "kvserve::sampling_from_logits");
   return op.call(logits, temperature, uniform);
+}
+
+std::tuple<at::Tensor, at::Tensor> rejection_sample(const at::Tensor& target_probs,
+                                                    const at::Tensor& draft_probs,
+                                                    const at::Tensor& draft_token_ids,
+                                                    const at::Tensor& cu_num_drafts,
+                                                    const at::Tensor& uniform) {
+  static const auto op =
+      handle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                const at::Tensor&, const at::Tensor&,
+                                                const at::Tensor&)>("kvserve::rejection_sample");
+  return op.call(target_probs, draft_probs, draft_token_ids, cu_num_drafts, uniform);
 }
 
 }  // namespace kvserve::ops

@@ -56,13 +56,13 @@ TEST(ModelRunner, LogitsAtEveryPositionEqualEachPrefixAsTheLastToken) {
   const SchedulerOutput work = all.scheduler.schedule();
   ASSERT_EQ(work.scheduled.size(), 1u);
   const auto out = all.runner.execute(work, targets_at(0, {0, 1, 2, 3, 4, 5, 6}, params, random));
-  ASSERT_EQ(out.token_ids.size(), prompt.size());
+  ASSERT_EQ(out.samples.size(), prompt.size());
   for (size_t p = 0; p < prompt.size(); ++p) {
     Harness one(model);
     one.scheduler.add(0, std::vector<int32_t>(prompt.begin(), prompt.begin() + p + 1));
     const SchedulerOutput w = one.scheduler.schedule();
     const auto last = one.runner.execute(w, targets_at(0, {static_cast<int64_t>(p)}, params, random));
-    EXPECT_EQ(out.token_ids[p], last.token_ids[0]) << "position " << p;
+    EXPECT_EQ(out.samples[p].token_ids, last.samples[0].token_ids) << "position " << p;
   }
 }
 
@@ -73,7 +73,7 @@ TEST(ModelRunner, ChunkedPrefillAndBatchingDoNotChangeTheTokens) {
   Harness alone(model);
   alone.scheduler.add(0, {4, 8, 15, 16, 23, 42, 9, 1, 3});
   const SchedulerOutput w = alone.scheduler.schedule();
-  const int64_t want = alone.runner.execute(w, targets_at(0, {8}, params, random)).token_ids[0];
+  const int64_t want = alone.runner.execute(w, targets_at(0, {8}, params, random)).samples[0].token_ids[0];
 
   Harness chunked(model, /*budget=*/4);  // 4 tokens per step: the prompt runs in 3 steps
   chunked.scheduler.add(7, {1, 2});
@@ -91,7 +91,7 @@ TEST(ModelRunner, ChunkedPrefillAndBatchingDoNotChangeTheTokens) {
     const auto out = chunked.runner.execute(work, targets);
     chunked.scheduler.update_computed(work);
     if (step == 0) chunked.scheduler.finish(7);  // its prompt ran beside the first chunk
-    if (!targets.empty()) got = out.token_ids[0];
+    if (!targets.empty()) got = out.samples[0].token_ids[0];
   }
   EXPECT_EQ(got, want);
 }
@@ -108,9 +108,9 @@ TEST(ModelRunner, SamplesThatShareAPositionReadTheSameLogits) {
                                                {0, 2, SamplingRow{&sampled, &b}},
                                                {0, 2, SamplingRow{&sampled, &c}}};
   const auto out = h.runner.execute(work, targets);
-  ASSERT_EQ(out.token_ids.size(), 3u);
-  EXPECT_EQ(out.token_ids[0], out.token_ids[1]);  // same logits, same stream
-  EXPECT_EQ(out.logprobs.size(), 3u);
+  ASSERT_EQ(out.samples.size(), 3u);
+  EXPECT_EQ(out.samples[0].token_ids, out.samples[1].token_ids);  // same logits, same stream
+  for (const SampledTokens& s : out.samples) EXPECT_EQ(s.logprobs.size(), 1u);
 }
 
 TEST(ModelRunner, RejectsAPositionOutsideTheStep) {
@@ -136,7 +136,8 @@ TEST(ModelRunner, NaNLogitsGiveMinusOneNotACrash) {
   const std::vector<SamplingTarget> targets = {{0, 2, SamplingRow{&params, &random}},
                                                {0, 2, SamplingRow{&sampled, &random}}};
   const auto out = h.runner.execute(work, targets);
-  EXPECT_EQ(out.token_ids, (std::vector<int64_t>{-1, -1}));
+  ASSERT_EQ(out.samples.size(), 2u);
+  for (const SampledTokens& s : out.samples) EXPECT_EQ(s.token_ids, (std::vector<int64_t>{-1}));
 }
 
 TEST(ModelFactory, NamesTheSupportedArchitectures) {

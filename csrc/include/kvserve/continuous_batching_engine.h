@@ -30,14 +30,17 @@
 #include "kvserve/sampler.h"
 #include "kvserve/sampling_params.h"
 #include "kvserve/scheduler.h"
+#include "kvserve/speculative_decoder.h"
 
 namespace kvserve {
 
 class ContinuousBatchingEngine {
  public:
-  /// Allocates the paged KV cache (config.num_blocks blocks) for `model`. Throws
-  /// std::invalid_argument on a bad config.
-  ContinuousBatchingEngine(std::shared_ptr<CausalLM> model, EngineConfig config);
+  /// Allocates the paged KV cache (config.num_blocks blocks) for `model`, and with
+  /// config.speculative.method "draft_model" one of as many blocks for `draft_model` (same
+  /// vocabulary). Throws std::invalid_argument on a bad config or draft model.
+  ContinuousBatchingEngine(std::shared_ptr<CausalLM> model, EngineConfig config,
+                           std::shared_ptr<CausalLM> draft_model = nullptr);
 
   /// Queues a request (thread-safe). Throws std::invalid_argument, changing nothing, for an empty
   /// or duplicate id (of an unfinished request), an empty prompt, a token id outside the
@@ -79,6 +82,8 @@ class ContinuousBatchingEngine {
   const PagedKVCache& kv_cache() const { return runner_.kv_cache(); }
   const EngineConfig& config() const { return config_; }
   CausalLM& model() { return runner_.model(); }
+  /// Null without speculation.
+  const SpeculativeDecoder* speculative_decoder() const { return speculator_.get(); }
 
  private:
   struct Completion {
@@ -134,8 +139,11 @@ class ContinuousBatchingEngine {
   void fail_if_stalled(std::vector<RequestOutput>& outputs);
   /// Ends `completion` with `reason`, freeing its sequence.
   void end_completion(Completion& completion, const std::string& reason);
-  /// Applies stop conditions after `token` was appended to `completion`.
-  void check_stop(Request& request, Completion& completion, int64_t token);
+  /// Appends `token` to `completion` (kv_written: an accepted draft whose KV the step wrote) and
+  /// applies the stop conditions. False when the completion ended.
+  bool append_token(Request& request, Completion& completion, int64_t token, bool kv_written);
+  /// Counts a target's verified drafts in the request's metrics and the engine's stats.
+  void count_speculation(Request& request, const SampledTokens& sampled);
   bool all_finished(const Request& request) const;
   RequestOutput make_output(Request& request) const;
   /// Stamps finished_time, counts the request in the stats and forgets it.
@@ -146,6 +154,7 @@ class ContinuousBatchingEngine {
   EngineConfig config_;
   PagedBlockManager block_manager_;
   Scheduler scheduler_;
+  std::unique_ptr<SpeculativeDecoder> speculator_;
   ModelRunner runner_;
 
   // Owned by the thread holding step_mutex_.

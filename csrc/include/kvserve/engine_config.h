@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "kvserve/speculative_decoder.h"
+
 namespace kvserve {
 
 /// Limits and KV-pool size of one engine.
@@ -16,6 +18,7 @@ struct EngineConfig {
   bool enable_prefix_caching = true;
   std::vector<int64_t> eos_token_ids;
   int64_t max_logprobs = 20;  ///< SamplingParams::logprobs at most (vLLM's default)
+  SpeculativeConfig speculative;  ///< off unless speculative.method is set
 };
 
 }  // namespace kvserve

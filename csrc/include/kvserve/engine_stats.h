@@ -4,6 +4,7 @@
 
 #include <array>
 #include <cstdint>
+#include <vector>
 
 namespace kvserve {
 
@@ -36,6 +37,15 @@ struct EngineStats {
   LatencyHistogram time_to_first_token;  ///< of requests that produced a token
   LatencyHistogram time_per_output_token;  ///< of finished requests with 2+ tokens
   LatencyHistogram e2e_latency;            ///< of finished requests
+
+  // Speculative decoding, vLLM's definitions: a draft is one sequence's proposal in one step.
+  int64_t num_drafts = 0;
+  int64_t num_draft_tokens = 0;
+  int64_t num_accepted_tokens = 0;
+  /// accepted_per_position[j]: drafts whose token j (0-based) was accepted; k entries.
+  std::vector<int64_t> accepted_per_position;
+  double propose_seconds = 0.0;  ///< in the proposer (draft model or n-gram lookup)
+  double verify_seconds = 0.0;   ///< forward + sampling of the steps that verified drafts
 };
 
 }  // namespace kvserve

@@ -14,6 +14,7 @@
 #include "kvserve/paged_kv_cache.h"
 #include "kvserve/sampler.h"
 #include "kvserve/scheduler.h"
+#include "kvserve/speculative_decoder.h"
 
 namespace kvserve {
 
@@ -28,12 +29,22 @@ struct SamplingTarget {
   SamplingRow row;
 };
 
-/// What ModelRunner::execute produced, one entry per SamplingTarget.
-struct ModelRunnerOutput {
-  /// The sampled token, or -1 where the logits were no distribution (NaN, +inf, or every token
+/// What one SamplingTarget produced.
+struct SampledTokens {
+  /// One sampled token; with speculation, the accepted drafts and then one token drawn from the
+  /// target. The last is -1 where the logits were no distribution (NaN, +inf, or every token
   /// masked): the caller ends that sample with an error.
   std::vector<int64_t> token_ids;
-  std::vector<std::optional<TokenLogprobs>> logprobs;  ///< where the row asked for them
+  std::vector<std::optional<TokenLogprobs>> logprobs;  ///< one per token; where the row asks
+  int64_t num_draft_tokens = 0;  ///< drafts verified for this target (0: plain sampling)
+  int64_t num_accepted = 0;      ///< the leading drafts in token_ids (their KV is written)
+};
+
+/// What ModelRunner::execute produced.
+struct ModelRunnerOutput {
+  std::vector<SampledTokens> samples;  ///< one per SamplingTarget
+  double propose_seconds = 0.0;  ///< in the proposer (0 without speculation)
+  double verify_seconds = 0.0;   ///< forward + sampling of a step that verified drafts
 };
 
 /// Runs a CausalLM over scheduled steps on a paged KV cache that it owns.
@@ -42,11 +53,15 @@ class ModelRunner {
   /// Allocates the KV pool: num_blocks blocks of block_size tokens for every layer of `model`.
   /// Token ids and block tables of scheduled sequences are read from `scheduler`, which must
   /// outlive the runner.
+  /// With a `speculator` (borrowed; outliving the runner), the scheduled sequences that have
+  /// draft slots get drafts, and their targets are verified.
   ModelRunner(std::shared_ptr<CausalLM> model, int64_t num_blocks, int64_t block_size,
-              const Scheduler& scheduler);
+              const Scheduler& scheduler, SpeculativeDecoder* speculator = nullptr);
 
-  /// Copies the step's copy-on-write blocks, runs one forward over every scheduled sequence's
-  /// new tokens (writing their K/V), and samples `targets`. Throws (c10::Error /
+  /// Copies the step's copy-on-write blocks, asks the speculator for drafts, runs one forward
+  /// over every scheduled sequence's new tokens and drafts (writing their K/V), and samples
+  /// `targets` (verifying the drafts of a target whose sequence has some: one target per such
+  /// sequence). Throws (c10::Error /
   /// std::exception) when the forward fails; the cache may then hold partial K/V of the step.
   ModelRunnerOutput execute(const SchedulerOutput& work, const std::vector<SamplingTarget>& targets);
 
@@ -58,6 +73,7 @@ class ModelRunner {
   std::shared_ptr<CausalLM> model_;
   PagedKVCache kv_cache_;
   const Scheduler& scheduler_;
+  SpeculativeDecoder* speculator_;
   Sampler sampler_;
 };
 

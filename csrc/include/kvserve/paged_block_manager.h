@@ -59,22 +59,28 @@ class PagedBlockManager {
   int64_t allocate(int64_t seq_id, const std::vector<int32_t>& prompt_tokens,
                    uint64_t extra_key = 0);
 
-  /// Whether appending `num_new_tokens` to `seq_id` fits (copy-on-write block included).
-  bool can_append_slots(int64_t seq_id, int64_t num_new_tokens) const;
+  /// Whether appending `num_new_tokens` to `seq_id` with `num_lookahead` slots after them fits
+  /// (copy-on-write block included).
+  bool can_append_slots(int64_t seq_id, int64_t num_new_tokens, int64_t num_lookahead = 0) const;
 
-  /// Appends tokens whose KV the next step writes, adding blocks as needed. If the last block is
-  /// partially filled and shared, the sequence gets a fresh copy of it first; the returned copies
-  /// must be applied to the KV tensors before the step. Throws std::runtime_error when out of
-  /// blocks, std::invalid_argument on a negative token id.
-  std::vector<BlockCopy> append_slots(int64_t seq_id, const std::vector<int32_t>& new_tokens);
+  /// Appends tokens whose KV the next step writes, adding blocks as needed, and reserves
+  /// `num_lookahead` slots after them: positions the step may write without tokens of the sequence
+  /// yet (speculative draft tokens). The reservation is exactly tokens + num_lookahead: blocks a
+  /// smaller lookahead no longer reaches go back to the pool (rejected drafts' slots are reused by
+  /// the next tokens). If the last block is partially filled and shared, the sequence gets a
+  /// fresh copy of it first; the returned copies must be applied to the KV tensors before the
+  /// step. Throws std::runtime_error when out of blocks, std::invalid_argument on a negative
+  /// token id or lookahead.
+  std::vector<BlockCopy> append_slots(int64_t seq_id, const std::vector<int32_t>& new_tokens,
+                                      int64_t num_lookahead = 0);
 
   /// Records that the first `num_computed_tokens` tokens of `seq_id` have their KV written; full
   /// blocks among them enter the prefix cache. Throws std::invalid_argument if the count goes
   /// backwards or past the sequence's tokens.
   void mark_computed(int64_t seq_id, int64_t num_computed_tokens);
 
-  /// Registers `child_id` sharing all of `parent_id`'s blocks, tokens and computed count. Fork
-  /// before appending the child's own tokens. Throws std::invalid_argument if the child id exists.
+  /// Registers `child_id` sharing all of `parent_id`'s blocks, tokens and computed count (not its
+  /// lookahead slots). Fork before appending the child's own tokens. Throws std::invalid_argument if the child id exists.
   void fork(int64_t parent_id, int64_t child_id);
 
   /// Drops `seq_id`; blocks no longer referenced go back to the free queue (cached ones stay
@@ -119,6 +125,8 @@ class PagedBlockManager {
   }
   /// Tokens of `seq_id`: prompt plus appended.
   int64_t num_tokens(int64_t seq_id) const;
+  /// Slots reserved after the tokens of `seq_id` (see append_slots).
+  int64_t num_lookahead(int64_t seq_id) const { return sequence(seq_id).num_lookahead; }
   /// Leading tokens of `seq_id` whose KV is written (prefix hits included).
   int64_t num_computed_tokens(int64_t seq_id) const { return sequence(seq_id).num_computed; }
 
@@ -145,7 +153,8 @@ class PagedBlockManager {
 
   struct Sequence {
     std::vector<int32_t> tokens;
-    std::vector<int32_t> block_table;
+    std::vector<int32_t> block_table;  ///< covers tokens + num_lookahead slots
+    int64_t num_lookahead = 0;
     int64_t num_computed = 0;
     uint64_t extra_key = 0;
     // Prefix-cache chain over the first num_hashed full computed blocks: the last block's hash and

@@ -21,6 +21,11 @@ struct RequestMetrics {
   double last_token_time = 0.0;
   double finished_time = 0.0;  ///< 0 until every sample finished (or the request was aborted)
   int64_t num_generated_tokens = 0;  ///< over all samples
+  // Speculative decoding (vLLM's definitions), over all samples: times drafts were verified,
+  // draft tokens verified, and those accepted. Mean acceptance length = 1 + accepted / drafts.
+  int64_t num_drafts = 0;
+  int64_t num_draft_tokens = 0;
+  int64_t num_accepted_tokens = 0;
 
   /// TTFT: arrival to the first sampled token (0 before it).
   double time_to_first_token() const;

@@ -41,6 +41,17 @@ struct TokenLogprobs {
 struct SamplerOutput {
   at::Tensor token_ids;  ///< int64 [rows] on the CPU
   std::vector<std::optional<TokenLogprobs>> logprobs;  ///< one per row; set where params.logprobs is
+  /// With want_probs: fp32 [rows, vocab] on the logits' device, the distribution each token was
+  /// drawn from (after history and filters); one-hot for greedy rows; zeros where token is -1.
+  at::Tensor probs;
+};
+
+/// Log-probabilities of the raw logits of the rows that ask for them, taken before the sampler
+/// changes the logits and completed once the tokens are known.
+struct PendingLogprobs {
+  std::vector<int64_t> rows;       ///< batch rows that asked, ascending
+  at::Tensor logprobs;             ///< fp32 [rows.size(), vocab]
+  at::Tensor top_values, top_ids;  ///< [rows.size(), max N]
 };
 
 /// Sampler for a batch of rows.
@@ -50,7 +61,21 @@ class Sampler {
   /// SamplingRow per row. Greedy rows draw no random number; other rows draw exactly one.
   /// Throws c10::Error when the row count differs, a row lacks a history its params need, or a
   /// history token id is outside [0, vocab).
-  SamplerOutput sample(at::Tensor& logits, const std::vector<SamplingRow>& rows) const;
+  SamplerOutput sample(at::Tensor& logits, const std::vector<SamplingRow>& rows,
+                       bool want_probs = false) const;
+
+  /// The distributions sample() would draw from, drawing nothing: fp32 [rows, vocab] on the
+  /// logits' device (modified in place as by sample()); one-hot at the argmax for greedy rows;
+  /// zeros for rows that are no distribution. Speculative verification compares these.
+  at::Tensor probabilities(at::Tensor& logits, const std::vector<SamplingRow>& rows) const;
+
+  /// Logprobs of the raw logits for the rows whose params ask (call before anything changes the
+  /// logits), then their entries once the tokens are known (int64 [rows]; -1: no entry).
+  PendingLogprobs begin_logprobs(const at::Tensor& logits,
+                                 const std::vector<SamplingRow>& rows) const;
+  std::vector<std::optional<TokenLogprobs>> finish_logprobs(
+      PendingLogprobs& pending, const at::Tensor& tokens,
+      const std::vector<SamplingRow>& rows) const;
 
   /// The history-free form: temperature, top-k, top-p and min-p only (penalties, min_tokens and
   /// logprobs are not applied). Returns int64 [rows] on the CPU.

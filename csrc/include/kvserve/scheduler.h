@@ -5,6 +5,7 @@
 // blocks; the engine runs the model over what it schedules.
 
 #include <cstdint>
+#include <limits>
 #include <list>
 #include <set>
 #include <tuple>
@@ -26,11 +27,14 @@ struct SchedulerConfig {
 
 /// One sequence's share of a step: tokens [num_computed, num_computed + num_new_tokens) of it are
 /// fed to the model; `samples` when they reach its last token, so its logits give the next one.
+/// A decoding sequence may also get `num_speculative_tokens` slots after its tokens, reserved and
+/// counted in the budget, for draft tokens that the step verifies (speculative decoding).
 struct ScheduledSequence {
   int64_t seq_id;
   int64_t num_computed;
   int64_t num_new_tokens;
   bool samples;
+  int64_t num_speculative_tokens = 0;
 };
 
 /// What one step runs. Decodes come first, then prefill chunks (running, then newly admitted).
@@ -51,8 +55,10 @@ class Scheduler {
   /// Queues a new sequence. Waiting sequences are admitted by (priority, arrival): a lower
   /// priority value first, first come first served among equals. Throws std::invalid_argument
   /// when the id exists, the prompt is empty or longer than max_model_len, or the prompt alone
-  /// could never fit in the block pool.
-  void add(int64_t seq_id, std::vector<int32_t> prompt_token_ids, int64_t priority = 0);
+  /// could never fit in the block pool. The sequence will hold at most max_new_tokens tokens
+  /// after its prompt (it caps the draft tokens scheduled for it).
+  void add(int64_t seq_id, std::vector<int32_t> prompt_token_ids, int64_t priority = 0,
+           int64_t max_new_tokens = std::numeric_limits<int64_t>::max());
 
   /// Picks the next step's work and reserves its KV slots. When blocks run out, preempts the
   /// most recently admitted running sequence: its blocks are freed and it goes back to the front
@@ -60,13 +66,18 @@ class Scheduler {
   /// A newly admitted sequence's scheduled chunk counts as computed at once, so the sequences
   /// admitted after it in the same step can hit its prefix blocks (the forward writes all K/V
   /// before attention reads); the caller must run the step or abort these sequences.
-  SchedulerOutput schedule();
+  /// With num_speculative_tokens = k > 0, each decoding sequence that has output tokens also
+  /// gets up to k draft slots (fewer near its max_new_tokens or max_model_len, or when the budget
+  /// or the pool is short: speculation never preempts anything).
+  SchedulerOutput schedule(int64_t num_speculative_tokens = 0);
 
   /// The step ran: advances what it scheduled and lets the block manager cache full blocks.
   void update_computed(const SchedulerOutput& output);
 
-  /// Appends a sampled token to a sequence (its KV slot is reserved at the next schedule()).
-  void append_token(int64_t seq_id, int32_t token);
+  /// Appends a sampled token to a sequence (its KV slot is reserved at the next schedule()) and
+  /// releases its draft slots. With kv_written, the token is an accepted draft token whose KV the
+  /// step already wrote in the next draft slot: it counts as computed at once.
+  void append_token(int64_t seq_id, int32_t token, bool kv_written = false);
 
   /// A new running sequence `child` sharing all of `parent`'s tokens and blocks (for n > 1
   /// samples of one prompt): call after the parent's prefill, before either appends a token.
@@ -107,6 +118,7 @@ class Scheduler {
     int64_t num_prompt_tokens = 0;
     int64_t num_computed = 0;
     int64_t num_cached = 0;
+    int64_t max_new_tokens = 0;
     int64_t priority = 0;
     int64_t arrival = 0;
     bool allocated = false;  ///< holds blocks (running)
@@ -121,8 +133,12 @@ class Scheduler {
   /// Reserves slots for seq's unallocated tokens, preempting from the back of running_ while
   /// they do not fit. False when seq itself had to be preempted.
   bool reserve_slots(int64_t seq_id, SchedulerOutput& out);
+  /// Draft slots for a decoding sequence: up to `wanted`, within its limits and the budget, if
+  /// the pool has them without preempting. Reserves them with its new token; 0 if none.
+  int64_t reserve_draft_slots(int64_t seq_id, int64_t wanted, int64_t budget, SchedulerOutput& out);
   void preempt_last(SchedulerOutput& out);
-  void schedule_running(bool decodes, int64_t& budget, SchedulerOutput& out);
+  void schedule_running(bool decodes, int64_t& budget, SchedulerOutput& out,
+                        int64_t num_speculative_tokens);
   void admit_waiting(int64_t& budget, SchedulerOutput& out);
 
   SchedulerConfig config_;

@@ -1,0 +1,161 @@
+// SpeculativeDecoder: the proposer's factory, the batch-size rule, and verification by exact
+// rejection sampling on the target's processed distributions.
+#include "kvserve/speculative_decoder.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+
+#include <deque>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/sampling/rejection_sampling.h"
+#include "kvserve/causal_lm.h"
+#include "kvserve/draft_model_proposer.h"
+#include "kvserve/ngram_proposer.h"
+
+namespace kvserve {
+namespace {
+
+// Drafts per sequence and step at most: a step verifies k + 1 positions per sequence.
+constexpr int64_t kMaxSpeculativeTokens = 64;
+
+void require(bool ok, const std::string& message) {
+  if (!ok) throw std::invalid_argument("speculative decoding: " + message);
+}
+
+template <typename T>
+at::Tensor to_device(std::vector<T>& v, at::ScalarType dtype, const at::Device& device) {
+  return at::from_blob(v.data(), {static_cast<int64_t>(v.size())}, dtype).to(device);
+}
+
+}  // namespace
+
+void SpeculativeConfig::validate() const {
+  require(method.empty() || method == "draft_model" || method == "ngram",
+          "method must be \"draft_model\" or \"ngram\", got \"" + method + "\"");
+  if (!enabled()) return;
+  require(num_speculative_tokens >= 1 && num_speculative_tokens <= kMaxSpeculativeTokens,
+          "num_speculative_tokens must be in [1, " + std::to_string(kMaxSpeculativeTokens) +
+              "], got " + std::to_string(num_speculative_tokens));
+  require(prompt_lookup_min >= 1 && prompt_lookup_max >= prompt_lookup_min,
+          "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, got " +
+              std::to_string(prompt_lookup_min) + " and " + std::to_string(prompt_lookup_max));
+  require(disable_batch_size >= 0,
+          "disable_batch_size must be >= 0, got " + std::to_string(disable_batch_size));
+}
+
+int64_t Proposals::num_tokens() const {
+  int64_t n = 0;
+  for (const auto& t : tokens) n += static_cast<int64_t>(t.size());
+  return n;
+}
+
+SamplingRow row_after_drafts(const SamplingRow& row, const std::vector<int64_t>& drafts,
+                             size_t num_drafts, std::vector<int64_t>& storage) {
+  if (num_drafts == 0 || !row.params->needs_token_history()) return row;
+  storage = *row.output_token_ids;
+  storage.insert(storage.end(), drafts.begin(), drafts.begin() + num_drafts);
+  SamplingRow extended = row;
+  extended.output_token_ids = &storage;
+  return extended;
+}
+
+SpeculativeDecoder::SpeculativeDecoder(SpeculativeConfig config, std::unique_ptr<Proposer> proposer)
+    : config_(std::move(config)), proposer_(std::move(proposer)) {
+  config_.validate();
+  require(config_.enabled() && proposer_ != nullptr, "a method and a proposer are required");
+}
+
+std::unique_ptr<SpeculativeDecoder> SpeculativeDecoder::create(
+    const SpeculativeConfig& config, const CausalLM& target, std::shared_ptr<CausalLM> draft,
+    int64_t num_blocks, int64_t block_size, int64_t max_model_len) {
+  config.validate();
+  if (!config.enabled()) {
+    require(draft == nullptr, "a draft model was given but method is off");
+    return nullptr;
+  }
+  std::unique_ptr<Proposer> proposer;
+  if (config.method == "ngram") {
+    require(draft == nullptr, "method \"ngram\" takes no draft model");
+    proposer = std::make_unique<NgramProposer>(config.prompt_lookup_min, config.prompt_lookup_max);
+  } else {
+    require(draft != nullptr, "method \"draft_model\" needs a draft model");
+    const ModelConfig& t = target.config();
+    const ModelConfig& d = draft->config();
+    require(d.vocab_size == t.vocab_size,
+            "the draft model's vocabulary (" + std::to_string(d.vocab_size) +
+                " tokens) differs from the target's (" + std::to_string(t.vocab_size) + ")");
+    require(d.max_position_embeddings >= max_model_len,
+            "the draft model handles " + std::to_string(d.max_position_embeddings) +
+                " positions, fewer than max_model_len " + std::to_string(max_model_len));
+    require(draft->device() == target.device(), "the draft model is on another device");
+    proposer = std::make_unique<DraftModelProposer>(std::move(draft), num_blocks, block_size);
+  }
+  return std::make_unique<SpeculativeDecoder>(config, std::move(proposer));
+}
+
+int64_t SpeculativeDecoder::num_speculative_tokens(int64_t num_running) const {
+  if (config_.disable_batch_size > 0 && num_running >= config_.disable_batch_size) return 0;
+  return config_.num_speculative_tokens;
+}
+
+std::vector<VerifiedTokens> SpeculativeDecoder::verify(
+    at::Tensor& logits, const std::vector<SamplingRow>& rows,
+    const std::vector<std::vector<int64_t>>& drafts, const at::Tensor& draft_probs) const {
+  TORCH_CHECK(rows.size() == drafts.size(), "verify: one row and one draft list per sequence");
+  const int64_t batch = static_cast<int64_t>(rows.size());
+  std::vector<int64_t> cu(batch + 1, 0), draft_ids;
+  for (int64_t b = 0; b < batch; ++b) {
+    cu[b + 1] = cu[b] + static_cast<int64_t>(drafts[b].size());
+    draft_ids.insert(draft_ids.end(), drafts[b].begin(), drafts[b].end());
+  }
+  const int64_t num_rows = cu[batch] + batch;
+  TORCH_CHECK(logits.dim() == 2 && logits.size(0) == num_rows, "verify: logits need ", num_rows,
+              " rows (drafts + one per sequence), got ", logits.sizes());
+  // Position j of sequence b sees drafts [0, j) as generated tokens.
+  std::deque<std::vector<int64_t>> histories;
+  std::vector<SamplingRow> position_rows;
+  position_rows.reserve(num_rows);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (size_t j = 0; j <= drafts[b].size(); ++j) {
+      position_rows.push_back(row_after_drafts(rows[b], drafts[b], j, histories.emplace_back()));
+    }
+  }
+  PendingLogprobs pending = sampler_.begin_logprobs(logits, position_rows);
+  const at::Tensor target_probs = sampler_.probabilities(logits, position_rows);
+  std::vector<float> uniform(num_rows, 0.0f);
+  for (int64_t b = 0; b < batch; ++b) {
+    if (rows[b].params->temperature < SamplingParams::kGreedyTemperature) continue;
+    for (int64_t r = cu[b] + b; r <= cu[b + 1] + b; ++r) uniform[r] = rows[b].random->next_uniform();
+  }
+  const at::Device device = logits.device();
+  const at::Tensor no_drafts = at::empty({0, logits.size(1)}, logits.options());
+  auto [tokens, accepted] = ops::rejection_sample(
+      target_probs, draft_probs.defined() ? draft_probs : no_drafts,
+      to_device(draft_ids, at::kLong, device), to_device(cu, at::kLong, device),
+      to_device(uniform, at::kFloat, device));
+  tokens = tokens.cpu().contiguous();
+  accepted = accepted.cpu().contiguous();
+  const int64_t width = tokens.size(1);
+  const int64_t* token = tokens.data_ptr<int64_t>();
+  // The token each position row emitted (-1: none), for its logprobs.
+  std::vector<int64_t> emitted(num_rows, -1);
+  std::vector<VerifiedTokens> out(batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    VerifiedTokens& v = out[b];
+    v.num_accepted = accepted.data_ptr<int64_t>()[b];
+    v.token_ids.assign(token + b * width, token + b * width + v.num_accepted + 1);
+    for (int64_t j = 0; j <= v.num_accepted; ++j) emitted[cu[b] + b + j] = v.token_ids[j];
+  }
+  const at::Tensor emitted_t = at::from_blob(emitted.data(), {num_rows}, at::kLong);
+  const auto logprobs = sampler_.finish_logprobs(pending, emitted_t.to(device), position_rows);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t j = 0; j <= out[b].num_accepted; ++j) {
+      out[b].logprobs.push_back(logprobs[cu[b] + b + j]);
+    }
+  }
+  return out;
+}
+
+}  // namespace kvserve
