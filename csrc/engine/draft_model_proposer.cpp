@@ -47,21 +47,20 @@ Proposals DraftModelProposer::propose(const ProposalContext& context) {
   std::vector<std::pair<int32_t, int32_t>> copies;
   for (const BlockCopy& c : work.block_copies) copies.emplace_back(c.src, c.dst);
   kv_cache_.copy_blocks(copies);
+  // A sequence that lost its blocks (finished, or preempted) starts over when it runs again.
   for (auto it = num_computed_.begin(); it != num_computed_.end();) {
-    it = scheduler.has_sequence(it->first) ? std::next(it) : num_computed_.erase(it);
+    it = blocks.has_sequence(it->first) ? std::next(it) : num_computed_.erase(it);
   }
   bool any = false;
   for (size_t i = 0; i < work.scheduled.size(); ++i) {
     any = any || (context.rows[i] && work.scheduled[i].num_speculative_tokens > 0);
   }
-  if (!any) {
-    // Nothing to propose: the draft does not run; what it has not seen it catches up on later.
-    // A sequence first seen now starts from its prefix-cache hit, whose KV the draft mirrors.
-    for (const ScheduledSequence& s : work.scheduled) num_computed_.emplace(s.seq_id, s.num_computed);
-    return out;
-  }
+  if (!any) return out;  // the draft does not run; it catches up when it next does
 
-  // The catch-up forward: every scheduled sequence from where the draft's KV ends.
+  // The catch-up forward: every scheduled sequence from where its draft KV ends. A sequence the
+  // draft has not seen since it got its blocks starts at 0, prefix-cache hits included: the draft
+  // computes its own KV for every position it reads (rewriting a shared block's positions with
+  // the same values), so its proposals never depend on what other sequences left in the pool.
   ForwardBatchBuilder builder(kv_cache_.block_size());
   std::vector<Drafting> drafting;
   std::vector<int64_t> hidden_rows;
@@ -71,8 +70,7 @@ Proposals DraftModelProposer::propose(const ProposalContext& context) {
     const auto& tokens = scheduler.token_ids(s.seq_id);
     const int64_t end = s.num_computed + s.num_new_tokens;
     const auto known = num_computed_.find(s.seq_id);
-    const int64_t start =
-        known == num_computed_.end() ? s.num_computed : std::min(known->second, s.num_computed);
+    const int64_t start = known == num_computed_.end() ? 0 : std::min(known->second, s.num_computed);
     builder.add(std::vector<int64_t>(tokens.begin() + start, tokens.begin() + end), start,
                 blocks.block_table(s.seq_id));
     num_rows += end - start;

@@ -1,6 +1,6 @@
 """Command line:
 
-    python -m kvserve generate [--model DIR] --prompt TEXT
+    python -m kvserve generate [--model DIR] --prompt TEXT [--speculative-model DIR | --ngram]
     python -m kvserve eval-ppl --model DIR --text FILE [--max-tokens N]
     python -m kvserve convert llama2c --checkpoint FILE.bin --tokenizer TOK.bin --out DIR
 """
@@ -42,7 +42,15 @@ def _default_model() -> Path:
 def _generate(args: argparse.Namespace) -> int:
     from kvserve import LLM, SamplingParams
 
-    llm = LLM(args.model or _default_model(), dtype=args.dtype, max_model_len=args.max_model_len)
+    speculation = {}
+    if args.speculative_model is not None or args.ngram:
+        speculation = dict(speculative_model=args.speculative_model,
+                           speculative_method="ngram" if args.ngram else None,
+                           num_speculative_tokens=args.num_speculative_tokens)
+    elif args.num_speculative_tokens is not None:
+        raise ValueError("--num-speculative-tokens needs --speculative-model DIR or --ngram")
+    llm = LLM(args.model or _default_model(), dtype=args.dtype, max_model_len=args.max_model_len,
+              **speculation)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
                             ignore_eos=args.ignore_eos)
@@ -55,6 +63,11 @@ def _generate(args: argparse.Namespace) -> int:
           f"TTFT {m.time_to_first_token * 1e3:.1f} ms | "
           f"TPOT {m.time_per_output_token * 1e3:.2f} ms | "
           f"{len(completion.token_ids) / total:.1f} tokens/s", file=sys.stderr)
+    if m.num_drafts:
+        print(f"[speculative: {m.num_drafts} drafts, {m.num_accepted_tokens} of "
+              f"{m.num_draft_tokens} draft tokens accepted "
+              f"({m.num_accepted_tokens / m.num_draft_tokens:.0%}), mean acceptance length "
+              f"{m.mean_acceptance_length:.2f}]", file=sys.stderr)
     return 0
 
 
@@ -95,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--max-model-len", type=int, default=None)
+    spec = g.add_mutually_exclusive_group()
+    spec.add_argument("--speculative-model", metavar="DIR",
+                      help="speculative decoding with this draft model (the target's tokenizer)")
+    spec.add_argument("--ngram", action="store_true",
+                      help="speculative decoding with n-gram prompt lookup")
+    g.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="draft tokens per step (default 4)")
     g.set_defaults(func=_generate)
     e = sub.add_parser("eval-ppl", help="perplexity of a text file under a model")
     e.add_argument("--model", required=True, help="Hugging Face checkpoint directory")

@@ -28,6 +28,7 @@ from kvserve import _C
 from kvserve.config import load_checkpoint_info, resolve_dtype
 from kvserve.loader import load_weights
 from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.speculative import load_draft_info, speculative_config
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 SamplingParams = _C.SamplingParams
@@ -80,6 +81,10 @@ class LLMEngine:
             max_num_seqs full-length sequences, at most DEFAULT_KV_CACHE_MEMORY bytes).
         max_num_seqs: running sequences at most; max_num_batched_tokens: tokens per step.
         enable_prefix_caching: reuse the KV of identical prompt prefixes.
+        speculative_model: a draft checkpoint directory (same tokenizer) for speculative
+            decoding; or speculative_method="ngram" (prompt lookup of prompt_lookup_min..max
+            tokens). num_speculative_tokens: drafts per step (default 4);
+            speculative_disable_batch_size: no speculation while this many sequences run.
         log_memory_plan: print weights, KV capacity and concurrency at start-up (stderr).
     """
 
@@ -88,7 +93,11 @@ class LLMEngine:
                  num_blocks: int | None = None, kv_cache_memory: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, device: str | torch.device = "cpu",
-                 max_logprobs: int = 20, log_memory_plan: bool = True):
+                 max_logprobs: int = 20, speculative_model: str | Path | None = None,
+                 speculative_method: str | None = None,
+                 num_speculative_tokens: int | None = None, prompt_lookup_min: int = 1,
+                 prompt_lookup_max: int = 4, speculative_disable_batch_size: int = 0,
+                 log_memory_plan: bool = True):
         if torch.device(device).type != "cpu":
             raise ValueError(f"device {device!r} is not supported yet: kvserve's kernels run on "
                              "the CPU")
@@ -110,17 +119,28 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.eos_token_ids = info.eos_token_ids
         self.tokenizer = Tokenizer.from_model_dir(model)
+        speculative = speculative_config(speculative_model, speculative_method,
+                                         num_speculative_tokens, prompt_lookup_min,
+                                         prompt_lookup_max, speculative_disable_batch_size)
+        draft_info = (load_draft_info(speculative_model, info.config, self.tokenizer, max_model_len)
+                      if speculative_model is not None else None)
+        self.draft_config = draft_info.config if draft_info is not None else None
         pool_blocks = self._kv_blocks(block_size, num_blocks, kv_cache_memory, max_num_seqs)
         weights = load_weights(self.model_dir, info.config, self.dtype, device)
         self.model = _C.create_causal_lm(info.config, weights, max_model_len)
         del weights  # the model packed or copied what it keeps
+        self.draft_model = None
+        if draft_info is not None:  # in the target's dtype
+            weights = load_weights(Path(speculative_model), draft_info.config, self.dtype, device)
+            self.draft_model = _C.create_causal_lm(draft_info.config, weights, max_model_len)
+            del weights
         _release_freed_memory()
         config = _C.EngineConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, block_size=block_size, num_blocks=pool_blocks,
             enable_prefix_caching=bool(enable_prefix_caching), eos_token_ids=info.eos_token_ids,
-            max_logprobs=max_logprobs)
-        self.engine = _C.ContinuousBatchingEngine(self.model, config)
+            max_logprobs=max_logprobs, speculative=speculative)
+        self.engine = _C.ContinuousBatchingEngine(self.model, config, self.draft_model)
         self._requests: dict[str, _Request] = {}  # under _lock
         self._lock = threading.Lock()
         self._step_lock = threading.Lock()
@@ -134,9 +154,10 @@ class LLMEngine:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         if num_blocks is not None and kv_cache_memory is not None:
             raise ValueError("give num_blocks or kv_cache_memory, not both")
-        c = self.config
-        per_block = _C.PagedKVCache.bytes_per_block(c.num_layers, block_size, c.num_kv_heads,
-                                                    c.head_dim, self.dtype)
+        # A draft model's pool has as many blocks (same ids): a block costs both.
+        per_block = sum(_C.PagedKVCache.bytes_per_block(c.num_layers, block_size, c.num_kv_heads,
+                                                        c.head_dim, self.dtype)
+                        for c in (self.config, self.draft_config) if c is not None)
         if num_blocks is not None:
             if not isinstance(num_blocks, int) or num_blocks < 2:
                 raise ValueError(f"num_blocks must be an integer >= 2 (block 0 is reserved), "
@@ -154,11 +175,22 @@ class LLMEngine:
         kv = self.engine.kv_cache
         full_len = self.max_model_len
         concurrent = kv.capacity_tokens // full_len
-        return (f"kvserve: weights {self.model.weight_bytes / 2**20:.1f} MiB ({self.dtype}); "
+        plan = (f"kvserve: weights {self.model.weight_bytes / 2**20:.1f} MiB ({self.dtype}); "
                 f"KV cache {kv.nbytes / 2**20:.1f} MiB = {kv.num_blocks - 1} blocks x "
                 f"{kv.block_size} tokens = {kv.capacity_tokens:,} tokens at "
                 f"{kv.bytes_per_token:,} bytes/token; {concurrent} sequences of max_model_len "
                 f"{full_len} fit at once")
+        spec = self.engine.config.speculative
+        if self.draft_model is not None:
+            c = self.draft_config
+            draft_kv = (kv.num_blocks * _C.PagedKVCache.bytes_per_block(
+                c.num_layers, kv.block_size, c.num_kv_heads, c.head_dim, self.dtype))
+            plan += (f"; draft model {self.draft_model.weight_bytes / 2**20:.1f} MiB + KV "
+                     f"{draft_kv / 2**20:.1f} MiB, {spec.num_speculative_tokens} tokens per step")
+        elif spec.enabled:
+            plan += (f"; n-gram speculation, {spec.num_speculative_tokens} tokens per step "
+                     f"(suffixes of {spec.prompt_lookup_min}-{spec.prompt_lookup_max} tokens)")
+        return plan
 
     # ------------------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int],

@@ -37,6 +37,11 @@ class LLM:
             max_model_len tokens, at most kvserve.engine.DEFAULT_KV_CACHE_MEMORY.
         enable_prefix_caching: reuse the KV of identical prompt prefixes (full blocks) across
             requests and generate() calls.
+        speculative_model: a draft checkpoint directory with the target's tokenizer, for
+            speculative decoding; or speculative_method="ngram" for prompt lookup (suffixes of
+            prompt_lookup_min..prompt_lookup_max tokens). num_speculative_tokens: draft tokens per
+            step (default 4). speculative_disable_batch_size: speculation pauses while this many
+            sequences run (0: never). Outputs keep the target's distribution exactly.
         log_memory_plan: print the weights / KV-cache plan at start-up.
     """
 
@@ -45,12 +50,20 @@ class LLM:
                  device: str | torch.device = "cpu", *, block_size: int = 16,
                  num_blocks: int | None = None, kv_cache_memory: int | None = None,
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
+                 speculative_model: str | Path | None = None,
+                 speculative_method: str | None = None,
+                 num_speculative_tokens: int | None = None, prompt_lookup_min: int = 1,
+                 prompt_lookup_max: int = 4, speculative_disable_batch_size: int = 0,
                  log_memory_plan: bool = False):
         self.llm_engine = LLMEngine(
             model, dtype, max_model_len, block_size=block_size, num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching, device=device,
+            speculative_model=speculative_model, speculative_method=speculative_method,
+            num_speculative_tokens=num_speculative_tokens, prompt_lookup_min=prompt_lookup_min,
+            prompt_lookup_max=prompt_lookup_max,
+            speculative_disable_batch_size=speculative_disable_batch_size,
             log_memory_plan=log_memory_plan)
         e = self.llm_engine
         self.model_dir, self.config, self.hf_config = e.model_dir, e.config, e.hf_config

@@ -51,6 +51,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def vocab(self) -> dict[str, int]:
+        """Token string -> id, added tokens included."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
 
 class IncrementalDetokenizer:
     """Turns a growing list of generated token ids into text deltas, one step at a time.

@@ -1,9 +1,10 @@
 #pragma once
 // Draft-model proposals: a second, smaller CausalLM of the target's vocabulary runs k steps per
-// speculating sequence, all in C++. Its paged KV pool mirrors the target's: same number of blocks,
-// same block size, same block ids (the scheduler's block tables serve both), so prefix caching,
-// copy-on-write and preemption need nothing of their own. Every step it runs over the tokens the
-// target runs over (prompts included), then proposes.
+// speculating sequence, all in C++. Its paged KV pool has the target's shape in blocks: the same
+// block ids through the scheduler's block tables, so allocation, copy-on-write and freeing need
+// nothing of their own. In each step that speculates it first runs over the tokens of the step's
+// sequences that its KV lacks (the step's new tokens, or a whole sequence it has not seen since
+// the sequence got its blocks), then proposes.
 
 #include <cstdint>
 #include <memory>
@@ -21,9 +22,8 @@ class DraftModelProposer : public Proposer {
   DraftModelProposer(std::shared_ptr<CausalLM> draft, int64_t num_blocks, int64_t block_size);
 
   /// Applies the step's copy-on-write copies to the draft pool; when some entry has draft slots,
-  /// runs the draft over every scheduled sequence's new tokens (and any it has not seen: after a
-  /// step whose drafts were all accepted, or one without speculation) and samples each speculating
-  /// sequence's drafts from its own row, one draft forward per draft position.
+  /// runs the draft over every scheduled sequence's tokens that its KV lacks, and samples each
+  /// speculating sequence's drafts from its own row, one draft forward per draft position.
   Proposals propose(const ProposalContext& context) override;
 
   const PagedKVCache& kv_cache() const { return kv_cache_; }
@@ -33,8 +33,8 @@ class DraftModelProposer : public Proposer {
   std::shared_ptr<CausalLM> draft_;
   PagedKVCache kv_cache_;
   Sampler sampler_;
-  /// Per sequence: the leading positions whose draft KV is written (it may run ahead of the
-  /// target's computed count by rejected drafts; the start of the next draft run is the smaller).
+  /// Per sequence holding blocks: the leading positions whose draft KV it wrote (it may run ahead
+  /// of the target's computed count by rejected drafts; the next run starts at the smaller).
   std::unordered_map<int64_t, int64_t> num_computed_;
 };
 

@@ -260,3 +260,48 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: list[list[int]], output_id
         x = torch.where(seen, penalized, x)
         out[r] = x - float(presence[r]) * (counts > 0).double() - float(frequency[r]) * counts.double()
     return out
+
+
+def _draw(weights: torch.Tensor, u: float) -> int:
+    """Inverse CDF: the first index whose cumulative weight exceeds u * total."""
+    cumulative = weights.cumsum(dim=0)
+    above = (cumulative > u * float(cumulative[-1])).nonzero()
+    return int(above[0]) if above.numel() else int(weights.nonzero()[-1])
+
+
+def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
+                     draft_token_ids: list[int], cu_num_drafts: list[int],
+                     uniform: torch.Tensor) -> tuple[list[list[int]], list[int]]:
+    """Speculative verification (Leviathan et al. 2023, algorithm 1), one sequence at a time in
+    fp64. Sequence b has drafts cu[b]:cu[b+1] and target rows from cu[b] + b (one per draft, then
+    the bonus row); draft_probs None means point-mass drafts. Draft j is accepted when
+    uniform * q(x) < p(x); the first rejection draws from max(p - q, 0) normalised (p when that is
+    all zero) with the uniform of the bonus row; all accepted: a draw from the bonus row.
+    Returns per sequence the emitted tokens (-1 for a draw from a row with no mass) and the
+    number of accepted drafts."""
+    p_all = target_probs.double()
+    tokens, accepted = [], []
+    for b in range(len(cu_num_drafts) - 1):
+        first, k = cu_num_drafts[b], cu_num_drafts[b + 1] - cu_num_drafts[b]
+        row0, u_final = first + b, float(uniform[first + b + k])
+        out = []
+        for j in range(k + 1):
+            p = p_all[row0 + j]
+            if not (torch.isfinite(p).all() and (p >= 0).all() and p.sum() > 0):
+                out.append(-1)
+                break
+            if j == k:
+                out.append(_draw(p, u_final))
+                break
+            x = draft_token_ids[first + j]
+            q = (draft_probs[first + j].double() if draft_probs is not None
+                 else torch.nn.functional.one_hot(torch.tensor(x), p.numel()).double())
+            if float(uniform[row0 + j]) * float(q[x]) < float(p[x]):
+                out.append(x)
+                continue
+            residual = (p - q).clamp(min=0)
+            out.append(_draw(residual if residual.sum() > 0 else p, u_final))
+            break
+        tokens.append(out)
+        accepted.append(len(out) - 1)
+    return tokens, accepted

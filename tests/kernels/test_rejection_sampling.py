@@ -1,0 +1,172 @@
+"""rejection_sample: against the pure-torch reference, against transformers' own speculative
+sampling routine on the same uniform numbers, and statistically (the emitted first token is
+distributed as the target's p, whatever q is; a deliberately broken rule is caught)."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+from scipy import stats
+
+import kvserve  # noqa: F401  (registers torch.ops.kvserve)
+from kvserve.testing import reference
+
+from tests.kernels.capability import CAPABILITIES, check_variant
+
+ops = torch.ops.kvserve
+
+
+def random_probs(rows: int, vocab: int, gen: torch.Generator, sparsity: float = 0.3,
+                 sharpness: float = 2.0) -> torch.Tensor:
+    """Rows of a distribution with some exact zeros (as filters leave) and uneven mass."""
+    logits = torch.randn(rows, vocab, generator=gen, dtype=torch.float64) * sharpness
+    mask = torch.rand(rows, vocab, generator=gen) < sparsity
+    mask[torch.arange(rows), torch.randint(vocab, (rows,), generator=gen)] = False
+    return torch.softmax(logits.masked_fill(mask, -float("inf")), dim=-1).float()
+
+
+def case(ks: list[int], vocab: int, seed: int, point_mass: bool = False, agree: float = 0.5):
+    """B sequences with ks[b] drafts: target probs, draft probs, drafts drawn from q (or from p
+    half of the time, so that some get accepted), cu and uniforms."""
+    gen = torch.Generator().manual_seed(seed)
+    num_drafts, batch = sum(ks), len(ks)
+    cu = [0]
+    for k in ks:
+        cu.append(cu[-1] + k)
+    target = random_probs(num_drafts + batch, vocab, gen)
+    draft = None if point_mass else random_probs(num_drafts, vocab, gen)
+    ids = []
+    for b, k in enumerate(ks):
+        for j in range(k):
+            source = target[cu[b] + b + j] if torch.rand(1, generator=gen) < agree else (
+                draft[cu[b] + j] if draft is not None else torch.ones(vocab))
+            ids.append(int(torch.multinomial(source.double(), 1, generator=gen)))
+    uniform = torch.rand(num_drafts + batch, generator=gen)
+    return target, draft, ids, cu, uniform
+
+
+def run(target, draft, ids, cu, uniform):
+    empty = torch.empty(0, target.size(1))
+    tokens, accepted = ops.rejection_sample(target, empty if draft is None else draft,
+                                            torch.tensor(ids, dtype=torch.long),
+                                            torch.tensor(cu, dtype=torch.long), uniform)
+    return tokens, accepted
+
+
+@pytest.mark.parametrize("vocab", [1, 2, 7, 33, 1000])
+@pytest.mark.parametrize("ks", [[0], [1], [3, 0, 5], [8, 8], [2, 1, 0, 4, 1, 7, 3]])
+@pytest.mark.parametrize("point_mass", [False, True])
+def test_matches_the_reference(vocab, ks, point_mass):
+    for seed in range(3):
+        target, draft, ids, cu, uniform = case(ks, vocab, seed, point_mass)
+        tokens, accepted = run(target, draft, ids, cu, uniform)
+        want_tokens, want_accepted = reference.rejection_sample(target, draft, ids, cu, uniform)
+        assert accepted.tolist() == want_accepted
+        for b, want in enumerate(want_tokens):
+            row = tokens[b].tolist()
+            assert row[:len(want)] == want and all(t == -1 for t in row[len(want):])
+
+
+def test_rows_without_a_distribution_end_the_sequence_with_minus_one():
+    target, draft, ids, cu, uniform = case([3, 2], 11, 0)
+    target[1] = 0.0            # sequence 0: its second draft position has no distribution
+    target[3 + 2] = float("nan")  # sequence 1 (rows 4..6): its bonus row
+    uniform[:] = 0.0           # accept whatever has p > 0
+    tokens, accepted = run(target, draft, ids, cu, uniform)
+    want_tokens, want_accepted = reference.rejection_sample(target, draft, ids, cu, uniform)
+    assert accepted.tolist() == want_accepted
+    for b in range(2):
+        want = want_tokens[b]
+        assert tokens[b].tolist()[:len(want)] == want and want[-1] == -1
+
+
+def test_matches_transformers_speculative_sampling_on_the_same_uniforms():
+    """transformers' _speculative_sampling (one sequence) with torch.rand_like and
+    torch.multinomial replaced by the same uniform numbers."""
+    utils = pytest.importorskip("transformers.generation.utils")
+    for seed in range(40):
+        k, vocab = 1 + seed % 6, 50
+        target, draft, ids, cu, uniform = case([k], vocab, seed, agree=0.6)
+        tokens, accepted = run(target, draft, ids, cu, uniform)
+
+        def fixed_multinomial(p, num_samples):
+            return torch.tensor([[reference._draw(p[0].double(), float(uniform[k]))]])
+
+        with mock.patch.object(utils.torch, "rand_like", lambda x: uniform[:k].to(x.dtype)), \
+                mock.patch.object(utils.torch, "multinomial", fixed_multinomial):
+            want, n_matches = utils._speculative_sampling(
+                torch.tensor([ids]), draft.double().log()[None], k, target.double().log()[None])
+        assert int(accepted[0]) == int(n_matches)
+        assert tokens[0].tolist()[:int(n_matches) + 1] == want[0].tolist()
+
+
+def first_token_counts(target, draft, draw_from_q, n, rule):
+    """Counts of the first emitted token over n runs with fresh drafts x ~ q and uniforms."""
+    gen = torch.Generator().manual_seed(1234)
+    vocab = target.size(1)
+    ids = torch.multinomial(draw_from_q.double().expand(n, vocab), 1, replacement=True,
+                            generator=gen).squeeze(1)
+    batch_target = target.repeat(n, 1)  # rows 2i (draft position), 2i + 1 (bonus)
+    uniform = torch.rand(2 * n, generator=gen)
+    cu = torch.arange(n + 1, dtype=torch.long)
+    first = rule(batch_target, draft.repeat(n, 1), ids, cu, uniform)
+    return torch.bincount(first, minlength=vocab)
+
+
+def kernel_rule(target, draft, ids, cu, uniform):
+    tokens, _ = ops.rejection_sample(target, draft, ids, cu, uniform)
+    return tokens[:, 0]
+
+
+def broken_rule(target, draft, ids, cu, uniform):
+    """A plausible bug: on rejection, resample from p instead of the residual max(p - q, 0)."""
+    out = []
+    for i in range(ids.numel()):
+        p, q, x = target[2 * i].double(), draft[i].double(), int(ids[i])
+        if float(uniform[2 * i]) * float(q[x]) < float(p[x]):
+            out.append(x)
+        else:
+            out.append(reference._draw(p, float(uniform[2 * i + 1])))
+    return torch.tensor(out)
+
+
+def test_first_token_follows_the_target_and_a_broken_rule_does_not():
+    gen = torch.Generator().manual_seed(7)
+    vocab, n = 6, 20000
+    p = random_probs(1, vocab, gen, sparsity=0.0)
+    q = random_probs(1, vocab, gen, sparsity=0.0)
+    target = torch.cat([p, random_probs(1, vocab, gen)])  # the bonus row is never the first token
+    expected = p[0].double() / p[0].double().sum() * n
+    counts = first_token_counts(target, q, q[0], n, kernel_rule)
+    assert stats.chisquare(counts.double(), expected).pvalue > 1e-3
+    bad = first_token_counts(target, q, q[0], n, broken_rule)
+    assert stats.chisquare(bad.double(), expected).pvalue < 1e-6
+
+
+def capability_checks():
+    for ks, vocab, point_mass in (([3, 0, 5], 33, False), ([2, 4], 7, True)):
+        target, draft, ids, cu, uniform = case(ks, vocab, 5, point_mass)
+        tokens, accepted = run(target, draft, ids, cu, uniform)
+        want_tokens, want_accepted = reference.rejection_sample(target, draft, ids, cu, uniform)
+        assert accepted.tolist() == want_accepted
+        for b, want in enumerate(want_tokens):
+            assert tokens[b].tolist()[:len(want)] == want
+
+
+@pytest.mark.parametrize("capability", CAPABILITIES)
+def test_cpu_capability_variants(capability, capability_processes):
+    check_variant(capability, capability_processes, capability_checks)
+
+
+def test_bad_arguments_raise():
+    target, draft, ids, cu, uniform = case([2, 1], 9, 0)
+    with pytest.raises(RuntimeError, match="target_probs needs"):
+        run(target[:-1], draft, ids, cu, uniform[:-1])
+    with pytest.raises(RuntimeError, match="cu_num_drafts must run from 0"):
+        run(target, draft, ids, [0, 2, 2], uniform)
+    with pytest.raises(RuntimeError, match="draft_probs must be"):
+        run(target, draft[:, :5], ids, cu, uniform)
+    with pytest.raises(RuntimeError, match="uniform needs"):
+        run(target, draft, ids, cu, uniform[:2])
