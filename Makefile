@@ -5,7 +5,7 @@ TORCH_VERSION ?= 2.13.0
 DEMO_MODEL ?= models/shakespeare-target
 DEMO_PROMPT ?= ROMEO:
 
-.PHONY: install build test-deps build-tests demo test test-cpp test-python test-asan bench clean
+.PHONY: install build test-deps build-tests demo test test-cpp test-python test-asan check-cuda bench clean
 
 # torch first and pinned: an unpinned `torch` would pull a multi-GB CUDA build. Then the package,
 # built against that torch (no build isolation), with its runtime dependencies.
@@ -54,6 +54,10 @@ test-asan: build-tests
 	$(ASAN_ENV) ctest --test-dir $(ASAN_BUILD) --output-on-failure
 	$(ASAN_ENV) LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 		$(PYTHON) scripts/asan_pytest.py $(ASAN_BUILD) -q -p no:cacheprovider
+
+# Compile-checks the CUDA kernel bodies (csrc/kernels/**/*_kernel.cuh) with nvcc alone.
+check-cuda:
+	bash scripts/check_cuda.sh
 
 bench: install
 	$(PYTHON) benchmarks/bench_decode.py

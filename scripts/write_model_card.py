@@ -30,11 +30,12 @@ def kv_bytes_per_token(config, dtype_bytes: int) -> int:
         (config.hidden_size // config.num_attention_heads) * dtype_bytes
 
 
-def measure(model_dir: Path, target_dir: Path | None, corpus: Path) -> dict:
+def measure(model_dir: Path, target_dir: Path | None, corpus: Path, max_tokens: int | None,
+            prompt: str) -> dict:
     training = json.loads((model_dir / "training.json").read_text())
     _, val_text = read_split(corpus)
     llm = kvserve.LLM(model_dir, dtype="float32")
-    ids = llm.tokenizer.encode(val_text)
+    ids = llm.tokenizer.encode(val_text)[:max_tokens]
     window = training["seq_len"]
     stride = window // 2
     ours = evaluate_perplexity(llm.model, ids, max_length=window, stride=stride)
@@ -47,7 +48,10 @@ def measure(model_dir: Path, target_dir: Path | None, corpus: Path) -> dict:
         facts["agreement"] = greedy_agreement(hf, load_hf_model(target_dir), ids[1:], window, BOS_ID)
     params = kvserve.SamplingParams(temperature=0.8, top_k=50, seed=0, max_tokens=96,
                                     ignore_eos=True)
-    facts["sample"] = llm.generate([SAMPLE_PROMPT], params)[0].outputs[0].text
+    facts["sample"] = llm.generate([prompt], params)[0].outputs[0].text
+    facts["prompt"] = prompt
+    facts["corpus_name"] = ("the Python standard library's own sources" if "stdlib" in str(corpus)
+                            else "Tiny Shakespeare")
     return facts
 
 
@@ -59,8 +63,8 @@ def render(name: str, f: dict) -> str:
     lines = [
         f"# {name}",
         "",
-        f"A small Llama trained from scratch on Tiny Shakespeare by kvserve's own "
-        f"`scripts/train_tiny.py`; {role}. It writes Shakespeare-like text, not sense: it has "
+        f"A small Llama trained from scratch on {f['corpus_name']} by kvserve's own "
+        f"`scripts/train_tiny.py`; {role}. It imitates its corpus, it does not make sense: it has "
         f"{t['parameters'] / 1e6:.2f}M parameters and saw {t['tokens_seen'] / 1e6:.1f}M tokens.",
         "",
         "## Architecture",
@@ -83,17 +87,17 @@ def render(name: str, f: dict) -> str:
         "",
         f"Byte-level BPE, {t['vocab_size']:,} tokens (ids 0/1/2 = `<unk>`/`<s>`/`</s>`), trained "
         f"with the `tokenizers` library on the training split; every text encodes without unknown "
-        f"tokens. The tokenizer prepends `<s>`. Shared by `shakespeare-target` and "
-        f"`shakespeare-draft`.",
+        f"tokens. The tokenizer prepends `<s>`. A target and its draft share it.",
         "",
         "## Training",
         "",
-        f"- Corpus: `{t['corpus']}` (Tiny Shakespeare). Split by characters at a line boundary: "
+        f"- Corpus: `{t['corpus']}` ({f['corpus_name']}). Split by characters at a line boundary: "
         f"the first 90% trains ({t['train_chars']:,} chars, {t['train_tokens']:,} tokens), the last "
         f"10% validates ({t['validation_chars']:,} chars, {t['validation_tokens']:,} tokens).",
         f"- Each sequence is `<s>` + {t['seq_len'] - 1} tokens from a random offset; batch "
         f"{t['batch_size']}; AdamW (β 0.9/0.95, weight decay 0.1), peak learning rate {t['lr']}, "
-        f"warm-up then cosine decay; bf16 autocast with fp32 weights; "
+        f"warm-up then cosine decay; "
+        + ("bf16 autocast with fp32 weights; " if t["precision"] == "bf16" else "fp32; ")
         + (f"dropout {t['dropout']} on every attention and MLP output (training only); "
            if t.get("dropout") else "no dropout; ")
         + f"seed {t['seed']}; {t['threads']} CPU thread{'s' if t['threads'] > 1 else ''}.",
@@ -105,14 +109,15 @@ def render(name: str, f: dict) -> str:
         "",
         "## Evaluation",
         "",
-        f"Validation perplexity over all {f['val_tokens']:,} scored validation tokens, in strided "
+        f"Validation perplexity over {f['val_tokens']:,} scored validation tokens, in strided "
         f"windows of {f['window']} tokens with stride {f['stride']}. kvserve's figure is what "
         f"this prints:",
         "",
         "```",
         f"tail -c {t['validation_chars']} {t['corpus']} > /tmp/validation.txt",
-        f"python -m kvserve eval-ppl --model models/{name} --text /tmp/validation.txt "
-        f"--max-length {f['window']} --stride {f['stride']}",
+        f"python -m kvserve eval-ppl --model {f['dir']} --text /tmp/validation.txt "
+        f"--max-length {f['window']} --stride {f['stride']}"
+        + (f" --max-tokens {f['max_tokens']}" if f.get("max_tokens") else ""),
         "```",
         "",
         "| runtime | perplexity |",
@@ -130,18 +135,20 @@ def render(name: str, f: dict) -> str:
         "",
         "## Sample",
         "",
-        f"kvserve, prompt `{SAMPLE_PROMPT!r}`, temperature 0.8, top-k 50, seed 0, 96 tokens:",
+        f"kvserve, prompt `{f['prompt']!r}`, temperature 0.8, top-k 50, seed 0, 96 tokens:",
         "",
         "```",
-        SAMPLE_PROMPT + f["sample"],
+        f["prompt"] + f["sample"],
         "```",
         "",
         "## Rebuild",
         "",
         "```",
         t["command"],
-        f"python scripts/write_model_card.py --model models/{name}"
-        + (f" --target models/{f['target']}" if "target" in f else ""),
+        f"python scripts/write_model_card.py --model {f['dir']}"
+        + (f" --target {f['target_dir']}" if "target" in f else "")
+        + (f" --corpus {f['corpus_arg']} --max-tokens {f['max_tokens']} --prompt {f['prompt']!r}"
+           if f.get("max_tokens") else ""),
         "```",
         "",
         "Training is seeded (initialization and data order). Bit-identical weights also need the "
@@ -156,9 +163,14 @@ def main() -> None:
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--target", type=Path, default=None, help="for a draft: its target model")
     p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="score only the first N validation tokens (default: all)")
+    p.add_argument("--prompt", default=SAMPLE_PROMPT, help="the sample's prompt")
     args = p.parse_args()
     torch.manual_seed(0)
-    facts = measure(args.model, args.target, args.corpus)
+    facts = measure(args.model, args.target, args.corpus, args.max_tokens, args.prompt)
+    facts.update(dir=str(args.model), target_dir=str(args.target), max_tokens=args.max_tokens,
+                 corpus_arg=str(args.corpus))
     card = render(args.model.resolve().name, facts)
     (args.model / "README.md").write_text(card)
     print(card)

@@ -6,6 +6,7 @@
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/topk.h>
 #include <ATen/ops/where.h>
+#include <ATen/ops/zeros_like.h>
 
 #include <algorithm>
 #include <charconv>
@@ -339,7 +340,6 @@ at::Tensor filter_and_draw(at::Tensor& logits, const std::vector<SamplingRow>& r
 // left: softmax for sampled rows, one-hot for greedy rows, zeros where the token is -1.
 at::Tensor distributions(const at::Tensor& filtered, const at::Tensor& tokens,
                          const std::vector<SamplingRow>& rows) {
-  at::Tensor probs = at::softmax(filtered, 1);
   std::vector<int64_t> zero_rows, one_rows, one_tokens;
   const int64_t* token = tokens.data_ptr<int64_t>();
   for (size_t r = 0; r < rows.size(); ++r) {
@@ -350,8 +350,11 @@ at::Tensor distributions(const at::Tensor& filtered, const at::Tensor& tokens,
       one_tokens.push_back(token[r]);
     }
   }
+  // Only rows that sample need the softmax (all-greedy batches skip it).
+  const bool none_sampled = zero_rows.size() == rows.size();
+  at::Tensor probs = none_sampled ? at::zeros_like(filtered) : at::softmax(filtered, 1);
   const at::Device device = probs.device();
-  if (!zero_rows.empty()) probs.index_fill_(0, to_device(zero_rows, device), 0.0);
+  if (!zero_rows.empty() && !none_sampled) probs.index_fill_(0, to_device(zero_rows, device), 0.0);
   if (!one_rows.empty()) {
     const c10::List<std::optional<at::Tensor>> index{to_device(one_rows, device),
                                                      to_device(one_tokens, device)};
