@@ -88,16 +88,21 @@ def prompts_for(workload: str, tokenizer, text: str, count: int, length: int,
 
 CONFIGS = {
     "plain": lambda args, k: {},
-    "draft": lambda args, k: dict(speculative_model=args.draft, num_speculative_tokens=k),
+    "draft": lambda args, k: dict(speculative_model=args.draft, num_speculative_tokens=k,
+                                  speculative_disable_batch_size=0),
+    # What LLM(speculative_model=...) does with no other option: its default k and batch rule.
+    "draft default": lambda args, k: dict(speculative_model=args.draft),
     "ngram": lambda args, k: dict(speculative_method="ngram", num_speculative_tokens=k,
-                                  prompt_lookup_min=1, prompt_lookup_max=4),
+                                  speculative_disable_batch_size=0),
 }
 
 
 def configs_for(workload: str, args) -> list[tuple[str, int]]:
     draft = [("draft", k) for k in args.ks]
     ngram = [("ngram", k) for k in args.ngram_ks]
-    return [("plain", 0)] + (draft + ngram[:1] if workload == "text" else ngram + draft[-1:])
+    default = [("draft default", 0)]
+    return [("plain", 0)] + (draft + default + ngram[:1] if workload == "text"
+                             else ngram + draft[-1:])
 
 
 def run_kvserve(args, workloads) -> tuple[list[dict], dict]:

@@ -95,7 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "model is a plain Llama)")
     p.add_argument("--eval-every", type=int, default=150)
     p.add_argument("--eval-batches", type=int, default=0,
-                   help="validation windows to score per evaluation (0 = the whole split)")
+                   help="batches of windows to score per evaluation, and for the final train "
+                        "loss (0 = the whole split)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
                    help="matmul precision: bf16 autocast (fp32 master weights; ~1.4x faster on "
@@ -354,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     val_loss, best_step, state = best
     model.load_state_dict(state)
     final_train = evaluate(model, validation_windows(train_ids[-len(val_ids):], args.seq_len),
-                           0, args.batch_size)
+                           args.eval_batches, args.batch_size)
     wall = time.monotonic() - started
     save(model, tok, args.out)
     summary = {

@@ -84,7 +84,8 @@ class LLMEngine:
         speculative_model: a draft checkpoint directory (same tokenizer) for speculative
             decoding; or speculative_method="ngram" (prompt lookup of prompt_lookup_min..max
             tokens). num_speculative_tokens: drafts per step (default 4);
-            speculative_disable_batch_size: no speculation while this many sequences run.
+            speculative_disable_batch_size: no speculation while this many sequences run
+            (default kvserve.speculative.DEFAULT_DISABLE_BATCH_SIZE; 0: never pause).
         log_memory_plan: print weights, KV capacity and concurrency at start-up (stderr).
     """
 
@@ -96,7 +97,7 @@ class LLMEngine:
                  max_logprobs: int = 20, speculative_model: str | Path | None = None,
                  speculative_method: str | None = None,
                  num_speculative_tokens: int | None = None, prompt_lookup_min: int = 1,
-                 prompt_lookup_max: int = 4, speculative_disable_batch_size: int = 0,
+                 prompt_lookup_max: int = 4, speculative_disable_batch_size: int | None = None,
                  log_memory_plan: bool = True):
         if torch.device(device).type != "cpu":
             raise ValueError(f"device {device!r} is not supported yet: kvserve's kernels run on "

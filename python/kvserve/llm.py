@@ -41,7 +41,8 @@ class LLM:
             speculative decoding; or speculative_method="ngram" for prompt lookup (suffixes of
             prompt_lookup_min..prompt_lookup_max tokens). num_speculative_tokens: draft tokens per
             step (default 4). speculative_disable_batch_size: speculation pauses while this many
-            sequences run (0: never). Outputs keep the target's distribution exactly.
+            sequences run (default kvserve.speculative.DEFAULT_DISABLE_BATCH_SIZE; 0: never).
+            Outputs keep the target's distribution exactly.
         log_memory_plan: print the weights / KV-cache plan at start-up.
     """
 
@@ -53,7 +54,7 @@ class LLM:
                  speculative_model: str | Path | None = None,
                  speculative_method: str | None = None,
                  num_speculative_tokens: int | None = None, prompt_lookup_min: int = 1,
-                 prompt_lookup_max: int = 4, speculative_disable_batch_size: int = 0,
+                 prompt_lookup_max: int = 4, speculative_disable_batch_size: int | None = None,
                  log_memory_plan: bool = False):
         self.llm_engine = LLMEngine(
             model, dtype, max_model_len, block_size=block_size, num_blocks=num_blocks,

@@ -13,8 +13,12 @@ from kvserve import _C
 from kvserve.config import load_checkpoint_info
 from kvserve.tokenizer import Tokenizer
 
-# Draft tokens per step when num_speculative_tokens is not given.
+# Draft tokens per step when num_speculative_tokens is not given, and the number of running
+# sequences from which speculation pauses when speculative_disable_batch_size is not given
+# (benchmarks/bench_speculative.py: past it, verifying k + 1 tokens per sequence costs more
+# than the accepted drafts save).
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+DEFAULT_DISABLE_BATCH_SIZE = 32
 
 
 def speculative_config(speculative_model, speculative_method, num_speculative_tokens,
@@ -38,6 +42,8 @@ def speculative_config(speculative_model, speculative_method, num_speculative_to
                              'speculative_method="ngram"')
         return _C.SpeculativeConfig()
     k = DEFAULT_NUM_SPECULATIVE_TOKENS if num_speculative_tokens is None else num_speculative_tokens
+    if disable_batch_size is None:
+        disable_batch_size = DEFAULT_DISABLE_BATCH_SIZE
     for name, value in [("num_speculative_tokens", k), ("prompt_lookup_min", prompt_lookup_min),
                         ("prompt_lookup_max", prompt_lookup_max),
                         ("speculative_disable_batch_size", disable_batch_size)]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +28,23 @@ def test_generate_prints_text_and_metrics(checkpoint_factory):
     assert result.stdout.startswith("Once upon a time" + expected)
     for metric in ("TTFT", "TPOT", "tokens/s", "8 generated"):
         assert metric in result.stderr
+
+
+DRAFT = str(Path(__file__).resolve().parents[2] / "models" / "shakespeare-draft")
+
+
+@pytest.mark.parametrize("speculation", [["--speculative-model", DRAFT],
+                                         ["--ngram", "--num-speculative-tokens", "3"]])
+def test_generate_with_speculation_prints_the_same_text_and_the_acceptance(speculation):
+    common = ["generate", "--prompt", "ROMEO:", "--max-tokens", "24", "--temperature", "0",
+              "--ignore-eos", "--dtype", "float32"]
+    plain = run_cli(*common)
+    result = run_cli(*common, *speculation)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == plain.stdout
+    assert "[speculative:" in result.stderr and "mean acceptance length" in result.stderr
+    bad = run_cli(*common, "--num-speculative-tokens", "2")
+    assert bad.returncode == 2 and "needs --speculative-model DIR or --ngram" in bad.stderr
 
 
 def test_errors_are_one_clear_line(tmp_path):

@@ -24,12 +24,15 @@ REPO = Path(__file__).resolve().parents[2]
 TARGET = REPO / "models" / "shakespeare-target"
 DRAFT = REPO / "models" / "shakespeare-draft"
 
+# speculative_disable_batch_size=0: speculate at any batch size (the default pauses at 32).
 SPECULATION = {
-    "draft": dict(speculative_model=DRAFT, num_speculative_tokens=4),
+    "draft": dict(speculative_model=DRAFT, num_speculative_tokens=4,
+                  speculative_disable_batch_size=0),
     # The target as its own draft: almost every draft is accepted (the bonus-token path).
-    "self-draft": dict(speculative_model=TARGET, num_speculative_tokens=3),
+    "self-draft": dict(speculative_model=TARGET, num_speculative_tokens=3,
+                       speculative_disable_batch_size=0),
     "ngram": dict(speculative_method="ngram", num_speculative_tokens=5, prompt_lookup_min=1,
-                  prompt_lookup_max=3),
+                  prompt_lookup_max=3, speculative_disable_batch_size=0),
 }
 PROMPTS = ["ROMEO:\n", "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?\n",
            "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n",
@@ -206,6 +209,7 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_pair, method, filter
     speculation = (dict(speculative_model=draft, num_speculative_tokens=3) if method == "draft"
                    else dict(speculative_method="ngram", num_speculative_tokens=3,
                              prompt_lookup_min=1, prompt_lookup_max=2))
+    speculation["speculative_disable_batch_size"] = 0  # 12,000 requests run 256 at a time
     expected = joint(conditionals(target, FILTERS[filters]))
     counts = engine_counts(target, speculation, FILTERS[filters])
     assert chi_square_pvalue(counts, expected, SAMPLES) > 1e-4
@@ -267,7 +271,8 @@ def test_randomized_run_keeps_invariants_and_counts_drafts(plain):
                               seed=i)
 
     e = fp32_engine(TARGET, num_blocks=36, max_num_batched_tokens=48,
-                    speculative_model=DRAFT, num_speculative_tokens=5)
+                    speculative_model=DRAFT, num_speculative_tokens=5,
+                    speculative_disable_batch_size=0)
     pending = sorted((arrival, i, prompt, n) for i, (prompt, n, arrival) in enumerate(requests))
     finished, step, accepted = {}, 0, 0
     while pending or e.has_unfinished_requests():
@@ -355,3 +360,12 @@ def test_bad_options_and_mismatched_drafts_are_rejected_at_start(checkpoint_fact
         LLM(TARGET, speculative_model=short)
     with pytest.raises(FileNotFoundError):
         LLM(TARGET, speculative_model=REPO / "no-such-draft")
+
+
+def test_defaults_follow_the_documented_rule():
+    from kvserve.speculative import DEFAULT_DISABLE_BATCH_SIZE, DEFAULT_NUM_SPECULATIVE_TOKENS
+
+    spec = fp32_engine(TARGET, speculative_model=DRAFT).engine.config.speculative
+    assert (spec.method, spec.num_speculative_tokens, spec.disable_batch_size) == (
+        "draft_model", DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_DISABLE_BATCH_SIZE)
+    assert not fp32_engine(TARGET).engine.config.speculative.enabled
