@@ -51,6 +51,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--no-peer", action="store_true", help="skip transformers")
+    p.add_argument("--defaults-only", action="store_true",
+                   help="only plain and the engine's default speculation (its k and batch rule)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", type=Path, default=HERE / "results" / "bench_speculative.json")
     args = p.parse_args()
@@ -89,20 +91,23 @@ def prompts_for(workload: str, tokenizer, text: str, count: int, length: int,
 CONFIGS = {
     "plain": lambda args, k: {},
     "draft": lambda args, k: dict(speculative_model=args.draft, num_speculative_tokens=k,
-                                  speculative_disable_batch_size=0),
+                                  speculative_max_verify_tokens=0),
     # What LLM(speculative_model=...) does with no other option: its default k and batch rule.
     "draft default": lambda args, k: dict(speculative_model=args.draft),
     "ngram": lambda args, k: dict(speculative_method="ngram", num_speculative_tokens=k,
-                                  speculative_disable_batch_size=0),
+                                  speculative_max_verify_tokens=0),
+    "ngram default": lambda args, k: dict(speculative_method="ngram"),
 }
 
 
 def configs_for(workload: str, args) -> list[tuple[str, int]]:
     draft = [("draft", k) for k in args.ks]
     ngram = [("ngram", k) for k in args.ngram_ks]
+    if args.defaults_only:
+        return [("plain", 0), ("draft default", 0), ("ngram default", 0)]
     default = [("draft default", 0)]
     return [("plain", 0)] + (draft + default + ngram[:1] if workload == "text"
-                             else ngram + draft[-1:])
+                             else ngram + [("ngram default", 0)] + draft[-1:])
 
 
 def run_kvserve(args, workloads) -> tuple[list[dict], dict]:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The speculative-decoding benchmark's pair, trained from scratch on the Python standard library's
 # own sources (every machine has them): a ~46M-parameter target (fp32: ~175 MiB, too large to ship
-# in models/) and a ~4M-parameter draft with its tokenizer. About 70 minutes on a 2-core CPU.
+# in models/) and a ~4M-parameter draft with its tokenizer. About 90 minutes on a 2-core CPU.
 #
 #   bash scripts/build_speculative_pair.sh [OUT_DIR]      # default: ../spec-pair beside the checkout
 #   python benchmarks/bench_speculative.py --target OUT_DIR/stdlib-target --draft OUT_DIR/stdlib-draft
@@ -14,7 +14,7 @@ common=(--corpus stdlib --seq-len 256 --precision fp32 --eval-every 100 --eval-b
 python scripts/train_tiny.py --out "$out/stdlib-target" --preset stdlib-target --vocab-size 4096 \
   --max-minutes 55 "${common[@]}"
 python scripts/train_tiny.py --out "$out/stdlib-draft" --preset stdlib-draft \
-  --tokenizer "$out/stdlib-target" --max-minutes 12 "${common[@]}"
+  --tokenizer "$out/stdlib-target" --max-minutes 9 "${common[@]}"
 card=(--corpus "$corpus" --max-tokens 16384 --prompt "def ")
 python scripts/write_model_card.py --model "$out/stdlib-target" "${card[@]}"
 python scripts/write_model_card.py --model "$out/stdlib-draft" --target "$out/stdlib-target" \

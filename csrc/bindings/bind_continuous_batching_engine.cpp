@@ -156,20 +156,21 @@ void bind_continuous_batching_engine(py::module_& m) {
                                 "(\"\": off).")
       .def(py::init([](std::string method, int64_t num_speculative_tokens,
                        int64_t prompt_lookup_min, int64_t prompt_lookup_max,
-                       int64_t disable_batch_size) {
+                       int64_t disable_batch_size, int64_t max_verify_tokens) {
              SpeculativeConfig c{std::move(method), num_speculative_tokens, prompt_lookup_min,
-                                 prompt_lookup_max, disable_batch_size};
+                                 prompt_lookup_max, disable_batch_size, max_verify_tokens};
              c.validate();
              return c;
            }),
            py::kw_only(), py::arg("method") = "", py::arg("num_speculative_tokens") = 0,
            py::arg("prompt_lookup_min") = 1, py::arg("prompt_lookup_max") = 4,
-           py::arg("disable_batch_size") = 0)
+           py::arg("disable_batch_size") = 0, py::arg("max_verify_tokens") = 0)
       .def_readonly("method", &SpeculativeConfig::method)
       .def_readonly("num_speculative_tokens", &SpeculativeConfig::num_speculative_tokens)
       .def_readonly("prompt_lookup_min", &SpeculativeConfig::prompt_lookup_min)
       .def_readonly("prompt_lookup_max", &SpeculativeConfig::prompt_lookup_max)
       .def_readonly("disable_batch_size", &SpeculativeConfig::disable_batch_size)
+      .def_readonly("max_verify_tokens", &SpeculativeConfig::max_verify_tokens)
       .def_property_readonly("enabled", &SpeculativeConfig::enabled);
 
   py::class_<EngineConfig>(m, "EngineConfig")

@@ -5,6 +5,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 
+#include <algorithm>
 #include <deque>
 #include <stdexcept>
 #include <string>
@@ -43,6 +44,8 @@ void SpeculativeConfig::validate() const {
               std::to_string(prompt_lookup_min) + " and " + std::to_string(prompt_lookup_max));
   require(disable_batch_size >= 0,
           "disable_batch_size must be >= 0, got " + std::to_string(disable_batch_size));
+  require(max_verify_tokens >= 0,
+          "max_verify_tokens must be >= 0, got " + std::to_string(max_verify_tokens));
 }
 
 int64_t Proposals::num_tokens() const {
@@ -97,7 +100,11 @@ std::unique_ptr<SpeculativeDecoder> SpeculativeDecoder::create(
 
 int64_t SpeculativeDecoder::num_speculative_tokens(int64_t num_running) const {
   if (config_.disable_batch_size > 0 && num_running >= config_.disable_batch_size) return 0;
-  return config_.num_speculative_tokens;
+  int64_t k = config_.num_speculative_tokens;
+  if (config_.max_verify_tokens > 0) {
+    k = std::min(k, config_.max_verify_tokens / std::max<int64_t>(num_running, 1) - 1);
+  }
+  return std::max<int64_t>(k, 0);
 }
 
 std::vector<VerifiedTokens> SpeculativeDecoder::verify(

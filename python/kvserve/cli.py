@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--ngram", action="store_true",
                       help="speculative decoding with n-gram prompt lookup")
     g.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="draft tokens per step (default 4)")
+                   help="draft tokens per step at most (default 2)")
     g.set_defaults(func=_generate)
     e = sub.add_parser("eval-ppl", help="perplexity of a text file under a model")
     e.add_argument("--model", required=True, help="Hugging Face checkpoint directory")

@@ -83,9 +83,10 @@ class LLMEngine:
         enable_prefix_caching: reuse the KV of identical prompt prefixes.
         speculative_model: a draft checkpoint directory (same tokenizer) for speculative
             decoding; or speculative_method="ngram" (prompt lookup of prompt_lookup_min..max
-            tokens). num_speculative_tokens: drafts per step (default 4);
+            tokens). num_speculative_tokens: drafts per step at most (default 2);
             speculative_disable_batch_size: no speculation while this many sequences run
-            (default kvserve.speculative.DEFAULT_DISABLE_BATCH_SIZE; 0: never pause).
+            (default 0: never); speculative_max_verify_tokens: per step k shrinks to this / running
+            sequences - 1 (default kvserve.speculative.DEFAULT_MAX_VERIFY_TOKENS; 0: no limit).
         log_memory_plan: print weights, KV capacity and concurrency at start-up (stderr).
     """
 
@@ -98,6 +99,7 @@ class LLMEngine:
                  speculative_method: str | None = None,
                  num_speculative_tokens: int | None = None, prompt_lookup_min: int = 1,
                  prompt_lookup_max: int = 4, speculative_disable_batch_size: int | None = None,
+                 speculative_max_verify_tokens: int | None = None,
                  log_memory_plan: bool = True):
         if torch.device(device).type != "cpu":
             raise ValueError(f"device {device!r} is not supported yet: kvserve's kernels run on "
@@ -122,7 +124,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_model_dir(model)
         speculative = speculative_config(speculative_model, speculative_method,
                                          num_speculative_tokens, prompt_lookup_min,
-                                         prompt_lookup_max, speculative_disable_batch_size)
+                                         prompt_lookup_max, speculative_disable_batch_size,
+                                         speculative_max_verify_tokens)
         draft_info = (load_draft_info(speculative_model, info.config, self.tokenizer, max_model_len)
                       if speculative_model is not None else None)
         self.draft_config = draft_info.config if draft_info is not None else None

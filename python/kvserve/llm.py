@@ -40,8 +40,10 @@ class LLM:
         speculative_model: a draft checkpoint directory with the target's tokenizer, for
             speculative decoding; or speculative_method="ngram" for prompt lookup (suffixes of
             prompt_lookup_min..prompt_lookup_max tokens). num_speculative_tokens: draft tokens per
-            step (default 4). speculative_disable_batch_size: speculation pauses while this many
-            sequences run (default kvserve.speculative.DEFAULT_DISABLE_BATCH_SIZE; 0: never).
+            step at most (default 2). speculative_max_verify_tokens: per step k shrinks to this / running
+            sequences - 1, so verification stays cheap (default 8; 0: no limit);
+            speculative_disable_batch_size: speculation pauses while this many sequences run
+            (default 0: never).
             Outputs keep the target's distribution exactly.
         log_memory_plan: print the weights / KV-cache plan at start-up.
     """
@@ -55,6 +57,7 @@ class LLM:
                  speculative_method: str | None = None,
                  num_speculative_tokens: int | None = None, prompt_lookup_min: int = 1,
                  prompt_lookup_max: int = 4, speculative_disable_batch_size: int | None = None,
+                 speculative_max_verify_tokens: int | None = None,
                  log_memory_plan: bool = False):
         self.llm_engine = LLMEngine(
             model, dtype, max_model_len, block_size=block_size, num_blocks=num_blocks,
@@ -65,6 +68,7 @@ class LLM:
             num_speculative_tokens=num_speculative_tokens, prompt_lookup_min=prompt_lookup_min,
             prompt_lookup_max=prompt_lookup_max,
             speculative_disable_batch_size=speculative_disable_batch_size,
+            speculative_max_verify_tokens=speculative_max_verify_tokens,
             log_memory_plan=log_memory_plan)
         e = self.llm_engine
         self.model_dir, self.config, self.hf_config = e.model_dir, e.config, e.hf_config

@@ -13,17 +13,20 @@ from kvserve import _C
 from kvserve.config import load_checkpoint_info
 from kvserve.tokenizer import Tokenizer
 
-# Draft tokens per step when num_speculative_tokens is not given, and the number of running
-# sequences from which speculation pauses when speculative_disable_batch_size is not given
-# (benchmarks/bench_speculative.py: past it, verifying k + 1 tokens per sequence costs more
-# than the accepted drafts save).
-DEFAULT_NUM_SPECULATIVE_TOKENS = 4
-DEFAULT_DISABLE_BATCH_SIZE = 32
+# Defaults when the options are not given: k draft tokens per sequence, shrunk per step to
+# DEFAULT_MAX_VERIFY_TOKENS / running - 1 (so a step verifies at most that many tokens, and
+# speculation stops from that many running sequences on), never paused by a plain batch-size
+# threshold. benchmarks/bench_speculative.py: on a 2-core CPU a 46M fp32 model's forward stays
+# memory-bound up to about 8 tokens; beyond, verifying k + 1 tokens per sequence costs more
+# than the accepted drafts save.
+DEFAULT_NUM_SPECULATIVE_TOKENS = 2
+DEFAULT_MAX_VERIFY_TOKENS = 8
+DEFAULT_DISABLE_BATCH_SIZE = 0
 
 
 def speculative_config(speculative_model, speculative_method, num_speculative_tokens,
-                       prompt_lookup_min, prompt_lookup_max,
-                       disable_batch_size) -> _C.SpeculativeConfig:
+                       prompt_lookup_min, prompt_lookup_max, disable_batch_size,
+                       max_verify_tokens=None) -> _C.SpeculativeConfig:
     """The engine's SpeculativeConfig; method "" (off) when neither option is given.
     Raises ValueError for contradictory or out-of-range options."""
     if speculative_method is not None and speculative_method not in ("ngram", "draft_model"):
@@ -44,15 +47,19 @@ def speculative_config(speculative_model, speculative_method, num_speculative_to
     k = DEFAULT_NUM_SPECULATIVE_TOKENS if num_speculative_tokens is None else num_speculative_tokens
     if disable_batch_size is None:
         disable_batch_size = DEFAULT_DISABLE_BATCH_SIZE
+    if max_verify_tokens is None:
+        max_verify_tokens = DEFAULT_MAX_VERIFY_TOKENS
     for name, value in [("num_speculative_tokens", k), ("prompt_lookup_min", prompt_lookup_min),
                         ("prompt_lookup_max", prompt_lookup_max),
-                        ("speculative_disable_batch_size", disable_batch_size)]:
+                        ("speculative_disable_batch_size", disable_batch_size),
+                        ("speculative_max_verify_tokens", max_verify_tokens)]:
         if not isinstance(value, int) or isinstance(value, bool):
             raise ValueError(f"{name} must be an integer, got {value!r}")
     return _C.SpeculativeConfig(method=speculative_method, num_speculative_tokens=k,
                                 prompt_lookup_min=prompt_lookup_min,
                                 prompt_lookup_max=prompt_lookup_max,
-                                disable_batch_size=disable_batch_size)
+                                disable_batch_size=disable_batch_size,
+                                max_verify_tokens=max_verify_tokens)
 
 
 def load_draft_info(draft_dir: str | Path, target_config, target_tokenizer: Tokenizer | None,

@@ -202,6 +202,12 @@ TEST(SpeculativeDecoder, CreateRejectsMismatchedDraftsAndBadConfigs) {
   const auto decoder = SpeculativeDecoder::create(paused, *model, nullptr, 8, 4, 64);
   EXPECT_EQ(decoder->num_speculative_tokens(7), 4);
   EXPECT_EQ(decoder->num_speculative_tokens(8), 0);
+  SpeculativeConfig budget{"ngram", 4, 1, 4, 0, /*max_verify_tokens=*/8};
+  const auto shrinking = SpeculativeDecoder::create(budget, *model, nullptr, 8, 4, 64);
+  const std::vector<int64_t> want = {4, 4, 3, 1, 1, 0, 0, 0};  // min(4, 8 / running - 1)
+  for (int64_t running = 0; running < 8; ++running) {
+    EXPECT_EQ(shrinking->num_speculative_tokens(running), want[running]) << running;
+  }
 }
 
 }  // namespace

@@ -24,15 +24,16 @@ REPO = Path(__file__).resolve().parents[2]
 TARGET = REPO / "models" / "shakespeare-target"
 DRAFT = REPO / "models" / "shakespeare-draft"
 
-# speculative_disable_batch_size=0: speculate at any batch size (the default pauses at 32).
+# Speculate at any batch size (by default k shrinks with the number of running sequences).
+UNLIMITED = dict(speculative_disable_batch_size=0, speculative_max_verify_tokens=0)
 SPECULATION = {
     "draft": dict(speculative_model=DRAFT, num_speculative_tokens=4,
-                  speculative_disable_batch_size=0),
+                  **UNLIMITED),
     # The target as its own draft: almost every draft is accepted (the bonus-token path).
     "self-draft": dict(speculative_model=TARGET, num_speculative_tokens=3,
-                       speculative_disable_batch_size=0),
+                       **UNLIMITED),
     "ngram": dict(speculative_method="ngram", num_speculative_tokens=5, prompt_lookup_min=1,
-                  prompt_lookup_max=3, speculative_disable_batch_size=0),
+                  prompt_lookup_max=3, **UNLIMITED),
 }
 PROMPTS = ["ROMEO:\n", "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?\n",
            "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n",
@@ -209,7 +210,7 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_pair, method, filter
     speculation = (dict(speculative_model=draft, num_speculative_tokens=3) if method == "draft"
                    else dict(speculative_method="ngram", num_speculative_tokens=3,
                              prompt_lookup_min=1, prompt_lookup_max=2))
-    speculation["speculative_disable_batch_size"] = 0  # 12,000 requests run 256 at a time
+    speculation.update(UNLIMITED)  # 12,000 requests run 256 at a time
     expected = joint(conditionals(target, FILTERS[filters]))
     counts = engine_counts(target, speculation, FILTERS[filters])
     assert chi_square_pvalue(counts, expected, SAMPLES) > 1e-4
@@ -272,7 +273,7 @@ def test_randomized_run_keeps_invariants_and_counts_drafts(plain):
 
     e = fp32_engine(TARGET, num_blocks=36, max_num_batched_tokens=48,
                     speculative_model=DRAFT, num_speculative_tokens=5,
-                    speculative_disable_batch_size=0)
+                    **UNLIMITED)
     pending = sorted((arrival, i, prompt, n) for i, (prompt, n, arrival) in enumerate(requests))
     finished, step, accepted = {}, 0, 0
     while pending or e.has_unfinished_requests():
@@ -315,6 +316,20 @@ def test_logprobs_with_speculation_equal_plain_logprobs(plain):
             assert abs(la.logprob - lb.logprob) < 1e-4
             assert [t for t, _ in la.top] == [t for t, _ in lb.top]
     assert llm.llm_engine.get_stats().num_accepted_tokens > 0
+
+
+def test_k_shrinks_with_the_number_of_running_sequences():
+    e = fp32_engine(TARGET, speculative_method="ngram", num_speculative_tokens=4,
+                    prompt_lookup_min=1, speculative_max_verify_tokens=6)
+    for i in range(3):
+        e.add_request(str(i), PROMPTS[i], SamplingParams(temperature=0.0, max_tokens=30))
+    e.step()  # the prompts
+    while e.scheduler.num_running == 3:
+        before = e.get_stats().num_draft_tokens
+        e.step()
+        assert e.get_stats().num_draft_tokens - before <= 3 * (6 // 3 - 1)  # k = 1
+    drain(e)
+    assert e.get_stats().num_drafts > 0
 
 
 def test_speculation_pauses_at_the_batch_size_limit():
@@ -363,9 +378,11 @@ def test_bad_options_and_mismatched_drafts_are_rejected_at_start(checkpoint_fact
 
 
 def test_defaults_follow_the_documented_rule():
-    from kvserve.speculative import DEFAULT_DISABLE_BATCH_SIZE, DEFAULT_NUM_SPECULATIVE_TOKENS
+    from kvserve.speculative import (DEFAULT_DISABLE_BATCH_SIZE, DEFAULT_MAX_VERIFY_TOKENS,
+                                     DEFAULT_NUM_SPECULATIVE_TOKENS)
 
     spec = fp32_engine(TARGET, speculative_model=DRAFT).engine.config.speculative
-    assert (spec.method, spec.num_speculative_tokens, spec.disable_batch_size) == (
-        "draft_model", DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_DISABLE_BATCH_SIZE)
+    assert (spec.method, spec.num_speculative_tokens, spec.disable_batch_size,
+            spec.max_verify_tokens) == ("draft_model", DEFAULT_NUM_SPECULATIVE_TOKENS,
+                                        DEFAULT_DISABLE_BATCH_SIZE, DEFAULT_MAX_VERIFY_TOKENS)
     assert not fp32_engine(TARGET).engine.config.speculative.enabled

@@ -33,6 +33,10 @@ struct SpeculativeConfig {
   /// Speculation pauses while this many sequences or more are running (0: never). Large batches
   /// are compute-bound, where verifying k + 1 positions per sequence costs more than it saves.
   int64_t disable_batch_size = 0;
+  /// Per step, k shrinks to max_verify_tokens / running - 1 (0: no limit): the verification
+  /// forward then scores at most this many tokens, keeping it in the memory-bound regime where
+  /// scoring k + 1 tokens costs about as much as scoring one.
+  int64_t max_verify_tokens = 0;
 
   bool enabled() const { return !method.empty(); }
   /// Throws std::invalid_argument naming the first bad field.
@@ -90,8 +94,8 @@ class SpeculativeDecoder {
                                                     int64_t num_blocks, int64_t block_size,
                                                     int64_t max_model_len);
 
-  /// Draft slots per sequence for a step that starts with `num_running` running sequences: k, or
-  /// 0 at and above disable_batch_size.
+  /// Draft slots per sequence for a step that starts with `num_running` running sequences: k,
+  /// at most max_verify_tokens / num_running - 1, and 0 at and above disable_batch_size.
   int64_t num_speculative_tokens(int64_t num_running) const;
 
   Proposals propose(const ProposalContext& context) { return proposer_->propose(context); }
