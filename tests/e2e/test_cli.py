@@ -30,13 +30,16 @@ def test_generate_prints_text_and_metrics(checkpoint_factory):
         assert metric in result.stderr
 
 
-DRAFT = str(Path(__file__).resolve().parents[2] / "models" / "shakespeare-draft")
+MODELS = Path(__file__).resolve().parents[2] / "models"
+DRAFT = str(MODELS / "shakespeare-draft")
 
 
 @pytest.mark.parametrize("speculation", [["--speculative-model", DRAFT],
                                          ["--ngram", "--num-speculative-tokens", "3"]])
 def test_generate_with_speculation_prints_the_same_text_and_the_acceptance(speculation):
-    common = ["generate", "--prompt", "ROMEO:", "--max-tokens", "24", "--temperature", "0",
+    # --model explicitly: a package imported from elsewhere (the sanitizer build) has no models/.
+    common = ["generate", "--model", str(MODELS / "shakespeare-target"), "--prompt", "ROMEO:",
+              "--max-tokens", "24", "--temperature", "0",
               "--ignore-eos", "--dtype", "float32"]
     plain = run_cli(*common)
     result = run_cli(*common, *speculation)
