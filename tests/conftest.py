@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                 "MixtralForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM",
+                 "DeepseekV3ForCausalLM"]
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -1,9 +1,10 @@
-"""Driving an LLMEngine in tests: an fp32 engine without the start-up print, and a loop that
-steps until every request finished and checks that the pool is whole afterwards."""
+"""Driving an LLMEngine in tests: an fp32 engine without the start-up print, a loop that steps
+until every request finished and checks that the pool is whole afterwards, and one that adds
+requests at their arrival steps."""
 
 from __future__ import annotations
 
-from kvserve import LLMEngine
+from kvserve import LLMEngine, SamplingParams
 
 
 def fp32_engine(path, **kwargs) -> LLMEngine:
@@ -25,3 +26,24 @@ def drain(e: LLMEngine, max_steps: int = 10_000) -> dict:
     blocks = e.block_manager
     assert blocks.num_sequences() == 0 and blocks.num_free_blocks() == blocks.num_usable_blocks()
     return final
+
+
+def run_arrivals(e: LLMEngine, requests, params: SamplingParams | None = None) -> dict[str, list[int]]:
+    """Adds each (prompt ids, max_tokens, arrival step) request at its step (greedy unless
+    `params` is given); the token ids per request id. Checks the scheduler's invariants every
+    step and that the pool is whole afterwards."""
+    pending = sorted((arrival, i, prompt, n) for i, (prompt, n, arrival) in enumerate(requests))
+    results, step = {}, 0
+    while pending or e.has_unfinished_requests():
+        while pending and pending[0][0] <= step:
+            _, i, prompt, n = pending.pop(0)
+            e.add_request(str(i), prompt, params or SamplingParams(
+                temperature=0.0, max_tokens=n, ignore_eos=True))
+        for out in e.step():
+            if out.finished:
+                results[out.request_id] = out.outputs[0].token_ids
+        e.scheduler.check_invariants()
+        step += 1
+    blocks = e.block_manager
+    assert blocks.num_free_blocks() == blocks.num_usable_blocks() and blocks.num_sequences() == 0
+    return results

@@ -15,6 +15,10 @@ void bind_kv_cache(py::module_& m) {
       .def(py::init<int64_t, int64_t, int64_t, int64_t, at::ScalarType, at::Device>(),
            py::arg("max_batch_size"), py::arg("max_seq_len"), py::arg("num_kv_heads"),
            py::arg("head_dim"), py::arg("dtype") = at::kFloat, py::arg("device") = at::Device("cpu"))
+      .def_static("for_model", &KVCache::for_model, py::arg("max_batch_size"),
+                  py::arg("max_seq_len"), py::arg("config"), py::arg("dtype") = at::kFloat,
+                  py::arg("device") = at::Device("cpu"),
+                  "One KVCache per layer for a model of this config (MLA: its latents).")
       .def_static("from_model_config", &KVCache::from_model_config, py::arg("max_batch_size"),
                   py::arg("max_seq_len"), py::arg("num_layers"), py::arg("num_kv_heads"),
                   py::arg("head_dim"), py::arg("dtype") = at::kFloat,
@@ -31,27 +35,65 @@ void bind_kv_cache(py::module_& m) {
       .def_property_readonly("head_dim", &KVCache::head_dim)
       .def_property_readonly("nbytes", &KVCache::nbytes);
 
+  py::class_<KVCacheLayout>(m, "KVCacheLayout",
+                            "Per layer and token: key and value heads, or one MLA latent.")
+      .def(py::init<>())
+      .def_static("plain", &KVCacheLayout::plain, py::arg("num_layers"), py::arg("num_kv_heads"),
+                  py::arg("head_dim"))
+      .def_static("for_model", &KVCacheLayout::for_model, py::arg("config"),
+                  "What a model of this config caches (its latents under MLA).")
+      .def_static("multi_head_equivalent", &KVCacheLayout::multi_head_equivalent,
+                  py::arg("config"), "What the same model would cache with plain multi-head K/V.")
+      .def_readwrite("num_layers", &KVCacheLayout::num_layers)
+      .def_readwrite("num_kv_heads", &KVCacheLayout::num_kv_heads)
+      .def_readwrite("head_dim", &KVCacheLayout::head_dim)
+      .def_readwrite("value_head_dim", &KVCacheLayout::value_head_dim)
+      .def_readwrite("latent", &KVCacheLayout::latent)
+      .def("bytes_per_token", &KVCacheLayout::bytes_per_token, py::arg("dtype"))
+      .def("__repr__", [](const KVCacheLayout& l) {
+        return "KVCacheLayout(num_layers=" + std::to_string(l.num_layers) +
+               ", num_kv_heads=" + std::to_string(l.num_kv_heads) +
+               ", head_dim=" + std::to_string(l.head_dim) +
+               ", value_head_dim=" + std::to_string(l.value_head_dim) +
+               ", latent=" + (l.latent ? "True" : "False") + ")";
+      });
+
   py::class_<PagedKVCache, std::shared_ptr<PagedKVCache>>(
       m, "PagedKVCache",
-      "Per-layer pools of KV blocks, key and value [num_blocks, block_size, num_kv_heads, "
-      "head_dim]; block 0 is the null block.")
+      "Per-layer pools of KV blocks, key [num_blocks, block_size, num_kv_heads, head_dim] and "
+      "value (or one latent per token, MLA); block 0 is the null block.")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, at::ScalarType, at::Device>(),
            py::arg("num_layers"), py::arg("num_blocks"), py::arg("block_size"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("dtype") = at::kFloat,
            py::arg("device") = at::Device("cpu"))
+      .def(py::init<const KVCacheLayout&, int64_t, int64_t, at::ScalarType, at::Device>(),
+           py::arg("layout"), py::arg("num_blocks"), py::arg("block_size"),
+           py::arg("dtype") = at::kFloat, py::arg("device") = at::Device("cpu"))
       .def_static(
           "from_memory",
           [](int64_t memory_bytes, int64_t num_layers, int64_t block_size, int64_t num_kv_heads,
              int64_t head_dim, at::ScalarType dtype, at::Device device) {
             return std::make_shared<PagedKVCache>(PagedKVCache::from_memory(
-                memory_bytes, num_layers, block_size, num_kv_heads, head_dim, dtype, device));
+                memory_bytes, KVCacheLayout::plain(num_layers, num_kv_heads, head_dim),
+                block_size, dtype, device));
           },
           py::arg("memory_bytes"), py::arg("num_layers"), py::arg("block_size"),
           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("dtype") = at::kFloat,
           py::arg("device") = at::Device("cpu"), "As many blocks as fit in memory_bytes.")
-      .def_static("bytes_per_block", &PagedKVCache::bytes_per_block, py::arg("num_layers"),
-                  py::arg("block_size"), py::arg("num_kv_heads"), py::arg("head_dim"),
-                  py::arg("dtype") = at::kFloat)
+      .def_static(
+          "bytes_per_block",
+          [](int64_t num_layers, int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
+             at::ScalarType dtype) {
+            return PagedKVCache::bytes_per_block(
+                KVCacheLayout::plain(num_layers, num_kv_heads, head_dim), block_size, dtype);
+          },
+          py::arg("num_layers"), py::arg("block_size"), py::arg("num_kv_heads"),
+          py::arg("head_dim"), py::arg("dtype") = at::kFloat)
+      .def_static("bytes_per_block",
+                  py::overload_cast<const KVCacheLayout&, int64_t, at::ScalarType>(
+                      &PagedKVCache::bytes_per_block),
+                  py::arg("layout"), py::arg("block_size"), py::arg("dtype") = at::kFloat)
+      .def_property_readonly("layout", &PagedKVCache::layout)
       .def("copy_blocks", &PagedKVCache::copy_blocks, py::arg("copies"),
            "Copies whole blocks in every layer; copies is a list of (src, dst).")
       .def_property_readonly("key_caches", [](const PagedKVCache& c) {

@@ -24,7 +24,35 @@ void bind_config(py::module_& m) {
                      &RopeScaling::original_max_position_embeddings)
       .def_readwrite("beta_fast", &RopeScaling::beta_fast)
       .def_readwrite("beta_slow", &RopeScaling::beta_slow)
-      .def_readwrite("attention_factor", &RopeScaling::attention_factor);
+      .def_readwrite("attention_factor", &RopeScaling::attention_factor)
+      .def_readwrite("mscale", &RopeScaling::mscale)
+      .def_readwrite("mscale_all_dim", &RopeScaling::mscale_all_dim)
+      .def_readwrite("truncate", &RopeScaling::truncate);
+
+  py::class_<MLAConfig>(m, "MLAConfig")
+      .def(py::init<>())
+      .def_readwrite("q_lora_rank", &MLAConfig::q_lora_rank)
+      .def_readwrite("kv_lora_rank", &MLAConfig::kv_lora_rank)
+      .def_readwrite("qk_nope_head_dim", &MLAConfig::qk_nope_head_dim)
+      .def_readwrite("qk_rope_head_dim", &MLAConfig::qk_rope_head_dim)
+      .def_readwrite("v_head_dim", &MLAConfig::v_head_dim)
+      .def_readwrite("rope_interleave", &MLAConfig::rope_interleave)
+      .def_readwrite("attention_path", &MLAConfig::attention_path)
+      .def_property_readonly("qk_head_dim", &MLAConfig::qk_head_dim);
+
+  py::class_<MoEConfig>(m, "MoEConfig")
+      .def(py::init<>())
+      .def_readwrite("num_experts", &MoEConfig::num_experts)
+      .def_readwrite("num_experts_per_tok", &MoEConfig::num_experts_per_tok)
+      .def_readwrite("moe_intermediate_size", &MoEConfig::moe_intermediate_size)
+      .def_readwrite("shared_intermediate_size", &MoEConfig::shared_intermediate_size)
+      .def_readwrite("scoring_func", &MoEConfig::scoring_func)
+      .def_readwrite("n_group", &MoEConfig::n_group)
+      .def_readwrite("topk_group", &MoEConfig::topk_group)
+      .def_readwrite("norm_topk_prob", &MoEConfig::norm_topk_prob)
+      .def_readwrite("routed_scaling_factor", &MoEConfig::routed_scaling_factor)
+      .def_readwrite("fp32_router", &MoEConfig::fp32_router)
+      .def_readwrite("layers", &MoEConfig::layers);
 
   py::class_<ModelConfig>(m, "ModelConfig")
       .def(py::init<>())
@@ -46,6 +74,10 @@ void bind_config(py::module_& m) {
       .def_readwrite("mlp_bias", &ModelConfig::mlp_bias)
       .def_readwrite("qk_norm", &ModelConfig::qk_norm)
       .def_readwrite("sliding_windows", &ModelConfig::sliding_windows)
+      .def_readwrite("mla", &ModelConfig::mla)
+      .def_readwrite("moe", &ModelConfig::moe)
+      .def("use_mla", &ModelConfig::use_mla)
+      .def("is_moe_layer", &ModelConfig::is_moe_layer, py::arg("layer"))
       .def("validate", &ModelConfig::validate);
 }
 

@@ -3,25 +3,19 @@
 #include "kvserve/draft_model_proposer.h"
 
 #include <ATen/ops/empty.h>
-#include <ATen/ops/from_blob.h>
 
 #include <algorithm>
 #include <deque>
 
+#include "engine/engine_helpers.h"
 #include "kvserve/forward_batch.h"
 
 namespace kvserve {
+
+using engine_helpers::make_kv_cache;
+using engine_helpers::to_tensor;
+
 namespace {
-
-at::Tensor to_device(std::vector<int64_t>& v, const at::Device& device) {
-  return at::from_blob(v.data(), {static_cast<int64_t>(v.size())}, at::kLong).to(device);
-}
-
-PagedKVCache make_kv_cache(const CausalLM& model, int64_t num_blocks, int64_t block_size) {
-  const ModelConfig& c = model.config();
-  return PagedKVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim,
-                      model.dtype(), model.device());
-}
 
 // Where one speculating entry stands in the draft loop.
 struct Drafting {
@@ -95,7 +89,7 @@ Proposals DraftModelProposer::propose(const ProposalContext& context) {
   std::vector<Drafting*> active;
   for (Drafting& d : drafting) active.push_back(&d);
   while (!active.empty()) {
-    at::Tensor logits = draft_->compute_logits(hidden.index_select(0, to_device(hidden_rows, device)));
+    at::Tensor logits = draft_->compute_logits(hidden.index_select(0, to_tensor(hidden_rows, device)));
     std::deque<std::vector<int64_t>> histories;
     std::vector<SamplingRow> rows;
     for (Drafting* d : active) {
@@ -145,8 +139,8 @@ Proposals DraftModelProposer::propose(const ProposalContext& context) {
     if (round.source_rows.empty()) continue;
     std::vector<int64_t> dest;
     for (auto [entry, index] : round.at) dest.push_back(offset[entry] + static_cast<int64_t>(index));
-    out.probs.index_copy_(0, to_device(dest, device),
-                          round.probs.index_select(0, to_device(round.source_rows, device)));
+    out.probs.index_copy_(0, to_tensor(dest, device),
+                          round.probs.index_select(0, to_tensor(round.source_rows, device)));
   }
   return out;
 }

@@ -1,10 +1,17 @@
 #pragma once
-// Small helpers shared by the engine's runners (ModelRunner, ContinuousBatchingEngine).
+// Small helpers shared by the engine's runners (ModelRunner, ContinuousBatchingEngine, Sampler,
+// SpeculativeDecoder and its proposers).
+
+#include <ATen/ops/from_blob.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
+
+#include "kvserve/causal_lm.h"
+#include "kvserve/paged_kv_cache.h"
 
 namespace kvserve::engine_helpers {
 
@@ -18,5 +25,25 @@ inline bool contains(const std::vector<int64_t>& ids, int64_t id) {
 }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/// A copy of host values as a 1-D tensor on `device` (int64 -> kLong, int32 -> kInt,
+/// float -> kFloat). Always a copy: the result never aliases the vector, on any device.
+template <typename T>
+at::Tensor to_tensor(const std::vector<T>& values, at::Device device) {
+  static_assert(std::is_same_v<T, int64_t> || std::is_same_v<T, int32_t> ||
+                std::is_same_v<T, float>);
+  const at::ScalarType dtype = std::is_same_v<T, int64_t>   ? at::kLong
+                               : std::is_same_v<T, int32_t> ? at::kInt
+                                                            : at::kFloat;
+  return at::from_blob(const_cast<T*>(values.data()), {static_cast<int64_t>(values.size())},
+                       at::TensorOptions().dtype(dtype))
+      .to(device, dtype, /*non_blocking=*/false, /*copy=*/true);
+}
+
+/// A paged KV pool laid out for `model` (its KV heads or MLA latents, dtype and device).
+inline PagedKVCache make_kv_cache(const CausalLM& model, int64_t num_blocks, int64_t block_size) {
+  return PagedKVCache(KVCacheLayout::for_model(model.config()), num_blocks, block_size,
+                      model.dtype(), model.device());
+}
 
 }  // namespace kvserve::engine_helpers

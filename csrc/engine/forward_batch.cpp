@@ -1,24 +1,14 @@
 #include "kvserve/forward_batch.h"
 
-#include <ATen/ops/from_blob.h>
-
 #include <algorithm>
 #include <stdexcept>
 #include <string>
 
+#include "engine/engine_helpers.h"
+
 namespace kvserve {
-namespace {
 
-template <typename T>
-at::Tensor to_device(const std::vector<T>& values, at::ScalarType dtype, at::Device device) {
-  const int64_t n = static_cast<int64_t>(values.size());
-  // from_blob does not copy; `copy=true` makes the result own its memory on every device.
-  return at::from_blob(const_cast<T*>(values.data()), {n}, at::TensorOptions().dtype(dtype))
-      .to(device, dtype, /*non_blocking=*/false, /*copy=*/true);
-}
-
-}  // namespace
-
+using engine_helpers::to_tensor;
 void ForwardBatchBuilder::add(const std::vector<int64_t>& tokens, int64_t num_cached,
                               const std::vector<int32_t>& block_table) {
   const int64_t total = num_cached + static_cast<int64_t>(tokens.size());
@@ -46,14 +36,14 @@ ForwardBatch ForwardBatchBuilder::build(at::Device device) const {
     std::copy(block_tables_[b].begin(), block_tables_[b].end(), tables.begin() + b * width);
   }
   ForwardBatch batch;
-  batch.input_ids = to_device(ids_, at::kLong, device);
-  batch.positions = to_device(positions_, at::kLong, device);
-  batch.metadata.slot_mapping = to_device(slots_, at::kLong, device);
-  batch.metadata.query_start_loc = to_device(query_start_loc_, at::kInt, device);
-  batch.metadata.seq_lens = to_device(seq_lens_, at::kInt, device);
+  batch.input_ids = to_tensor(ids_, device);
+  batch.positions = to_tensor(positions_, device);
+  batch.metadata.slot_mapping = to_tensor(slots_, device);
+  batch.metadata.query_start_loc = to_tensor(query_start_loc_, device);
+  batch.metadata.seq_lens = to_tensor(seq_lens_, device);
   batch.metadata.block_tables =
-      to_device(tables, at::kInt, device).view({num_sequences(), static_cast<int64_t>(width)});
-  batch.logits_indices = to_device(logits_indices_, at::kLong, device);
+      to_tensor(tables, device).view({num_sequences(), static_cast<int64_t>(width)});
+  batch.logits_indices = to_tensor(logits_indices_, device);
   return batch;
 }
 

@@ -21,6 +21,30 @@ KVCache::KVCache(int64_t max_batch_size, int64_t max_seq_len, int64_t num_kv_hea
   seq_lens_.assign(max_batch_size, 0);
 }
 
+KVCache::KVCache(int64_t max_batch_size, int64_t max_seq_len, const KVCacheLayout& layout,
+                 at::ScalarType dtype, at::Device device)
+    : KVCache(max_batch_size, max_seq_len, layout.num_kv_heads, layout.head_dim, dtype, device) {
+  layout.validate();
+  if (layout.latent) {
+    value_ = key_;
+  } else if (layout.value_head_dim != layout.head_dim) {
+    value_ = at::empty({max_batch_size, max_seq_len, layout.num_kv_heads, layout.value_head_dim},
+                       key_.options());
+  }
+}
+
+std::vector<KVCache> KVCache::for_model(int64_t max_batch_size, int64_t max_seq_len,
+                                        const ModelConfig& config, at::ScalarType dtype,
+                                        at::Device device) {
+  const KVCacheLayout layout = KVCacheLayout::for_model(config);
+  std::vector<KVCache> caches;
+  caches.reserve(layout.num_layers);
+  for (int64_t i = 0; i < layout.num_layers; ++i) {
+    caches.emplace_back(max_batch_size, max_seq_len, layout, dtype, device);
+  }
+  return caches;
+}
+
 std::vector<KVCache> KVCache::from_model_config(int64_t max_batch_size, int64_t max_seq_len,
                                                 int64_t num_layers, int64_t num_kv_heads,
                                                 int64_t head_dim, at::ScalarType dtype,

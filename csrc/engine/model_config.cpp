@@ -26,6 +26,28 @@ void ModelConfig::validate() const {
   require(rope_theta > 0, "rope_theta must be positive");
   require(sliding_windows.empty() || static_cast<int64_t>(sliding_windows.size()) == num_layers,
           "sliding_windows must have one entry per layer");
+  if (use_mla()) {
+    require(mla.q_lora_rank >= 0 && mla.qk_nope_head_dim > 0 && mla.v_head_dim > 0,
+            "q_lora_rank must be >= 0, qk_nope_head_dim and v_head_dim positive");
+    require(mla.qk_rope_head_dim > 0 && mla.qk_rope_head_dim == head_dim,
+            "qk_rope_head_dim must be positive and equal head_dim (the RoPE size)");
+  }
+  if (moe.num_experts > 0) {
+    require(moe.num_experts_per_tok >= 1 && moe.num_experts_per_tok <= moe.num_experts,
+            "num_experts_per_tok must be in [1, num_experts]");
+    require(moe.moe_intermediate_size > 0, "moe_intermediate_size must be positive");
+    require(moe.shared_intermediate_size >= 0, "the shared experts' size must be >= 0");
+    require(moe.scoring_func == "softmax" || moe.scoring_func == "sigmoid",
+            "scoring_func must be softmax or sigmoid, got " + moe.scoring_func);
+    require(moe.n_group >= 1 && moe.num_experts % moe.n_group == 0,
+            "n_group must divide the number of routed experts");
+    require(moe.topk_group >= 1 && moe.topk_group <= moe.n_group,
+            "topk_group must be in [1, n_group]");
+    require(moe.num_experts_per_tok <= moe.topk_group * (moe.num_experts / moe.n_group),
+            "the topk_group groups must hold num_experts_per_tok experts");
+    require(static_cast<int64_t>(moe.layers.size()) == num_layers,
+            "the MoE layer list must have one entry per layer");
+  }
 }
 
 }  // namespace kvserve

@@ -1,26 +1,20 @@
 #include "kvserve/model_runner.h"
 
-#include <ATen/ops/from_blob.h>
 
 #include <algorithm>
 #include <chrono>
 #include <stdexcept>
 #include <string>
 
+#include "engine/engine_helpers.h"
 #include "kvserve/forward_batch.h"
 
 namespace kvserve {
+
+using engine_helpers::make_kv_cache;
+using engine_helpers::to_tensor;
+
 namespace {
-
-at::Tensor to_device(std::vector<int64_t>& v, const at::Device& device) {
-  return at::from_blob(v.data(), {static_cast<int64_t>(v.size())}, at::kLong).to(device);
-}
-
-PagedKVCache make_kv_cache(const CausalLM& model, int64_t num_blocks, int64_t block_size) {
-  const ModelConfig& c = model.config();
-  return PagedKVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim,
-                      model.dtype(), model.device());
-}
 
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -118,13 +112,13 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
     for (int64_t j = 0; j <= k; ++j) hidden_rows.push_back(starts[t.scheduled_index] + t.position + j);
   }
   at::Tensor logits =
-      model_->compute_logits(hidden.index_select(0, to_device(hidden_rows, hidden.device())));
+      model_->compute_logits(hidden.index_select(0, to_tensor(hidden_rows, hidden.device())));
 
   if (!plain.empty()) {
     at::Tensor plain_logits = logits.narrow(0, 0, num_plain_rows);
     // A copy of [targets, vocab] only when rows repeat.
     if (logit_row_of_target.size() != static_cast<size_t>(num_plain_rows)) {
-      plain_logits = plain_logits.index_select(0, to_device(logit_row_of_target, logits.device()));
+      plain_logits = plain_logits.index_select(0, to_tensor(logit_row_of_target, logits.device()));
     }
     std::vector<SamplingRow> rows;
     for (size_t i : plain) rows.push_back(targets[i].row);
@@ -156,7 +150,7 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
         const int64_t entry = targets[i].scheduled_index;
         for (int64_t r = offset[entry]; r < offset[entry + 1]; ++r) order.push_back(r);
       }
-      draft_probs = draft_probs.index_select(0, to_device(order, draft_probs.device()));
+      draft_probs = draft_probs.index_select(0, to_tensor(order, draft_probs.device()));
     }
     std::vector<VerifiedTokens> results =
         speculator_->verify(verify_logits, rows, drafts, draft_probs);

@@ -11,40 +11,48 @@
 
 namespace kvserve {
 
-PagedKVCache::PagedKVCache(int64_t num_layers, int64_t num_blocks, int64_t block_size,
-                           int64_t num_kv_heads, int64_t head_dim, at::ScalarType dtype,
-                           at::Device device) {
-  if (num_layers < 1 || block_size < 1 || num_kv_heads < 1 || head_dim < 1) {
-    throw std::invalid_argument("PagedKVCache: num_layers, block_size, num_kv_heads and head_dim "
-                                "must be positive");
-  }
+PagedKVCache::PagedKVCache(const KVCacheLayout& layout, int64_t num_blocks, int64_t block_size,
+                           at::ScalarType dtype, at::Device device)
+    : layout_(layout) {
+  layout.validate();
+  if (block_size < 1) throw std::invalid_argument("PagedKVCache: block_size must be positive");
   if (num_blocks < 2) {
     throw std::invalid_argument("PagedKVCache: need at least 2 blocks (block 0 is the null "
                                 "block), got " + std::to_string(num_blocks));
   }
   const auto options = at::TensorOptions().dtype(dtype).device(device);
-  layers_.reserve(num_layers);
+  layers_.reserve(layout.num_layers);
   // Zero-filled, so that the whole pool is committed now: the operating system maps a page of an
   // untouched allocation at its first write, and on CPU those faults would otherwise land in the
   // steps that first write each block (~0.8 s per GiB on a virtual machine). A pool that does not
   // fit in memory fails here, not in the middle of serving.
-  for (int64_t l = 0; l < num_layers; ++l) {
-    layers_.push_back({at::zeros({num_blocks, block_size, num_kv_heads, head_dim}, options),
-                       at::zeros({num_blocks, block_size, num_kv_heads, head_dim}, options)});
+  for (int64_t l = 0; l < layout.num_layers; ++l) {
+    at::Tensor key = at::zeros({num_blocks, block_size, layout.num_kv_heads, layout.head_dim},
+                               options);
+    at::Tensor value =
+        layout.latent ? key
+                      : at::zeros({num_blocks, block_size, layout.num_kv_heads,
+                                   layout.value_head_dim},
+                                  options);
+    layers_.push_back({std::move(key), std::move(value)});
   }
 }
 
-int64_t PagedKVCache::bytes_per_block(int64_t num_layers, int64_t block_size,
-                                      int64_t num_kv_heads, int64_t head_dim,
+PagedKVCache::PagedKVCache(int64_t num_layers, int64_t num_blocks, int64_t block_size,
+                           int64_t num_kv_heads, int64_t head_dim, at::ScalarType dtype,
+                           at::Device device)
+    : PagedKVCache(KVCacheLayout::plain(num_layers, num_kv_heads, head_dim), num_blocks,
+                   block_size, dtype, device) {}
+
+int64_t PagedKVCache::bytes_per_block(const KVCacheLayout& layout, int64_t block_size,
                                       at::ScalarType dtype) {
-  return 2 * num_layers * block_size * num_kv_heads * head_dim *
-         static_cast<int64_t>(c10::elementSize(dtype));
+  return block_size * layout.bytes_per_token(dtype);
 }
 
-PagedKVCache PagedKVCache::from_memory(int64_t memory_bytes, int64_t num_layers,
-                                       int64_t block_size, int64_t num_kv_heads,
-                                       int64_t head_dim, at::ScalarType dtype, at::Device device) {
-  const int64_t per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype);
+PagedKVCache PagedKVCache::from_memory(int64_t memory_bytes, const KVCacheLayout& layout,
+                                       int64_t block_size, at::ScalarType dtype,
+                                       at::Device device) {
+  const int64_t per_block = bytes_per_block(layout, block_size, dtype);
   const int64_t num_blocks = per_block > 0 ? memory_bytes / per_block : 0;
   if (num_blocks < 2) {
     throw std::invalid_argument(
@@ -52,12 +60,10 @@ PagedKVCache PagedKVCache::from_memory(int64_t memory_bytes, int64_t num_layers,
         std::to_string(num_blocks) + " blocks of " + std::to_string(per_block) +
         " bytes; at least 2 are needed (block 0 is the null block)");
   }
-  return PagedKVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device);
+  return PagedKVCache(layout, num_blocks, block_size, dtype, device);
 }
 
-int64_t PagedKVCache::bytes_per_token() const {
-  return bytes_per_block(num_layers(), 1, num_kv_heads(), head_dim(), dtype());
-}
+int64_t PagedKVCache::bytes_per_token() const { return layout_.bytes_per_token(dtype()); }
 
 int64_t PagedKVCache::nbytes() const { return bytes_per_token() * block_size() * num_blocks(); }
 
@@ -71,10 +77,10 @@ void PagedKVCache::copy_blocks(const std::vector<std::pair<int32_t, int32_t>>& c
   }
   const at::Tensor mapping =
       at::tensor(flat, at::TensorOptions().dtype(at::kLong)).view({-1, 2}).to(device());
-  std::vector<at::Tensor> keys, values;
+  std::vector<at::Tensor> keys, values;  // no values for latent layers: the key is the entry
   for (const LayerKVCache& layer : layers_) {
     keys.push_back(layer.key);
-    values.push_back(layer.value);
+    if (!layout_.latent) values.push_back(layer.value);
   }
   ops::kv_cache_copy_blocks(keys, values, mapping);
 }

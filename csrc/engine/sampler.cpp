@@ -1,6 +1,5 @@
 #include "kvserve/sampler.h"
 
-#include <ATen/ops/from_blob.h>
 #include <ATen/ops/log_softmax.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/softmax.h>
@@ -16,9 +15,13 @@
 #include <stdexcept>
 #include <tuple>
 
+#include "engine/engine_helpers.h"
 #include "kernels/sampling/sampling.h"
 
 namespace kvserve {
+
+using engine_helpers::to_tensor;
+
 namespace {
 
 void require(bool ok, const std::string& message) {
@@ -132,14 +135,6 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-at::Tensor to_device(std::vector<int64_t>& v, const at::Device& device) {
-  return at::from_blob(v.data(), {static_cast<int64_t>(v.size())}, at::kLong).to(device);
-}
-
-at::Tensor to_device(std::vector<float>& v, const at::Device& device) {
-  return at::from_blob(v.data(), {static_cast<int64_t>(v.size())}, at::kFloat).to(device);
-}
-
 // Logits of many (row, token) cells read, changed and written back in one gather and one scatter,
 // so the cost follows the number of distinct history tokens, never the vocabulary.
 struct CellUpdates {
@@ -192,13 +187,13 @@ void add_penalty_cells(int64_t r, const SamplingRow& row, int64_t vocab,
 void apply_cells(at::Tensor& logits, CellUpdates& cells) {
   if (cells.size() == 0) return;
   const at::Device device = logits.device();
-  const c10::List<std::optional<at::Tensor>> index{to_device(cells.row, device),
-                                                   to_device(cells.token, device)};
+  const c10::List<std::optional<at::Tensor>> index{to_tensor(cells.row, device),
+                                                   to_tensor(cells.token, device)};
   const at::Tensor x = logits.index(index);
-  const at::Tensor divide = to_device(cells.divide_positive, device);
+  const at::Tensor divide = to_tensor(cells.divide_positive, device);
   // Hugging Face / vLLM: a positive logit is divided by the penalty, a negative one multiplied.
   const at::Tensor penalized = at::where(x.gt(0), x.div(divide), x.mul(divide));
-  logits.index_put_(index, penalized.sub(to_device(cells.subtract, device)));
+  logits.index_put_(index, penalized.sub(to_tensor(cells.subtract, device)));
 }
 
 // While fewer than min_tokens tokens were generated, EOS (unless ignore_eos) and the stop token
@@ -225,8 +220,8 @@ void mask_until_min_tokens(at::Tensor& logits, const std::vector<SamplingRow>& r
   }
   if (mask_row.empty()) return;
   const at::Device device = logits.device();
-  const c10::List<std::optional<at::Tensor>> index{to_device(mask_row, device),
-                                                   to_device(mask_token, device)};
+  const c10::List<std::optional<at::Tensor>> index{to_tensor(mask_row, device),
+                                                   to_tensor(mask_token, device)};
   logits.index_put_(index, at::scalar_tensor(kNegInf, logits.options()));
 }
 
@@ -258,7 +253,7 @@ PendingLogprobs raw_logprobs(const at::Tensor& logits, const std::vector<Samplin
     max_top = std::max(max_top, std::min(*rows[r].params->logprobs, logits.size(1)));
   }
   if (pending.rows.empty()) return pending;
-  const at::Tensor selected = logits.index_select(0, to_device(pending.rows, logits.device()));
+  const at::Tensor selected = logits.index_select(0, to_tensor(pending.rows, logits.device()));
   pending.logprobs = at::log_softmax(selected, 1, at::kFloat);
   std::tie(pending.top_values, pending.top_ids) = at::topk(pending.logprobs, max_top, 1);
   return pending;
@@ -269,7 +264,7 @@ std::vector<std::optional<TokenLogprobs>> complete_logprobs(PendingLogprobs& pen
                                                           const std::vector<SamplingRow>& rows) {
   std::vector<std::optional<TokenLogprobs>> out(rows.size());
   if (pending.rows.empty()) return out;
-  const at::Tensor index = to_device(pending.rows, tokens.device());
+  const at::Tensor index = to_tensor(pending.rows, tokens.device());
   const at::Tensor drawn = tokens.index_select(0, index);
   // A row that had nothing to sample (token -1) gathers at 0; its entry is dropped below.
   const at::Tensor sampled = drawn.clamp_min(0).unsqueeze(1);
@@ -327,13 +322,13 @@ at::Tensor filter_and_draw(at::Tensor& logits, const std::vector<SamplingRow>& r
     }
   }
   const auto device = logits.device();
-  at::Tensor temperature_t = to_device(temperature, device);
+  at::Tensor temperature_t = to_tensor(temperature, device);
   if (any_filter) {
-    ops::sampling_filter_logits(logits, temperature_t, to_device(top_k, device),
-                                to_device(top_p, device), to_device(min_p, device));
+    ops::sampling_filter_logits(logits, temperature_t, to_tensor(top_k, device),
+                                to_tensor(top_p, device), to_tensor(min_p, device));
   }
   // On the CPU the parameter tensors alias the vectors above, which outlive the ops.
-  return ops::sampling_from_logits(logits, temperature_t, to_device(uniform, device));
+  return ops::sampling_from_logits(logits, temperature_t, to_tensor(uniform, device));
 }
 
 // The distributions behind `tokens` (int64 [rows] on the CPU) from the logits filter_and_draw
@@ -354,10 +349,10 @@ at::Tensor distributions(const at::Tensor& filtered, const at::Tensor& tokens,
   const bool none_sampled = zero_rows.size() == rows.size();
   at::Tensor probs = none_sampled ? at::zeros_like(filtered) : at::softmax(filtered, 1);
   const at::Device device = probs.device();
-  if (!zero_rows.empty() && !none_sampled) probs.index_fill_(0, to_device(zero_rows, device), 0.0);
+  if (!zero_rows.empty() && !none_sampled) probs.index_fill_(0, to_tensor(zero_rows, device), 0.0);
   if (!one_rows.empty()) {
-    const c10::List<std::optional<at::Tensor>> index{to_device(one_rows, device),
-                                                     to_device(one_tokens, device)};
+    const c10::List<std::optional<at::Tensor>> index{to_tensor(one_rows, device),
+                                                     to_tensor(one_tokens, device)};
     probs.index_put_(index, at::scalar_tensor(1.0, probs.options()));
   }
   return probs;

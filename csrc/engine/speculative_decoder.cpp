@@ -3,19 +3,22 @@
 #include "kvserve/speculative_decoder.h"
 
 #include <ATen/ops/empty.h>
-#include <ATen/ops/from_blob.h>
 
 #include <algorithm>
 #include <deque>
 #include <stdexcept>
 #include <string>
 
+#include "engine/engine_helpers.h"
 #include "kernels/sampling/rejection_sampling.h"
 #include "kvserve/causal_lm.h"
 #include "kvserve/draft_model_proposer.h"
 #include "kvserve/ngram_proposer.h"
 
 namespace kvserve {
+
+using engine_helpers::to_tensor;
+
 namespace {
 
 // Drafts per sequence and step at most: a step verifies k + 1 positions per sequence.
@@ -23,11 +26,6 @@ constexpr int64_t kMaxSpeculativeTokens = 64;
 
 void require(bool ok, const std::string& message) {
   if (!ok) throw std::invalid_argument("speculative decoding: " + message);
-}
-
-template <typename T>
-at::Tensor to_device(std::vector<T>& v, at::ScalarType dtype, const at::Device& device) {
-  return at::from_blob(v.data(), {static_cast<int64_t>(v.size())}, dtype).to(device);
 }
 
 }  // namespace
@@ -140,8 +138,8 @@ std::vector<VerifiedTokens> SpeculativeDecoder::verify(
   const at::Tensor no_drafts = at::empty({0, logits.size(1)}, logits.options());
   auto [tokens, accepted] = ops::rejection_sample(
       target_probs, draft_probs.defined() ? draft_probs : no_drafts,
-      to_device(draft_ids, at::kLong, device), to_device(cu, at::kLong, device),
-      to_device(uniform, at::kFloat, device));
+      to_tensor(draft_ids, device), to_tensor(cu, device),
+      to_tensor(uniform, device));
   tokens = tokens.cpu().contiguous();
   accepted = accepted.cpu().contiguous();
   const int64_t width = tokens.size(1);

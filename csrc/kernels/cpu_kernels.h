@@ -40,19 +40,30 @@ using RotaryEmbeddingFn = void (*)(c10::ScalarType dtype, const int64_t* positio
                                    bool is_neox);
 KVSERVE_CPU_STUB(rotary_embedding_stub, RotaryEmbeddingFn);
 
+/// out[t] = sum_j weights[t * k + j] * expert_out[t * k + j] for T tokens of k slots, rows of
+/// `hidden` contiguous elements of `dtype`; weights fp32 [T * k]; fp32 accumulation in slot order.
+using MoECombineFn = void (*)(c10::ScalarType dtype, const void* expert_out, const float* weights,
+                              void* out, int64_t num_tokens, int64_t k, int64_t hidden);
+KVSERVE_CPU_STUB(moe_combine_stub, MoECombineFn);
+
 /// Geometry of one paged_attention call; see kernels/attention/paged_attention.h for the contract.
 struct PagedAttentionArgs {
   c10::ScalarType dtype;
-  void* out;                       // [T, num_heads, head_dim], row stride out_stride
+  void* out;                       // [T, num_heads, value_head_dim], row stride out_stride
   const void* query;               // [T, num_heads, head_dim], row stride query_stride
   const void* key_cache;           // [num_blocks, block_size, num_kv_heads, head_dim]
-  const void* value_cache;         // same layout as key_cache
+  const void* value_cache;         // [num_blocks, block_size, num_kv_heads, value_row]; a value
+                                   // is the first value_head_dim elements of its row
   const int32_t* query_start_loc;  // [num_seqs + 1]
   const int32_t* seq_lens;         // [num_seqs], context length including the new queries
   const int32_t* block_tables;     // [num_seqs, max_blocks_per_seq]
   int64_t out_stride, query_stride;
   int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks_per_seq;
-  int64_t cache_block_stride;      // elements between blocks of the cache
+  int64_t value_head_dim, value_row;
+  int64_t cache_block_stride;        // elements between blocks of the key cache
+  int64_t value_cache_block_stride;  // elements between blocks of the value cache
+  bool value_in_key;               // value_cache is key_cache (MLA latents): a value is the
+                                   // first value_head_dim elements of its key
   float scale;
   int64_t sliding_window;          // <= 0: no window
   float logit_softcap;             // <= 0: no soft-cap

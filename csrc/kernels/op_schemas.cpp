@@ -8,6 +8,7 @@
 #include "kernels/cache/kv_cache_copy_blocks.h"
 #include "kernels/cache/kv_cache_write.h"
 #include "kernels/linear/linear.h"
+#include "kernels/moe/fused_moe.h"
 #include "kernels/norm/rms_norm.h"
 #include "kernels/rotary/rotary_embedding.h"
 #include "kernels/sampling/rejection_sampling.h"
@@ -33,6 +34,9 @@ TORCH_LIBRARY(kvserve, m) {
       "paged_attention(Tensor! out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, float scale, "
       "int sliding_window, float logit_softcap) -> ()");
+  m.def(
+      "fused_moe(Tensor hidden, Tensor[] w13, Tensor[] w2, Tensor topk_weights, "
+      "Tensor topk_ids) -> Tensor");
   m.def(
       "sampling_filter_logits(Tensor! logits, Tensor temperature, Tensor top_k, Tensor top_p, "
       "Tensor min_p) -> ()");
@@ -130,6 +134,14 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                   double)>("kvserve::paged_attention");
   op.call(out, query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale,
           sliding_window, logit_softcap);
+}
+
+at::Tensor fused_moe(const at::Tensor& hidden, at::TensorList w13, at::TensorList w2,
+                     const at::Tensor& topk_weights, const at::Tensor& topk_ids) {
+  static const auto op =
+      handle<at::Tensor(const at::Tensor&, at::TensorList, at::TensorList, const at::Tensor&,
+                        const at::Tensor&)>("kvserve::fused_moe");
+  return op.call(hidden, w13, w2, topk_weights, topk_ids);
 }
 
 void sampling_filter_logits(at::Tensor& logits, const at::Tensor& temperature,

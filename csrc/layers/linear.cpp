@@ -34,6 +34,7 @@ at::Tensor Linear::forward(const at::Tensor& x) const {
 at::Tensor Linear::rows(const at::Tensor& ids) const { return ops::linear_gather_rows(weight_, ids); }
 
 int64_t Linear::weight_bytes() const {
+  if (!weight_.defined()) return 0;
   return ops::linear_weight_nbytes(weight_) +
          (bias_.defined() ? static_cast<int64_t>(bias_.nbytes()) : 0);
 }

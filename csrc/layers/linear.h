@@ -23,7 +23,8 @@ class Linear {
   int64_t in_features() const { return weight_.size(1); }
   int64_t out_features() const { return weight_.size(0); }
   bool packed() const { return weight_.is_mkldnn(); }
-  /// Bytes of the weight as held (a packed one pads its blocks) and the bias.
+  bool defined() const { return weight_.defined(); }
+  /// Bytes of the weight as held (a packed one pads its blocks) and the bias; 0 when undefined.
   int64_t weight_bytes() const;
 
  private:

@@ -42,7 +42,9 @@ at::Tensor llama3_frequencies(const at::Tensor& inv_freq, const RopeScaling& s, 
   return at::where(medium, smoothed, scaled);
 }
 
-double yarn_mscale(double scale) { return scale <= 1.0 ? 1.0 : 0.1 * std::log(scale) + 1.0; }
+double yarn_mscale(double scale, double mscale = 1.0) {
+  return scale <= 1.0 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0;
+}
 
 // YaRN: interpolate low frequencies, extrapolate high ones, with a linear ramp between.
 at::Tensor yarn_frequencies(const ModelConfig& c, int64_t dim) {
@@ -54,8 +56,13 @@ at::Tensor yarn_frequencies(const ModelConfig& c, int64_t dim) {
     return dim * std::log(max_pos / (rotations * 2.0 * std::numbers::pi)) /
            (2.0 * std::log(c.rope_theta));
   };
-  double low = std::max(0.0, std::floor(correction_dim(s.beta_fast)));
-  double high = std::min(static_cast<double>(dim - 1), std::ceil(correction_dim(s.beta_slow)));
+  double low = correction_dim(s.beta_fast), high = correction_dim(s.beta_slow);
+  if (s.truncate) {
+    low = std::floor(low);
+    high = std::ceil(high);
+  }
+  low = std::max(0.0, low);
+  high = std::min(static_cast<double>(dim - 1), high);
   if (low == high) high += 0.001;  // avoid a zero-width ramp
   at::Tensor pos_freqs = at::pow(c.rope_theta, at::arange(0, dim, 2, at::kLong).to(at::kFloat) /
                                                    static_cast<double>(dim));
@@ -77,7 +84,13 @@ std::pair<at::Tensor, double> rope_inverse_frequencies(const ModelConfig& c) {
     return {llama3_frequencies(inv_freq, s, c.max_position_embeddings), 1.0};
   }
   if (s.rope_type == "yarn") {
-    const double attention = s.attention_factor > 0 ? s.attention_factor : yarn_mscale(s.factor);
+    // DeepSeek sets mscale and mscale_all_dim; their ratio scales cos/sin (usually 1: the
+    // softmax scale takes mscale_all_dim instead).
+    const double attention = s.attention_factor > 0 ? s.attention_factor
+                             : s.mscale > 0 && s.mscale_all_dim > 0
+                                 ? yarn_mscale(s.factor, s.mscale) /
+                                       yarn_mscale(s.factor, s.mscale_all_dim)
+                                 : yarn_mscale(s.factor);
     return {yarn_frequencies(c, c.head_dim), attention};
   }
   throw std::invalid_argument("unsupported rope_type '" + s.rope_type +

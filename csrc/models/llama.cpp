@@ -2,6 +2,9 @@
 
 #include <ATen/ops/embedding.h>
 
+#include "layers/mlp.h"
+#include "layers/moe.h"
+
 namespace kvserve {
 
 LlamaForCausalLM::LlamaForCausalLM(const ModelConfig& config, const WeightMap& w,
@@ -24,7 +27,11 @@ LlamaForCausalLM::LlamaForCausalLM(const ModelConfig& config, const WeightMap& w
     layer.self_attn = std::make_unique<Attention>(config_, i, w, &rotary_);
     layer.post_attention_layernorm =
         RMSNorm(w.get(p + "post_attention_layernorm.weight"), config_.rms_norm_eps);
-    layer.mlp = std::make_unique<GatedMLP>(p + "mlp.", w);
+    if (config_.is_moe_layer(i)) {
+      layer.mlp = std::make_unique<SparseMoE>(config_.moe, p + "mlp.", w);
+    } else {
+      layer.mlp = std::make_unique<GatedMLP>(p + "mlp.", w);
+    }
     layers_.push_back(std::move(layer));
   }
   norm_ = RMSNorm(w.get("norm.weight"), config_.rms_norm_eps);

@@ -1,7 +1,8 @@
 #pragma once
 // The Llama family: Llama 2/3 (incl. Llama-3 RoPE scaling, tied or untied embeddings), Mistral,
-// Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm, explicit head_dim). The differences are flags
-// of ModelConfig; the layer structure is shared.
+// Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm, explicit head_dim) and their mixture-of-experts
+// siblings Mixtral and Qwen3-MoE (a SparseMoE in place of the dense MLP of some or all layers).
+// The differences are flags of ModelConfig; the layer structure is shared.
 
 #include <ATen/core/Tensor.h>
 
@@ -10,7 +11,7 @@
 
 #include "kvserve/causal_lm.h"
 #include "layers/attention.h"
-#include "layers/mlp.h"
+#include "layers/feed_forward.h"
 #include "layers/norm.h"
 #include "layers/rotary.h"
 #include "layers/weights.h"
@@ -20,7 +21,7 @@ namespace kvserve {
 /// Pre-norm decoder: embed -> L x (norm, attention, residual, norm, MLP, residual) -> norm.
 /// Weights (loader names, already fused): embed_tokens.weight [vocab, hidden], norm.weight,
 /// lm_head.weight unless tied, and per layer input_layernorm.weight,
-/// post_attention_layernorm.weight plus those of Attention and GatedMLP.
+/// post_attention_layernorm.weight plus those of Attention and of GatedMLP or SparseMoE.
 class LlamaForCausalLM : public CausalLM {
  public:
   /// Throws std::invalid_argument on a missing weight or inconsistent config.
@@ -41,7 +42,7 @@ class LlamaForCausalLM : public CausalLM {
     RMSNorm input_layernorm;
     std::unique_ptr<Attention> self_attn;
     RMSNorm post_attention_layernorm;
-    std::unique_ptr<GatedMLP> mlp;
+    std::unique_ptr<FeedForward> mlp;  // GatedMLP, or SparseMoE on the config's MoE layers
   };
 
   ModelConfig config_;

@@ -3,12 +3,15 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "models/deepseek_v2.h"
 #include "models/llama.h"
 
 namespace kvserve {
 
 std::vector<std::string> supported_architectures() {
-  return {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"};
+  return {"LlamaForCausalLM",   "MistralForCausalLM",  "Qwen2ForCausalLM",
+          "Qwen3ForCausalLM",   "MixtralForCausalLM",  "Qwen3MoeForCausalLM",
+          "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"};
 }
 
 std::shared_ptr<CausalLM> create_causal_lm(const ModelConfig& config,
@@ -21,8 +24,13 @@ std::shared_ptr<CausalLM> create_causal_lm(const ModelConfig& config,
     throw std::invalid_argument("unsupported architecture '" + config.architecture +
                                 "'; kvserve supports: " + list);
   }
-  // Every supported family shares the Llama layer structure; ModelConfig flags carry the rest.
-  return std::make_shared<LlamaForCausalLM>(config, WeightMap(std::move(weights)), max_positions);
+  WeightMap w(std::move(weights));
+  if (config.architecture == "DeepseekV2ForCausalLM" ||
+      config.architecture == "DeepseekV3ForCausalLM") {
+    return std::make_shared<DeepseekV2ForCausalLM>(config, w, max_positions);
+  }
+  // The other families share the Llama layer structure; ModelConfig flags carry the rest.
+  return std::make_shared<LlamaForCausalLM>(config, w, max_positions);
 }
 
 }  // namespace kvserve

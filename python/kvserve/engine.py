@@ -159,8 +159,8 @@ class LLMEngine:
         if num_blocks is not None and kv_cache_memory is not None:
             raise ValueError("give num_blocks or kv_cache_memory, not both")
         # A draft model's pool has as many blocks (same ids): a block costs both.
-        per_block = sum(_C.PagedKVCache.bytes_per_block(c.num_layers, block_size, c.num_kv_heads,
-                                                        c.head_dim, self.dtype)
+        per_block = sum(_C.PagedKVCache.bytes_per_block(_C.KVCacheLayout.for_model(c), block_size,
+                                                        self.dtype)
                         for c in (self.config, self.draft_config) if c is not None)
         if num_blocks is not None:
             if not isinstance(num_blocks, int) or num_blocks < 2:
@@ -184,11 +184,15 @@ class LLMEngine:
                 f"{kv.block_size} tokens = {kv.capacity_tokens:,} tokens at "
                 f"{kv.bytes_per_token:,} bytes/token; {concurrent} sequences of max_model_len "
                 f"{full_len} fit at once")
+        if kv.layout.latent:
+            plain = _C.KVCacheLayout.multi_head_equivalent(self.config).bytes_per_token(self.dtype)
+            plan += (f" (MLA latents: plain multi-head K/V would take {plain:,} bytes/token, "
+                     f"{plain / kv.bytes_per_token:.1f}x more)")
         spec = self.engine.config.speculative
         if self.draft_model is not None:
             c = self.draft_config
             draft_kv = (kv.num_blocks * _C.PagedKVCache.bytes_per_block(
-                c.num_layers, kv.block_size, c.num_kv_heads, c.head_dim, self.dtype))
+                _C.KVCacheLayout.for_model(c), kv.block_size, self.dtype))
             plan += (f"; draft model {self.draft_model.weight_bytes / 2**20:.1f} MiB + KV "
                      f"{draft_kv / 2**20:.1f} MiB, {spec.num_speculative_tokens} tokens per step")
         elif spec.enabled:

@@ -63,9 +63,7 @@ def evaluate_perplexity(model: _C.CausalLM, token_ids: list[int], max_length: in
         raise ValueError(f"token ids must be in [0, {vocab})")
     stride = max(1, max_length // 2) if stride is None else stride
     windows = strided_windows(len(token_ids), max_length, stride)
-    config = model.config
-    caches = _C.KVCache.from_model_config(1, max_length, config.num_layers, config.num_kv_heads,
-                                          config.head_dim, model.dtype, model.device)
+    caches = _C.KVCache.for_model(1, max_length, model.config, model.dtype, model.device)
     ids = torch.tensor(token_ids, dtype=torch.long)
     started = time.perf_counter()
     total_nll, scored = 0.0, 0

@@ -31,14 +31,6 @@ std::unique_ptr<ContinuousBatchingEngine> make_engine(EngineConfig config = smal
       create_causal_lm(tiny_config(), tiny_weights(tiny_config()), 32), std::move(config));
 }
 
-SamplingParams greedy(int64_t max_tokens) {
-  SamplingParams p;
-  p.temperature = 0.0;
-  p.max_tokens = max_tokens;
-  p.ignore_eos = true;
-  return p;
-}
-
 // Steps until nothing is unfinished; final outputs by request id.
 std::unordered_map<std::string, RequestOutput> drain(ContinuousBatchingEngine& engine) {
   std::unordered_map<std::string, RequestOutput> final;

@@ -133,14 +133,6 @@ TEST(NgramProposer, ProposesWhatFollowedTheLatestLongestMatch) {
   EXPECT_THROW(NgramProposer(0, 2), std::invalid_argument);
 }
 
-SamplingParams greedy(int64_t max_tokens) {
-  SamplingParams p;
-  p.temperature = 0.0;
-  p.max_tokens = max_tokens;
-  p.ignore_eos = true;
-  return p;
-}
-
 std::unordered_map<std::string, std::vector<int64_t>> generate(ContinuousBatchingEngine& engine) {
   const std::vector<std::vector<int64_t>> prompts = {{1, 5, 9}, {3, 3, 3, 3, 3, 3, 3}, {7}};
   for (size_t i = 0; i < prompts.size(); ++i) {

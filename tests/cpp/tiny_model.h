@@ -1,5 +1,6 @@
 #pragma once
-// A tiny random Llama built in C++ for the runner and engine tests (no checkpoint files).
+// A tiny random Llama built in C++ for the runner and engine tests (no checkpoint files), and the
+// greedy sampling parameters those tests decode with.
 
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/ones.h>
@@ -9,6 +10,7 @@
 #include <unordered_map>
 
 #include "kvserve/model_config.h"
+#include "kvserve/sampling_params.h"
 
 namespace kvserve {
 
@@ -45,6 +47,15 @@ inline std::unordered_map<std::string, at::Tensor> tiny_weights(const ModelConfi
     w[p + "mlp.down_proj.weight"] = at::randn({h, c.intermediate_size}) * 0.3;
   }
   return w;
+}
+
+/// Greedy decoding of exactly max_tokens tokens (EOS ignored).
+inline SamplingParams greedy(int64_t max_tokens) {
+  SamplingParams p;
+  p.temperature = 0.0;
+  p.max_tokens = max_tokens;
+  p.ignore_eos = true;
+  return p;
 }
 
 }  // namespace kvserve

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import kvserve
-from kvserve import LLMEngine, SamplingParams
+from kvserve import SamplingParams
 from tests.engine_loop import fp32_engine as engine
+from tests.engine_loop import run_arrivals as run
 
 transformers = pytest.importorskip("transformers")
 
@@ -30,52 +31,40 @@ def mixed_requests(count: int, seed: int = 0):
              rng.randrange(1, 24), rng.randrange(0, 20)) for _ in range(count)]
 
 
-def run(e: LLMEngine, requests, params=None) -> dict[str, list[int]]:
-    """Adds each request at its arrival step; returns token ids per request id, and checks the
-    engine's invariants every step and the pool afterwards."""
-    pending = sorted(((arrival, i, prompt, n) for i, (prompt, n, arrival) in enumerate(requests)))
-    results, step = {}, 0
-    while pending or e.has_unfinished_requests():
-        while pending and pending[0][0] <= step:
-            _, i, prompt, n = pending.pop(0)
-            e.add_request(str(i), prompt, params or SamplingParams(max_tokens=n, **GREEDY))
-        for out in e.step():
-            if out.finished:
-                results[out.request_id] = out.outputs[0].token_ids
-        e.scheduler.check_invariants()
-        step += 1
-    blocks = e.block_manager
-    assert blocks.num_free_blocks() == blocks.num_usable_blocks() and blocks.num_sequences() == 0
-    return results
+# The invariance tests run on a Llama (paged K/V) and on a DeepSeek-V2 (MLA latents, MoE).
+@pytest.fixture(scope="module", params=["LlamaForCausalLM", "DeepseekV2ForCausalLM"])
+def model_path(request, checkpoint_factory):
+    return checkpoint_factory(request.param)
 
 
 @pytest.fixture(scope="module")
-def alone(path):
+def alone(model_path):
     """Each request of mixed_requests(32) run by itself."""
-    e = engine(path)
+    e = engine(model_path)
     return {str(i): run(e, [(prompt, n, 0)])["0"] for i, (prompt, n, _) in
             enumerate(mixed_requests(32))}
 
 
-def test_batched_with_arrivals_equals_alone(path, alone):
-    assert run(engine(path), mixed_requests(32)) == alone
+def test_batched_with_arrivals_equals_alone(model_path, alone):
+    assert run(engine(model_path), mixed_requests(32)) == alone
 
 
-def test_preemption_gives_identical_results(path, alone):
-    e = engine(path, block_size=4, num_blocks=40, enable_prefix_caching=False)
+def test_preemption_gives_identical_results(model_path, alone):
+    e = engine(model_path, block_size=4, num_blocks=40, enable_prefix_caching=False)
     assert run(e, mixed_requests(32)) == alone
     assert e.get_stats().num_preemptions > 0
 
 
-def test_chunked_prefill_gives_identical_results(path, alone):
-    e = engine(path, max_num_batched_tokens=16)  # smaller than most prompts
+def test_chunked_prefill_gives_identical_results(model_path, alone):
+    e = engine(model_path, max_num_batched_tokens=16)  # smaller than most prompts
     assert run(e, mixed_requests(32)) == alone
 
 
-def test_prefix_caching_on_and_off_agree(path):
+def test_prefix_caching_on_and_off_agree(model_path):
     system = [1] + list(range(100, 140))
     requests = [(system + [200 + i] * (i % 5 + 1), 8, i % 3) for i in range(12)]
-    on, off = engine(path, block_size=8), engine(path, block_size=8, enable_prefix_caching=False)
+    on = engine(model_path, block_size=8)
+    off = engine(model_path, block_size=8, enable_prefix_caching=False)
     assert run(on, requests) == run(off, requests)
     stats = on.get_stats()
     assert stats.prefix_cache_hits >= 11 * 40 and stats.prefix_cache_hit_rate > 0.8

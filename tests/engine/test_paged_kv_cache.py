@@ -51,6 +51,50 @@ def test_copy_blocks_moves_every_layer():
         cache.copy_blocks([(1, 6)])
 
 
+def latent_layout(num_layers=3, kv_lora_rank=32, rope=8):
+    layout = _C.KVCacheLayout()
+    layout.num_layers, layout.num_kv_heads = num_layers, 1
+    layout.head_dim, layout.value_head_dim, layout.latent = kv_lora_rank + rope, kv_lora_rank, True
+    return layout
+
+
+def test_a_latent_layout_allocates_one_tensor_per_layer():
+    """MLA: the latent is both key and value; the pool and its bytes count it once."""
+    cache = _C.PagedKVCache(latent_layout(), num_blocks=10, block_size=16)
+    assert cache.layout.latent and cache.num_kv_heads == 1 and cache.head_dim == 40
+    assert all(k.shape == (10, 16, 1, 40) for k in cache.key_caches)
+    assert [k.data_ptr() for k in cache.key_caches] == [v.data_ptr() for v in cache.value_caches]
+    assert len({k.data_ptr() for k in cache.key_caches}) == 3
+    assert cache.bytes_per_token == 3 * 40 * 4
+    assert cache.nbytes == 3 * 10 * 16 * 40 * 4 == sum(k.nbytes for k in cache.key_caches)
+    assert _C.PagedKVCache.bytes_per_block(latent_layout(), 16) == 16 * cache.bytes_per_token
+    for i, key in enumerate(cache.key_caches):
+        key.copy_(torch.arange(key.numel(), dtype=torch.float32).view_as(key) + 1000 * i)
+    before = [k.clone() for k in cache.key_caches]
+    cache.copy_blocks([(1, 4), (2, 5)])
+    for key, old in zip(cache.key_caches, before):
+        assert key[4].equal(old[1]) and key[5].equal(old[2]) and key[:4].equal(old[:4])
+
+
+@pytest.mark.parametrize("change", [dict(num_kv_heads=2), dict(value_head_dim=41),
+                                    dict(num_layers=0)])
+def test_rejects_bad_latent_layouts(change):
+    layout = latent_layout()
+    for name, value in change.items():
+        setattr(layout, name, value)
+    with pytest.raises(ValueError, match="layout"):
+        _C.PagedKVCache(layout, 4, 16)
+
+
+def test_kv_cache_write_of_a_latent_writes_the_entry_once():
+    cache = torch.full((3, 4, 1, 6), float("nan"))
+    entries = torch.arange(12.0).view(2, 1, 6)
+    torch.ops.kvserve.kv_cache_write(entries, torch.full_like(entries, -1.0), cache, cache,
+                                     torch.tensor([5, 0]))
+    assert cache[1, 1, 0].equal(entries[0, 0]) and cache[0, 0, 0].equal(entries[1, 0])
+    assert cache.isnan().sum() == cache.numel() - 12  # the value argument is not written
+
+
 def run_paged(llm, cache, sequences, block_tables):
     """One forward of several sequences' new tokens; returns each sequence's last-token logits.
 

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve import LLM, LLMEngine, SamplingParams
+from kvserve import LLM, SamplingParams
 from tests.engine_loop import drain, fp32_engine
+from tests.engine_loop import run_arrivals as run
 
 transformers = pytest.importorskip("transformers")
 stats = pytest.importorskip("scipy.stats")
@@ -51,7 +52,7 @@ def tokens(outputs):
 
 @pytest.mark.parametrize("name", sorted(SPECULATION))
 def test_greedy_single_requests_equal_plain_decoding(plain, name):
-    params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     want = [tokens(plain.generate([p], params, use_tqdm=False))[0] for p in PROMPTS]
     llm = LLM(TARGET, dtype="float32", **SPECULATION[name])
     got = [tokens(llm.generate([p], params, use_tqdm=False))[0] for p in PROMPTS]
@@ -62,7 +63,7 @@ def test_greedy_single_requests_equal_plain_decoding(plain, name):
         assert s.acceptance_rate > 0.9
 
 
-def mixed_requests(tokenizer, count: int = 32, seed: int = 0):
+def mixed_requests(tokenizer, count: int = 24, seed: int = 0):
     """(prompt ids, max_tokens, arrival step): half the prompts share a 3-block prefix."""
     rng = random.Random(seed)
     shared = tokenizer.encode(PROMPTS[2] * 2)[:48]
@@ -72,25 +73,6 @@ def mixed_requests(tokenizer, count: int = 32, seed: int = 0):
         prompt = (shared if i % 2 else [1]) + tail[:rng.randrange(1, len(tail) + 1)]
         requests.append((prompt, rng.randrange(8, 64), rng.randrange(0, 8)))
     return requests
-
-
-def run(e: LLMEngine, requests, params=None) -> dict[str, list[int]]:
-    """Adds each request at its arrival step; the tokens per request; invariants every step."""
-    pending = sorted((arrival, i, prompt, n) for i, (prompt, n, arrival) in enumerate(requests))
-    results, step = {}, 0
-    while pending or e.has_unfinished_requests():
-        while pending and pending[0][0] <= step:
-            _, i, prompt, n = pending.pop(0)
-            e.add_request(str(i), prompt, params(i, n) if params else SamplingParams(
-                temperature=0.0, max_tokens=n, ignore_eos=True))
-        for out in e.step():
-            if out.finished:
-                results[out.request_id] = [c.token_ids for c in out.outputs]
-        e.scheduler.check_invariants()
-        step += 1
-    blocks = e.block_manager
-    assert blocks.num_free_blocks() == blocks.num_usable_blocks() and blocks.num_sequences() == 0
-    return results
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +85,8 @@ def alone(plain):
 
 @pytest.mark.parametrize("name", sorted(SPECULATION))
 def test_greedy_mixed_arrivals_with_preemption_chunking_and_prefix_caching(plain, alone, name):
-    # 24 blocks of 16 tokens cannot hold the peak load: sequences are preempted and recomputed.
-    e = fp32_engine(TARGET, num_blocks=24, max_num_batched_tokens=40, **SPECULATION[name])
+    # 16 blocks of 16 tokens cannot hold the peak load: sequences are preempted and recomputed.
+    e = fp32_engine(TARGET, num_blocks=16, max_num_batched_tokens=40, **SPECULATION[name])
     got = run(e, mixed_requests(plain.tokenizer))
     assert got == alone
     s = e.get_stats()

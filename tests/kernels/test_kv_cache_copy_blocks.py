@@ -55,9 +55,19 @@ def test_bad_mappings_raise(mapping, message):
 
 def test_mismatched_caches_raise():
     keys, values = layer_caches(2, 12, 4, 1, 8, torch.float32)
-    with pytest.raises(RuntimeError, match="one key and one value cache per layer"):
+    with pytest.raises(RuntimeError, match="one value cache per layer or none"):
         ops.kv_cache_copy_blocks(keys, values[:1], torch.tensor([[1, 2]]))
     with pytest.raises(RuntimeError, match="contiguous"):
         ops.kv_cache_copy_blocks([keys[0], keys[1][:6]], values, torch.tensor([[1, 2]]))
     with pytest.raises(RuntimeError, match="block_mapping"):
         ops.kv_cache_copy_blocks(keys, values, torch.tensor([1, 2]))
+
+
+def test_latent_caches_have_no_values():
+    """MLA layers pass their latent caches as keys and no values: each block is copied once."""
+    keys, _ = layer_caches(3, 12, 4, 1, 40, torch.bfloat16)
+    mapping = torch.tensor([[1, 5], [7, 2]])
+    want, _ = reference.kv_cache_copy_blocks(keys, [], mapping)
+    ops.kv_cache_copy_blocks(keys, [], mapping)
+    for got, expected in zip(keys, want):
+        torch.testing.assert_close(got, expected, equal_nan=True)

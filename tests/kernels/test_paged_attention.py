@@ -1,5 +1,6 @@
 """paged_attention against kvserve.testing.reference: prefill, prefill after a cached prefix,
-chunked prefill, decode and a mix of them in one call; GQA/MQA; sliding window; soft-cap.
+chunked prefill, decode and a mix of them in one call; GQA/MQA; sliding window; soft-cap; values
+of another size than keys; MLA's latent cache read as both key and value.
 Every cache slot that holds no token (and the null block 0) is NaN, so reading one shows up."""
 
 import math
@@ -44,16 +45,25 @@ TILE_EDGES = [(63, 63), (64, 64), (65, 65), (129, 17), (128, 16), (200, 2), (97,
 
 class Batch:
     """A paged cache holding the contexts of `seqs`, with blocks handed out in random order and
-    everything else NaN, and the query of the new tokens as a strided view of a fused qkv."""
+    everything else NaN, and the query of the new tokens as a strided view of a fused qkv.
 
-    def __init__(self, seqs, head_dim, num_heads, num_kv_heads, block_size, dtype, seed=0):
+    value_head_dim: the value's size when it differs from the key's (MLA expanded: 192 / 128).
+    latent: one cache for keys and values, [num_blocks, block_size, 1, head_dim], whose values
+    are the first value_head_dim elements of each entry (MLA absorbed: MQA over latents)."""
+
+    def __init__(self, seqs, head_dim, num_heads, num_kv_heads, block_size, dtype, seed=0,
+                 value_head_dim=None, latent=False):
         g = torch.Generator().manual_seed(seed)
+        value_head_dim = value_head_dim or head_dim
+        assert not latent or (num_kv_heads == 1 and value_head_dim <= head_dim)
         blocks_per_seq = [math.ceil(context / block_size) for context, _ in seqs]
         num_blocks = 1 + sum(blocks_per_seq) + 2  # block 0 is the null block; 2 stay unused
         free = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.key_cache = torch.full(shape, float("nan"), dtype=dtype)
-        self.value_cache = torch.full(shape, float("nan"), dtype=dtype)
+        self.value_cache = self.key_cache if latent else torch.full(
+            shape[:3] + (value_head_dim,), float("nan"), dtype=dtype)
+        self.value_head_dim = value_head_dim
         # One spare column of padding, pointing at the (poisoned) null block.
         self.block_tables = torch.zeros(len(seqs), max(blocks_per_seq) + 1, dtype=torch.int32)
         for b, (context, _) in enumerate(seqs):
@@ -62,7 +72,9 @@ class Batch:
             for p in range(context):
                 block, offset = table[p // block_size], p % block_size
                 self.key_cache[block, offset] = torch.randn(num_kv_heads, head_dim, generator=g)
-                self.value_cache[block, offset] = torch.randn(num_kv_heads, head_dim, generator=g)
+                if not latent:
+                    self.value_cache[block, offset] = torch.randn(num_kv_heads, value_head_dim,
+                                                                  generator=g)
         query_lens = [q for _, q in seqs]
         self.query_start_loc = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0).int()
         self.seq_lens = torch.tensor([context for context, _ in seqs], dtype=torch.int32)
@@ -76,8 +88,8 @@ class Batch:
 
     def run(self, sliding_window=0, logit_softcap=0.0, scale=None):
         """Runs the op into a strided out view; checks it wrote nothing outside that view."""
-        num_tokens, num_heads, head_dim = self.query.shape
-        out_full = torch.full((num_tokens, num_heads + 3, head_dim), float("nan"),
+        num_tokens, num_heads, _ = self.query.shape
+        out_full = torch.full((num_tokens, num_heads + 3, self.value_head_dim), float("nan"),
                               dtype=self.query.dtype)
         out = out_full[:, :num_heads]
         ops.paged_attention(out, self.query, self.key_cache, self.value_cache, *self.metadata(),
@@ -88,7 +100,7 @@ class Batch:
     def reference(self, sliding_window=0, logit_softcap=0.0, scale=None):
         return reference.paged_attention(self.query, self.key_cache, self.value_cache,
                                          *self.metadata(), scale or self.scale, sliding_window,
-                                         logit_softcap)
+                                         logit_softcap, self.value_head_dim)
 
 
 def check(batch, dtype, **kwargs):
@@ -104,6 +116,49 @@ def check(batch, dtype, **kwargs):
 def test_mixed_batch(head_dim, num_heads, num_kv_heads, block_size, dtype):
     batch = Batch(SCENARIOS["mixed"], head_dim, num_heads, num_kv_heads, block_size, dtype)
     check(batch, dtype)
+
+
+# (head_dim, value_head_dim, num_heads, num_kv_heads): MLA's expanded form (key 192, value 128)
+# scaled down, values wider than keys, and values of a size that is no multiple of a vector.
+VALUE_CONFIGS = [(48, 32, 4, 4), (24, 40, 8, 2), (64, 20, 6, 3)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("head_dim, value_head_dim, num_heads, num_kv_heads", VALUE_CONFIGS)
+def test_value_head_dim_differs(head_dim, value_head_dim, num_heads, num_kv_heads, block_size,
+                                dtype):
+    seqs = SCENARIOS["mixed"] + [(70, 70)]
+    batch = Batch(seqs, head_dim, num_heads, num_kv_heads, block_size, dtype,
+                  value_head_dim=value_head_dim)
+    check(batch, dtype)
+
+
+# (latent size, value prefix, query heads): DeepSeek's 512 + 64 scaled down, with head counts on
+# the dot-product path (fewer than 8 rows per KV head in decode) and the tiled one.
+LATENT_CONFIGS = [(36, 32, 1), (36, 32, 4), (72, 64, 16), (40, 24, 40), (576, 512, 16)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("latent, kv_lora_rank, num_heads", LATENT_CONFIGS)
+def test_latent_cache_is_both_key_and_value(latent, kv_lora_rank, num_heads, block_size, dtype):
+    """MLA's absorbed form: MQA where the value is the first kv_lora_rank elements of each
+    cached latent (one tensor passed as both caches)."""
+    for scenario in ("mixed", "decode"):
+        batch = Batch(SCENARIOS[scenario], latent, num_heads, 1, block_size, dtype,
+                      value_head_dim=kv_lora_rank, latent=True)
+        check(batch, dtype, scale=latent ** -0.5)
+
+
+def test_latent_values_are_read_from_the_key_rows():
+    """Changing the latent's value part changes the output; its tail (the rope part) is key
+    only. The same memory feeds both, so a kernel that reads values elsewhere fails here."""
+    batch = Batch(SCENARIOS["decode"], 24, 8, 1, 4, torch.float32, value_head_dim=16, latent=True)
+    before = check(batch, torch.float32)
+    batch.key_cache[..., :16] *= 2  # values double, scores change too: compare with the reference
+    after = check(batch, torch.float32)
+    assert (after - before).abs().max() > 0.1
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
@@ -260,8 +315,13 @@ def test_paged_attention_rejects_bad_arguments(args, match):
 
 def test_rejects_out_shape_and_strided_heads():
     out, query, *rest = bad_call()
-    with pytest.raises(RuntimeError, match="shape of query"):
+    with pytest.raises(RuntimeError, match="like query"):
         ops.paged_attention(out[:, :2], query, *rest)
+    with pytest.raises(RuntimeError, match="out's head_dim 17 must be in"):
+        ops.paged_attention(torch.empty(*out.shape[:2], 17), query, *rest)
+    key_cache, value_cache = rest[0], rest[1]
+    with pytest.raises(RuntimeError, match="of one pool"):
+        ops.paged_attention(out, query, key_cache, value_cache[:, :2].contiguous(), *rest[2:])
     with pytest.raises(RuntimeError, match="contiguous heads"):
         ops.paged_attention(out, query.transpose(0, 1).contiguous().transpose(0, 1), *rest)
 
@@ -278,6 +338,10 @@ def capability_checks():
             check(batch, dtype)
             check(batch, dtype, sliding_window=6, logit_softcap=5.0, scale=1.0)
         check(Batch(TILE_EDGES, 80, 8, 2, 16, dtype), dtype, sliding_window=70, logit_softcap=10.0)
+        check(Batch(SCENARIOS["mixed"], 24, 8, 2, 16, dtype, value_head_dim=40), dtype)
+        for heads in (4, 16):
+            check(Batch(SCENARIOS["mixed"], 72, heads, 1, 16, dtype, value_head_dim=64,
+                        latent=True), dtype)
 
 
 

@@ -9,6 +9,7 @@
 
 #include "kvserve/attention_metadata.h"
 #include "kvserve/causal_lm.h"
+#include "kvserve/kv_cache_layout.h"
 #include "kvserve/model_config.h"
 
 namespace kvserve {
@@ -20,6 +21,16 @@ class KVCache {
   /// Allocates (uninitialised) buffers. Throws std::invalid_argument on non-positive sizes.
   KVCache(int64_t max_batch_size, int64_t max_seq_len, int64_t num_kv_heads, int64_t head_dim,
           at::ScalarType dtype, at::Device device);
+
+  /// One layer's cache of `layout`: key [max_batch_size, max_seq_len, num_kv_heads, head_dim]
+  /// and value [..., value_head_dim], or (latent, MLA) one buffer that is both.
+  KVCache(int64_t max_batch_size, int64_t max_seq_len, const KVCacheLayout& layout,
+          at::ScalarType dtype, at::Device device);
+
+  /// One cache per layer for a model of this config (its K/V heads, or its MLA latents).
+  static std::vector<KVCache> for_model(int64_t max_batch_size, int64_t max_seq_len,
+                                        const ModelConfig& config, at::ScalarType dtype,
+                                        at::Device device);
 
   /// One cache per layer, all of the given shape.
   static std::vector<KVCache> from_model_config(int64_t max_batch_size, int64_t max_seq_len,
@@ -46,8 +57,11 @@ class KVCache {
   int64_t max_seq_len() const { return key_.size(1); }
   int64_t num_kv_heads() const { return key_.size(2); }
   int64_t head_dim() const { return key_.size(3); }
-  /// Bytes of both buffers.
-  int64_t nbytes() const { return 2 * key_.nbytes(); }
+  /// Bytes of both buffers (of the one buffer of a latent cache).
+  int64_t nbytes() const {
+    return static_cast<int64_t>(key_.nbytes()) +
+           (value_.is_same(key_) ? 0 : static_cast<int64_t>(value_.nbytes()));
+  }
 
  private:
   at::Tensor key_;

@@ -10,33 +10,40 @@
 #include <vector>
 
 #include "kvserve/attention_metadata.h"
+#include "kvserve/kv_cache_layout.h"
 
 namespace kvserve {
 
 class PagedKVCache {
  public:
-  /// Allocates num_blocks blocks per layer (uninitialised), key and value each
-  /// [num_blocks, block_size, num_kv_heads, head_dim]. Throws std::invalid_argument on sizes < 1
-  /// or fewer than 2 blocks (block 0 is reserved).
+  /// Allocates num_blocks blocks per layer (zero-filled), per layer key
+  /// [num_blocks, block_size, num_kv_heads, head_dim] and value
+  /// [num_blocks, block_size, num_kv_heads, value_head_dim], or for a latent layout one tensor
+  /// [num_blocks, block_size, 1, head_dim] that is both. Throws std::invalid_argument on sizes
+  /// < 1 or fewer than 2 blocks (block 0 is reserved).
+  PagedKVCache(const KVCacheLayout& layout, int64_t num_blocks, int64_t block_size,
+               at::ScalarType dtype, at::Device device);
+  /// The plain layout: num_layers layers of num_kv_heads heads of head_dim.
   PagedKVCache(int64_t num_layers, int64_t num_blocks, int64_t block_size, int64_t num_kv_heads,
                int64_t head_dim, at::ScalarType dtype, at::Device device);
 
-  /// As many blocks as fit in `memory_bytes` (both key and value, all layers).
-  static PagedKVCache from_memory(int64_t memory_bytes, int64_t num_layers, int64_t block_size,
-                                  int64_t num_kv_heads, int64_t head_dim, at::ScalarType dtype,
-                                  at::Device device);
+  /// As many blocks as fit in `memory_bytes` (all layers).
+  static PagedKVCache from_memory(int64_t memory_bytes, const KVCacheLayout& layout,
+                                  int64_t block_size, at::ScalarType dtype, at::Device device);
 
-  /// Bytes one block takes over all layers (key + value).
-  static int64_t bytes_per_block(int64_t num_layers, int64_t block_size, int64_t num_kv_heads,
-                                 int64_t head_dim, at::ScalarType dtype);
+  /// Bytes one block takes over all layers (key + value, or the latents).
+  static int64_t bytes_per_block(const KVCacheLayout& layout, int64_t block_size,
+                                 at::ScalarType dtype);
 
-  /// The per-layer views the model's attention reads and writes.
+  /// The per-layer views the model's attention reads and writes (a latent layer's key and value
+  /// are the same tensor).
   const std::vector<LayerKVCache>& layers() const { return layers_; }
 
   /// Copies whole blocks (src -> dst) in every layer: the copy-on-write copies the block manager
   /// lists. Throws (c10::Error) on ids outside the pool.
   void copy_blocks(const std::vector<std::pair<int32_t, int32_t>>& copies);
 
+  const KVCacheLayout& layout() const { return layout_; }
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   int64_t num_blocks() const { return layers_.front().key.size(0); }
   int64_t block_size() const { return layers_.front().key.size(1); }
@@ -52,6 +59,7 @@ class PagedKVCache {
   int64_t nbytes() const;
 
  private:
+  KVCacheLayout layout_;
   std::vector<LayerKVCache> layers_;
 };
 

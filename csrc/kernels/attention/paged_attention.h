@@ -12,9 +12,15 @@ namespace kvserve::ops {
 /// sits at position seq_lens[b] - q + i and attends causally to positions <= its own, limited to
 /// the last `sliding_window` positions when sliding_window > 0. Scores are scale * q.k, soft-capped
 /// as c * tanh(s / c) when logit_softcap > 0; softmax and accumulation are fp32.
-/// out, query: [num_tokens, num_heads, head_dim] (rows may be strided; heads contiguous).
-/// key_cache, value_cache: contiguous [num_blocks, block_size, num_kv_heads, head_dim];
-///   num_heads must be a multiple of num_kv_heads (GQA/MQA).
+/// query: [num_tokens, num_heads, head_dim]; out: [num_tokens, num_heads, value_head_dim] (rows
+///   may be strided; heads contiguous).
+/// key_cache: contiguous [num_blocks, block_size, num_kv_heads, head_dim];
+/// value_cache: contiguous [num_blocks, block_size, num_kv_heads, value_row] with
+///   value_row >= value_head_dim: a value is the first value_head_dim elements of its row. Plain
+///   attention has value_row = value_head_dim (often = head_dim); multi-head latent attention
+///   passes the latent cache [num_blocks, block_size, 1, kv_lora_rank + rope_dim] as both caches
+///   with value_head_dim = kv_lora_rank (MQA over latents, the absorbed form), and each latent is
+///   read once for both. num_heads must be a multiple of num_kv_heads (GQA/MQA).
 /// query_start_loc: int32 [num_seqs + 1]; seq_lens: int32 [num_seqs];
 /// block_tables: int32 [num_seqs, max_blocks_per_seq], position p of sequence b lives in block
 ///   block_tables[b][p / block_size] at offset p % block_size.

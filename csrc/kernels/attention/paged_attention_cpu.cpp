@@ -57,10 +57,16 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
   check_like(kOp, "out", out, query);
   check_like(kOp, "key_cache", key_cache, query);
   check_like(kOp, "value_cache", value_cache, query);
-  TORCH_CHECK(out.sizes() == query.sizes(), kOp, ": out must have the shape of query");
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() &&
-                  value_cache.sizes() == key_cache.sizes() && value_cache.is_contiguous(),
-              kOp, ": caches must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]");
+  TORCH_CHECK(out.size(0) == query.size(0) && out.size(1) == query.size(1), kOp,
+              ": out must be [num_tokens, num_heads, value_head_dim] like query, got ", out.sizes(),
+              " and ", query.sizes());
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.dim() == 4 &&
+                  value_cache.is_contiguous() &&
+                  value_cache.sizes().slice(0, 3) == key_cache.sizes().slice(0, 3),
+              kOp, ": caches must be contiguous [num_blocks, block_size, num_kv_heads, head_dim] ",
+              "of one pool, got ", key_cache.sizes(), " and ", value_cache.sizes());
+  TORCH_CHECK(out.size(2) >= 1 && out.size(2) <= value_cache.size(3), kOp, ": out's head_dim ",
+              out.size(2), " must be in [1, value_cache's head_dim ", value_cache.size(3), "]");
   const int64_t num_heads = query.size(1), num_kv_heads = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == query.size(2), kOp, ": cache head_dim ", key_cache.size(3),
               " differs from query head_dim ", query.size(2));
@@ -86,7 +92,12 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
   args.head_dim = query.size(2);
   args.block_size = key_cache.size(1);
   args.max_blocks_per_seq = block_tables.size(1);
+  args.value_head_dim = out.size(2);
+  args.value_row = value_cache.size(3);
   args.cache_block_stride = key_cache.stride(0);
+  args.value_cache_block_stride = value_cache.stride(0);
+  args.value_in_key = value_cache.data_ptr() == key_cache.data_ptr() &&
+                      value_cache.sizes() == key_cache.sizes();
   args.scale = static_cast<float>(scale);
   args.sliding_window = sliding_window;
   args.logit_softcap = static_cast<float>(logit_softcap);

@@ -98,26 +98,42 @@ struct LinePrefetcher {
   }
 };
 
+/// Cache offsets (elements) of position j's row of KV head h, in the key and the value cache.
+inline int64_t key_offset(const PagedAttentionArgs& a, const int32_t* block_table, int64_t j,
+                          int64_t h) {
+  return block_table[j / a.block_size] * a.cache_block_stride +
+         ((j % a.block_size) * a.num_kv_heads + h) * a.head_dim;
+}
+inline int64_t value_offset(const PagedAttentionArgs& a, const int32_t* block_table, int64_t j,
+                            int64_t h) {
+  return block_table[j / a.block_size] * a.value_cache_block_stride +
+         ((j % a.block_size) * a.num_kv_heads + h) * a.value_row;
+}
+
 /// Scratch of one thread, reused across its items.
 struct Scratch {
   std::vector<float> q, acc, max, sum, corr, lo, hi, scores, key_rows, value_rows;
   std::vector<const float*> keys, values;
-  std::vector<int64_t> slots;  // a tile's cache offsets (elements) of its first KV head's rows
+  std::vector<int64_t> slots;  // a tile's key cache offsets (elements) of its first KV head's rows
+  std::vector<int64_t> value_slots;  // the same in the value cache
   LinePrefetcher prefetch;
-  void reserve(int64_t rows, int64_t head_dim, int64_t num_kv_heads) {
+  void reserve(int64_t rows, int64_t head_dim, int64_t value_head_dim, int64_t num_kv_heads) {
     const int64_t mp = round_up(rows, Vec::size()), dp = round_up(head_dim, Vec::size());
-    // The dot-product path keeps rows [rows, dp] and scores [rows, kKeyTile + Vec::size()].
+    const int64_t dvp = round_up(value_head_dim, Vec::size());
+    // The dot-product path keeps rows [rows, dp] / [rows, dvp] and scores
+    // [rows, kKeyTile + Vec::size()].
     q.resize(mp * dp);
-    acc.resize(mp * dp);
+    acc.resize(mp * dvp);
     for (auto* v : {&max, &sum, &corr, &lo, &hi}) v->resize(mp);
     scores.resize(mp * (kKeyTile + Vec::size()));
     // The tiled path keeps [kKeyTile, head_dim] / [kKeyTile, dp] rows of one head; the dot-product
     // path [num_kv_heads, kKeyTile, dp] (zero padding).
     key_rows.assign(kKeyTile * num_kv_heads * dp, 0.0f);
-    value_rows.assign(kKeyTile * num_kv_heads * dp, 0.0f);
+    value_rows.assign(kKeyTile * num_kv_heads * dvp, 0.0f);
     keys.resize(kKeyTile + Vec::size());  // the dot-product path pads a tile to whole passes
     values.resize(kKeyTile);
     slots.resize(kKeyTile);
+    value_slots.resize(kKeyTile);
   }
 };
 

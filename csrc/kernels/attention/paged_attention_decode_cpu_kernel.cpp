@@ -23,39 +23,43 @@ namespace {
 
 constexpr int64_t kScoreStride = kKeyTile + Vec::size();  // a row's scores, with pass padding
 
-// Calls f(position, offset, count) for the runs of positions [first, last) that share a block:
-// offset is the cache offset (elements) of position's slot, and the next count - 1 slots follow
-// it at a stride of one slot.
+// Calls f(position, count) for the runs of positions [first, last) that share a block: the next
+// count - 1 slots follow position's at a stride of one slot, in the key and the value cache.
 template <typename F>
-void for_block_runs(const PagedAttentionArgs& a, const int32_t* block_table, int64_t first,
-                    int64_t last, F&& f) {
-  const int64_t slot = a.num_kv_heads * a.head_dim;
+void for_block_runs(const PagedAttentionArgs& a, int64_t first, int64_t last, F&& f) {
   for (int64_t j = first; j < last;) {
-    const int64_t in_block = j % a.block_size;
-    const int64_t count = std::min(last - j, a.block_size - in_block);
-    f(j, block_table[j / a.block_size] * a.cache_block_stride + in_block * slot, count);
+    const int64_t count = std::min(last - j, a.block_size - j % a.block_size);
+    f(j, count);
     j += count;
   }
 }
 
 // Copies the rows of KV heads [kv_head, kv_head_end) at positions [first, last) to key_rows /
-// value_rows as fp32 [head, kKeyTile, dp] (columns past head_dim stay 0). The heads of a position
+// value_rows as fp32 [head, kKeyTile, dp] / [head, kKeyTile, dvp] (columns past head_dim and
+// value_head_dim stay 0; a value inside its key is read from the key's copy). The heads of a position
 // are adjacent in the cache and the positions of a block too, so this reads whole runs of memory
 // in address order, which the hardware prefetchers follow; reading one head's rows in place
 // instead touches a few lines of every slot and runs at a fraction of the memory bandwidth.
 template <typename T>
 void gather_tile(const PagedAttentionArgs& a, const int32_t* block_table, int64_t kv_head,
-                 int64_t kv_head_end, int64_t first, int64_t last, int64_t dp, Scratch& s) {
+                 int64_t kv_head_end, int64_t first, int64_t last, int64_t dp, int64_t dvp,
+                 Scratch& s) {
   const T* kc = static_cast<const T*>(a.key_cache);
   const T* vc = static_cast<const T*>(a.value_cache);
-  const int64_t d = a.head_dim, slot = a.num_kv_heads * d;
-  for_block_runs(a, block_table, first, last, [&](int64_t j0, int64_t offset, int64_t count) {
+  const int64_t d = a.head_dim, dv = a.value_head_dim;
+  const int64_t key_slot = a.num_kv_heads * d, value_slot = a.num_kv_heads * a.value_row;
+  for_block_runs(a, first, last, [&](int64_t j0, int64_t count) {
+    const int64_t key0 = key_offset(a, block_table, j0, kv_head);
+    const int64_t value0 = value_offset(a, block_table, j0, kv_head);
     for (int64_t c = 0; c < count; ++c) {
-      const int64_t j = j0 + c, at = offset + c * slot + kv_head * d;
+      const int64_t j = j0 + c;
       for (int64_t h = 0; h < kv_head_end - kv_head; ++h) {
-        const int64_t row = (h * kKeyTile + j - first) * dp;
-        convert_to_float(kc + at + h * d, s.key_rows.data() + row, d);
-        convert_to_float(vc + at + h * d, s.value_rows.data() + row, d);
+        convert_to_float(kc + key0 + c * key_slot + h * d,
+                         s.key_rows.data() + (h * kKeyTile + j - first) * dp, d);
+        if (!a.value_in_key) {
+          convert_to_float(vc + value0 + c * value_slot + h * a.value_row,
+                           s.value_rows.data() + (h * kKeyTile + j - first) * dvp, dv);
+        }
       }
     }
   });
@@ -210,14 +214,17 @@ void for_row_blocks(int64_t rows, F&& f) {
 template <typename T>
 void tile_lines(const PagedAttentionArgs& a, const int32_t* block_table, int64_t kv_head,
                 int64_t kv_head_end, int64_t first, int64_t last, LinePrefetcher& prefetch) {
-  const int64_t slot = a.num_kv_heads * a.head_dim;
+  const int64_t heads = kv_head_end - kv_head;
   prefetch.clear();
-  for_block_runs(a, block_table, first, last, [&](int64_t, int64_t offset, int64_t count) {
-    const int64_t begin = offset + kv_head * a.head_dim;
-    const int64_t elements = (count - 1) * slot + (kv_head_end - kv_head) * a.head_dim;
-    for (const void* cache : {a.key_cache, a.value_cache}) {
-      prefetch.add(reinterpret_cast<const char*>(static_cast<const T*>(cache) + begin),
-                   elements * static_cast<int64_t>(sizeof(T)));
+  auto add = [&](const void* cache, int64_t begin, int64_t row, int64_t count) {
+    const int64_t elements = (count - 1) * a.num_kv_heads * row + heads * row;
+    prefetch.add(reinterpret_cast<const char*>(static_cast<const T*>(cache) + begin),
+                 elements * static_cast<int64_t>(sizeof(T)));
+  };
+  for_block_runs(a, first, last, [&](int64_t j, int64_t count) {
+    add(a.key_cache, key_offset(a, block_table, j, kv_head), a.head_dim, count);
+    if (!a.value_in_key) {
+      add(a.value_cache, value_offset(a, block_table, j, kv_head), a.value_row, count);
     }
   });
 }
@@ -230,6 +237,7 @@ void tile_lines(const PagedAttentionArgs& a, const int32_t* block_table, int64_t
 template <typename T>
 void attend_rows(const PagedAttentionArgs& a, const Item& it, Scratch& s) {
   const int64_t d = a.head_dim, dp = round_up(d, Vec::size());
+  const int64_t dv = a.value_head_dim, dvp = round_up(dv, Vec::size());
   const int64_t group = a.num_heads / a.num_kv_heads;
   const SeqView seq(a, it.seq);
   const int64_t token0 = seq.token0;
@@ -249,7 +257,7 @@ void attend_rows(const PagedAttentionArgs& a, const Item& it, Scratch& s) {
     float* q = s.q.data() + r * dp;
     convert_to_float(query + (token0 + row_query(r)) * a.query_stride + row_head(r) * d, q, d);
     std::fill(q + d, q + dp, 0.0f);
-    std::fill_n(s.acc.data() + r * dp, dp, 0.0f);
+    std::fill_n(s.acc.data() + r * dvp, dvp, 0.0f);
     s.max[r] = kNegInf;
     s.sum[r] = 0.0f;
   }
@@ -259,7 +267,7 @@ void attend_rows(const PagedAttentionArgs& a, const Item& it, Scratch& s) {
   // dp floats: converted from bf16/fp16, or, for some heads only, as a copy whose reads are
   // demand loads (hints for a few lines out of every slot only stall).
   const bool in_place = std::is_same_v<T, float> && num_kv == a.num_kv_heads;
-  const int64_t row_len = in_place ? d : dp;
+  const int64_t row_len = in_place ? d : dp, value_len = in_place ? dv : dvp;
   const Vec scale(a.scale), cap(a.logit_softcap), inv_cap(1.0f / a.logit_softcap);
   const Vec neg_inf(kNegInf);
   const int64_t first_key = row_lo(0);
@@ -272,32 +280,35 @@ void attend_rows(const PagedAttentionArgs& a, const Item& it, Scratch& s) {
       tile_lines<T>(a, block_table, it.kv_head, it.kv_head_end, k1,
                     std::min(k1 + kKeyTile, last_key), s.prefetch);
       s.prefetch.start(num_kv * ((head_rows + 3) / 4) * ((n + 3) / 4));
-      const int64_t slot = a.num_kv_heads * d;
-      for_block_runs(a, block_table, k0, k1, [&](int64_t j, int64_t offset, int64_t count) {
+      const int64_t key_slot = a.num_kv_heads * d, value_slot = a.num_kv_heads * a.value_row;
+      for_block_runs(a, k0, k1, [&](int64_t j, int64_t count) {
+        const int64_t key0 = key_offset(a, block_table, j, it.kv_head);
+        const int64_t value0 = value_offset(a, block_table, j, it.kv_head);
         for (int64_t c = 0; c < count; ++c) {
-          s.slots[j - k0 + c] = offset + c * slot + it.kv_head * d;
+          s.slots[j - k0 + c] = key0 + c * key_slot;
+          s.value_slots[j - k0 + c] = value0 + c * value_slot;
         }
       });
     } else {
       s.prefetch.clear();
-      gather_tile<T>(a, block_table, it.kv_head, it.kv_head_end, k0, k1, dp, s);
+      gather_tile<T>(a, block_table, it.kv_head, it.kv_head_end, k0, k1, dp, dvp, s);
     }
     for (int64_t h = 0; h < num_kv; ++h) {
       const int64_t base = h * head_rows;
       if constexpr (std::is_same_v<T, float>) {
         if (in_place) {
           const float* keys = static_cast<const float*>(a.key_cache) + h * d;
-          const float* values = static_cast<const float*>(a.value_cache) + h * d;
+          const float* values = static_cast<const float*>(a.value_cache) + h * a.value_row;
           for (int64_t t = 0; t < n; ++t) {
             s.keys[t] = keys + s.slots[t];
-            s.values[t] = values + s.slots[t];
+            s.values[t] = values + s.value_slots[t];
           }
         }
       }
       if (!in_place) {
         for (int64_t t = 0; t < n; ++t) {
           s.keys[t] = s.key_rows.data() + (h * kKeyTile + t) * dp;
-          s.values[t] = s.value_rows.data() + (h * kKeyTile + t) * dp;
+          s.values[t] = a.value_in_key ? s.keys[t] : s.value_rows.data() + (h * kKeyTile + t) * dvp;
         }
       }
       // Passes past n score copies of the last key into the rows' padding.
@@ -335,18 +346,19 @@ void attend_rows(const PagedAttentionArgs& a, const Item& it, Scratch& s) {
                    at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sum);
         s.max[r] = new_max;
       }
-      for_row_blocks(head_rows,
-                     [&]<int R>(int64_t r0) { pv_block_rows<R>(s, base + r0, n, row_len, dp); });
+      for_row_blocks(head_rows, [&]<int R>(int64_t r0) {
+        pv_block_rows<R>(s, base + r0, n, value_len, dvp);
+      });
     }
     s.prefetch.finish();
   }
 
   T* out = static_cast<T*>(a.out);
   for (int64_t r = 0; r < rows; ++r) {
-    float* acc = s.acc.data() + r * dp;
+    float* acc = s.acc.data() + r * dvp;
     const float inv = s.sum[r] > 0.0f ? 1.0f / s.sum[r] : 0.0f;
-    for (int64_t i = 0; i < d; ++i) acc[i] *= inv;
-    convert_from_float(acc, out + (token0 + row_query(r)) * a.out_stride + row_head(r) * d, d);
+    for (int64_t i = 0; i < dv; ++i) acc[i] *= inv;
+    convert_from_float(acc, out + (token0 + row_query(r)) * a.out_stride + row_head(r) * dv, dv);
   }
 }
 

@@ -19,24 +19,28 @@ constexpr int kPvRows = 4;             // P V micro-kernel: rows x vectors of he
 constexpr int kVecsPerBlock = 2;
 
 // keys[t], values[t]: fp32 copies of the rows of context positions [first, last) in key_rows
-// [kKeyTile, head_dim] / value_rows [kKeyTile, value_stride] (columns past head_dim are never
-// output, so what lies there does not matter). Copied even when the cache is fp32: in place, the
-// rows of a block sit num_kv_heads * head_dim apart (4 KiB for 8 heads of 128 floats), so a
-// tile's rows would fight over a few L1 sets.
+// [kKeyTile, head_dim] / value_rows [kKeyTile, value_stride] (columns past value_head_dim are
+// never output, so what lies there does not matter); a value inside its key (MLA latents) is
+// read from the key's copy. Copied even when the cache is fp32: in place, the rows of a block sit
+// num_kv_heads * head_dim apart (4 KiB for 8 heads of 128 floats), so a tile's rows would fight
+// over a few L1 sets.
 template <typename T>
 void load_rows(const PagedAttentionArgs& a, const int32_t* block_table, int64_t kv_head,
                int64_t first, int64_t last, int64_t value_stride, Scratch& s) {
   const T* kc = static_cast<const T*>(a.key_cache);
   const T* vc = static_cast<const T*>(a.value_cache);
-  const int64_t d = a.head_dim;
+  const int64_t d = a.head_dim, dv = a.value_head_dim;
   for (int64_t j = first; j < last; ++j) {
-    const int64_t offset = block_table[j / a.block_size] * a.cache_block_stride +
-                           ((j % a.block_size) * a.num_kv_heads + kv_head) * d;
     const int64_t t = j - first;
-    convert_to_float(kc + offset, s.key_rows.data() + t * d, d);
+    convert_to_float(kc + key_offset(a, block_table, j, kv_head), s.key_rows.data() + t * d, d);
     s.keys[t] = s.key_rows.data() + t * d;
-    convert_to_float(vc + offset, s.value_rows.data() + t * value_stride, d);
-    s.values[t] = s.value_rows.data() + t * value_stride;
+    if (a.value_in_key) {
+      s.values[t] = s.keys[t];
+    } else {
+      convert_to_float(vc + value_offset(a, block_table, j, kv_head),
+                       s.value_rows.data() + t * value_stride, dv);
+      s.values[t] = s.value_rows.data() + t * value_stride;
+    }
   }
 }
 
@@ -155,7 +159,7 @@ void softmax_tile(const PagedAttentionArgs& a, int64_t k0, int64_t n, int64_t mp
 
 template <typename T>
 void attend_tiled(const PagedAttentionArgs& a, const Item& it, Scratch& s) {
-  const int64_t d = a.head_dim, dp = round_up(d, Vec::size());
+  const int64_t d = a.head_dim, dv = a.value_head_dim, dvp = round_up(dv, Vec::size());
   const int64_t group = a.num_heads / a.num_kv_heads;
   const SeqView seq(a, it.seq);
   const int64_t token0 = seq.token0;
@@ -178,31 +182,33 @@ void attend_tiled(const PagedAttentionArgs& a, const Item& it, Scratch& s) {
     s.max[r] = kNegInf;
     s.sum[r] = 0.0f;
   }
-  std::fill_n(s.acc.data(), mp * dp, 0.0f);
+  std::fill_n(s.acc.data(), mp * dvp, 0.0f);
 
   const int64_t first_key = row_lo(0), last_key = row_hi(rows - 1) + 1;
   const int64_t all_from = row_lo(rows - 1), all_to = row_hi(0);  // keys every row sees
   for (int64_t k0 = first_key; k0 < last_key; k0 += kKeyTile) {
     const int64_t n = std::min(k0 + kKeyTile, last_key) - k0;
-    load_rows<T>(a, block_table, it.kv_head, k0, k0 + n, dp, s);
+    load_rows<T>(a, block_table, it.kv_head, k0, k0 + n, dvp, s);
     score_tile(s.keys.data(), n, s.q.data(), mp, d, s.scores.data());
     softmax_tile(a, k0, n, mp, k0 < all_from || k0 + n - 1 > all_to, s);
     for (int64_t r = 0; r < mp; ++r) {
       const float corr = s.corr[r];
       if (corr == 1.0f) continue;
-      float* acc = s.acc.data() + r * dp;
-      for (int64_t i = 0; i < dp; i += Vec::size()) (Vec::loadu(acc + i) * Vec(corr)).store(acc + i);
+      float* acc = s.acc.data() + r * dvp;
+      for (int64_t i = 0; i < dvp; i += Vec::size()) {
+        (Vec::loadu(acc + i) * Vec(corr)).store(acc + i);
+      }
     }
-    pv_tile(s.scores.data(), mp, s.values.data(), n, s.acc.data(), dp);
+    pv_tile(s.scores.data(), mp, s.values.data(), n, s.acc.data(), dvp);
   }
 
   T* out = static_cast<T*>(a.out);
   for (int64_t r = 0; r < rows; ++r) {
-    float* acc = s.acc.data() + r * dp;
+    float* acc = s.acc.data() + r * dvp;
     const float inv = s.sum[r] > 0.0f ? 1.0f / s.sum[r] : 0.0f;
-    for (int64_t i = 0; i < d; ++i) acc[i] *= inv;
+    for (int64_t i = 0; i < dv; ++i) acc[i] *= inv;
     convert_from_float(acc, out + (token0 + it.q_begin + r / group) * a.out_stride +
-                                (it.kv_head * group + r % group) * d, d);
+                                (it.kv_head * group + r % group) * dv, dv);
   }
 }
 

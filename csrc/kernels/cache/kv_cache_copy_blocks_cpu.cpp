@@ -13,9 +13,10 @@ namespace {
 
 void kv_cache_copy_blocks_cpu(at::TensorList key_caches, at::TensorList value_caches,
                               const at::Tensor& block_mapping) {
-  TORCH_CHECK(!key_caches.empty() && key_caches.size() == value_caches.size(),
-              "kv_cache_copy_blocks: need one key and one value cache per layer, got ",
-              key_caches.size(), " and ", value_caches.size());
+  TORCH_CHECK(!key_caches.empty() &&
+                  (value_caches.empty() || key_caches.size() == value_caches.size()),
+              "kv_cache_copy_blocks: need one key cache per layer and one value cache per layer "
+              "or none, got ", key_caches.size(), " and ", value_caches.size());
   const at::Tensor& first = key_caches[0];
   TORCH_CHECK(first.dim() == 4, "kv_cache_copy_blocks: caches must be [num_blocks, block_size, "
               "heads, head_dim], got ", first.sizes());
@@ -52,12 +53,14 @@ void kv_cache_copy_blocks_cpu(at::TensorList key_caches, at::TensorList value_ca
 
   const int64_t block_bytes = first.numel() / num_blocks * first.element_size();
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
+  const int64_t per_layer = value_caches.empty() ? 1 : 2;
   // One task per (layer, key-or-value, pair).
-  at::parallel_for(0, num_layers * 2 * num_pairs, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_layers * per_layer * num_pairs, 16, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t pair = task % num_pairs;
-      const int64_t cache = task / num_pairs;  // layer * 2 + (0 key | 1 value)
-      const at::Tensor& t = cache % 2 == 0 ? key_caches[cache / 2] : value_caches[cache / 2];
+      const int64_t cache = task / num_pairs;  // layer * per_layer + (0 key | 1 value)
+      const at::Tensor& t = cache % per_layer == 0 ? key_caches[cache / per_layer]
+                                                   : value_caches[cache / per_layer];
       auto* base = static_cast<char*>(t.data_ptr());
       std::memcpy(base + pairs[2 * pair + 1] * block_bytes, base + pairs[2 * pair] * block_bytes,
                   block_bytes);

@@ -44,11 +44,12 @@ void kv_cache_write_cpu(const at::Tensor& key, const at::Tensor& value, at::Tens
   const auto* v = static_cast<const char*>(value.data_ptr());
   auto* kc = static_cast<char*>(key_cache.data_ptr());
   auto* vc = static_cast<char*>(value_cache.data_ptr());
+  const bool latent = vc == kc;  // one entry per token: the value lives inside the key
   at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (slots[t] < 0) continue;
       std::memcpy(kc + slots[t] * row_bytes, k + t * key.stride(0) * elem, row_bytes);
-      std::memcpy(vc + slots[t] * row_bytes, v + t * value.stride(0) * elem, row_bytes);
+      if (!latent) std::memcpy(vc + slots[t] * row_bytes, v + t * value.stride(0) * elem, row_bytes);
     }
   });
 }

@@ -1,10 +1,11 @@
-"""Load Hugging Face Llama-family weights from (sharded) safetensors files.
+"""Load Hugging Face weights (Llama family, DeepSeek MLA, mixtures of experts) from (sharded) safetensors files.
 
 Every header is read and checked first (``WeightIndex``), and every tensor the config implies is
 checked against it (``check_weights``): names, dtypes, shapes, offsets and file sizes are all
 known good before a byte of tensor data is read. The tensors are then memory-mapped by
 ``safetensors``, converted to the requested dtype and fused the way the C++ layers expect: q/k/v
-into ``qkv_proj`` and gate/up into ``gate_up_proj``. The returned names drop the ``model.`` prefix.
+into ``qkv_proj`` and gate/up into ``gate_up_proj`` (per expert too; MLA's projections are kept
+as they are). The returned names drop the ``model.`` prefix.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from kvserve import _C
-from kvserve.loader.weight_check import check_weights
+from kvserve.loader.weight_check import check_weights, moe_names
 from kvserve.loader.weight_index import WeightIndex
 
 
@@ -25,7 +26,7 @@ class _TensorReader:
     def __init__(self, index: WeightIndex, dtype: torch.dtype):
         self.index, self.dtype, self.handles = index, dtype, {}
 
-    def __call__(self, name: str) -> torch.Tensor:
+    def __call__(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         info = self.index.tensors[name]
         try:
             if info.file not in self.handles:
@@ -35,7 +36,7 @@ class _TensorReader:
             raise ValueError(f"{info.file}: cannot read tensor '{name}': {e}") from e
         # A copy even in the same dtype: a tensor that views the memory map would keep the whole
         # file mapped (and its pages resident) for as long as the model lives.
-        return tensor.to(self.dtype, copy=True)
+        return tensor.to(dtype or self.dtype, copy=True)
 
 
 def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
@@ -57,26 +58,68 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         out = f"layers.{i}."
-        attn = p + "self_attn."
         w[out + "input_layernorm.weight"] = read(p + "input_layernorm.weight")
         w[out + "post_attention_layernorm.weight"] = read(p + "post_attention_layernorm.weight")
-        w[out + "self_attn.qkv_proj.weight"] = torch.cat(
-            [read(attn + f"{x}_proj.weight") for x in "qkv"])
-        if config.qkv_bias:
-            w[out + "self_attn.qkv_proj.bias"] = torch.cat(
-                [read(attn + f"{x}_proj.bias") for x in "qkv"])
-        w[out + "self_attn.o_proj.weight"] = read(attn + "o_proj.weight")
-        if config.o_proj_bias:
-            w[out + "self_attn.o_proj.bias"] = read(attn + "o_proj.bias")
-        if config.qk_norm:
-            w[out + "self_attn.q_norm.weight"] = read(attn + "q_norm.weight")
-            w[out + "self_attn.k_norm.weight"] = read(attn + "k_norm.weight")
-        mlp = p + "mlp."
-        w[out + "mlp.gate_up_proj.weight"] = torch.cat(
-            [read(mlp + "gate_proj.weight"), read(mlp + "up_proj.weight")])
-        w[out + "mlp.down_proj.weight"] = read(mlp + "down_proj.weight")
-        if config.mlp_bias:
-            w[out + "mlp.gate_up_proj.bias"] = torch.cat(
-                [read(mlp + "gate_proj.bias"), read(mlp + "up_proj.bias")])
-            w[out + "mlp.down_proj.bias"] = read(mlp + "down_proj.bias")
+        if config.use_mla():
+            _read_mla(read, config, p + "self_attn.", out + "self_attn.", w)
+        else:
+            _read_attention(read, config, p + "self_attn.", out + "self_attn.", w)
+        if config.is_moe_layer(i):
+            _read_moe(read, config, p, out + "mlp.", w)
+        else:
+            _read_mlp(read, p + "mlp.", out + "mlp.", config.mlp_bias, w)
     return {name: t.to(device).contiguous() for name, t in w.items()}
+
+
+def _read_attention(read: _TensorReader, c: _C.ModelConfig, attn: str, out: str,
+                    w: dict[str, torch.Tensor]) -> None:
+    w[out + "qkv_proj.weight"] = torch.cat([read(attn + f"{x}_proj.weight") for x in "qkv"])
+    if c.qkv_bias:
+        w[out + "qkv_proj.bias"] = torch.cat([read(attn + f"{x}_proj.bias") for x in "qkv"])
+    w[out + "o_proj.weight"] = read(attn + "o_proj.weight")
+    if c.o_proj_bias:
+        w[out + "o_proj.bias"] = read(attn + "o_proj.bias")
+    if c.qk_norm:
+        w[out + "q_norm.weight"] = read(attn + "q_norm.weight")
+        w[out + "k_norm.weight"] = read(attn + "k_norm.weight")
+
+
+def _read_mla(read: _TensorReader, c: _C.ModelConfig, attn: str, out: str,
+              w: dict[str, torch.Tensor]) -> None:
+    """MLA's projections as they are: the C++ layer fuses and reorders them itself."""
+    names = ["kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight",
+             "o_proj.weight"]
+    names += (["q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"]
+              if c.mla.q_lora_rank else ["q_proj.weight"])
+    if c.qkv_bias:
+        names += ["kv_a_proj_with_mqa.bias"] + (["q_a_proj.bias"] if c.mla.q_lora_rank else [])
+    if c.o_proj_bias:
+        names.append("o_proj.bias")
+    for name in names:
+        w[out + name] = read(attn + name)
+
+
+def _read_mlp(read: _TensorReader, mlp: str, out: str, bias: bool, w: dict[str, torch.Tensor],
+              names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
+    gate, up, down = names
+    w[out + "gate_up_proj.weight"] = torch.cat([read(f"{mlp}{gate}.weight"),
+                                                read(f"{mlp}{up}.weight")])
+    w[out + "down_proj.weight"] = read(f"{mlp}{down}.weight")
+    if bias:
+        w[out + "gate_up_proj.bias"] = torch.cat([read(f"{mlp}{gate}.bias"),
+                                                  read(f"{mlp}{up}.bias")])
+        w[out + "down_proj.bias"] = read(f"{mlp}{down}.bias")
+
+
+def _read_moe(read: _TensorReader, c: _C.ModelConfig, layer: str, out: str,
+              w: dict[str, torch.Tensor]) -> None:
+    """Router, per-expert fused gate_up and down, shared experts, under the kvserve names."""
+    prefix, names = moe_names(c, layer)
+    w[out + "gate.weight"] = read(prefix + "gate.weight")
+    if c.moe.scoring_func == "sigmoid":  # kept in fp32, as transformers does
+        w[out + "gate.e_score_correction_bias"] = read(prefix + "gate.e_score_correction_bias",
+                                                       torch.float32)
+    for e in range(c.moe.num_experts):
+        _read_mlp(read, f"{prefix}experts.{e}.", f"{out}experts.{e}.", False, w, names)
+    if c.moe.shared_intermediate_size:
+        _read_mlp(read, prefix + "shared_experts.", out + "shared_experts.", False, w)

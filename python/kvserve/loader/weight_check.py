@@ -22,9 +22,6 @@ _MAX_PROBLEMS_SHOWN = 8
 def expected_shapes(c: _C.ModelConfig) -> dict[str, tuple[Dim, ...]]:
     """Every tensor the model reads, by its Hugging Face name, with its shape's config fields."""
     vocab, hidden = ("vocab_size", c.vocab_size), ("hidden_size", c.hidden_size)
-    inter, head = ("intermediate_size", c.intermediate_size), ("head_dim", c.head_dim)
-    q = ("num_attention_heads*head_dim", c.num_heads * c.head_dim)
-    kv = ("num_key_value_heads*head_dim", c.num_kv_heads * c.head_dim)
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (vocab, hidden)
@@ -32,21 +29,96 @@ def expected_shapes(c: _C.ModelConfig) -> dict[str, tuple[Dim, ...]]:
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (hidden,)
         shapes[p + "post_attention_layernorm.weight"] = (hidden,)
-        for name, out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-            shapes[f"{p}self_attn.{name}.weight"] = (out, hidden)
-            if c.qkv_bias:
-                shapes[f"{p}self_attn.{name}.bias"] = (out,)
-        shapes[p + "self_attn.o_proj.weight"] = (hidden, q)
-        if c.o_proj_bias:
-            shapes[p + "self_attn.o_proj.bias"] = (hidden,)
-        if c.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (head,)
-            shapes[p + "self_attn.k_norm.weight"] = (head,)
-        for name, shape in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)),
-                            ("down_proj", (hidden, inter))):
-            shapes[f"{p}mlp.{name}.weight"] = shape
-            if c.mlp_bias:
-                shapes[f"{p}mlp.{name}.bias"] = shape[:1]
+        shapes.update(_mla_shapes(c, p) if c.use_mla() else _attention_shapes(c, p))
+        if c.is_moe_layer(i):
+            shapes.update(_moe_shapes(c, p))
+        else:
+            shapes.update(_mlp_shapes(p + "mlp.", ("intermediate_size", c.intermediate_size),
+                                      hidden, c.mlp_bias))
+    return shapes
+
+
+def _attention_shapes(c: _C.ModelConfig, p: str) -> dict[str, tuple[Dim, ...]]:
+    hidden, head = ("hidden_size", c.hidden_size), ("head_dim", c.head_dim)
+    q = ("num_attention_heads*head_dim", c.num_heads * c.head_dim)
+    kv = ("num_key_value_heads*head_dim", c.num_kv_heads * c.head_dim)
+    shapes = {}
+    for name, out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+        shapes[f"{p}self_attn.{name}.weight"] = (out, hidden)
+        if c.qkv_bias:
+            shapes[f"{p}self_attn.{name}.bias"] = (out,)
+    shapes[p + "self_attn.o_proj.weight"] = (hidden, q)
+    if c.o_proj_bias:
+        shapes[p + "self_attn.o_proj.bias"] = (hidden,)
+    if c.qk_norm:
+        shapes[p + "self_attn.q_norm.weight"] = (head,)
+        shapes[p + "self_attn.k_norm.weight"] = (head,)
+    return shapes
+
+
+def _mla_shapes(c: _C.ModelConfig, p: str) -> dict[str, tuple[Dim, ...]]:
+    m, a = c.mla, p + "self_attn."
+    hidden = ("hidden_size", c.hidden_size)
+    q = ("num_attention_heads*(qk_nope_head_dim+qk_rope_head_dim)", c.num_heads * m.qk_head_dim)
+    kv_a = ("kv_lora_rank+qk_rope_head_dim", m.kv_lora_rank + m.qk_rope_head_dim)
+    latent = ("kv_lora_rank", m.kv_lora_rank)
+    shapes = {}
+    if m.q_lora_rank:
+        q_lora = ("q_lora_rank", m.q_lora_rank)
+        shapes[a + "q_a_proj.weight"] = (q_lora, hidden)
+        if c.qkv_bias:
+            shapes[a + "q_a_proj.bias"] = (q_lora,)
+        shapes[a + "q_a_layernorm.weight"] = (q_lora,)
+        shapes[a + "q_b_proj.weight"] = (q, q_lora)
+    else:
+        shapes[a + "q_proj.weight"] = (q, hidden)
+    shapes[a + "kv_a_proj_with_mqa.weight"] = (kv_a, hidden)
+    if c.qkv_bias:
+        shapes[a + "kv_a_proj_with_mqa.bias"] = (kv_a,)
+    shapes[a + "kv_a_layernorm.weight"] = (latent,)
+    shapes[a + "kv_b_proj.weight"] = (
+        ("num_attention_heads*(qk_nope_head_dim+v_head_dim)",
+         c.num_heads * (m.qk_nope_head_dim + m.v_head_dim)), latent)
+    shapes[a + "o_proj.weight"] = (hidden, ("num_attention_heads*v_head_dim",
+                                            c.num_heads * m.v_head_dim))
+    if c.o_proj_bias:
+        shapes[a + "o_proj.bias"] = (hidden,)
+    return shapes
+
+
+def _mlp_shapes(p: str, inter: Dim, hidden: Dim, bias: bool,
+                names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                ) -> dict[str, tuple[Dim, ...]]:
+    shapes = {}
+    for name, shape in zip(names, ((inter, hidden), (inter, hidden), (hidden, inter))):
+        shapes[f"{p}{name}.weight"] = shape
+        if bias:
+            shapes[f"{p}{name}.bias"] = shape[:1]
+    return shapes
+
+
+def moe_names(c: _C.ModelConfig, p: str) -> tuple[str, tuple[str, str, str]]:
+    """Where a layer's MoE weights live: its module prefix (Mixtral's block_sparse_moe or mlp)
+    and the names of an expert's gate, up and down projections."""
+    if c.architecture == "MixtralForCausalLM":
+        return p + "block_sparse_moe.", ("w1", "w3", "w2")
+    return p + "mlp.", ("gate_proj", "up_proj", "down_proj")
+
+
+def _moe_shapes(c: _C.ModelConfig, p: str) -> dict[str, tuple[Dim, ...]]:
+    m = c.moe
+    hidden = ("hidden_size", c.hidden_size)
+    experts = ("num_experts", m.num_experts)
+    prefix, names = moe_names(c, p)
+    shapes = {prefix + "gate.weight": (experts, hidden)}
+    if m.scoring_func == "sigmoid":
+        shapes[prefix + "gate.e_score_correction_bias"] = (experts,)
+    inter = ("moe_intermediate_size", m.moe_intermediate_size)
+    for e in range(m.num_experts):
+        shapes.update(_mlp_shapes(f"{prefix}experts.{e}.", inter, hidden, False, names))
+    if m.shared_intermediate_size:
+        shared = ("n_shared_experts*moe_intermediate_size", m.shared_intermediate_size)
+        shapes.update(_mlp_shapes(prefix + "shared_experts.", shared, hidden, False))
     return shapes
 
 
@@ -97,6 +169,10 @@ def _check_num_layers(index: WeightIndex, c: _C.ModelConfig, config_path: Path) 
 
 
 def _ignored(name: str, c: _C.ModelConfig) -> bool:
-    """Tensors some checkpoints carry that the model does not need."""
-    return name.endswith("rotary_emb.inv_freq") or (
-        c.tie_word_embeddings and name == "lm_head.weight")
+    """Tensors some checkpoints carry that the model does not need: RoPE tables, a tied LM head,
+    DeepSeek-V3's multi-token-prediction layers (numbered after the last decoder layer)."""
+    if name.endswith("rotary_emb.inv_freq") or (c.tie_word_embeddings and name == "lm_head.weight"):
+        return True
+    layer = re.match(r"model\.layers\.(\d+)\.", name)
+    return (c.architecture == "DeepseekV3ForCausalLM" and layer is not None
+            and int(layer.group(1)) >= c.num_layers)

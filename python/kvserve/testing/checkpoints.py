@@ -24,6 +24,25 @@ TINY_CONFIGS = {
     "MistralForCausalLM": dict(model_type="mistral", sliding_window=None),
     "Qwen2ForCausalLM": dict(model_type="qwen2"),
     "Qwen3ForCausalLM": dict(model_type="qwen3", head_dim=24),
+    # Mixtures of experts: 8 experts of which each token takes 2.
+    "MixtralForCausalLM": dict(model_type="mixtral", sliding_window=None, num_local_experts=4,
+                               num_experts_per_tok=2, intermediate_size=64),
+    "Qwen3MoeForCausalLM": dict(model_type="qwen3_moe", head_dim=24, num_experts=8,
+                                num_experts_per_tok=2, moe_intermediate_size=48,
+                                norm_topk_prob=True),
+    # MLA: every head attends over one latent of 32 + a shared rope key of 8 per token;
+    # transformers' MLA needs num_key_value_heads == num_attention_heads. Layer 0 is dense.
+    "DeepseekV2ForCausalLM": dict(model_type="deepseek_v2", num_key_value_heads=4,
+                                  kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16,
+                                  qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+                                  num_experts_per_tok=2, moe_intermediate_size=32,
+                                  n_shared_experts=1, first_k_dense_replace=1),
+    "DeepseekV3ForCausalLM": dict(model_type="deepseek_v3", num_key_value_heads=4,
+                                  kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16,
+                                  qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+                                  num_experts_per_tok=2, moe_intermediate_size=32,
+                                  n_shared_experts=1, first_k_dense_replace=1, n_group=4,
+                                  topk_group=2, routed_scaling_factor=2.5),
 }
 
 
@@ -79,6 +98,9 @@ def make_checkpoint(out_dir: str | Path, architecture: str = "LlamaForCausalLM",
                 p.add_(torch.randn_like(p) * 0.2)
             elif name.endswith(".bias"):
                 p.normal_(0, 0.5)
+        for name, b in model.named_buffers():  # DeepSeek-V3's router bias starts at zero
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
     model = model.to(dtype)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **kwargs)

@@ -135,13 +135,13 @@ def kv_cache_write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
 def kv_cache_copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
                          block_mapping: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Returns copies of every layer's caches with block dst replaced by block src for each
-    (src, dst) row of block_mapping [num_pairs, 2]; sources are read before any write."""
+    (src, dst) row of block_mapping [num_pairs, 2]; sources are read before any write.
+    value_caches may be empty (latent caches have none)."""
     new_keys = [k.clone() for k in key_caches]
     new_values = [v.clone() for v in value_caches]
-    for layer in range(len(key_caches)):
-        for src, dst in block_mapping.tolist():
-            new_keys[layer][dst] = key_caches[layer][src]
-            new_values[layer][dst] = value_caches[layer][src]
+    for src, dst in block_mapping.tolist():
+        for old, new in zip(key_caches + value_caches, new_keys + new_values):
+            new[dst] = old[src]
     return new_keys, new_values
 
 
@@ -151,20 +151,24 @@ def kv_cache_copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torc
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_tables: torch.Tensor, scale: float, sliding_window: int = 0,
-                    logit_softcap: float = 0.0) -> torch.Tensor:
+                    logit_softcap: float = 0.0, value_head_dim: int | None = None) -> torch.Tensor:
     """Causal attention of variable-length query runs over a paged KV cache.
 
-    query [T, num_heads, head_dim]; key_cache, value_cache [num_blocks, block_size, num_kv_heads,
-    head_dim]; query_start_loc [B + 1]; seq_lens [B]; block_tables [B, max_blocks_per_seq].
+    query [T, num_heads, head_dim]; key_cache [num_blocks, block_size, num_kv_heads, head_dim];
+    value_cache [num_blocks, block_size, num_kv_heads, value_row], of which a value is the first
+    value_head_dim elements (all of them when None; MLA passes its latent cache as both caches);
+    query_start_loc [B + 1]; seq_lens [B]; block_tables [B, max_blocks_per_seq].
     The q queries of sequence b are the last q positions of its context of seq_lens[b] tokens;
     position p of b is at block block_tables[b][p // block_size], offset p % block_size. A query
     at position i sees positions (i - sliding_window, i] (all of [0, i] when sliding_window <= 0);
     scores are scale * q.k, then c * tanh(score / c) when logit_softcap c > 0.
-    Returns fp64 [T, num_heads, head_dim].
+    Returns fp64 [T, num_heads, value_head_dim].
     """
     num_heads, block_size, num_kv_heads = query.size(1), key_cache.size(1), key_cache.size(2)
     group = num_heads // num_kv_heads  # query heads per kv head (GQA; MQA when num_kv_heads is 1)
-    out = torch.zeros(query.shape, dtype=torch.float64)
+    value_head_dim = value_cache.size(3) if value_head_dim is None else value_head_dim
+    value_cache = value_cache[..., :value_head_dim]
+    out = torch.zeros(query.size(0), num_heads, value_head_dim, dtype=torch.float64)
     starts = query_start_loc.tolist()
     for b, context_len in enumerate(seq_lens.tolist()):
         query_len = starts[b + 1] - starts[b]
@@ -185,6 +189,50 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                 if logit_softcap > 0:
                     scores = logit_softcap * torch.tanh(scores / logit_softcap)
                 out[t, h] = torch.softmax(scores, dim=0) @ v
+    return out
+
+
+def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latents: torch.Tensor,
+                  kv_b_proj: torch.Tensor, scale: float, kv_lora_rank: int) -> torch.Tensor:
+    """Multi-head latent attention of one sequence, the way transformers computes it: the
+    context's latents expanded to per-head keys and values, then causal softmax attention.
+
+    q_nope [q, H, nope] and q_rope [q, H, rope]: the last q positions' queries; latents
+    [context, kv_lora_rank + rope]: every position's [normalized latent | rotated key];
+    kv_b_proj [H * (nope + v), kv_lora_rank]. Returns fp64 [q, H, v]."""
+    q, heads, nope = q_nope.shape
+    context = latents.size(0)
+    kv = (latents[:, :kv_lora_rank].double() @ kv_b_proj.double().T).view(context, heads, -1)
+    keys = torch.cat([kv[..., :nope], latents[:, None, kv_lora_rank:].double().expand(
+        context, heads, -1)], dim=-1)  # [context, H, nope + rope]
+    values = kv[..., nope:]
+    query = torch.cat([q_nope, q_rope], dim=-1).double()
+    out = torch.zeros(q, heads, values.size(-1), dtype=torch.float64)
+    for i in range(q):
+        position = context - q + i
+        for h in range(heads):
+            scores = keys[:position + 1, h] @ query[i, h] * scale
+            out[i, h] = torch.softmax(scores, dim=0) @ values[:position + 1, h]
+    return out
+
+
+# ------------------------------------------------------------------------------------------- moe
+
+
+def fused_moe(hidden: torch.Tensor, w13: list[torch.Tensor], w2: list[torch.Tensor],
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with
+    e = topk_ids[t, j], one token and slot at a time. hidden [T, H]; w13[e] [2I, H] (gate rows,
+    then up rows); w2[e] [H, I]; topk_weights, topk_ids [T, k]. Returns fp64 [T, H]."""
+    x = hidden.double()
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.size(0)):
+        for j in range(topk_ids.size(1)):
+            e = int(topk_ids[t, j])
+            gate_up = w13[e].double() @ x[t]
+            inter = gate_up.numel() // 2
+            act = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
+            out[t] += float(topk_weights[t, j]) * (w2[e].double() @ act)
     return out
 
 

@@ -1,0 +1,21 @@
+#pragma once
+// The routed experts of a mixture-of-experts MLP: every token runs through the experts its router
+// chose, and their outputs are summed with the routing weights.
+
+#include <ATen/core/Tensor.h>
+
+namespace kvserve::ops {
+
+/// out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j].
+/// Tokens are grouped by expert, so each active expert runs one GEMM (one GEMV for a few tokens)
+/// per projection over all of its tokens; experts run in parallel when each has few tokens.
+/// hidden: [T, hidden_size] (rows may be strided, last dim contiguous).
+/// w13: one weight per expert [2 * inter, hidden_size] (gate rows, then up rows); w2: one per
+///   expert [hidden_size, inter]; each plain or packed by linear_prepack, in hidden's dtype.
+/// topk_weights: fp32 [T, k]; topk_ids: int64 [T, k], each in [0, num_experts).
+/// Returns [T, hidden_size] in hidden's dtype; the weighted sum is accumulated in fp32 in slot
+/// order j. Throws c10::Error on mismatched shapes or dtypes, or an expert id out of range.
+at::Tensor fused_moe(const at::Tensor& hidden, at::TensorList w13, at::TensorList w2,
+                     const at::Tensor& topk_weights, const at::Tensor& topk_ids);
+
+}  // namespace kvserve::ops

@@ -1,0 +1,44 @@
+#pragma once
+// Mixture-of-experts MLP: a router picks num_experts_per_tok of num_experts gated MLPs per token
+// (softmax top-k as Mixtral and Qwen3-MoE; DeepSeek-V2's group-limited greedy; DeepSeek-V3's
+// sigmoid scores with a correction bias and group top-2 sums), fused_moe runs them, and
+// DeepSeek's shared experts add a dense MLP that every token takes.
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvserve/model_config.h"
+#include "layers/feed_forward.h"
+#include "layers/mlp.h"
+#include "layers/weights.h"
+
+namespace kvserve {
+
+/// Weights (loader names, under `prefix`): gate.weight [num_experts, hidden] (the router),
+/// gate.e_score_correction_bias [num_experts] (sigmoid scoring only),
+/// experts.<e>.gate_up_proj.weight [2 * moe_intermediate, hidden] and
+/// experts.<e>.down_proj.weight [hidden, moe_intermediate] per expert, and shared_experts.* of a
+/// GatedMLP when the config has shared experts.
+class SparseMoE : public FeedForward {
+ public:
+  /// Throws std::invalid_argument on a missing weight.
+  SparseMoE(const MoEConfig& config, const std::string& prefix, const WeightMap& weights);
+
+  at::Tensor forward(const at::Tensor& x) const override;
+  int64_t weight_bytes() const override;
+
+  /// The routing of tokens x [T, hidden]: fp32 weights [T, k] and int64 expert ids [T, k].
+  std::pair<at::Tensor, at::Tensor> route(const at::Tensor& x) const;
+
+ private:
+  MoEConfig config_;
+  at::Tensor router_;          // [num_experts, hidden], fp32 when config.fp32_router
+  at::Tensor score_bias_;      // fp32 [num_experts], sigmoid scoring only
+  std::vector<at::Tensor> w13_, w2_;  // per expert, plain or packed (ops::linear_prepack)
+  std::unique_ptr<GatedMLP> shared_;
+};
+
+}  // namespace kvserve

@@ -1,0 +1,130 @@
+"""fused_moe against kvserve.testing.reference: awkward sizes, every dtype, plain and packed
+expert weights, experts with a few tokens (run side by side) and with many (one at a time), and
+the errors bad arguments raise."""
+
+import pytest
+import torch
+
+import kvserve  # noqa: F401  (registers torch.ops.kvserve)
+from kvserve.testing import reference
+from tests.kernels.capability import CAPABILITIES, check_variant
+
+ops = torch.ops.kvserve
+
+# fp32 GEMMs and accumulation; bf16/fp16 round the gate_up output and the activation once each.
+TOLERANCES = {
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+    torch.float16: dict(atol=4e-3, rtol=4e-3),
+}
+DTYPES = list(TOLERANCES)
+# (hidden, inter, num_experts, k): sizes that are no multiple of a vector, one expert, top-1,
+# and DeepSeek-like many small experts with top-6.
+SHAPES = [(40, 24, 3, 2), (72, 56, 8, 2), (33, 17, 1, 1), (64, 20, 16, 6)]
+TOKENS = [1, 3, 17, 50]  # decode (few tokens per expert) up to prefill (many per expert)
+
+
+def make(tokens, hidden, inter, num_experts, k, dtype, packed=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w13 = [(torch.randn(2 * inter, hidden, generator=g) / hidden ** 0.5).to(dtype)
+           for _ in range(num_experts)]
+    w2 = [(torch.randn(hidden, inter, generator=g) / inter ** 0.5).to(dtype)
+          for _ in range(num_experts)]
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:k] for _ in range(tokens)]
+                      ) if tokens else torch.zeros(0, k, dtype=torch.long)
+    weights = torch.rand(tokens, k, generator=g)
+    args = [x, w13, w2, weights, ids]
+    if packed:
+        args[1] = [ops.linear_prepack(w) if ops.linear_prepack(w) is not None else w for w in w13]
+        args[2] = [ops.linear_prepack(w) if ops.linear_prepack(w) is not None else w for w in w2]
+    return args, reference.fused_moe(x, w13, w2, weights, ids)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("hidden, inter, num_experts, k", SHAPES)
+def test_matches_reference(hidden, inter, num_experts, k, tokens, dtype):
+    args, want = make(tokens, hidden, inter, num_experts, k, dtype)
+    out = ops.fused_moe(*args)
+    assert out.dtype == dtype and out.shape == (tokens, hidden)
+    torch.testing.assert_close(out.double(), want, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_packed_weights(tokens, dtype):
+    args, want = make(tokens, 72, 56, 8, 2, dtype, packed=True)
+    torch.testing.assert_close(ops.fused_moe(*args).double(), want, **TOLERANCES[dtype])
+
+
+def test_strided_hidden_rows():
+    args, want = make(9, 40, 24, 3, 2, torch.float32)
+    wide = torch.cat([args[0], torch.full((9, 5), float("nan"))], dim=1)
+    args[0] = wide[:, :40]
+    torch.testing.assert_close(ops.fused_moe(*args).double(), want, **TOLERANCES[torch.float32])
+
+
+def test_tokens_are_independent_of_the_batch():
+    """A token's output does not depend on the other tokens routed with it (up to the rounding of
+    a GEMM over more rows where its experts see more tokens)."""
+    args, _ = make(17, 72, 56, 8, 2, torch.float32)
+    batched = ops.fused_moe(*args)
+    x, w13, w2, weights, ids = args
+    for t in (0, 5, 16):
+        alone = ops.fused_moe(x[t:t + 1], w13, w2, weights[t:t + 1], ids[t:t + 1])
+        torch.testing.assert_close(alone, batched[t:t + 1], atol=2e-6, rtol=2e-6)
+
+
+def test_no_tokens():
+    args, _ = make(0, 40, 24, 3, 2, torch.float32)
+    assert ops.fused_moe(*args).shape == (0, 40)
+
+
+def test_zero_weight_slots_contribute_nothing():
+    args, _ = make(5, 40, 24, 3, 2, torch.float32)
+    args[3][:, 1] = 0.0
+    one_slot = [args[0], args[1], args[2], args[3][:, :1].contiguous(), args[4][:, :1].contiguous()]
+    torch.testing.assert_close(ops.fused_moe(*args), ops.fused_moe(*one_slot))
+
+
+def bad(**change):
+    args, _ = make(4, 40, 24, 3, 2, torch.float32)
+    x, w13, w2, weights, ids = args
+    values = dict(hidden=x, w13=w13, w2=w2, topk_weights=weights, topk_ids=ids)
+    values.update(change)
+    return list(values.values())
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(topk_ids=torch.tensor([[0, 3]] * 4)), "expert id 3 is outside"),
+    (dict(topk_ids=torch.tensor([[0, -1]] * 4)), "expert id -1 is outside"),
+    (dict(topk_ids=torch.tensor([[0, 1]] * 4, dtype=torch.int32)), "Long"),
+    (dict(topk_weights=torch.rand(4, 2).double()), "Float"),
+    (dict(topk_weights=torch.rand(4, 3)), "must both be"),
+    (dict(w2=[torch.randn(40, 24)] * 2), "one w13 and one w2 per expert"),
+    (dict(w13=[torch.randn(48, 41)] * 3), "must be \\[48, 40\\]"),
+    (dict(w2=[torch.randn(40, 23)] * 3), "must be \\[40, 24\\]"),
+    (dict(w13=[torch.randn(48, 40).double()] * 3), "dtype"),
+    (dict(hidden=torch.randn(4, 40, 1)), "hidden"),
+], ids=["id-too-large", "id-negative", "id-dtype", "weight-dtype", "weight-shape",
+        "expert-count", "w13-shape", "w2-shape", "weight-dtype-mismatch", "hidden-rank"])
+def test_rejects_bad_arguments(change, match):
+    with pytest.raises(RuntimeError, match=match):
+        ops.fused_moe(*bad(**change))
+
+
+# ------------------------------------------------------------------ every CPU capability variant
+
+
+def capability_checks():
+    """A subset of the checks above, run once per CPU capability."""
+    for dtype in DTYPES:
+        for tokens in (1, 17):
+            args, want = make(tokens, 40, 24, 3, 2, dtype)
+            torch.testing.assert_close(ops.fused_moe(*args).double(), want, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("capability", CAPABILITIES)
+def test_cpu_capability_variants(capability, capability_processes):
+    check_variant(capability, capability_processes, capability_checks)
