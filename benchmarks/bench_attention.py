@@ -19,6 +19,14 @@ Other processes' CPU use during each case is recorded (a busy neighbour skews a 
     python benchmarks/bench_attention.py --quick          # few cases, few repeats
     python benchmarks/bench_attention.py --refcheck       # check outputs agree before timing
     python benchmarks/bench_attention.py --threads 1      # one thread (steadier on a shared box)
+    python benchmarks/bench_attention.py --mla            # MLA decode instead (below)
+
+--mla: one layer of DeepSeek-V2-Lite's multi-head latent attention (16 heads, latent 512 + rope
+64, nope 128, v 128) decoding batch 1/8 at contexts 512/2048/4096, three ways over the same
+tokens: absorbed (the engine's decode: q W_UK, paged_attention as MQA over the latent cache,
+then W_UV), expanded (the latents gathered and expanded by kv_b_proj to per-head K/V, then
+paged_attention), and a GQA layer at equal context (the qwen3-0.6b shape: 16 heads, 8 KV heads
+of 128). The table gives each one's KV bytes read per step and its time.
 """
 
 from __future__ import annotations
@@ -105,6 +113,126 @@ class Case:
                                    **TOLERANCES[self.q.dtype])
 
 
+MLA_SHAPE = dict(heads=16, kv_lora_rank=512, rope=64, nope=128, v=128)  # DeepSeek-V2-Lite
+MLA_CASES = [(b, s) for b in (1, 8) for s in (512, 2048, 4096)]
+
+
+class MLACase:
+    """One MLA layer's decode step over a latent paged cache, in both forms, and a GQA layer's
+    decode over a K/V cache of the same context (qwen3-0.6b's 16 / 8 heads of 128)."""
+
+    def __init__(self, dtype, batch, context_len, seed=0):
+        m = MLA_SHAPE
+        H, L, R, N, V = m["heads"], m["kv_lora_rank"], m["rope"], m["nope"], m["v"]
+        g = torch.Generator().manual_seed(seed)
+        blocks_per_seq = -(-context_len // BLOCK_SIZE)
+        num_blocks = 1 + batch * blocks_per_seq
+        order = torch.randperm(num_blocks - 1, generator=g) + 1
+        self.block_tables = order.view(batch, blocks_per_seq).int().contiguous()
+        self.latents = (torch.randn(num_blocks, BLOCK_SIZE, 1, L + R, generator=g) * 0.5).to(dtype)
+        self.query_start_loc = torch.arange(0, batch + 1, dtype=torch.int32)
+        self.seq_lens = torch.full((batch,), context_len, dtype=torch.int32)
+        kv_b = (torch.randn(H * (N + V), L, generator=g) / L ** 0.5).to(dtype)
+        self.w_uk = kv_b.view(H, N + V, L)[:, :N].contiguous()
+        self.w_uv_t = kv_b.view(H, N + V, L)[:, N:].transpose(1, 2).contiguous()
+        packed = torch.ops.kvserve.linear_prepack(kv_b)
+        self.kv_b = packed if packed is not None else kv_b
+        self.q_nope = torch.randn(batch, H, N, generator=g).to(dtype)
+        self.q_rope = torch.randn(batch, H, R, generator=g).to(dtype)
+        self.scale = (N + R) ** -0.5
+        self.gather = self.block_tables.view(-1).long()
+        self.expanded_tables = torch.arange(batch * blocks_per_seq, dtype=torch.int32).view(
+            batch, blocks_per_seq)
+        gqa_heads, gqa_kv, gqa_dim = SHAPES["qwen3-0.6b"]
+        self.gqa_key = torch.randn(num_blocks, BLOCK_SIZE, gqa_kv, gqa_dim, generator=g).to(dtype)
+        self.gqa_value = torch.randn_like(self.gqa_key)
+        self.gqa_query = torch.randn(batch, gqa_heads, gqa_dim, generator=g).to(dtype)
+        elt = torch.tensor([], dtype=dtype).element_size()
+        tokens = batch * context_len
+        self.bytes = dict(absorbed=tokens * (L + R) * elt, expanded=tokens * (L + R) * elt,
+                          gqa=tokens * 2 * gqa_kv * gqa_dim * elt,
+                          mha_equivalent=tokens * H * (N + R + V) * elt)
+        self.dims = (H, L, R, N, V)
+
+    def absorbed(self):
+        H, L, R, N, V = self.dims
+        n = self.q_nope.size(0)
+        query = torch.empty(n, H, L + R, dtype=self.q_nope.dtype)
+        query[..., :L] = torch.bmm(self.q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
+        query[..., L:] = self.q_rope
+        out = torch.empty(n, H, L, dtype=self.q_nope.dtype)
+        torch.ops.kvserve.paged_attention(out, query, self.latents, self.latents,
+                                          self.query_start_loc, self.seq_lens, self.block_tables,
+                                          self.scale, 0, 0.0)
+        return torch.bmm(out.transpose(0, 1), self.w_uv_t).transpose(0, 1)
+
+    def expanded(self):
+        H, L, R, N, V = self.dims
+        blocks = self.latents.index_select(0, self.gather)
+        nb = blocks.size(0)
+        flat = blocks.view(nb * BLOCK_SIZE, L + R)
+        kv = torch.ops.kvserve.linear(flat[:, :L], self.kv_b, None).view(nb, BLOCK_SIZE, H, N + V)
+        keys = torch.empty(nb, BLOCK_SIZE, H, N + R, dtype=kv.dtype)
+        keys[..., :N] = kv[..., :N]
+        keys[..., N:] = flat[:, L:].view(nb, BLOCK_SIZE, 1, R)
+        values = kv[..., N:].contiguous()
+        query = torch.cat([self.q_nope, self.q_rope], dim=-1)
+        out = torch.empty(query.size(0), H, V, dtype=query.dtype)
+        torch.ops.kvserve.paged_attention(out, query, keys, values, self.query_start_loc,
+                                          self.seq_lens, self.expanded_tables, self.scale, 0, 0.0)
+        return out
+
+    def gqa(self):
+        out = torch.empty_like(self.gqa_query)
+        torch.ops.kvserve.paged_attention(out, self.gqa_query, self.gqa_key, self.gqa_value,
+                                          self.query_start_loc, self.seq_lens, self.block_tables,
+                                          self.gqa_query.size(-1) ** -0.5, 0, 0.0)
+        return out
+
+
+def run_mla(args) -> list[dict]:
+    headers = ["dtype", "batch", "context", "form", "KV MiB read", "ms", "GB/s",
+               "vs absorbed"]
+    rows, results = [], []
+    cases = [(1, 2048), (8, 2048)] if args.quick else MLA_CASES
+    for dtype_name in args.dtypes:
+        for batch, context_len in cases:
+            case = MLACase(DTYPES[dtype_name], batch, context_len)
+            if args.refcheck:
+                torch.testing.assert_close(case.absorbed().float(), case.expanded().float(),
+                                           **TOLERANCES[DTYPES[dtype_name]])
+            forms = {"absorbed": case.absorbed, "expanded": case.expanded, "gqa": case.gqa}
+            for fn in forms.values():
+                fn()  # warm up
+            times = {name: [] for name in forms}
+            repeats = args.repeats or (5 if args.quick else 15)
+            contention = CpuContention().start()
+            for i in range(repeats):
+                names = list(forms) if i % 2 == 0 else list(reversed(forms))
+                for name in names:
+                    times[name].append(timed(forms[name]))
+            load = contention.stop()
+            absorbed_ms = median(times["absorbed"]) * 1e3
+            for name in forms:
+                ms = median(times[name]) * 1e3
+                r = dict(dtype=dtype_name, batch=batch, context_len=context_len, form=name,
+                         kv_bytes=case.bytes[name], ms=ms, all_ms=[t * 1e3 for t in times[name]],
+                         mha_equivalent_bytes=case.bytes["mha_equivalent"],
+                         other_cpu_load=load)
+                results.append(r)
+                rows.append([dtype_name, batch, context_len, name, case.bytes[name] / 2**20, ms,
+                             case.bytes[name] / ms / 1e6, ms / absorbed_ms])
+                print(markdown_table(headers, rows[-1:]).splitlines()[-1], flush=True)
+            del case
+    print()
+    print(markdown_table(headers, rows))
+    m = MLA_SHAPE
+    ratio = m["heads"] * (m["nope"] + m["rope"] + m["v"]) / (m["kv_lora_rank"] + m["rope"])
+    print(f"\nplain multi-head K/V of the same model ({m['heads']} heads of K {m['nope'] + m['rope']}"
+          f" + V {m['v']}) would read {ratio:.1f}x the latent cache's bytes per step")
+    return results
+
+
 def timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -144,10 +272,21 @@ def main():
     parser.add_argument("--repeats", type=int, default=None, help="override the repeat count")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads for both (default: torch's, one per usable CPU)")
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "bench_attention.json")
+    parser.add_argument("--mla", action="store_true",
+                        help="MLA decode (absorbed, expanded) against GQA instead")
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.mla:
+        results = run_mla(args)
+        machine = machine_info()
+        path = write_json(args.out or HERE / "results" / "bench_attention_mla.json",
+                          dict(machine=machine, block_size=BLOCK_SIZE, shape=MLA_SHAPE,
+                               results=results))
+        print(f"machine: {machine['cpu']}, {machine['usable_cpus']} usable CPUs, kvserve "
+              f"{machine['kvserve_cpu_capability']}\nwrote {path}")
+        return
 
     cases = QUICK_CASES if args.quick else CASES
     results = []
@@ -180,7 +319,8 @@ def main():
           f"{machine['torch_threads']} torch threads, kvserve {machine['kvserve_cpu_capability']}, "
           f"torch {machine['torch']} ({machine['torch_cpu_capability']})")
     print(f"SDPA: enable_gqa=True (K/V not expanded); refcheck: {args.refcheck}")
-    path = write_json(args.out, dict(machine=machine, block_size=BLOCK_SIZE, gqa="enable_gqa=True",
+    path = write_json(args.out or HERE / "results" / "bench_attention.json",
+                      dict(machine=machine, block_size=BLOCK_SIZE, gqa="enable_gqa=True",
                                      refcheck=args.refcheck, results=results))
     print(f"wrote {path}")
 

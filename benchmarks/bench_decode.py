@@ -48,12 +48,25 @@ MODELS = {
         vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
         num_attention_heads=12, num_key_value_heads=4, head_dim=64, tie_word_embeddings=False,
         max_position_embeddings=4096)),
+    # DeepSeek-V2-Lite's layer shapes (MLA with a 512 + 64 latent, 2 shared + top-6 routed
+    # experts of 1408, a dense first layer of 10944), scaled down to fit a 2-core CPU's run:
+    # 4 of 27 layers, 16 of 64 routed experts, a 32k vocabulary.
+    "deepseek-v2-lite-4l": ("DeepseekV2ForCausalLM", dict(
+        vocab_size=32000, hidden_size=2048, intermediate_size=10944, num_hidden_layers=4,
+        num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=16,
+        num_experts_per_tok=6, moe_intermediate_size=1408, n_shared_experts=2,
+        first_k_dense_replace=1, tie_word_embeddings=False, max_position_embeddings=4096)),
 }
 QUICK = {
     "qwen3-0.6b": dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=32),
     "llama-100m": dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    "deepseek-v2-lite-4l": dict(vocab_size=1024, hidden_size=128, intermediate_size=256,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                kv_lora_rank=64, qk_nope_head_dim=16, qk_rope_head_dim=16,
+                                v_head_dim=16, moe_intermediate_size=64),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -73,17 +86,35 @@ def hf_run(model, ids: torch.Tensor, n: int):
 
 
 def model_costs(cfg: dict, elt: int, weight_bytes: int, prompt_len: int, decode_tokens: int):
-    """Bytes one decode step reads (mean over the run) and the FLOPs of the prefill."""
+    """Bytes one decode step reads (mean over the run) and the FLOPs of the prefill. An MoE
+    token reads only its top-k routed experts (and the shared ones); an MLA layer caches one
+    latent of kv_lora_rank + qk_rope_head_dim per token."""
     h, v, layers = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    hd = cfg.get("head_dim", h // nh)
+    hd = cfg.get("head_dim") or h // nh
     # weight_bytes counts a tied embedding once; an untied one is only gathered from (one row).
     weights_read = weight_bytes - (0 if cfg["tie_word_embeddings"] else v * h * elt)
-    kv_per_token = 2 * layers * nkv * hd * elt
+    experts, k = cfg.get("n_routed_experts", 0), cfg.get("num_experts_per_tok", 0)
+    moe_layers = layers - cfg.get("first_k_dense_replace", 0) if experts else 0
+    expert_params = 3 * h * cfg.get("moe_intermediate_size", 0)
+    weights_read -= moe_layers * (experts - k) * expert_params * elt
+    if "kv_lora_rank" in cfg:
+        lat, rope = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+        nope, vd = cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+        kv_per_token = layers * (lat + rope) * elt
+        attention = (h * nh * (nope + rope) + h * (lat + rope) + lat * nh * (nope + vd)
+                     + nh * vd * h)
+        score_dims = nh * (nope + rope + vd)  # expanded prefill: QK^T over nope + rope, PV over v
+    else:
+        kv_per_token = 2 * layers * nkv * hd * elt
+        attention = h * (nh + 2 * nkv) * hd + nh * hd * h
+        score_dims = 2 * nh * hd
     mean_context = prompt_len + decode_tokens / 2  # decode steps see prompt+1 .. prompt+N-1
-    linear = h * (nh + 2 * nkv) * hd + nh * hd * h + 3 * h * cfg["intermediate_size"]
-    flops = (2 * prompt_len * layers * linear + 2 * h * v  # only the last row gets logits
-             + layers * 2 * nh * hd * prompt_len * (prompt_len + 1))  # causal QK^T and PV
+    dense_mlp = 3 * h * cfg["intermediate_size"]
+    moe_mlp = (k + cfg.get("n_shared_experts", 0)) * expert_params + h * experts
+    mlp = (layers - moe_layers) * dense_mlp + moe_layers * moe_mlp
+    flops = (2 * prompt_len * (layers * attention + mlp) + 2 * h * v  # logits of the last row
+             + layers * score_dims * prompt_len * (prompt_len + 1))  # causal QK^T and PV
     return dict(weights_read_bytes=weights_read, kv_read_bytes=kv_per_token * mean_context,
                 decode_bytes_per_step=weights_read + kv_per_token * mean_context,
                 prefill_flops=flops)

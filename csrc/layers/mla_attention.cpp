@@ -4,6 +4,7 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/linear.h>
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
@@ -157,10 +158,10 @@ MLAAttention::MLAAttention(const ModelConfig& c, int64_t layer, const WeightMap&
   const at::Tensor kv_b = w.get(p + "kv_b_proj.weight");
   TORCH_CHECK(kv_b.dim() == 2 && kv_b.size(0) == H * (N + V) && kv_b.size(1) == L, "layer ",
               layer, ": kv_b_proj must be [", H * (N + V), ", ", L, "], got ", kv_b.sizes());
+  // kv_b_proj held once, split per head into its key and value halves: both forms read them.
   const at::Tensor per_head = kv_b.view({H, N + V, L});
-  w_uk_ = per_head.narrow(1, 0, N).contiguous();                   // [H, N, L]
-  w_uv_t_ = per_head.narrow(1, N, V).transpose(1, 2).contiguous();  // [H, L, V]
-  kv_b_proj_ = Linear(kv_b, at::Tensor());
+  w_uk_ = per_head.narrow(1, 0, N).contiguous();  // [H, N, L]
+  w_uv_ = per_head.narrow(1, N, V).contiguous();  // [H, V, L]
   o_proj_ = Linear(w.get(p + "o_proj.weight"), w.get_optional(p + "o_proj.bias"));
   TORCH_CHECK(o_proj_.in_features() == H * V, "layer ", layer, ": o_proj must read ", H * V,
               " features, got ", o_proj_.in_features());
@@ -221,7 +222,7 @@ at::Tensor MLAAttention::attend_absorbed(const at::Tensor& q_nope, const at::Ten
   ops::paged_attention(latent_out, query, cache, cache, part.query_start_loc, part.seq_lens,
                        part.block_tables, scale_, 0, 0.0);
   // Values: the attended latent through W_UV per head.
-  return at::bmm(latent_out.transpose(0, 1), w_uv_t_).transpose(0, 1).contiguous();
+  return at::bmm(latent_out.transpose(0, 1), w_uv_.transpose(1, 2)).transpose(0, 1).contiguous();
 }
 
 at::Tensor MLAAttention::attend_expanded(const at::Tensor& q_nope, const at::Tensor& q_rope,
@@ -234,11 +235,11 @@ at::Tensor MLAAttention::attend_expanded(const at::Tensor& q_nope, const at::Ten
   const at::Tensor flat = blocks.view({nb * bs, L + R});
   // Every context slot's keys and values (slots past a context hold whatever the block held;
   // attention never reads them).
-  const at::Tensor kv = kv_b_proj_.forward(flat.narrow(1, 0, L)).view({nb, bs, H, N + V});
+  const at::Tensor latent = flat.narrow(1, 0, L);
   at::Tensor keys = at::empty({nb, bs, H, N + R}, q_nope.options());
-  keys.narrow(3, 0, N).copy_(kv.narrow(3, 0, N));
+  keys.narrow(3, 0, N).copy_(at::linear(latent, w_uk_.view({H * N, L})).view({nb, bs, H, N}));
   keys.narrow(3, N, R).copy_(flat.narrow(1, L, R).view({nb, bs, 1, R}).expand({nb, bs, H, R}));
-  const at::Tensor values = kv.narrow(3, N, V).contiguous();
+  const at::Tensor values = at::linear(latent, w_uv_.view({H * V, L})).view({nb, bs, H, V});
   const at::Tensor query = at::cat({q_nope, q_rope}, 2);  // [n, H, N + R]
   at::Tensor out = at::empty({n, H, V}, q_nope.options());
   ops::paged_attention(out, query, keys, values, part.query_start_loc, part.seq_lens,
@@ -248,8 +249,8 @@ at::Tensor MLAAttention::attend_expanded(const at::Tensor& q_nope, const at::Ten
 
 int64_t MLAAttention::weight_bytes() const {
   return q_a_kv_a_proj_.weight_bytes() + q_a_layernorm_.weight_bytes() +
-         q_b_proj_.weight_bytes() + kv_a_layernorm_.weight_bytes() + kv_b_proj_.weight_bytes() +
-         static_cast<int64_t>(w_uk_.nbytes() + w_uv_t_.nbytes()) + o_proj_.weight_bytes();
+         q_b_proj_.weight_bytes() + kv_a_layernorm_.weight_bytes() +
+         static_cast<int64_t>(w_uk_.nbytes() + w_uv_.nbytes()) + o_proj_.weight_bytes();
 }
 
 }  // namespace kvserve

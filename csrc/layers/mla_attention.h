@@ -84,9 +84,10 @@ class MLAAttention {
   RMSNorm q_a_layernorm_;
   Linear q_b_proj_;        // q_a -> q; output rows reordered: every head's nope, then every rope
   RMSNorm kv_a_layernorm_;
-  Linear kv_b_proj_;       // latent -> [H, nope + v] (the expanded form)
-  at::Tensor w_uk_;        // [H, nope, kv_lora_rank]: q_nope -> latent space (absorbed form)
-  at::Tensor w_uv_t_;      // [H, kv_lora_rank, v]: attended latent -> values (absorbed form)
+  // kv_b_proj's halves per head: absorbed, W_UK maps q_nope into latent space and W_UV the
+  // attended latent to values; expanded, they map latents to keys and values.
+  at::Tensor w_uk_;        // [H, nope, kv_lora_rank]
+  at::Tensor w_uv_;        // [H, v, kv_lora_rank]
   Linear o_proj_;
 };
 

@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from kvserve import _C
+from kvserve.config_families import DEEPSEEK_ARCHITECTURES, read_mla, read_moe
 
 # Families that differ from plain Llama only in these ModelConfig flags.
 _QKV_BIAS_ARCHITECTURES = {"Qwen2ForCausalLM"}
 _QK_NORM_ARCHITECTURES = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
-_DEEPSEEK_ARCHITECTURES = {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}
-# Which form MLA attends in (auto: per sequence by cost); tests and benchmarks force one.
-MLA_ATTENTION_ENV = "KVSERVE_MLA_ATTENTION"
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -192,9 +190,9 @@ def _model_config(hf: dict, path: Path) -> _C.ModelConfig:
         raise ValueError(f"{path}: hidden_act {_show(act)} is not supported (only silu)")
     _rope(c, hf, path)
     c.sliding_windows = _sliding_windows(f, c.num_layers)
-    if c.architecture in _DEEPSEEK_ARCHITECTURES:
-        _mla(c, f)
-    _moe(c, f)
+    if c.architecture in DEEPSEEK_ARCHITECTURES:
+        read_mla(c, f)
+    read_moe(c, f)
     try:
         c.validate()  # the C++ side's own checks, a backstop behind the ones above
     except ValueError as e:
@@ -272,92 +270,6 @@ def _rope(c: _C.ModelConfig, hf: dict, path: Path) -> None:
     if partial not in (None, 1, 1.0) or isinstance(partial, bool):
         raise f.error("partial_rotary_factor", f"is {_show(partial)}; only 1 is supported")
     c.rope_scaling = s
-
-
-def _mla(c: _C.ModelConfig, f: _Fields) -> None:
-    """DeepSeek's multi-head latent attention; head_dim becomes the RoPE size, as in
-    transformers."""
-    m = _C.MLAConfig()
-    m.q_lora_rank = f.integer("q_lora_rank", 0, minimum=0)
-    m.kv_lora_rank = f.integer("kv_lora_rank")
-    m.qk_nope_head_dim = f.integer("qk_nope_head_dim")
-    m.qk_rope_head_dim = f.integer("qk_rope_head_dim")
-    m.v_head_dim = f.integer("v_head_dim")
-    if m.qk_rope_head_dim % 2:
-        raise f.error("qk_rope_head_dim", f"is {m.qk_rope_head_dim}; rotary embeddings need it even")
-    # V2 always rotates DeepSeek's interleaved pairs; V3 says so in rope_interleave.
-    m.rope_interleave = (c.architecture == "DeepseekV2ForCausalLM"
-                         or f.flag("rope_interleave", True))
-    path = os.environ.get(MLA_ATTENTION_ENV, "auto")
-    if path not in ("auto", "absorbed", "expanded"):
-        raise ValueError(f"{MLA_ATTENTION_ENV} must be auto, absorbed or expanded, got {path!r}")
-    m.attention_path = path
-    c.mla = m
-    c.head_dim = m.qk_rope_head_dim
-
-
-def _moe(c: _C.ModelConfig, f: _Fields) -> None:
-    """Mixture-of-experts layers: which layers, how many experts, how tokens are routed."""
-    m = _C.MoEConfig()
-    n = c.num_layers
-    if c.architecture in _DEEPSEEK_ARCHITECTURES:
-        m.num_experts = f.integer("n_routed_experts", 0, minimum=0)
-        if m.num_experts == 0:
-            return
-        first_dense = f.integer("first_k_dense_replace", 0, minimum=0)
-        if f.integer("moe_layer_freq", 1) != 1:  # every released checkpoint has 1
-            raise f.error("moe_layer_freq", "must be 1: transformers (the reference) puts an MoE "
-                                            "in every layer from first_k_dense_replace on")
-        layers = [int(i >= first_dense) for i in range(n)]
-        m.shared_intermediate_size = (f.integer("n_shared_experts", 0, minimum=0)
-                                      * f.integer("moe_intermediate_size"))
-        m.routed_scaling_factor = f.number("routed_scaling_factor", 1.0)
-        m.fp32_router = True
-        if c.architecture == "DeepseekV3ForCausalLM":
-            m.scoring_func = "sigmoid"
-            m.norm_topk_prob = f.flag("norm_topk_prob", True)
-            m.n_group = f.integer("n_group", 1)
-            m.topk_group = f.integer("topk_group", 1)
-        else:  # transformers' V2 neither renormalises nor reads norm_topk_prob
-            method = f.values.get("topk_method") or "greedy"
-            if method not in ("greedy", "group_limited_greedy"):
-                raise f.error("topk_method", f"is {_show(method)}; DeepSeek-V2 routes by "
-                                             "'greedy' or 'group_limited_greedy'")
-            if method == "group_limited_greedy":
-                m.n_group = f.integer("n_group")
-                m.topk_group = f.integer("topk_group")
-    elif c.architecture == "MixtralForCausalLM":
-        m.num_experts = f.integer("num_local_experts", 0, minimum=0)
-        if m.num_experts == 0:
-            return
-        layers = [1] * n
-        m.moe_intermediate_size = c.intermediate_size
-        m.norm_topk_prob = True
-    elif c.architecture == "Qwen3MoeForCausalLM":
-        # Hub checkpoints say num_experts; transformers >= 5 writes num_local_experts.
-        key = "num_experts" if f.values.get("num_experts") is not None else "num_local_experts"
-        m.num_experts = f.integer(key, 0, minimum=0)
-        if m.num_experts == 0:
-            return
-        step = f.integer("decoder_sparse_step", 1)
-        dense = f.values.get("mlp_only_layers") or []
-        if not isinstance(dense, list) or any(not isinstance(i, int) for i in dense):
-            raise f.error("mlp_only_layers", f"must be a list of layer indices, got {_show(dense)}")
-        layers = [int(i not in dense and (i + 1) % step == 0) for i in range(n)]
-        m.norm_topk_prob = f.flag("norm_topk_prob", False)
-    else:
-        return
-    if m.moe_intermediate_size == 0:
-        m.moe_intermediate_size = f.integer("moe_intermediate_size")
-    m.num_experts_per_tok = f.integer("num_experts_per_tok")
-    if m.num_experts_per_tok > m.num_experts:
-        raise f.error("num_experts_per_tok", f"({m.num_experts_per_tok}) exceeds the number of "
-                                             f"experts ({m.num_experts})")
-    if m.num_experts % m.n_group or m.topk_group > m.n_group:
-        raise f.error("n_group", f"({m.n_group}) must divide the {m.num_experts} experts and be "
-                                 f">= topk_group ({m.topk_group})")
-    m.layers = layers
-    c.moe = m
 
 
 def _sliding_windows(f: _Fields, num_layers: int) -> list[int]:

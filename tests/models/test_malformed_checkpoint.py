@@ -597,3 +597,31 @@ def test_a_failed_load_breaks_nothing_else(checkpoint_factory, tmp_path):
     expect_error(bad, [WEIGHTS])
     assert greedy(llm) == before                      # the loaded model still serves
     assert greedy(kvserve.LLM(good)) == before        # and a new one loads and agrees
+
+
+@pytest.fixture
+def deepseek(checkpoint_factory, tmp_path):
+    """A damageable copy of the tiny DeepSeek-V2 (MLA + MoE, layer 0 dense)."""
+    return copy(checkpoint_factory("DeepseekV2ForCausalLM"), tmp_path / "deepseek")
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    ({"kv_lora_rank": 0}, "'kv_lora_rank' must be a positive integer"),
+    ({"qk_rope_head_dim": 7}, "'qk_rope_head_dim' is 7; rotary embeddings need it even"),
+    ({"num_experts_per_tok": 9}, "'num_experts_per_tok' (9) exceeds the number of experts (8)"),
+    ({"moe_layer_freq": 2}, "'moe_layer_freq' must be 1"),
+    ({"topk_method": "noaux_tc"}, "'topk_method' is 'noaux_tc'"),
+    ({"topk_method": "group_limited_greedy", "n_group": 3, "topk_group": 1},
+     "'n_group' (3) must divide the 8 experts"),
+    ({"n_routed_experts": "eight"}, "'n_routed_experts' must be"),
+])
+def test_bad_mla_and_moe_fields(deepseek, changes, fragment):
+    edit_config(deepseek, **changes)
+    expect_error(deepseek, ["config.json", fragment])
+
+
+def test_moe_weights_that_disagree_with_the_config(deepseek):
+    """One expert fewer in the config than in the weights: every surplus tensor is named."""
+    edit_config(deepseek, n_routed_experts=4, num_experts_per_tok=2)
+    expect_error(deepseek, ["model.layers.1.mlp.gate.weight", "shape [8, 96]",
+                            "num_experts=4"])
