@@ -132,11 +132,10 @@ class MLACase:
         self.latents = (torch.randn(num_blocks, BLOCK_SIZE, 1, L + R, generator=g) * 0.5).to(dtype)
         self.query_start_loc = torch.arange(0, batch + 1, dtype=torch.int32)
         self.seq_lens = torch.full((batch,), context_len, dtype=torch.int32)
-        kv_b = (torch.randn(H * (N + V), L, generator=g) / L ** 0.5).to(dtype)
+        # As the engine holds them: kv_b_proj's per-head halves in fp32 (see MLAAttention).
+        kv_b = torch.randn(H * (N + V), L, generator=g) / L ** 0.5
         self.w_uk = kv_b.view(H, N + V, L)[:, :N].contiguous()
-        self.w_uv_t = kv_b.view(H, N + V, L)[:, N:].transpose(1, 2).contiguous()
-        packed = torch.ops.kvserve.linear_prepack(kv_b)
-        self.kv_b = packed if packed is not None else kv_b
+        self.w_uv = kv_b.view(H, N + V, L)[:, N:].contiguous()
         self.q_nope = torch.randn(batch, H, N, generator=g).to(dtype)
         self.q_rope = torch.randn(batch, H, R, generator=g).to(dtype)
         self.scale = (N + R) ** -0.5
@@ -158,24 +157,26 @@ class MLACase:
         H, L, R, N, V = self.dims
         n = self.q_nope.size(0)
         query = torch.empty(n, H, L + R, dtype=self.q_nope.dtype)
-        query[..., :L] = torch.bmm(self.q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
+        query[..., :L] = torch.bmm(self.q_nope.transpose(0, 1).float(), self.w_uk).transpose(0, 1)
         query[..., L:] = self.q_rope
         out = torch.empty(n, H, L, dtype=self.q_nope.dtype)
         torch.ops.kvserve.paged_attention(out, query, self.latents, self.latents,
                                           self.query_start_loc, self.seq_lens, self.block_tables,
                                           self.scale, 0, 0.0)
-        return torch.bmm(out.transpose(0, 1), self.w_uv_t).transpose(0, 1)
+        return torch.bmm(out.transpose(0, 1).float(), self.w_uv.transpose(1, 2)).transpose(
+            0, 1).to(out.dtype)
 
     def expanded(self):
         H, L, R, N, V = self.dims
         blocks = self.latents.index_select(0, self.gather)
         nb = blocks.size(0)
         flat = blocks.view(nb * BLOCK_SIZE, L + R)
-        kv = torch.ops.kvserve.linear(flat[:, :L], self.kv_b, None).view(nb, BLOCK_SIZE, H, N + V)
-        keys = torch.empty(nb, BLOCK_SIZE, H, N + R, dtype=kv.dtype)
-        keys[..., :N] = kv[..., :N]
+        latent = flat[:, :L].float()
+        keys = torch.empty(nb, BLOCK_SIZE, H, N + R, dtype=flat.dtype)
+        keys[..., :N] = F.linear(latent, self.w_uk.view(H * N, L)).view(nb, BLOCK_SIZE, H, N)
         keys[..., N:] = flat[:, L:].view(nb, BLOCK_SIZE, 1, R)
-        values = kv[..., N:].contiguous()
+        values = F.linear(latent, self.w_uv.view(H * V, L)).to(flat.dtype).view(
+            nb, BLOCK_SIZE, H, V)
         query = torch.cat([self.q_nope, self.q_rope], dim=-1)
         out = torch.empty(query.size(0), H, V, dtype=query.dtype)
         torch.ops.kvserve.paged_attention(out, query, keys, values, self.query_start_loc,

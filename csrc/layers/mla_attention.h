@@ -86,8 +86,8 @@ class MLAAttention {
   RMSNorm kv_a_layernorm_;
   // kv_b_proj's halves per head: absorbed, W_UK maps q_nope into latent space and W_UV the
   // attended latent to values; expanded, they map latents to keys and values.
-  at::Tensor w_uk_;        // [H, nope, kv_lora_rank]
-  at::Tensor w_uv_;        // [H, v, kv_lora_rank]
+  at::Tensor w_uk_;        // fp32 [H, nope, kv_lora_rank]
+  at::Tensor w_uv_;        // fp32 [H, v, kv_lora_rank]
   Linear o_proj_;
 };
 
