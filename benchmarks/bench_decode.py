@@ -127,7 +127,8 @@ def bench_one(name, dtype, args):
     cfg = {**COMMON, **cfg, **(QUICK[name] if args.quick else {})}
     path = cached_checkpoint(args.cache_dir, name + ("-tiny" if args.quick else ""), arch, cfg, dtype)
     P, N = args.prompt_len, args.decode_tokens
-    llm = kvserve.LLM(path, dtype=dtype, max_model_len=P + N)
+    # No prefix caching: every repeat prefills the same prompt, which must be computed each time.
+    llm = kvserve.LLM(path, dtype=dtype, max_model_len=P + N, enable_prefix_caching=False)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
     prompt = torch.randint(3, cfg["vocab_size"], (P,), generator=torch.Generator().manual_seed(0))
     ids = prompt.view(1, -1)

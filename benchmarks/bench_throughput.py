@@ -35,10 +35,17 @@ LLAMA_100M = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num
 
 
 def model_dir(name: str, dtype: str) -> Path:
+    """The shipped target, the ~100M Llama, one of bench_decode.py's random models (e.g.
+    deepseek-v2-lite-4l, the same checkpoint), or a directory."""
+    from bench_decode import COMMON, MODELS
+
     if name == "target":
         return REPO / "models" / "shakespeare-target"
     if name == "llama-100m":
         return cached_checkpoint(HERE / ".cache", name, "LlamaForCausalLM", LLAMA_100M, dtype)
+    if name in MODELS:
+        arch, config = MODELS[name]
+        return cached_checkpoint(HERE / ".cache", name, arch, {**COMMON, **config}, dtype)
     return Path(name)
 
 
