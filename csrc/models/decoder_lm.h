@@ -1,0 +1,133 @@
+#pragma once
+// What the pre-norm decoder families share: the token embedding (or the rows of a tied, packed LM
+// head), the residual stream through each layer's two RMSNorms, attention and MLP, the final norm
+// and the LM head. A family supplies its attention layer type and builds its layers.
+
+#include <ATen/ops/embedding.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvserve/causal_lm.h"
+#include "layers/feed_forward.h"
+#include "layers/linear.h"
+#include "layers/mlp.h"
+#include "layers/moe.h"
+#include "layers/norm.h"
+#include "layers/weights.h"
+
+namespace kvserve {
+
+/// embed -> L x (norm, attention, residual, norm, MLP, residual) -> norm. Weights (loader names):
+/// embed_tokens.weight [vocab, hidden], norm.weight, lm_head.weight unless tied, and per layer
+/// input_layernorm.weight, post_attention_layernorm.weight, the attention's and the MLP's
+/// (GatedMLP under layers.<i>.mlp., or SparseMoE on the config's MoE layers).
+template <typename AttentionLayer>
+class DecoderLM : public CausalLM {
+ public:
+  at::Tensor compute_logits(const at::Tensor& hidden) override {
+    return lm_head_.forward(hidden).to(at::kFloat);
+  }
+  const ModelConfig& config() const override { return config_; }
+  at::ScalarType dtype() const override { return dtype_; }
+  at::Device device() const override { return device_; }
+
+  int64_t weight_bytes() const override {
+    // A tied LM head shares the embedding matrix (or holds it alone, packed).
+    int64_t bytes = norm_.weight_bytes() + lm_head_.weight_bytes();
+    if (!config_.tie_word_embeddings) bytes += embed_tokens_.nbytes();
+    for (const Layer& layer : layers_) {
+      bytes += layer.input_layernorm.weight_bytes() + layer.self_attn->weight_bytes() +
+               layer.post_attention_layernorm.weight_bytes() + layer.mlp->weight_bytes();
+    }
+    return bytes;
+  }
+
+ protected:
+  struct Layer {
+    RMSNorm input_layernorm;
+    std::unique_ptr<AttentionLayer> self_attn;
+    RMSNorm post_attention_layernorm;
+    std::unique_ptr<FeedForward> mlp;
+  };
+
+  /// Reads the embedding; the family's constructor then adds its layers with add_layer() and
+  /// calls finish(). Throws std::invalid_argument on a missing weight or inconsistent config.
+  DecoderLM(const ModelConfig& config, const WeightMap& w)
+      : config_(config),
+        embed_tokens_(w.get("embed_tokens.weight")),
+        dtype_(embed_tokens_.scalar_type()),
+        device_(embed_tokens_.device()) {
+    config_.validate();
+    TORCH_CHECK(embed_tokens_.dim() == 2 && embed_tokens_.size(0) == config_.vocab_size &&
+                    embed_tokens_.size(1) == config_.hidden_size,
+                "embed_tokens.weight must be [", config_.vocab_size, ", ", config_.hidden_size,
+                "], got ", embed_tokens_.sizes());
+    layers_.reserve(config_.num_layers);
+  }
+
+  /// Layer `i` with this attention: its norms and its MLP (dense or MoE) from the weights.
+  void add_layer(int64_t i, std::unique_ptr<AttentionLayer> attention, const WeightMap& w) {
+    const std::string p = "layers." + std::to_string(i) + ".";
+    Layer layer;
+    layer.input_layernorm = RMSNorm(w.get(p + "input_layernorm.weight"), config_.rms_norm_eps);
+    layer.self_attn = std::move(attention);
+    layer.post_attention_layernorm =
+        RMSNorm(w.get(p + "post_attention_layernorm.weight"), config_.rms_norm_eps);
+    if (config_.is_moe_layer(i)) {
+      layer.mlp = std::make_unique<SparseMoE>(config_.moe, p + "mlp.", w);
+    } else {
+      layer.mlp = std::make_unique<GatedMLP>(p + "mlp.", w);
+    }
+    layers_.push_back(std::move(layer));
+  }
+
+  /// The final norm and the LM head, after the layers.
+  void finish(const WeightMap& w) {
+    norm_ = RMSNorm(w.get("norm.weight"), config_.rms_norm_eps);
+    lm_head_ = Linear(config_.tie_word_embeddings ? embed_tokens_ : w.get("lm_head.weight"),
+                      at::Tensor());
+    // A tied embedding reads its rows from the LM head's (packed) weight: one copy of the matrix.
+    if (config_.tie_word_embeddings && lm_head_.packed()) embed_tokens_ = at::Tensor();
+  }
+
+  /// The residual stream over input_ids [T]: attend(i, normed hidden [T, hidden]) runs layer i's
+  /// attention. Returns the final-norm hidden states [T, hidden].
+  template <typename Attend>
+  at::Tensor run_layers(const at::Tensor& input_ids, const at::Tensor& positions,
+                        const std::vector<LayerKVCache>& kv_caches, Attend&& attend) const {
+    TORCH_CHECK(kv_caches.size() == layers_.size(), "forward: got ", kv_caches.size(),
+                " KV caches for ", layers_.size(), " layers");
+    TORCH_CHECK(input_ids.dim() == 1 && positions.sizes() == input_ids.sizes(),
+                "forward: input_ids and positions must both be [T]");
+    at::Tensor hidden = embed_tokens_.defined() ? at::embedding(embed_tokens_, input_ids)
+                                                : lm_head_.rows(input_ids);  // [T, hidden]
+    if (layers_.empty()) return norm_.forward(hidden);
+    at::Tensor residual;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& layer = layers_[i];
+      if (i == 0) {
+        residual = hidden;
+        hidden = layer.input_layernorm.forward(residual);
+      } else {
+        layer.input_layernorm.forward_fused(hidden, residual);
+      }
+      hidden = attend(i, *layer.self_attn, hidden);
+      layer.post_attention_layernorm.forward_fused(hidden, residual);
+      hidden = layer.mlp->forward(hidden);
+    }
+    norm_.forward_fused(hidden, residual);
+    return hidden;
+  }
+
+  ModelConfig config_;
+  at::Tensor embed_tokens_;  // [vocab, hidden]; undefined when tied to a packed lm_head_
+  at::ScalarType dtype_;
+  at::Device device_;
+  std::vector<Layer> layers_;
+  RMSNorm norm_;
+  Linear lm_head_;
+};
+
+}  // namespace kvserve
