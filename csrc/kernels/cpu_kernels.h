@@ -46,6 +46,25 @@ using MoECombineFn = void (*)(c10::ScalarType dtype, const void* expert_out, con
                               void* out, int64_t num_tokens, int64_t k, int64_t hidden);
 KVSERVE_CPU_STUB(moe_combine_stub, MoECombineFn);
 
+/// One moe_routing call (contract: kernels/moe/moe_routing.h): logits [num_tokens, num_experts]
+/// of `dtype` with row stride logits_stride; bias fp32 [num_experts] or null; writes weights fp32
+/// and ids int64, both [num_tokens, top_k] contiguous.
+struct MoERoutingArgs {
+  c10::ScalarType dtype;
+  const void* logits;
+  int64_t logits_stride;
+  const float* bias;
+  int64_t num_tokens, num_experts, top_k;
+  bool sigmoid;  // sigmoid scores (groups rank by their best two); else softmax (by their best)
+  int64_t n_group, topk_group;
+  bool renormalize;
+  float routed_scaling_factor;
+  float* weights;
+  int64_t* ids;
+};
+using MoERoutingFn = void (*)(const MoERoutingArgs& args);
+KVSERVE_CPU_STUB(moe_routing_stub, MoERoutingFn);
+
 /// Geometry of one paged_attention call; see kernels/attention/paged_attention.h for the contract.
 struct PagedAttentionArgs {
   c10::ScalarType dtype;

@@ -9,6 +9,7 @@
 #include "kernels/cache/kv_cache_write.h"
 #include "kernels/linear/linear.h"
 #include "kernels/moe/fused_moe.h"
+#include "kernels/moe/moe_routing.h"
 #include "kernels/norm/rms_norm.h"
 #include "kernels/rotary/rotary_embedding.h"
 #include "kernels/sampling/rejection_sampling.h"
@@ -37,6 +38,10 @@ TORCH_LIBRARY(kvserve, m) {
   m.def(
       "fused_moe(Tensor hidden, Tensor[] w13, Tensor[] w2, Tensor topk_weights, "
       "Tensor topk_ids) -> Tensor");
+  m.def(
+      "moe_routing(Tensor router_logits, Tensor? correction_bias, int top_k, str scoring_func, "
+      "int n_group, int topk_group, bool renormalize, float routed_scaling_factor) "
+      "-> (Tensor, Tensor)");
   m.def(
       "sampling_filter_logits(Tensor! logits, Tensor temperature, Tensor top_k, Tensor top_p, "
       "Tensor min_p) -> ()");
@@ -142,6 +147,18 @@ at::Tensor fused_moe(const at::Tensor& hidden, at::TensorList w13, at::TensorLis
       handle<at::Tensor(const at::Tensor&, at::TensorList, at::TensorList, const at::Tensor&,
                         const at::Tensor&)>("kvserve::fused_moe");
   return op.call(hidden, w13, w2, topk_weights, topk_ids);
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_routing(const at::Tensor& router_logits,
+                                               const std::optional<at::Tensor>& correction_bias,
+                                               int64_t top_k, std::string_view scoring_func,
+                                               int64_t n_group, int64_t topk_group,
+                                               bool renormalize, double routed_scaling_factor) {
+  static const auto op = handle<std::tuple<at::Tensor, at::Tensor>(
+      const at::Tensor&, const std::optional<at::Tensor>&, int64_t, c10::string_view, int64_t,
+      int64_t, bool, double)>("kvserve::moe_routing");
+  return op.call(router_logits, correction_bias, top_k, scoring_func, n_group, topk_group,
+                 renormalize, routed_scaling_factor);
 }
 
 void sampling_filter_logits(at::Tensor& logits, const at::Tensor& temperature,

@@ -34,6 +34,10 @@ class SparseMoE : public FeedForward {
   std::pair<at::Tensor, at::Tensor> route(const at::Tensor& x) const;
 
  private:
+  /// The routing from the router's logits [T, num_experts] (ops::moe_routing with the config's
+  /// scoring, grouping and scaling); throws c10::Error when the config cannot route.
+  std::pair<at::Tensor, at::Tensor> route_logits(const at::Tensor& logits) const;
+
   MoEConfig config_;
   at::Tensor router_;          // [num_experts, hidden], fp32 when config.fp32_router
   at::Tensor score_bias_;      // fp32 [num_experts], sigmoid scoring only

@@ -97,5 +97,12 @@ def read_moe(c: _C.ModelConfig, f) -> None:
     if m.num_experts % m.n_group or m.topk_group > m.n_group:
         raise f.error("n_group", f"({m.n_group}) must divide the {m.num_experts} experts and be "
                                  f">= topk_group ({m.topk_group})")
+    per_group = m.num_experts // m.n_group
+    if m.num_experts_per_tok > m.topk_group * per_group:
+        raise f.error("topk_group", f"({m.topk_group}) groups of {per_group} experts leave fewer "
+                                    f"than num_experts_per_tok ({m.num_experts_per_tok}) to choose")
+    if m.scoring_func == "sigmoid" and m.n_group > 1 and per_group < 2:
+        raise f.error("n_group", f"({m.n_group}) leaves one expert per group; DeepSeek-V3 ranks a "
+                                 "group by its best two")
     m.layers = layers
     c.moe = m

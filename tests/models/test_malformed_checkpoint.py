@@ -613,6 +613,11 @@ def deepseek(checkpoint_factory, tmp_path):
     ({"topk_method": "noaux_tc"}, "'topk_method' is 'noaux_tc'"),
     ({"topk_method": "group_limited_greedy", "n_group": 3, "topk_group": 1},
      "'n_group' (3) must divide the 8 experts"),
+    ({"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 1,
+      "num_experts_per_tok": 3},
+     "'topk_group' (1) groups of 2 experts leave fewer than num_experts_per_tok (3)"),
+    ({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "n_group": 8,
+      "topk_group": 2}, "'n_group' (8) leaves one expert per group"),
     ({"n_routed_experts": "eight"}, "'n_routed_experts' must be"),
 ])
 def test_bad_mla_and_moe_fields(deepseek, changes, fragment):

@@ -236,6 +236,35 @@ def fused_moe(hidden: torch.Tensor, w13: list[torch.Tensor], w2: list[torch.Tens
     return out
 
 
+def moe_routing(router_logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int,
+                scoring_func: str, n_group: int, topk_group: int, renormalize: bool,
+                routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router as transformers writes it (Mixtral / Qwen3-MoE softmax top-k; DeepSeek-V2
+    group-limited greedy: groups rank by their best score; DeepSeek-V3: sigmoid scores plus a
+    correction bias choose, groups rank by their best two, the plain scores weigh), with ties
+    settled by the lower id: stable sorts instead of torch.topk. Returns (fp32 weights, int64 ids)
+    [T, top_k], best first."""
+    logits = router_logits.float()
+    scores = logits.sigmoid() if scoring_func == "sigmoid" else logits.softmax(-1)
+    choice = scores if correction_bias is None else scores + correction_bias
+    tokens, experts = choice.shape
+    if n_group > 1:
+        grouped = choice.view(tokens, n_group, experts // n_group)
+        ranked = torch.sort(grouped, dim=-1, descending=True, stable=True).values
+        group_scores = ranked[..., :2].sum(-1) if scoring_func == "sigmoid" else ranked[..., 0]
+        order = torch.sort(group_scores, dim=-1, descending=True, stable=True).indices
+        best = order[:, :topk_group]
+        keep = torch.zeros(tokens, n_group, dtype=torch.bool)
+        keep.scatter_(1, best, True)
+        keep = keep[:, :, None].expand(grouped.shape).reshape(tokens, experts)
+        choice = choice.masked_fill(~keep, -math.inf)
+    ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
 # -------------------------------------------------------------------------------------- sampling
 
 
