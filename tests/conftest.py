@@ -11,7 +11,7 @@ import torch
 
 ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                  "MixtralForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM",
-                 "DeepseekV3ForCausalLM"]
+                 "DeepseekV3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"]
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -26,6 +26,12 @@ void ModelConfig::validate() const {
   require(rope_theta > 0, "rope_theta must be positive");
   require(sliding_windows.empty() || static_cast<int64_t>(sliding_windows.size()) == num_layers,
           "sliding_windows must have one entry per layer");
+  require(hidden_act == "silu" || hidden_act == "gelu_pytorch_tanh",
+          "hidden_act must be silu or gelu_pytorch_tanh, got " + hidden_act);
+  require(rope_local_theta >= 0 && query_pre_attn_scalar >= 0 && attn_logit_softcap >= 0 &&
+              final_logit_softcap >= 0 && embedding_multiplier > 0,
+          "rope_local_theta, query_pre_attn_scalar and the soft-caps must be >= 0, "
+          "embedding_multiplier positive");
   if (use_mla()) {
     require(mla.q_lora_rank >= 0 && mla.qk_nope_head_dim > 0 && mla.v_head_dim > 0,
             "q_lora_rank must be >= 0, qk_nope_head_dim and v_head_dim positive");

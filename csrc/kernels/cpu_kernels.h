@@ -12,22 +12,25 @@
 namespace kvserve::cpu {
 
 /// out[r] = input[r] * rsqrt(mean(input[r]^2) + eps) * weight, fp32 accumulation.
-/// input/out [rows, hidden] with row strides; weight [hidden]; all of `dtype`.
+/// input/out [rows, hidden] with row strides, of `dtype`; weight [hidden], of `dtype` or fp32.
 using RmsNormFn = void (*)(c10::ScalarType dtype, void* out, int64_t out_stride, const void* input,
-                           int64_t input_stride, const void* weight, int64_t rows, int64_t hidden,
-                           float eps);
+                           int64_t input_stride, const void* weight, bool fp32_weight,
+                           int64_t rows, int64_t hidden, float eps);
 KVSERVE_CPU_STUB(rms_norm_stub, RmsNormFn);
 
 /// residual[r] += input[r] (rounded to dtype); input[r] = rms_norm(residual[r]) * weight.
 using FusedAddRmsNormFn = void (*)(c10::ScalarType dtype, void* input, int64_t input_stride,
                                    void* residual, int64_t residual_stride, const void* weight,
-                                   int64_t rows, int64_t hidden, float eps);
+                                   bool fp32_weight, int64_t rows, int64_t hidden, float eps);
 KVSERVE_CPU_STUB(fused_add_rms_norm_stub, FusedAddRmsNormFn);
 
 /// out[t, i] = silu(input[t, i]) * input[t, d + i] for i < d; input [T, 2d], out [T, d].
 using SiluAndMulFn = void (*)(c10::ScalarType dtype, void* out, int64_t out_stride, const void* input,
                               int64_t input_stride, int64_t num_tokens, int64_t d);
 KVSERVE_CPU_STUB(silu_and_mul_stub, SiluAndMulFn);
+
+/// out[t, i] = gelu_tanh(input[t, i]) * input[t, d + i] for i < d; same layout as silu_and_mul.
+KVSERVE_CPU_STUB(gelu_tanh_and_mul_stub, SiluAndMulFn);
 
 /// Rotates query [T, num_heads, head_dim] and key [T, num_kv_heads, head_dim] in place
 /// (rows strided by query_stride/key_stride, heads contiguous) with cos_sin_cache

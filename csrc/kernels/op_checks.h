@@ -29,4 +29,16 @@ inline void check_contiguous(const char* op, const char* name, const at::Tensor&
   TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
 }
 
+/// Checks the arguments of a gated activation (silu_and_mul, gelu_tanh_and_mul): input [T, 2d]
+/// and out [T, d], one dtype, rows contiguous.
+inline void check_gated_activation(const char* op, const at::Tensor& out, const at::Tensor& input) {
+  check_rows(op, "input", input, 2);
+  check_rows(op, "out", out, 2);
+  check_like(op, "out", out, input);
+  TORCH_CHECK(input.size(1) % 2 == 0 && out.size(0) == input.size(0) &&
+                  out.size(1) == input.size(1) / 2,
+              op, ": expected input [T, 2d] and out [T, d], got ", input.sizes(), " and ",
+              out.sizes());
+}
+
 }  // namespace kvserve::ops

@@ -3,6 +3,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include "kernels/activation/gelu_tanh_and_mul.h"
 #include "kernels/activation/silu_and_mul.h"
 #include "kernels/attention/paged_attention.h"
 #include "kernels/cache/kv_cache_copy_blocks.h"
@@ -19,6 +20,7 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("rms_norm(Tensor! out, Tensor input, Tensor weight, float epsilon) -> ()");
   m.def("fused_add_rms_norm(Tensor! input, Tensor! residual, Tensor weight, float epsilon) -> ()");
   m.def("silu_and_mul(Tensor! out, Tensor input) -> ()");
+  m.def("gelu_tanh_and_mul(Tensor! out, Tensor input) -> ()");
   m.def("linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("linear_prepack(Tensor weight) -> Tensor");
   m.def("linear_gather_rows(Tensor weight, Tensor ids) -> Tensor");
@@ -85,6 +87,12 @@ void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tenso
 
 void silu_and_mul(at::Tensor& out, const at::Tensor& input) {
   static const auto op = handle<void(at::Tensor&, const at::Tensor&)>("kvserve::silu_and_mul");
+  op.call(out, input);
+}
+
+void gelu_tanh_and_mul(at::Tensor& out, const at::Tensor& input) {
+  static const auto op =
+      handle<void(at::Tensor&, const at::Tensor&)>("kvserve::gelu_tanh_and_mul");
   op.call(out, input);
 }
 

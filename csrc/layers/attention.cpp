@@ -16,13 +16,15 @@ Attention::Attention(const ModelConfig& c, int64_t layer, const WeightMap& w,
       num_kv_heads_(c.num_kv_heads),
       head_dim_(c.head_dim),
       sliding_window_(c.sliding_windows.empty() ? 0 : c.sliding_windows.at(layer)),
-      scale_(1.0 / std::sqrt(static_cast<double>(c.head_dim))) {
+      scale_(1.0 / std::sqrt(c.query_pre_attn_scalar > 0 ? c.query_pre_attn_scalar
+                                                        : static_cast<double>(c.head_dim))),
+      logit_softcap_(c.attn_logit_softcap) {
   const std::string p = "layers." + std::to_string(layer) + ".self_attn.";
   qkv_proj_ = Linear(w.get(p + "qkv_proj.weight"), w.get_optional(p + "qkv_proj.bias"));
   o_proj_ = Linear(w.get(p + "o_proj.weight"), w.get_optional(p + "o_proj.bias"));
   if (c.qk_norm) {
-    q_norm_ = RMSNorm(w.get(p + "q_norm.weight"), c.rms_norm_eps);
-    k_norm_ = RMSNorm(w.get(p + "k_norm.weight"), c.rms_norm_eps);
+    q_norm_ = RMSNorm(w.get(p + "q_norm.weight"), c.rms_norm_eps, c.norm_weight_offset);
+    k_norm_ = RMSNorm(w.get(p + "k_norm.weight"), c.rms_norm_eps, c.norm_weight_offset);
   }
   TORCH_CHECK(qkv_proj_.out_features() == (num_heads_ + 2 * num_kv_heads_) * head_dim_,
               "layer ", layer, ": qkv_proj has ", qkv_proj_.out_features(), " outputs, expected ",
@@ -51,7 +53,7 @@ at::Tensor Attention::forward(const at::Tensor& positions, const at::Tensor& hid
   at::Tensor out = at::empty({num_tokens, num_heads_, head_dim_}, hidden.options());
   ops::paged_attention(out, q.view({num_tokens, num_heads_, head_dim_}), key_cache, value_cache,
                        m.query_start_loc, m.seq_lens, m.block_tables, scale_, sliding_window_,
-                       0.0);
+                       logit_softcap_);
   return o_proj_.forward(out.view({num_tokens, q_width}));
 }
 

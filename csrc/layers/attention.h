@@ -1,6 +1,6 @@
 #pragma once
 // Self-attention block of the Llama family: fused qkv projection, optional per-head q/k norm,
-// RoPE, cache write, paged attention, output projection.
+// RoPE, cache write, paged attention (sliding window, soft-capped scores), output projection.
 
 #include <ATen/core/Tensor.h>
 
@@ -35,6 +35,7 @@ class Attention {
   const RotaryEmbedding* rotary_;
   int64_t num_heads_, num_kv_heads_, head_dim_, sliding_window_;
   double scale_;
+  double logit_softcap_;
 };
 
 }  // namespace kvserve

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "kernels/activation/gelu_tanh_and_mul.h"
 #include "kernels/activation/silu_and_mul.h"
 
 namespace kvserve {
@@ -16,9 +17,15 @@ constexpr int64_t kChunkBytes = 16 << 20;
 
 }  // namespace
 
-GatedMLP::GatedMLP(const std::string& p, const WeightMap& w)
+GatedMLP::GatedMLP(const std::string& p, const WeightMap& w, const std::string& hidden_act)
     : gate_up_proj_(w.get(p + "gate_up_proj.weight"), w.get_optional(p + "gate_up_proj.bias")),
-      down_proj_(w.get(p + "down_proj.weight"), w.get_optional(p + "down_proj.bias")) {}
+      down_proj_(w.get(p + "down_proj.weight"), w.get_optional(p + "down_proj.bias")),
+      gelu_(hidden_act == "gelu_pytorch_tanh") {
+  if (!gelu_ && hidden_act != "silu") {
+    throw std::invalid_argument("GatedMLP: hidden_act must be silu or gelu_pytorch_tanh, got " +
+                                hidden_act);
+  }
+}
 
 at::Tensor GatedMLP::forward(const at::Tensor& x) const {
   const int64_t tokens = x.size(0);
@@ -36,7 +43,11 @@ at::Tensor GatedMLP::forward(const at::Tensor& x) const {
 at::Tensor GatedMLP::forward_chunk(const at::Tensor& x) const {
   at::Tensor gate_up = gate_up_proj_.forward(x);
   at::Tensor act = at::empty({x.size(0), gate_up.size(1) / 2}, x.options());
-  ops::silu_and_mul(act, gate_up);
+  if (gelu_) {
+    ops::gelu_tanh_and_mul(act, gate_up);
+  } else {
+    ops::silu_and_mul(act, gate_up);
+  }
   return down_proj_.forward(act);
 }
 

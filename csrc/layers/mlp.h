@@ -1,9 +1,11 @@
 #pragma once
-// Gated MLP of the Llama family: down(silu(gate(x)) * up(x)) with gate and up fused.
+// Gated MLP of the Llama family: down(act(gate(x)) * up(x)) with gate and up fused; act is SiLU
+// (SwiGLU) or tanh-approximated GELU (GeGLU, Gemma).
 
 #include <ATen/core/Tensor.h>
 
 #include <string>
+#include <stdexcept>
 
 #include "layers/feed_forward.h"
 #include "layers/linear.h"
@@ -15,7 +17,9 @@ namespace kvserve {
 /// `<prefix>down_proj.weight` [hidden, intermediate], optional biases.
 class GatedMLP : public FeedForward {
  public:
-  GatedMLP(const std::string& prefix, const WeightMap& weights);
+  /// hidden_act: "silu" or "gelu_pytorch_tanh"; throws std::invalid_argument otherwise.
+  GatedMLP(const std::string& prefix, const WeightMap& weights,
+           const std::string& hidden_act = "silu");
 
   /// x [T, hidden] -> [T, hidden].
   at::Tensor forward(const at::Tensor& x) const override;
@@ -29,6 +33,7 @@ class GatedMLP : public FeedForward {
 
   Linear gate_up_proj_;
   Linear down_proj_;
+  bool gelu_ = false;  // GeGLU instead of SwiGLU
 };
 
 }  // namespace kvserve

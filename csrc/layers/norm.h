@@ -2,6 +2,7 @@
 // RMSNorm layer over the rms_norm ops.
 
 #include <ATen/core/Tensor.h>
+#include <ATen/TensorOperators.h>
 #include <ATen/ops/empty_like.h>
 
 #include "kernels/norm/rms_norm.h"
@@ -12,8 +13,11 @@ namespace kvserve {
 class RMSNorm {
  public:
   RMSNorm() = default;
-  /// weight [hidden]
-  RMSNorm(at::Tensor weight, double eps) : weight_(weight.contiguous()), eps_(eps) {}
+  /// weight [hidden]. A nonzero offset scales by offset + weight, held in fp32 (Gemma's 1 + w,
+  /// applied in fp32 before the output is rounded to the dtype).
+  RMSNorm(const at::Tensor& weight, double eps, double offset = 0.0)
+      : weight_(offset == 0.0 ? weight.contiguous() : (weight.to(at::kFloat) + offset).contiguous()),
+        eps_(eps) {}
 
   /// x [N, hidden] -> new tensor [N, hidden].
   at::Tensor forward(const at::Tensor& x) const {

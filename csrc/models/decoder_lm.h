@@ -1,9 +1,11 @@
 #pragma once
 // What the pre-norm decoder families share: the token embedding (or the rows of a tied, packed LM
-// head), the residual stream through each layer's two RMSNorms, attention and MLP, the final norm
-// and the LM head. A family supplies its attention layer type and builds its layers.
+// head), the residual stream through each layer's RMSNorms (two, or four with Gemma's sandwich
+// norms), attention and MLP, the final norm and the LM head. A family supplies its attention
+// layer type and builds its layers.
 
 #include <ATen/ops/embedding.h>
+#include <ATen/ops/scalar_tensor.h>
 
 #include <memory>
 #include <string>
@@ -22,12 +24,20 @@ namespace kvserve {
 /// embed -> L x (norm, attention, residual, norm, MLP, residual) -> norm. Weights (loader names):
 /// embed_tokens.weight [vocab, hidden], norm.weight, lm_head.weight unless tied, and per layer
 /// input_layernorm.weight, post_attention_layernorm.weight, the attention's and the MLP's
-/// (GatedMLP under layers.<i>.mlp., or SparseMoE on the config's MoE layers).
+/// (GatedMLP under layers.<i>.mlp., or SparseMoE on the config's MoE layers). With the config's
+/// sandwich_norms (Gemma 2/3) a layer is norm, attention, norm (post_attention_layernorm),
+/// residual, norm (pre_feedforward_layernorm), MLP, norm (post_feedforward_layernorm), residual.
+/// The config's embedding_multiplier, norm_weight_offset, hidden_act and final_logit_softcap
+/// apply throughout.
 template <typename AttentionLayer>
 class DecoderLM : public CausalLM {
  public:
   at::Tensor compute_logits(const at::Tensor& hidden) override {
-    return lm_head_.forward(hidden).to(at::kFloat);
+    at::Tensor logits = lm_head_.forward(hidden).to(at::kFloat);
+    if (config_.final_logit_softcap > 0) {  // c * tanh(logits / c), as Gemma 2 does
+      logits.div_(config_.final_logit_softcap).tanh_().mul_(config_.final_logit_softcap);
+    }
+    return logits;
   }
   const ModelConfig& config() const override { return config_; }
   at::ScalarType dtype() const override { return dtype_; }
@@ -38,18 +48,21 @@ class DecoderLM : public CausalLM {
     int64_t bytes = norm_.weight_bytes() + lm_head_.weight_bytes();
     if (!config_.tie_word_embeddings) bytes += embed_tokens_.nbytes();
     for (const Layer& layer : layers_) {
-      bytes += layer.input_layernorm.weight_bytes() + layer.self_attn->weight_bytes() +
-               layer.post_attention_layernorm.weight_bytes() + layer.mlp->weight_bytes();
+      bytes += layer.input_norm.weight_bytes() + layer.self_attn->weight_bytes() +
+               layer.attention_out_norm.weight_bytes() + layer.mlp_norm.weight_bytes() +
+               layer.mlp->weight_bytes() + layer.mlp_out_norm.weight_bytes();
     }
     return bytes;
   }
 
  protected:
   struct Layer {
-    RMSNorm input_layernorm;
+    RMSNorm input_norm;  // before attention
     std::unique_ptr<AttentionLayer> self_attn;
-    RMSNorm post_attention_layernorm;
+    RMSNorm attention_out_norm;  // sandwich norms only
+    RMSNorm mlp_norm;            // before the MLP
     std::unique_ptr<FeedForward> mlp;
+    RMSNorm mlp_out_norm;  // sandwich norms only
   };
 
   /// Reads the embedding; the family's constructor then adds its layers with add_layer() and
@@ -71,21 +84,31 @@ class DecoderLM : public CausalLM {
   void add_layer(int64_t i, std::unique_ptr<AttentionLayer> attention, const WeightMap& w) {
     const std::string p = "layers." + std::to_string(i) + ".";
     Layer layer;
-    layer.input_layernorm = RMSNorm(w.get(p + "input_layernorm.weight"), config_.rms_norm_eps);
+    layer.input_norm = norm(w, p + "input_layernorm.weight");
     layer.self_attn = std::move(attention);
-    layer.post_attention_layernorm =
-        RMSNorm(w.get(p + "post_attention_layernorm.weight"), config_.rms_norm_eps);
+    if (config_.sandwich_norms) {
+      layer.attention_out_norm = norm(w, p + "post_attention_layernorm.weight");
+      layer.mlp_norm = norm(w, p + "pre_feedforward_layernorm.weight");
+      layer.mlp_out_norm = norm(w, p + "post_feedforward_layernorm.weight");
+    } else {
+      layer.mlp_norm = norm(w, p + "post_attention_layernorm.weight");
+    }
     if (config_.is_moe_layer(i)) {
       layer.mlp = std::make_unique<SparseMoE>(config_.moe, p + "mlp.", w);
     } else {
-      layer.mlp = std::make_unique<GatedMLP>(p + "mlp.", w);
+      layer.mlp = std::make_unique<GatedMLP>(p + "mlp.", w, config_.hidden_act);
     }
     layers_.push_back(std::move(layer));
   }
 
+  /// The RMSNorm of weight `name`, with the config's epsilon and weight offset.
+  RMSNorm norm(const WeightMap& w, const std::string& name) const {
+    return RMSNorm(w.get(name), config_.rms_norm_eps, config_.norm_weight_offset);
+  }
+
   /// The final norm and the LM head, after the layers.
   void finish(const WeightMap& w) {
-    norm_ = RMSNorm(w.get("norm.weight"), config_.rms_norm_eps);
+    norm_ = norm(w, "norm.weight");
     lm_head_ = Linear(config_.tie_word_embeddings ? embed_tokens_ : w.get("lm_head.weight"),
                       at::Tensor());
     // A tied embedding reads its rows from the LM head's (packed) weight: one copy of the matrix.
@@ -103,19 +126,24 @@ class DecoderLM : public CausalLM {
                 "forward: input_ids and positions must both be [T]");
     at::Tensor hidden = embed_tokens_.defined() ? at::embedding(embed_tokens_, input_ids)
                                                 : lm_head_.rows(input_ids);  // [T, hidden]
+    if (config_.embedding_multiplier != 1.0) {  // the multiplier rounded to the dtype first
+      hidden = hidden * at::scalar_tensor(config_.embedding_multiplier, hidden.options());
+    }
     if (layers_.empty()) return norm_.forward(hidden);
     at::Tensor residual;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       if (i == 0) {
         residual = hidden;
-        hidden = layer.input_layernorm.forward(residual);
+        hidden = layer.input_norm.forward(residual);
       } else {
-        layer.input_layernorm.forward_fused(hidden, residual);
+        layer.input_norm.forward_fused(hidden, residual);
       }
       hidden = attend(i, *layer.self_attn, hidden);
-      layer.post_attention_layernorm.forward_fused(hidden, residual);
+      if (layer.attention_out_norm.defined()) hidden = layer.attention_out_norm.forward(hidden);
+      layer.mlp_norm.forward_fused(hidden, residual);
       hidden = layer.mlp->forward(hidden);
+      if (layer.mlp_out_norm.defined()) hidden = layer.mlp_out_norm.forward(hidden);
     }
     norm_.forward_fused(hidden, residual);
     return hidden;

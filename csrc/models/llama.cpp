@@ -6,8 +6,17 @@ LlamaForCausalLM::LlamaForCausalLM(const ModelConfig& config, const WeightMap& w
                                    int64_t max_positions)
     : DecoderLM(config, w) {
   rotary_ = RotaryEmbedding(config_, max_positions, device_);
+  if (config_.rope_local_theta > 0) {  // Gemma 3: local layers rotate with an unscaled base
+    ModelConfig local = config_;
+    local.rope_theta = config_.rope_local_theta;
+    local.rope_scaling = RopeScaling();
+    rotary_local_ = RotaryEmbedding(local, max_positions, device_);
+  }
   for (int64_t i = 0; i < config_.num_layers; ++i) {
-    add_layer(i, std::make_unique<Attention>(config_, i, w, &rotary_), w);
+    const bool local = config_.rope_local_theta > 0 && !config_.sliding_windows.empty() &&
+                       config_.sliding_windows[i] > 0;
+    add_layer(i, std::make_unique<Attention>(config_, i, w, local ? &rotary_local_ : &rotary_),
+              w);
   }
   finish(w);
 }

@@ -1,8 +1,10 @@
 #pragma once
 // The Llama family: Llama 2/3 (incl. Llama-3 RoPE scaling, tied or untied embeddings), Mistral,
 // Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm, explicit head_dim) and their mixture-of-experts
-// siblings Mixtral and Qwen3-MoE (a SparseMoE in place of the dense MLP of some or all layers).
-// The differences are flags of ModelConfig; the layer structure is shared (DecoderLM).
+// siblings Mixtral and Qwen3-MoE (a SparseMoE in place of the dense MLP of some or all layers),
+// and Gemma 2/3 (sandwich norms, (1 + w) norms, GeGLU, scaled embeddings, soft-caps, local
+// sliding-window layers with their own RoPE base). The differences are flags of ModelConfig; the
+// layer structure is shared (DecoderLM).
 
 #include <ATen/core/Tensor.h>
 
@@ -27,6 +29,7 @@ class LlamaForCausalLM : public DecoderLM<Attention> {
 
  private:
   RotaryEmbedding rotary_;
+  RotaryEmbedding rotary_local_;  // sliding-window layers' own RoPE (config.rope_local_theta)
 };
 
 }  // namespace kvserve

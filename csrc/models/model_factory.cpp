@@ -11,7 +11,8 @@ namespace kvserve {
 std::vector<std::string> supported_architectures() {
   return {"LlamaForCausalLM",   "MistralForCausalLM",  "Qwen2ForCausalLM",
           "Qwen3ForCausalLM",   "MixtralForCausalLM",  "Qwen3MoeForCausalLM",
-          "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"};
+          "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Gemma2ForCausalLM",
+          "Gemma3ForCausalLM"};
 }
 
 std::shared_ptr<CausalLM> create_causal_lm(const ModelConfig& config,

@@ -15,11 +15,15 @@ from pathlib import Path
 import torch
 
 from kvserve import _C
-from kvserve.config_families import DEEPSEEK_ARCHITECTURES, read_mla, read_moe
+from kvserve.config_families import (DEEPSEEK_ARCHITECTURES, GEMMA_ARCHITECTURES, read_gemma,
+                                     read_mla, read_moe)
 
 # Families that differ from plain Llama only in these ModelConfig flags.
 _QKV_BIAS_ARCHITECTURES = {"Qwen2ForCausalLM"}
-_QK_NORM_ARCHITECTURES = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
+_QK_NORM_ARCHITECTURES = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"}
+# Without layer_types these window only the layers from max_window_layers on (transformers' code;
+# its docstring says the opposite).
+_MAX_WINDOW_LAYERS_ARCHITECTURES = {"Qwen2ForCausalLM", "Qwen3ForCausalLM"}
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -176,6 +180,13 @@ def _model_config(hf: dict, path: Path) -> _C.ModelConfig:
     if c.num_heads % c.num_kv_heads:
         raise f.error("num_key_value_heads", f"({c.num_kv_heads}) must divide "
                                              f"num_attention_heads ({c.num_heads})")
+    if c.architecture in GEMMA_ARCHITECTURES:
+        hf = read_gemma(c, f, hf)  # returns the file with transformers' Gemma defaults filled in
+        f = _Fields(hf, path)
+    else:
+        act = hf.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"{path}: hidden_act {_show(act)} is not supported (only silu)")
     c.head_dim = _head_dim(f, c)
     c.max_position_embeddings = f.integer("max_position_embeddings")
     c.rms_norm_eps = f.number("rms_norm_eps", 1e-6)
@@ -185,11 +196,8 @@ def _model_config(hf: dict, path: Path) -> _C.ModelConfig:
     c.o_proj_bias = attention_bias and c.architecture not in _QKV_BIAS_ARCHITECTURES
     c.mlp_bias = f.flag("mlp_bias", False)
     c.qk_norm = c.architecture in _QK_NORM_ARCHITECTURES
-    act = hf.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ValueError(f"{path}: hidden_act {_show(act)} is not supported (only silu)")
     _rope(c, hf, path)
-    c.sliding_windows = _sliding_windows(f, c.num_layers)
+    c.sliding_windows = _sliding_windows(f, c)
     if c.architecture in DEEPSEEK_ARCHITECTURES:
         read_mla(c, f)
     read_moe(c, f)
@@ -272,9 +280,11 @@ def _rope(c: _C.ModelConfig, hf: dict, path: Path) -> None:
     c.rope_scaling = s
 
 
-def _sliding_windows(f: _Fields, num_layers: int) -> list[int]:
+def _sliding_windows(f: _Fields, c: _C.ModelConfig) -> list[int]:
+    num_layers = c.num_layers
     window = f.integer("sliding_window", 0, minimum=0)
-    use = f.flag("use_sliding_window", True)
+    if not f.flag("use_sliding_window", True):  # Qwen: no window at all, whatever layer_types say
+        return [0] * num_layers
     layer_types = f.values.get("layer_types")
     if layer_types is not None:  # Qwen2/3 and hybrid layouts say per layer
         kinds = ("full_attention", "sliding_attention")
@@ -285,8 +295,11 @@ def _sliding_windows(f: _Fields, num_layers: int) -> list[int]:
         if window == 0 and "sliding_attention" in layer_types:
             raise f.error("layer_types", "has sliding_attention layers but no sliding_window")
         return [window if t == "sliding_attention" else 0 for t in layer_types]
-    if window == 0 or not use:
+    if window == 0:
         return [0] * num_layers
+    if c.architecture in _MAX_WINDOW_LAYERS_ARCHITECTURES:
+        first = f.integer("max_window_layers", 28, minimum=0)
+        return [window if i >= first else 0 for i in range(num_layers)]
     return [window] * num_layers
 
 

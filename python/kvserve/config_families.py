@@ -1,5 +1,6 @@
 """The config.json fields of the families beyond the Llama layer structure: DeepSeek's multi-head
-latent attention, and the mixture-of-experts layers of DeepSeek, Mixtral and Qwen3-MoE.
+latent attention, the mixture-of-experts layers of DeepSeek, Mixtral and Qwen3-MoE, and Gemma 2/3's
+norms, activations, soft-caps and local/global layers.
 
 `f` is config.py's typed reader of the file (its errors name the file and the field).
 """
@@ -11,6 +12,7 @@ import os
 from kvserve import _C
 
 DEEPSEEK_ARCHITECTURES = {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}
+GEMMA_ARCHITECTURES = {"Gemma2ForCausalLM", "Gemma3ForCausalLM"}
 # Which form MLA attends in (auto: per sequence by cost); tests and benchmarks force one.
 MLA_ATTENTION_ENV = "KVSERVE_MLA_ATTENTION"
 
@@ -106,3 +108,74 @@ def read_moe(c: _C.ModelConfig, f) -> None:
                                  "group by its best two")
     m.layers = layers
     c.moe = m
+
+
+# transformers' defaults for the Gemma fields a config.json may leave out.
+_GEMMA_DEFAULTS = {
+    "Gemma2ForCausalLM": dict(head_dim=256, sliding_window=4096, query_pre_attn_scalar=256,
+                              attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                              rope_theta=10000.0, pattern=2),
+    "Gemma3ForCausalLM": dict(head_dim=256, sliding_window=4096, query_pre_attn_scalar=256,
+                              attn_logit_softcapping=None, final_logit_softcapping=None,
+                              rope_theta=1_000_000.0, pattern=6),
+}
+
+
+def read_gemma(c: _C.ModelConfig, f, hf: dict) -> dict:
+    """Gemma 2 / Gemma 3 (text): GeGLU, (1 + w) RMSNorms in fp32, sandwich norms, embeddings
+    scaled by sqrt(hidden_size), query_pre_attn_scalar, attention and final logit soft-caps, and
+    local layers (every other one in Gemma 2; five of six in Gemma 3) with a sliding window and,
+    in Gemma 3, their own RoPE base. Returns the config with transformers' defaults filled in and
+    Gemma 3's per-layer-type rope_parameters reduced to the global layers' (the local base goes to
+    c.rope_local_theta)."""
+    defaults = _GEMMA_DEFAULTS[c.architecture]
+    act = f.values.get("hidden_activation") or f.values.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        key = "hidden_activation" if "hidden_activation" in f.values else "hidden_act"
+        raise f.error(key, f"is {act!r}; Gemma 2/3 use 'gelu_pytorch_tanh'")
+    if f.flag("use_bidirectional_attention", False):
+        raise f.error("use_bidirectional_attention", "is set: that is an encoder, not a causal LM")
+    hf = dict(hf)
+    for key in ("sliding_window", "query_pre_attn_scalar", "attn_logit_softcapping",
+                "final_logit_softcapping"):
+        if key not in hf:
+            hf[key] = defaults[key]
+    hf.setdefault("head_dim", defaults["head_dim"])
+    hf.setdefault("tie_word_embeddings", True)
+    if hf.get("layer_types") is None:
+        pattern = f.integer("sliding_window_pattern", defaults["pattern"])
+        hf["layer_types"] = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                             for i in range(c.num_layers)]
+    c.hidden_act = "gelu_pytorch_tanh"
+    c.norm_weight_offset = 1.0
+    c.embedding_multiplier = c.hidden_size ** 0.5
+    c.sandwich_norms = True
+    c.query_pre_attn_scalar = _optional_number(f, hf, "query_pre_attn_scalar")
+    c.attn_logit_softcap = _optional_number(f, hf, "attn_logit_softcapping")
+    c.final_logit_softcap = _optional_number(f, hf, "final_logit_softcapping")
+    rope = hf.get("rope_parameters")
+    if isinstance(rope, dict) and "full_attention" in rope:  # transformers >= 5: per layer type
+        local = rope.get("sliding_attention") or {}
+        if (local.get("rope_type") or "default") != "default":
+            raise f.error("rope_parameters", "scales the sliding_attention layers' RoPE; only "
+                                             "the full_attention layers' may be scaled")
+        hf["rope_parameters"] = rope["full_attention"] or {}
+        local_theta = local.get("rope_theta", 10000.0)
+    else:
+        local_theta = hf.get("rope_local_base_freq", 10000.0)
+    if "rope_theta" not in hf and "rope_theta" not in (hf.get("rope_parameters") or {}):
+        hf["rope_theta"] = defaults["rope_theta"]
+    if c.architecture == "Gemma3ForCausalLM":
+        c.rope_local_theta = _optional_number(f, {"rope_local_base_freq": local_theta},
+                                              "rope_local_base_freq")
+    return hf
+
+
+def _optional_number(f, values: dict, key: str) -> float:
+    """A positive number, or 0.0 where the field is null (absent values are defaulted before)."""
+    value = values.get(key)
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise f.error(key, f"must be a positive number or null, got {value!r}")
+    return float(value)

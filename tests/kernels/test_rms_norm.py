@@ -99,10 +99,36 @@ def test_epsilon_is_used():
     assert out[0].eq(0).all() and out[1].lt(0.02).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden", [7, 33, 300])
+def test_fp32_weight(hidden, dtype):
+    """An fp32 weight (Gemma's 1 + w) scales in fp32, before the one rounding to the dtype: it
+    matches the reference closer than the weight rounded to the dtype would."""
+    x = make_rows(5, hidden, dtype)
+    weight = 1 + 0.5 * torch.randn(hidden, generator=torch.Generator().manual_seed(3))
+    want = reference.rms_norm(x, weight, EPS)
+    out = torch.empty_like(x)
+    ops.rms_norm(out, x, weight, EPS)
+    assert (out.double() - want).abs().max() <= 0.51 * _ulp(want, dtype).max()
+    residual, y = make_rows(5, hidden, dtype, seed=4), x.clone()
+    want_y, want_residual = reference.fused_add_rms_norm(x, residual, weight, EPS)
+    ops.fused_add_rms_norm(y, residual, weight, EPS)
+    assert torch.equal(residual, want_residual)
+    assert (y.double() - want_y).abs().max() <= 0.51 * _ulp(want_y, dtype).max()
+
+
+def _ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of `dtype` at each value (a rounding error is at most half of it)."""
+    bits = {torch.bfloat16: 7, torch.float16: 10}[dtype]  # explicit mantissa bits
+    return torch.pow(2.0, torch.floor(torch.log2(values.abs().clamp_min(1e-30))) - bits)
+
+
 @pytest.mark.parametrize(
     "make_args, match",
     [
         (lambda: (torch.empty(4, 8), torch.randn(4, 8), torch.ones(8).bfloat16()), "dtype"),
+        (lambda: (torch.empty(4, 8).half(), torch.randn(4, 8).half(), torch.ones(8).bfloat16()),
+         "or be float32"),
         (lambda: (torch.empty(4, 8), torch.randn(4, 8), torch.ones(7)), "weight"),
         (lambda: (torch.empty(4, 7), torch.randn(4, 8), torch.ones(8)), "shape"),
         (lambda: (torch.empty(4, 8).half(), torch.randn(4, 8), torch.ones(8)), "dtype"),
@@ -143,6 +169,7 @@ def capability_checks():
             test_rms_norm(5, hidden, dtype)
             test_fused_add_rms_norm(5, hidden, dtype)
         test_rms_norm_strided_rows(33, dtype)
+    test_fp32_weight(33, torch.bfloat16)
 
 
 

@@ -54,6 +54,17 @@ VARIANTS = {
         first_k_dense_replace=0, attention_bias=True)),
     "qwen3-moe-dense-layer": ("Qwen3MoeForCausalLM", dict(mlp_only_layers=[0],
                                                           norm_topk_prob=False)),
+    # Windowed Qwen: only the layers from max_window_layers on slide (transformers' code).
+    "qwen2-window-upper-layers": ("Qwen2ForCausalLM", dict(
+        use_sliding_window=True, sliding_window=6, max_window_layers=1)),
+    "qwen3-window-upper-layers": ("Qwen3ForCausalLM", dict(
+        use_sliding_window=True, sliding_window=5, max_window_layers=1, num_hidden_layers=3)),
+    # Gemma 3 with linearly scaled RoPE on its global layer only, and no soft-caps.
+    "gemma3-scaled-global-rope": ("Gemma3ForCausalLM", dict(rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
+    "gemma2-untied-head-3-layers": ("Gemma2ForCausalLM", dict(tie_word_embeddings=False,
+                                                          num_hidden_layers=3)),
 }
 
 

@@ -80,6 +80,15 @@ struct ModelConfig {
   bool mlp_bias = false;       ///< bias on gate/up/down (Llama mlp_bias)
   bool qk_norm = false;        ///< per-head RMSNorm of q and k before RoPE (Qwen3)
   std::vector<int64_t> sliding_windows;  ///< per layer, in tokens; 0 = full attention
+  double rope_local_theta = 0.0;  ///< RoPE base of sliding-window layers, unscaled (Gemma 3);
+                                  ///< 0 = they rotate as the full-attention layers
+  std::string hidden_act = "silu";      ///< MLP gate: silu (SwiGLU) | gelu_pytorch_tanh (GeGLU)
+  double norm_weight_offset = 0.0;      ///< RMSNorms scale by offset + weight (Gemma: 1 + w, fp32)
+  double embedding_multiplier = 1.0;    ///< embeddings times this, rounded to the weight dtype
+  bool sandwich_norms = false;          ///< norms on the attention and MLP outputs too (Gemma 2/3)
+  double query_pre_attn_scalar = 0.0;   ///< attention scale is this^-0.5; 0 = head_dim^-0.5
+  double attn_logit_softcap = 0.0;      ///< attention scores -> c * tanh(s / c); 0 = none
+  double final_logit_softcap = 0.0;     ///< LM-head logits likewise; 0 = none
   MLAConfig mla;  ///< head_dim is qk_rope_head_dim (the RoPE size) when mla is in use
   MoEConfig moe;
 

@@ -10,7 +10,11 @@ namespace {
 
 void check_norm_args(const char* op, const at::Tensor& x, const at::Tensor& weight) {
   check_rows(op, "input", x, 2);
-  check_like(op, "weight", weight, x);
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat, op,
+              ": weight must have input's dtype ", x.scalar_type(), " or be float32, got ",
+              weight.scalar_type());
+  TORCH_CHECK(weight.device() == x.device(), op, ": weight is on ", weight.device(),
+              ", expected ", x.device());
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(), op,
               ": weight must be contiguous [", x.size(1), "], got ", weight.sizes());
 }
@@ -22,7 +26,8 @@ void rms_norm_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& we
   check_like("rms_norm", "out", out, input);
   TORCH_CHECK(out.sizes() == input.sizes(), "rms_norm: out must have the shape of input");
   cpu::rms_norm_stub.get()(input.scalar_type(), out.data_ptr(), out.stride(0), input.data_ptr(),
-                           input.stride(0), weight.data_ptr(), input.size(0), input.size(1),
+                           input.stride(0), weight.data_ptr(), weight.scalar_type() == at::kFloat,
+                           input.size(0), input.size(1),
                            static_cast<float>(epsilon));
 }
 
@@ -35,7 +40,7 @@ void fused_add_rms_norm_cpu(at::Tensor& input, at::Tensor& residual, const at::T
               "fused_add_rms_norm: residual must have the shape of input");
   cpu::fused_add_rms_norm_stub.get()(input.scalar_type(), input.data_ptr(), input.stride(0),
                                      residual.data_ptr(), residual.stride(0), weight.data_ptr(),
-                                     input.size(0), input.size(1), static_cast<float>(epsilon));
+                                     weight.scalar_type() == at::kFloat, input.size(0), input.size(1), static_cast<float>(epsilon));
 }
 
 }  // namespace

@@ -23,8 +23,8 @@ float inverse_rms(const T* x, int64_t hidden, float eps) {
   return 1.0f / std::sqrt(sum / static_cast<float>(hidden) + eps);
 }
 
-template <typename T>
-void normalize_row(T* out, const T* x, const T* weight, int64_t hidden, float inv) {
+template <typename T, typename W>
+void normalize_row(T* out, const T* x, const W* weight, int64_t hidden, float inv) {
   const Vec scale(inv);
   int64_t i = 0;
   for (; i + Vec::size() <= hidden; i += Vec::size()) {
@@ -35,30 +35,38 @@ void normalize_row(T* out, const T* x, const T* weight, int64_t hidden, float in
   }
 }
 
-void rms_norm_impl(c10::ScalarType dtype, void* out, int64_t out_stride, const void* input,
-                   int64_t input_stride, const void* weight, int64_t rows, int64_t hidden,
-                   float eps) {
-  KVSERVE_DISPATCH_FLOATING(dtype, [&] {
-    auto* o = static_cast<scalar_t*>(out);
-    const auto* x = static_cast<const scalar_t*>(input);
-    const auto* w = static_cast<const scalar_t*>(weight);
-    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const scalar_t* row = x + r * input_stride;
-        normalize_row(o + r * out_stride, row, w, hidden, inverse_rms(row, hidden, eps));
-      }
-    });
+template <typename T, typename W>
+void rms_norm_rows(T* o, int64_t out_stride, const T* x, int64_t input_stride, const W* w,
+                   int64_t rows, int64_t hidden, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = x + r * input_stride;
+      normalize_row(o + r * out_stride, row, w, hidden, inverse_rms(row, hidden, eps));
+    }
   });
 }
 
-void fused_add_rms_norm_impl(c10::ScalarType dtype, void* input, int64_t input_stride,
-                             void* residual, int64_t residual_stride, const void* weight,
-                             int64_t rows, int64_t hidden, float eps) {
+void rms_norm_impl(c10::ScalarType dtype, void* out, int64_t out_stride, const void* input,
+                   int64_t input_stride, const void* weight, bool fp32_weight, int64_t rows,
+                   int64_t hidden, float eps) {
   KVSERVE_DISPATCH_FLOATING(dtype, [&] {
-    auto* x = static_cast<scalar_t*>(input);
-    auto* res = static_cast<scalar_t*>(residual);
-    const auto* w = static_cast<const scalar_t*>(weight);
-    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    auto* o = static_cast<scalar_t*>(out);
+    const auto* x = static_cast<const scalar_t*>(input);
+    if (fp32_weight) {
+      rms_norm_rows(o, out_stride, x, input_stride, static_cast<const float*>(weight), rows,
+                    hidden, eps);
+    } else {
+      rms_norm_rows(o, out_stride, x, input_stride, static_cast<const scalar_t*>(weight), rows,
+                    hidden, eps);
+    }
+  });
+}
+
+template <typename T, typename W>
+void fused_add_rms_norm_rows(T* x, int64_t input_stride, T* res, int64_t residual_stride,
+                             const W* w, int64_t rows, int64_t hidden, float eps) {
+  using scalar_t = T;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         scalar_t* xr = x + r * input_stride;
         scalar_t* rr = res + r * residual_stride;
@@ -73,6 +81,21 @@ void fused_add_rms_norm_impl(c10::ScalarType dtype, void* input, int64_t input_s
         normalize_row(xr, rr, w, hidden, inverse_rms(rr, hidden, eps));
       }
     });
+}
+
+void fused_add_rms_norm_impl(c10::ScalarType dtype, void* input, int64_t input_stride,
+                             void* residual, int64_t residual_stride, const void* weight,
+                             bool fp32_weight, int64_t rows, int64_t hidden, float eps) {
+  KVSERVE_DISPATCH_FLOATING(dtype, [&] {
+    auto* x = static_cast<scalar_t*>(input);
+    auto* res = static_cast<scalar_t*>(residual);
+    if (fp32_weight) {
+      fused_add_rms_norm_rows(x, input_stride, res, residual_stride,
+                              static_cast<const float*>(weight), rows, hidden, eps);
+    } else {
+      fused_add_rms_norm_rows(x, input_stride, res, residual_stride,
+                              static_cast<const scalar_t*>(weight), rows, hidden, eps);
+    }
   });
 }
 

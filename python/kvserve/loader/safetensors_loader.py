@@ -1,4 +1,5 @@
-"""Load Hugging Face weights (Llama family, DeepSeek MLA, mixtures of experts) from (sharded) safetensors files.
+"""Load Hugging Face weights (Llama family, Gemma, DeepSeek MLA, mixtures of experts) from (sharded)
+safetensors files.
 
 Every header is read and checked first (``WeightIndex``), and every tensor the config implies is
 checked against it (``check_weights``): names, dtypes, shapes, offsets and file sizes are all
@@ -60,6 +61,9 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
         out = f"layers.{i}."
         w[out + "input_layernorm.weight"] = read(p + "input_layernorm.weight")
         w[out + "post_attention_layernorm.weight"] = read(p + "post_attention_layernorm.weight")
+        if config.sandwich_norms:
+            for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+                w[out + norm + ".weight"] = read(p + norm + ".weight")
         if config.use_mla():
             _read_mla(read, config, p + "self_attn.", out + "self_attn.", w)
         else:

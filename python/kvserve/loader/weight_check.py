@@ -29,6 +29,9 @@ def expected_shapes(c: _C.ModelConfig) -> dict[str, tuple[Dim, ...]]:
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (hidden,)
         shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+        if c.sandwich_norms:
+            shapes[p + "pre_feedforward_layernorm.weight"] = (hidden,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (hidden,)
         shapes.update(_mla_shapes(c, p) if c.use_mla() else _attention_shapes(c, p))
         if c.is_moe_layer(i):
             shapes.update(_moe_shapes(c, p))

@@ -43,6 +43,14 @@ TINY_CONFIGS = {
                                   num_experts_per_tok=2, moe_intermediate_size=32,
                                   n_shared_experts=1, first_k_dense_replace=1, n_group=4,
                                   topk_group=2, routed_scaling_factor=2.5),
+    # Local/global hybrids whose windows (6) are shorter than the test sequences; soft-caps low
+    # enough to bend the logits of these random weights.
+    "Gemma2ForCausalLM": dict(model_type="gemma2", head_dim=24, sliding_window=6,
+                              query_pre_attn_scalar=20, attn_logit_softcapping=4.0,
+                              final_logit_softcapping=3.0, tie_word_embeddings=True),
+    "Gemma3ForCausalLM": dict(model_type="gemma3_text", head_dim=24, sliding_window=6,
+                              num_hidden_layers=3, sliding_window_pattern=3,
+                              query_pre_attn_scalar=32, tie_word_embeddings=True),
 }
 
 

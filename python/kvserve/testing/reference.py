@@ -15,6 +15,7 @@ __all__ = [
     "rms_norm",
     "fused_add_rms_norm",
     "silu_and_mul",
+    "gelu_tanh_and_mul",
     "rotary_cos_sin_cache",
     "rotary_embedding",
     "kv_cache_write",
@@ -55,6 +56,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for x = [gate | up] [T, 2d] -> fp64 [T, d]."""
     gate, up = x.double().chunk(2, dim=-1)
     return gate / (1.0 + torch.exp(-gate)) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up for x = [gate | up] [T, 2d] -> fp64 [T, d]."""
+    gate, up = x.double().chunk(2, dim=-1)
+    inner = math.sqrt(2.0 / math.pi) * (gate + 0.044715 * gate ** 3)
+    return 0.5 * gate * (1.0 + torch.tanh(inner)) * up
 
 
 # ---------------------------------------------------------------------------------------- linear
