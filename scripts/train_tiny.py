@@ -80,6 +80,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-attention-heads", type=int)
     p.add_argument("--num-key-value-heads", type=int)
     p.add_argument("--intermediate-size", type=int)
+    p.add_argument("--kv-sharing", default=None,
+                   help="cross-layer KV sharing (kvserve's kv_sharing extension): N to let each "
+                        "run of N consecutive layers attend over its first layer's K/V (CLA "
+                        "factor N), or an explicit map such as 1:0,3:2 (layer:source)")
     p.add_argument("--seq-len", type=int, default=512, help="training context (tokens, BOS included)")
     p.add_argument("--max-position-embeddings", type=int, default=1024,
                    help="the context the config declares (RoPE has no learned positions; text "
@@ -112,10 +116,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, key, value)
     if args.dropout is None:
         args.dropout = 0.0
+    try:
+        args.kv_sharing = parse_kv_sharing(args.kv_sharing, args.num_hidden_layers)
+    except ValueError as e:
+        p.error(f"--kv-sharing: {e}")
     missing = [k for k in PRESETS["target"] if getattr(args, k) is None]
     if missing:
         p.error("without --preset, give " + ", ".join("--" + k.replace("_", "-") for k in missing))
     return args
+
+
+def parse_kv_sharing(spec: str | None, num_layers: int | None) -> dict[int, int]:
+    """{layer: source} from "N" (runs of N layers share their first layer's K/V) or "l:s,...";
+    {} for None."""
+    if not spec:
+        return {}
+    if spec.isdigit():
+        factor = int(spec)
+        if factor < 1 or num_layers is None:
+            raise ValueError(f"a factor must be >= 1 (with a layer count), got {spec!r}")
+        return {layer: layer - layer % factor for layer in range(num_layers) if layer % factor}
+    try:
+        pairs = [item.split(":") for item in spec.split(",")]
+        return {int(layer): int(source) for layer, source in pairs}
+    except ValueError:
+        raise ValueError(f"expected N or layer:source,... got {spec!r}") from None
 
 
 def stdlib_corpus() -> Path:
@@ -192,6 +217,8 @@ def make_config(args: argparse.Namespace, vocab_size: int):
         initializer_range=0.02, tie_word_embeddings=True, bos_token_id=BOS_ID,
         eos_token_id=EOS_ID, attention_bias=False, mlp_bias=False)
     config.architectures = ["LlamaForCausalLM"]
+    if args.kv_sharing:
+        config.kv_sharing = {str(layer): source for layer, source in args.kv_sharing.items()}
     return config
 
 
@@ -292,7 +319,12 @@ def main(argv: list[str] | None = None) -> None:
     tok = load_or_train_tokenizer(args, train_text)
     train_ids, val_ids = encode(tok, train_text), encode(tok, val_text)
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
-    model = LlamaForCausalLM(make_config(args, vocab_size))
+    config = make_config(args, vocab_size)
+    if args.kv_sharing:  # layers that attend over an earlier layer's K/V (kvserve.testing.cla)
+        from kvserve.testing.cla import cla_llama
+        model = cla_llama(config)
+    else:
+        model = LlamaForCausalLM(config)
     add_residual_dropout(model, args.dropout)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"corpus {args.corpus}: {len(train_text):,} train / {len(val_text):,} validation chars, "

@@ -71,9 +71,10 @@ void KVCache::advance(int64_t row, int64_t num_tokens) {
 at::Tensor forward_with_kv_cache(CausalLM& model, const at::Tensor& input_ids,
                                  const std::vector<KVCache*>& caches) {
   if (input_ids.dim() != 2) throw std::invalid_argument("input_ids must be [batch, seq]");
-  if (caches.empty() || caches.size() != static_cast<size_t>(model.config().num_layers)) {
-    throw std::invalid_argument("need one KVCache per layer (" +
-                                std::to_string(model.config().num_layers) + ")");
+  const int64_t num_kv_layers = model.config().num_kv_layers();
+  if (caches.empty() || caches.size() != static_cast<size_t>(num_kv_layers)) {
+    throw std::invalid_argument("need one KVCache per layer that writes K/V (" +
+                                std::to_string(num_kv_layers) + ")");
   }
   const int64_t batch = input_ids.size(0), seq = input_ids.size(1);
   const KVCache& first = *caches.front();

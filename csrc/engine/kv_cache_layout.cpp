@@ -9,12 +9,12 @@ KVCacheLayout KVCacheLayout::plain(int64_t num_layers, int64_t num_kv_heads, int
 }
 
 KVCacheLayout KVCacheLayout::for_model(const ModelConfig& c) {
-  if (!c.use_mla()) return plain(c.num_layers, c.num_kv_heads, c.head_dim);
+  if (!c.use_mla()) return plain(c.num_kv_layers(), c.num_kv_heads, c.head_dim);
   return {c.num_layers, 1, c.mla.kv_lora_rank + c.mla.qk_rope_head_dim, c.mla.kv_lora_rank, true};
 }
 
 KVCacheLayout KVCacheLayout::multi_head_equivalent(const ModelConfig& c) {
-  if (!c.use_mla()) return for_model(c);
+  if (!c.use_mla()) return plain(c.num_layers, c.num_kv_heads, c.head_dim);
   return {c.num_layers, c.num_heads, c.mla.qk_head_dim(), c.mla.v_head_dim, false};
 }
 

@@ -32,6 +32,19 @@ void ModelConfig::validate() const {
               final_logit_softcap >= 0 && embedding_multiplier > 0,
           "rope_local_theta, query_pre_attn_scalar and the soft-caps must be >= 0, "
           "embedding_multiplier positive");
+  if (!kv_sources.empty()) {
+    require(static_cast<int64_t>(kv_sources.size()) == num_layers,
+            "kv_sources must have one entry per layer");
+    for (int64_t l = 0; l < num_layers; ++l) {
+      const int64_t s = kv_sources[l];
+      require(s >= 0 && s <= l && kv_sources[s] == s,
+              "layer " + std::to_string(l) + " shares the KV of layer " + std::to_string(s) +
+                  ", which must be an earlier layer that owns its KV");
+      require(sliding_windows.empty() || sliding_windows[s] == sliding_windows[l],
+              "layer " + std::to_string(l) + " shares the KV of a layer with another window");
+    }
+    require(!use_mla(), "kv_sharing is not supported with multi-head latent attention");
+  }
   if (use_mla()) {
     require(mla.q_lora_rank >= 0 && mla.qk_nope_head_dim > 0 && mla.v_head_dim > 0,
             "q_lora_rank must be >= 0, qk_nope_head_dim and v_head_dim positive");
@@ -54,6 +67,19 @@ void ModelConfig::validate() const {
     require(static_cast<int64_t>(moe.layers.size()) == num_layers,
             "the MoE layer list must have one entry per layer");
   }
+}
+
+int64_t ModelConfig::num_kv_layers() const {
+  int64_t n = 0;
+  for (int64_t l = 0; l < num_layers; ++l) n += kv_source(l) == l;
+  return n;
+}
+
+int64_t ModelConfig::kv_cache_index(int64_t layer) const {
+  const int64_t source = kv_source(layer);
+  int64_t index = 0;
+  for (int64_t l = 0; l < source; ++l) index += kv_source(l) == l;
+  return index;
 }
 
 }  // namespace kvserve

@@ -18,40 +18,54 @@ Attention::Attention(const ModelConfig& c, int64_t layer, const WeightMap& w,
       sliding_window_(c.sliding_windows.empty() ? 0 : c.sliding_windows.at(layer)),
       scale_(1.0 / std::sqrt(c.query_pre_attn_scalar > 0 ? c.query_pre_attn_scalar
                                                         : static_cast<double>(c.head_dim))),
-      logit_softcap_(c.attn_logit_softcap) {
+      logit_softcap_(c.attn_logit_softcap),
+      shares_kv_(c.kv_source(layer) != layer) {
   const std::string p = "layers." + std::to_string(layer) + ".self_attn.";
-  qkv_proj_ = Linear(w.get(p + "qkv_proj.weight"), w.get_optional(p + "qkv_proj.bias"));
+  if (shares_kv_) {  // CLA: queries only; keys and values are the source layer's
+    qkv_proj_ = Linear(w.get(p + "q_proj.weight"), w.get_optional(p + "q_proj.bias"));
+  } else {
+    qkv_proj_ = Linear(w.get(p + "qkv_proj.weight"), w.get_optional(p + "qkv_proj.bias"));
+  }
   o_proj_ = Linear(w.get(p + "o_proj.weight"), w.get_optional(p + "o_proj.bias"));
   if (c.qk_norm) {
     q_norm_ = RMSNorm(w.get(p + "q_norm.weight"), c.rms_norm_eps, c.norm_weight_offset);
-    k_norm_ = RMSNorm(w.get(p + "k_norm.weight"), c.rms_norm_eps, c.norm_weight_offset);
+    if (!shares_kv_) {
+      k_norm_ = RMSNorm(w.get(p + "k_norm.weight"), c.rms_norm_eps, c.norm_weight_offset);
+    }
   }
-  TORCH_CHECK(qkv_proj_.out_features() == (num_heads_ + 2 * num_kv_heads_) * head_dim_,
-              "layer ", layer, ": qkv_proj has ", qkv_proj_.out_features(), " outputs, expected ",
-              (num_heads_ + 2 * num_kv_heads_) * head_dim_);
+  const int64_t outputs = (num_heads_ + (shares_kv_ ? 0 : 2 * num_kv_heads_)) * head_dim_;
+  TORCH_CHECK(qkv_proj_.out_features() == outputs, "layer ", layer, ": ",
+              shares_kv_ ? "q_proj" : "qkv_proj", " has ", qkv_proj_.out_features(),
+              " outputs, expected ", outputs);
 }
 
 at::Tensor Attention::forward(const at::Tensor& positions, const at::Tensor& hidden,
                               const AttentionMetadata& m, const LayerKVCache& kv) const {
   const int64_t num_tokens = hidden.size(0);
   const int64_t q_width = num_heads_ * head_dim_, kv_width = num_kv_heads_ * head_dim_;
-  at::Tensor qkv = qkv_proj_.forward(hidden);  // [T, q_width + 2 * kv_width]
+  at::Tensor qkv = qkv_proj_.forward(hidden);  // [T, q_width (+ 2 * kv_width)]
   at::Tensor q = qkv.narrow(1, 0, q_width);
-  at::Tensor k = qkv.narrow(1, q_width, kv_width);
-  at::Tensor v = qkv.narrow(1, q_width + kv_width, kv_width);
-  if (q_norm_.defined()) {  // Qwen3: RMSNorm over each head before RoPE
+  if (q_norm_.defined()) {  // Qwen3, Gemma 3: RMSNorm over each head before RoPE
     q = q_norm_.forward(q.reshape({num_tokens * num_heads_, head_dim_})).view({num_tokens, q_width});
-    k = k_norm_.forward(k.reshape({num_tokens * num_kv_heads_, head_dim_}))
-            .view({num_tokens, kv_width});
   }
-  rotary_->apply(positions, q, k);
-
-  at::Tensor key_cache = kv.key, value_cache = kv.value;
-  ops::kv_cache_write(k.view({num_tokens, num_kv_heads_, head_dim_}),
-                      v.view({num_tokens, num_kv_heads_, head_dim_}), key_cache, value_cache,
-                      m.slot_mapping);
+  if (shares_kv_) {  // the source layer wrote this step's K/V already
+    at::Tensor no_key = at::empty({num_tokens, 0}, q.options());
+    rotary_->apply(positions, q, no_key);
+  } else {
+    at::Tensor k = qkv.narrow(1, q_width, kv_width);
+    at::Tensor v = qkv.narrow(1, q_width + kv_width, kv_width);
+    if (k_norm_.defined()) {
+      k = k_norm_.forward(k.reshape({num_tokens * num_kv_heads_, head_dim_}))
+              .view({num_tokens, kv_width});
+    }
+    rotary_->apply(positions, q, k);
+    at::Tensor key_cache = kv.key, value_cache = kv.value;
+    ops::kv_cache_write(k.view({num_tokens, num_kv_heads_, head_dim_}),
+                        v.view({num_tokens, num_kv_heads_, head_dim_}), key_cache, value_cache,
+                        m.slot_mapping);
+  }
   at::Tensor out = at::empty({num_tokens, num_heads_, head_dim_}, hidden.options());
-  ops::paged_attention(out, q.view({num_tokens, num_heads_, head_dim_}), key_cache, value_cache,
+  ops::paged_attention(out, q.view({num_tokens, num_heads_, head_dim_}), kv.key, kv.value,
                        m.query_start_loc, m.seq_lens, m.block_tables, scale_, sliding_window_,
                        logit_softcap_);
   return o_proj_.forward(out.view({num_tokens, q_width}));

@@ -15,7 +15,9 @@ namespace kvserve {
 
 /// One layer's attention. Weights: `<prefix>qkv_proj.weight` [(H + 2 Hkv) * D, hidden] (+ bias),
 /// `<prefix>o_proj.weight` [hidden, H * D] (+ bias), optional `<prefix>q_norm.weight` /
-/// `<prefix>k_norm.weight` [D].
+/// `<prefix>k_norm.weight` [D]. A layer that shares an earlier layer's KV (config.kv_sources)
+/// has `<prefix>q_proj.weight` [H * D, hidden] (+ bias) instead of qkv_proj and no k_norm: it
+/// attends over the cache it is given and writes nothing.
 class Attention {
  public:
   Attention(const ModelConfig& config, int64_t layer, const WeightMap& weights,
@@ -36,6 +38,7 @@ class Attention {
   int64_t num_heads_, num_kv_heads_, head_dim_, sliding_window_;
   double scale_;
   double logit_softcap_;
+  bool shares_kv_;  // CLA: reads an earlier layer's K/V, writes none
 };
 
 }  // namespace kvserve

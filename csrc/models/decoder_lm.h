@@ -78,6 +78,9 @@ class DecoderLM : public CausalLM {
                 "embed_tokens.weight must be [", config_.vocab_size, ", ", config_.hidden_size,
                 "], got ", embed_tokens_.sizes());
     layers_.reserve(config_.num_layers);
+    for (int64_t i = 0; i < config_.num_layers; ++i) {
+      cache_index_.push_back(config_.kv_cache_index(i));
+    }
   }
 
   /// Layer `i` with this attention: its norms and its MLP (dense or MoE) from the weights.
@@ -115,13 +118,16 @@ class DecoderLM : public CausalLM {
     if (config_.tie_word_embeddings && lm_head_.packed()) embed_tokens_ = at::Tensor();
   }
 
-  /// The residual stream over input_ids [T]: attend(i, normed hidden [T, hidden]) runs layer i's
-  /// attention. Returns the final-norm hidden states [T, hidden].
+  /// The residual stream over input_ids [T]: attend(i, attention, normed hidden [T, hidden],
+  /// cache) runs layer i's attention on the cache it reads (its own, or the one of the layer
+  /// whose KV it shares). kv_caches: one per layer that writes K/V. Returns the final-norm
+  /// hidden states [T, hidden].
   template <typename Attend>
   at::Tensor run_layers(const at::Tensor& input_ids, const at::Tensor& positions,
                         const std::vector<LayerKVCache>& kv_caches, Attend&& attend) const {
-    TORCH_CHECK(kv_caches.size() == layers_.size(), "forward: got ", kv_caches.size(),
-                " KV caches for ", layers_.size(), " layers");
+    TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == config_.num_kv_layers(),
+                "forward: got ", kv_caches.size(), " KV caches for ", config_.num_kv_layers(),
+                " layers that write K/V");
     TORCH_CHECK(input_ids.dim() == 1 && positions.sizes() == input_ids.sizes(),
                 "forward: input_ids and positions must both be [T]");
     at::Tensor hidden = embed_tokens_.defined() ? at::embedding(embed_tokens_, input_ids)
@@ -139,7 +145,7 @@ class DecoderLM : public CausalLM {
       } else {
         layer.input_norm.forward_fused(hidden, residual);
       }
-      hidden = attend(i, *layer.self_attn, hidden);
+      hidden = attend(i, *layer.self_attn, hidden, kv_caches[cache_index_[i]]);
       if (layer.attention_out_norm.defined()) hidden = layer.attention_out_norm.forward(hidden);
       layer.mlp_norm.forward_fused(hidden, residual);
       hidden = layer.mlp->forward(hidden);
@@ -154,6 +160,7 @@ class DecoderLM : public CausalLM {
   at::ScalarType dtype_;
   at::Device device_;
   std::vector<Layer> layers_;
+  std::vector<int64_t> cache_index_;  // per layer: which of the forward's kv_caches it reads
   RMSNorm norm_;
   Linear lm_head_;
 };

@@ -40,8 +40,9 @@ at::Tensor DeepseekV2ForCausalLM::forward(const at::Tensor& input_ids,
                         : MLABatchPlan::make(metadata, config_.mla, kv_caches[0].key.size(1),
                                              config_.mla.attention_path);
   return run_layers(input_ids, positions, kv_caches,
-                    [&](size_t i, const MLAAttention& attention, const at::Tensor& hidden) {
-                      return attention.forward(positions, hidden, metadata, kv_caches[i], plan);
+                    [&](size_t, const MLAAttention& attention, const at::Tensor& hidden,
+                        const LayerKVCache& cache) {
+                      return attention.forward(positions, hidden, metadata, cache, plan);
                     });
 }
 

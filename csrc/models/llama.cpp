@@ -25,8 +25,9 @@ at::Tensor LlamaForCausalLM::forward(const at::Tensor& input_ids, const at::Tens
                                      const AttentionMetadata& metadata,
                                      const std::vector<LayerKVCache>& kv_caches) {
   return run_layers(input_ids, positions, kv_caches,
-                    [&](size_t i, const Attention& attention, const at::Tensor& hidden) {
-                      return attention.forward(positions, hidden, metadata, kv_caches[i]);
+                    [&](size_t, const Attention& attention, const at::Tensor& hidden,
+                        const LayerKVCache& cache) {
+                      return attention.forward(positions, hidden, metadata, cache);
                     });
 }
 

@@ -16,7 +16,7 @@ import torch
 
 from kvserve import _C
 from kvserve.config_families import (DEEPSEEK_ARCHITECTURES, GEMMA_ARCHITECTURES, read_gemma,
-                                     read_mla, read_moe)
+                                     read_kv_sharing, read_mla, read_moe)
 
 # Families that differ from plain Llama only in these ModelConfig flags.
 _QKV_BIAS_ARCHITECTURES = {"Qwen2ForCausalLM"}
@@ -201,6 +201,7 @@ def _model_config(hf: dict, path: Path) -> _C.ModelConfig:
     if c.architecture in DEEPSEEK_ARCHITECTURES:
         read_mla(c, f)
     read_moe(c, f)
+    read_kv_sharing(c, f)
     try:
         c.validate()  # the C++ side's own checks, a backstop behind the ones above
     except ValueError as e:

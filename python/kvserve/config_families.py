@@ -1,6 +1,7 @@
 """The config.json fields of the families beyond the Llama layer structure: DeepSeek's multi-head
 latent attention, the mixture-of-experts layers of DeepSeek, Mixtral and Qwen3-MoE, and Gemma 2/3's
-norms, activations, soft-caps and local/global layers.
+norms, activations, soft-caps and local/global layers; and kvserve's own `kv_sharing` extension
+(cross-layer KV sharing).
 
 `f` is config.py's typed reader of the file (its errors name the file and the field).
 """
@@ -179,3 +180,35 @@ def _optional_number(f, values: dict, key: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise f.error(key, f"must be a positive number or null, got {value!r}")
     return float(value)
+
+
+def read_kv_sharing(c: _C.ModelConfig, f) -> None:
+    """Cross-layer KV sharing (CLA), a kvserve config.json extension: ``"kv_sharing": {"1": 0,
+    "3": 2}`` makes layer 1 attend over layer 0's cached keys and values (and layer 3 over layer
+    2's) instead of projecting and caching its own; such a layer has q_proj and o_proj but no
+    k_proj / v_proj. Sources are earlier layers that own their KV, with the same window.
+    (transformers has no plain text model that shares KV; kvserve.testing.cla is the reference.)"""
+    sharing = f.values.get("kv_sharing")
+    if sharing is None:
+        return
+    if not isinstance(sharing, dict):
+        raise f.error("kv_sharing", f"must map layer -> earlier source layer, got {sharing!r}")
+    if c.use_mla():
+        raise f.error("kv_sharing", "is not supported with multi-head latent attention")
+    sources = list(range(c.num_layers))
+    for key, source in sharing.items():
+        layer = int(key) if isinstance(key, str) and key.isdigit() else -1
+        if not 0 <= layer < c.num_layers:
+            raise f.error("kv_sharing", f"names layer {key!r}; layers are 0..{c.num_layers - 1}")
+        if isinstance(source, bool) or not isinstance(source, int) or not 0 <= source < layer:
+            raise f.error("kv_sharing", f"maps layer {layer} to {source!r}; a source must be an "
+                                        "earlier layer")
+        sources[layer] = source
+    for layer, source in enumerate(sources):
+        if sources[source] != source:
+            raise f.error("kv_sharing", f"maps layer {layer} to layer {source}, which shares "
+                                        "another layer's KV itself")
+        if c.sliding_windows[source] != c.sliding_windows[layer]:
+            raise f.error("kv_sharing", f"maps layer {layer} to layer {source}, whose sliding "
+                                        "window differs")
+    c.kv_sources = sources

@@ -188,6 +188,11 @@ class LLMEngine:
             plain = _C.KVCacheLayout.multi_head_equivalent(self.config).bytes_per_token(self.dtype)
             plan += (f" (MLA latents: plain multi-head K/V would take {plain:,} bytes/token, "
                      f"{plain / kv.bytes_per_token:.1f}x more)")
+        elif self.config.num_kv_layers() < self.config.num_layers:
+            plain = _C.KVCacheLayout.multi_head_equivalent(self.config).bytes_per_token(self.dtype)
+            plan += (f" (KV sharing: {self.config.num_kv_layers()} of {self.config.num_layers} "
+                     f"layers cache K/V; without sharing {plain:,} bytes/token, "
+                     f"{plain / kv.bytes_per_token:.1f}x more)")
         spec = self.engine.config.speculative
         if self.draft_model is not None:
             c = self.draft_config

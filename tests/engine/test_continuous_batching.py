@@ -31,9 +31,16 @@ def mixed_requests(count: int, seed: int = 0):
              rng.randrange(1, 24), rng.randrange(0, 20)) for _ in range(count)]
 
 
-# The invariance tests run on a Llama (paged K/V) and on a DeepSeek-V2 (MLA latents, MoE).
-@pytest.fixture(scope="module", params=["LlamaForCausalLM", "DeepseekV2ForCausalLM"])
-def model_path(request, checkpoint_factory):
+# The invariance tests run on a Llama (paged K/V), a DeepSeek-V2 (MLA latents, MoE), a Gemma 2
+# (local layers with a window of 6 beside global ones) and a Llama whose layers 1 and 3 attend over
+# the KV of layers 0 and 2 (cross-layer sharing).
+@pytest.fixture(scope="module", params=["LlamaForCausalLM", "DeepseekV2ForCausalLM",
+                                        "Gemma2ForCausalLM", "cla"])
+def model_path(request, checkpoint_factory, tmp_path_factory):
+    if request.param == "cla":
+        from kvserve.testing.cla import make_cla_checkpoint
+        return make_cla_checkpoint(tmp_path_factory.mktemp("cla"), {1: 0, 3: 2},
+                                   num_hidden_layers=4)
     return checkpoint_factory(request.param)
 
 

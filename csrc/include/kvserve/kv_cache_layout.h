@@ -22,10 +22,11 @@ struct KVCacheLayout {
 
   /// Plain attention: num_layers layers of num_kv_heads heads of head_dim (key and value).
   static KVCacheLayout plain(int64_t num_layers, int64_t num_kv_heads, int64_t head_dim);
-  /// The layout a model of this config caches: its latents under MLA, else its K/V heads.
+  /// The layout a model of this config caches: its latents under MLA, else its K/V heads; one
+  /// layer per cache (layers that share another layer's KV have none).
   static KVCacheLayout for_model(const ModelConfig& config);
-  /// The layout the same model would need with plain multi-head K/V (MLA expanded: num_heads
-  /// keys of qk_nope + qk_rope and values of v_head_dim); the layout itself otherwise.
+  /// The layout the same model would need with plain multi-head K/V in every layer (MLA
+  /// expanded: num_heads keys of qk_nope + qk_rope and values of v_head_dim; no KV sharing).
   static KVCacheLayout multi_head_equivalent(const ModelConfig& config);
 
   /// Elements per token and layer, key and value together.

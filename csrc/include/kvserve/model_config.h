@@ -89,10 +89,22 @@ struct ModelConfig {
   double query_pre_attn_scalar = 0.0;   ///< attention scale is this^-0.5; 0 = head_dim^-0.5
   double attn_logit_softcap = 0.0;      ///< attention scores -> c * tanh(s / c); 0 = none
   double final_logit_softcap = 0.0;     ///< LM-head logits likewise; 0 = none
+  /// Cross-layer KV sharing (CLA, kvserve's `kv_sharing` config extension): per layer, the
+  /// earlier layer whose cached K/V it attends over instead of writing its own (its own index
+  /// when it owns its KV). Empty: every layer owns its KV.
+  std::vector<int64_t> kv_sources;
   MLAConfig mla;  ///< head_dim is qk_rope_head_dim (the RoPE size) when mla is in use
   MoEConfig moe;
 
   bool use_mla() const { return mla.kv_lora_rank > 0; }
+  /// The layer whose K/V `layer` attends over (itself unless it shares an earlier layer's).
+  int64_t kv_source(int64_t layer) const {
+    return kv_sources.empty() ? layer : kv_sources.at(layer);
+  }
+  /// Layers that write K/V, each with a cache of its own: every layer but the sharing ones.
+  int64_t num_kv_layers() const;
+  /// Index of the cache that `layer` reads among the num_kv_layers() caches.
+  int64_t kv_cache_index(int64_t layer) const;
   bool is_moe_layer(int64_t layer) const {
     return moe.num_experts > 0 && !moe.layers.empty() && moe.layers.at(layer) != 0;
   }

@@ -67,7 +67,7 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
         if config.use_mla():
             _read_mla(read, config, p + "self_attn.", out + "self_attn.", w)
         else:
-            _read_attention(read, config, p + "self_attn.", out + "self_attn.", w)
+            _read_attention(read, config, i, p + "self_attn.", out + "self_attn.", w)
         if config.is_moe_layer(i):
             _read_moe(read, config, p, out + "mlp.", w)
         else:
@@ -75,17 +75,20 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
     return {name: t.to(device).contiguous() for name, t in w.items()}
 
 
-def _read_attention(read: _TensorReader, c: _C.ModelConfig, attn: str, out: str,
+def _read_attention(read: _TensorReader, c: _C.ModelConfig, layer: int, attn: str, out: str,
                     w: dict[str, torch.Tensor]) -> None:
-    w[out + "qkv_proj.weight"] = torch.cat([read(attn + f"{x}_proj.weight") for x in "qkv"])
+    # A layer that shares an earlier layer's KV (CLA) projects queries only.
+    fused, names = ("q_proj", "q") if c.kv_source(layer) != layer else ("qkv_proj", "qkv")
+    w[out + fused + ".weight"] = torch.cat([read(attn + f"{x}_proj.weight") for x in names])
     if c.qkv_bias:
-        w[out + "qkv_proj.bias"] = torch.cat([read(attn + f"{x}_proj.bias") for x in "qkv"])
+        w[out + fused + ".bias"] = torch.cat([read(attn + f"{x}_proj.bias") for x in names])
     w[out + "o_proj.weight"] = read(attn + "o_proj.weight")
     if c.o_proj_bias:
         w[out + "o_proj.bias"] = read(attn + "o_proj.bias")
     if c.qk_norm:
         w[out + "q_norm.weight"] = read(attn + "q_norm.weight")
-        w[out + "k_norm.weight"] = read(attn + "k_norm.weight")
+        if c.kv_source(layer) == layer:
+            w[out + "k_norm.weight"] = read(attn + "k_norm.weight")
 
 
 def _read_mla(read: _TensorReader, c: _C.ModelConfig, attn: str, out: str,

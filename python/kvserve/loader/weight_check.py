@@ -32,7 +32,7 @@ def expected_shapes(c: _C.ModelConfig) -> dict[str, tuple[Dim, ...]]:
         if c.sandwich_norms:
             shapes[p + "pre_feedforward_layernorm.weight"] = (hidden,)
             shapes[p + "post_feedforward_layernorm.weight"] = (hidden,)
-        shapes.update(_mla_shapes(c, p) if c.use_mla() else _attention_shapes(c, p))
+        shapes.update(_mla_shapes(c, p) if c.use_mla() else _attention_shapes(c, p, i))
         if c.is_moe_layer(i):
             shapes.update(_moe_shapes(c, p))
         else:
@@ -41,12 +41,14 @@ def expected_shapes(c: _C.ModelConfig) -> dict[str, tuple[Dim, ...]]:
     return shapes
 
 
-def _attention_shapes(c: _C.ModelConfig, p: str) -> dict[str, tuple[Dim, ...]]:
+def _attention_shapes(c: _C.ModelConfig, p: str, layer: int) -> dict[str, tuple[Dim, ...]]:
     hidden, head = ("hidden_size", c.hidden_size), ("head_dim", c.head_dim)
     q = ("num_attention_heads*head_dim", c.num_heads * c.head_dim)
     kv = ("num_key_value_heads*head_dim", c.num_kv_heads * c.head_dim)
     shapes = {}
-    for name, out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+    shares = c.kv_source(layer) != layer  # CLA: queries only, the KV is an earlier layer's
+    projections = [("q_proj", q)] if shares else [("q_proj", q), ("k_proj", kv), ("v_proj", kv)]
+    for name, out in projections:
         shapes[f"{p}self_attn.{name}.weight"] = (out, hidden)
         if c.qkv_bias:
             shapes[f"{p}self_attn.{name}.bias"] = (out,)
@@ -55,7 +57,8 @@ def _attention_shapes(c: _C.ModelConfig, p: str) -> dict[str, tuple[Dim, ...]]:
         shapes[p + "self_attn.o_proj.bias"] = (hidden,)
     if c.qk_norm:
         shapes[p + "self_attn.q_norm.weight"] = (head,)
-        shapes[p + "self_attn.k_norm.weight"] = (head,)
+        if not shares:
+            shapes[p + "self_attn.k_norm.weight"] = (head,)
     return shapes
 
 

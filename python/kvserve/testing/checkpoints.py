@@ -86,6 +86,19 @@ def make_config(architecture: str = "LlamaForCausalLM", **overrides):
     return config
 
 
+def perturb_norms_and_biases(model) -> None:
+    """Norm weights start at one and biases at zero; random ones make a missed norm or bias show."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+            elif name.endswith(".bias"):
+                p.normal_(0, 0.5)
+        for name, b in model.named_buffers():  # DeepSeek-V3's router bias starts at zero
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
+
+
 def make_checkpoint(out_dir: str | Path, architecture: str = "LlamaForCausalLM",
                     dtype: torch.dtype = torch.float32, seed: int = 0,
                     max_shard_size: str | None = None, with_tokenizer: bool = True,
@@ -99,16 +112,7 @@ def make_checkpoint(out_dir: str | Path, architecture: str = "LlamaForCausalLM",
     config = make_config(architecture, **config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # Norm weights are initialised to one; perturb them so that a missed norm shows up.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.2)
-            elif name.endswith(".bias"):
-                p.normal_(0, 0.5)
-        for name, b in model.named_buffers():  # DeepSeek-V3's router bias starts at zero
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0, 0.1)
+    perturb_norms_and_biases(model)
     model = model.to(dtype)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **kwargs)
