@@ -25,12 +25,22 @@ void bind_paged_block_manager(py::module_& m) {
   using M = PagedBlockManager;
   py::class_<M>(m, "PagedBlockManager",
                 "KV cache block ids, reference counts and prefix cache; block 0 is the null block.")
-      .def(py::init<int64_t, int64_t, bool, double>(), py::arg("num_blocks"),
-           py::arg("block_size") = 16, py::arg("enable_prefix_caching") = true,
-           py::arg("watermark") = 0.01)
-      .def("can_allocate", &M::can_allocate, py::arg("prompt_tokens"), py::arg("extra_key") = 0)
+      .def(py::init([](int64_t num_blocks, int64_t block_size, bool enable_prefix_caching,
+                       double watermark, std::vector<int64_t> group_windows) {
+             return M(num_blocks, block_size, enable_prefix_caching, watermark, nullptr,
+                      std::move(group_windows));
+           }),
+           py::arg("num_blocks"), py::arg("block_size") = 16,
+           py::arg("enable_prefix_caching") = true, py::arg("watermark") = 0.01,
+           py::arg("group_windows") = std::vector<int64_t>{0},
+           "group_windows: per group of layers its sliding window in tokens (0: full attention).")
+      .def("can_allocate", &M::can_allocate, py::arg("prompt_tokens"), py::arg("extra_key") = 0,
+           py::arg("num_scheduled") = -1)
       .def("allocate", &M::allocate, py::arg("seq_id"), py::arg("prompt_tokens"),
-           py::arg("extra_key") = 0, "Returns how many prompt tokens the prefix cache holds.")
+           py::arg("extra_key") = 0, py::arg("num_scheduled") = -1,
+           "Returns how many prompt tokens the prefix cache holds.")
+      .def("can_reserve_prefill", &M::can_reserve_prefill, py::arg("seq_id"), py::arg("end"))
+      .def("reserve_prefill", &M::reserve_prefill, py::arg("seq_id"), py::arg("end"))
       .def("can_append_slots", &M::can_append_slots, py::arg("seq_id"), py::arg("num_new_tokens"),
            py::arg("num_lookahead") = 0)
       .def("append_slots", &M::append_slots, py::arg("seq_id"), py::arg("new_tokens"),
@@ -55,7 +65,10 @@ void bind_paged_block_manager(py::module_& m) {
       .def("ref_count", &M::ref_count, py::arg("block_id"))
       .def("has_sequence", &M::has_sequence, py::arg("seq_id"))
       .def("num_sequences", &M::num_sequences)
-      .def("block_table", &M::block_table, py::arg("seq_id"))
+      .def("block_table", &M::block_table, py::arg("seq_id"), py::arg("group") = 0)
+      .def("num_live_blocks", &M::num_live_blocks, py::arg("seq_id"), py::arg("group"))
+      .def("num_groups", &M::num_groups)
+      .def("group_window", &M::group_window, py::arg("group"))
       .def("num_tokens", &M::num_tokens, py::arg("seq_id"))
       .def("num_lookahead", &M::num_lookahead, py::arg("seq_id"))
       .def("num_computed_tokens", &M::num_computed_tokens, py::arg("seq_id"))

@@ -172,13 +172,16 @@ void Scheduler::preempt_last(SchedulerOutput& out) {
   running_.pop_back();
   // Blocks it got this step (copy-on-write targets) go back to the pool: drop their copies, and
   // drop its share of the step.
-  const std::vector<int32_t>& table = blocks_.block_table(victim);
+  auto holds = [&](int32_t block) {
+    for (int64_t g = 0; g < blocks_.num_groups(); ++g) {
+      const std::vector<int32_t>& table = blocks_.block_table(victim, g);
+      if (std::find(table.begin(), table.end(), block) != table.end()) return true;
+    }
+    return false;
+  };
   out.block_copies.erase(
       std::remove_if(out.block_copies.begin(), out.block_copies.end(),
-                     [&](const BlockCopy& c) {
-                       return std::find(table.begin(), table.end(), c.dst) != table.end() &&
-                              blocks_.ref_count(c.dst) == 1;
-                     }),
+                     [&](const BlockCopy& c) { return holds(c.dst) && blocks_.ref_count(c.dst) == 1; }),
       out.block_copies.end());
   out.scheduled.erase(std::remove_if(out.scheduled.begin(), out.scheduled.end(),
                                      [&](const ScheduledSequence& s) { return s.seq_id == victim; }),

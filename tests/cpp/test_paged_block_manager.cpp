@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <functional>
 #include <map>
@@ -366,13 +367,18 @@ TEST(PagedBlockManager, RejectsBadArgumentsAndFailedCallsChangeNothing) {
   EXPECT_THROW(PagedBlockManager(4, 4, true, -0.1), std::invalid_argument);
 }
 
-// Random operations against a simulated KV cache: every computed position must read back the KV of
-// exactly its own prefix, whatever hits, copies and evictions happened on the way.
+// Random operations against a simulated KV cache: every computed position that a group's next
+// query can see (all of them under full attention, the last `window` under a sliding window) must
+// read back the KV of exactly its own prefix, whatever hits, copies, window moves and evictions
+// happened on the way.
 class RandomTrace {
  public:
-  RandomTrace(int64_t block_size, bool prefix_caching, uint32_t seed)
-      : m_(/*num_blocks=*/24, block_size, prefix_caching, /*watermark=*/0.05),
-        kv_(24, std::vector<uint64_t>(block_size, 0)),
+  RandomTrace(int64_t block_size, bool prefix_caching, uint32_t seed,
+              std::vector<int64_t> windows = {0})
+      : m_(/*num_blocks=*/24 * static_cast<int64_t>(windows.size()), block_size, prefix_caching,
+           /*watermark=*/0.05, nullptr, windows),
+        windows_(windows),
+        kv_(24 * windows.size(), std::vector<uint64_t>(block_size, 0)),
         rng_(seed) {
     for (auto& prefix : prefixes_) prefix = random_tokens(12);
   }
@@ -408,8 +414,11 @@ class RandomTrace {
   static uint64_t kv_value(const Tokens& tokens, int64_t p) {
     return PagedBlockManager::default_block_hash(1, tokens.data(), p + 1, 0);
   }
-  uint64_t& slot(int64_t id, int64_t p) {
-    return kv_[m_.block_table(id)[p / m_.block_size()]][p % m_.block_size()];
+  uint64_t& slot(int64_t id, int64_t group, int64_t p) {
+    return kv_[m_.block_table(id, group)[p / m_.block_size()]][p % m_.block_size()];
+  }
+  bool sliding() const {
+    return std::any_of(windows_.begin(), windows_.end(), [](int64_t w) { return w > 0; });
   }
 
   void step() {
@@ -434,8 +443,10 @@ class RandomTrace {
     Tokens prompt(prefixes_[rng_() % prefixes_.size()]);
     prompt.resize(rng_() % (prompt.size() + 1));
     prompt = concat(prompt, random_tokens(1 + rng_() % 8));
-    if (!m_.can_allocate(prompt)) return;
-    const int64_t hit = m_.allocate(next_id_, prompt);
+    // Sliding groups: a first chunk of random size (or the whole prompt).
+    const int64_t scheduled = sliding() && rng_() % 2 ? 1 + rng_() % prompt.size() : -1;
+    if (!m_.can_allocate(prompt, 0, scheduled)) return;
+    const int64_t hit = m_.allocate(next_id_, prompt, 0, scheduled);
     ASSERT_EQ(hit % m_.block_size(), 0);
     ASSERT_LT(hit, static_cast<int64_t>(prompt.size()));
     tokens_[next_id_++] = prompt;
@@ -445,7 +456,11 @@ class RandomTrace {
     const Tokens& tokens = tokens_[id];
     const int64_t begin = m_.num_computed_tokens(id);
     const int64_t end = begin + 1 + rng_() % (tokens.size() - begin);  // a prefill chunk
-    for (int64_t p = begin; p < end; ++p) slot(id, p) = kv_value(tokens, p);
+    if (!m_.can_reserve_prefill(id, end)) return;
+    m_.reserve_prefill(id, end);
+    for (int64_t g = 0; g < m_.num_groups(); ++g) {
+      for (int64_t p = begin; p < end; ++p) slot(id, g, p) = kv_value(tokens, p);
+    }
     m_.mark_computed(id, end);
   }
 
@@ -462,13 +477,19 @@ class RandomTrace {
   void check_context() {
     for (const auto& [id, tokens] : tokens_) {
       ASSERT_EQ(m_.num_tokens(id), static_cast<int64_t>(tokens.size()));
-      for (int64_t p = 0; p < m_.num_computed_tokens(id); ++p) {
-        ASSERT_EQ(slot(id, p), kv_value(tokens, p)) << "sequence " << id << " position " << p;
+      const int64_t computed = m_.num_computed_tokens(id);
+      for (int64_t g = 0; g < m_.num_groups(); ++g) {
+        const int64_t w = windows_[g];
+        for (int64_t p = w > 0 ? std::max<int64_t>(0, computed - w + 1) : 0; p < computed; ++p) {
+          ASSERT_EQ(slot(id, g, p), kv_value(tokens, p))
+              << "sequence " << id << " group " << g << " position " << p;
+        }
       }
     }
   }
 
   PagedBlockManager m_;
+  std::vector<int64_t> windows_;
   std::vector<std::vector<uint64_t>> kv_;  // [num_blocks][block_size]: what each slot holds
   std::mt19937 rng_;
   std::array<Tokens, 3> prefixes_;
@@ -500,6 +521,27 @@ TEST_P(PagedBlockManagerRandom, KeepsInvariantsAndServesOnlyCorrectKV) {
 
 INSTANTIATE_TEST_SUITE_P(BlockSizes, PagedBlockManagerRandom,
                          ::testing::Combine(::testing::Values(1, 2, 4), ::testing::Bool()));
+
+// The same with a full-attention group beside sliding-window ones (a hybrid local/global model),
+// and with sliding groups only (Mistral), windows shorter and longer than a block.
+class PagedBlockManagerRandomGroups
+    : public ::testing::TestWithParam<std::tuple<int64_t, bool, std::vector<int64_t>>> {};
+
+TEST_P(PagedBlockManagerRandomGroups, KeepsInvariantsAndServesOnlyCorrectKV) {
+  const auto& [block_size, prefix_caching, windows] = GetParam();
+  for (uint32_t seed : {1u, 2u, 3u}) {
+    SCOPED_TRACE(seed);
+    RandomTrace trace(block_size, prefix_caching, seed, windows);
+    trace.run(3000);
+    if (prefix_caching) EXPECT_GT(trace.manager().prefix_cache_hits(), 0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Windows, PagedBlockManagerRandomGroups,
+    ::testing::Combine(::testing::Values(1, 4), ::testing::Bool(),
+                       ::testing::Values(std::vector<int64_t>{0, 3}, std::vector<int64_t>{5, 0, 9},
+                                         std::vector<int64_t>{6})));
 
 }  // namespace
 }  // namespace kvserve

@@ -10,6 +10,33 @@ import kvserve  # noqa: F401  (loads libtorch before the extension)
 from kvserve._C import BlockCopy, PagedBlockManager
 
 
+def test_groups_with_a_sliding_window():
+    """A full-attention group and a local group of window 6: the local table gives back block 0
+    once the next query (position 9) no longer sees it, and reserves a long prefill chunk by
+    chunk."""
+    m = PagedBlockManager(num_blocks=40, block_size=4, group_windows=[0, 6])
+    assert (m.num_groups(), m.group_window(0), m.group_window(1)) == (2, 0, 6)
+    m.allocate(1, list(range(9)))
+    m.mark_computed(1, 9)
+    assert m.block_table(1, 1) == [4, 5, 6]
+    m.append_slots(1, [50])
+    assert m.block_table(1, 1) == [0, 5, 6] and m.block_table(1) == [1, 2, 3]
+    assert m.num_live_blocks(1, 1) == 2 and m.ref_count(4) == 0
+    m.allocate(2, list(range(100, 140)), num_scheduled=8)
+    assert m.num_live_blocks(2, 0) == 10 and m.num_live_blocks(2, 1) == 2
+    m.mark_computed(2, 8)
+    assert m.can_reserve_prefill(2, 16)
+    m.reserve_prefill(2, 16)
+    assert m.num_live_blocks(2, 1) == 4
+    with pytest.raises(ValueError, match="outside the sequence's 40 tokens"):
+        m.reserve_prefill(2, 41)
+    with pytest.raises(ValueError, match="reserved up to position 16"):
+        m.mark_computed(2, 20)
+    m.check_invariants()
+    with pytest.raises(ValueError, match="one window >= 0 per group"):
+        PagedBlockManager(num_blocks=8, group_windows=[])
+
+
 def test_trace_with_prefix_hit_fork_copy_and_free():
     m = PagedBlockManager(num_blocks=10, block_size=4)
     prompt = list(range(10))

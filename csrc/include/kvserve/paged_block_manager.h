@@ -24,7 +24,17 @@ struct BlockCopy {
 using BlockHashFn = std::function<uint64_t(uint64_t parent_hash, const int32_t* tokens,
                                            int64_t num_tokens, uint64_t extra_key)>;
 
-/// The pool of KV cache blocks, the block table of every sequence and the prefix cache.
+/// The pool of KV cache blocks, the block tables of every sequence and the prefix cache.
+///
+/// Layers are grouped by how they attend (vLLM's hybrid KV cache manager): every group has one
+/// block table per sequence, and all groups take their blocks from the one pool. A full-attention
+/// group (window 0) keeps a block for every position. A sliding-window group of W tokens keeps
+/// only the blocks that the sequence's next queries can see: positions from num_computed - W + 1
+/// on. The blocks before that go back to the pool (and to the prefix cache's LRU) when the next
+/// step's slots are reserved, and their entries in the table become the null block; and during a
+/// prefill, such a group reserves blocks chunk by chunk (reserve_prefill) instead of for the whole
+/// prompt at admission. A local group's blocks thus stay bounded by its window, whatever the
+/// sequence length. One group of full attention is the plain paged cache.
 ///
 /// Block 0 is the null block (padding rows of block tables): never handed out, so blocks
 /// 1..num_blocks-1 are usable. A block is either free (in the free queue, reference count 0) or
@@ -39,31 +49,49 @@ class PagedBlockManager {
   /// num_blocks >= 2 (including the null block), block_size >= 1 tokens, watermark in [0, 1) as a
   /// fraction of the usable blocks that new prompts must leave free. hash_fn replaces the default
   /// block hash (tests use it to force collisions). Throws std::invalid_argument.
+  /// group_windows: one entry per group of layers, its sliding window in tokens (0: full
+  /// attention); the default is one full-attention group.
   explicit PagedBlockManager(int64_t num_blocks, int64_t block_size = 16,
                              bool enable_prefix_caching = true, double watermark = 0.01,
-                             BlockHashFn hash_fn = nullptr);
+                             BlockHashFn hash_fn = nullptr,
+                             std::vector<int64_t> group_windows = {0});
 
   /// The default block hash: splitmix64 mixing, the same in every run.
   static uint64_t default_block_hash(uint64_t parent_hash, const int32_t* tokens,
                                      int64_t num_tokens, uint64_t extra_key);
 
   /// Whether a new sequence with this prompt fits while keeping the watermark free, counting the
-  /// prefix-hit blocks that are now free as taken. Throws std::invalid_argument on a bad prompt.
-  bool can_allocate(const std::vector<int32_t>& prompt_tokens, uint64_t extra_key = 0) const;
+  /// prefix-hit blocks that are now free as taken. num_scheduled as for allocate.
+  /// Throws std::invalid_argument on a bad prompt.
+  bool can_allocate(const std::vector<int32_t>& prompt_tokens, uint64_t extra_key = 0,
+                    int64_t num_scheduled = -1) const;
 
-  /// Registers `seq_id` with blocks for its whole prompt, reusing the cached full blocks of its
-  /// longest cached prefix; at least the last prompt token is left uncached. Returns how many
-  /// prompt tokens have their KV cached (a multiple of block_size); they count as computed.
-  /// Throws std::invalid_argument (id taken, empty prompt, negative token id) or
-  /// std::runtime_error (not enough free blocks; the watermark is not applied here).
+  /// Registers `seq_id` with blocks for its prompt, reusing the cached blocks of its longest
+  /// cached prefix; at least the last prompt token is left uncached. Full-attention groups get
+  /// blocks for the whole prompt; sliding-window groups for the cached window and the first
+  /// num_scheduled tokens after the hit (-1: the rest of the prompt; reserve_prefill adds the
+  /// later chunks). Returns how many prompt tokens have their KV cached (a multiple of
+  /// block_size); they count as computed. Throws std::invalid_argument (id taken, empty prompt,
+  /// negative token id) or std::runtime_error (not enough free blocks; the watermark is not
+  /// applied here).
   int64_t allocate(int64_t seq_id, const std::vector<int32_t>& prompt_tokens,
-                   uint64_t extra_key = 0);
+                   uint64_t extra_key = 0, int64_t num_scheduled = -1);
+
+  /// Whether reserve_prefill(seq_id, end) fits.
+  bool can_reserve_prefill(int64_t seq_id, int64_t end) const;
+
+  /// The next step computes the tokens of `seq_id` up to position `end` (exclusive, at most its
+  /// token count): sliding-window groups give back the blocks before their window and get blocks
+  /// up to `end` (full-attention groups hold every token's block already). Throws
+  /// std::invalid_argument for an end beyond the tokens, std::runtime_error when out of blocks.
+  void reserve_prefill(int64_t seq_id, int64_t end);
 
   /// Whether appending `num_new_tokens` to `seq_id` with `num_lookahead` slots after them fits
   /// (copy-on-write block included).
   bool can_append_slots(int64_t seq_id, int64_t num_new_tokens, int64_t num_lookahead = 0) const;
 
-  /// Appends tokens whose KV the next step writes, adding blocks as needed, and reserves
+  /// Appends tokens whose KV the next step writes, adding blocks as needed (and giving back what
+  /// fell out of the sliding windows), and reserves
   /// `num_lookahead` slots after them: positions the step may write without tokens of the sequence
   /// yet (speculative draft tokens). The reservation is exactly tokens + num_lookahead: blocks a
   /// smaller lookahead no longer reaches go back to the pool (rejected drafts' slots are reused by
@@ -119,10 +147,18 @@ class PagedBlockManager {
   bool has_sequence(int64_t seq_id) const { return sequences_.count(seq_id) > 0; }
   /// Sequences allocated or forked and not freed.
   int64_t num_sequences() const { return static_cast<int64_t>(sequences_.size()); }
-  /// Block ids of `seq_id` in token order: position p lives in block_table[p / block_size].
-  const std::vector<int32_t>& block_table(int64_t seq_id) const {
-    return sequence(seq_id).block_table;
+  /// Block ids of `seq_id` in `group`, in token order: position p lives in
+  /// block_table[p / block_size]. A sliding-window group's table covers the positions reserved
+  /// for it, with the null block (0) before its window.
+  const std::vector<int32_t>& block_table(int64_t seq_id, int64_t group = 0) const {
+    return sequence(seq_id).tables.at(group);
   }
+  /// Blocks of `seq_id` in `group` other than the null block.
+  int64_t num_live_blocks(int64_t seq_id, int64_t group) const;
+  /// Groups of layers, each with its own block tables.
+  int64_t num_groups() const { return static_cast<int64_t>(windows_.size()); }
+  /// The sliding window of `group` in tokens; 0 for full attention.
+  int64_t group_window(int64_t group) const { return windows_.at(group); }
   /// Tokens of `seq_id`: prompt plus appended.
   int64_t num_tokens(int64_t seq_id) const;
   /// Slots reserved after the tokens of `seq_id` (see append_slots).
@@ -143,25 +179,33 @@ class PagedBlockManager {
   struct Block {
     int32_t ref_count = 0;
     uint64_t generation = 0;  ///< bumped each time the block is handed out
-    bool cached = false;      ///< in cached_ under `hash`
+    bool cached = false;      ///< in cached_ under `key`
     // Valid while cached: what a prefix hit must match besides the hash.
-    uint64_t hash = 0;
+    uint64_t hash = 0;         ///< chained over the prefix's tokens, the same in every group
+    uint64_t key = 0;          ///< hash salted with the group: the key in cached_
+    int64_t group = 0;         ///< the group whose table it serves
+    uint64_t parent_hash = 0;  ///< the previous block's hash (sliding-window groups' check)
     uint64_t extra_key = 0;
-    BlockRef parent{0, 0};
+    BlockRef parent{0, 0};     ///< the previous block itself (full-attention groups' check)
     std::vector<int32_t> tokens;
   };
 
   struct Sequence {
     std::vector<int32_t> tokens;
-    std::vector<int32_t> block_table;  ///< covers tokens + num_lookahead slots
+    /// Per group. Full attention: covers tokens + num_lookahead slots. Sliding window: covers
+    /// positions < sliding_end, the entries before live_from[group] being the null block.
+    std::vector<std::vector<int32_t>> tables;
+    std::vector<int64_t> live_from;
+    int64_t sliding_end = 0;
     int64_t num_lookahead = 0;
     int64_t num_computed = 0;
     uint64_t extra_key = 0;
-    // Prefix-cache chain over the first num_hashed full computed blocks: the last block's hash and
-    // the cached block holding its content (parent of the next one; id -1 once the chain broke).
+    // Prefix-cache chain over the first num_hashed full computed blocks: the last block's hash,
+    // and per full-attention group the cached block holding its content (parent of the next
+    // one; id -1 once the chain broke).
     int64_t num_hashed = 0;
     uint64_t chain_hash = 0;
-    BlockRef chain_ref{0, 0};
+    std::vector<BlockRef> chain_refs;
   };
 
   /// Free blocks, head first: an intrusive doubly-linked list over block ids, so that a prefix hit
@@ -186,10 +230,14 @@ class PagedBlockManager {
     int64_t size_ = 0;
   };
 
-  /// Longest verified cached prefix of a prompt (full blocks within its first len-1 tokens).
+  /// Longest verified cached prefix of a prompt (full blocks within its first len-1 tokens):
+  /// num_blocks blocks; per group the hit blocks (a sliding-window group's: those of its window
+  /// before the hit, from index first[group] on).
   struct PrefixMatch {
-    std::vector<int32_t> blocks;
-    uint64_t last_hash;
+    int64_t num_blocks = 0;
+    std::vector<std::vector<int32_t>> blocks;
+    std::vector<int64_t> first;
+    uint64_t last_hash = 0;
   };
 
   const Sequence& sequence(int64_t seq_id) const;
@@ -197,9 +245,32 @@ class PagedBlockManager {
   int64_t blocks_for(int64_t num_tokens) const {
     return (num_tokens + block_size_ - 1) / block_size_;
   }
+  bool sliding(int64_t group) const { return windows_[group] > 0; }
+  /// The first block a sliding group's queries from position `num_computed` on can see.
+  int64_t window_first_block(int64_t group, int64_t num_computed) const;
+  uint64_t group_key(uint64_t hash, int64_t group) const;
   int64_t num_free_among(const std::vector<int32_t>& block_ids) const;
-  bool needs_copy_on_write(const Sequence& seq) const;
+  bool needs_copy_on_write(const Sequence& seq, int64_t group) const;
+  /// Blocks a reservation of full groups to full_end and sliding groups to sliding_end takes
+  /// from the free queue, less those its window moves give back.
+  int64_t num_blocks_to_take(const Sequence& seq, int64_t full_end, int64_t sliding_end) const;
+  /// Gives back sliding groups' blocks before the window of seq.num_computed.
+  void drop_out_of_window(Sequence& seq);
+  /// Grows (taking free blocks) or shrinks (releasing) a group's table to `size` entries.
+  void resize_table(std::vector<int32_t>& table, int64_t size);
   PrefixMatch match_prefix(const std::vector<int32_t>& tokens, uint64_t extra_key) const;
+  /// Extends hashes (the chained hash of each full block of tokens) to `count` blocks.
+  void extend_hashes(const std::vector<int32_t>& tokens, uint64_t extra_key,
+                     std::vector<uint64_t>& hashes, int64_t count) const;
+  /// A full-attention group's cached chain of at most `limit` blocks of tokens, into hits.
+  void match_full_group(const std::vector<int32_t>& tokens, uint64_t extra_key, int64_t group,
+                        int64_t limit, std::vector<uint64_t>& hashes,
+                        std::vector<int32_t>& hits) const;
+  /// Whether a sliding-window group holds the blocks of its window before block num_blocks;
+  /// they go into hits.
+  bool match_window(const std::vector<int32_t>& tokens, uint64_t extra_key, int64_t group,
+                    int64_t num_blocks, std::vector<uint64_t>& hashes,
+                    std::vector<int32_t>& hits) const;
   bool holds(int32_t block_id, const int32_t* tokens, uint64_t extra_key, BlockRef parent) const;
   bool is_live(BlockRef ref) const;
   BlockRef ref(int32_t block_id) const { return {block_id, blocks_[block_id].generation}; }
@@ -207,19 +278,21 @@ class PagedBlockManager {
   int32_t take_free_block();
   void acquire(int32_t block_id);
   void release(int32_t block_id);
-  void cache_full_block(Sequence& seq, int64_t index);
-  void cache(int32_t block_id, uint64_t hash, const int32_t* tokens, uint64_t extra_key,
-             BlockRef parent);
+  void cache_full_block(Sequence& seq, int64_t group, int64_t index, uint64_t hash);
+  void cache_window_block(Sequence& seq, int64_t group, int64_t index, uint64_t hash);
+  void cache(int32_t block_id, int64_t group, uint64_t hash, const int32_t* tokens,
+             uint64_t extra_key, BlockRef parent, uint64_t parent_hash);
   void uncache(int32_t block_id);
   void check_block_invariants(const std::vector<int64_t>& table_refs) const;
 
   int64_t block_size_;
+  std::vector<int64_t> windows_;  ///< per group; 0 = full attention
   bool enable_prefix_caching_;
   int64_t watermark_blocks_;
   BlockHashFn hash_fn_;
   std::vector<Block> blocks_;
   FreeBlockQueue free_queue_;
-  std::unordered_map<uint64_t, int32_t> cached_;  ///< block hash -> block id
+  std::unordered_map<uint64_t, int32_t> cached_;  ///< group-salted block hash -> block id
   std::unordered_map<int64_t, Sequence> sequences_;
   int64_t prefix_cache_queries_ = 0;
   int64_t prefix_cache_hits_ = 0;
