@@ -35,13 +35,22 @@ void bind_kv_cache(py::module_& m) {
       .def_property_readonly("head_dim", &KVCache::head_dim)
       .def_property_readonly("nbytes", &KVCache::nbytes);
 
+  py::class_<KVCacheGroup>(m, "KVCacheGroup", "Layers of a paged pool that share block tables.")
+      .def_readonly("sliding_window", &KVCacheGroup::sliding_window)
+      .def_readonly("layers", &KVCacheGroup::layers)
+      .def("__repr__", [](const KVCacheGroup& g) {
+        return "KVCacheGroup(sliding_window=" + std::to_string(g.sliding_window) +
+               ", layers=" + std::to_string(g.layers.size()) + ")";
+      });
   py::class_<KVCacheLayout>(m, "KVCacheLayout",
                             "Per layer and token: key and value heads, or one MLA latent.")
       .def(py::init<>())
       .def_static("plain", &KVCacheLayout::plain, py::arg("num_layers"), py::arg("num_kv_heads"),
                   py::arg("head_dim"))
       .def_static("for_model", &KVCacheLayout::for_model, py::arg("config"),
-                  "What a model of this config caches (its latents under MLA).")
+                  py::arg("group_sliding_windows") = false,
+                  "What a model of this config caches (its latents under MLA); with "
+                  "group_sliding_windows, its layers grouped by window as the engine's pool.")
       .def_static("multi_head_equivalent", &KVCacheLayout::multi_head_equivalent,
                   py::arg("config"), "What the same model would cache with plain multi-head K/V.")
       .def_readwrite("num_layers", &KVCacheLayout::num_layers)
@@ -50,6 +59,9 @@ void bind_kv_cache(py::module_& m) {
       .def_readwrite("value_head_dim", &KVCacheLayout::value_head_dim)
       .def_readwrite("latent", &KVCacheLayout::latent)
       .def("bytes_per_token", &KVCacheLayout::bytes_per_token, py::arg("dtype"))
+      .def_readonly("groups", &KVCacheLayout::groups)
+      .def("num_slots", &KVCacheLayout::num_slots)
+      .def("group_windows", &KVCacheLayout::group_windows)
       .def("__repr__", [](const KVCacheLayout& l) {
         return "KVCacheLayout(num_layers=" + std::to_string(l.num_layers) +
                ", num_kv_heads=" + std::to_string(l.num_kv_heads) +

@@ -42,7 +42,12 @@ ContinuousBatchingEngine::ContinuousBatchingEngine(std::shared_ptr<CausalLM> mod
                                                    std::shared_ptr<CausalLM> draft_model)
     : model_(std::move(model)),
       config_(resolved(*model_, std::move(config))),
-      block_manager_(config_.num_blocks, config_.block_size, config_.enable_prefix_caching),
+      // A draft model keeps its own pool on the same block tables: it needs every layer's blocks
+      // (no sliding-window groups) until the draft's pool is grouped too.
+      block_manager_(config_.num_blocks, config_.block_size, config_.enable_prefix_caching, 0.01,
+                     nullptr,
+                     KVCacheLayout::for_model(model_->config(), draft_model == nullptr)
+                         .group_windows()),
       scheduler_(SchedulerConfig{config_.max_num_seqs, config_.max_num_batched_tokens,
                                  config_.max_model_len},
                  block_manager_),

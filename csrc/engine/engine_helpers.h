@@ -40,10 +40,12 @@ at::Tensor to_tensor(const std::vector<T>& values, at::Device device) {
       .to(device, dtype, /*non_blocking=*/false, /*copy=*/true);
 }
 
-/// A paged KV pool laid out for `model` (its KV heads or MLA latents, dtype and device).
-inline PagedKVCache make_kv_cache(const CausalLM& model, int64_t num_blocks, int64_t block_size) {
-  return PagedKVCache(KVCacheLayout::for_model(model.config()), num_blocks, block_size,
-                      model.dtype(), model.device());
+/// A paged KV pool laid out for `model` (its KV heads or MLA latents, dtype and device; its
+/// layers grouped by sliding window when group_sliding_windows).
+inline PagedKVCache make_kv_cache(const CausalLM& model, int64_t num_blocks, int64_t block_size,
+                                  bool group_sliding_windows = false) {
+  return PagedKVCache(KVCacheLayout::for_model(model.config(), group_sliding_windows), num_blocks,
+                      block_size, model.dtype(), model.device());
 }
 
 }  // namespace kvserve::engine_helpers

@@ -1,6 +1,8 @@
 #include "kvserve/kv_cache_layout.h"
 
+#include <algorithm>
 #include <stdexcept>
+#include <utility>
 
 namespace kvserve {
 
@@ -8,9 +10,32 @@ KVCacheLayout KVCacheLayout::plain(int64_t num_layers, int64_t num_kv_heads, int
   return {num_layers, num_kv_heads, head_dim, head_dim, false};
 }
 
-KVCacheLayout KVCacheLayout::for_model(const ModelConfig& c) {
-  if (!c.use_mla()) return plain(c.num_kv_layers(), c.num_kv_heads, c.head_dim);
-  return {c.num_layers, 1, c.mla.kv_lora_rank + c.mla.qk_rope_head_dim, c.mla.kv_lora_rank, true};
+KVCacheLayout KVCacheLayout::for_model(const ModelConfig& c, bool group_sliding_windows) {
+  if (c.use_mla()) {
+    return {c.num_layers, 1, c.mla.kv_lora_rank + c.mla.qk_rope_head_dim, c.mla.kv_lora_rank,
+            true};
+  }
+  KVCacheLayout layout = plain(c.num_kv_layers(), c.num_kv_heads, c.head_dim);
+  if (!group_sliding_windows || c.sliding_windows.empty()) return layout;
+  // Cache indices by window, windows in order of first appearance.
+  std::vector<std::pair<int64_t, std::vector<int64_t>>> kinds;
+  for (int64_t l = 0, index = 0; l < c.num_layers; ++l) {
+    if (c.kv_source(l) != l) continue;
+    const int64_t w = c.sliding_windows[l];
+    auto it = std::find_if(kinds.begin(), kinds.end(), [w](const auto& k) { return k.first == w; });
+    if (it == kinds.end()) it = kinds.insert(kinds.end(), {w, {}});
+    it->second.push_back(index++);
+  }
+  if (kinds.size() == 1 && kinds[0].first == 0) return layout;  // full attention only
+  size_t size = kinds[0].second.size();
+  for (const auto& kind : kinds) size = std::min(size, kind.second.size());
+  for (const auto& [window, layers] : kinds) {
+    for (size_t i = 0; i < layers.size(); i += size) {
+      const size_t end = std::min(layers.size(), i + size);
+      layout.groups.push_back({window, {layers.begin() + i, layers.begin() + end}});
+    }
+  }
+  return layout;
 }
 
 KVCacheLayout KVCacheLayout::multi_head_equivalent(const ModelConfig& c) {
@@ -27,10 +52,40 @@ int64_t KVCacheLayout::bytes_per_token(at::ScalarType dtype) const {
          static_cast<int64_t>(c10::elementSize(dtype));
 }
 
+int64_t KVCacheLayout::num_slots() const {
+  if (groups.empty()) return num_layers;
+  int64_t slots = 0;
+  for (const KVCacheGroup& g : groups) slots = std::max<int64_t>(slots, g.layers.size());
+  return slots;
+}
+
+int64_t KVCacheLayout::bytes_per_slot_token(at::ScalarType dtype) const {
+  return num_slots() * elements_per_token_per_layer() *
+         static_cast<int64_t>(c10::elementSize(dtype));
+}
+
+std::vector<int64_t> KVCacheLayout::group_windows() const {
+  if (groups.empty()) return {0};
+  std::vector<int64_t> windows;
+  for (const KVCacheGroup& g : groups) windows.push_back(g.sliding_window);
+  return windows;
+}
+
 void KVCacheLayout::validate() const {
   if (num_layers < 1 || num_kv_heads < 1 || head_dim < 1 || value_head_dim < 1) {
     throw std::invalid_argument("KV cache layout: num_layers, num_kv_heads, head_dim and "
                                 "value_head_dim must be positive");
+  }
+  std::vector<int64_t> seen(num_layers, 0);
+  for (const KVCacheGroup& g : groups) {
+    for (int64_t l : g.layers) {
+      if (l < 0 || l >= num_layers || seen[l]++) {
+        throw std::invalid_argument("KV cache layout: every layer must be in exactly one group");
+      }
+    }
+  }
+  if (!groups.empty() && std::count(seen.begin(), seen.end(), 1) != num_layers) {
+    throw std::invalid_argument("KV cache layout: every layer must be in exactly one group");
   }
   if (latent && (num_kv_heads != 1 || value_head_dim > head_dim)) {
     throw std::invalid_argument("KV cache layout: a latent cache has one head whose value is a "

@@ -22,12 +22,32 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 
 }  // namespace
 
+namespace {
+
+// Whether the block manager runs groups of layers with sliding windows (then the pool's layers
+// are grouped the same way).
+bool grouped(const PagedBlockManager& blocks) {
+  return blocks.num_groups() > 1 || blocks.group_window(0) > 0;
+}
+
+}  // namespace
+
 ModelRunner::ModelRunner(std::shared_ptr<CausalLM> model, int64_t num_blocks, int64_t block_size,
                          const Scheduler& scheduler, SpeculativeDecoder* speculator)
     : model_(std::move(model)),
-      kv_cache_(make_kv_cache(*model_, num_blocks, block_size)),
+      kv_cache_(make_kv_cache(*model_, num_blocks, block_size,
+                              grouped(scheduler.block_manager()))),
       scheduler_(scheduler),
-      speculator_(speculator) {}
+      speculator_(speculator) {
+  std::vector<int64_t> windows;
+  for (int64_t g = 0; g < scheduler.block_manager().num_groups(); ++g) {
+    windows.push_back(scheduler.block_manager().group_window(g));
+  }
+  if (windows != kv_cache_.layout().group_windows()) {
+    throw std::invalid_argument("ModelRunner: the block manager's groups of layers do not match "
+                                "the model's sliding windows");
+  }
+}
 
 ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
                                        const std::vector<SamplingTarget>& targets) {
@@ -80,7 +100,15 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
     std::vector<int64_t> fed(tokens.begin() + s.num_computed,
                              tokens.begin() + s.num_computed + s.num_new_tokens);
     fed.insert(fed.end(), proposals.tokens[i].begin(), proposals.tokens[i].end());
-    builder.add(fed, s.num_computed, blocks.block_table(s.seq_id));
+    if (blocks.num_groups() == 1) {
+      builder.add(fed, s.num_computed, blocks.block_table(s.seq_id));
+    } else {
+      std::vector<std::vector<int32_t>> tables;
+      for (int64_t g = 0; g < blocks.num_groups(); ++g) {
+        tables.push_back(blocks.block_table(s.seq_id, g));
+      }
+      builder.add_grouped(fed, s.num_computed, tables);
+    }
     starts.push_back(num_rows);
     num_rows += static_cast<int64_t>(fed.size());
   }

@@ -154,6 +154,17 @@ int64_t first_chunk(int64_t num_prompt, int64_t num_hit, int64_t num_scheduled) 
 
 }  // namespace
 
+// New blocks for the prompt (a local group's only up to sliding_end) plus the free hit blocks.
+int64_t PagedBlockManager::num_blocks_to_admit(const PrefixMatch& match, int64_t num_prompt,
+                                               int64_t sliding_end) const {
+  int64_t num_taken = 0;
+  for (int64_t g = 0; g < num_groups(); ++g) {
+    const int64_t end = sliding(g) ? sliding_end : num_prompt;
+    num_taken += blocks_for(end) - match.num_blocks + num_free_among(match.blocks[g]);
+  }
+  return num_taken;
+}
+
 bool PagedBlockManager::can_allocate(const std::vector<int32_t>& prompt_tokens,
                                      uint64_t extra_key, int64_t num_scheduled) const {
   check_prompt(prompt_tokens, "can_allocate");
@@ -161,11 +172,7 @@ bool PagedBlockManager::can_allocate(const std::vector<int32_t>& prompt_tokens,
   const PrefixMatch match = match_prefix(prompt_tokens, extra_key);
   const int64_t hit = match.num_blocks * block_size_;
   const int64_t sliding_end = hit + first_chunk(num_prompt, hit, num_scheduled);
-  int64_t num_taken = 0;
-  for (int64_t g = 0; g < num_groups(); ++g) {
-    const int64_t end = sliding(g) ? sliding_end : num_prompt;
-    num_taken += blocks_for(end) - match.num_blocks + num_free_among(match.blocks[g]);
-  }
+  const int64_t num_taken = num_blocks_to_admit(match, num_prompt, sliding_end);
   return num_free_blocks() - num_taken >= watermark_blocks_;
 }
 
@@ -180,11 +187,7 @@ int64_t PagedBlockManager::allocate(int64_t seq_id, const std::vector<int32_t>& 
   const PrefixMatch match = match_prefix(prompt_tokens, extra_key);
   const int64_t hit = match.num_blocks * block_size_;
   const int64_t sliding_end = hit + first_chunk(num_prompt, hit, num_scheduled);
-  int64_t num_taken = 0;
-  for (int64_t g = 0; g < num_groups(); ++g) {
-    const int64_t end = sliding(g) ? sliding_end : num_prompt;
-    num_taken += blocks_for(end) - match.num_blocks + num_free_among(match.blocks[g]);
-  }
+  const int64_t num_taken = num_blocks_to_admit(match, num_prompt, sliding_end);
   if (num_taken > num_free_blocks()) {
     throw std::runtime_error("allocate: sequence " + std::to_string(seq_id) + " needs " +
                              std::to_string(num_taken) + " free KV cache blocks (" +

@@ -21,12 +21,11 @@ PagedKVCache::PagedKVCache(const KVCacheLayout& layout, int64_t num_blocks, int6
                                 "block), got " + std::to_string(num_blocks));
   }
   const auto options = at::TensorOptions().dtype(dtype).device(device);
-  layers_.reserve(layout.num_layers);
   // Zero-filled, so that the whole pool is committed now: the operating system maps a page of an
   // untouched allocation at its first write, and on CPU those faults would otherwise land in the
   // steps that first write each block (~0.8 s per GiB on a virtual machine). A pool that does not
   // fit in memory fails here, not in the middle of serving.
-  for (int64_t l = 0; l < layout.num_layers; ++l) {
+  for (int64_t s = 0; s < layout.num_slots(); ++s) {
     at::Tensor key = at::zeros({num_blocks, block_size, layout.num_kv_heads, layout.head_dim},
                                options);
     at::Tensor value =
@@ -34,7 +33,19 @@ PagedKVCache::PagedKVCache(const KVCacheLayout& layout, int64_t num_blocks, int6
                       : at::zeros({num_blocks, block_size, layout.num_kv_heads,
                                    layout.value_head_dim},
                                   options);
-    layers_.push_back({std::move(key), std::move(value)});
+    slots_.push_back({std::move(key), std::move(value)});
+  }
+  // Grouped layers share the slots: the i-th layer of every group is in slot i.
+  layers_.resize(layout.num_layers);
+  if (layout.groups.empty()) {
+    layers_ = slots_;
+  } else {
+    for (size_t g = 0; g < layout.groups.size(); ++g) {
+      const std::vector<int64_t>& group = layout.groups[g].layers;
+      for (size_t i = 0; i < group.size(); ++i) {
+        layers_[group[i]] = {slots_[i].key, slots_[i].value, static_cast<int64_t>(g)};
+      }
+    }
   }
 }
 
@@ -46,7 +57,7 @@ PagedKVCache::PagedKVCache(int64_t num_layers, int64_t num_blocks, int64_t block
 
 int64_t PagedKVCache::bytes_per_block(const KVCacheLayout& layout, int64_t block_size,
                                       at::ScalarType dtype) {
-  return block_size * layout.bytes_per_token(dtype);
+  return block_size * layout.bytes_per_slot_token(dtype);
 }
 
 PagedKVCache PagedKVCache::from_memory(int64_t memory_bytes, const KVCacheLayout& layout,
@@ -63,7 +74,7 @@ PagedKVCache PagedKVCache::from_memory(int64_t memory_bytes, const KVCacheLayout
   return PagedKVCache(layout, num_blocks, block_size, dtype, device);
 }
 
-int64_t PagedKVCache::bytes_per_token() const { return layout_.bytes_per_token(dtype()); }
+int64_t PagedKVCache::bytes_per_token() const { return layout_.bytes_per_slot_token(dtype()); }
 
 int64_t PagedKVCache::nbytes() const { return bytes_per_token() * block_size() * num_blocks(); }
 
@@ -78,9 +89,9 @@ void PagedKVCache::copy_blocks(const std::vector<std::pair<int32_t, int32_t>>& c
   const at::Tensor mapping =
       at::tensor(flat, at::TensorOptions().dtype(at::kLong)).view({-1, 2}).to(device());
   std::vector<at::Tensor> keys, values;  // no values for latent layers: the key is the entry
-  for (const LayerKVCache& layer : layers_) {
-    keys.push_back(layer.key);
-    if (!layout_.latent) values.push_back(layer.value);
+  for (const LayerKVCache& slot : slots_) {
+    keys.push_back(slot.key);
+    if (!layout_.latent) values.push_back(slot.value);
   }
   ops::kv_cache_copy_blocks(keys, values, mapping);
 }

@@ -123,6 +123,9 @@ void Scheduler::schedule_running(bool decodes, int64_t& budget, SchedulerOutput&
     }
     const int64_t chunk = std::min(remaining, budget);
     if (chunk == 0) return;
+    // Sliding-window groups reserve prefill chunks as they come (a no-op otherwise, and for a
+    // decode whose slot append_slots reserved).
+    if (!reserve_prefill(id, s.num_computed + chunk, out)) continue;
     out.scheduled.push_back({id, s.num_computed, chunk,
                              s.num_computed + chunk == static_cast<int64_t>(s.tokens.size()),
                              drafts});
@@ -167,6 +170,16 @@ bool Scheduler::reserve_slots(int64_t seq_id, SchedulerOutput& out) {
   return true;
 }
 
+bool Scheduler::reserve_prefill(int64_t seq_id, int64_t end, SchedulerOutput& out) {
+  while (!blocks_.can_reserve_prefill(seq_id, end)) {
+    const bool self = running_.back() == seq_id;
+    preempt_last(out);
+    if (self) return false;
+  }
+  blocks_.reserve_prefill(seq_id, end);
+  return true;
+}
+
 void Scheduler::preempt_last(SchedulerOutput& out) {
   const int64_t victim = running_.back();
   running_.pop_back();
@@ -181,7 +194,9 @@ void Scheduler::preempt_last(SchedulerOutput& out) {
   };
   out.block_copies.erase(
       std::remove_if(out.block_copies.begin(), out.block_copies.end(),
-                     [&](const BlockCopy& c) { return holds(c.dst) && blocks_.ref_count(c.dst) == 1; }),
+                     [&](const BlockCopy& c) {
+                       return holds(c.dst) && blocks_.ref_count(c.dst) == 1;
+                     }),
       out.block_copies.end());
   out.scheduled.erase(std::remove_if(out.scheduled.begin(), out.scheduled.end(),
                                      [&](const ScheduledSequence& s) { return s.seq_id == victim; }),
@@ -202,10 +217,11 @@ void Scheduler::admit_waiting(int64_t& budget, SchedulerOutput& out) {
     Sequence& s = seq(id);
     // The watermark keeps headroom for running sequences' growth; with nothing running there is
     // nothing to protect, so a sequence that fits the pool at all is admitted.
-    if (!blocks_.can_allocate(s.tokens) && !running_.empty()) return;
+    // Sliding-window groups reserve the first chunk only (at most the budget after the hit).
+    if (!blocks_.can_allocate(s.tokens, 0, budget) && !running_.empty()) return;
     int64_t cached = 0;
     try {
-      cached = blocks_.allocate(id, s.tokens);
+      cached = blocks_.allocate(id, s.tokens, 0, budget);
     } catch (const std::runtime_error&) {
       return;  // not enough free blocks (only reachable with nothing running)
     }

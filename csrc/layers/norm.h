@@ -16,7 +16,8 @@ class RMSNorm {
   /// weight [hidden]. A nonzero offset scales by offset + weight, held in fp32 (Gemma's 1 + w,
   /// applied in fp32 before the output is rounded to the dtype).
   RMSNorm(const at::Tensor& weight, double eps, double offset = 0.0)
-      : weight_(offset == 0.0 ? weight.contiguous() : (weight.to(at::kFloat) + offset).contiguous()),
+      : weight_(offset == 0.0 ? weight.contiguous()
+                              : (weight.to(at::kFloat) + offset).contiguous()),
         eps_(eps) {}
 
   /// x [N, hidden] -> new tensor [N, hidden].

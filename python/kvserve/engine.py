@@ -70,6 +70,17 @@ def _release_freed_memory() -> None:
         pass
 
 
+def blocks_per_sequence(layout, length: int, block_size: int) -> int:
+    """Block ids a sequence of `length` tokens holds in a pool of this layout: a block per
+    block_size tokens in every full-attention group, and in a local group at most those of its
+    window plus the one being written."""
+    full = -(-length // block_size)
+    if not layout.groups:
+        return full
+    return sum(min(full, -(-g.sliding_window // block_size) + 1) if g.sliding_window else full
+               for g in layout.groups)
+
+
 class LLMEngine:
     """A model loaded for serving: add requests at any time, call step() to advance all of them.
 
@@ -158,17 +169,21 @@ class LLMEngine:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         if num_blocks is not None and kv_cache_memory is not None:
             raise ValueError("give num_blocks or kv_cache_memory, not both")
-        # A draft model's pool has as many blocks (same ids): a block costs both.
-        per_block = sum(_C.PagedKVCache.bytes_per_block(_C.KVCacheLayout.for_model(c), block_size,
-                                                        self.dtype)
-                        for c in (self.config, self.draft_config) if c is not None)
+        # A draft model's pool has as many blocks (same ids): a block costs both. Without one, the
+        # pool groups the layers by sliding window (the engine does the same).
+        layouts = [_C.KVCacheLayout.for_model(self.config, self.draft_config is None)]
+        if self.draft_config is not None:
+            layouts.append(_C.KVCacheLayout.for_model(self.draft_config))
+        per_block = sum(_C.PagedKVCache.bytes_per_block(layout, block_size, self.dtype)
+                        for layout in layouts)
         if num_blocks is not None:
             if not isinstance(num_blocks, int) or num_blocks < 2:
                 raise ValueError(f"num_blocks must be an integer >= 2 (block 0 is reserved), "
                                  f"got {num_blocks!r}")
             return num_blocks
         if kv_cache_memory is None:
-            full = max_num_seqs * -(-self.max_model_len // block_size) + 1
+            full = max_num_seqs * blocks_per_sequence(layouts[0], self.max_model_len,
+                                                      block_size) + 1
             return max(2, min(full, DEFAULT_KV_CACHE_MEMORY // per_block))
         if not isinstance(kv_cache_memory, int) or kv_cache_memory < 2 * per_block:
             raise ValueError(f"kv_cache_memory must be at least 2 blocks ({2 * per_block} bytes), "
@@ -178,7 +193,8 @@ class LLMEngine:
     def memory_plan(self) -> str:
         kv = self.engine.kv_cache
         full_len = self.max_model_len
-        concurrent = kv.capacity_tokens // full_len
+        per_sequence = blocks_per_sequence(kv.layout, full_len, kv.block_size)
+        concurrent = (kv.num_blocks - 1) // per_sequence
         plan = (f"kvserve: weights {self.model.weight_bytes / 2**20:.1f} MiB ({self.dtype}); "
                 f"KV cache {kv.nbytes / 2**20:.1f} MiB = {kv.num_blocks - 1} blocks x "
                 f"{kv.block_size} tokens = {kv.capacity_tokens:,} tokens at "
@@ -188,11 +204,21 @@ class LLMEngine:
             plain = _C.KVCacheLayout.multi_head_equivalent(self.config).bytes_per_token(self.dtype)
             plan += (f" (MLA latents: plain multi-head K/V would take {plain:,} bytes/token, "
                      f"{plain / kv.bytes_per_token:.1f}x more)")
-        elif self.config.num_kv_layers() < self.config.num_layers:
+        if kv.layout.groups:
+            local = [g for g in kv.layout.groups if g.sliding_window]
+            kinds = (f"{len(kv.layout.groups) - len(local)} global, {len(local)} local (window "
+                     f"{', '.join(sorted({str(g.sliding_window) for g in local}))})")
+            held = per_sequence * kv.layout.num_slots()
+            plain = -(-full_len // kv.block_size) * kv.layout.num_layers
+            plan += (f" (layer groups of {kv.layout.num_slots()}: {kinds}; a sequence of "
+                     f"max_model_len holds {held} layer-blocks instead of {plain}, "
+                     f"{plain / held:.1f}x fewer)")
+        if not kv.layout.latent and self.config.num_kv_layers() < self.config.num_layers:
             plain = _C.KVCacheLayout.multi_head_equivalent(self.config).bytes_per_token(self.dtype)
+            shared = _C.KVCacheLayout.for_model(self.config).bytes_per_token(self.dtype)
             plan += (f" (KV sharing: {self.config.num_kv_layers()} of {self.config.num_layers} "
                      f"layers cache K/V; without sharing {plain:,} bytes/token, "
-                     f"{plain / kv.bytes_per_token:.1f}x more)")
+                     f"{plain / shared:.1f}x more)")
         spec = self.engine.config.speculative
         if self.draft_model is not None:
             c = self.draft_config

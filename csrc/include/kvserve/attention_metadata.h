@@ -3,6 +3,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <vector>
+
 namespace kvserve {
 
 /// Attention metadata of one flattened batch of T tokens from B sequences (see paged_attention.h).
@@ -11,14 +13,26 @@ struct AttentionMetadata {
   at::Tensor query_start_loc;  ///< int32 [B + 1]: token offsets of each sequence's queries
   at::Tensor seq_lens;         ///< int32 [B]: context length of each sequence after this step
   at::Tensor block_tables;     ///< int32 [B, max_blocks_per_seq]: cache blocks of each sequence
+  /// Groups 1.. of a pool whose layers are grouped (KVCacheLayout::groups): each group's own
+  /// slot_mapping and block_tables; slot_mapping and block_tables above are group 0's.
+  std::vector<at::Tensor> group_slot_mappings, group_block_tables;
+
+  const at::Tensor& slots(int64_t group) const {
+    return group == 0 ? slot_mapping : group_slot_mappings.at(group - 1);
+  }
+  const at::Tensor& tables(int64_t group) const {
+    return group == 0 ? block_tables : group_block_tables.at(group - 1);
+  }
 };
 
 /// One layer's cache as the attention sees it: key and value
-/// [num_blocks, block_size, num_kv_heads, head_dim]. A contiguous cache is the special case of one
-/// block per batch row, max_seq_len tokens long.
+/// [num_blocks, block_size, num_kv_heads, head_dim], and the group of layers whose slots and
+/// block tables address it. A contiguous cache is the special case of one block per batch row,
+/// max_seq_len tokens long.
 struct LayerKVCache {
   at::Tensor key;
   at::Tensor value;
+  int64_t group = 0;
 };
 
 }  // namespace kvserve

@@ -29,6 +29,10 @@ class ForwardBatchBuilder {
   /// table is too short for the new tokens.
   void add(const std::vector<int64_t>& tokens, int64_t num_cached,
            const std::vector<int32_t>& block_table);
+  /// The same for a pool whose layers are grouped: one block table per group (every builder of a
+  /// batch adds the same number of groups).
+  void add_grouped(const std::vector<int64_t>& tokens, int64_t num_cached,
+                   const std::vector<std::vector<int32_t>>& group_tables);
 
   /// The tensors on `device`; block tables padded with block 0 to the longest.
   ForwardBatch build(at::Device device) const;
@@ -37,9 +41,10 @@ class ForwardBatchBuilder {
 
  private:
   int64_t block_size_;
-  std::vector<int64_t> ids_, positions_, slots_, logits_indices_;
+  std::vector<int64_t> ids_, positions_, logits_indices_;
   std::vector<int32_t> query_start_loc_{0}, seq_lens_;
-  std::vector<std::vector<int32_t>> block_tables_;
+  std::vector<std::vector<int64_t>> slots_;                     // [group][token]
+  std::vector<std::vector<std::vector<int32_t>>> block_tables_;  // [group][sequence]
 };
 
 }  // namespace kvserve

@@ -259,6 +259,8 @@ class PagedBlockManager {
   /// Grows (taking free blocks) or shrinks (releasing) a group's table to `size` entries.
   void resize_table(std::vector<int32_t>& table, int64_t size);
   PrefixMatch match_prefix(const std::vector<int32_t>& tokens, uint64_t extra_key) const;
+  int64_t num_blocks_to_admit(const PrefixMatch& match, int64_t num_prompt,
+                              int64_t sliding_end) const;
   /// Extends hashes (the chained hash of each full block of tokens) to `count` blocks.
   void extend_hashes(const std::vector<int32_t>& tokens, uint64_t extra_key,
                      std::vector<uint64_t>& hashes, int64_t count) const;

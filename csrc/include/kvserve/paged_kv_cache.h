@@ -16,11 +16,13 @@ namespace kvserve {
 
 class PagedKVCache {
  public:
-  /// Allocates num_blocks blocks per layer (zero-filled), per layer key
+  /// Allocates num_blocks blocks per slot (zero-filled): per slot key
   /// [num_blocks, block_size, num_kv_heads, head_dim] and value
   /// [num_blocks, block_size, num_kv_heads, value_head_dim], or for a latent layout one tensor
-  /// [num_blocks, block_size, 1, head_dim] that is both. Throws std::invalid_argument on sizes
-  /// < 1 or fewer than 2 blocks (block 0 is reserved).
+  /// [num_blocks, block_size, 1, head_dim] that is both. A slot per layer; with grouped layers
+  /// (layout.groups), the i-th layer of every group shares slot i, and a block id is one block
+  /// of each layer of the group that holds it. Throws std::invalid_argument on sizes < 1 or
+  /// fewer than 2 blocks (block 0 is reserved).
   PagedKVCache(const KVCacheLayout& layout, int64_t num_blocks, int64_t block_size,
                at::ScalarType dtype, at::Device device);
   /// The plain layout: num_layers layers of num_kv_heads heads of head_dim.
@@ -35,11 +37,11 @@ class PagedKVCache {
   static int64_t bytes_per_block(const KVCacheLayout& layout, int64_t block_size,
                                  at::ScalarType dtype);
 
-  /// The per-layer views the model's attention reads and writes (a latent layer's key and value
-  /// are the same tensor).
+  /// The per-layer views the model's attention reads and writes, with their group (a latent
+  /// layer's key and value are the same tensor; grouped layers share slots).
   const std::vector<LayerKVCache>& layers() const { return layers_; }
 
-  /// Copies whole blocks (src -> dst) in every layer: the copy-on-write copies the block manager
+  /// Copies whole blocks (src -> dst) in every slot: the copy-on-write copies the block manager
   /// lists. Throws (c10::Error) on ids outside the pool.
   void copy_blocks(const std::vector<std::pair<int32_t, int32_t>>& copies);
 
@@ -53,14 +55,15 @@ class PagedKVCache {
   at::Device device() const { return layers_.front().key.device(); }
   /// Tokens the usable blocks (all but the null block) can hold.
   int64_t capacity_tokens() const { return (num_blocks() - 1) * block_size(); }
-  /// KV bytes per token over all layers.
+  /// KV bytes per token of a block id: over all layers, or over one group's slots when grouped.
   int64_t bytes_per_token() const;
   /// Bytes of all tensors.
   int64_t nbytes() const;
 
  private:
   KVCacheLayout layout_;
-  std::vector<LayerKVCache> layers_;
+  std::vector<LayerKVCache> slots_;   // the tensors
+  std::vector<LayerKVCache> layers_;  // per layer: its slot's tensors and its group
 };
 
 }  // namespace kvserve

@@ -133,6 +133,9 @@ class Scheduler {
   /// Reserves slots for seq's unallocated tokens, preempting from the back of running_ while
   /// they do not fit. False when seq itself had to be preempted.
   bool reserve_slots(int64_t seq_id, SchedulerOutput& out);
+  /// The blocks a prefill chunk up to position `end` needs in sliding-window groups, preempting
+  /// from the back of running_ while they do not fit. False when seq itself had to be preempted.
+  bool reserve_prefill(int64_t seq_id, int64_t end, SchedulerOutput& out);
   /// Draft slots for a decoding sequence: up to `wanted`, within its limits and the budget, if
   /// the pool has them without preempting. Reserves them with its new token; 0 if none.
   int64_t reserve_draft_slots(int64_t seq_id, int64_t wanted, int64_t budget, SchedulerOutput& out);

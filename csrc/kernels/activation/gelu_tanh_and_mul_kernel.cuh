@@ -6,39 +6,11 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "kernels/cuda_dtype.cuh"
+
 #include <cstdint>
 
 namespace kvserve::cuda {
-
-namespace gelu_detail {
-
-template <typename T>
-__device__ inline float to_float(T x) {
-  return static_cast<float>(x);
-}
-template <>
-__device__ inline float to_float(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-template <>
-__device__ inline float to_float(__half x) {
-  return __half2float(x);
-}
-
-template <typename T>
-__device__ inline T from_float(float x) {
-  return static_cast<T>(x);
-}
-template <>
-__device__ inline __nv_bfloat16 from_float(float x) {
-  return __float2bfloat16(x);
-}
-template <>
-__device__ inline __half from_float(float x) {
-  return __float2half(x);
-}
-
-}  // namespace gelu_detail
 
 /// Grid (num_tokens), any block size. input [num_tokens, 2d] and out [num_tokens, d] with row
 /// strides in elements.
@@ -49,10 +21,10 @@ __global__ void gelu_tanh_and_mul_kernel(T* out, int64_t out_stride, const T* in
   const T* up = gate + d;
   T* dst = out + static_cast<int64_t>(blockIdx.x) * out_stride;
   for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
-    const float g = gelu_detail::to_float(gate[i]);
+    const float g = to_float(gate[i]);
     const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-    dst[i] = gelu_detail::from_float<T>(0.5f * g * (1.0f + tanhf(inner)) *
-                                        gelu_detail::to_float(up[i]));
+    dst[i] = from_float<T>(0.5f * g * (1.0f + tanhf(inner)) *
+                                        to_float(up[i]));
   }
 }
 

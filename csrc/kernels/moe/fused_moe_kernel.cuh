@@ -10,37 +10,13 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "kernels/cuda_dtype.cuh"
+
 #include <cstdint>
 
 namespace kvserve::cuda {
 
 namespace moe_detail {
-
-template <typename T>
-__device__ inline float to_float(T x) {
-  return static_cast<float>(x);
-}
-template <>
-__device__ inline float to_float(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-template <>
-__device__ inline float to_float(__half x) {
-  return __half2float(x);
-}
-
-template <typename T>
-__device__ inline T from_float(float x) {
-  return static_cast<T>(x);
-}
-template <>
-__device__ inline __nv_bfloat16 from_float(float x) {
-  return __float2bfloat16(x);
-}
-template <>
-__device__ inline __half from_float(float x) {
-  return __float2half(x);
-}
 
 template <typename A, typename B>
 __device__ inline float dot(const A* a, const B* b, int64_t n) {
@@ -82,7 +58,7 @@ __global__ void moe_down_combine_kernel(const float* act, const T* w2, const int
     const T* w = w2 + (topk_ids[pair] * hidden_size + c) * inter;
     acc += topk_weights[pair] * moe_detail::dot(act + pair * inter, w, inter);
   }
-  out[t * hidden_size + c] = moe_detail::from_float<T>(acc);
+  out[t * hidden_size + c] = from_float<T>(acc);
 }
 
 }  // namespace kvserve::cuda

@@ -10,24 +10,13 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "kernels/cuda_dtype.cuh"
+
 #include <cstdint>
 
 namespace kvserve::cuda {
 
 namespace routing_detail {
-
-template <typename T>
-__device__ inline float to_float(T x) {
-  return static_cast<float>(x);
-}
-template <>
-__device__ inline float to_float(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-template <>
-__device__ inline float to_float(__half x) {
-  return __half2float(x);
-}
 
 // Whether (a, ia) ranks ahead of (b, ib): the greater value, NaN below every number, then the
 // lower id. Ids < 0 mark "no candidate" and rank last.
