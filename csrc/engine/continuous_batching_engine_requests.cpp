@@ -51,8 +51,10 @@ void ContinuousBatchingEngine::validate(const std::string& request_id,
   // more for its copy of the last, partly filled prompt block).
   const int64_t bs = config_.block_size;
   const int64_t usable = block_manager_.num_usable_blocks();
-  const int64_t first = ceil_div(len + params.max_tokens, bs);
-  const int64_t per_sample = ceil_div(params.max_tokens, bs) + 1;
+  const int64_t chunk = config_.max_num_batched_tokens;
+  const int64_t first = block_manager_.max_blocks_held(len, len + params.max_tokens, chunk);
+  const int64_t per_sample =
+      block_manager_.max_blocks_held(params.max_tokens + bs, params.max_tokens + bs, 1);
   if (first > usable || params.n - 1 > (usable - first) / per_sample) {
     throw std::invalid_argument(
         "the request needs up to " + std::to_string(first) + " + " +

@@ -136,6 +136,21 @@ int64_t PagedBlockManager::num_live_blocks(int64_t seq_id, int64_t group) const 
   return std::count_if(table.begin(), table.end(), [](int32_t b) { return b != kNullBlock; });
 }
 
+int64_t PagedBlockManager::max_blocks_held(int64_t num_prompt, int64_t num_tokens,
+                                           int64_t max_chunk) const {
+  // A step computing [c, c + chunk) holds a sliding group's blocks from (c - W + 1) / bs to
+  // (c + chunk) / bs.
+  auto held = [&](int64_t length, int64_t chunk) {
+    int64_t blocks = 0;
+    for (int64_t g = 0; g < num_groups(); ++g) {
+      const int64_t all = blocks_for(length);
+      blocks += sliding(g) ? std::min(all, (windows_[g] + chunk - 1) / block_size_ + 2) : all;
+    }
+    return blocks;
+  };
+  return std::max(held(num_prompt, std::min(max_chunk, num_prompt)), held(num_tokens, 1));
+}
+
 int64_t PagedBlockManager::window_first_block(int64_t group, int64_t num_computed) const {
   const int64_t w = windows_[group];
   return w > 0 ? std::max<int64_t>(0, num_computed - w + 1) / block_size_ : 0;

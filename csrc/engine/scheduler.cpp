@@ -52,7 +52,7 @@ void Scheduler::add(int64_t seq_id, std::vector<int32_t> prompt_token_ids, int64
     if (t < 0) throw std::invalid_argument("negative token id " + std::to_string(t));
   }
   if (max_new_tokens < 1) throw std::invalid_argument("max_new_tokens must be >= 1");
-  const int64_t blocks_needed = (len + blocks_.block_size() - 1) / blocks_.block_size();
+  const int64_t blocks_needed = blocks_.max_blocks_held(len, len, config_.max_num_batched_tokens);
   if (blocks_needed > blocks_.num_usable_blocks()) {
     throw std::invalid_argument("the prompt needs " + std::to_string(blocks_needed) +
                                 " KV blocks; the cache has " +

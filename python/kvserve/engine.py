@@ -70,15 +70,17 @@ def _release_freed_memory() -> None:
         pass
 
 
-def blocks_per_sequence(layout, length: int, block_size: int) -> int:
-    """Block ids a sequence of `length` tokens holds in a pool of this layout: a block per
-    block_size tokens in every full-attention group, and in a local group at most those of its
-    window plus the one being written."""
+def blocks_per_sequence(layout, length: int, block_size: int, max_chunk: int) -> int:
+    """Block ids a sequence of `length` tokens (all of them prompt, prefilled in chunks of at
+    most max_chunk tokens) holds at most in a pool of this layout: a block per block_size tokens
+    in every full-attention group, and in a local group those of its window and a step's tokens
+    (the bound of PagedBlockManager.max_blocks_held)."""
     full = -(-length // block_size)
     if not layout.groups:
         return full
-    return sum(min(full, -(-g.sliding_window // block_size) + 1) if g.sliding_window else full
-               for g in layout.groups)
+    chunk = min(max_chunk, length)
+    return sum(min(full, (g.sliding_window + chunk - 1) // block_size + 2) if g.sliding_window
+               else full for g in layout.groups)
 
 
 class LLMEngine:
@@ -140,6 +142,7 @@ class LLMEngine:
         draft_info = (load_draft_info(speculative_model, info.config, self.tokenizer, max_model_len)
                       if speculative_model is not None else None)
         self.draft_config = draft_info.config if draft_info is not None else None
+        self._max_num_batched_tokens = max_num_batched_tokens
         pool_blocks = self._kv_blocks(block_size, num_blocks, kv_cache_memory, max_num_seqs)
         weights = load_weights(self.model_dir, info.config, self.dtype, device)
         self.model = _C.create_causal_lm(info.config, weights, max_model_len)
@@ -182,8 +185,8 @@ class LLMEngine:
                                  f"got {num_blocks!r}")
             return num_blocks
         if kv_cache_memory is None:
-            full = max_num_seqs * blocks_per_sequence(layouts[0], self.max_model_len,
-                                                      block_size) + 1
+            full = max_num_seqs * blocks_per_sequence(layouts[0], self.max_model_len, block_size,
+                                                      self._max_num_batched_tokens) + 1
             return max(2, min(full, DEFAULT_KV_CACHE_MEMORY // per_block))
         if not isinstance(kv_cache_memory, int) or kv_cache_memory < 2 * per_block:
             raise ValueError(f"kv_cache_memory must be at least 2 blocks ({2 * per_block} bytes), "
@@ -193,7 +196,8 @@ class LLMEngine:
     def memory_plan(self) -> str:
         kv = self.engine.kv_cache
         full_len = self.max_model_len
-        per_sequence = blocks_per_sequence(kv.layout, full_len, kv.block_size)
+        per_sequence = blocks_per_sequence(kv.layout, full_len, kv.block_size,
+                                           self.engine.config.max_num_batched_tokens)
         concurrent = (kv.num_blocks - 1) // per_sequence
         plan = (f"kvserve: weights {self.model.weight_bytes / 2**20:.1f} MiB ({self.dtype}); "
                 f"KV cache {kv.nbytes / 2**20:.1f} MiB = {kv.num_blocks - 1} blocks x "

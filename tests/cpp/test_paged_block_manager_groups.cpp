@@ -173,6 +173,16 @@ TEST(PagedBlockManagerGroups, ForkCopiesThePartialBlockInEveryGroup) {
   EXPECT_EQ(m.num_free_blocks(), m.num_usable_blocks());
 }
 
+TEST(PagedBlockManagerGroups, MostBlocksASequenceHoldsAtOnce) {
+  // Blocks of 4, window 6, a 100-token prompt in chunks of 16, decoded to 200 tokens.
+  const PagedBlockManager hybrid(64, 4, true, 0.0, nullptr, {kFull, 6});
+  // End of prefill: 25 global + 7 local (window and chunk); end of decode: 50 + 3.
+  EXPECT_EQ(hybrid.max_blocks_held(100, 200, 16), 53);
+  EXPECT_EQ(hybrid.max_blocks_held(100, 100, 100), 25 + 25);
+  const PagedBlockManager full(64, 4);
+  EXPECT_EQ(full.max_blocks_held(100, 200, 16), 50);
+}
+
 TEST(PagedBlockManagerGroups, RejectsBadWindows) {
   EXPECT_THROW(PagedBlockManager(8, 4, true, 0.0, nullptr, {}), std::invalid_argument);
   EXPECT_THROW(PagedBlockManager(8, 4, true, 0.0, nullptr, {0, -1}), std::invalid_argument);

@@ -153,6 +153,11 @@ class PagedBlockManager {
   const std::vector<int32_t>& block_table(int64_t seq_id, int64_t group = 0) const {
     return sequence(seq_id).tables.at(group);
   }
+  /// The most blocks one sequence holds at once over all groups when its prompt of num_prompt
+  /// tokens is computed in chunks of at most max_chunk tokens and it then decodes up to
+  /// num_tokens: a block per block_size tokens in a full-attention group, its window and the
+  /// step's tokens in a sliding one (at the end of the prefill, or at the end of the decode).
+  int64_t max_blocks_held(int64_t num_prompt, int64_t num_tokens, int64_t max_chunk) const;
   /// Blocks of `seq_id` in `group` other than the null block.
   int64_t num_live_blocks(int64_t seq_id, int64_t group) const;
   /// Groups of layers, each with its own block tables.
