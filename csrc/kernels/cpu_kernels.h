@@ -108,6 +108,39 @@ using GemvPackedFn = void (*)(c10::ScalarType dtype, const void* input, int64_t 
                               int64_t n, int64_t k, int64_t block_out, int64_t k_padded);
 KVSERVE_CPU_STUB(gemv_packed_stub, GemvPackedFn);
 
+/// How a quantized_linear weight stores q (contract: kernels/linear/quantized_linear.h).
+enum class QuantFormat : int { kInt8 = 0, kInt4 = 1, kFp8E4M3 = 2 };
+
+/// One quantized weight [n, k]: packed q, fp32 scales and zeros (nullable) [n, k / group_size].
+struct QuantizedWeight {
+  QuantFormat format;
+  const void* q;
+  const float* scales;
+  const float* zeros;
+  int64_t n, k, group_size;
+};
+
+/// out [m, n] = input [m, k] (`dtype`, row stride input_stride) @ dequant(w)^T + bias [n]
+/// (nullable, `dtype`), fp32 accumulation, for small m: the weight is streamed once per block of
+/// tokens and dequantized in registers.
+using QuantizedGemvFn = void (*)(c10::ScalarType dtype, const void* input, int64_t input_stride,
+                                 const QuantizedWeight& w, const void* bias, void* out, int64_t m);
+KVSERVE_CPU_STUB(quantized_gemv_stub, QuantizedGemvFn);
+
+/// The order in which this capability's kernels unpack a row of w's format: order[j] (j < k) is
+/// the input that position j holds. Within each 32-input chunk the vector code takes q in the
+/// lane order its shifts give (no shuffles); a dot product does not care, so the prefill path
+/// permutes the input's columns by `order` and multiplies it with the rows that
+/// quantized_dequantize writes in the same order.
+using QuantizedOrderFn = void (*)(const QuantizedWeight& w, int64_t* order);
+KVSERVE_CPU_STUB(quantized_order_stub, QuantizedOrderFn);
+
+/// dst [row_end - row_begin, k] fp32 (contiguous) = dequant(w) rows [row_begin, row_end), each
+/// row's inputs in quantized_order.
+using QuantizedDequantizeFn = void (*)(const QuantizedWeight& w, int64_t row_begin,
+                                       int64_t row_end, float* dst);
+KVSERVE_CPU_STUB(quantized_dequantize_stub, QuantizedDequantizeFn);
+
 /// Per row of logits [rows, vocab] (fp32, row stride): divides by temperature and sets to -inf
 /// what top-k, then top-p, then min-p remove. Rows with temperature 0 are left untouched.
 using SamplingFilterFn = void (*)(float* logits, int64_t stride, int64_t rows, int64_t vocab,

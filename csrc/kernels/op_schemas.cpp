@@ -9,6 +9,7 @@
 #include "kernels/cache/kv_cache_copy_blocks.h"
 #include "kernels/cache/kv_cache_write.h"
 #include "kernels/linear/linear.h"
+#include "kernels/linear/quantized_linear.h"
 #include "kernels/moe/fused_moe.h"
 #include "kernels/moe/moe_routing.h"
 #include "kernels/norm/rms_norm.h"
@@ -24,6 +25,9 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("linear_prepack(Tensor weight) -> Tensor");
   m.def("linear_gather_rows(Tensor weight, Tensor ids) -> Tensor");
+  m.def(
+      "quantized_linear(Tensor input, Tensor qweight, Tensor scales, Tensor? zeros, int group_size, "
+      "Tensor? bias=None) -> Tensor");
   m.def(
       "rotary_embedding(Tensor positions, Tensor! query, Tensor! key, int head_dim, "
       "Tensor cos_sin_cache, bool is_neox) -> ()");
@@ -113,6 +117,16 @@ at::Tensor linear_gather_rows(const at::Tensor& weight, const at::Tensor& ids) {
   static const auto op =
       handle<at::Tensor(const at::Tensor&, const at::Tensor&)>("kvserve::linear_gather_rows");
   return op.call(weight, ids);
+}
+
+at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& qweight,
+                            const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
+                            int64_t group_size, const std::optional<at::Tensor>& bias) {
+  static const auto op =
+      handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                        const std::optional<at::Tensor>&, int64_t,
+                        const std::optional<at::Tensor>&)>("kvserve::quantized_linear");
+  return op.call(input, qweight, scales, zeros, group_size, bias);
 }
 
 void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,

@@ -16,6 +16,9 @@ __all__ = [
     "fused_add_rms_norm",
     "silu_and_mul",
     "gelu_tanh_and_mul",
+    "linear",
+    "quantized_weight",
+    "quantized_linear",
     "rotary_cos_sin_cache",
     "rotary_embedding",
     "kv_cache_write",
@@ -72,6 +75,34 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """x [T, k] @ weight [n, k]^T + bias [n] -> fp64 [T, n]."""
     out = x.double() @ weight.double().T
     return out if bias is None else out + bias.double()
+
+
+def quantized_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                     group_size: int) -> torch.Tensor:
+    """What a quantized_linear weight means, fp64 [n, k]: (q[o, i] - zeros[o, i // g]) *
+    scales[o, i // g], with q read as the contract says: int8 as is; uint8 as int4 in chunks of 32
+    inputs, byte j of a chunk holding input j (low nibble) and input j + 16 (high nibble);
+    float8_e4m3fn through torch's own conversion."""
+    if qweight.dtype == torch.uint8:
+        n, k = qweight.shape[0], 2 * qweight.shape[1]
+        q = torch.empty(n, k, dtype=torch.float64)
+        for i in range(k):
+            chunk, j = divmod(i, 32)
+            byte = qweight[:, chunk * 16 + j % 16].long()
+            q[:, i] = (byte & 0x0F if j < 16 else byte >> 4).double()
+    else:
+        q = qweight.double()
+        k = q.shape[1]
+    group = torch.arange(k) // group_size
+    zero = 0.0 if zeros is None else zeros.double()[:, group]
+    return (q - zero) * scales.double()[:, group]
+
+
+def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                     zeros: torch.Tensor | None, group_size: int,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """x [T, k] @ quantized_weight(...)^T + bias -> fp64 [T, n]."""
+    return linear(x, quantized_weight(qweight, scales, zeros, group_size), bias)
 
 
 # ---------------------------------------------------------------------------------------- rotary

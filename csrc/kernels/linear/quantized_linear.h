@@ -1,0 +1,30 @@
+#pragma once
+// Projection y = x dequant(W)^T + b on a weight-only quantized weight (int8, int4, fp8 E4M3).
+
+#include <ATen/core/Tensor.h>
+#include <optional>
+
+namespace kvserve::ops {
+
+/// Returns out [num_tokens, n] = input [num_tokens, k] (rows may be strided, last dim contiguous)
+/// @ dequant(qweight)^T + bias, in the input dtype (fp32, bf16 or fp16) with fp32 accumulation,
+/// where, with g = group_size (which divides k; g = k is one group per output row):
+///
+///   dequant(qweight)[o, i] = (q[o, i] - zeros[o, i / g]) * scales[o, i / g]
+///
+/// and q[o, i] is, by the dtype of qweight:
+///   - int8 [n, k]: the int8 value (-128..127);
+///   - uint8 [n, k / 2]: an unsigned int4 (0..15). Inputs come in chunks of 32; byte j (0..15)
+///     of a chunk holds input j in its low nibble and input j + 16 in its high nibble (the
+///     order of llama.cpp's Q4_0, so that a 16-byte load unpacks to 32 inputs in order).
+///     k and g must be multiples of 32;
+///   - float8_e4m3fn [n, k]: the E4M3 number (no infinities; 0x7f / 0xff are NaN).
+/// scales: fp32 [n, k / g]; zeros: fp32 [n, k / g] or none (0). bias: [n] in the input dtype.
+/// A few tokens (decode) run a GEMV that streams the packed weight once and dequantizes in
+/// registers; more tokens dequantize blocks of rows and run the device's GEMM on them. Throws
+/// c10::Error naming the argument for any shape, dtype or group size outside this contract.
+at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& qweight,
+                            const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
+                            int64_t group_size, const std::optional<at::Tensor>& bias);
+
+}  // namespace kvserve::ops

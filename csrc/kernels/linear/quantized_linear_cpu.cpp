@@ -1,0 +1,103 @@
+// CPU launcher for quantized_linear: the quantized GEMV for a few tokens; for more, blocks of
+// weight rows dequantized to the input dtype and handed to ATen's GEMM.
+#include <ATen/ops/empty.h>
+#include <ATen/ops/index_select.h>
+#include <ATen/ops/linear.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "kernels/cpu_kernels.h"
+#include "kernels/linear/quantized_linear.h"
+#include "kernels/op_checks.h"
+
+namespace kvserve::ops {
+namespace {
+
+// Up to this many tokens the GEMV, which reads the packed weight once per two tokens, wins over
+// dequantizing the weight for a GEMM (benchmarks/bench_quant.py).
+constexpr int64_t kMaxGemvTokens = 8;
+// Rows dequantized per GEMM call: a few MiB of fp32 that stay in cache while the GEMM reads them.
+constexpr int64_t kDequantBlockBytes = 4 << 20;
+
+cpu::QuantFormat format_of(const at::Tensor& qweight) {
+  switch (qweight.scalar_type()) {
+    case at::kChar: return cpu::QuantFormat::kInt8;
+    case at::kByte: return cpu::QuantFormat::kInt4;
+    case at::kFloat8_e4m3fn: return cpu::QuantFormat::kFp8E4M3;
+    default:
+      TORCH_CHECK(false, "quantized_linear: qweight must be int8 (int8), uint8 (packed int4) or "
+                         "float8_e4m3fn (fp8), got ", qweight.scalar_type());
+  }
+}
+
+void check_params(const char* op, const char* name, const at::Tensor& t, int64_t n, int64_t groups) {
+  check_contiguous(op, name, t, at::kFloat);
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == n && t.size(1) == groups, op, ": ", name, " must be [",
+              n, ", ", groups, "] (one per output row and group), got ", t.sizes());
+}
+
+at::Tensor quantized_linear_cpu(const at::Tensor& input, const at::Tensor& qweight,
+                                const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
+                                int64_t group_size, const std::optional<at::Tensor>& bias) {
+  constexpr const char* op = "quantized_linear";
+  check_rows(op, "input", input, 2);
+  const at::ScalarType dtype = input.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
+              ": input must be fp32, bf16 or fp16, got ", dtype);
+  const cpu::QuantFormat format = format_of(qweight);
+  const bool int4 = format == cpu::QuantFormat::kInt4;
+  const int64_t m = input.size(0), k = input.size(1);
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() &&
+                  qweight.size(1) * (int4 ? 2 : 1) == k,
+              op, ": qweight must be contiguous [n, ", int4 ? k / 2 : k, "] for ", k,
+              " inputs", int4 ? " (two int4 per byte)" : "", ", got ", qweight.sizes());
+  const int64_t n = qweight.size(0);
+  TORCH_CHECK(group_size > 0 && k % group_size == 0, op, ": group_size must divide the ", k,
+              " inputs, got ", group_size);
+  TORCH_CHECK(!int4 || group_size % 32 == 0, op,
+              ": int4 weights need a group_size that is a multiple of 32, got ", group_size);
+  const int64_t groups = k / group_size;
+  check_params(op, "scales", scales, n, groups);
+  if (zeros) {
+    TORCH_CHECK(format != cpu::QuantFormat::kFp8E4M3, op, ": fp8 weights take no zeros");
+    check_params(op, "zeros", *zeros, n, groups);
+  }
+  if (bias) {
+    check_like(op, "bias", *bias, input);
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(), op,
+                ": bias must be contiguous [", n, "]");
+  }
+  TORCH_CHECK(qweight.device() == input.device() && scales.device() == input.device(), op,
+              ": qweight and scales must be on the input's device");
+  at::Tensor out = at::empty({m, n}, input.options());
+  if (m == 0 || n == 0) return out;
+  const cpu::QuantizedWeight w{format, qweight.data_ptr(), scales.data_ptr<float>(),
+                               zeros ? zeros->data_ptr<float>() : nullptr, n, k, group_size};
+  if (m <= kMaxGemvTokens) {
+    cpu::quantized_gemv_stub.get()(dtype, input.data_ptr(), input.stride(0), w,
+                                   bias ? bias->data_ptr() : nullptr, out.data_ptr(), m);
+    return out;
+  }
+  // The dequantized rows come in the order the kernels unpack them; the input's columns follow.
+  at::Tensor order = at::empty({k}, input.options().dtype(at::kLong));
+  cpu::quantized_order_stub.get()(w, order.data_ptr<int64_t>());
+  const at::Tensor x = input.index_select(1, order);
+  const int64_t rows = std::max<int64_t>(16, kDequantBlockBytes / (4 * k));
+  at::Tensor block = at::empty({std::min(rows, n), k}, input.options().dtype(at::kFloat));
+  for (int64_t r = 0; r < n; r += rows) {
+    const int64_t count = std::min(rows, n - r);
+    at::Tensor plain = block.narrow(0, 0, count);
+    cpu::quantized_dequantize_stub.get()(w, r, r + count, plain.data_ptr<float>());
+    const std::optional<at::Tensor> part =
+        bias ? std::optional<at::Tensor>(bias->narrow(0, r, count)) : std::nullopt;
+    out.narrow(1, r, count).copy_(at::linear(x, plain.to(dtype), part));
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("quantized_linear", &quantized_linear_cpu); }
+
+}  // namespace kvserve::ops

@@ -1,0 +1,117 @@
+"""Quantized weights as the quantized_linear op reads them, and round-to-nearest quantizers.
+
+A `QuantizedWeight` holds q packed as the op's contract says (csrc/kernels/linear/
+quantized_linear.h) with fp32 scales and zeros, one per output row and group of `group_size`
+inputs:
+
+    w[o, i] = (q[o, i] - zeros[o, i // group_size]) * scales[o, i // group_size]
+
+- int8: q int8 [n, k], symmetric (no zeros), one scale per row (`group_size` = k) by default;
+- int4: q uint8 [n, k / 2], two per byte in chunks of 32 inputs (byte j holds input j in its low
+  nibble and input j + 16 in its high one), asymmetric: zeros in 0..15, group-wise;
+- fp8: q float8_e4m3fn [n, k], one scale per row (or one for the tensor, repeated per row).
+
+Checkpoint formats (AWQ, GPTQ, compressed-tensors) are converted to and from this in
+`kvserve.quantization.formats`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+@dataclass
+class QuantizedWeight:
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(out_features, in_features)."""
+        n, packed = self.qweight.shape
+        return n, packed * 2 if self.qweight.dtype == torch.uint8 else packed
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight [n, k] this stands for."""
+        q = unpack_int4(self.qweight) if self.qweight.dtype == torch.uint8 else self.qweight
+        q = q.float()
+        n, k = q.shape
+        groups = k // self.group_size
+        q = q.view(n, groups, self.group_size)
+        if self.zeros is not None:
+            q = q - self.zeros.view(n, groups, 1)
+        return (q * self.scales.view(n, groups, 1)).view(n, k)
+
+    @staticmethod
+    def concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """The weights stacked along the output dimension (q/k/v into qkv, gate/up into gate_up)."""
+        group_sizes = {p.group_size for p in parts}
+        if len(group_sizes) != 1 or len({p.qweight.dtype for p in parts}) != 1 or len(
+                {p.zeros is None for p in parts}) != 1:
+            raise ValueError("cannot fuse quantized weights of different formats or group sizes")
+        zeros = None if parts[0].zeros is None else torch.cat([p.zeros for p in parts])
+        return QuantizedWeight(torch.cat([p.qweight for p in parts]),
+                               torch.cat([p.scales for p in parts]), zeros, group_sizes.pop())
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q [n, k] with values in 0..15 (k a multiple of 32) -> uint8 [n, k / 2] in chunks of 32."""
+    n, k = q.shape
+    if k % 32:
+        raise ValueError(f"int4 weights need in_features that is a multiple of 32, got {k}")
+    chunks = q.to(torch.uint8).view(n, k // 32, 2, 16)
+    return (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [n, k / 2] in chunks of 32 -> uint8 [n, k] with values in 0..15."""
+    n, half = packed.shape
+    chunks = packed.view(n, half // 16, 1, 16)
+    return torch.cat([chunks & 0x0F, chunks >> 4], dim=2).reshape(n, half * 2)
+
+
+def _check_groups(k: int, group_size: int) -> int:
+    if group_size <= 0 or k % group_size:
+        raise ValueError(f"group_size must divide in_features ({k}), got {group_size}")
+    return k // group_size
+
+
+def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> QuantizedWeight:
+    """Symmetric int8, round to nearest: scale = max |w| / 127 per row (or per group)."""
+    n, k = w.shape
+    group_size = group_size or k
+    groups = _check_groups(k, group_size)
+    wg = w.float().view(n, groups, group_size)
+    scales = (wg.abs().amax(dim=2) / 127.0).clamp(min=1e-10)
+    q = torch.round(wg / scales[:, :, None]).clamp(-127, 127).to(torch.int8).view(n, k)
+    return QuantizedWeight(q, scales.contiguous(), None, group_size)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = 128) -> QuantizedWeight:
+    """Asymmetric int4 with zero points, round to nearest, per group of inputs (AWQ's and GPTQ's
+    grid): scale = (max - min) / 15, zero = round(-min / scale) in 0..15."""
+    n, k = w.shape
+    groups = _check_groups(k, group_size)
+    if group_size % 32:
+        raise ValueError(f"int4 group_size must be a multiple of 32, got {group_size}")
+    wg = w.float().view(n, groups, group_size)
+    high, low = wg.amax(dim=2), wg.amin(dim=2)
+    scales = ((high - low) / 15.0).clamp(min=1e-10)
+    zeros = torch.round(-low / scales).clamp(0, 15)
+    q = (torch.round(wg / scales[:, :, None]) + zeros[:, :, None]).clamp(0, 15).view(n, k)
+    return QuantizedWeight(pack_int4(q), scales.contiguous(), zeros.contiguous(), group_size)
+
+
+def quantize_fp8(w: torch.Tensor, per_channel: bool = True) -> QuantizedWeight:
+    """float8_e4m3fn with scale = max |w| / 448 per row (per_channel) or for the whole tensor."""
+    n, k = w.shape
+    amax = w.float().abs().amax(dim=1, keepdim=True) if per_channel else w.float().abs().amax()
+    scales = (amax / FP8_MAX).clamp(min=1e-12).expand(n, 1).contiguous()
+    q = (w.float() / scales).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return QuantizedWeight(q, scales, None, k)

@@ -1,0 +1,160 @@
+"""quantized_linear (int8, int4 and fp8 E4M3 weights; the GEMV for a few tokens and the
+dequantize-then-GEMM path for more) against an fp64 matmul on the weight the contract defines,
+read by the reference's own unpacking; the packers against hand-made bytes."""
+
+import pytest
+import torch
+
+import kvserve  # noqa: F401  (registers torch.ops.kvserve)
+from kvserve.quantization import pack_int4, quantize_fp8, quantize_int4, quantize_int8, unpack_int4
+from kvserve.testing import reference
+from tests.kernels.capability import CAPABILITIES, check_variant
+
+ops = torch.ops.kvserve
+
+# fp32 accumulation over k terms; bf16/fp16 outputs are one rounding of the fp32 sum (and, past
+# the GEMV, of the weight rounded to the input dtype for the GEMM).
+TOLERANCES = {
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.bfloat16: dict(atol=3e-2, rtol=2e-2),
+    torch.float16: dict(atol=3e-3, rtol=3e-3),
+}
+TOKENS = [1, 3, 9]  # <= 8 take the GEMV (blocks of 2 tokens and a last one), more the GEMM
+# (format, n, k, group_size): per-row and grouped, groups that are and are not multiples of 32
+CASES = [
+    ("int8", 1, 1, 1), ("int8", 7, 45, 45), ("int8", 33, 96, 48), ("int8", 130, 100, 100),
+    ("int8", 64, 256, 32),
+    ("int4", 1, 32, 32), ("int4", 7, 96, 32), ("int4", 33, 128, 64), ("int4", 130, 256, 128),
+    ("int4", 17, 160, 160),
+    ("fp8", 1, 3, 3), ("fp8", 7, 45, 45), ("fp8", 33, 96, 96), ("fp8", 130, 257, 257),
+]
+
+
+def quantized(fmt, n, k, group_size, seed=0, zeros=True):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    if fmt == "int8":
+        return quantize_int8(w, group_size)
+    if fmt == "int4":
+        q = quantize_int4(w, group_size)
+        return q if zeros else type(q)(q.qweight, q.scales, None, group_size)
+    return quantize_fp8(w)
+
+
+def operands(m, k, n, dtype, bias, seed=0, pad=0):
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(m, k + pad, generator=g).to(dtype)[:, :k]
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    return x, b
+
+
+def check(q, x, b, dtype):
+    out = ops.quantized_linear(x, q.qweight, q.scales, q.zeros, q.group_size, b)
+    assert out.dtype == dtype and out.shape == (x.shape[0], q.shape[0])
+    expected = reference.quantized_linear(x, q.qweight, q.scales, q.zeros, q.group_size, b)
+    torch.testing.assert_close(out.double(), expected, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
+@pytest.mark.parametrize("fmt, n, k, group_size", CASES)
+@pytest.mark.parametrize("m", TOKENS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_quantized_linear_matches_reference(fmt, n, k, group_size, m, dtype, bias):
+    x, b = operands(m, k, n, dtype, bias, pad=3)  # strided rows
+    check(quantized(fmt, n, k, group_size), x, b, dtype)
+
+
+@pytest.mark.parametrize("m", [1, 2, 9])
+def test_int4_without_zeros_and_with_fractional_zeros(m):
+    """Symmetric int4 (GPTQ's sym: no zeros) and zeros that are not integers."""
+    q = quantized("int4", 40, 128, 32, zeros=False)
+    x, b = operands(m, 128, 40, torch.float32, True)
+    check(q, x, b, torch.float32)
+    q = quantized("int4", 40, 128, 32)
+    q.zeros = q.zeros + 0.375
+    check(q, x, b, torch.float32)
+
+
+@pytest.mark.parametrize("m", [1, 9])
+def test_every_fp8_value_decodes_exactly(m):
+    """Row r of the weight holds fp8 byte r (NaNs excluded) 32 times; a one-hot input reads it."""
+    values = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)
+    q = values.view(torch.float8_e4m3fn)[:, None].expand(-1, 32).contiguous()
+    scales = torch.ones(len(values), 1)
+    x = torch.zeros(m, 32)
+    x[:, 5] = 1.0
+    out = ops.quantized_linear(x, q, scales, None, 32, None)
+    assert torch.equal(out[0], q[:, 0].float())  # subnormals and the largest, both signs
+
+
+def test_int4_packing_against_hand_made_bytes():
+    """Byte j of a 32-input chunk holds input j (low nibble) and input j + 16 (high nibble)."""
+    q = torch.arange(64, dtype=torch.uint8).remainder(16).view(1, 64)
+    q[0, 16:32] = 15 - q[0, 16:32]
+    packed = pack_int4(q)
+    assert packed.shape == (1, 32)
+    assert packed[0, 0].item() == 0x00 | (15 << 4)  # inputs 0 and 16
+    assert packed[0, 3].item() == 0x03 | (12 << 4)  # inputs 3 and 19
+    assert packed[0, 16].item() == 0x00 | (0 << 4)  # inputs 32 and 48
+    assert torch.equal(unpack_int4(packed), q)
+    ones = torch.ones(1, 1)
+    assert torch.equal(reference.quantized_weight(packed, ones, None, 64), q.double())
+
+
+@pytest.mark.parametrize("fmt, group_size", [("int8", 64), ("int8", 256), ("int4", 32),
+                                             ("int4", 128), ("fp8", 256)])
+def test_quantizers_round_to_nearest(fmt, group_size):
+    """The dequantized weight is within half a step of the original, and the extremes are exact
+    (int8, fp8: max |w|; int4: the group's min and max up to the zero's rounding)."""
+    w = torch.randn(24, 256, generator=torch.Generator().manual_seed(3))
+    quantizers = {"int8": lambda: quantize_int8(w, group_size),
+                  "int4": lambda: quantize_int4(w, group_size), "fp8": lambda: quantize_fp8(w)}
+    q = quantizers[fmt]()
+    back = q.dequantize()
+    groups = 256 // q.group_size
+    step = q.scales.repeat_interleave(q.group_size, dim=1)
+    if fmt == "fp8":  # 3 mantissa bits: within 1/16 of the value (or the subnormal step)
+        assert ((back - w).abs() <= (w.abs() / 16).clamp(min=step * 2 ** -9) + 1e-7).all()
+    else:
+        assert ((back - w).abs() <= step * (0.5 if fmt == "int8" else 1.0) + 1e-6).all()
+    assert groups == q.scales.shape[1]
+    torch.testing.assert_close(back, reference.quantized_weight(
+        q.qweight, q.scales, q.zeros, q.group_size).float())
+
+
+def test_bad_arguments():
+    q = quantized("int4", 8, 64, 32)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.quantized_linear(x, q.qweight, q.scales, q.zeros, 16, None)
+    with pytest.raises(RuntimeError, match="group_size must divide"):
+        ops.quantized_linear(x, q.qweight, q.scales, q.zeros, 48, None)
+    with pytest.raises(RuntimeError, match="scales must be"):
+        ops.quantized_linear(x, q.qweight, q.scales[:, :1].contiguous(), q.zeros, 32, None)
+    with pytest.raises(RuntimeError, match="qweight must be contiguous"):
+        ops.quantized_linear(torch.randn(2, 96), q.qweight, q.scales, q.zeros, 32, None)
+    with pytest.raises(RuntimeError, match="qweight must be int8"):
+        ops.quantized_linear(x, q.qweight.short(), q.scales, q.zeros, 32, None)
+    f = quantized("fp8", 8, 64, 64)
+    with pytest.raises(RuntimeError, match="take no zeros"):
+        ops.quantized_linear(x, f.qweight, f.scales, torch.zeros(8, 1), 64, None)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        ops.quantized_linear(x, f.qweight, f.scales, None, 64, torch.zeros(7))
+    with pytest.raises(RuntimeError, match="input must be fp32"):
+        ops.quantized_linear(x.double(), f.qweight, f.scales, None, 64, None)
+
+
+def capability_checks():
+    for dtype in TOLERANCES:
+        for fmt, n, k, group_size in (("int8", 37, 100, 50), ("int4", 37, 128, 32),
+                                      ("fp8", 37, 131, 131)):
+            for m in (1, 2, 3, 9):
+                x, b = operands(m, k, n, dtype, True, seed=m)
+                check(quantized(fmt, n, k, group_size, seed=m), x, b, dtype)
+    test_every_fp8_value_decodes_exactly(1)
+    test_every_fp8_value_decodes_exactly(9)
+
+
+@pytest.mark.parametrize("capability", CAPABILITIES)
+def test_cpu_capability_variants(capability, capability_processes):
+    check_variant(capability, capability_processes, capability_checks)
