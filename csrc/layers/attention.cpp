@@ -22,11 +22,11 @@ Attention::Attention(const ModelConfig& c, int64_t layer, const WeightMap& w,
       shares_kv_(c.kv_source(layer) != layer) {
   const std::string p = "layers." + std::to_string(layer) + ".self_attn.";
   if (shares_kv_) {  // CLA: queries only; keys and values are the source layer's
-    qkv_proj_ = Linear(w.get(p + "q_proj.weight"), w.get_optional(p + "q_proj.bias"));
+    qkv_proj_ = Linear::load(w, p + "q_proj");
   } else {
-    qkv_proj_ = Linear(w.get(p + "qkv_proj.weight"), w.get_optional(p + "qkv_proj.bias"));
+    qkv_proj_ = Linear::load(w, p + "qkv_proj");
   }
-  o_proj_ = Linear(w.get(p + "o_proj.weight"), w.get_optional(p + "o_proj.bias"));
+  o_proj_ = Linear::load(w, p + "o_proj");
   if (c.qk_norm) {
     q_norm_ = RMSNorm(w.get(p + "q_norm.weight"), c.rms_norm_eps, c.norm_weight_offset);
     if (!shares_kv_) {

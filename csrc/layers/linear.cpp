@@ -3,6 +3,7 @@
 #include <stdexcept>
 
 #include "kernels/linear/linear.h"
+#include "kernels/linear/quantized_linear.h"
 #include "layers/weights.h"
 
 namespace kvserve {
@@ -18,25 +19,68 @@ at::Tensor WeightMap::get_optional(const std::string& name) const {
   return it == tensors_.end() ? at::Tensor() : it->second;
 }
 
+Linear Linear::load(const WeightMap& w, const std::string& name) {
+  at::Tensor bias = w.get_optional(name + ".bias");
+  at::Tensor plain = w.get_optional(name + ".weight");
+  if (plain.defined() || !w.get_optional(name + ".qweight").defined()) {
+    return Linear(w.get(name + ".weight"), std::move(bias));
+  }
+  QuantizedLinearWeight q{w.get(name + ".qweight"), w.get(name + ".scales"),
+                          w.get_optional(name + ".zeros"), 0};
+  const int64_t in = q.qweight.size(-1) * (q.qweight.scalar_type() == at::kByte ? 2 : 1);
+  TORCH_CHECK(q.scales.dim() == 2 && q.scales.size(1) > 0 && in % q.scales.size(1) == 0,
+              "Linear: ", name, ".scales must be [out, groups] with groups dividing ", in,
+              ", got ", q.scales.sizes());
+  q.group_size = in / q.scales.size(1);
+  return Linear(std::move(q), std::move(bias));
+}
+
 Linear::Linear(at::Tensor weight, at::Tensor bias) : weight_(std::move(weight)), bias_(std::move(bias)) {
   TORCH_CHECK(weight_.dim() == 2, "Linear: weight must be [out, in], got ", weight_.sizes());
   TORCH_CHECK(!bias_.defined() || (bias_.dim() == 1 && bias_.size(0) == weight_.size(0)),
               "Linear: bias must be [", weight_.size(0), "]");
+  out_features_ = weight_.size(0);
+  in_features_ = weight_.size(1);
   weight_ = weight_.contiguous();
   at::Tensor packed = ops::linear_prepack(weight_);
   if (packed.defined()) weight_ = std::move(packed);  // the plain copy is released
 }
 
-at::Tensor Linear::forward(const at::Tensor& x) const {
-  return ops::linear(x, weight_, bias_.defined() ? std::optional<at::Tensor>(bias_) : std::nullopt);
+Linear::Linear(QuantizedLinearWeight weight, at::Tensor bias)
+    : quantized_(std::move(weight)), bias_(std::move(bias)) {
+  const at::Tensor& q = quantized_.qweight;
+  TORCH_CHECK(q.dim() == 2, "Linear: qweight must be [out, packed in], got ", q.sizes());
+  out_features_ = q.size(0);
+  in_features_ = q.size(1) * (q.scalar_type() == at::kByte ? 2 : 1);
+  TORCH_CHECK(!bias_.defined() || (bias_.dim() == 1 && bias_.size(0) == out_features_),
+              "Linear: bias must be [", out_features_, "]");
 }
 
-at::Tensor Linear::rows(const at::Tensor& ids) const { return ops::linear_gather_rows(weight_, ids); }
+at::Tensor Linear::forward(const at::Tensor& x) const {
+  const auto bias = bias_.defined() ? std::optional<at::Tensor>(bias_) : std::nullopt;
+  if (quantized()) {
+    const auto& q = quantized_;
+    return ops::quantized_linear(
+        x, q.qweight, q.scales, q.zeros.defined() ? std::optional<at::Tensor>(q.zeros) : std::nullopt,
+        q.group_size, bias);
+  }
+  return ops::linear(x, weight_, bias);
+}
+
+at::Tensor Linear::rows(const at::Tensor& ids) const {
+  TORCH_CHECK(!quantized(), "Linear: rows() of a quantized weight (tied embeddings stay plain)");
+  return ops::linear_gather_rows(weight_, ids);
+}
 
 int64_t Linear::weight_bytes() const {
-  if (!weight_.defined()) return 0;
-  return ops::linear_weight_nbytes(weight_) +
-         (bias_.defined() ? static_cast<int64_t>(bias_.nbytes()) : 0);
+  const auto bytes = [](const at::Tensor& t) {
+    return t.defined() ? static_cast<int64_t>(t.nbytes()) : int64_t{0};
+  };
+  const int64_t weight = quantized() ? bytes(quantized_.qweight) + bytes(quantized_.scales) +
+                                           bytes(quantized_.zeros)
+                         : weight_.defined() ? ops::linear_weight_nbytes(weight_)
+                                             : 0;
+  return weight == 0 ? 0 : weight + bytes(bias_);
 }
 
 }  // namespace kvserve

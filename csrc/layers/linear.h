@@ -1,35 +1,58 @@
 #pragma once
-// Dense linear layer y = x W^T + b over flattened tokens.
+// Linear layer y = x W^T + b over flattened tokens, on a plain or a weight-only quantized weight.
 
 #include <ATen/core/Tensor.h>
 
+#include <string>
+
+#include "layers/weights.h"
+
 namespace kvserve {
 
-/// A dense projection; quantized variants come as siblings with the same forward().
+/// A weight-only quantized weight as ops::quantized_linear reads it (int8, packed int4 or fp8
+/// E4M3 q, fp32 scales and zeros per output row and group of group_size inputs).
+struct QuantizedLinearWeight {
+  at::Tensor qweight, scales, zeros;  // zeros may be undefined
+  int64_t group_size = 0;
+};
+
+/// A projection on a plain weight (ops::linear) or a quantized one (ops::quantized_linear): the
+/// model code does not know which.
 class Linear {
  public:
   Linear() = default;
+  /// The projection `name` of a weight map: `<name>.weight` (plain), or `<name>.qweight`,
+  /// `<name>.scales` and optional `<name>.zeros` (quantized; the group size is in_features over
+  /// the scales' columns); `<name>.bias` optional. Throws std::invalid_argument when neither is
+  /// there.
+  static Linear load(const WeightMap& weights, const std::string& name);
+
   /// weight [out_features, in_features]; bias [out_features] or undefined. One copy of the weight
   /// is kept: packed by ops::linear_prepack where the device's GEMM has a packed layout that
   /// kvserve's GEMV reads too (fp32 / bf16 on CPU), else the plain weight.
   Linear(at::Tensor weight, at::Tensor bias);
+  /// A quantized weight [out_features, in_features] and bias [out_features] or undefined.
+  Linear(QuantizedLinearWeight weight, at::Tensor bias);
 
   /// x [T, in_features] -> [T, out_features], in the weight dtype.
   at::Tensor forward(const at::Tensor& x) const;
 
-  /// Rows `ids` (int64 [T]) of the weight, [T, in_features]: a tied embedding's lookup.
+  /// Rows `ids` (int64 [T]) of a plain weight, [T, in_features]: a tied embedding's lookup.
   at::Tensor rows(const at::Tensor& ids) const;
 
-  int64_t in_features() const { return weight_.size(1); }
-  int64_t out_features() const { return weight_.size(0); }
-  bool packed() const { return weight_.is_mkldnn(); }
-  bool defined() const { return weight_.defined(); }
+  int64_t in_features() const { return in_features_; }
+  int64_t out_features() const { return out_features_; }
+  bool packed() const { return weight_.defined() && weight_.is_mkldnn(); }
+  bool quantized() const { return quantized_.qweight.defined(); }
+  bool defined() const { return weight_.defined() || quantized(); }
   /// Bytes of the weight as held (a packed one pads its blocks) and the bias; 0 when undefined.
   int64_t weight_bytes() const;
 
  private:
-  at::Tensor weight_;  // plain [out, in], or packed by ops::linear_prepack
+  at::Tensor weight_;  // plain [out, in], or packed by ops::linear_prepack; or undefined
+  QuantizedLinearWeight quantized_;  // or this
   at::Tensor bias_;
+  int64_t in_features_ = 0, out_features_ = 0;
 };
 
 }  // namespace kvserve

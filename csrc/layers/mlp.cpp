@@ -18,8 +18,8 @@ constexpr int64_t kChunkBytes = 16 << 20;
 }  // namespace
 
 GatedMLP::GatedMLP(const std::string& p, const WeightMap& w, const std::string& hidden_act)
-    : gate_up_proj_(w.get(p + "gate_up_proj.weight"), w.get_optional(p + "gate_up_proj.bias")),
-      down_proj_(w.get(p + "down_proj.weight"), w.get_optional(p + "down_proj.bias")),
+    : gate_up_proj_(Linear::load(w, p + "gate_up_proj")),
+      down_proj_(Linear::load(w, p + "down_proj")),
       gelu_(hidden_act == "gelu_pytorch_tanh") {
   if (!gelu_ && hidden_act != "silu") {
     throw std::invalid_argument("GatedMLP: hidden_act must be silu or gelu_pytorch_tanh, got " +

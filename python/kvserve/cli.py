@@ -3,6 +3,8 @@
     python -m kvserve generate [--model DIR] --prompt TEXT [--speculative-model DIR | --ngram]
     python -m kvserve eval-ppl --model DIR --text FILE [--max-tokens N]
     python -m kvserve convert llama2c --checkpoint FILE.bin --tokenizer TOK.bin --out DIR
+    python -m kvserve quantize --model DIR --method int8|fp8|int4|awq --out DIR [--group-size N]
+                               [--calibration FILE]
 """
 
 from __future__ import annotations
@@ -92,6 +94,16 @@ def _eval_ppl(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quantize(args: argparse.Namespace) -> int:
+    from kvserve.quantization.quantize import quantize_checkpoint
+
+    qc = quantize_checkpoint(Path(args.model), Path(args.out), args.method, args.group_size,
+                             args.calibration)
+    print(f"wrote {args.out} ({qc['quant_method']}, {args.method}"
+          f"{f', group size {args.group_size}' if args.method in ('int4', 'awq') else ''})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kvserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -125,6 +137,16 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--stride", type=int, default=None, help="window step (default: half a window)")
     e.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     e.set_defaults(func=_eval_ppl)
+    q = sub.add_parser("quantize", help="write a quantized copy of a checkpoint")
+    q.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    q.add_argument("--method", required=True, choices=["int8", "fp8", "int4", "awq"],
+                   help="int8 / fp8 per channel (compressed-tensors); int4 per group, rounded to "
+                   "nearest or after AWQ's search (AWQ gemm)")
+    q.add_argument("--calibration", type=Path, default=None,
+                   help="text file AWQ calibrates on (--method awq)")
+    q.add_argument("--out", required=True, help="directory to write")
+    q.add_argument("--group-size", type=int, default=128, help="int4 inputs per group (128, 64, 32)")
+    q.set_defaults(func=_quantize)
     c = sub.add_parser("convert", help="write another format's checkpoint as a Hugging Face dir")
     add_llama2c_parser(c.add_subparsers(dest="format", required=True))
     return parser

@@ -31,7 +31,8 @@ cpu::QuantFormat format_of(const at::Tensor& qweight) {
   }
 }
 
-void check_params(const char* op, const char* name, const at::Tensor& t, int64_t n, int64_t groups) {
+void check_params(const char* op, const char* name, const at::Tensor& t, int64_t n,
+                  int64_t groups) {
   check_contiguous(op, name, t, at::kFloat);
   TORCH_CHECK(t.dim() == 2 && t.size(0) == n && t.size(1) == groups, op, ": ", name, " must be [",
               n, ", ", groups, "] (one per output row and group), got ", t.sizes());

@@ -101,7 +101,8 @@ void load_chunk(const uint8_t* row, int64_t i, Vec* out) {
           _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * v))));
     }
   } else if constexpr (f == F::kInt4) {
-    const __m512i words = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512i words =
+        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     const __m512i mask = _mm512_set1_epi32(0x0f);
     for (int64_t v = 0; v < kVecs; ++v) {
       const __m512i shift = _mm512_set_epi32(
@@ -150,24 +151,18 @@ void load_chunk(const uint8_t* row, int64_t i, Vec* out) {
 #endif
 }
 
-// Calls chunk(i) for the start of every full chunk of the row and tail(i) for every input after
-// the last full chunk of its group, group by group, with group_end(gi) after group gi.
-template <typename Chunk, typename Tail, typename GroupEnd>
-void for_each_chunk(const QuantizedWeight& w, Chunk&& chunk, Tail&& tail, GroupEnd&& group_end) {
-  for (int64_t gi = 0, begin = 0; begin < w.k; ++gi, begin += w.group_size) {
-    const int64_t end = begin + w.group_size;
-    int64_t i = begin;
-    for (; i + kChunk <= end; i += kChunk) chunk(i);
-    for (; i < end; ++i) tail(i);
-    group_end(gi);
-  }
-}
-
+// Full chunks start at each group's start and every 32 inputs after it; a group's inputs after
+// its last full chunk (int8 / fp8 only) keep their place.
 template <F f>
 void order_impl(const QuantizedWeight& w, int64_t* order) {
-  for_each_chunk(
-      w, [&](int64_t i) { for (int64_t j = 0; j < kChunk; ++j) order[i + j] = i + kChunkOrder<f>[j]; },
-      [&](int64_t i) { order[i] = i; }, [](int64_t) {});
+  for (int64_t begin = 0; begin < w.k; begin += w.group_size) {
+    const int64_t end = begin + w.group_size;
+    int64_t i = begin;
+    for (; i + kChunk <= end; i += kChunk) {
+      for (int64_t j = 0; j < kChunk; ++j) order[i + j] = i + kChunkOrder<f>[j];
+    }
+    for (; i < end; ++i) order[i] = i;
+  }
 }
 
 float reduce(const Vec& v) {
@@ -175,54 +170,65 @@ float reduce(const Vec& v) {
 }
 
 // y[t * n + o] = dot(x[t], dequant(w)[o]) for TB tokens and rows [begin, end); x fp32 [TB, k] in
-// quantized order, xsum [TB, groups] the sums of each token's groups (with zeros only).
+// quantized order, xsum [TB, groups] the sums of each token's groups (with zeros only). Plain
+// loops and locals, so that the accumulators stay in registers.
 template <F f, bool kZero, int64_t TB>
 void rows_for_tokens(const float* x, const float* xsum, const QuantizedWeight& w, int64_t begin,
                      int64_t end, float* y) {
-  const int64_t k = w.k, groups = k / w.group_size;
+  const int64_t k = w.k, g = w.group_size, groups = k / g;
   const int64_t row_bytes = byte_offset<f>(k);
   const auto* q = static_cast<const uint8_t*>(w.q);
   for (int64_t o = begin; o < end; ++o) {
     const uint8_t* row = q + o * row_bytes;
     const float* scales = w.scales + o * groups;
-    Vec acc[TB][kVecs], total[TB];
-    float tail[TB] = {}, scalar[TB] = {};
-    for (int64_t t = 0; t < TB; ++t) {
-      total[t] = Vec(0.0f);
-      for (int64_t v = 0; v < kVecs; ++v) acc[t][v] = Vec(0.0f);
+    Vec total[TB];
+    float tail[TB] = {};
+    for (int64_t t = 0; t < TB; ++t) total[t] = Vec(0.0f);
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      Vec acc[TB][kVecs];
+      float part[TB] = {};
+      for (int64_t t = 0; t < TB; ++t)
+        for (int64_t v = 0; v < kVecs; ++v) acc[t][v] = Vec(0.0f);
+      const int64_t group_end = (gi + 1) * g;
+      int64_t i = gi * g;
+      for (; i + kChunk <= group_end; i += kChunk) {
+        Vec qv[kVecs];
+        load_chunk<f>(row, i, qv);
+        for (int64_t t = 0; t < TB; ++t) {
+          for (int64_t v = 0; v < kVecs; ++v) {
+            acc[t][v] = at::vec::fmadd(Vec::loadu(x + t * k + i + v * kLanes), qv[v], acc[t][v]);
+          }
+        }
+      }
+      for (; i < group_end; ++i) {  // int8 / fp8 groups that are not a multiple of 32
+        const float qi = load_one<f>(row, i);
+        for (int64_t t = 0; t < TB; ++t) part[t] += x[t * k + i] * qi;
+      }
+      const float s = scales[gi] * kScaleFactor<f>;
+      const Vec scale(s);
+      for (int64_t t = 0; t < TB; ++t) {
+        Vec sum = acc[t][0];
+        for (int64_t v = 1; v < kVecs; ++v) sum = sum + acc[t][v];
+        total[t] = at::vec::fmadd(sum, scale, total[t]);
+        tail[t] += part[t] * s;
+      }
     }
-    for_each_chunk(
-        w,
-        [&](int64_t i) {
-          Vec qv[kVecs];
-          load_chunk<f>(row, i, qv);
-          for (int64_t t = 0; t < TB; ++t) {
-            for (int64_t v = 0; v < kVecs; ++v) {
-              acc[t][v] = at::vec::fmadd(Vec::loadu(x + t * k + i + v * kLanes), qv[v], acc[t][v]);
-            }
-          }
-        },
-        [&](int64_t i) {
-          const float qi = load_one<f>(row, i);
-          for (int64_t t = 0; t < TB; ++t) tail[t] += x[t * k + i] * qi;
-        },
-        [&](int64_t gi) {
-          const float s = scales[gi] * kScaleFactor<f>;
-          const Vec scale(s);
-          for (int64_t t = 0; t < TB; ++t) {
-            Vec sum = acc[t][0];
-            acc[t][0] = Vec(0.0f);
-            for (int64_t v = 1; v < kVecs; ++v) {
-              sum = sum + acc[t][v];
-              acc[t][v] = Vec(0.0f);
-            }
-            total[t] = at::vec::fmadd(sum, scale, total[t]);
-            scalar[t] += tail[t] * s;
-            tail[t] = 0.0f;
-            if constexpr (kZero) scalar[t] -= w.zeros[o * groups + gi] * s * xsum[t * groups + gi];
-          }
-        });
-    for (int64_t t = 0; t < TB; ++t) y[t * w.n + o] = reduce(total[t]) + scalar[t];
+    for (int64_t t = 0; t < TB; ++t) {
+      float zero_part = 0.0f;  // sum over groups of zero * scale * sum(x of the group)
+      if constexpr (kZero) {
+        const float* zeros = w.zeros + o * groups;
+        const float* sums = xsum + t * groups;
+        Vec part(0.0f);
+        int64_t gi = 0;
+        for (; gi + kLanes <= groups; gi += kLanes) {
+          part = at::vec::fmadd(Vec::loadu(zeros + gi) * Vec::loadu(scales + gi),
+                                Vec::loadu(sums + gi), part);
+        }
+        zero_part = reduce(part);
+        for (; gi < groups; ++gi) zero_part += zeros[gi] * scales[gi] * sums[gi];
+      }
+      y[t * w.n + o] = reduce(total[t]) + tail[t] - zero_part;
+    }
   }
 }
 
@@ -328,7 +334,9 @@ void dequantize_rows(const QuantizedWeight& w, int64_t row_begin, int64_t row_en
 
 void quantized_dequantize_impl(const QuantizedWeight& w, int64_t row_begin, int64_t row_end,
                                float* dst) {
-  dispatch_format(w, [&]<F f, bool kZero>() { dequantize_rows<f, kZero>(w, row_begin, row_end, dst); });
+  dispatch_format(w, [&]<F f, bool kZero>() {
+    dequantize_rows<f, kZero>(w, row_begin, row_end, dst);
+  });
 }
 
 }  // namespace

@@ -7,11 +7,19 @@ known good before a byte of tensor data is read. The tensors are then memory-map
 ``safetensors``, converted to the requested dtype and fused the way the C++ layers expect: q/k/v
 into ``qkv_proj`` and gate/up into ``gate_up_proj`` (per expert too; MLA's projections are kept
 as they are). The returned names drop the ``model.`` prefix.
+
+A quantized checkpoint (``quantization_config``: AWQ, GPTQ, compressed-tensors) has its attention
+and MLP projections converted to the layout the quantized_linear op reads: ``<name>.qweight``,
+``.scales``, ``.zeros`` instead of ``<name>.weight`` (fused the same way). The projections the C++
+layers transform at load (MLA's) and routed experts (fused_moe runs plain weights) are
+dequantized to the model's dtype instead.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import json
 
 import torch
 from safetensors import safe_open
@@ -19,15 +27,22 @@ from safetensors import safe_open
 from kvserve import _C
 from kvserve.loader.weight_check import check_weights, moe_names
 from kvserve.loader.weight_index import WeightIndex
+from kvserve.quantization.formats import CheckpointQuantization, parse_quantization_config
+from kvserve.quantization.weights import QuantizedWeight
 
 
 class _TensorReader:
-    """Reads checked tensors, opening each file once."""
+    """Reads checked tensors, opening each file once; linear weights plain or quantized."""
 
-    def __init__(self, index: WeightIndex, dtype: torch.dtype):
-        self.index, self.dtype, self.handles = index, dtype, {}
+    def __init__(self, index: WeightIndex, dtype: torch.dtype,
+                 quant: CheckpointQuantization | None):
+        self.index, self.dtype, self.quant, self.handles = index, dtype, quant, {}
 
     def __call__(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.raw(name, dtype or self.dtype)
+
+    def raw(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor in `dtype` (default: as stored), a copy rather than a view of the file."""
         info = self.index.tensors[name]
         try:
             if info.file not in self.handles:
@@ -35,9 +50,34 @@ class _TensorReader:
             tensor = self.handles[info.file].get_tensor(name)
         except Exception as e:  # safetensors raises its own error types; its checks mirror ours
             raise ValueError(f"{info.file}: cannot read tensor '{name}': {e}") from e
-        # A copy even in the same dtype: a tensor that views the memory map would keep the whole
-        # file mapped (and its pages resident) for as long as the model lives.
-        return tensor.to(dtype or self.dtype, copy=True)
+        # A copy: a tensor that views the memory map would keep the whole file mapped (and its
+        # pages resident) for as long as the model lives.
+        return tensor.to(dtype or tensor.dtype, copy=True)
+
+    def quantized(self, module: str) -> bool:
+        return self.quant is not None and self.quant.covers(module)
+
+    def linear(self, module: str, shape: tuple[int, int]) -> QuantizedWeight:
+        """A quantized linear layer [out, in] as quantized_linear reads it."""
+        return self.quant.read(self.raw, module, *shape)
+
+    def weight(self, module: str, shape: tuple[int, int]) -> torch.Tensor:
+        """A linear layer's plain weight, dequantized when the checkpoint quantized it."""
+        if self.quantized(module):
+            return self.linear(module, shape).dequantize().to(self.dtype)
+        return self(module + ".weight")
+
+    def put(self, w: dict[str, torch.Tensor], out: str, modules: list[str],
+            shapes: list[tuple[int, int]]) -> None:
+        """The linear layers `modules` fused along the output dimension as `out` (a kvserve name
+        without .weight): plain, or quantized when the checkpoint quantized them."""
+        if all(self.quantized(m) for m in modules):
+            q = QuantizedWeight.concat([self.linear(m, s) for m, s in zip(modules, shapes)])
+            w[out + ".qweight"], w[out + ".scales"] = q.qweight, q.scales
+            if q.zeros is not None:
+                w[out + ".zeros"] = q.zeros
+        else:
+            w[out + ".weight"] = torch.cat([self.weight(m, s) for m, s in zip(modules, shapes)])
 
 
 def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
@@ -48,8 +88,10 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
     tensor, for a malformed one or one that disagrees with the config."""
     model_dir = Path(model_dir)
     index = WeightIndex.from_dir(model_dir)
-    check_weights(index, config, model_dir / "config.json")
-    read = _TensorReader(index, dtype)
+    config_path = model_dir / "config.json"
+    quant = parse_quantization_config(json.loads(config_path.read_text()))
+    check_weights(index, config, config_path, quant)
+    read = _TensorReader(index, dtype, quant)
     w: dict[str, torch.Tensor] = {
         "embed_tokens.weight": read("model.embed_tokens.weight"),
         "norm.weight": read("model.norm.weight"),
@@ -71,7 +113,8 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
         if config.is_moe_layer(i):
             _read_moe(read, config, p, out + "mlp.", w)
         else:
-            _read_mlp(read, p + "mlp.", out + "mlp.", config.mlp_bias, w)
+            _read_mlp(read, p + "mlp.", out + "mlp.", config.mlp_bias, w,
+                      (config.intermediate_size, config.hidden_size))
     return {name: t.to(device).contiguous() for name, t in w.items()}
 
 
@@ -79,10 +122,12 @@ def _read_attention(read: _TensorReader, c: _C.ModelConfig, layer: int, attn: st
                     w: dict[str, torch.Tensor]) -> None:
     # A layer that shares an earlier layer's KV (CLA) projects queries only.
     fused, names = ("q_proj", "q") if c.kv_source(layer) != layer else ("qkv_proj", "qkv")
-    w[out + fused + ".weight"] = torch.cat([read(attn + f"{x}_proj.weight") for x in names])
+    hidden, q_out, kv_out = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    read.put(w, out + fused, [attn + f"{x}_proj" for x in names],
+             [(q_out if x == "q" else kv_out, hidden) for x in names])
     if c.qkv_bias:
         w[out + fused + ".bias"] = torch.cat([read(attn + f"{x}_proj.bias") for x in names])
-    w[out + "o_proj.weight"] = read(attn + "o_proj.weight")
+    read.put(w, out + "o_proj", [attn + "o_proj"], [(hidden, q_out)])
     if c.o_proj_bias:
         w[out + "o_proj.bias"] = read(attn + "o_proj.bias")
     if c.qk_norm:
@@ -103,15 +148,38 @@ def _read_mla(read: _TensorReader, c: _C.ModelConfig, attn: str, out: str,
     if c.o_proj_bias:
         names.append("o_proj.bias")
     for name in names:
-        w[out + name] = read(attn + name)
+        module = attn + name.removesuffix(".weight")
+        if name.endswith("proj.weight") and name != "o_proj.weight" and read.quantized(module):
+            w[out + name] = read.weight(module, _mla_shape(c, name))
+        elif name == "o_proj.weight":
+            read.put(w, out + "o_proj", [module], [(c.hidden_size, c.num_heads * c.mla.v_head_dim)])
+        else:
+            w[out + name] = read(attn + name)
+
+
+def _mla_shape(c: _C.ModelConfig, name: str) -> tuple[int, int]:
+    m = c.mla
+    q_in = m.q_lora_rank or c.hidden_size
+    return {"kv_a_proj_with_mqa.weight": (m.kv_lora_rank + m.qk_rope_head_dim, c.hidden_size),
+            "kv_b_proj.weight": (c.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+            "q_a_proj.weight": (m.q_lora_rank, c.hidden_size),
+            "q_b_proj.weight": (c.num_heads * m.qk_head_dim, q_in),
+            "q_proj.weight": (c.num_heads * m.qk_head_dim, c.hidden_size)}[name]
 
 
 def _read_mlp(read: _TensorReader, mlp: str, out: str, bias: bool, w: dict[str, torch.Tensor],
-              names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
+              sizes: tuple[int, int], names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+              plain: bool = False) -> None:
+    """sizes: (intermediate, hidden). plain: dequantize (routed experts)."""
     gate, up, down = names
-    w[out + "gate_up_proj.weight"] = torch.cat([read(f"{mlp}{gate}.weight"),
-                                                read(f"{mlp}{up}.weight")])
-    w[out + "down_proj.weight"] = read(f"{mlp}{down}.weight")
+    inter, hidden = sizes
+    if plain:
+        w[out + "gate_up_proj.weight"] = torch.cat([read.weight(mlp + gate, (inter, hidden)),
+                                                    read.weight(mlp + up, (inter, hidden))])
+        w[out + "down_proj.weight"] = read.weight(mlp + down, (hidden, inter))
+    else:
+        read.put(w, out + "gate_up_proj", [mlp + gate, mlp + up], [(inter, hidden)] * 2)
+        read.put(w, out + "down_proj", [mlp + down], [(hidden, inter)])
     if bias:
         w[out + "gate_up_proj.bias"] = torch.cat([read(f"{mlp}{gate}.bias"),
                                                   read(f"{mlp}{up}.bias")])
@@ -127,6 +195,8 @@ def _read_moe(read: _TensorReader, c: _C.ModelConfig, layer: str, out: str,
         w[out + "gate.e_score_correction_bias"] = read(prefix + "gate.e_score_correction_bias",
                                                        torch.float32)
     for e in range(c.moe.num_experts):
-        _read_mlp(read, f"{prefix}experts.{e}.", f"{out}experts.{e}.", False, w, names)
+        _read_mlp(read, f"{prefix}experts.{e}.", f"{out}experts.{e}.", False, w,
+                  (c.moe.moe_intermediate_size, c.hidden_size), names, plain=True)
     if c.moe.shared_intermediate_size:
-        _read_mlp(read, prefix + "shared_experts.", out + "shared_experts.", False, w)
+        _read_mlp(read, prefix + "shared_experts.", out + "shared_experts.", False, w,
+                  (c.moe.shared_intermediate_size, c.hidden_size))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from kvserve import _C
 from kvserve.loader.weight_index import WeightIndex
+from kvserve.quantization.formats import CheckpointQuantization
 
 Dim = tuple[str, int]  # (what config.json calls the size, the size)
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
@@ -128,27 +129,39 @@ def _moe_shapes(c: _C.ModelConfig, p: str) -> dict[str, tuple[Dim, ...]]:
     return shapes
 
 
-def check_weights(index: WeightIndex, c: _C.ModelConfig, config_path: Path) -> None:
-    """Raises ValueError listing every tensor that is missing, unexpected, not a float or of
-    another shape than config.json implies."""
+def check_weights(index: WeightIndex, c: _C.ModelConfig, config_path: Path,
+                  quant: CheckpointQuantization | None = None) -> None:
+    """Raises ValueError listing every tensor that is missing, unexpected, of another dtype or of
+    another shape than config.json (and its quantization_config) implies."""
     _check_num_layers(index, c, config_path)
-    expected = expected_shapes(c)
+    expected: dict[str, tuple[tuple[Dim, ...], tuple[str, ...]]] = {}
+    optional: set[str] = set()
+    for name, dims in expected_shapes(c).items():
+        module = name.removesuffix(".weight")
+        if quant is not None and name.endswith(".weight") and len(dims) == 2 and quant.covers(module):
+            layout = f"{quant.method} layout of [{dims[0][1]}, {dims[1][1]}]"
+            for qname, (shape, dtypes) in quant.expected(module, dims[0][1], dims[1][1]).items():
+                expected[qname] = (tuple((layout, size) for size in shape), dtypes)
+            optional.update(quant.optional(module))
+        else:
+            expected[name] = (dims, FLOAT_DTYPES)
     problems = []
-    for name, dims in expected.items():
+    for name, (dims, dtypes) in expected.items():
         info = index.tensors.get(name)
         if info is None:
             untied = name == "lm_head.weight"
             hint = " (config.json has tie_word_embeddings false)" if untied else ""
             problems.append(f"{index.source} has no tensor '{name}'{hint}")
-        elif info.dtype not in FLOAT_DTYPES:
+        elif info.dtype not in dtypes:
+            kind = "float weights" if dtypes == FLOAT_DTYPES else "here"
             problems.append(f"{info.file}: tensor '{name}' has dtype {info.dtype}; kvserve loads "
-                            f"float weights ({', '.join(FLOAT_DTYPES)})")
+                            f"{kind} ({', '.join(dtypes)})")
         elif info.shape != tuple(size for _, size in dims):
             implied = ", ".join(f"{field}={size}" for field, size in dims)
             problems.append(f"{info.file}: tensor '{name}' has shape {list(info.shape)}, but "
                             f"{config_path.name} implies [{implied}]")
     for name, info in index.tensors.items():
-        if name not in expected and not _ignored(name, c):
+        if name not in expected and name not in optional and not _ignored(name, c):
             problems.append(f"{info.file}: tensor '{name}' is not part of the model that "
                             f"{config_path.name} describes (check num_hidden_layers, "
                             "attention_bias, mlp_bias)")

@@ -1,0 +1,227 @@
+"""Quantized checkpoint formats: what `quantization_config` in config.json says, the tensors each
+format stores for a linear layer, and their conversion to and from `QuantizedWeight`.
+
+Read: AWQ ("gemm" layout), GPTQ (desc_act false), compressed-tensors (int-quantized and
+float-quantized int8 / fp8 per channel or tensor, pack-quantized int4 per group). Written by
+`kvserve quantize`: AWQ gemm for int4, compressed-tensors for int8 and fp8.
+
+Every layer's linear projections are quantized (attention and MLP); embeddings, norms, the LM
+head and MoE routers stay as they are, as in these formats' own tools.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from kvserve.quantization.weights import QuantizedWeight, pack_int4, unpack_int4
+
+# AWQ's gemm layout keeps outputs 8c + AWQ_ORDER[j] in nibble j of int32 column c.
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+SUPPORTED = ("awq (version gemm, 4 bits, zero_point), gptq (4 bits, desc_act false), "
+             "compressed-tensors (int-quantized / float-quantized 8-bit per channel or tensor, "
+             "pack-quantized 4-bit per group)")
+
+# (shape, safetensors dtypes) of each tensor a format stores for one linear layer
+Expected = dict[str, tuple[tuple[int, ...], tuple[str, ...]]]
+Reader = Callable[[str], torch.Tensor]  # a tensor by its full name, in its stored dtype
+FLOAT = ("F32", "BF16", "F16")
+
+
+@dataclass
+class CheckpointQuantization:
+    """One checkpoint's quantization_config, parsed and checked."""
+    method: str          # "awq", "gptq", "compressed-tensors"
+    bits: int
+    group_size: int      # -1: one group per row
+    symmetric: bool = True
+    fmt: str = ""        # compressed-tensors format, "float" / "int" for its 8-bit ones
+    ignore: list[str] = field(default_factory=list)
+    per_tensor: bool = False  # compressed-tensors 8-bit: one scale for the whole weight
+
+    def covers(self, module: str) -> bool:
+        """Whether the linear layer `module` (e.g. model.layers.0.mlp.down_proj) is quantized."""
+        if not re.search(r"\.(self_attn|mlp|block_sparse_moe)\.", module) or module.endswith(".gate"):
+            return False  # embeddings, LM head and routers stay plain
+        for pattern in self.ignore:
+            if pattern.startswith("re:"):
+                if re.match(pattern[3:], module):
+                    return False
+            elif module == pattern or module.endswith("." + pattern):
+                return False
+        return True
+
+    def groups(self, in_features: int) -> int:
+        return 1 if self.group_size in (-1, 0) else in_features // self.group_size
+
+    def expected(self, module: str, out_features: int, in_features: int) -> Expected:
+        """The tensors this format stores for a linear layer [out, in]."""
+        n, k, g = out_features, in_features, self.groups(in_features)
+        if self.method == "awq":
+            return {f"{module}.qweight": ((k, n // 8), ("I32",)),
+                    f"{module}.qzeros": ((g, n // 8), ("I32",)),
+                    f"{module}.scales": ((g, n), FLOAT)}
+        if self.method == "gptq":
+            return {f"{module}.qweight": ((k // 8, n), ("I32",)),
+                    f"{module}.qzeros": ((g, n // 8), ("I32",)),
+                    f"{module}.scales": ((g, n), FLOAT),
+                    f"{module}.g_idx": ((k,), ("I32",))}
+        if self.fmt == "pack-quantized":
+            out = {f"{module}.weight_packed": ((n, k // 8), ("I32",)),
+                   f"{module}.weight_scale": ((n, g), FLOAT),
+                   f"{module}.weight_shape": ((2,), ("I32", "I64"))}
+            if not self.symmetric:
+                out[f"{module}.weight_zero_point"] = ((n // 8, g), ("I32",))
+            return out
+        return {f"{module}.weight": ((n, k), ("F8_E4M3",) if self.fmt == "float" else ("I8",)),
+                f"{module}.weight_scale": ((1,) if self.per_tensor else (n, 1), FLOAT)}
+
+    def optional(self, module: str) -> list[str]:
+        """Tensors a linear layer may carry that weight-only kernels do not read (static
+        activation scales of FP8 / INT8 W8A8 checkpoints)."""
+        return [f"{module}.input_scale", f"{module}.weight_zero_point"] if self.method == (
+            "compressed-tensors") and self.fmt in ("float", "int") else []
+
+    def read(self, read: Reader, module: str, out_features: int,
+             in_features: int) -> QuantizedWeight:
+        """The layer's weight as quantized_linear reads it."""
+        n, k = out_features, in_features
+        group = k if self.group_size in (-1, 0) else self.group_size
+        if self.method == "awq":
+            q = unpack_int32(read(f"{module}.qweight"), AWQ_ORDER).T          # [n, k]
+            zeros = unpack_int32(read(f"{module}.qzeros"), AWQ_ORDER).T       # [n, g]
+            return QuantizedWeight(pack_int4(q), _fp32(read(f"{module}.scales").T),
+                                   zeros.float().contiguous(), group)
+        if self.method == "gptq":
+            g_idx = read(f"{module}.g_idx").long()
+            if not torch.equal(g_idx, torch.arange(k) // group):
+                raise ValueError(f"{module}.g_idx: kvserve loads GPTQ without act-order "
+                                 "(desc_act false), whose g_idx is input // group_size")
+            q = unpack_int32(read(f"{module}.qweight").T.contiguous())          # [n, k]
+            zeros = unpack_int32(read(f"{module}.qzeros")).T.float() + 1  # stored as zero - 1
+            return QuantizedWeight(pack_int4(q), _fp32(read(f"{module}.scales").T),
+                                   zeros.contiguous(), group)
+        if self.fmt == "pack-quantized":
+            q = unpack_int32(read(f"{module}.weight_packed"))                 # signed + 8
+            zeros = (torch.full((n, k // group), 8.0) if self.symmetric else
+                     unpack_int32(read(f"{module}.weight_zero_point").T.contiguous()).T.float())
+            return QuantizedWeight(pack_int4(q), _fp32(read(f"{module}.weight_scale")),
+                                   zeros.contiguous(), group)
+        scale = _fp32(read(f"{module}.weight_scale")).reshape(-1, 1).expand(n, 1).contiguous()
+        weight = read(f"{module}.weight")
+        if self.fmt == "float" and torch.isnan(weight.float()).any():
+            raise ValueError(f"{module}.weight holds fp8 NaNs")
+        return QuantizedWeight(weight.contiguous(), scale, None, k)
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.float().contiguous()
+
+
+def unpack_int32(packed: torch.Tensor, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
+    """int32 [r, c] holding 8 nibbles each -> uint8 [r, 8c], nibble j of column c giving element
+    8c + order[j]."""
+    r, c = packed.shape
+    nibbles = torch.stack([(packed >> (4 * j)) & 0xF for j in range(8)], dim=2)  # [r, c, j]
+    out = torch.empty_like(nibbles)
+    out[:, :, list(order)] = nibbles
+    return out.reshape(r, 8 * c).to(torch.uint8)
+
+
+def pack_int32(q: torch.Tensor, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
+    """uint8 [r, 8c] with values in 0..15 -> int32 [r, c]: the inverse of unpack_int32."""
+    r, k = q.shape
+    grouped = q.to(torch.int64).view(r, k // 8, 8)
+    packed = torch.zeros(r, k // 8, dtype=torch.int64)
+    for j in range(8):
+        packed |= grouped[:, :, order[j]] << (4 * j)
+    return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
+
+
+def awq_tensors(module: str, w: QuantizedWeight) -> dict[str, torch.Tensor]:
+    """An int4 weight in AWQ's gemm layout (fp16 scales, as AutoAWQ writes them)."""
+    q = unpack_int4(w.qweight)                                    # [n, k]
+    return {f"{module}.qweight": pack_int32(q.T.contiguous(), AWQ_ORDER),
+            f"{module}.qzeros": pack_int32(w.zeros.round().to(torch.uint8).T.contiguous(),
+                                           AWQ_ORDER),
+            f"{module}.scales": w.scales.T.contiguous().half()}
+
+
+def compressed_tensors_tensors(module: str, w: QuantizedWeight) -> dict[str, torch.Tensor]:
+    """An int8 or fp8 weight per channel in compressed-tensors' int-/float-quantized layout."""
+    return {f"{module}.weight": w.qweight, f"{module}.weight_scale": w.scales.contiguous()}
+
+
+def awq_config(group_size: int, plain: list[str] | None = None) -> dict:
+    """plain: modules left unquantized (full names)."""
+    return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
+            "version": "gemm", "modules_to_not_convert": plain or None}
+
+
+def compressed_tensors_config(kind: str) -> dict:
+    """kind: "int" (int8) or "float" (fp8 E4M3); per-channel symmetric weights, no activations."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": f"{kind}-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": kind, "strategy": "channel", "symmetric": True,
+                        "dynamic": False, "group_size": None, "observer": "minmax"},
+            "input_activations": None, "output_activations": None}},
+        "ignore": ["lm_head"],
+    }
+
+
+def parse_quantization_config(config: dict) -> CheckpointQuantization | None:
+    """The checkpoint's quantization, or None for plain weights. Raises ValueError for a method or
+    option kvserve does not load, naming what it does."""
+    qc = config.get("quantization_config")
+    if qc is None:
+        return None
+    method = str(qc.get("quant_method", "")).lower()
+
+    def unsupported(what: str) -> ValueError:
+        return ValueError(f"quantization_config: {what} is not supported; kvserve loads "
+                          f"{SUPPORTED}")
+
+    if method == "awq":
+        if str(qc.get("version", "gemm")).lower() != "gemm" or qc.get("bits", 4) != 4 or not qc.get(
+                "zero_point", True):
+            raise unsupported(f"AWQ version {qc.get('version')!r}, {qc.get('bits')} bits, "
+                              f"zero_point {qc.get('zero_point')}")
+        ignore = list(qc.get("modules_to_not_convert") or [])
+        return CheckpointQuantization("awq", 4, int(qc.get("group_size", 128)), False, ignore=ignore)
+    if method == "gptq":
+        if qc.get("bits", 4) != 4 or qc.get("desc_act", False) or str(
+                qc.get("checkpoint_format", "gptq")) != "gptq":
+            raise unsupported(f"GPTQ with {qc.get('bits')} bits, desc_act {qc.get('desc_act')}, "
+                              f"checkpoint_format {qc.get('checkpoint_format')!r}")
+        return CheckpointQuantization("gptq", 4, int(qc.get("group_size", 128)),
+                                      bool(qc.get("sym", True)))
+    if method == "compressed-tensors":
+        return _compressed_tensors(qc, unsupported)
+    raise unsupported(f"quant_method {method!r}")
+
+
+def _compressed_tensors(qc: dict, unsupported) -> CheckpointQuantization:
+    groups = list((qc.get("config_groups") or {}).values())
+    fmt = qc.get("format")
+    if len(groups) != 1 or qc.get("sparsity_config"):
+        raise unsupported("compressed-tensors with several config groups or sparsity")
+    weights = groups[0].get("weights") or {}
+    bits, kind, strategy = weights.get("num_bits"), weights.get("type"), weights.get("strategy")
+    symmetric = bool(weights.get("symmetric", True))
+    ignore = list(qc.get("ignore") or [])
+    if fmt == "pack-quantized" and bits == 4 and kind == "int" and strategy in ("group", "channel"):
+        group = int(weights.get("group_size") or -1) if strategy == "group" else -1
+        return CheckpointQuantization("compressed-tensors", 4, group, symmetric, fmt, ignore)
+    if (fmt in ("float-quantized", "int-quantized", "naive-quantized") and bits == 8
+            and kind in ("float", "int") and strategy in ("channel", "tensor") and symmetric):
+        return CheckpointQuantization("compressed-tensors", 8, -1, True, kind, ignore,
+                                      strategy == "tensor")
+    raise unsupported(f"compressed-tensors format {fmt!r} with {bits}-bit {kind} weights "
+                      f"({strategy}, symmetric {symmetric})")

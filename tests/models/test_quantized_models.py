@@ -1,0 +1,222 @@
+"""Quantized checkpoints end to end: `kvserve quantize` (int8 / fp8 as compressed-tensors, int4 in
+AWQ's gemm layout), and GPTQ / compressed-tensors pack-quantized directories made here, generate
+token-exactly with transformers running the same model on the weights the files mean, read back
+by this file's own unpacking (explicit bit loops after each format's description) or by the
+compressed-tensors package."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import kvserve
+from kvserve.quantization.quantize import quantize_checkpoint
+from tests.models.test_parity import NUM_GREEDY_TOKENS, PROMPTS, hf_greedy, kvserve_prompt_logits
+
+transformers = pytest.importorskip("transformers")
+from kvserve.testing.checkpoints import make_checkpoint  # noqa: E402
+
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble j of an AWQ int32 holds output 8c + AWQ_ORDER[j]
+
+
+def nibble(word: int, j: int) -> int:
+    return (int(word) >> (4 * j)) & 0xF
+
+
+def awq_dequantize(t: dict[str, torch.Tensor], module: str, group: int) -> torch.Tensor:
+    qweight, qzeros, scales = (t[f"{module}.{x}"] for x in ("qweight", "qzeros", "scales"))
+    k, n = qweight.shape[0], qweight.shape[1] * 8
+    w = torch.empty(n, k)
+    for c in range(n // 8):
+        for j in range(8):
+            o = 8 * c + AWQ_ORDER[j]
+            q = torch.tensor([nibble(x, j) for x in qweight[:, c].tolist()], dtype=torch.float32)
+            z = torch.tensor([nibble(x, j) for x in qzeros[:, c].tolist()], dtype=torch.float32)
+            s = scales[:, o].float()
+            w[o] = (q - z.repeat_interleave(group)) * s.repeat_interleave(group)
+    return w
+
+
+def gptq_dequantize(t: dict[str, torch.Tensor], module: str, group: int) -> torch.Tensor:
+    qweight, qzeros, scales = (t[f"{module}.{x}"] for x in ("qweight", "qzeros", "scales"))
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    q = torch.tensor([[nibble(qweight[i // 8, o], i % 8) for o in range(n)] for i in range(k)])
+    z = torch.tensor([[nibble(qzeros[g, o // 8], o % 8) + 1 for o in range(n)]
+                      for g in range(k // group)])
+    g_of = torch.arange(k) // group
+    return ((q - z[g_of]) * scales.float()[g_of]).T.contiguous()
+
+
+def reference_model(original, weights: dict[str, torch.Tensor]):
+    """transformers' model of `original` with the given linear weights (by module name)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(original).eval()
+    state = model.state_dict()
+    for module, w in weights.items():
+        assert state[module + ".weight"].shape == w.shape, module
+        state[module + ".weight"] = w
+    model.load_state_dict(state)
+    return model
+
+
+def assert_same_generation(quantized_dir, model) -> None:
+    llm = kvserve.LLM(quantized_dir, dtype=torch.float32)
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            want = model(torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(kvserve_prompt_logits(llm, prompt), want, atol=2e-4, rtol=2e-4)
+    params = kvserve.SamplingParams(temperature=0, max_tokens=NUM_GREEDY_TOKENS, ignore_eos=True)
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params)):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, NUM_GREEDY_TOKENS)
+
+
+def linear_modules(tensors: dict[str, torch.Tensor], suffix: str) -> list[str]:
+    return sorted(name.removesuffix(suffix) for name in tensors if name.endswith(suffix))
+
+
+@pytest.fixture(scope="module")
+def original(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("plain"), "LlamaForCausalLM",
+                           attention_bias=True)
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8", "int4"])
+def test_quantize_then_generate_matches_transformers_on_the_meaning(original, tmp_path, method):
+    out = tmp_path / method
+    quantize_checkpoint(original, out, method, group_size=32)
+    t = load_file(out / "model.safetensors")
+    if method == "int4":
+        modules = linear_modules(t, ".qweight")
+        weights = {m: awq_dequantize(t, m, 32) for m in modules}
+    else:
+        modules = linear_modules(t, ".weight_scale")
+        weights = {m: t[m + ".weight"].float() * t[m + ".weight_scale"].float() for m in modules}
+        assert t[modules[0] + ".weight"].dtype == (torch.int8 if method == "int8"
+                                                   else torch.float8_e4m3fn)
+    assert len(modules) == 2 * 7  # q, k, v, o, gate, up, down in each of 2 layers
+    assert "lm_head.weight" in t and "model.embed_tokens.weight" in t  # kept plain
+    assert_same_generation(out, reference_model(original, weights))
+    # The quantized model is smaller and reports so.
+    plain = kvserve.LLM(original, dtype=torch.float32).model.weight_bytes
+    assert kvserve.LLM(out, dtype=torch.float32).model.weight_bytes < plain
+
+
+def test_compressed_tensors_read_by_its_own_package(original, tmp_path):
+    """transformers + compressed-tensors decompress kvserve's fp8 / int8 directories themselves."""
+    pytest.importorskip("compressed_tensors")
+    for method in ("int8", "fp8"):
+        out = tmp_path / method
+        quantize_checkpoint(original, out, method)
+        qc = transformers.CompressedTensorsConfig(run_compressed=False)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            out, quantization_config=qc, dtype=torch.float32).eval()
+        assert_same_generation(out, model)
+
+
+def test_gptq_directory_loads(original, tmp_path):
+    """A GPTQ checkpoint (4 bits, desc_act false, zeros stored minus one), packed here."""
+    from kvserve.quantization.formats import pack_int32
+    from kvserve.quantization.weights import quantize_int4, unpack_int4
+
+    t = load_file(original / "model.safetensors")
+    out = tmp_path / "gptq"
+    out.mkdir()
+    group, weights = 32, {}
+    for name in [n for n in t if n.endswith("_proj.weight")]:
+        module = name.removesuffix(".weight")
+        q = quantize_int4(t.pop(name), group)
+        ints = unpack_int4(q.qweight)                                   # [n, k]
+        t[module + ".qweight"] = _pack_along_inputs(ints)
+        t[module + ".qzeros"] = pack_int32((q.zeros - 1).to(torch.uint8).T.contiguous())
+        t[module + ".scales"] = q.scales.T.contiguous().half()
+        t[module + ".g_idx"] = (torch.arange(ints.shape[1]) // group).to(torch.int32)
+        weights[module] = gptq_dequantize(t, module, group)
+    save_file(t, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((original / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group,
+                                     "desc_act": False, "sym": False,
+                                     "checkpoint_format": "gptq"}
+    (out / "config.json").write_text(json.dumps(config))
+    (out / "tokenizer.json").write_bytes((original / "tokenizer.json").read_bytes())
+    assert_same_generation(out, reference_model(original, weights))
+
+
+def _pack_along_inputs(ints: torch.Tensor) -> torch.Tensor:
+    """GPTQ's qweight [k / 8, n]: nibble j of row r holds input 8r + j (explicit loop)."""
+    n, k = ints.shape
+    out = torch.zeros(k // 8, n, dtype=torch.int64)
+    for j in range(8):
+        out |= ints[:, j::8].T.long() << (4 * j)
+    return torch.where(out >= 1 << 31, out - (1 << 32), out).to(torch.int32)
+
+
+def test_compressed_tensors_pack_quantized_loads(original, tmp_path):
+    """W4A16 (symmetric int4 per group) packed by the compressed-tensors package itself."""
+    helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    t = load_file(original / "model.safetensors")
+    out = tmp_path / "w4a16"
+    out.mkdir()
+    group, weights = 32, {}
+    for name in [n for n in t if n.endswith("_proj.weight")]:
+        module = name.removesuffix(".weight")
+        w = t.pop(name)
+        n, k = w.shape
+        wg = w.view(n, k // group, group)
+        scale = wg.abs().amax(dim=2) / 7.5
+        q = torch.round(wg / scale[:, :, None]).clamp(-8, 7).to(torch.int8).view(n, k)
+        t[module + ".weight_packed"] = helpers.pack_to_int32(q, 4)
+        t[module + ".weight_scale"] = scale
+        t[module + ".weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
+        weights[module] = (q.view(n, k // group, group).float() * scale[:, :, None]).view(n, k)
+    save_file(t, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((original / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 4, "type": "int", "strategy": "group", "group_size": group,
+            "symmetric": True}}}, "ignore": ["lm_head"]}
+    (out / "config.json").write_text(json.dumps(config))
+    (out / "tokenizer.json").write_bytes((original / "tokenizer.json").read_bytes())
+    assert_same_generation(out, reference_model(original, weights))
+
+
+@pytest.mark.parametrize("qc, match", [
+    ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
+    ({"quant_method": "awq", "version": "gemv", "bits": 4}, "AWQ version 'gemv'"),
+    ({"quant_method": "gptq", "bits": 4, "desc_act": True}, "desc_act True"),
+])
+def test_unsupported_quantization_is_a_clear_error(original, tmp_path, qc, match):
+    out = tmp_path / "bad"
+    out.mkdir()
+    for f in original.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    config = json.loads((original / "config.json").read_text())
+    config["quantization_config"] = qc
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=match) as e:
+        kvserve.LLM(out)
+    assert "kvserve loads awq" in str(e.value)
+
+
+def test_int4_keeps_layers_it_cannot_hold_plain(original, tmp_path):
+    """Groups of 96 divide the 96 hidden inputs but not the MLP's 160: down_proj stays plain, and
+    the config says so."""
+    out = tmp_path / "g96"
+    qc = quantize_checkpoint(original, out, "int4", group_size=96)
+    assert qc["modules_to_not_convert"] == [f"model.layers.{i}.mlp.down_proj" for i in range(2)]
+    t = load_file(out / "model.safetensors")
+    assert "model.layers.0.mlp.down_proj.weight" in t and "model.layers.0.mlp.up_proj.qweight" in t
+    weights = {m: awq_dequantize(t, m, 96) for m in linear_modules(t, ".qweight")}
+    assert_same_generation(out, reference_model(original, weights))
+
+
+def test_quantize_rejects_what_it_cannot_write(original, tmp_path):
+    with pytest.raises(ValueError, match="--method must be one of"):
+        quantize_checkpoint(original, tmp_path / "x", "int3")
+    with pytest.raises(ValueError, match="positive multiple of 32"):
+        quantize_checkpoint(original, tmp_path / "y", "int4", group_size=48)
+    quantize_checkpoint(original, tmp_path / "z", "int8")
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_checkpoint(tmp_path / "z", tmp_path / "w", "int8")
