@@ -35,7 +35,8 @@ Linear Linear::load(const WeightMap& w, const std::string& name) {
   return Linear(std::move(q), std::move(bias));
 }
 
-Linear::Linear(at::Tensor weight, at::Tensor bias) : weight_(std::move(weight)), bias_(std::move(bias)) {
+Linear::Linear(at::Tensor weight, at::Tensor bias)
+    : weight_(std::move(weight)), bias_(std::move(bias)) {
   TORCH_CHECK(weight_.dim() == 2, "Linear: weight must be [out, in], got ", weight_.sizes());
   TORCH_CHECK(!bias_.defined() || (bias_.dim() == 1 && bias_.size(0) == weight_.size(0)),
               "Linear: bias must be [", weight_.size(0), "]");
@@ -60,9 +61,8 @@ at::Tensor Linear::forward(const at::Tensor& x) const {
   const auto bias = bias_.defined() ? std::optional<at::Tensor>(bias_) : std::nullopt;
   if (quantized()) {
     const auto& q = quantized_;
-    return ops::quantized_linear(
-        x, q.qweight, q.scales, q.zeros.defined() ? std::optional<at::Tensor>(q.zeros) : std::nullopt,
-        q.group_size, bias);
+    const auto zeros = q.zeros.defined() ? std::optional<at::Tensor>(q.zeros) : std::nullopt;
+    return ops::quantized_linear(x, q.qweight, q.scales, zeros, q.group_size, bias);
   }
   return ops::linear(x, weight_, bias);
 }

@@ -21,7 +21,8 @@ transformers = pytest.importorskip("transformers")
 from kvserve.testing.checkpoints import make_checkpoint  # noqa: E402
 
 TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was "
-        "the age of foolishness, it was the epoch of belief, it was the epoch of incredulity. ") * 40
+        "the age of foolishness, it was the epoch of belief, it was the epoch of "
+        "incredulity. ") * 40
 
 
 @pytest.fixture

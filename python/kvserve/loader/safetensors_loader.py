@@ -168,7 +168,8 @@ def _mla_shape(c: _C.ModelConfig, name: str) -> tuple[int, int]:
 
 
 def _read_mlp(read: _TensorReader, mlp: str, out: str, bias: bool, w: dict[str, torch.Tensor],
-              sizes: tuple[int, int], names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+              sizes: tuple[int, int],
+              names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
               plain: bool = False) -> None:
     """sizes: (intermediate, hidden). plain: dequantize (routed experts)."""
     gate, up, down = names

@@ -138,7 +138,8 @@ def check_weights(index: WeightIndex, c: _C.ModelConfig, config_path: Path,
     optional: set[str] = set()
     for name, dims in expected_shapes(c).items():
         module = name.removesuffix(".weight")
-        if quant is not None and name.endswith(".weight") and len(dims) == 2 and quant.covers(module):
+        linear = name.endswith(".weight") and len(dims) == 2
+        if quant is not None and linear and quant.covers(module):
             layout = f"{quant.method} layout of [{dims[0][1]}, {dims[1][1]}]"
             for qname, (shape, dtypes) in quant.expected(module, dims[0][1], dims[1][1]).items():
                 expected[qname] = (tuple((layout, size) for size in shape), dtypes)

@@ -89,7 +89,8 @@ def calibration_inputs(model, samples: torch.Tensor, modules: list[str]) -> dict
 
 
 def search_scale(x: torch.Tensor, weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
-    """The per-input-channel scale s (AWQ's grid over a) minimising the projections' output error."""
+    """The per-input-channel scale s (AWQ's grid over a) that minimises the projections' output
+    error."""
     x_mean = x.abs().mean(dim=0)
     want = [x @ w.T for w in weights]
     best, best_s = math.inf, torch.ones_like(x_mean)

@@ -44,7 +44,8 @@ class CheckpointQuantization:
 
     def covers(self, module: str) -> bool:
         """Whether the linear layer `module` (e.g. model.layers.0.mlp.down_proj) is quantized."""
-        if not re.search(r"\.(self_attn|mlp|block_sparse_moe)\.", module) or module.endswith(".gate"):
+        projection = re.search(r"\.(self_attn|mlp|block_sparse_moe)\.", module)
+        if not projection or module.endswith(".gate"):
             return False  # embeddings, LM head and routers stay plain
         for pattern in self.ignore:
             if pattern.startswith("re:"):
@@ -194,7 +195,8 @@ def parse_quantization_config(config: dict) -> CheckpointQuantization | None:
             raise unsupported(f"AWQ version {qc.get('version')!r}, {qc.get('bits')} bits, "
                               f"zero_point {qc.get('zero_point')}")
         ignore = list(qc.get("modules_to_not_convert") or [])
-        return CheckpointQuantization("awq", 4, int(qc.get("group_size", 128)), False, ignore=ignore)
+        return CheckpointQuantization("awq", 4, int(qc.get("group_size", 128)), False,
+                                      ignore=ignore)
     if method == "gptq":
         if qc.get("bits", 4) != 4 or qc.get("desc_act", False) or str(
                 qc.get("checkpoint_format", "gptq")) != "gptq":

@@ -46,7 +46,8 @@ def quantize_checkpoint(model_dir: Path, out_dir: Path, method: str, group_size:
         raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
     config = json.loads((model_dir / "config.json").read_text())
     if "quantization_config" in config:
-        raise ValueError(f"{model_dir} is already quantized ({config['quantization_config'].get('quant_method')})")
+        method_there = config["quantization_config"].get("quant_method")
+        raise ValueError(f"{model_dir} is already quantized ({method_there})")
     if out_dir.resolve() == model_dir.resolve():
         raise ValueError("--out must be another directory than --model")
     files = sorted(model_dir.glob("*.safetensors"))
@@ -56,7 +57,8 @@ def quantize_checkpoint(model_dir: Path, out_dir: Path, method: str, group_size:
     if int4 and (group_size <= 0 or group_size % 32):
         raise ValueError(f"--group-size must be a positive multiple of 32, got {group_size}")
     if (method == "awq") != (calibration is not None):
-        raise ValueError("--calibration FILE (text) is what --method awq calibrates on, and only it")
+        raise ValueError("--calibration FILE (text) is what --method awq calibrates on, and "
+                         "only it")
     source: dict[str, torch.Tensor] = {}
     for file in files:
         source.update(load_file(file))
@@ -89,7 +91,8 @@ def quantize_checkpoint(model_dir: Path, out_dir: Path, method: str, group_size:
     return qc
 
 
-def _quantized(module: str, w: torch.Tensor, method: str, group_size: int) -> dict[str, torch.Tensor]:
+def _quantized(module: str, w: torch.Tensor, method: str,
+               group_size: int) -> dict[str, torch.Tensor]:
     if method == "int8":
         return compressed_tensors_tensors(module, quantize_int8(w))
     if method == "fp8":
