@@ -19,7 +19,7 @@ TOLERANCES = {
     torch.bfloat16: dict(atol=3e-2, rtol=2e-2),
     torch.float16: dict(atol=3e-3, rtol=3e-3),
 }
-TOKENS = [1, 3, 9]  # <= 8 take the GEMV (blocks of 2 tokens and a last one), more the GEMM
+TOKENS = [1, 3, 6, 9]  # <= 8 take the GEMV (blocks of up to 4 tokens), more the GEMM
 # (format, n, k, group_size): per-row and grouped, groups that are and are not multiples of 32
 CASES = [
     ("int8", 1, 1, 1), ("int8", 7, 45, 45), ("int8", 33, 96, 48), ("int8", 130, 100, 100),
@@ -148,7 +148,7 @@ def capability_checks():
     for dtype in TOLERANCES:
         for fmt, n, k, group_size in (("int8", 37, 100, 50), ("int4", 37, 128, 32),
                                       ("fp8", 37, 131, 131)):
-            for m in (1, 2, 3, 9):
+            for m in (1, 2, 3, 5, 9):
                 x, b = operands(m, k, n, dtype, True, seed=m)
                 check(quantized(fmt, n, k, group_size, seed=m), x, b, dtype)
     test_every_fp8_value_decodes_exactly(1)

@@ -72,6 +72,15 @@ def assert_same_generation(quantized_dir, model) -> None:
         assert out.outputs[0].token_ids == hf_greedy(model, prompt, NUM_GREEDY_TOKENS)
 
 
+def write_directory(original, out, tensors: dict[str, torch.Tensor], qc: dict) -> None:
+    """A checkpoint directory: `tensors`, original's config with `qc`, original's tokenizer."""
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((original / "config.json").read_text())
+    config["quantization_config"] = qc
+    (out / "config.json").write_text(json.dumps(config))
+    (out / "tokenizer.json").write_bytes((original / "tokenizer.json").read_bytes())
+
+
 def linear_modules(tensors: dict[str, torch.Tensor], suffix: str) -> list[str]:
     return sorted(name.removesuffix(suffix) for name in tensors if name.endswith(suffix))
 
@@ -133,13 +142,9 @@ def test_gptq_directory_loads(original, tmp_path):
         t[module + ".scales"] = q.scales.T.contiguous().half()
         t[module + ".g_idx"] = (torch.arange(ints.shape[1]) // group).to(torch.int32)
         weights[module] = gptq_dequantize(t, module, group)
-    save_file(t, out / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((original / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group,
-                                     "desc_act": False, "sym": False,
-                                     "checkpoint_format": "gptq"}
-    (out / "config.json").write_text(json.dumps(config))
-    (out / "tokenizer.json").write_bytes((original / "tokenizer.json").read_bytes())
+    write_directory(original, out, t, {"quant_method": "gptq", "bits": 4, "group_size": group,
+                                       "desc_act": False, "sym": False,
+                                       "checkpoint_format": "gptq"})
     assert_same_generation(out, reference_model(original, weights))
 
 
@@ -170,15 +175,11 @@ def test_compressed_tensors_pack_quantized_loads(original, tmp_path):
         t[module + ".weight_scale"] = scale
         t[module + ".weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
         weights[module] = (q.view(n, k // group, group).float() * scale[:, :, None]).view(n, k)
-    save_file(t, out / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((original / "config.json").read_text())
-    config["quantization_config"] = {
+    write_directory(original, out, t, {
         "quant_method": "compressed-tensors", "format": "pack-quantized",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
             "num_bits": 4, "type": "int", "strategy": "group", "group_size": group,
-            "symmetric": True}}}, "ignore": ["lm_head"]}
-    (out / "config.json").write_text(json.dumps(config))
-    (out / "tokenizer.json").write_bytes((original / "tokenizer.json").read_bytes())
+            "symmetric": True}}}, "ignore": ["lm_head"]})
     assert_same_generation(out, reference_model(original, weights))
 
 

@@ -14,7 +14,7 @@
 namespace kvserve::ops {
 namespace {
 
-// Up to this many tokens the GEMV, which reads the packed weight once per two tokens, wins over
+// Up to this many tokens the GEMV, which reads the packed weight once per four tokens, wins over
 // dequantizing the weight for a GEMM (benchmarks/bench_quant.py).
 constexpr int64_t kMaxGemvTokens = 8;
 // Rows dequantized per GEMM call: a few MiB of fp32 that stay in cache while the GEMM reads them.

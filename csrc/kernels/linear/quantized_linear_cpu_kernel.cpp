@@ -9,6 +9,7 @@
 // group and are scaled at the group's end; the zero point comes off as zero * scale * sum(x).
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <array>
 #include <vector>
 
@@ -26,7 +27,7 @@ namespace {
 constexpr int64_t kChunk = 32;                   // inputs per unpacked chunk
 constexpr int64_t kLanes = Vec::size();
 constexpr int64_t kVecs = kChunk / kLanes;       // fp32 vectors per chunk
-constexpr int64_t kTokenBlock = 2;               // tokens per pass over the weight
+constexpr int64_t kTokenBlock = 4;               // tokens per pass over the weight
 constexpr int64_t kRowGrain = 16;                // output rows per parallel task at least
 
 using F = QuantFormat;
@@ -171,7 +172,9 @@ float reduce(const Vec& v) {
 
 // y[t * n + o] = dot(x[t], dequant(w)[o]) for TB tokens and rows [begin, end); x fp32 [TB, k] in
 // quantized order, xsum [TB, groups] the sums of each token's groups (with zeros only). Plain
-// loops and locals, so that the accumulators stay in registers.
+// loops and locals, so that the accumulators stay in registers: one per vector of a chunk for a
+// single token (independent FMA chains), two per token for more (a chunk unpacked once serves
+// every token of the block; TB x 2 accumulators, the chunk and an input fit 16 registers).
 template <F f, bool kZero, int64_t TB>
 void rows_for_tokens(const float* x, const float* xsum, const QuantizedWeight& w, int64_t begin,
                      int64_t end, float* y) {
@@ -184,11 +187,12 @@ void rows_for_tokens(const float* x, const float* xsum, const QuantizedWeight& w
     Vec total[TB];
     float tail[TB] = {};
     for (int64_t t = 0; t < TB; ++t) total[t] = Vec(0.0f);
+    constexpr int64_t A = TB == 1 ? kVecs : (kVecs < 2 ? kVecs : 2);  // accumulators per token
     for (int64_t gi = 0; gi < groups; ++gi) {
-      Vec acc[TB][kVecs];
+      Vec acc[TB][A];
       float part[TB] = {};
       for (int64_t t = 0; t < TB; ++t)
-        for (int64_t v = 0; v < kVecs; ++v) acc[t][v] = Vec(0.0f);
+        for (int64_t a = 0; a < A; ++a) acc[t][a] = Vec(0.0f);
       const int64_t group_end = (gi + 1) * g;
       int64_t i = gi * g;
       for (; i + kChunk <= group_end; i += kChunk) {
@@ -196,7 +200,8 @@ void rows_for_tokens(const float* x, const float* xsum, const QuantizedWeight& w
         load_chunk<f>(row, i, qv);
         for (int64_t t = 0; t < TB; ++t) {
           for (int64_t v = 0; v < kVecs; ++v) {
-            acc[t][v] = at::vec::fmadd(Vec::loadu(x + t * k + i + v * kLanes), qv[v], acc[t][v]);
+            acc[t][v % A] =
+                at::vec::fmadd(Vec::loadu(x + t * k + i + v * kLanes), qv[v], acc[t][v % A]);
           }
         }
       }
@@ -208,7 +213,7 @@ void rows_for_tokens(const float* x, const float* xsum, const QuantizedWeight& w
       const Vec scale(s);
       for (int64_t t = 0; t < TB; ++t) {
         Vec sum = acc[t][0];
-        for (int64_t v = 1; v < kVecs; ++v) sum = sum + acc[t][v];
+        for (int64_t a = 1; a < A; ++a) sum = sum + acc[t][a];
         total[t] = at::vec::fmadd(sum, scale, total[t]);
         tail[t] += part[t] * s;
       }
@@ -240,10 +245,11 @@ void gemv_format(const float* x, const float* xsum, const QuantizedWeight& w, in
       const float* xt = x + t0 * w.k;
       const float* st = xsum + t0 * groups;
       float* yt = y + t0 * w.n;
-      if (m - t0 == 1) {
-        rows_for_tokens<f, kZero, 1>(xt, st, w, begin, end, yt);
-      } else {
-        rows_for_tokens<f, kZero, 2>(xt, st, w, begin, end, yt);
+      switch (std::min(kTokenBlock, m - t0)) {
+        case 1: rows_for_tokens<f, kZero, 1>(xt, st, w, begin, end, yt); break;
+        case 2: rows_for_tokens<f, kZero, 2>(xt, st, w, begin, end, yt); break;
+        case 3: rows_for_tokens<f, kZero, 3>(xt, st, w, begin, end, yt); break;
+        default: rows_for_tokens<f, kZero, 4>(xt, st, w, begin, end, yt); break;
       }
     }
   });

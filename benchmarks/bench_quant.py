@@ -1,0 +1,238 @@
+"""Weight-only quantization: what fewer bytes buy in decode, against bf16 and the memory limit.
+
+1. Op: `quantized_linear` (int8, int4 groups of 128, fp8) against `linear` (fp32, bf16, on the
+   weights packed as the engine keeps them) on one [n, k] projection for 1, 2, 4 and 8 tokens:
+   milliseconds, speed-up over bf16, and weight GB/s against a `torch.sum` read of 1 GiB
+   (`memory_read_bandwidth`). Variants interleaved per repeat; medians.
+2. Model: batch-1 greedy decode (TPOT over --decode-tokens tokens of an 8-token prompt, which the
+   GEMV handles for every format) of one random checkpoint quantized each way by `kvserve
+   quantize`: fp32, bf16, int8, fp8, int4 (g128); the quantized ones run in bf16 like the bf16
+   baseline (activations, embeddings, LM head). Weights in MB as the engine holds them, TPOT,
+   speed-up over bf16. Variants interleaved per repeat; medians.
+
+3. Quality: perplexity of the trained models (models/shakespeare-target on the held-out last 10%
+   of Tiny Shakespeare; stories260K, converted from ../shared/data, on the second half of the
+   TinyStories validation sample) in fp32 and quantized each way at groups of 32 (the group size
+   both models' shapes allow), AWQ calibrated on training text (the first 200,000 characters of
+   Tiny Shakespeare; the first half of the TinyStories sample), against round to nearest int4.
+
+    python benchmarks/bench_quant.py [--model tinyllama-1.1b | llama-100m] [--repeats 3]
+    python benchmarks/bench_quant.py --quick          # small shapes, a smoke run
+    python benchmarks/bench_quant.py --only perplexity
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import kvserve
+from kvserve.quantization import quantize_fp8, quantize_int4, quantize_int8
+from kvserve.quantization.quantize import quantize_checkpoint
+from kvserve.testing.bench import (cached_checkpoint, machine_info, markdown_table,
+                                   memory_read_bandwidth, write_json)
+
+HERE = Path(__file__).resolve().parent
+ops = torch.ops.kvserve
+COMMON = dict(initializer_range=0.02, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+              tie_word_embeddings=False, max_position_embeddings=2048)
+MODELS = {  # memory-bound shapes
+    "tinyllama-1.1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                           num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4),
+    "llama-100m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048,
+                       num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4),
+    "quick": dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2),
+}
+METHODS = ("int8", "fp8", "int4")
+
+
+def timed(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def op_variants(n: int, k: int) -> dict[str, tuple[object, int]]:
+    """name -> (function of x, weight bytes)."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) / k ** 0.5
+    plain = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        wd = w.to(dtype)
+        packed = ops.linear_prepack(wd)
+        plain[dtype] = (wd if packed is None else packed, wd.nbytes)
+    q = {"int8": quantize_int8(w), "fp8": quantize_fp8(w), "int4": quantize_int4(w, 128)}
+
+    def quantized(qw):
+        z = qw.zeros
+        return lambda x: ops.quantized_linear(x, qw.qweight, qw.scales, z, qw.group_size, None)
+
+    fp32, bf16 = plain[torch.float32], plain[torch.bfloat16]
+    out = {"fp32": (lambda x: ops.linear(x, fp32[0], None), fp32[1]),
+           "bf16": (lambda x: ops.linear(x.bfloat16(), bf16[0], None), bf16[1])}
+    for name, qw in q.items():
+        extra = qw.scales.nbytes + (qw.zeros.nbytes if qw.zeros is not None else 0)
+        out[name] = (quantized(qw), qw.qweight.nbytes + extra)
+    return out
+
+
+def bench_op(args) -> list[list]:
+    n, k = args.op_shape
+    variants = op_variants(n, k)
+    bandwidth = memory_read_bandwidth()
+    rows = []
+    for m in (1, 2, 4, 8):
+        x = torch.randn(m, k)
+        runs = {name: [] for name in variants}
+        for _ in range(args.repeats):
+            for name, (fn, _) in variants.items():
+                runs[name].append(timed(lambda: fn(x), 50))
+        bf16 = statistics.median(runs["bf16"])
+        for name, (_, nbytes) in variants.items():
+            t = statistics.median(runs[name])
+            rows.append([m, name, f"{nbytes / 2**20:.1f}", f"{t * 1e3:.3f}", f"{bf16 / t:.2f}x",
+                         f"{nbytes / t / 1e9:.1f}", f"{nbytes / t / bandwidth:.2f}"])
+    print(f"\nquantized_linear [{n}, {k}], {args.repeats} repeats; torch.sum reads "
+          f"{bandwidth / 1e9:.1f} GB/s:")
+    print(markdown_table(["tokens", "weight", "MiB", "ms", "vs bf16", "GB/s", "of torch.sum"],
+                         rows))
+    return rows
+
+
+def checkpoints(args) -> dict[str, tuple[Path, str]]:
+    """variant -> (directory, dtype to run it in)."""
+    cfg = {**COMMON, **MODELS[args.model]}
+    base = cached_checkpoint(args.cache_dir, "quant-" + args.model, "LlamaForCausalLM", cfg,
+                             "float32")
+    out = {"fp32": (base, "float32"), "bf16": (base, "bfloat16")}
+    for method in METHODS:
+        path = base.with_name(base.name + "-" + method)
+        if not (path / "config.json").is_file():
+            print(f"quantizing {path.name} ...", flush=True)
+            quantize_checkpoint(base, path, method, group_size=128)
+        out[method] = (path, "bfloat16")  # activations, norms, embeddings and LM head as bf16
+    return out
+
+
+def decode_tpot(path: Path, dtype: str, args, prompt: list[int]) -> tuple[float, int]:
+    llm = kvserve.LLM(path, dtype=dtype, max_model_len=len(prompt) + args.decode_tokens,
+                      enable_prefix_caching=False, max_num_seqs=1)
+    params = kvserve.SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
+    llm.generate([prompt], kvserve.SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    out = llm.generate([prompt], params)[0]
+    nbytes = llm.model.weight_bytes
+    del llm
+    gc.collect()
+    return out.metrics.time_per_output_token, nbytes
+
+
+def bench_model(args) -> list[list]:
+    paths = checkpoints(args)
+    prompt = [1] + list(range(3, 10))  # 8 tokens: the GEMV's path in every format
+    runs = {name: [] for name in paths}
+    weights = {}
+    for _ in range(args.repeats):
+        for name, (path, dtype) in paths.items():
+            tpot, weights[name] = decode_tpot(path, dtype, args, prompt)
+            runs[name].append(tpot)
+            print(name, f"{tpot * 1e3:.1f} ms", flush=True)
+    bf16 = statistics.median(runs["bf16"])
+    rows = [[name, f"{weights[name] / 1e6:.0f}", f"{statistics.median(r) * 1e3:.1f}",
+             f"{bf16 / statistics.median(r):.2f}x"] for name, r in runs.items()]
+    print(f"\n{args.model}: batch-1 decode, {args.decode_tokens} tokens after an 8-token prompt, "
+          f"medians of {args.repeats}:")
+    print(markdown_table(["weights", "MB held", "TPOT ms", "vs bf16"], rows))
+    return rows
+
+
+PPL_METHODS = ("int8", "fp8", "int4", "awq")
+
+
+def text_splits(data: Path, cache: Path) -> dict[str, tuple[Path, Path, Path]]:
+    """model -> (checkpoint, calibration text, evaluation text)."""
+    from kvserve.convert.llama2c import convert_llama2c
+
+    cache.mkdir(parents=True, exist_ok=True)
+    shakespeare = (data / "tinyshakespeare" / "input.txt").read_text(encoding="utf-8")
+    (cache / "shakespeare-calibration.txt").write_text(shakespeare[:200_000])
+    (cache / "shakespeare-validation.txt").write_text(shakespeare[-111_558:])
+    stories = (data / "tinystories-sample" / "TinyStories-valid.txt").read_text(encoding="utf-8")
+    (cache / "stories-calibration.txt").write_text(stories[:len(stories) // 2])
+    (cache / "stories-evaluation.txt").write_text(stories[len(stories) // 2:])
+    stories260k = cache / "stories260K"
+    if not (stories260k / "config.json").is_file():
+        convert_llama2c(data / "stories260K" / "stories260K.bin",
+                        data / "stories260K" / "tok512.bin", stories260k)
+    return {
+        "shakespeare-target": (HERE.parent / "models" / "shakespeare-target",
+                               cache / "shakespeare-calibration.txt",
+                               cache / "shakespeare-validation.txt"),
+        "stories260K": (stories260k, cache / "stories-calibration.txt",
+                        cache / "stories-evaluation.txt"),
+    }
+
+
+def perplexity(path: Path, text: Path) -> float:
+    from kvserve.perplexity import evaluate_perplexity
+
+    llm = kvserve.LLM(path, dtype="float32", max_model_len=512)
+    ids = llm.tokenizer.encode(text.read_text(encoding="utf-8"))
+    return evaluate_perplexity(llm.model, ids, max_length=512, stride=256).perplexity
+
+
+def bench_perplexity(args) -> list[list]:
+    data = Path(os.environ.get("KVSERVE_SHARED_DATA", HERE.parent.parent / "shared" / "data"))
+    rows = []
+    for name, (path, calibration, evaluation) in text_splits(data, args.cache_dir / "ppl").items():
+        base = perplexity(path, evaluation)
+        results = {"fp32": base}
+        for method in PPL_METHODS:
+            out = args.cache_dir / "ppl" / f"{name}-{method}-g32"
+            if not (out / "config.json").is_file():
+                quantize_checkpoint(path, out, method, 32,
+                                    calibration if method == "awq" else None)
+            results[method] = perplexity(out, evaluation)
+        rtn_gap = results["int4"] - base
+        for method, ppl in results.items():
+            recovered = (f"{1 - (ppl - base) / rtn_gap:.0%}" if method == "awq" and rtn_gap > 0
+                         else "")
+            rows.append([name, method, f"{ppl:.4f}", f"{ppl / base - 1:+.2%}", recovered])
+        print(name, results, flush=True)
+    print("\nperplexity, fp32 compute, weights quantized at groups of 32 (int4, awq):")
+    print(markdown_table(["model", "weights", "perplexity", "vs fp32",
+                          "of int4's loss AWQ wins back"], rows))
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="tinyllama-1.1b", choices=list(MODELS))
+    p.add_argument("--op-shape", type=int, nargs=2, default=[5632, 2048], metavar=("N", "K"))
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--cache-dir", type=Path, default=HERE / ".cache")
+    p.add_argument("--only", choices=["op", "model", "perplexity"], default=None)
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args()
+    if args.quick:
+        args.model, args.op_shape, args.decode_tokens, args.repeats = "quick", [512, 256], 8, 1
+    runs = {"op": bench_op, "model": bench_model, "perplexity": bench_perplexity}
+    rows = {name: run(args) for name, run in runs.items() if args.only in (None, name)}
+    path = write_json(HERE / "results" / "quant.json",
+                      dict(args={k: str(v) for k, v in vars(args).items()},
+                           machine=machine_info(), **rows))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
