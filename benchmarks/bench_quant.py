@@ -8,15 +8,22 @@
    GEMV handles for every format) of one random checkpoint quantized each way by `kvserve
    quantize`: fp32, bf16, int8, fp8, int4 (g128); the quantized ones run in bf16 like the bf16
    baseline (activations, embeddings, LM head). Weights in MB as the engine holds them, TPOT,
-   speed-up over bf16. Variants interleaved per repeat; medians.
+   speed-up over bf16. In the same run, llama.cpp (llama-cpp-python) on the same weights as F32,
+   BF16, Q8_0 and Q4_0 GGUF files (benchmarks/llama_cpp_peer.py; its file size as MB). Variants
+   interleaved per repeat; medians.
 
 3. Quality: perplexity of the trained models (models/shakespeare-target on the held-out last 10%
    of Tiny Shakespeare; stories260K, converted from ../shared/data, on the second half of the
    TinyStories validation sample) in fp32 and quantized each way at groups of 32 (the group size
    both models' shapes allow), AWQ calibrated on training text (the first 200,000 characters of
-   Tiny Shakespeare; the first half of the TinyStories sample), against round to nearest int4.
+   Tiny Shakespeare; the first half of the TinyStories sample), against round to nearest int4;
+   and with fp32 weights over an int8 / fp8 KV cache ("kv int8", "kv fp8").
+4. KV cache: `paged_attention` decode of a batch at long context over caches of fp32, bf16,
+   int8 and fp8 entries (bf16 queries for the last three): milliseconds, cache GB/s, speed-up
+   over bf16, and the tokens a 1 GiB pool holds.
 
     python benchmarks/bench_quant.py [--model tinyllama-1.1b | llama-100m] [--repeats 3]
+        [--llama-cpp-convert path/to/convert_hf_to_gguf.py]
     python benchmarks/bench_quant.py --quick          # small shapes, a smoke run
     python benchmarks/bench_quant.py --only perplexity
 """
@@ -37,6 +44,8 @@ from kvserve.quantization import quantize_fp8, quantize_int4, quantize_int8
 from kvserve.quantization.quantize import quantize_checkpoint
 from kvserve.testing.bench import (cached_checkpoint, machine_info, markdown_table,
                                    memory_read_bandwidth, write_json)
+
+import llama_cpp_peer  # noqa: E402  (benchmarks/, beside this file)
 
 HERE = Path(__file__).resolve().parent
 ops = torch.ops.kvserve
@@ -139,13 +148,23 @@ def decode_tpot(path: Path, dtype: str, args, prompt: list[int]) -> tuple[float,
 def bench_model(args) -> list[list]:
     paths = checkpoints(args)
     prompt = [1] + list(range(3, 10))  # 8 tokens: the GEMV's path in every format
-    runs = {name: [] for name in paths}
-    weights = {}
+    script = llama_cpp_peer.convert_script(args.llama_cpp_convert)
+    gguf = llama_cpp_peer.gguf_files(paths["fp32"][0], script) if script else {}
+    if not script:
+        print("llama.cpp columns left out: needs llama-cpp-python and --llama-cpp-convert "
+              "(see benchmarks/llama_cpp_peer.py)")
+    runs = {name: [] for name in [*paths, *(f"llama.cpp {f}" for f in gguf)]}
+    weights = {f"llama.cpp {f}": path.stat().st_size for f, path in gguf.items()}
+    threads = torch.get_num_threads()
     for _ in range(args.repeats):
         for name, (path, dtype) in paths.items():
             tpot, weights[name] = decode_tpot(path, dtype, args, prompt)
             runs[name].append(tpot)
             print(name, f"{tpot * 1e3:.1f} ms", flush=True)
+        for fmt, path in gguf.items():
+            tpot = llama_cpp_peer.decode_tpot(path, prompt, args.decode_tokens, threads)
+            runs[f"llama.cpp {fmt}"].append(tpot)
+            print(f"llama.cpp {fmt}", f"{tpot * 1e3:.1f} ms", flush=True)
     bf16 = statistics.median(runs["bf16"])
     rows = [[name, f"{weights[name] / 1e6:.0f}", f"{statistics.median(r) * 1e3:.1f}",
              f"{bf16 / statistics.median(r):.2f}x"] for name, r in runs.items()]
@@ -182,12 +201,13 @@ def text_splits(data: Path, cache: Path) -> dict[str, tuple[Path, Path, Path]]:
     }
 
 
-def perplexity(path: Path, text: Path) -> float:
+def perplexity(path: Path, text: Path, kv_cache_dtype: torch.dtype | None = None) -> float:
     from kvserve.perplexity import evaluate_perplexity
 
     llm = kvserve.LLM(path, dtype="float32", max_model_len=512)
     ids = llm.tokenizer.encode(text.read_text(encoding="utf-8"))
-    return evaluate_perplexity(llm.model, ids, max_length=512, stride=256).perplexity
+    return evaluate_perplexity(llm.model, ids, max_length=512, stride=256,
+                               kv_cache_dtype=kv_cache_dtype).perplexity
 
 
 def bench_perplexity(args) -> list[list]:
@@ -202,6 +222,8 @@ def bench_perplexity(args) -> list[list]:
                 quantize_checkpoint(path, out, method, 32,
                                     calibration if method == "awq" else None)
             results[method] = perplexity(out, evaluation)
+        for kv, dtype in (("kv int8", torch.int8), ("kv fp8", torch.float8_e4m3fn)):
+            results[kv] = perplexity(path, evaluation, dtype)  # fp32 weights
         rtn_gap = results["int4"] - base
         for method, ppl in results.items():
             recovered = (f"{1 - (ppl - base) / rtn_gap:.0%}" if method == "awq" and rtn_gap > 0
@@ -214,6 +236,54 @@ def bench_perplexity(args) -> list[list]:
     return rows
 
 
+def kv_variants(args) -> dict[str, tuple]:
+    """name -> (query, key cache, value cache, key scales, value scales) of a TinyLlama-shaped
+    layer (32 query heads, 4 KV heads of 64) for args.kv_batch sequences of args.kv_context."""
+    from kvserve.testing.reference import quantize_kv_rows
+
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, head_dim, block = 32, 4, 64, 16
+    num_blocks = args.kv_batch * args.kv_context // block + 1
+    keys = torch.randn(num_blocks, block, kv_heads, head_dim, generator=g)
+    values = torch.randn(num_blocks, block, kv_heads, head_dim, generator=g)
+    query = torch.randn(args.kv_batch, heads, head_dim, generator=g)
+    out = {"fp32": (query, keys, values, None, None),
+           "bf16": (query.bfloat16(), keys.bfloat16(), values.bfloat16(), None, None)}
+    for name, dtype in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
+        (kq, ks), (vq, vs) = quantize_kv_rows(keys, dtype), quantize_kv_rows(values, dtype)
+        out[name] = (query.bfloat16(), kq, vq, ks, vs)
+    return out
+
+
+def bench_kv(args) -> list[list]:
+    variants = kv_variants(args)
+    block = 16
+    per_seq = args.kv_context // block
+    tables = (torch.randperm(args.kv_batch * per_seq, generator=torch.Generator().manual_seed(1))
+              + 1).int().view(args.kv_batch, per_seq)
+    meta = (torch.arange(args.kv_batch + 1, dtype=torch.int32),
+            torch.full((args.kv_batch,), args.kv_context, dtype=torch.int32), tables)
+    runs = {name: [] for name in variants}
+    for _ in range(args.repeats):
+        for name, (q, kc, vc, ks, vs) in variants.items():
+            out = torch.empty_like(q)
+            runs[name].append(timed(lambda: ops.paged_attention(
+                out, q, kc, vc, *meta, 0.125, 0, 0.0, ks, vs), 20))
+    bf16 = statistics.median(runs["bf16"])
+    rows = []
+    for name, (_, kc, vc, ks, vs) in variants.items():
+        t = statistics.median(runs[name])
+        nbytes = sum(x.nbytes for x in (kc, vc, ks, vs) if x is not None)
+        per_token = nbytes / (kc.size(0) * block)
+        rows.append([name, f"{per_token:.0f}", f"{t * 1e3:.2f}", f"{bf16 / t:.2f}x",
+                     f"{nbytes / t / 1e9:.1f}", f"{2**30 / per_token / 1e6:.2f}"])
+    print(f"\npaged_attention decode, {args.kv_batch} sequences x {args.kv_context} tokens, "
+          f"32 query / 4 KV heads of 64 (one layer), medians of {args.repeats}:")
+    print(markdown_table(["KV entries", "bytes/token", "ms", "vs bf16", "cache GB/s",
+                          "M tokens per GiB"], rows))
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="tinyllama-1.1b", choices=list(MODELS))
@@ -221,14 +291,21 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cache-dir", type=Path, default=HERE / ".cache")
-    p.add_argument("--only", choices=["op", "model", "perplexity"], default=None)
+    p.add_argument("--only", choices=["op", "model", "perplexity", "kv"], default=None)
+    p.add_argument("--kv-batch", type=int, default=8)
+    p.add_argument("--kv-context", type=int, default=4096)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--llama-cpp-convert", default=None, metavar="convert_hf_to_gguf.py",
+                   help="llama.cpp's converter: adds llama.cpp F32 / BF16 / Q8_0 / Q4_0 to the "
+                        "model table (default: $LLAMA_CPP_CONVERT)")
     args = p.parse_args()
     if args.quick:
         args.model, args.op_shape, args.decode_tokens, args.repeats = "quick", [512, 256], 8, 1
-    runs = {"op": bench_op, "model": bench_model, "perplexity": bench_perplexity}
+        args.kv_context = 256
+    runs = {"op": bench_op, "model": bench_model, "perplexity": bench_perplexity, "kv": bench_kv}
     rows = {name: run(args) for name, run in runs.items() if args.only in (None, name)}
-    path = write_json(HERE / "results" / "quant.json",
+    name = "quant.json" if args.only is None else f"quant-{args.only}.json"
+    path = write_json(HERE / "results" / name,
                       dict(args={k: str(v) for k, v in vars(args).items()},
                            machine=machine_info(), **rows))
     print(f"wrote {path}")

@@ -177,23 +177,26 @@ void bind_continuous_batching_engine(py::module_& m) {
       .def(py::init([](int64_t max_num_seqs, int64_t max_num_batched_tokens,
                        int64_t max_model_len, int64_t block_size, int64_t num_blocks,
                        bool enable_prefix_caching, std::vector<int64_t> eos_token_ids,
-                       int64_t max_logprobs, SpeculativeConfig speculative) {
-             return EngineConfig{max_num_seqs,          max_num_batched_tokens,
-                                 max_model_len,         block_size,
-                                 num_blocks,            enable_prefix_caching,
-                                 std::move(eos_token_ids), max_logprobs,
-                                 std::move(speculative)};
+                       int64_t max_logprobs, SpeculativeConfig speculative,
+                       std::optional<at::ScalarType> kv_cache_dtype) {
+             EngineConfig c{max_num_seqs,          max_num_batched_tokens,
+                            max_model_len,         block_size,
+                            num_blocks,            kv_cache_dtype,
+                            enable_prefix_caching, std::move(eos_token_ids),
+                            max_logprobs,          std::move(speculative)};
+             return c;
            }),
            py::kw_only(), py::arg("max_num_seqs") = 256, py::arg("max_num_batched_tokens") = 2048,
            py::arg("max_model_len") = 0, py::arg("block_size") = 16, py::arg("num_blocks"),
            py::arg("enable_prefix_caching") = true,
            py::arg("eos_token_ids") = std::vector<int64_t>{}, py::arg("max_logprobs") = 20,
-           py::arg("speculative") = SpeculativeConfig{})
+           py::arg("speculative") = SpeculativeConfig{}, py::arg("kv_cache_dtype") = py::none())
       .def_readonly("max_num_seqs", &EngineConfig::max_num_seqs)
       .def_readonly("max_num_batched_tokens", &EngineConfig::max_num_batched_tokens)
       .def_readonly("max_model_len", &EngineConfig::max_model_len)
       .def_readonly("block_size", &EngineConfig::block_size)
       .def_readonly("num_blocks", &EngineConfig::num_blocks)
+      .def_readonly("kv_cache_dtype", &EngineConfig::kv_cache_dtype)
       .def_readonly("enable_prefix_caching", &EngineConfig::enable_prefix_caching)
       .def_readonly("eos_token_ids", &EngineConfig::eos_token_ids)
       .def_readonly("max_logprobs", &EngineConfig::max_logprobs)

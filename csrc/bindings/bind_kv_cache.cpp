@@ -59,6 +59,8 @@ void bind_kv_cache(py::module_& m) {
       .def_readwrite("value_head_dim", &KVCacheLayout::value_head_dim)
       .def_readwrite("latent", &KVCacheLayout::latent)
       .def("bytes_per_token", &KVCacheLayout::bytes_per_token, py::arg("dtype"))
+      .def("bytes_per_slot_token", &KVCacheLayout::bytes_per_slot_token, py::arg("dtype"),
+           "Bytes per token of one block id of a paged pool (scales of int8 / fp8 included).")
       .def_readonly("groups", &KVCacheLayout::groups)
       .def("num_slots", &KVCacheLayout::num_slots)
       .def("group_windows", &KVCacheLayout::group_windows)
@@ -118,6 +120,28 @@ void bind_kv_cache(py::module_& m) {
         for (const auto& layer : c.layers()) values.push_back(layer.value);
         return values;
       })
+      .def_property_readonly(
+          "key_scales",
+          [](const PagedKVCache& c) {
+            std::vector<at::Tensor> scales;
+            for (const auto& layer : c.layers()) {
+              if (layer.key_scale.defined()) scales.push_back(layer.key_scale);
+            }
+            return scales;
+          },
+          "Per layer, the fp32 scales [num_blocks, block_size, num_kv_heads] of an int8 / fp8 "
+          "pool (empty for a pool in the model's dtype).")
+      .def_property_readonly("value_scales",
+                             [](const PagedKVCache& c) {
+                               std::vector<at::Tensor> scales;
+                               for (const auto& layer : c.layers()) {
+                                 if (layer.value_scale.defined()) {
+                                   scales.push_back(layer.value_scale);
+                                 }
+                               }
+                               return scales;
+                             })
+      .def_property_readonly("dtype", &PagedKVCache::dtype)
       .def_property_readonly("num_layers", &PagedKVCache::num_layers)
       .def_property_readonly("num_blocks", &PagedKVCache::num_blocks)
       .def_property_readonly("block_size", &PagedKVCache::block_size)

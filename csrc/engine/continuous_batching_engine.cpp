@@ -24,6 +24,12 @@ EngineConfig resolved(const CausalLM& model, EngineConfig config) {
     throw std::invalid_argument("num_blocks must be >= 2 (block 0 is the null block)");
   }
   if (config.max_logprobs < 0) throw std::invalid_argument("max_logprobs must be >= 0");
+  if (config.kv_cache_dtype && *config.kv_cache_dtype != model.dtype() &&
+      !is_quantized_kv_dtype(*config.kv_cache_dtype)) {
+    throw std::invalid_argument("kv_cache_dtype must be the model's dtype, int8 or "
+                                "float8_e4m3fn, got " +
+                                std::string(c10::toString(*config.kv_cache_dtype)));
+  }
   SchedulerConfig{config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len}
       .validate();
   return config;
@@ -54,7 +60,8 @@ ContinuousBatchingEngine::ContinuousBatchingEngine(std::shared_ptr<CausalLM> mod
       speculator_(SpeculativeDecoder::create(config_.speculative, *model_, std::move(draft_model),
                                              config_.num_blocks, config_.block_size,
                                              config_.max_model_len)),
-      runner_(model_, config_.num_blocks, config_.block_size, scheduler_, speculator_.get()) {
+      runner_(model_, config_.num_blocks, config_.block_size, scheduler_, speculator_.get(),
+              config_.kv_cache_dtype) {
   if (speculator_) {
     stats_.accepted_per_position.assign(config_.speculative.num_speculative_tokens, 0);
   }

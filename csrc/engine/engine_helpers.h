@@ -41,11 +41,13 @@ at::Tensor to_tensor(const std::vector<T>& values, at::Device device) {
 }
 
 /// A paged KV pool laid out for `model` (its KV heads or MLA latents, dtype and device; its
-/// layers grouped by sliding window when group_sliding_windows).
+/// layers grouped by sliding window when group_sliding_windows), its entries of `dtype` when
+/// given (int8 / fp8: quantized).
 inline PagedKVCache make_kv_cache(const CausalLM& model, int64_t num_blocks, int64_t block_size,
-                                  bool group_sliding_windows = false) {
+                                  bool group_sliding_windows = false,
+                                  std::optional<at::ScalarType> dtype = std::nullopt) {
   return PagedKVCache(KVCacheLayout::for_model(model.config(), group_sliding_windows), num_blocks,
-                      block_size, model.dtype(), model.device());
+                      block_size, dtype.value_or(model.dtype()), model.device());
 }
 
 }  // namespace kvserve::engine_helpers

@@ -18,6 +18,11 @@ KVCache::KVCache(int64_t max_batch_size, int64_t max_seq_len, int64_t num_kv_hea
   const auto options = at::TensorOptions().dtype(dtype).device(device);
   key_ = at::empty({max_batch_size, max_seq_len, num_kv_heads, head_dim}, options);
   value_ = at::empty({max_batch_size, max_seq_len, num_kv_heads, head_dim}, options);
+  if (is_quantized_kv_dtype(dtype)) {
+    const auto scale_options = options.dtype(at::kFloat);
+    key_scale_ = at::empty({max_batch_size, max_seq_len, num_kv_heads}, scale_options);
+    value_scale_ = at::empty({max_batch_size, max_seq_len, num_kv_heads}, scale_options);
+  }
   seq_lens_.assign(max_batch_size, 0);
 }
 
@@ -27,6 +32,7 @@ KVCache::KVCache(int64_t max_batch_size, int64_t max_seq_len, const KVCacheLayou
   layout.validate();
   if (layout.latent) {
     value_ = key_;
+    value_scale_ = key_scale_;
   } else if (layout.value_head_dim != layout.head_dim) {
     value_ = at::empty({max_batch_size, max_seq_len, layout.num_kv_heads, layout.value_head_dim},
                        key_.options());

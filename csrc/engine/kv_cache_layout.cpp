@@ -47,9 +47,14 @@ int64_t KVCacheLayout::elements_per_token_per_layer() const {
   return latent ? num_kv_heads * head_dim : num_kv_heads * (head_dim + value_head_dim);
 }
 
+int64_t KVCacheLayout::bytes_per_token_per_layer(at::ScalarType dtype) const {
+  const int64_t scales = is_quantized_kv_dtype(dtype) ? (latent ? 1 : 2) * num_kv_heads : 0;
+  return elements_per_token_per_layer() * static_cast<int64_t>(c10::elementSize(dtype)) +
+         scales * static_cast<int64_t>(sizeof(float));
+}
+
 int64_t KVCacheLayout::bytes_per_token(at::ScalarType dtype) const {
-  return num_layers * elements_per_token_per_layer() *
-         static_cast<int64_t>(c10::elementSize(dtype));
+  return num_layers * bytes_per_token_per_layer(dtype);
 }
 
 int64_t KVCacheLayout::num_slots() const {
@@ -60,8 +65,7 @@ int64_t KVCacheLayout::num_slots() const {
 }
 
 int64_t KVCacheLayout::bytes_per_slot_token(at::ScalarType dtype) const {
-  return num_slots() * elements_per_token_per_layer() *
-         static_cast<int64_t>(c10::elementSize(dtype));
+  return num_slots() * bytes_per_token_per_layer(dtype);
 }
 
 std::vector<int64_t> KVCacheLayout::group_windows() const {

@@ -33,10 +33,11 @@ bool grouped(const PagedBlockManager& blocks) {
 }  // namespace
 
 ModelRunner::ModelRunner(std::shared_ptr<CausalLM> model, int64_t num_blocks, int64_t block_size,
-                         const Scheduler& scheduler, SpeculativeDecoder* speculator)
+                         const Scheduler& scheduler, SpeculativeDecoder* speculator,
+                         std::optional<at::ScalarType> kv_cache_dtype)
     : model_(std::move(model)),
-      kv_cache_(make_kv_cache(*model_, num_blocks, block_size,
-                              grouped(scheduler.block_manager()))),
+      kv_cache_(make_kv_cache(*model_, num_blocks, block_size, grouped(scheduler.block_manager()),
+                              kv_cache_dtype)),
       scheduler_(scheduler),
       speculator_(speculator) {
   std::vector<int64_t> windows;

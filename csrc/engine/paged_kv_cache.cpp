@@ -33,7 +33,17 @@ PagedKVCache::PagedKVCache(const KVCacheLayout& layout, int64_t num_blocks, int6
                       : at::zeros({num_blocks, block_size, layout.num_kv_heads,
                                    layout.value_head_dim},
                                   options);
-    slots_.push_back({std::move(key), std::move(value)});
+    LayerKVCache slot;
+    slot.key = std::move(key);
+    slot.value = std::move(value);
+    if (is_quantized_kv_dtype(dtype)) {  // fp32 scales, one per (token, KV head)
+      const auto scale_options = options.dtype(at::kFloat);
+      slot.key_scale = at::zeros({num_blocks, block_size, layout.num_kv_heads}, scale_options);
+      slot.value_scale = layout.latent ? slot.key_scale
+                                       : at::zeros({num_blocks, block_size, layout.num_kv_heads},
+                                                   scale_options);
+    }
+    slots_.push_back(std::move(slot));
   }
   // Grouped layers share the slots: the i-th layer of every group is in slot i.
   layers_.resize(layout.num_layers);
@@ -43,7 +53,8 @@ PagedKVCache::PagedKVCache(const KVCacheLayout& layout, int64_t num_blocks, int6
     for (size_t g = 0; g < layout.groups.size(); ++g) {
       const std::vector<int64_t>& group = layout.groups[g].layers;
       for (size_t i = 0; i < group.size(); ++i) {
-        layers_[group[i]] = {slots_[i].key, slots_[i].value, static_cast<int64_t>(g)};
+        layers_[group[i]] = slots_[i];
+        layers_[group[i]].group = static_cast<int64_t>(g);
       }
     }
   }
@@ -89,11 +100,17 @@ void PagedKVCache::copy_blocks(const std::vector<std::pair<int32_t, int32_t>>& c
   const at::Tensor mapping =
       at::tensor(flat, at::TensorOptions().dtype(at::kLong)).view({-1, 2}).to(device());
   std::vector<at::Tensor> keys, values;  // no values for latent layers: the key is the entry
+  std::vector<at::Tensor> key_scales, value_scales;  // as [num_blocks, block_size, heads, 1]
   for (const LayerKVCache& slot : slots_) {
     keys.push_back(slot.key);
     if (!layout_.latent) values.push_back(slot.value);
+    if (slot.key_scale.defined()) {
+      key_scales.push_back(slot.key_scale.unsqueeze(-1));
+      if (!layout_.latent) value_scales.push_back(slot.value_scale.unsqueeze(-1));
+    }
   }
   ops::kv_cache_copy_blocks(keys, values, mapping);
+  if (!key_scales.empty()) ops::kv_cache_copy_blocks(key_scales, value_scales, mapping);
 }
 
 }  // namespace kvserve

@@ -68,14 +68,21 @@ struct MoERoutingArgs {
 using MoERoutingFn = void (*)(const MoERoutingArgs& args);
 KVSERVE_CPU_STUB(moe_routing_stub, MoERoutingFn);
 
+/// How a KV cache stores its entries: in the query's dtype, or quantized with one fp32 scale per
+/// (token, KV head) row (contract: kernels/cache/kv_cache_write.h).
+enum class KVCacheFormat : int { kPlain = 0, kInt8 = 1, kFp8E4M3 = 2 };
+
 /// Geometry of one paged_attention call; see kernels/attention/paged_attention.h for the contract.
 struct PagedAttentionArgs {
-  c10::ScalarType dtype;
+  c10::ScalarType dtype;           // of query and out (and of the caches when kPlain)
+  KVCacheFormat cache_format;
   void* out;                       // [T, num_heads, value_head_dim], row stride out_stride
   const void* query;               // [T, num_heads, head_dim], row stride query_stride
   const void* key_cache;           // [num_blocks, block_size, num_kv_heads, head_dim]
   const void* value_cache;         // [num_blocks, block_size, num_kv_heads, value_row]; a value
                                    // is the first value_head_dim elements of its row
+  const float* key_scale;          // quantized caches: [num_blocks, block_size, num_kv_heads],
+  const float* value_scale;        // a row's entries times its scale are its values; else null
   const int32_t* query_start_loc;  // [num_seqs + 1]
   const int32_t* seq_lens;         // [num_seqs], context length including the new queries
   const int32_t* block_tables;     // [num_seqs, max_blocks_per_seq]

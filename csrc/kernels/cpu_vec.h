@@ -1,6 +1,7 @@
 #pragma once
 // Helpers for kernel bodies compiled per CPU capability: fp32 vectors loaded from and stored to
-// fp32 / bf16 / fp16 memory, and a dtype switch. Include only from `*_cpu_kernel.cpp` files.
+// fp32 / bf16 / fp16 memory, int8 / fp8 rows dequantized to fp32, and a dtype switch. Include
+// only from `*_cpu_kernel.cpp` files.
 
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -10,6 +11,10 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
 
 namespace kvserve::cpu {
 inline namespace CPU_CAPABILITY {
@@ -74,6 +79,63 @@ inline void convert_from_float(const float* src, T* dst, int64_t n) {
   int64_t i = 0;
   for (; i + Vec::size() <= n; i += Vec::size()) store_from_float(dst + i, Vec::loadu(src + i));
   for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+/// dst[i] = scale * src[i] over n int8 elements.
+inline void dequantize_int8(const int8_t* src, float scale, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 s = _mm512_set1_ps(scale);
+  for (; i + 16 <= n; i += 16) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), s));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256 s = _mm256_set1_ps(scale);
+  for (; i + 8 <= n; i += 8) {
+    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), s));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = scale * static_cast<float>(src[i]);
+}
+
+/// The value of an fp8 E4M3 byte / 256: the fp16 with the same sign and the byte's exponent and
+/// mantissa bits one place lower (exact, subnormals included, no branches). The NaN bytes
+/// 0x7f / 0xff decode as +-480 / 256.
+inline float fp8_e4m3_over_256(uint8_t b) {
+  const auto bits = static_cast<uint16_t>(((b & 0x80) << 8) | ((b & 0x7f) << 7));
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+/// dst[i] = scale * e4m3(src[i]) over n fp8 E4M3 bytes, decoded as fp8_e4m3_over_256 (the 256
+/// goes into the scale).
+inline void dequantize_fp8_e4m3(const uint8_t* src, float scale, float* dst, int64_t n) {
+  const float s256 = scale * 256.0f;
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 s = _mm512_set1_ps(s256);
+  const __m256i sign = _mm256_set1_epi16(static_cast<int16_t>(0x8000));
+  const __m256i rest = _mm256_set1_epi16(0x7f);
+  for (; i + 16 <= n; i += 16) {
+    const __m256i b =
+        _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    const __m256i h = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(b, 8), sign),
+                                      _mm256_slli_epi16(_mm256_and_si256(b, rest), 7));
+    _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_cvtph_ps(h), s));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256 s = _mm256_set1_ps(s256);
+  const __m128i sign = _mm_set1_epi16(static_cast<int16_t>(0x8000));
+  const __m128i rest = _mm_set1_epi16(0x7f);
+  for (; i + 8 <= n; i += 8) {
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)));
+    const __m128i h = _mm_or_si128(_mm_and_si128(_mm_slli_epi16(b, 8), sign),
+                                   _mm_slli_epi16(_mm_and_si128(b, rest), 7));
+    _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(h), s));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = s256 * fp8_e4m3_over_256(src[i]);
 }
 
 }  // namespace CPU_CAPABILITY

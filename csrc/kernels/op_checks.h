@@ -5,6 +5,10 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <optional>
+
+#include "kernels/cpu_kernels.h"
+
 namespace kvserve::ops {
 
 /// Checks that t is on the CPU, has `dim` dimensions and a contiguous last dimension.
@@ -39,6 +43,29 @@ inline void check_gated_activation(const char* op, const at::Tensor& out, const 
                   out.size(1) == input.size(1) / 2,
               op, ": expected input [T, 2d] and out [T, d], got ", input.sizes(), " and ",
               out.sizes());
+}
+
+/// The format of a KV cache (contract: kernels/cache/kv_cache_write.h) that holds entries of
+/// `dtype`: plain when the cache is of `dtype` (then `scale` must be absent); int8 / fp8 E4M3 with
+/// `scale` fp32 contiguous [num_blocks, block_size, num_kv_heads], one per row, on its device.
+inline cpu::KVCacheFormat check_kv_cache_format(const char* op, const char* name,
+                                                const at::Tensor& cache, at::ScalarType dtype,
+                                                const std::optional<at::Tensor>& scale) {
+  const at::ScalarType c = cache.scalar_type();
+  if (c == dtype) {
+    TORCH_CHECK(!scale.has_value(), op, ": ", name, " holds ", dtype,
+                " entries and takes no scales");
+    return cpu::KVCacheFormat::kPlain;
+  }
+  TORCH_CHECK(c == at::kChar || c == at::kFloat8_e4m3fn, op, ": ", name,
+              " must have the entries' dtype ", dtype, " or be int8 / float8_e4m3fn, got ", c);
+  TORCH_CHECK(scale.has_value(), op, ": the ", c, " ", name, " needs its scales");
+  const at::Tensor& s = *scale;
+  TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 3 &&
+                  s.sizes() == cache.sizes().slice(0, 3) && s.device() == cache.device(),
+              op, ": the scales of ", name, " must be contiguous fp32 ",
+              cache.sizes().slice(0, 3), " on its device, got ", s.scalar_type(), " ", s.sizes());
+  return c == at::kChar ? cpu::KVCacheFormat::kInt8 : cpu::KVCacheFormat::kFp8E4M3;
 }
 
 }  // namespace kvserve::ops

@@ -33,14 +33,15 @@ TORCH_LIBRARY(kvserve, m) {
       "Tensor cos_sin_cache, bool is_neox) -> ()");
   m.def(
       "kv_cache_write(Tensor key, Tensor value, Tensor! key_cache, Tensor! value_cache, "
-      "Tensor slot_mapping) -> ()");
+      "Tensor slot_mapping, Tensor(c!)? key_scale=None, Tensor(d!)? value_scale=None) -> ()");
   m.def(
       "kv_cache_copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "
       "Tensor block_mapping) -> ()");
   m.def(
       "paged_attention(Tensor! out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, float scale, "
-      "int sliding_window, float logit_softcap) -> ()");
+      "int sliding_window, float logit_softcap, Tensor? key_scale=None, "
+      "Tensor? value_scale=None) -> ()");
   m.def(
       "fused_moe(Tensor hidden, Tensor[] w13, Tensor[] w2, Tensor topk_weights, "
       "Tensor topk_ids) -> Tensor");
@@ -138,10 +139,14 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor
 }
 
 void kv_cache_write(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                    at::Tensor& value_cache, const at::Tensor& slot_mapping) {
-  static const auto op = handle<void(const at::Tensor&, const at::Tensor&, at::Tensor&,
-                                     at::Tensor&, const at::Tensor&)>("kvserve::kv_cache_write");
-  op.call(key, value, key_cache, value_cache, slot_mapping);
+                    at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                    const std::optional<at::Tensor>& key_scale,
+                    const std::optional<at::Tensor>& value_scale) {
+  static const auto op =
+      handle<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
+                  const at::Tensor&, const std::optional<at::Tensor>&,
+                  const std::optional<at::Tensor>&)>("kvserve::kv_cache_write");
+  op.call(key, value, key_cache, value_cache, slot_mapping, key_scale, value_scale);
 }
 
 void kv_cache_copy_blocks(at::TensorList key_caches, at::TensorList value_caches,
@@ -154,13 +159,16 @@ void kv_cache_copy_blocks(at::TensorList key_caches, at::TensorList value_caches
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& query_start_loc,
                      const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale,
-                     int64_t sliding_window, double logit_softcap) {
+                     int64_t sliding_window, double logit_softcap,
+                     const std::optional<at::Tensor>& key_scale,
+                     const std::optional<at::Tensor>& value_scale) {
   static const auto op =
       handle<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                   const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
-                  double)>("kvserve::paged_attention");
+                  double, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>(
+          "kvserve::paged_attention");
   op.call(out, query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale,
-          sliding_window, logit_softcap);
+          sliding_window, logit_softcap, key_scale, value_scale);
 }
 
 at::Tensor fused_moe(const at::Tensor& hidden, at::TensorList w13, at::TensorList w2,

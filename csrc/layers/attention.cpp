@@ -62,12 +62,12 @@ at::Tensor Attention::forward(const at::Tensor& positions, const at::Tensor& hid
     at::Tensor key_cache = kv.key, value_cache = kv.value;
     ops::kv_cache_write(k.view({num_tokens, num_kv_heads_, head_dim_}),
                         v.view({num_tokens, num_kv_heads_, head_dim_}), key_cache, value_cache,
-                        m.slots(kv.group));
+                        m.slots(kv.group), kv.key_scales(), kv.value_scales());
   }
   at::Tensor out = at::empty({num_tokens, num_heads_, head_dim_}, hidden.options());
   ops::paged_attention(out, q.view({num_tokens, num_heads_, head_dim_}), kv.key, kv.value,
                        m.query_start_loc, m.seq_lens, m.tables(kv.group), scale_, sliding_window_,
-                       logit_softcap_);
+                       logit_softcap_, kv.key_scales(), kv.value_scales());
   return o_proj_.forward(out.view({num_tokens, q_width}));
 }
 

@@ -188,7 +188,8 @@ at::Tensor MLAAttention::forward(const at::Tensor& positions, const at::Tensor& 
   const at::Tensor entry =
       at::cat({kv_a_layernorm_.forward(fused.narrow(1, q_in, L)), k_rope}, 1).view({T, 1, L + R});
   at::Tensor cache = kv.key;  // [num_blocks, block_size, 1, L + R]; kv.value is the same tensor
-  ops::kv_cache_write(entry, entry, cache, cache, m.slot_mapping);
+  ops::kv_cache_write(entry, entry, cache, cache, m.slot_mapping, kv.key_scales(),
+                      kv.key_scales());
 
   const at::Tensor q_nope3 = q.narrow(1, 0, H * N).view({T, H, N});
   const at::Tensor q_rope3 = q_rope.view({T, H, R});
@@ -197,23 +198,23 @@ at::Tensor MLAAttention::forward(const at::Tensor& positions, const at::Tensor& 
   };
   at::Tensor out;  // [T, H, V]
   if (plan.expanded.empty()) {
-    out = attend_absorbed(q_nope3, q_rope3, cache, plan.absorbed);
+    out = attend_absorbed(q_nope3, q_rope3, kv, plan.absorbed);
   } else if (plan.absorbed.empty()) {
-    out = attend_expanded(q_nope3, q_rope3, cache, plan.expanded);
+    out = attend_expanded(q_nope3, q_rope3, kv, plan.expanded);
   } else {
     out = at::empty({T, H, V}, hidden.options());
     for (const auto* part : {&plan.absorbed, &plan.expanded}) {
       const at::Tensor qn = select(q_nope3, *part), qr = select(q_rope3, *part);
       out.index_copy_(0, part->token_index,
-                      part == &plan.absorbed ? attend_absorbed(qn, qr, cache, *part)
-                                             : attend_expanded(qn, qr, cache, *part));
+                      part == &plan.absorbed ? attend_absorbed(qn, qr, kv, *part)
+                                             : attend_expanded(qn, qr, kv, *part));
     }
   }
   return o_proj_.forward(out.view({T, H * V}));
 }
 
 at::Tensor MLAAttention::attend_absorbed(const at::Tensor& q_nope, const at::Tensor& q_rope,
-                                         const at::Tensor& cache,
+                                         const LayerKVCache& kv,
                                          const MLABatchPlan::Part& part) const {
   const int64_t n = q_nope.size(0), H = num_heads_, L = mla_.kv_lora_rank,
                 R = mla_.qk_rope_head_dim;
@@ -222,8 +223,8 @@ at::Tensor MLAAttention::attend_absorbed(const at::Tensor& q_nope, const at::Ten
   query.narrow(2, 0, L).copy_(at::bmm(q_nope.transpose(0, 1).to(at::kFloat), w_uk_).transpose(0, 1));
   query.narrow(2, L, R).copy_(q_rope);
   at::Tensor latent_out = at::empty({n, H, L}, q_nope.options());
-  ops::paged_attention(latent_out, query, cache, cache, part.query_start_loc, part.seq_lens,
-                       part.block_tables, scale_, 0, 0.0);
+  ops::paged_attention(latent_out, query, kv.key, kv.key, part.query_start_loc, part.seq_lens,
+                       part.block_tables, scale_, 0, 0.0, kv.key_scales(), kv.key_scales());
   // Values: the attended latent through W_UV per head.
   return at::bmm(latent_out.transpose(0, 1).to(at::kFloat), w_uv_.transpose(1, 2))
       .transpose(0, 1)
@@ -232,11 +233,16 @@ at::Tensor MLAAttention::attend_absorbed(const at::Tensor& q_nope, const at::Ten
 }
 
 at::Tensor MLAAttention::attend_expanded(const at::Tensor& q_nope, const at::Tensor& q_rope,
-                                         const at::Tensor& cache,
+                                         const LayerKVCache& kv,
                                          const MLABatchPlan::Part& part) const {
   const int64_t n = q_nope.size(0), H = num_heads_, N = mla_.qk_nope_head_dim,
                 R = mla_.qk_rope_head_dim, L = mla_.kv_lora_rank, V = mla_.v_head_dim;
-  const at::Tensor blocks = cache.index_select(0, part.gather_blocks);  // [nb, bs, 1, L + R]
+  at::Tensor blocks = kv.key.index_select(0, part.gather_blocks);  // [nb, bs, 1, L + R]
+  if (kv.key_scale.defined()) {  // an int8 / fp8 cache: entries times their token's scale
+    blocks = blocks.to(at::kFloat)
+                 .mul_(kv.key_scale.index_select(0, part.gather_blocks).unsqueeze(-1))
+                 .to(q_nope.scalar_type());
+  }
   const int64_t nb = blocks.size(0), bs = blocks.size(1);
   const at::Tensor flat = blocks.view({nb * bs, L + R});
   // Every context slot's keys and values (slots past a context hold whatever the block held;

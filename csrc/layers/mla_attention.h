@@ -70,9 +70,9 @@ class MLAAttention {
  private:
   // out [T_part, H, v] of the part's queries (q_nope [T_part, H, nope], q_rope [T_part, H, rope]).
   at::Tensor attend_absorbed(const at::Tensor& q_nope, const at::Tensor& q_rope,
-                             const at::Tensor& latent_cache, const MLABatchPlan::Part& part) const;
+                             const LayerKVCache& kv, const MLABatchPlan::Part& part) const;
   at::Tensor attend_expanded(const at::Tensor& q_nope, const at::Tensor& q_rope,
-                             const at::Tensor& latent_cache, const MLABatchPlan::Part& part) const;
+                             const LayerKVCache& kv, const MLABatchPlan::Part& part) const;
 
   MLAConfig mla_;
   int64_t num_heads_;

@@ -1,7 +1,8 @@
 """Command line:
 
     python -m kvserve generate [--model DIR] --prompt TEXT [--speculative-model DIR | --ngram]
-    python -m kvserve eval-ppl --model DIR --text FILE [--max-tokens N]
+                               [--kv-cache-dtype int8|fp8]
+    python -m kvserve eval-ppl --model DIR --text FILE [--max-tokens N] [--kv-cache-dtype int8|fp8]
     python -m kvserve convert llama2c --checkpoint FILE.bin --tokenizer TOK.bin --out DIR
     python -m kvserve quantize --model DIR --method int8|fp8|int4|awq --out DIR [--group-size N]
                                [--calibration FILE]
@@ -52,7 +53,7 @@ def _generate(args: argparse.Namespace) -> int:
     elif args.num_speculative_tokens is not None:
         raise ValueError("--num-speculative-tokens needs --speculative-model DIR or --ngram")
     llm = LLM(args.model or _default_model(), dtype=args.dtype, max_model_len=args.max_model_len,
-              **speculation)
+              kv_cache_dtype=args.kv_cache_dtype, **speculation)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
                             ignore_eos=args.ignore_eos)
@@ -79,7 +80,8 @@ def _eval_ppl(args: argparse.Namespace) -> int:
 
     if not args.text.is_file():
         raise FileNotFoundError(f"--text {args.text} not found")
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_length)
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_length,
+              kv_cache_dtype=args.kv_cache_dtype)
     if llm.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer.json to encode the text with")
     ids = llm.tokenizer.encode(args.text.read_text(encoding="utf-8"))
@@ -87,10 +89,13 @@ def _eval_ppl(args: argparse.Namespace) -> int:
         if args.max_tokens < 2:
             raise ValueError(f"--max-tokens must be at least 2, got {args.max_tokens}")
         ids = ids[:args.max_tokens]
-    r = evaluate_perplexity(llm.model, ids, max_length=llm.max_model_len, stride=args.stride)
+    kv_dtype = llm.llm_engine.kv_cache_dtype
+    r = evaluate_perplexity(llm.model, ids, max_length=llm.max_model_len, stride=args.stride,
+                            kv_cache_dtype=kv_dtype)
+    kv = "" if kv_dtype == llm.dtype else f", KV cache {str(kv_dtype).removeprefix('torch.')}"
     print(f"perplexity {r.perplexity:.4f} (mean NLL {r.nll:.4f} nats) over {r.num_tokens:,} "
           f"tokens of {args.text}; {r.num_windows} windows of up to {r.max_length} tokens, "
-          f"stride {r.stride}; {llm.dtype}; {r.seconds:.1f} s")
+          f"stride {r.stride}; {llm.dtype}{kv}; {r.seconds:.1f} s")
     return 0
 
 
@@ -120,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"])
     spec = g.add_mutually_exclusive_group()
     spec.add_argument("--speculative-model", metavar="DIR",
                       help="speculative decoding with this draft model (the target's tokenizer)")
@@ -136,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per window (default: the model's context)")
     e.add_argument("--stride", type=int, default=None, help="window step (default: half a window)")
     e.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
+                   help="score with the keys and values quantized as a server would cache them")
     e.set_defaults(func=_eval_ppl)
     q = sub.add_parser("quantize", help="write a quantized copy of a checkpoint")
     q.add_argument("--model", required=True, help="Hugging Face checkpoint directory")

@@ -86,6 +86,27 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype) -> to
     return _DTYPES[dtype]
 
 
+_KV_CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn,
+                    "fp8_e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn}
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype,
+                           model_dtype: torch.dtype) -> torch.dtype:
+    """Maps "auto" (the model's dtype) / "int8" / "fp8" (E4M3) / a torch.dtype to the KV pool's
+    entry dtype: the model's own or a quantized one (one fp32 scale per token and KV head)."""
+    if isinstance(kv_cache_dtype, torch.dtype):
+        if kv_cache_dtype != model_dtype and kv_cache_dtype not in _KV_CACHE_DTYPES.values():
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype} is not supported; use the model's "
+                             f"dtype ({model_dtype}), torch.int8 or torch.float8_e4m3fn")
+        return kv_cache_dtype
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in _KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(_KV_CACHE_DTYPES)}, "
+                         f"got {kv_cache_dtype!r}")
+    return _KV_CACHE_DTYPES[kv_cache_dtype]
+
+
 def load_checkpoint_info(model_dir: str | Path) -> CheckpointInfo:
     """Reads config.json (and generation_config.json if present) of a Hugging Face directory."""
     model_dir = Path(model_dir)

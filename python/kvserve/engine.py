@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from kvserve import _C
-from kvserve.config import load_checkpoint_info, resolve_dtype
+from kvserve.config import load_checkpoint_info, resolve_dtype, resolve_kv_cache_dtype
 from kvserve.loader import load_weights
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.speculative import load_draft_info, speculative_config
@@ -92,6 +92,10 @@ class LLMEngine:
         max_model_len: longest prompt + output (default: the config's max_position_embeddings).
         block_size, num_blocks | kv_cache_memory: the paged KV pool (default: room for
             max_num_seqs full-length sequences, at most DEFAULT_KV_CACHE_MEMORY bytes).
+        kv_cache_dtype: "auto" (the model's dtype), "int8" or "fp8" (E4M3): the pool's entries,
+            quantized as they are written with an fp32 scale per token and KV head (about 2x
+            the tokens of a bf16 pool in the same memory, 4x fp32's). A draft model's pool
+            keeps the model's dtype.
         max_num_seqs: running sequences at most; max_num_batched_tokens: tokens per step.
         enable_prefix_caching: reuse the KV of identical prompt prefixes.
         speculative_model: a draft checkpoint directory (same tokenizer) for speculative
@@ -106,6 +110,7 @@ class LLMEngine:
     def __init__(self, model: str | Path, dtype: str | torch.dtype = "auto",
                  max_model_len: int | None = None, *, block_size: int = 16,
                  num_blocks: int | None = None, kv_cache_memory: int | None = None,
+                 kv_cache_dtype: str | torch.dtype = "auto",
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, device: str | torch.device = "cpu",
                  max_logprobs: int = 20, speculative_model: str | Path | None = None,
@@ -122,6 +127,7 @@ class LLMEngine:
         self.config = info.config
         self.hf_config = info.hf_config
         self.dtype = resolve_dtype(dtype, info.checkpoint_dtype)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
         limit = info.config.max_position_embeddings
         if max_model_len is None:
             max_model_len = limit
@@ -157,7 +163,8 @@ class LLMEngine:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, block_size=block_size, num_blocks=pool_blocks,
             enable_prefix_caching=bool(enable_prefix_caching), eos_token_ids=info.eos_token_ids,
-            max_logprobs=max_logprobs, speculative=speculative)
+            max_logprobs=max_logprobs, speculative=speculative,
+            kv_cache_dtype=self.kv_cache_dtype)
         self.engine = _C.ContinuousBatchingEngine(self.model, config, self.draft_model)
         self._requests: dict[str, _Request] = {}  # under _lock
         self._lock = threading.Lock()
@@ -177,8 +184,8 @@ class LLMEngine:
         layouts = [_C.KVCacheLayout.for_model(self.config, self.draft_config is None)]
         if self.draft_config is not None:
             layouts.append(_C.KVCacheLayout.for_model(self.draft_config))
-        per_block = sum(_C.PagedKVCache.bytes_per_block(layout, block_size, self.dtype)
-                        for layout in layouts)
+        per_block = sum(_C.PagedKVCache.bytes_per_block(layout, block_size, dtype)
+                        for layout, dtype in zip(layouts, [self.kv_cache_dtype, self.dtype]))
         if num_blocks is not None:
             if not isinstance(num_blocks, int) or num_blocks < 2:
                 raise ValueError(f"num_blocks must be an integer >= 2 (block 0 is reserved), "
@@ -204,6 +211,11 @@ class LLMEngine:
                 f"{kv.block_size} tokens = {kv.capacity_tokens:,} tokens at "
                 f"{kv.bytes_per_token:,} bytes/token; {concurrent} sequences of max_model_len "
                 f"{full_len} fit at once")
+        if self.kv_cache_dtype != self.dtype:
+            plain = kv.layout.bytes_per_slot_token(self.dtype)
+            plan += (f" ({str(self.kv_cache_dtype).removeprefix('torch.')} entries with a fp32 "
+                     f"scale per token and head: {self.dtype} would take {plain:,} bytes/token, "
+                     f"{plain / kv.bytes_per_token:.1f}x more)")
         if kv.layout.latent:
             plain = _C.KVCacheLayout.multi_head_equivalent(self.config).bytes_per_token(self.dtype)
             plan += (f" (MLA latents: plain multi-head K/V would take {plain:,} bytes/token, "

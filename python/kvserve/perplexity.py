@@ -50,11 +50,14 @@ def strided_windows(num_tokens: int, max_length: int, stride: int) -> list[tuple
 
 
 def evaluate_perplexity(model: _C.CausalLM, token_ids: list[int], max_length: int,
-                        stride: int | None = None) -> PerplexityResult:
+                        stride: int | None = None,
+                        kv_cache_dtype: torch.dtype | None = None) -> PerplexityResult:
     """Scores token_ids (BOS included, if the model expects one) with `model`.
 
     max_length: tokens per window, at most the model's context.
     stride: window step (default max_length // 2).
+    kv_cache_dtype: torch.int8 / torch.float8_e4m3fn to attend over keys and values quantized
+        as LLM(kv_cache_dtype=...) caches them (default: the model's dtype).
     """
     if len(token_ids) < 2:
         raise ValueError(f"need at least 2 tokens to score, got {len(token_ids)}")
@@ -63,7 +66,8 @@ def evaluate_perplexity(model: _C.CausalLM, token_ids: list[int], max_length: in
         raise ValueError(f"token ids must be in [0, {vocab})")
     stride = max(1, max_length // 2) if stride is None else stride
     windows = strided_windows(len(token_ids), max_length, stride)
-    caches = _C.KVCache.for_model(1, max_length, model.config, model.dtype, model.device)
+    caches = _C.KVCache.for_model(1, max_length, model.config, kv_cache_dtype or model.dtype,
+                                  model.device)
     ids = torch.tensor(token_ids, dtype=torch.long)
     started = time.perf_counter()
     total_nll, scored = 0.0, 0

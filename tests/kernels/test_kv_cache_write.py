@@ -1,7 +1,9 @@
-"""kv_cache_write against kvserve.testing.reference. A write is a copy, so results must be exact
-(no tolerance table): every written slot equals its token, and every other slot keeps the NaN it
-was poisoned with. The op has a single CPU body (a memcpy per row, no per-capability variants),
-so unlike the other kernel tests this file has no CPU-capability test."""
+"""kv_cache_write against kvserve.testing.reference. A write is a copy, or a quantization whose
+arithmetic the contract fixes (fp32 max, scale and division), so results must be exact (no
+tolerance table): every written slot equals its token, and every other slot keeps the NaN it was
+poisoned with (quantized caches: the NaN of its scale). The op has a single CPU body (a memcpy
+or a scalar loop per row, no per-capability variants), so unlike the other kernel tests this file
+has no CPU-capability test."""
 
 import pytest
 import torch
@@ -135,3 +137,104 @@ def test_rejects_non_contiguous_cache():
     with pytest.raises(RuntimeError, match="contiguous"):
         ops.kv_cache_write(torch.randn(1, 2, 8), torch.randn(1, 2, 8), cache, cache.clone(),
                            torch.tensor([0]))
+
+
+# ------------------------------------------------------------------------- int8 / fp8 caches
+
+KV_DTYPES = [torch.int8, torch.float8_e4m3fn]
+
+
+def poisoned_quantized(num_blocks, block_size, num_kv_heads, head_dim, cache_dtype):
+    """Zero entries and NaN scales: a slot the op does not write keeps a NaN scale."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return (torch.zeros(shape).to(cache_dtype), torch.zeros(shape).to(cache_dtype),
+            torch.full(shape[:3], float("nan")), torch.full(shape[:3], float("nan")))
+
+
+def assert_same_quantized(actual, expected):
+    for a, e in zip(actual, expected):
+        if a.dtype == torch.float8_e4m3fn:
+            a, e = a.view(torch.uint8), e.view(torch.uint8)
+        assert_same(a, e)
+
+
+@pytest.mark.parametrize("cache_dtype", KV_DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", SHAPES)
+def test_quantized_write(num_heads, num_kv_heads, head_dim, block_size, dtype, cache_dtype):
+    num_blocks, num_tokens = 40 // block_size + 3, 29
+    key, value = fused_kv(num_tokens, num_heads, num_kv_heads, head_dim, dtype)
+    key[3, 0] = 0  # a row of zeros: scale 0, entries 0
+    caches = poisoned_quantized(num_blocks, block_size, num_kv_heads, head_dim, cache_dtype)
+    slots = random_slots(num_tokens, num_blocks * block_size, num_padding=4)
+    last = num_blocks * block_size - 1
+    slots[slots == last] = -1
+    slots[3] = last
+    want = reference.kv_cache_write(key, value, *caches[:2], slots, *caches[2:])
+    ops.kv_cache_write(key, value, caches[0], caches[1], slots, caches[2], caches[3])
+    assert_same_quantized(caches, want)
+    key_scale = caches[2]
+    assert key_scale.isnan().any(), "the test must leave unwritten slots"
+    assert key_scale[-1, -1, 0] == 0 and not caches[0][-1, -1, 0].float().any()
+    # Entries times scales are the values, to the format's precision.
+    step = {torch.int8: 0.5 / 127, torch.float8_e4m3fn: 2.0 ** -4}[cache_dtype]
+    written = slots >= 0
+    rows = key_scale.view(-1, num_kv_heads)[slots[written]]  # [written, heads]
+    values = caches[0].view(-1, num_kv_heads, head_dim)[slots[written]].float() * rows[..., None]
+    amax = key[written].float().abs().amax(-1, keepdim=True)
+    assert ((values - key[written].float()).abs() <= step * amax * 1.0001).all()
+
+
+@pytest.mark.parametrize("cache_dtype", KV_DTYPES)
+def test_quantized_latent_cache(cache_dtype):
+    """One cache and one scale tensor passed twice (MLA): the keys are the entries."""
+    entry = torch.randn(5, 1, 36)
+    cache = torch.zeros(3, 4, 1, 36).to(cache_dtype)
+    scale = torch.full((3, 4, 1), float("nan"))
+    slots = torch.tensor([4, 5, 6, -1, 11])
+    want = reference.kv_cache_write(entry, entry, cache, cache, slots, scale, scale)
+    ops.kv_cache_write(entry, entry, cache, cache, slots, scale, scale)
+    assert_same_quantized((cache, scale), want[::2])
+    with pytest.raises(RuntimeError, match="one scale tensor for both"):
+        ops.kv_cache_write(entry, entry, cache, cache, slots, scale, scale.clone())
+
+
+def test_int8_rounds_half_to_even_and_fp8_saturates_nothing():
+    """A row whose max is 127 has scale 1: entries are x rounded half to even; the max of an fp8
+    row maps to 448 exactly."""
+    x = torch.tensor([[[127.0, 0.5, 1.5, 2.5, -2.5, -126.5, 3.49, 0.0]]])
+    cache = torch.zeros(1, 1, 1, 8, dtype=torch.int8)
+    scale = torch.zeros(1, 1, 1)
+    ops.kv_cache_write(x, x, cache, cache.clone(), torch.tensor([0]), scale, scale.clone())
+    assert scale.item() == 1.0
+    assert cache.flatten().tolist() == [127, 0, 2, 2, -2, -126, 3, 0]
+    fp8 = torch.zeros(1, 1, 1, 8, dtype=torch.float8_e4m3fn)
+    ops.kv_cache_write(x, x, fp8, fp8.clone(), torch.tensor([0]), scale, scale.clone())
+    assert fp8.float()[0, 0, 0, 0] == 448 and scale.item() == pytest.approx(127 / 448)
+
+
+def bad_quantized(cache_dtype=torch.int8, scale_shape=(4, 4, 2), scale_dtype=torch.float32,
+                  scales=True):
+    key, value, _, _, slots = bad()
+    cache = torch.zeros(4, 4, 2, 8).to(cache_dtype)
+    scale = torch.zeros(scale_shape, dtype=scale_dtype) if scales else None
+    return key, value, cache, cache.clone(), slots, scale, None if scale is None else scale.clone()
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (bad_quantized(scales=False), "needs its scales"),
+        (bad_quantized(scale_shape=(4, 4)), "scales of key_cache must be contiguous fp32"),
+        (bad_quantized(scale_shape=(4, 2, 2)), "scales of key_cache must be contiguous fp32"),
+        (bad_quantized(scale_dtype=torch.float16), "scales of key_cache must be contiguous fp32"),
+        (bad_quantized(cache_dtype=torch.uint8), "int8 / float8_e4m3fn"),
+        (bad()[:5] + (torch.zeros(4, 4, 2), None), "takes no scales"),
+    ],
+    ids=["no-scales", "scale-rank", "scale-shape", "scale-dtype", "cache-dtype",
+         "plain-with-scales"],
+)
+def test_quantized_write_rejects_bad_arguments(args, match):
+    with pytest.raises(RuntimeError, match=match):
+        ops.kv_cache_write(*args)

@@ -3,6 +3,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
 #include <vector>
 
 namespace kvserve {
@@ -28,11 +29,23 @@ struct AttentionMetadata {
 /// One layer's cache as the attention sees it: key and value
 /// [num_blocks, block_size, num_kv_heads, head_dim], and the group of layers whose slots and
 /// block tables address it. A contiguous cache is the special case of one block per batch row,
-/// max_seq_len tokens long.
+/// max_seq_len tokens long. An int8 / fp8 cache has its fp32 scales beside it, one per
+/// (token, KV head): key_scale / value_scale [num_blocks, block_size, num_kv_heads] (undefined
+/// for a cache in the model's dtype; a latent cache's value_scale is its key_scale).
 struct LayerKVCache {
   at::Tensor key;
   at::Tensor value;
   int64_t group = 0;
+  at::Tensor key_scale;
+  at::Tensor value_scale;
+
+  /// The scales as the ops take them (nullopt for a cache in the model's dtype).
+  std::optional<at::Tensor> key_scales() const {
+    return key_scale.defined() ? std::optional<at::Tensor>(key_scale) : std::nullopt;
+  }
+  std::optional<at::Tensor> value_scales() const {
+    return value_scale.defined() ? std::optional<at::Tensor>(value_scale) : std::nullopt;
+  }
 };
 
 }  // namespace kvserve

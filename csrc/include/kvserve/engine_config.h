@@ -1,7 +1,10 @@
 #pragma once
 // How a ContinuousBatchingEngine is sized: batch limits, context length and the KV pool.
 
+#include <c10/core/ScalarType.h>
+
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "kvserve/speculative_decoder.h"
@@ -15,6 +18,10 @@ struct EngineConfig {
   int64_t max_model_len = 0;  ///< prompt + output tokens at most; 0: max_position_embeddings
   int64_t block_size = 16;    ///< tokens per KV block
   int64_t num_blocks = 0;     ///< KV pool size, null block included; required (>= 2)
+  /// The pool's entries: the model's dtype when unset, or int8 / float8_e4m3fn with an fp32
+  /// scale per token and KV head (kernels/cache/kv_cache_write.h). A draft model's pool keeps
+  /// the draft's dtype.
+  std::optional<at::ScalarType> kv_cache_dtype;
   bool enable_prefix_caching = true;
   std::vector<int64_t> eos_token_ids;
   int64_t max_logprobs = 20;  ///< SamplingParams::logprobs at most (vLLM's default)

@@ -15,7 +15,8 @@
 namespace kvserve {
 
 /// One layer's key and value buffers [max_batch_size, max_seq_len, num_kv_heads, head_dim] plus
-/// how many tokens each batch row holds.
+/// how many tokens each batch row holds; of the model's dtype, or int8 / fp8 with fp32 scales
+/// beside them (kv_cache_write.h).
 class KVCache {
  public:
   /// Allocates (uninitialised) buffers. Throws std::invalid_argument on non-positive sizes.
@@ -45,7 +46,7 @@ class KVCache {
   const at::Tensor& key() const { return key_; }
   const at::Tensor& value() const { return value_; }
   /// The paged view used by attention: row b is block b of max_seq_len tokens.
-  LayerKVCache layer_view() const { return {key_, value_}; }
+  LayerKVCache layer_view() const { return {key_, value_, 0, key_scale_, value_scale_}; }
 
   /// Tokens held by batch row `row`.
   int64_t seq_len(int64_t row) const { return seq_lens_.at(row); }
@@ -57,15 +58,22 @@ class KVCache {
   int64_t max_seq_len() const { return key_.size(1); }
   int64_t num_kv_heads() const { return key_.size(2); }
   int64_t head_dim() const { return key_.size(3); }
-  /// Bytes of both buffers (of the one buffer of a latent cache).
+  /// Bytes of both buffers (of the one buffer of a latent cache), scales included.
   int64_t nbytes() const {
-    return static_cast<int64_t>(key_.nbytes()) +
-           (value_.is_same(key_) ? 0 : static_cast<int64_t>(value_.nbytes()));
+    int64_t bytes = 0;
+    for (const at::Tensor* t : {&key_, &value_, &key_scale_, &value_scale_}) {
+      const bool repeated = (t == &value_ && value_.is_same(key_)) ||
+                            (t == &value_scale_ && value_scale_.is_same(key_scale_));
+      if (t->defined() && !repeated) bytes += static_cast<int64_t>(t->nbytes());
+    }
+    return bytes;
   }
 
  private:
   at::Tensor key_;
   at::Tensor value_;
+  at::Tensor key_scale_;    // int8 / fp8 buffers: fp32 [max_batch_size, max_seq_len, heads]
+  at::Tensor value_scale_;
   std::vector<int64_t> seq_lens_;
 };
 

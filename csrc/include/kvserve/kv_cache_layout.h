@@ -12,6 +12,11 @@
 
 namespace kvserve {
 
+/// Whether a KV cache of this dtype stores quantized entries with per-row scales (int8, fp8).
+inline bool is_quantized_kv_dtype(at::ScalarType dtype) {
+  return dtype == at::kChar || dtype == at::kFloat8_e4m3fn;
+}
+
 /// Layers of a paged pool that share block tables: the same sliding window (0: full attention).
 /// `layers` are cache indices (layers that own their KV, in order).
 struct KVCacheGroup {
@@ -47,6 +52,9 @@ struct KVCacheLayout {
 
   /// Elements per token and layer, key and value together.
   int64_t elements_per_token_per_layer() const;
+  /// Bytes per token and layer in a cache of `dtype`: its entries, and for int8 / fp8 caches an
+  /// fp32 scale per KV head of the key and of the value (one per token for a latent).
+  int64_t bytes_per_token_per_layer(at::ScalarType dtype) const;
   /// Bytes per token over all layers.
   int64_t bytes_per_token(at::ScalarType dtype) const;
   /// Tensors of a paged pool: the largest group's layers (num_layers without groups).

@@ -56,7 +56,8 @@ class ModelRunner {
   /// With a `speculator` (borrowed; outliving the runner), the scheduled sequences that have
   /// draft slots get drafts, and their targets are verified.
   ModelRunner(std::shared_ptr<CausalLM> model, int64_t num_blocks, int64_t block_size,
-              const Scheduler& scheduler, SpeculativeDecoder* speculator = nullptr);
+              const Scheduler& scheduler, SpeculativeDecoder* speculator = nullptr,
+              std::optional<at::ScalarType> kv_cache_dtype = std::nullopt);
 
   /// Copies the step's copy-on-write blocks, asks the speculator for drafts, runs one forward
   /// over every scheduled sequence's new tokens and drafts (writing their K/V), and samples

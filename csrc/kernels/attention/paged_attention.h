@@ -4,6 +4,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
+
 namespace kvserve::ops {
 
 /// For each sequence b, its queries are tokens [query_start_loc[b], query_start_loc[b+1]) of
@@ -24,11 +26,17 @@ namespace kvserve::ops {
 /// query_start_loc: int32 [num_seqs + 1]; seq_lens: int32 [num_seqs];
 /// block_tables: int32 [num_seqs, max_blocks_per_seq], position p of sequence b lives in block
 ///   block_tables[b][p / block_size] at offset p % block_size.
+/// The caches hold entries of the query's dtype, or int8 / float8_e4m3fn entries with their
+///   fp32 scales key_scale / value_scale [num_blocks, block_size, num_kv_heads], as
+///   kv_cache_write stores them: a row's entries times its scale are its values, dequantized in
+///   registers as the rows are read (a latent cache passes its scales as both).
 /// Throws on inconsistent metadata (a run longer than its context, a block id outside the cache,
 /// a context longer than its block table).
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& query_start_loc,
                      const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale,
-                     int64_t sliding_window, double logit_softcap);
+                     int64_t sliding_window, double logit_softcap,
+                     const std::optional<at::Tensor>& key_scale = std::nullopt,
+                     const std::optional<at::Tensor>& value_scale = std::nullopt);
 
 }  // namespace kvserve::ops

@@ -51,12 +51,19 @@ void check_metadata(const at::Tensor& query_start_loc, const at::Tensor& seq_len
 void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                          const at::Tensor& value_cache, const at::Tensor& query_start_loc,
                          const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale,
-                         int64_t sliding_window, double logit_softcap) {
+                         int64_t sliding_window, double logit_softcap,
+                         const std::optional<at::Tensor>& key_scale,
+                         const std::optional<at::Tensor>& value_scale) {
   check_heads("query", query);
   check_heads("out", out);
   check_like(kOp, "out", out, query);
-  check_like(kOp, "key_cache", key_cache, query);
-  check_like(kOp, "value_cache", value_cache, query);
+  TORCH_CHECK(key_cache.device() == query.device() && value_cache.device() == query.device(),
+              kOp, ": the caches must be on the query's device");
+  const cpu::KVCacheFormat format =
+      check_kv_cache_format(kOp, "key_cache", key_cache, query.scalar_type(), key_scale);
+  TORCH_CHECK(check_kv_cache_format(kOp, "value_cache", value_cache, query.scalar_type(),
+                                    value_scale) == format,
+              kOp, ": key_cache and value_cache must be of one dtype");
   TORCH_CHECK(out.size(0) == query.size(0) && out.size(1) == query.size(1), kOp,
               ": out must be [num_tokens, num_heads, value_head_dim] like query, got ", out.sizes(),
               " and ", query.sizes());
@@ -77,6 +84,9 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
 
   cpu::PagedAttentionArgs args{};
   args.dtype = query.scalar_type();
+  args.cache_format = format;
+  args.key_scale = key_scale ? key_scale->data_ptr<float>() : nullptr;
+  args.value_scale = value_scale ? value_scale->data_ptr<float>() : nullptr;
   args.out = out.data_ptr();
   args.query = query.data_ptr();
   args.key_cache = key_cache.data_ptr();
@@ -98,6 +108,8 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
   args.value_cache_block_stride = value_cache.stride(0);
   args.value_in_key = value_cache.data_ptr() == key_cache.data_ptr() &&
                       value_cache.sizes() == key_cache.sizes();
+  TORCH_CHECK(!args.value_in_key || args.value_scale == args.key_scale, kOp,
+              ": a value inside its key (one cache passed twice) takes the key's scales");
   args.scale = static_cast<float>(scale);
   args.sliding_window = sliding_window;
   args.logit_softcap = static_cast<float>(logit_softcap);

@@ -110,6 +110,36 @@ inline int64_t value_offset(const PagedAttentionArgs& a, const int32_t* block_ta
          ((j % a.block_size) * a.num_kv_heads + h) * a.value_row;
 }
 
+/// Converts n entries of the cache row at element `offset` of `cache` (the key or the value
+/// cache; `row` elements per row, so that offset / row is the row's scale index) to fp32: a
+/// plain cache holds T, a quantized one int8 or fp8 entries times the row's scale.
+template <typename T>
+inline void load_cache_row(const PagedAttentionArgs& a, const void* cache, const float* scales,
+                           int64_t offset, int64_t row, float* dst, int64_t n) {
+  switch (a.cache_format) {
+    case KVCacheFormat::kPlain:
+      convert_to_float(static_cast<const T*>(cache) + offset, dst, n);
+      break;
+    case KVCacheFormat::kInt8:
+      dequantize_int8(static_cast<const int8_t*>(cache) + offset, scales[offset / row], dst, n);
+      break;
+    case KVCacheFormat::kFp8E4M3:
+      dequantize_fp8_e4m3(static_cast<const uint8_t*>(cache) + offset, scales[offset / row], dst,
+                          n);
+      break;
+  }
+}
+
+/// A position's key / value row of a KV head to fp32 (the first n entries).
+template <typename T>
+inline void load_key(const PagedAttentionArgs& a, int64_t offset, float* dst, int64_t n) {
+  load_cache_row<T>(a, a.key_cache, a.key_scale, offset, a.head_dim, dst, n);
+}
+template <typename T>
+inline void load_value(const PagedAttentionArgs& a, int64_t offset, float* dst, int64_t n) {
+  load_cache_row<T>(a, a.value_cache, a.value_scale, offset, a.value_row, dst, n);
+}
+
 /// Scratch of one thread, reused across its items.
 struct Scratch {
   std::vector<float> q, acc, max, sum, corr, lo, hi, scores, key_rows, value_rows;

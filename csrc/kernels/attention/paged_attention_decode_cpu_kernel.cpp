@@ -44,8 +44,6 @@ template <typename T>
 void gather_tile(const PagedAttentionArgs& a, const int32_t* block_table, int64_t kv_head,
                  int64_t kv_head_end, int64_t first, int64_t last, int64_t dp, int64_t dvp,
                  Scratch& s) {
-  const T* kc = static_cast<const T*>(a.key_cache);
-  const T* vc = static_cast<const T*>(a.value_cache);
   const int64_t d = a.head_dim, dv = a.value_head_dim;
   const int64_t key_slot = a.num_kv_heads * d, value_slot = a.num_kv_heads * a.value_row;
   for_block_runs(a, first, last, [&](int64_t j0, int64_t count) {
@@ -54,11 +52,11 @@ void gather_tile(const PagedAttentionArgs& a, const int32_t* block_table, int64_
     for (int64_t c = 0; c < count; ++c) {
       const int64_t j = j0 + c;
       for (int64_t h = 0; h < kv_head_end - kv_head; ++h) {
-        convert_to_float(kc + key0 + c * key_slot + h * d,
-                         s.key_rows.data() + (h * kKeyTile + j - first) * dp, d);
+        load_key<T>(a, key0 + c * key_slot + h * d,
+                    s.key_rows.data() + (h * kKeyTile + j - first) * dp, d);
         if (!a.value_in_key) {
-          convert_to_float(vc + value0 + c * value_slot + h * a.value_row,
-                           s.value_rows.data() + (h * kKeyTile + j - first) * dvp, dv);
+          load_value<T>(a, value0 + c * value_slot + h * a.value_row,
+                        s.value_rows.data() + (h * kKeyTile + j - first) * dvp, dv);
         }
       }
     }
@@ -264,9 +262,10 @@ void attend_rows(const PagedAttentionArgs& a, const Item& it, Scratch& s) {
 
   // fp32 rows of an item of all KV heads are read where they are (d floats each, in address
   // order, the next tile hinted into the cache meanwhile). Otherwise a tile is copied to rows of
-  // dp floats: converted from bf16/fp16, or, for some heads only, as a copy whose reads are
-  // demand loads (hints for a few lines out of every slot only stall).
-  const bool in_place = std::is_same_v<T, float> && num_kv == a.num_kv_heads;
+  // dp floats: converted from bf16/fp16, dequantized from int8/fp8, or, for some heads only, as
+  // a copy whose reads are demand loads (hints for a few lines out of every slot only stall).
+  const bool in_place = std::is_same_v<T, float> && a.cache_format == KVCacheFormat::kPlain &&
+                        num_kv == a.num_kv_heads;
   const int64_t row_len = in_place ? d : dp, value_len = in_place ? dv : dvp;
   const Vec scale(a.scale), cap(a.logit_softcap), inv_cap(1.0f / a.logit_softcap);
   const Vec neg_inf(kNegInf);

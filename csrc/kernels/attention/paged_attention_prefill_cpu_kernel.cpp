@@ -18,27 +18,25 @@ constexpr int kScoreKeys = 4;          // score micro-kernel: keys x vectors of 
 constexpr int kPvRows = 4;             // P V micro-kernel: rows x vectors of head_dim
 constexpr int kVecsPerBlock = 2;
 
-// keys[t], values[t]: fp32 copies of the rows of context positions [first, last) in key_rows
-// [kKeyTile, head_dim] / value_rows [kKeyTile, value_stride] (columns past value_head_dim are
-// never output, so what lies there does not matter); a value inside its key (MLA latents) is
-// read from the key's copy. Copied even when the cache is fp32: in place, the rows of a block sit
-// num_kv_heads * head_dim apart (4 KiB for 8 heads of 128 floats), so a tile's rows would fight
-// over a few L1 sets.
+// keys[t], values[t]: fp32 copies (dequantized from an int8 / fp8 cache) of the rows of context
+// positions [first, last) in key_rows [kKeyTile, head_dim] / value_rows [kKeyTile, value_stride]
+// (columns past value_head_dim are never output, so what lies there does not matter); a value
+// inside its key (MLA latents) is read from the key's copy. Copied even when the cache is fp32:
+// in place, the rows of a block sit num_kv_heads * head_dim apart (4 KiB for 8 heads of 128
+// floats), so a tile's rows would fight over a few L1 sets.
 template <typename T>
 void load_rows(const PagedAttentionArgs& a, const int32_t* block_table, int64_t kv_head,
                int64_t first, int64_t last, int64_t value_stride, Scratch& s) {
-  const T* kc = static_cast<const T*>(a.key_cache);
-  const T* vc = static_cast<const T*>(a.value_cache);
   const int64_t d = a.head_dim, dv = a.value_head_dim;
   for (int64_t j = first; j < last; ++j) {
     const int64_t t = j - first;
-    convert_to_float(kc + key_offset(a, block_table, j, kv_head), s.key_rows.data() + t * d, d);
+    load_key<T>(a, key_offset(a, block_table, j, kv_head), s.key_rows.data() + t * d, d);
     s.keys[t] = s.key_rows.data() + t * d;
     if (a.value_in_key) {
       s.values[t] = s.keys[t];
     } else {
-      convert_to_float(vc + value_offset(a, block_table, j, kv_head),
-                       s.value_rows.data() + t * value_stride, dv);
+      load_value<T>(a, value_offset(a, block_table, j, kv_head),
+                    s.value_rows.data() + t * value_stride, dv);
       s.values[t] = s.value_rows.data() + t * value_stride;
     }
   }

@@ -1,7 +1,12 @@
-// CPU implementation of kv_cache_write: one row copy per token (memcpy is already vectorized).
+// CPU implementation of kv_cache_write: one row copy per token (memcpy is already vectorized), or
+// per (token, KV head) row a max, a scale and the quantized entries.
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "kernels/cache/kv_cache_write.h"
@@ -10,47 +15,107 @@
 namespace kvserve::ops {
 namespace {
 
+constexpr const char* kOp = "kv_cache_write";
+
 void check_token_rows(const char* name, const at::Tensor& t, const at::Tensor& cache) {
-  TORCH_CHECK(t.dim() == 3 && t.size(1) == cache.size(2) && t.size(2) == cache.size(3),
-              "kv_cache_write: ", name, " must be [T, ", cache.size(2), ", ", cache.size(3),
-              "], got ", t.sizes());
-  TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == t.size(2), "kv_cache_write: ", name,
+  TORCH_CHECK(t.dim() == 3 && t.size(1) == cache.size(2) && t.size(2) == cache.size(3), kOp, ": ",
+              name, " must be [T, ", cache.size(2), ", ", cache.size(3), "], got ", t.sizes());
+  TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == t.size(2), kOp, ": ", name,
               " must have contiguous heads");
-  check_like("kv_cache_write", name, t, cache);
+  TORCH_CHECK(t.device() == cache.device(), kOp, ": ", name, " is on ", t.device(),
+              ", the cache on ", cache.device());
+}
+
+// Stores a row x[0, n) as q[0, n) and its scale (contract in kv_cache_write.h).
+template <typename T>
+void quantize_row(const T* x, int64_t n, cpu::KVCacheFormat format, void* q, float* scale) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::abs(static_cast<float>(x[i])));
+  if (format == cpu::KVCacheFormat::kInt8) {
+    const float s = amax / 127.0f;
+    auto* out = static_cast<int8_t*>(q);
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = s > 0.0f ? std::nearbyint(static_cast<float>(x[i]) / s) : 0.0f;
+      out[i] = static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
+    }
+    *scale = s;
+  } else {
+    const float s = amax / 448.0f;
+    auto* out = static_cast<c10::Float8_e4m3fn*>(q);
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = s > 0.0f ? static_cast<float>(x[i]) / s : 0.0f;
+      out[i] = c10::Float8_e4m3fn(std::clamp(v, -448.0f, 448.0f));
+    }
+    *scale = s;
+  }
 }
 
 void kv_cache_write_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                        at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+                        at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                        const std::optional<at::Tensor>& key_scale,
+                        const std::optional<at::Tensor>& value_scale) {
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() &&
                   value_cache.sizes() == key_cache.sizes() && value_cache.is_contiguous(),
-              "kv_cache_write: caches must be contiguous [num_blocks, block_size, heads, head_dim]");
-  check_like("kv_cache_write", "value_cache", value_cache, key_cache);
+              kOp, ": caches must be contiguous [num_blocks, block_size, heads, head_dim]");
+  check_like(kOp, "value_cache", value_cache, key_cache);
   check_token_rows("key", key, key_cache);
   check_token_rows("value", value, key_cache);
-  check_contiguous("kv_cache_write", "slot_mapping", slot_mapping, at::kLong);
+  check_like(kOp, "value", value, key);
+  const cpu::KVCacheFormat format =
+      check_kv_cache_format(kOp, "key_cache", key_cache, key.scalar_type(), key_scale);
+  check_kv_cache_format(kOp, "value_cache", value_cache, key.scalar_type(), value_scale);
+  check_contiguous(kOp, "slot_mapping", slot_mapping, at::kLong);
   const int64_t num_tokens = slot_mapping.numel();
-  TORCH_CHECK(key.size(0) == num_tokens && value.size(0) == num_tokens,
-              "kv_cache_write: key, value and slot_mapping disagree on the number of tokens");
+  TORCH_CHECK(key.size(0) == num_tokens && value.size(0) == num_tokens, kOp,
+              ": key, value and slot_mapping disagree on the number of tokens");
 
   const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < num_tokens; ++t) {
-    TORCH_CHECK(slots[t] >= -1 && slots[t] < num_slots, "kv_cache_write: slot ", slots[t],
+    TORCH_CHECK(slots[t] >= -1 && slots[t] < num_slots, kOp, ": slot ", slots[t],
                 " is outside the cache of ", num_slots, " slots");
   }
   const int64_t elem = key.element_size();
-  const int64_t row_bytes = key_cache.size(2) * key_cache.size(3) * elem;
+  const int64_t heads = key_cache.size(2), head_dim = key_cache.size(3);
   const auto* k = static_cast<const char*>(key.data_ptr());
   const auto* v = static_cast<const char*>(value.data_ptr());
   auto* kc = static_cast<char*>(key_cache.data_ptr());
   auto* vc = static_cast<char*>(value_cache.data_ptr());
   const bool latent = vc == kc;  // one entry per token: the value lives inside the key
-  at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      if (slots[t] < 0) continue;
-      std::memcpy(kc + slots[t] * row_bytes, k + t * key.stride(0) * elem, row_bytes);
-      if (!latent) std::memcpy(vc + slots[t] * row_bytes, v + t * value.stride(0) * elem, row_bytes);
-    }
+  if (format == cpu::KVCacheFormat::kPlain) {
+    const int64_t row_bytes = heads * head_dim * elem;
+    at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        if (slots[t] < 0) continue;
+        std::memcpy(kc + slots[t] * row_bytes, k + t * key.stride(0) * elem, row_bytes);
+        if (!latent) {
+          std::memcpy(vc + slots[t] * row_bytes, v + t * value.stride(0) * elem, row_bytes);
+        }
+      }
+    });
+    return;
+  }
+  TORCH_CHECK(!latent || key_scale->data_ptr() == value_scale->data_ptr(), kOp,
+              ": a latent cache (one cache passed twice) takes one scale tensor for both");
+  float* ks = key_scale->data_ptr<float>();
+  float* vs = value_scale->data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), kOp, [&] {
+    const auto* kt = key.data_ptr<scalar_t>();
+    const auto* vt = value.data_ptr<scalar_t>();
+    at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        if (slots[t] < 0) continue;
+        for (int64_t h = 0; h < heads; ++h) {
+          const int64_t row = slots[t] * heads + h;  // the row's index in the cache and scales
+          quantize_row(kt + t * key.stride(0) + h * head_dim, head_dim, format,
+                       kc + row * head_dim, ks + row);
+          if (!latent) {
+            quantize_row(vt + t * value.stride(0) + h * head_dim, head_dim, format,
+                         vc + row * head_dim, vs + row);
+          }
+        }
+      }
+    });
   });
 }
 

@@ -44,12 +44,6 @@ int64_t byte_offset(int64_t i) {
   return f == F::kInt4 ? i / 2 : i;
 }
 
-float fp8_over_256(uint8_t b) {
-  const uint16_t u = static_cast<uint16_t>(b) << 8;  // sign at bit 15, exponent and mantissa below
-  return static_cast<float>(c10::Half(static_cast<uint16_t>((u & 0x8000) | ((u & 0x7fff) >> 1)),
-                                      c10::Half::from_bits()));
-}
-
 // q at input i of a row, in the natural order (fp8: the value / 256): the tails of groups that
 // are not a multiple of 32 (int8 and fp8 only), and the capability without vector code.
 template <F f>
@@ -61,7 +55,7 @@ float load_one(const uint8_t* row, int64_t i) {
     const uint8_t byte = row[(i - j) / 2 + j % 16];
     return static_cast<float>(j < 16 ? byte & 0x0f : byte >> 4);
   } else {
-    return fp8_over_256(row[i]);
+    return fp8_e4m3_over_256(row[i]);
   }
 }
 

@@ -21,6 +21,8 @@ __all__ = [
     "quantized_linear",
     "rotary_cos_sin_cache",
     "rotary_embedding",
+    "quantize_kv_rows",
+    "dequantize_kv",
     "kv_cache_write",
     "kv_cache_copy_blocks",
     "paged_attention",
@@ -152,22 +154,61 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
 # ----------------------------------------------------------------------------------------- cache
 
 
+_KV_QUANT_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+
+def quantize_kv_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantizes each row (last dimension) of x to int8 or float8_e4m3fn with its own fp32 scale
+    s = max|x| / qmax (127 / 448): returns (q, s) with q = round(x / s) (int8, half to even) or
+    e4m3(x / s), and q = 0, s = 0 for a row of zeros. Computed in fp32, as the op does."""
+    qmax = _KV_QUANT_MAX[dtype]
+    x = x.float()
+    scale = x.abs().amax(dim=-1) / qmax
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    y = torch.where(scale[..., None] > 0, x / safe[..., None], torch.zeros_like(x))
+    if dtype == torch.int8:
+        return torch.round(y).clamp(-127, 127).to(torch.int8), scale
+    return y.clamp(-448, 448).to(torch.float8_e4m3fn), scale
+
+
+def dequantize_kv(cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """fp64 values of a KV cache: its entries, times their row's scale when quantized."""
+    if scale is None:
+        return cache.double()
+    return cache.double() * scale.double()[..., None]
+
+
 def kv_cache_write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                   value_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   key_scale: torch.Tensor | None = None,
+                   value_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Returns copies of the caches with token t written at slot_mapping[t] (skipped when -1).
 
     key, value [T, num_kv_heads, head_dim];
     key_cache, value_cache [num_blocks, block_size, num_kv_heads, head_dim]; slot_mapping [T].
+    int8 / float8_e4m3fn caches come with scales [num_blocks, block_size, num_kv_heads]: each
+    (token, head) row is stored as quantize_kv_rows makes it, and the result is
+    (key_cache, value_cache, key_scale, value_scale).
     """
     block_size = key_cache.size(1)
     new_key, new_value = key_cache.clone(), value_cache.clone()
+    quantized = key_scale is not None
+    if quantized:
+        new_key_scale, new_value_scale = key_scale.clone(), value_scale.clone()
+        key_q, key_s = quantize_kv_rows(key, key_cache.dtype)
+        value_q, value_s = quantize_kv_rows(value, value_cache.dtype)
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue
         block, offset = divmod(slot, block_size)
-        new_key[block, offset] = key[t]
-        new_value[block, offset] = value[t]
+        if quantized:
+            new_key[block, offset], new_key_scale[block, offset] = key_q[t], key_s[t]
+            new_value[block, offset], new_value_scale[block, offset] = value_q[t], value_s[t]
+        else:
+            new_key[block, offset] = key[t]
+            new_value[block, offset] = value[t]
+    if quantized:
+        return new_key, new_value, new_key_scale, new_value_scale
     return new_key, new_value
 
 
@@ -190,7 +231,9 @@ def kv_cache_copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torc
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_tables: torch.Tensor, scale: float, sliding_window: int = 0,
-                    logit_softcap: float = 0.0, value_head_dim: int | None = None) -> torch.Tensor:
+                    logit_softcap: float = 0.0, value_head_dim: int | None = None,
+                    key_scale: torch.Tensor | None = None,
+                    value_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of variable-length query runs over a paged KV cache.
 
     query [T, num_heads, head_dim]; key_cache [num_blocks, block_size, num_kv_heads, head_dim];
@@ -201,8 +244,12 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     position p of b is at block block_tables[b][p // block_size], offset p % block_size. A query
     at position i sees positions (i - sliding_window, i] (all of [0, i] when sliding_window <= 0);
     scores are scale * q.k, then c * tanh(score / c) when logit_softcap c > 0.
+    int8 / float8_e4m3fn caches come with their scales [num_blocks, block_size, num_kv_heads]
+    (see kv_cache_write) and are read as entries times scales.
     Returns fp64 [T, num_heads, value_head_dim].
     """
+    key_cache = dequantize_kv(key_cache, key_scale)
+    value_cache = dequantize_kv(value_cache, value_scale)
     num_heads, block_size, num_kv_heads = query.size(1), key_cache.size(1), key_cache.size(2)
     group = num_heads // num_kv_heads  # query heads per kv head (GQA; MQA when num_kv_heads is 1)
     value_head_dim = value_cache.size(3) if value_head_dim is None else value_head_dim

@@ -1,0 +1,134 @@
+"""llama.cpp as a peer in the benchmarks: GGUF files of a benchmark's Hugging Face checkpoint, made
+by llama.cpp's own tools, and batch-1 greedy decode timed through llama-cpp-python.
+
+Needs (benchmarks only, not the test suite): `pip install llama-cpp-python gguf sentencepiece
+protobuf` (llama-cpp-python compiles llama.cpp, ~10 minutes on 2 cores) and llama.cpp's
+`convert_hf_to_gguf.py`, which ships in the llama-cpp-python sdist under vendor/llama.cpp (with its
+`conversion/` and `gguf-py/` beside it; `pip download --no-deps --no-binary :all:
+llama-cpp-python` fetches it) or in a llama.cpp checkout: pass its path with --llama-cpp-convert
+or $LLAMA_CPP_CONVERT.
+
+The F32 GGUF comes from convert_hf_to_gguf.py; BF16, Q8_0 and Q4_0 from it through
+llama_model_quantize (llama.cpp's quantizer, its default tensor mix: Q4_0 keeps the output head
+in Q6_K). The benchmark checkpoints have a BPE tokenizer.json that the converter does not know, so
+the converter is given a sentencepiece tokenizer.model of the same vocabulary size whose pieces
+are placeholders: the benchmarks feed token ids, never text.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# llama_ftype values of llama.h.
+FTYPES = {"BF16": 32, "Q8_0": 7, "Q4_0": 2}
+
+
+def convert_script(path: str | None) -> Path | None:
+    """The convert_hf_to_gguf.py to use, or None when llama.cpp is not available here."""
+    path = path or os.environ.get("LLAMA_CPP_CONVERT")
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return None
+    return Path(path) if path and Path(path).is_file() else None
+
+
+@contextlib.contextmanager
+def quiet_stderr():
+    """llama.cpp logs every tensor it loads or converts to fd 2; silence it."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def placeholder_tokenizer_model(vocab_size: int, out: Path) -> None:
+    """A sentencepiece model of vocab_size pieces (<unk>, <s>, </s>, 256 byte pieces, then
+    placeholders), for a converter that needs a vocabulary it knows."""
+    import sentencepiece.sentencepiece_model_pb2 as pb
+
+    model = pb.ModelProto()
+    kind = pb.ModelProto.SentencePiece.Type
+
+    def add(piece: str, score: float, type_) -> None:
+        p = model.pieces.add()
+        p.piece, p.score, p.type = piece, score, type_
+
+    add("<unk>", 0.0, kind.UNKNOWN)
+    add("<s>", 0.0, kind.CONTROL)
+    add("</s>", 0.0, kind.CONTROL)
+    for b in range(256):
+        add(f"<0x{b:02X}>", 0.0, kind.BYTE)
+    for i in range(vocab_size - len(model.pieces)):
+        add(f"\u2581t{i}", -float(i), kind.NORMAL)
+    model.trainer_spec.model_type = pb.TrainerSpec.BPE
+    model.trainer_spec.vocab_size = vocab_size
+    model.trainer_spec.byte_fallback = True
+    out.write_bytes(model.SerializeToString())
+
+
+def gguf_files(checkpoint: Path, script: Path, formats=("F32", "BF16", "Q8_0", "Q4_0")
+               ) -> dict[str, Path]:
+    """{format: GGUF path} for the fp32 checkpoint, built beside it on first use."""
+    import llama_cpp
+
+    out_dir = checkpoint.with_name(checkpoint.name + "-gguf")
+    out_dir.mkdir(exist_ok=True)
+    files = {f: out_dir / f"model-{f.lower()}.gguf" for f in formats}
+    f32 = out_dir / "model-f32.gguf"
+    if not f32.is_file():
+        src = out_dir / "src"
+        shutil.rmtree(src, ignore_errors=True)
+        src.mkdir()
+        for name in ("config.json", "model.safetensors"):
+            (src / name).symlink_to(checkpoint / name)
+        vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+        placeholder_tokenizer_model(vocab, src / "tokenizer.model")
+        print(f"converting {checkpoint.name} to GGUF ...", flush=True)
+        subprocess.run([sys.executable, str(script), str(src), "--outtype", "f32", "--outfile",
+                        str(f32.with_suffix(".tmp"))], check=True, capture_output=True)
+        f32.with_suffix(".tmp").rename(f32)
+        shutil.rmtree(src)
+    for fmt, path in files.items():
+        if fmt == "F32" or path.is_file():
+            continue
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype, params.nthread = FTYPES[fmt], os.cpu_count()
+        tmp = path.with_suffix(".tmp")
+        with quiet_stderr():
+            rc = llama_cpp.llama_model_quantize(str(f32).encode(), str(tmp).encode(),
+                                                ctypes.byref(params))
+        if rc != 0:
+            raise RuntimeError(f"llama_model_quantize to {fmt} failed ({rc})")
+        tmp.rename(path)
+    return files
+
+
+def decode_tpot(path: Path, prompt: list[int], num_tokens: int, threads: int) -> float:
+    """Seconds per output token of batch-1 greedy decode (after the first token), as kvserve's
+    time_per_output_token: from the first generated token to the last."""
+    import llama_cpp
+
+    with quiet_stderr():
+        llm = llama_cpp.Llama(str(path), n_ctx=len(prompt) + num_tokens + 8, n_batch=64,
+                              n_threads=threads, n_threads_batch=threads, verbose=False)
+    stamps = []
+    for _ in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+        stamps.append(time.perf_counter())
+        if len(stamps) == num_tokens:
+            break
+    del llm
+    return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
