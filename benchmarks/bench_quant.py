@@ -59,7 +59,7 @@ MODELS = {  # memory-bound shapes
     "quick": dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2),
 }
-METHODS = ("int8", "fp8", "int4")
+METHODS = ("int8", "llm.int8", "fp8", "int4")
 
 
 def timed(fn, repeats: int) -> float:
@@ -86,12 +86,17 @@ def op_variants(n: int, k: int) -> dict[str, tuple[object, int]]:
         z = qw.zeros
         return lambda x: ops.quantized_linear(x, qw.qweight, qw.scales, z, qw.group_size, None)
 
+    int8 = q["int8"]
+    int8_scales = int8.scales.view(-1).contiguous()
     fp32, bf16 = plain[torch.float32], plain[torch.bfloat16]
     out = {"fp32": (lambda x: ops.linear(x, fp32[0], None), fp32[1]),
            "bf16": (lambda x: ops.linear(x.bfloat16(), bf16[0], None), bf16[1])}
     for name, qw in q.items():
         extra = qw.scales.nbytes + (qw.zeros.nbytes if qw.zeros is not None else 0)
         out[name] = (quantized(qw), qw.qweight.nbytes + extra)
+    out["llm.int8"] = (
+        lambda x: ops.llm_int8_linear(x.bfloat16(), int8.qweight, int8_scales, 6.0, None),
+        int8.qweight.nbytes + int8.scales.nbytes)
     return out
 
 
@@ -174,7 +179,7 @@ def bench_model(args) -> list[list]:
     return rows
 
 
-PPL_METHODS = ("int8", "fp8", "int4", "awq")
+PPL_METHODS = ("int8", "llm.int8", "fp8", "int4", "awq")
 
 
 def text_splits(data: Path, cache: Path) -> dict[str, tuple[Path, Path, Path]]:

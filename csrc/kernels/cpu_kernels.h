@@ -127,6 +127,13 @@ struct QuantizedWeight {
   int64_t n, k, group_size;
 };
 
+/// out[t, o] = sum_j x[t, j] * w[o, j] in int32 for x int16 [m, k] (int8 values widened) and w
+/// int8 [n, k], both contiguous, out int32 [m, n]: LLM.int8()'s integer product
+/// (kernels/linear/llm_int8_linear.h).
+using Int8GemmFn = void (*)(const int16_t* x, int64_t m, const int8_t* w, int64_t n, int64_t k,
+                            int32_t* out);
+KVSERVE_CPU_STUB(int8_gemm_stub, Int8GemmFn);
+
 /// out [m, n] = input [m, k] (`dtype`, row stride input_stride) @ dequant(w)^T + bias [n]
 /// (nullable, `dtype`), fp32 accumulation, for small m: the weight is streamed once per block of
 /// tokens and dequantized in registers.

@@ -9,6 +9,7 @@
 #include "kernels/cache/kv_cache_copy_blocks.h"
 #include "kernels/cache/kv_cache_write.h"
 #include "kernels/linear/linear.h"
+#include "kernels/linear/llm_int8_linear.h"
 #include "kernels/linear/quantized_linear.h"
 #include "kernels/moe/fused_moe.h"
 #include "kernels/moe/moe_routing.h"
@@ -27,6 +28,9 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("linear_gather_rows(Tensor weight, Tensor ids) -> Tensor");
   m.def(
       "quantized_linear(Tensor input, Tensor qweight, Tensor scales, Tensor? zeros, int group_size, "
+      "Tensor? bias=None) -> Tensor");
+  m.def(
+      "llm_int8_linear(Tensor input, Tensor weight, Tensor weight_scales, float threshold, "
       "Tensor? bias=None) -> Tensor");
   m.def(
       "rotary_embedding(Tensor positions, Tensor! query, Tensor! key, int head_dim, "
@@ -118,6 +122,15 @@ at::Tensor linear_gather_rows(const at::Tensor& weight, const at::Tensor& ids) {
   static const auto op =
       handle<at::Tensor(const at::Tensor&, const at::Tensor&)>("kvserve::linear_gather_rows");
   return op.call(weight, ids);
+}
+
+at::Tensor llm_int8_linear(const at::Tensor& input, const at::Tensor& weight,
+                           const at::Tensor& weight_scales, double threshold,
+                           const std::optional<at::Tensor>& bias) {
+  static const auto op =
+      handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                        const std::optional<at::Tensor>&)>("kvserve::llm_int8_linear");
+  return op.call(input, weight, weight_scales, threshold, bias);
 }
 
 at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& qweight,

@@ -3,6 +3,7 @@
 #include <stdexcept>
 
 #include "kernels/linear/linear.h"
+#include "kernels/linear/llm_int8_linear.h"
 #include "kernels/linear/quantized_linear.h"
 #include "layers/weights.h"
 
@@ -32,6 +33,15 @@ Linear Linear::load(const WeightMap& w, const std::string& name) {
               "Linear: ", name, ".scales must be [out, groups] with groups dividing ", in,
               ", got ", q.scales.sizes());
   q.group_size = in / q.scales.size(1);
+  const at::Tensor threshold = w.get_optional(name + ".outlier_threshold");
+  if (threshold.defined()) {
+    TORCH_CHECK(threshold.numel() == 1 && q.qweight.scalar_type() == at::kChar &&
+                    q.scales.size(1) == 1 && !q.zeros.defined(),
+                "Linear: ", name, " runs LLM.int8(), which needs an int8 weight with one scale "
+                "per row and no zeros");
+    q.outlier_threshold = threshold.item<double>();
+    q.scales = q.scales.view({-1}).contiguous();
+  }
   return Linear(std::move(q), std::move(bias));
 }
 
@@ -61,6 +71,9 @@ at::Tensor Linear::forward(const at::Tensor& x) const {
   const auto bias = bias_.defined() ? std::optional<at::Tensor>(bias_) : std::nullopt;
   if (quantized()) {
     const auto& q = quantized_;
+    if (q.outlier_threshold >= 0) {
+      return ops::llm_int8_linear(x, q.qweight, q.scales, q.outlier_threshold, bias);
+    }
     const auto zeros = q.zeros.defined() ? std::optional<at::Tensor>(q.zeros) : std::nullopt;
     return ops::quantized_linear(x, q.qweight, q.scales, zeros, q.group_size, bias);
   }

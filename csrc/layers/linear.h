@@ -10,10 +10,13 @@
 namespace kvserve {
 
 /// A weight-only quantized weight as ops::quantized_linear reads it (int8, packed int4 or fp8
-/// E4M3 q, fp32 scales and zeros per output row and group of group_size inputs).
+/// E4M3 q, fp32 scales and zeros per output row and group of group_size inputs); or, with an
+/// outlier_threshold >= 0, an int8 weight with one scale per row that runs LLM.int8()
+/// (ops::llm_int8_linear).
 struct QuantizedLinearWeight {
   at::Tensor qweight, scales, zeros;  // zeros may be undefined
   int64_t group_size = 0;
+  double outlier_threshold = -1.0;  // < 0: weight-only
 };
 
 /// A projection on a plain weight (ops::linear) or a quantized one (ops::quantized_linear): the
@@ -23,8 +26,8 @@ class Linear {
   Linear() = default;
   /// The projection `name` of a weight map: `<name>.weight` (plain), or `<name>.qweight`,
   /// `<name>.scales` and optional `<name>.zeros` (quantized; the group size is in_features over
-  /// the scales' columns); `<name>.bias` optional. Throws std::invalid_argument when neither is
-  /// there.
+  /// the scales' columns), with a 0-dim `<name>.outlier_threshold` for LLM.int8();
+  /// `<name>.bias` optional. Throws std::invalid_argument when neither is there.
   static Linear load(const WeightMap& weights, const std::string& name);
 
   /// weight [out_features, in_features]; bias [out_features] or undefined. One copy of the weight

@@ -4,8 +4,8 @@
                                [--kv-cache-dtype int8|fp8]
     python -m kvserve eval-ppl --model DIR --text FILE [--max-tokens N] [--kv-cache-dtype int8|fp8]
     python -m kvserve convert llama2c --checkpoint FILE.bin --tokenizer TOK.bin --out DIR
-    python -m kvserve quantize --model DIR --method int8|fp8|int4|awq --out DIR [--group-size N]
-                               [--calibration FILE]
+    python -m kvserve quantize --model DIR --method int8|llm.int8|fp8|int4|awq --out DIR
+                               [--group-size N] [--calibration FILE]
 """
 
 from __future__ import annotations
@@ -147,9 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=_eval_ppl)
     q = sub.add_parser("quantize", help="write a quantized copy of a checkpoint")
     q.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
-    q.add_argument("--method", required=True, choices=["int8", "fp8", "int4", "awq"],
-                   help="int8 / fp8 per channel (compressed-tensors); int4 per group, rounded to "
-                   "nearest or after AWQ's search (AWQ gemm)")
+    q.add_argument("--method", required=True,
+                   choices=["int8", "llm.int8", "fp8", "int4", "awq"],
+                   help="int8 / fp8 per channel (compressed-tensors); llm.int8: int8 per channel "
+                   "run as LLM.int8() (bitsandbytes 8-bit); int4 per group, rounded to nearest or "
+                   "after AWQ's search (AWQ gemm)")
     q.add_argument("--calibration", type=Path, default=None,
                    help="text file AWQ calibrates on (--method awq)")
     q.add_argument("--out", required=True, help="directory to write")

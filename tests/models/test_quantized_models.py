@@ -184,7 +184,7 @@ def test_compressed_tensors_pack_quantized_loads(original, tmp_path):
 
 
 @pytest.mark.parametrize("qc, match", [
-    ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "4-bit NF4 / FP4"),
     ({"quant_method": "awq", "version": "gemv", "bits": 4}, "AWQ version 'gemv'"),
     ({"quant_method": "gptq", "bits": 4, "desc_act": True}, "desc_act True"),
 ])

@@ -76,6 +76,8 @@ class _TensorReader:
             w[out + ".qweight"], w[out + ".scales"] = q.qweight, q.scales
             if q.zeros is not None:
                 w[out + ".zeros"] = q.zeros
+            if q.outlier_threshold is not None:  # LLM.int8(): Linear runs llm_int8_linear
+                w[out + ".outlier_threshold"] = torch.tensor(q.outlier_threshold)
         else:
             w[out + ".weight"] = torch.cat([self.weight(m, s) for m, s in zip(modules, shapes)])
 

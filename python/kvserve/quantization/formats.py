@@ -2,8 +2,9 @@
 format stores for a linear layer, and their conversion to and from `QuantizedWeight`.
 
 Read: AWQ ("gemm" layout), GPTQ (desc_act false), compressed-tensors (int-quantized and
-float-quantized int8 / fp8 per channel or tensor, pack-quantized int4 per group). Written by
-`kvserve quantize`: AWQ gemm for int4, compressed-tensors for int8 and fp8.
+float-quantized int8 / fp8 per channel or tensor, pack-quantized int4 per group), bitsandbytes
+8-bit (LLM.int8(): int8 `weight` with its per-row absmax `SCB`). Written by `kvserve quantize`:
+AWQ gemm for int4, compressed-tensors for int8 and fp8, bitsandbytes 8-bit for llm.int8.
 
 Every layer's linear projections are quantized (attention and MLP); embeddings, norms, the LM
 head and MoE routers stay as they are, as in these formats' own tools.
@@ -23,7 +24,7 @@ from kvserve.quantization.weights import QuantizedWeight, pack_int4, unpack_int4
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 SUPPORTED = ("awq (version gemm, 4 bits, zero_point), gptq (4 bits, desc_act false), "
              "compressed-tensors (int-quantized / float-quantized 8-bit per channel or tensor, "
-             "pack-quantized 4-bit per group)")
+             "pack-quantized 4-bit per group), bitsandbytes (load_in_8bit: LLM.int8())")
 
 # (shape, safetensors dtypes) of each tensor a format stores for one linear layer
 Expected = dict[str, tuple[tuple[int, ...], tuple[str, ...]]]
@@ -34,13 +35,14 @@ FLOAT = ("F32", "BF16", "F16")
 @dataclass
 class CheckpointQuantization:
     """One checkpoint's quantization_config, parsed and checked."""
-    method: str          # "awq", "gptq", "compressed-tensors"
+    method: str          # "awq", "gptq", "compressed-tensors", "bitsandbytes"
     bits: int
     group_size: int      # -1: one group per row
     symmetric: bool = True
     fmt: str = ""        # compressed-tensors format, "float" / "int" for its 8-bit ones
     ignore: list[str] = field(default_factory=list)
     per_tensor: bool = False  # compressed-tensors 8-bit: one scale for the whole weight
+    outlier_threshold: float = 6.0  # bitsandbytes: llm_int8_threshold
 
     def covers(self, module: str) -> bool:
         """Whether the linear layer `module` (e.g. model.layers.0.mlp.down_proj) is quantized."""
@@ -65,6 +67,8 @@ class CheckpointQuantization:
             return {f"{module}.qweight": ((k, n // 8), ("I32",)),
                     f"{module}.qzeros": ((g, n // 8), ("I32",)),
                     f"{module}.scales": ((g, n), FLOAT)}
+        if self.method == "bitsandbytes":
+            return {f"{module}.weight": ((n, k), ("I8",)), f"{module}.SCB": ((n,), ("F32",))}
         if self.method == "gptq":
             return {f"{module}.qweight": ((k // 8, n), ("I32",)),
                     f"{module}.qzeros": ((g, n // 8), ("I32",)),
@@ -83,6 +87,8 @@ class CheckpointQuantization:
     def optional(self, module: str) -> list[str]:
         """Tensors a linear layer may carry that weight-only kernels do not read (static
         activation scales of FP8 / INT8 W8A8 checkpoints)."""
+        if self.method == "bitsandbytes":
+            return [f"{module}.weight_format"]  # bitsandbytes' layout tag (0: row-major)
         return [f"{module}.input_scale", f"{module}.weight_zero_point"] if self.method == (
             "compressed-tensors") and self.fmt in ("float", "int") else []
 
@@ -96,6 +102,10 @@ class CheckpointQuantization:
             zeros = unpack_int32(read(f"{module}.qzeros"), AWQ_ORDER).T       # [n, g]
             return QuantizedWeight(pack_int4(q), _fp32(read(f"{module}.scales").T),
                                    zeros.float().contiguous(), group)
+        if self.method == "bitsandbytes":  # w = weight * SCB / 127, SCB the row's max |w|
+            scale = (_fp32(read(f"{module}.SCB")) / 127.0).view(n, 1).contiguous()
+            return QuantizedWeight(read(f"{module}.weight").contiguous(), scale, None, k,
+                                   self.outlier_threshold)
         if self.method == "gptq":
             g_idx = read(f"{module}.g_idx").long()
             if not torch.equal(g_idx, torch.arange(k) // group):
@@ -156,6 +166,20 @@ def compressed_tensors_tensors(module: str, w: QuantizedWeight) -> dict[str, tor
     return {f"{module}.weight": w.qweight, f"{module}.weight_scale": w.scales.contiguous()}
 
 
+def bitsandbytes_tensors(module: str, w: QuantizedWeight) -> dict[str, torch.Tensor]:
+    """An int8 weight per channel as bitsandbytes saves a Linear8bitLt: the int8 `weight`, `SCB`
+    (127 x the row's scale: its max |w|) and the row-major layout tag."""
+    return {f"{module}.weight": w.qweight, f"{module}.SCB": (w.scales.view(-1) * 127.0).float(),
+            f"{module}.weight_format": torch.tensor(0, dtype=torch.uint8)}
+
+
+def bitsandbytes_config(threshold: float) -> dict:
+    """transformers' BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=threshold)."""
+    return {"quant_method": "bitsandbytes", "load_in_8bit": True, "load_in_4bit": False,
+            "llm_int8_threshold": threshold, "llm_int8_skip_modules": None,
+            "llm_int8_has_fp16_weight": False}
+
+
 def awq_config(group_size: int, plain: list[str] | None = None) -> dict:
     """plain: modules left unquantized (full names)."""
     return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
@@ -206,6 +230,15 @@ def parse_quantization_config(config: dict) -> CheckpointQuantization | None:
                                       bool(qc.get("sym", True)))
     if method == "compressed-tensors":
         return _compressed_tensors(qc, unsupported)
+    if method == "bitsandbytes":
+        if not qc.get("load_in_8bit") or qc.get("load_in_4bit") or qc.get(
+                "llm_int8_has_fp16_weight"):
+            raise unsupported("bitsandbytes other than load_in_8bit with int8 weights "
+                              "(4-bit NF4 / FP4, or fp16 weights kept for training)")
+        threshold = float(qc.get("llm_int8_threshold", 6.0))
+        return CheckpointQuantization("bitsandbytes", 8, -1, True,
+                                      ignore=list(qc.get("llm_int8_skip_modules") or []),
+                                      outlier_threshold=threshold)
     raise unsupported(f"quant_method {method!r}")
 
 

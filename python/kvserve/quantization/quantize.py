@@ -4,6 +4,8 @@
 Methods (round to nearest; the weights alone, no calibration data):
 - int8: symmetric int8 per output channel, written as compressed-tensors int-quantized;
 - fp8: float8_e4m3fn per output channel, written as compressed-tensors float-quantized;
+- llm.int8: int8 per output channel run as LLM.int8() (activation columns with an |x| >= 6.0 in
+  floating point, the rest int8 x int8), written as bitsandbytes 8-bit (`weight` + `SCB`);
 - int4: asymmetric int4 with zero points per group of --group-size inputs (128 by default; 64, 32),
   written in AWQ's gemm layout;
 - awq: int4 as above after AWQ's activation-aware scales and clipping, calibrated on the text of
@@ -27,12 +29,15 @@ from kvserve.quantization.formats import (
     CheckpointQuantization,
     awq_config,
     awq_tensors,
+    bitsandbytes_config,
+    bitsandbytes_tensors,
     compressed_tensors_config,
     compressed_tensors_tensors,
 )
 from kvserve.quantization.weights import quantize_fp8, quantize_int4, quantize_int8
 
-METHODS = ("int8", "fp8", "int4", "awq")
+METHODS = ("int8", "llm.int8", "fp8", "int4", "awq")
+LLM_INT8_THRESHOLD = 6.0  # bitsandbytes' default: the paper's outlier magnitude
 
 
 def quantize_checkpoint(model_dir: Path, out_dir: Path, method: str, group_size: int = 128,
@@ -78,8 +83,12 @@ def quantize_checkpoint(model_dir: Path, out_dir: Path, method: str, group_size:
             plain.append(module)
         else:
             tensors.update(_quantized(module, t, method, group_size))
-    qc = awq_config(group_size, plain) if int4 else compressed_tensors_config(
-        "int" if method == "int8" else "float")
+    if int4:
+        qc = awq_config(group_size, plain)
+    elif method == "llm.int8":
+        qc = bitsandbytes_config(LLM_INT8_THRESHOLD)
+    else:
+        qc = compressed_tensors_config("int" if method == "int8" else "float")
     out_dir.mkdir(parents=True, exist_ok=True)
     for path in model_dir.iterdir():
         if path.is_file() and path.suffix != ".safetensors" and path.name not in (
@@ -95,6 +104,8 @@ def _quantized(module: str, w: torch.Tensor, method: str,
                group_size: int) -> dict[str, torch.Tensor]:
     if method == "int8":
         return compressed_tensors_tensors(module, quantize_int8(w))
+    if method == "llm.int8":
+        return bitsandbytes_tensors(module, quantize_int8(w))
     if method == "fp8":
         return compressed_tensors_tensors(module, quantize_fp8(w))
     return awq_tensors(module, quantize_int4(w, group_size))

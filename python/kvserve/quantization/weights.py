@@ -9,7 +9,10 @@ inputs:
 - int8: q int8 [n, k], symmetric (no zeros), one scale per row (`group_size` = k) by default;
 - int4: q uint8 [n, k / 2], two per byte in chunks of 32 inputs (byte j holds input j in its low
   nibble and input j + 16 in its high one), asymmetric: zeros in 0..15, group-wise;
-- fp8: q float8_e4m3fn [n, k], one scale per row (or one for the tensor, repeated per row).
+- fp8: q float8_e4m3fn [n, k], one scale per row (or one for the tensor, repeated per row);
+- LLM.int8(): int8 with one scale per row and an `outlier_threshold` (>= 0): the layer then runs
+  the llm_int8_linear op (activation columns with an |x| at or over the threshold in floating
+  point, the rest rounded to int8 per token; csrc/kernels/linear/llm_int8_linear.h).
 
 Checkpoint formats (AWQ, GPTQ, compressed-tensors) are converted to and from this in
 `kvserve.quantization.formats`.
@@ -30,6 +33,7 @@ class QuantizedWeight:
     scales: torch.Tensor
     zeros: torch.Tensor | None
     group_size: int
+    outlier_threshold: float | None = None  # LLM.int8(): int8 x int8 with outliers in float
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -53,11 +57,13 @@ class QuantizedWeight:
         """The weights stacked along the output dimension (q/k/v into qkv, gate/up into gate_up)."""
         group_sizes = {p.group_size for p in parts}
         if len(group_sizes) != 1 or len({p.qweight.dtype for p in parts}) != 1 or len(
-                {p.zeros is None for p in parts}) != 1:
+                {p.zeros is None for p in parts}) != 1 or len(
+                {p.outlier_threshold for p in parts}) != 1:
             raise ValueError("cannot fuse quantized weights of different formats or group sizes")
         zeros = None if parts[0].zeros is None else torch.cat([p.zeros for p in parts])
         return QuantizedWeight(torch.cat([p.qweight for p in parts]),
-                               torch.cat([p.scales for p in parts]), zeros, group_sizes.pop())
+                               torch.cat([p.scales for p in parts]), zeros, group_sizes.pop(),
+                               parts[0].outlier_threshold)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

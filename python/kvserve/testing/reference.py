@@ -19,6 +19,7 @@ __all__ = [
     "linear",
     "quantized_weight",
     "quantized_linear",
+    "llm_int8_linear",
     "rotary_cos_sin_cache",
     "rotary_embedding",
     "quantize_kv_rows",
@@ -105,6 +106,32 @@ def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
                      bias: torch.Tensor | None) -> torch.Tensor:
     """x [T, k] @ quantized_weight(...)^T + bias -> fp64 [T, n]."""
     return linear(x, quantized_weight(qweight, scales, zeros, group_size), bias)
+
+
+def llm_int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scales: torch.Tensor,
+                    threshold: float, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """LLM.int8()'s decomposition, written out: x [T, k] (any float dtype), weight int8 [n, k]
+    with one scale per row (fp32 [n]) -> fp64 [T, n].
+
+    Entries with |x| >= threshold (none when threshold <= 0), token by token, multiply the
+    dequantized weight in floating point; each token's other entries are rounded to int8
+    (scale = their max |x| / 127, round half to even, computed in fp32 as the op does) and
+    multiplied with the int8 weight in exact integers, then scaled."""
+    x32 = x.float()
+    outlier = torch.zeros_like(x32, dtype=torch.bool)
+    if threshold > 0:
+        outlier = x32.abs() >= threshold
+    inliers = x32.masked_fill(outlier, 0.0)
+    scale = inliers.abs().amax(dim=1) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    xq = torch.round(inliers / safe[:, None]).clamp(-127, 127).long()
+    integer = xq @ weight.long().T  # exact
+    w = weight.double() * weight_scales.double()[:, None]
+    out = integer.double() * scale.double()[:, None] * weight_scales.double()[None, :]
+    out += x.double().masked_fill(~outlier, 0.0) @ w.T
+    if bias is not None:
+        out += bias.double()
+    return out
 
 
 # ---------------------------------------------------------------------------------------- rotary

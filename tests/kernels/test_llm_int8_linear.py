@@ -1,0 +1,126 @@
+"""llm_int8_linear (LLM.int8(): outlier activations in floating point, the rest int8 x int8) against
+the reference decomposition in kvserve.testing.reference, in every dtype and CPU capability, with
+sizes around the kernel's blocks (16 / 32 inputs per vector, 4 tokens x 2 rows); and the point of
+the method: with outliers in the activations it stays close to the float product where plain
+per-token int8 (threshold 0) does not."""
+
+import pytest
+import torch
+
+import kvserve  # noqa: F401  (registers torch.ops.kvserve)
+from kvserve.quantization import quantize_int8
+from kvserve.testing import reference
+from tests.kernels.capability import CAPABILITIES, check_variant
+
+ops = torch.ops.kvserve
+
+# The integer part is exact on both sides; the rest is fp32 scaling (and the outliers'
+# fp32 product) against fp64, then one rounding to the dtype.
+TOLERANCES = {
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.bfloat16: dict(atol=3e-2, rtol=2e-2),
+    torch.float16: dict(atol=3e-3, rtol=3e-3),
+}
+TOKENS = [1, 3, 4, 5, 9]
+# (n, k): a single row and input, tails past whole vectors and blocks of rows
+SHAPES = [(1, 1), (2, 16), (3, 45), (7, 100), (33, 257), (64, 512)]
+
+
+def operands(m, n, k, dtype, outlier_columns=(), bias=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = quantize_int8(torch.randn(n, k, generator=g) / k ** 0.5)
+    x = torch.randn(m, k + 3, generator=g)[:, :k]  # strided rows
+    for j in outlier_columns:
+        if j < k:
+            x[:, j] *= 12.0
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    return x.to(dtype), w.qweight, w.scales.view(-1).contiguous(), b
+
+
+def check(x, weight, scales, threshold, b):
+    out = ops.llm_int8_linear(x, weight, scales, threshold, b)
+    assert out.dtype == x.dtype and out.shape == (x.shape[0], weight.shape[0])
+    want = reference.llm_int8_linear(x, weight, scales, threshold, b)
+    torch.testing.assert_close(out.double(), want, **TOLERANCES[x.dtype])
+    return out
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("m", TOKENS)
+def test_matches_reference(m, n, k, dtype):
+    x, w, s, b = operands(m, n, k, dtype, outlier_columns=(0, 7, 40), bias=True)
+    for threshold in (6.0, 0.0):
+        check(x, w, s, threshold, b)
+
+
+def test_outlier_columns_keep_the_product_close():
+    """With a few activation columns ~20x larger (as in large language models), LLM.int8() stays
+    near the float product, and per-token int8 of every column does not."""
+    x, w, s, _ = operands(8, 64, 512, torch.float32, outlier_columns=(3, 100, 300))
+    exact = x.double() @ (w.double() * s.double()[:, None]).T
+    error = {t: (check(x, w, s, t, None).double() - exact).abs().max().item() for t in (6.0, 0.0)}
+    assert error[6.0] < 0.04 and error[0.0] > 3 * error[6.0], error
+
+
+def test_a_token_does_not_depend_on_its_batch():
+    """Outliers are chosen per token: each row equals the same token run alone, bit for bit."""
+    x, w, s, b = operands(6, 33, 257, torch.float32, outlier_columns=(0, 40), bias=True)
+    x = x.clone()
+    x[2, 100] = 9.0  # an outlier in one token only
+    batched = ops.llm_int8_linear(x, w, s, 6.0, b)
+    for t in range(6):
+        assert torch.equal(ops.llm_int8_linear(x[t:t + 1], w, s, 6.0, b)[0], batched[t])
+
+
+def test_threshold_edges():
+    x = torch.tensor([[6.0, 1.0, -2.0, 0.5], [0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    w = torch.tensor([[1, -2, 3, 127], [-127, 5, 0, 1]], dtype=torch.int8)
+    s = torch.tensor([0.5, 0.25])
+    check(x, w, s, 6.0, None)  # column 0 reaches the threshold: it is an outlier (>=)
+    check(x, w, s, float("inf"), None)  # no outliers
+    check(x, w, s, 0.9, None)  # row 2 keeps no inlier: scale 0
+    out = ops.llm_int8_linear(x, w, s, 6.0, None)
+    assert torch.equal(out[1], torch.zeros(2))
+
+
+def test_empty_batch():
+    out = ops.llm_int8_linear(torch.empty(0, 8), torch.zeros(3, 8, dtype=torch.int8),
+                              torch.ones(3), 6.0, None)
+    assert out.shape == (0, 3)
+
+
+def bad(x=None, w=None, s=None, b=None):
+    x = torch.randn(2, 8) if x is None else x
+    w = torch.zeros(3, 8, dtype=torch.int8) if w is None else w
+    s = torch.ones(3) if s is None else s
+    return x, w, s, 6.0, b
+
+
+@pytest.mark.parametrize("args, match", [
+    (bad(w=torch.zeros(3, 8)), "weight must be Char"),
+    (bad(w=torch.zeros(3, 9, dtype=torch.int8)), "weight must be"),
+    (bad(s=torch.ones(4)), "weight_scales must be"),
+    (bad(s=torch.ones(3, dtype=torch.float16)), "weight_scales must be Float"),
+    (bad(x=torch.randn(2, 8, dtype=torch.float64)), "fp32, bf16 or fp16"),
+    (bad(b=torch.ones(3, dtype=torch.bfloat16)), "bias must be"),
+], ids=["weight-dtype", "weight-shape", "scales-shape", "scales-dtype", "input-dtype", "bias"])
+def test_rejects_bad_arguments(args, match):
+    with pytest.raises(RuntimeError, match=match):
+        ops.llm_int8_linear(*args)
+
+
+# ------------------------------------------------------------------ every CPU capability variant
+
+
+def capability_checks():
+    for dtype in TOLERANCES:
+        for m in (1, 5):
+            for n, k in [(3, 45), (33, 257)]:
+                x, w, s, b = operands(m, n, k, dtype, outlier_columns=(0, 40), bias=True)
+                check(x, w, s, 6.0, b)
+
+
+@pytest.mark.parametrize("capability", CAPABILITIES)
+def test_cpu_capability_variants(capability, capability_processes):
+    check_variant(capability, capability_processes, capability_checks)
