@@ -38,6 +38,7 @@ test-python: build-tests
 	$(PYTHON) -m pytest -q
 
 test: build-tests
+	@date +"%T built"
 	ctest --test-dir build/py --output-on-failure
 	$(PYTHON) -m pytest -q
 
@@ -51,18 +52,24 @@ ASAN_ENV := ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:detect_odr_violation=0 
 # kernel variant this machine runs (the only one the sanitized process uses), and the Python
 # suite leaves out the tests whose work happens in subprocesses, which import the installed,
 # uninstrumented build anyway: the command line, the notebooks and the per-capability variants;
-# and the quantized checkpoints end to end, whose C++ (quantized_linear, Linear) the kernel tests
-# run sanitized and whose time goes to transformers' reference models.
+# the quantized checkpoints end to end (quantized_linear, llm_int8_linear: the kernel tests run
+# their C++ sanitized) and other tests whose time goes to Python or transformers, which the
+# sanitizer does not see: llama2.c conversion, perplexity against transformers, resident memory,
+# detokenization, and the speculative sampler's statistical tests (the same C++ as its exact ones).
 ASAN_SKIP := --ignore=tests/e2e/test_cli.py --ignore=tests/e2e/test_notebooks.py \
 	--ignore=tests/models/test_quantized_models.py --ignore=tests/models/test_awq.py \
+	--ignore=tests/models/test_llm_int8.py --ignore=tests/convert \
+	--ignore=tests/models/test_perplexity.py --ignore=tests/models/test_weight_memory.py \
+	--ignore=tests/engine/test_detokenizer.py \
 	-k "not test_cpu_capability_variants and not test_train_tiny and not ten_thousand_tokens \
-	and not test_bf16_logits_within_tolerance"
+	and not test_bf16_logits_within_tolerance and not follow_the_target_distribution"
 test-asan: build-tests
 	cmake -S . -B $(ASAN_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVSERVE_SANITIZE=ON \
 		-DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
 		-DKVSERVE_CPU_CAPABILITIES=$$($(PYTHON) -c "import kvserve; print(kvserve._C.cpu_capability().upper())") \
 		-DKVSERVE_BUILD_TESTS=ON -DPython_EXECUTABLE=$$($(PYTHON) -c "import sys; print(sys.executable)")
 	cmake --build $(ASAN_BUILD)
+	@date +"%T asan built"
 	$(ASAN_ENV) ctest --test-dir $(ASAN_BUILD) --output-on-failure
 	$(ASAN_ENV) LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 		$(PYTHON) scripts/asan_pytest.py $(ASAN_BUILD) -q -p no:cacheprovider $(ASAN_SKIP)
