@@ -52,15 +52,17 @@ ASAN_ENV := ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:detect_odr_violation=0 
 # kernel variant this machine runs (the only one the sanitized process uses), and the Python
 # suite leaves out the tests whose work happens in subprocesses, which import the installed,
 # uninstrumented build anyway: the command line, the notebooks and the per-capability variants;
-# the quantized checkpoints end to end (quantized_linear, llm_int8_linear: the kernel tests run
-# their C++ sanitized) and other tests whose time goes to Python or transformers, which the
-# sanitizer does not see: llama2.c conversion, perplexity against transformers, resident memory,
-# detokenization, and the speculative sampler's statistical tests (the same C++ as its exact ones);
+# the quantized checkpoints end to end (their ops' kernel tests run the C++ sanitized) and other
+# tests whose time goes to Python or transformers, which the sanitizer does not see: llama2.c
+# conversion, perplexity against transformers, resident memory, detokenization, and the
+# speculative sampler's statistical tests (the same C++ as its exact ones);
 # speculative greedy equality runs once per proposer, in the mixed-arrivals form (its single-request
 # form and the target-as-its-own-draft case run the same C++ paths with fewer requests).
 ASAN_SKIP := --ignore=tests/e2e/test_cli.py --ignore=tests/e2e/test_notebooks.py \
 	--ignore=tests/models/test_quantized_models.py --ignore=tests/models/test_awq.py \
-	--ignore=tests/models/test_llm_int8.py --ignore=tests/convert \
+	--ignore=tests/models/test_llm_int8.py --ignore=tests/models/test_quantized_moe.py \
+	--ignore=tests/models/test_w8a8.py \
+	--ignore=tests/convert \
 	--ignore=tests/models/test_perplexity.py --ignore=tests/models/test_weight_memory.py \
 	--ignore=tests/engine/test_detokenizer.py \
 	-k "not test_cpu_capability_variants and not test_train_tiny and not ten_thousand_tokens \

@@ -21,11 +21,16 @@
 4. KV cache: `paged_attention` decode of a batch at long context over caches of fp32, bf16,
    int8 and fp8 entries (bf16 queries for the last three): milliseconds, cache GB/s, speed-up
    over bf16, and the tokens a 1 GiB pool holds.
+5. MoE: `fused_moe` (bf16 experts, packed as the engine keeps them) against `fused_moe_quantized`
+   (int8, int4 g128, fp8 experts; bf16 activations) on one Qwen1.5-MoE / DeepSeek-V2-Lite-sized
+   layer (--moe-experts experts of [1408, 2048], top --moe-top-k, 16 and 4 by default) for 1, 4 and 16 tokens:
+   milliseconds, speed-up over bf16, and GB/s of the expert weights the tokens touch.
 
     python benchmarks/bench_quant.py [--model tinyllama-1.1b | llama-100m] [--repeats 3]
         [--llama-cpp-convert path/to/convert_hf_to_gguf.py]
     python benchmarks/bench_quant.py --quick          # small shapes, a smoke run
     python benchmarks/bench_quant.py --only perplexity
+    python benchmarks/bench_quant.py --only moe
 """
 
 from __future__ import annotations
@@ -289,6 +294,58 @@ def bench_kv(args) -> list[list]:
     return rows
 
 
+def moe_variants(args) -> dict[str, tuple[object, float]]:
+    """name -> (function of (x, weights, ids), bytes of one expert's weights)."""
+    hidden, inter = 2048, 1408
+    g = torch.Generator().manual_seed(0)
+    w13 = [torch.randn(2 * inter, hidden, generator=g) / hidden ** 0.5
+           for _ in range(args.moe_experts)]
+    w2 = [torch.randn(hidden, inter, generator=g) / inter ** 0.5 for _ in range(args.moe_experts)]
+    plain13 = [ops.linear_prepack(w.bfloat16()) for w in w13]
+    plain2 = [ops.linear_prepack(w.bfloat16()) for w in w2]
+    out = {"bf16": (lambda x, tw, ti: ops.fused_moe(x, plain13, plain2, tw, ti),
+                    (w13[0].numel() + w2[0].numel()) * 2)}
+    for name, quantize in (("int8", quantize_int8), ("fp8", quantize_fp8),
+                           ("int4", lambda w: quantize_int4(w, 128))):
+        a, b = [quantize(w) for w in w13], [quantize(w) for w in w2]
+
+        def lists(qs):
+            return ([q.qweight for q in qs], [q.scales for q in qs],
+                    [q.zeros for q in qs if q.zeros is not None], qs[0].group_size)
+        la, lb = lists(a), lists(b)
+        nbytes = sum(t.nbytes for q in (a[0], b[0]) for t in (q.qweight, q.scales, q.zeros)
+                     if t is not None)
+        out[name] = ((lambda la, lb: lambda x, tw, ti: ops.fused_moe_quantized(
+            x, *la, *lb, tw, ti))(la, lb), nbytes)
+    del w13, w2
+    return out
+
+
+def bench_moe(args) -> list[list]:
+    variants = moe_variants(args)
+    rows = []
+    for m in (1, 4, 16):
+        g = torch.Generator().manual_seed(m)
+        x = torch.randn(m, 2048, generator=g).bfloat16()
+        ids = torch.stack([torch.randperm(args.moe_experts, generator=g)[:args.moe_top_k]
+                           for _ in range(m)])
+        tw = torch.rand(m, args.moe_top_k, generator=g)
+        touched = len(ids.unique())
+        runs = {name: [] for name in variants}
+        for _ in range(args.repeats):
+            for name, (fn, _) in variants.items():
+                runs[name].append(timed(lambda: fn(x, tw, ids), 10))
+        bf16 = statistics.median(runs["bf16"])
+        for name, (_, nbytes) in variants.items():
+            t = statistics.median(runs[name])
+            rows.append([m, touched, name, f"{t * 1e3:.2f}", f"{bf16 / t:.2f}x",
+                         f"{touched * nbytes / t / 1e9:.1f}"])
+    print(f"\nfused_moe, {args.moe_experts} experts of [1408, 2048], top-{args.moe_top_k}, "
+          f"medians of {args.repeats}:")
+    print(markdown_table(["tokens", "experts touched", "experts", "ms", "vs bf16", "GB/s"], rows))
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="tinyllama-1.1b", choices=list(MODELS))
@@ -296,7 +353,9 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cache-dir", type=Path, default=HERE / ".cache")
-    p.add_argument("--only", choices=["op", "model", "perplexity", "kv"], default=None)
+    p.add_argument("--only", choices=["op", "model", "perplexity", "kv", "moe"], default=None)
+    p.add_argument("--moe-experts", type=int, default=16)
+    p.add_argument("--moe-top-k", type=int, default=4)
     p.add_argument("--kv-batch", type=int, default=8)
     p.add_argument("--kv-context", type=int, default=4096)
     p.add_argument("--quick", action="store_true")
@@ -306,8 +365,9 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.model, args.op_shape, args.decode_tokens, args.repeats = "quick", [512, 256], 8, 1
-        args.kv_context = 256
-    runs = {"op": bench_op, "model": bench_model, "perplexity": bench_perplexity, "kv": bench_kv}
+        args.kv_context, args.moe_experts = 256, 4
+    runs = {"op": bench_op, "model": bench_model, "perplexity": bench_perplexity, "kv": bench_kv,
+            "moe": bench_moe}
     rows = {name: run(args) for name, run in runs.items() if args.only in (None, name)}
     name = "quant.json" if args.only is None else f"quant-{args.only}.json"
     path = write_json(HERE / "results" / name,

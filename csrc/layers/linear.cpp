@@ -26,6 +26,10 @@ Linear Linear::load(const WeightMap& w, const std::string& name) {
   if (plain.defined() || !w.get_optional(name + ".qweight").defined()) {
     return Linear(w.get(name + ".weight"), std::move(bias));
   }
+  return Linear(QuantizedLinearWeight::load(w, name), std::move(bias));
+}
+
+QuantizedLinearWeight QuantizedLinearWeight::load(const WeightMap& w, const std::string& name) {
   QuantizedLinearWeight q{w.get(name + ".qweight"), w.get(name + ".scales"),
                           w.get_optional(name + ".zeros"), 0};
   const int64_t in = q.qweight.size(-1) * (q.qweight.scalar_type() == at::kByte ? 2 : 1);
@@ -42,7 +46,15 @@ Linear Linear::load(const WeightMap& w, const std::string& name) {
     q.outlier_threshold = threshold.item<double>();
     q.scales = q.scales.view({-1}).contiguous();
   }
-  return Linear(std::move(q), std::move(bias));
+  return q;
+}
+
+int64_t QuantizedLinearWeight::nbytes() const {
+  int64_t bytes = 0;
+  for (const at::Tensor* t : {&qweight, &scales, &zeros}) {
+    if (t->defined()) bytes += static_cast<int64_t>(t->nbytes());
+  }
+  return bytes;
 }
 
 Linear::Linear(at::Tensor weight, at::Tensor bias)
@@ -89,8 +101,7 @@ int64_t Linear::weight_bytes() const {
   const auto bytes = [](const at::Tensor& t) {
     return t.defined() ? static_cast<int64_t>(t.nbytes()) : int64_t{0};
   };
-  const int64_t weight = quantized() ? bytes(quantized_.qweight) + bytes(quantized_.scales) +
-                                           bytes(quantized_.zeros)
+  const int64_t weight = quantized()           ? quantized_.nbytes()
                          : weight_.defined() ? ops::linear_weight_nbytes(weight_)
                                              : 0;
   return weight == 0 ? 0 : weight + bytes(bias_);

@@ -17,6 +17,13 @@ struct QuantizedLinearWeight {
   at::Tensor qweight, scales, zeros;  // zeros may be undefined
   int64_t group_size = 0;
   double outlier_threshold = -1.0;  // < 0: weight-only
+
+  /// `<name>.qweight`, `<name>.scales` and optional `<name>.zeros` of a weight map (the group size
+  /// is in_features over the scales' columns), with a 0-dim `<name>.outlier_threshold` for
+  /// LLM.int8(). Throws std::invalid_argument on a missing tensor, c10::Error on a bad shape.
+  static QuantizedLinearWeight load(const WeightMap& weights, const std::string& name);
+  /// Bytes of qweight, scales and zeros.
+  int64_t nbytes() const;
 };
 
 /// A projection on a plain weight (ops::linear) or a quantized one (ops::quantized_linear): the

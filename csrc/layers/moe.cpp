@@ -4,8 +4,11 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 
+#include <stdexcept>
+
 #include "kernels/linear/linear.h"
 #include "kernels/moe/fused_moe.h"
+#include "kernels/moe/fused_moe_quantized.h"
 #include "kernels/moe/moe_routing.h"
 
 namespace kvserve {
@@ -16,6 +19,17 @@ at::Tensor prepared(const at::Tensor& weight) {
   at::Tensor plain = weight.contiguous();
   at::Tensor packed = ops::linear_prepack(plain);
   return packed.defined() ? packed : plain;
+}
+
+// The tensors of one field of every expert's quantized projection (an empty list for absent
+// zeros), as fused_moe_quantized takes them.
+std::vector<at::Tensor> field(const std::vector<QuantizedLinearWeight>& experts,
+                              at::Tensor QuantizedLinearWeight::*member) {
+  std::vector<at::Tensor> out;
+  for (const QuantizedLinearWeight& q : experts) {
+    if ((q.*member).defined()) out.push_back(q.*member);
+  }
+  return out;
 }
 
 }  // namespace
@@ -29,10 +43,22 @@ SparseMoE::SparseMoE(const MoEConfig& c, const std::string& p, const WeightMap& 
     score_bias_ = w.get(p + "gate.e_score_correction_bias").to(at::kFloat);
   }
   route_logits(at::empty({0, c.num_experts}, router_.options().dtype(at::kFloat)));  // checks c
+  const bool quantized = w.get_optional(p + "experts.0.gate_up_proj.qweight").defined();
   for (int64_t e = 0; e < c.num_experts; ++e) {
     const std::string expert = p + "experts." + std::to_string(e) + ".";
-    w13_.push_back(prepared(w.get(expert + "gate_up_proj.weight")));
-    w2_.push_back(prepared(w.get(expert + "down_proj.weight")));
+    if (quantized) {
+      w13_quantized_.push_back(QuantizedLinearWeight::load(w, expert + "gate_up_proj"));
+      w2_quantized_.push_back(QuantizedLinearWeight::load(w, expert + "down_proj"));
+      for (const auto* q : {&w13_quantized_.back(), &w2_quantized_.back()}) {
+        if (q->outlier_threshold >= 0) {
+          throw std::invalid_argument(expert + ": routed experts run weight-only quantized "
+                                      "weights, not LLM.int8() (the loader dequantizes those)");
+        }
+      }
+    } else {
+      w13_.push_back(prepared(w.get(expert + "gate_up_proj.weight")));
+      w2_.push_back(prepared(w.get(expert + "down_proj.weight")));
+    }
   }
   if (c.shared_intermediate_size > 0) {
     shared_ = std::make_unique<GatedMLP>(p + "shared_experts.", w);
@@ -58,7 +84,18 @@ std::pair<at::Tensor, at::Tensor> SparseMoE::route_logits(const at::Tensor& logi
 
 at::Tensor SparseMoE::forward(const at::Tensor& x) const {
   auto [weights, ids] = route(x);
-  at::Tensor out = ops::fused_moe(x, w13_, w2_, weights, ids);
+  at::Tensor out;
+  if (w13_quantized_.empty()) {
+    out = ops::fused_moe(x, w13_, w2_, weights, ids);
+  } else {
+    using Q = QuantizedLinearWeight;
+    const auto& a = w13_quantized_;
+    const auto& b = w2_quantized_;
+    out = ops::fused_moe_quantized(x, field(a, &Q::qweight), field(a, &Q::scales),
+                                   field(a, &Q::zeros), a[0].group_size, field(b, &Q::qweight),
+                                   field(b, &Q::scales), field(b, &Q::zeros), b[0].group_size,
+                                   weights, ids);
+  }
   if (shared_) out.add_(shared_->forward(x));
   return out;
 }
@@ -68,6 +105,9 @@ int64_t SparseMoE::weight_bytes() const {
                   (score_bias_.defined() ? static_cast<int64_t>(score_bias_.nbytes()) : 0);
   for (const auto* list : {&w13_, &w2_}) {
     for (const at::Tensor& t : *list) bytes += ops::linear_weight_nbytes(t);
+  }
+  for (const auto* list : {&w13_quantized_, &w2_quantized_}) {
+    for (const QuantizedLinearWeight& q : *list) bytes += q.nbytes();
   }
   return bytes + (shared_ ? shared_->weight_bytes() : 0);
 }

@@ -12,6 +12,7 @@
 
 #include "kvserve/model_config.h"
 #include "layers/feed_forward.h"
+#include "layers/linear.h"
 #include "layers/mlp.h"
 #include "layers/weights.h"
 
@@ -20,8 +21,10 @@ namespace kvserve {
 /// Weights (loader names, under `prefix`): gate.weight [num_experts, hidden] (the router),
 /// gate.e_score_correction_bias [num_experts] (sigmoid scoring only),
 /// experts.<e>.gate_up_proj.weight [2 * moe_intermediate, hidden] and
-/// experts.<e>.down_proj.weight [hidden, moe_intermediate] per expert, and shared_experts.* of a
-/// GatedMLP when the config has shared experts.
+/// experts.<e>.down_proj.weight [hidden, moe_intermediate] per expert, or, for weight-only
+/// quantized experts (every expert's projections or none), their .qweight / .scales / .zeros as
+/// Linear::load reads them (run by fused_moe_quantized), and shared_experts.* of a GatedMLP when
+/// the config has shared experts.
 class SparseMoE : public FeedForward {
  public:
   /// Throws std::invalid_argument on a missing weight.
@@ -42,6 +45,7 @@ class SparseMoE : public FeedForward {
   at::Tensor router_;          // [num_experts, hidden], fp32 when config.fp32_router
   at::Tensor score_bias_;      // fp32 [num_experts], sigmoid scoring only
   std::vector<at::Tensor> w13_, w2_;  // per expert, plain or packed (ops::linear_prepack)
+  std::vector<QuantizedLinearWeight> w13_quantized_, w2_quantized_;  // or these
   std::unique_ptr<GatedMLP> shared_;
 };
 

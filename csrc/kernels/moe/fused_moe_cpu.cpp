@@ -1,50 +1,19 @@
-// CPU launcher for fused_moe: groups the (token, slot) pairs by expert, runs each active expert's
-// gate_up projection, SwiGLU and down projection on its tokens through the linear op (GEMV for a
-// few tokens, oneDNN GEMM on packed weights for more), and sums the weighted outputs per token.
-#include <ATen/Parallel.h>
+// CPU launcher for fused_moe: each active expert's gate_up projection, SwiGLU and down projection
+// run on its tokens through the linear op (GEMV for a few tokens, oneDNN GEMM on packed weights
+// for more); routed_experts_cpu groups the tokens and sums the weighted outputs.
 #include <ATen/ops/empty.h>
-#include <ATen/ops/from_blob.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cstring>
-#include <vector>
-
 #include "kernels/activation/silu_and_mul.h"
-#include "kernels/cpu_kernels.h"
 #include "kernels/linear/linear.h"
 #include "kernels/moe/fused_moe.h"
+#include "kernels/moe/routed_experts_cpu.h"
 #include "kernels/op_checks.h"
 
 namespace kvserve::ops {
 namespace {
 
 constexpr const char* kOp = "fused_moe";
-// Experts run side by side (each on one thread) while none has more tokens than this: their
-// projections are then GEMVs bound by reading the expert's weights, and one thread per expert
-// keeps every core streaming a different expert. Above it, one expert at a time uses all threads.
-constexpr int64_t kMaxTokensPerParallelExpert = 8;
-
-// The (token, slot) pairs of each expert, in token order.
-struct Routing {
-  std::vector<int64_t> offsets;  // [num_experts + 1] into pairs
-  std::vector<int64_t> pairs;    // t * k + j
-};
-
-Routing group_by_expert(const int64_t* ids, int64_t num_pairs, int64_t num_experts) {
-  Routing r;
-  r.offsets.assign(num_experts + 1, 0);
-  for (int64_t p = 0; p < num_pairs; ++p) {
-    TORCH_CHECK(ids[p] >= 0 && ids[p] < num_experts, kOp, ": expert id ", ids[p],
-                " is outside [0, ", num_experts, ")");
-    ++r.offsets[ids[p] + 1];
-  }
-  for (int64_t e = 0; e < num_experts; ++e) r.offsets[e + 1] += r.offsets[e];
-  r.pairs.resize(num_pairs);
-  std::vector<int64_t> next(r.offsets.begin(), r.offsets.end() - 1);
-  for (int64_t p = 0; p < num_pairs; ++p) r.pairs[next[ids[p]]++] = p;
-  return r;
-}
 
 void check_experts(const char* name, at::TensorList weights, int64_t rows, int64_t cols,
                    const at::Tensor& hidden) {
@@ -59,7 +28,7 @@ void check_experts(const char* name, at::TensorList weights, int64_t rows, int64
 at::Tensor fused_moe_cpu(const at::Tensor& hidden, at::TensorList w13, at::TensorList w2,
                          const at::Tensor& topk_weights, const at::Tensor& topk_ids) {
   check_rows(kOp, "hidden", hidden, 2);
-  const int64_t num_tokens = hidden.size(0), hidden_size = hidden.size(1);
+  const int64_t hidden_size = hidden.size(1);
   const int64_t num_experts = static_cast<int64_t>(w13.size());
   TORCH_CHECK(num_experts > 0 && w2.size() == w13.size(), kOp,
               ": need one w13 and one w2 per expert, got ", w13.size(), " and ", w2.size());
@@ -68,60 +37,13 @@ at::Tensor fused_moe_cpu(const at::Tensor& hidden, at::TensorList w13, at::Tenso
               ": w13 must be [2 * inter, hidden_size], got ", w13[0].sizes());
   check_experts("w13", w13, inter2, hidden_size, hidden);
   check_experts("w2", w2, hidden_size, inter2 / 2, hidden);
-  check_contiguous(kOp, "topk_weights", topk_weights, at::kFloat);
-  check_contiguous(kOp, "topk_ids", topk_ids, at::kLong);
-  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == num_tokens &&
-                  topk_weights.sizes() == topk_ids.sizes(),
-              kOp, ": topk_weights and topk_ids must both be [", num_tokens, ", k], got ",
-              topk_weights.sizes(), " and ", topk_ids.sizes());
-  const int64_t k = topk_ids.size(1);
-  at::Tensor out = at::empty({num_tokens, hidden_size}, hidden.options());
-  if (num_tokens == 0) return out;
-
-  const Routing routing = group_by_expert(topk_ids.data_ptr<int64_t>(), num_tokens * k,
-                                          num_experts);
-  std::vector<int64_t> active;  // experts with tokens, most tokens first
-  int64_t most = 0;
-  for (int64_t e = 0; e < num_experts; ++e) {
-    const int64_t n = routing.offsets[e + 1] - routing.offsets[e];
-    if (n > 0) active.push_back(e);
-    most = std::max(most, n);
-  }
-  std::stable_sort(active.begin(), active.end(), [&](int64_t a, int64_t b) {
-    return routing.offsets[a + 1] - routing.offsets[a] > routing.offsets[b + 1] - routing.offsets[b];
-  });
-
-  // Each (token, slot) pair's expert output: [T * k, hidden_size], rows in pair order.
-  at::Tensor pair_out = at::empty({num_tokens * k, hidden_size}, hidden.options());
-  const int64_t row_bytes = hidden_size * static_cast<int64_t>(hidden.element_size());
-  auto run_expert = [&](int64_t e) {
-    const int64_t begin = routing.offsets[e], n = routing.offsets[e + 1] - begin;
-    std::vector<int64_t> tokens(n);
-    for (int64_t i = 0; i < n; ++i) tokens[i] = routing.pairs[begin + i] / k;
-    const at::Tensor x = n == num_tokens && k == 1
-                             ? hidden
-                             : hidden.index_select(0, at::from_blob(tokens.data(), {n}, at::kLong));
-    const at::Tensor gate_up = linear(x, w13[e], std::nullopt);
-    at::Tensor act = at::empty({n, inter2 / 2}, hidden.options());
-    silu_and_mul(act, gate_up);
-    const at::Tensor y = linear(act, w2[e], std::nullopt);  // [n, hidden_size], contiguous
-    const auto* src = static_cast<const char*>(y.data_ptr());
-    auto* dst = static_cast<char*>(pair_out.data_ptr());
-    for (int64_t i = 0; i < n; ++i) {
-      std::memcpy(dst + routing.pairs[begin + i] * row_bytes, src + i * row_bytes, row_bytes);
-    }
-  };
-  if (most <= kMaxTokensPerParallelExpert && active.size() > 1) {
-    at::parallel_for(0, static_cast<int64_t>(active.size()), 1, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) run_expert(active[i]);
-    });
-  } else {
-    for (int64_t e : active) run_expert(e);
-  }
-  cpu::moe_combine_stub.get()(hidden.scalar_type(), pair_out.data_ptr(),
-                              topk_weights.data_ptr<float>(), out.data_ptr(), num_tokens, k,
-                              hidden_size);
-  return out;
+  return routed_experts_cpu(
+      kOp, hidden, num_experts, topk_weights, topk_ids, [&](int64_t e, const at::Tensor& x) {
+        const at::Tensor gate_up = linear(x, w13[e], std::nullopt);
+        at::Tensor act = at::empty({x.size(0), inter2 / 2}, x.options());
+        silu_and_mul(act, gate_up);
+        return linear(act, w2[e], std::nullopt);
+      });
 }
 
 }  // namespace

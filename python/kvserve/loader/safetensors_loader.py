@@ -10,9 +10,10 @@ as they are). The returned names drop the ``model.`` prefix.
 
 A quantized checkpoint (``quantization_config``: AWQ, GPTQ, compressed-tensors) has its attention
 and MLP projections converted to the layout the quantized_linear op reads: ``<name>.qweight``,
-``.scales``, ``.zeros`` instead of ``<name>.weight`` (fused the same way). The projections the C++
-layers transform at load (MLA's) and routed experts (fused_moe runs plain weights) are
-dequantized to the model's dtype instead.
+``.scales``, ``.zeros`` instead of ``<name>.weight`` (fused the same way); routed experts too,
+when every expert's projections are quantized: fused_moe_quantized runs them weight-only (int8
+experts of an LLM.int8() or W8A8 checkpoint keep their activations in the model's dtype). The
+projections the C++ layers transform at load (MLA's) are dequantized to the model's dtype.
 """
 
 from __future__ import annotations
@@ -68,15 +69,16 @@ class _TensorReader:
         return self(module + ".weight")
 
     def put(self, w: dict[str, torch.Tensor], out: str, modules: list[str],
-            shapes: list[tuple[int, int]]) -> None:
+            shapes: list[tuple[int, int]], weight_only: bool = False) -> None:
         """The linear layers `modules` fused along the output dimension as `out` (a kvserve name
-        without .weight): plain, or quantized when the checkpoint quantized them."""
+        without .weight): plain, or quantized when the checkpoint quantized them. weight_only:
+        without the int8 activations of LLM.int8() / W8A8 (routed experts)."""
         if all(self.quantized(m) for m in modules):
             q = QuantizedWeight.concat([self.linear(m, s) for m, s in zip(modules, shapes)])
             w[out + ".qweight"], w[out + ".scales"] = q.qweight, q.scales
             if q.zeros is not None:
                 w[out + ".zeros"] = q.zeros
-            if q.outlier_threshold is not None:  # LLM.int8(): Linear runs llm_int8_linear
+            if q.outlier_threshold is not None and not weight_only:  # Linear: llm_int8_linear
                 w[out + ".outlier_threshold"] = torch.tensor(q.outlier_threshold)
         else:
             w[out + ".weight"] = torch.cat([self.weight(m, s) for m, s in zip(modules, shapes)])
@@ -138,6 +140,12 @@ def _read_attention(read: _TensorReader, c: _C.ModelConfig, layer: int, attn: st
             w[out + "k_norm.weight"] = read(attn + "k_norm.weight")
 
 
+# MLA's projections that the C++ layer transforms at load: dequantized when the checkpoint
+# quantized them (o_proj is a plain Linear, read like any other).
+MLA_PROJECTIONS = ("kv_a_proj_with_mqa.weight", "kv_b_proj.weight", "q_a_proj.weight",
+                   "q_b_proj.weight", "q_proj.weight")
+
+
 def _read_mla(read: _TensorReader, c: _C.ModelConfig, attn: str, out: str,
               w: dict[str, torch.Tensor]) -> None:
     """MLA's projections as they are: the C++ layer fuses and reorders them itself."""
@@ -151,7 +159,7 @@ def _read_mla(read: _TensorReader, c: _C.ModelConfig, attn: str, out: str,
         names.append("o_proj.bias")
     for name in names:
         module = attn + name.removesuffix(".weight")
-        if name.endswith("proj.weight") and name != "o_proj.weight" and read.quantized(module):
+        if name in MLA_PROJECTIONS and read.quantized(module):
             w[out + name] = read.weight(module, _mla_shape(c, name))
         elif name == "o_proj.weight":
             read.put(w, out + "o_proj", [module], [(c.hidden_size, c.num_heads * c.mla.v_head_dim)])
@@ -172,8 +180,9 @@ def _mla_shape(c: _C.ModelConfig, name: str) -> tuple[int, int]:
 def _read_mlp(read: _TensorReader, mlp: str, out: str, bias: bool, w: dict[str, torch.Tensor],
               sizes: tuple[int, int],
               names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
-              plain: bool = False) -> None:
-    """sizes: (intermediate, hidden). plain: dequantize (routed experts)."""
+              plain: bool = False, expert: bool = False) -> None:
+    """sizes: (intermediate, hidden). plain: dequantize (routed experts fused_moe runs). expert:
+    a routed expert, quantized weight-only."""
     gate, up, down = names
     inter, hidden = sizes
     if plain:
@@ -181,8 +190,8 @@ def _read_mlp(read: _TensorReader, mlp: str, out: str, bias: bool, w: dict[str, 
                                                     read.weight(mlp + up, (inter, hidden))])
         w[out + "down_proj.weight"] = read.weight(mlp + down, (hidden, inter))
     else:
-        read.put(w, out + "gate_up_proj", [mlp + gate, mlp + up], [(inter, hidden)] * 2)
-        read.put(w, out + "down_proj", [mlp + down], [(hidden, inter)])
+        read.put(w, out + "gate_up_proj", [mlp + gate, mlp + up], [(inter, hidden)] * 2, expert)
+        read.put(w, out + "down_proj", [mlp + down], [(hidden, inter)], expert)
     if bias:
         w[out + "gate_up_proj.bias"] = torch.cat([read(f"{mlp}{gate}.bias"),
                                                   read(f"{mlp}{up}.bias")])
@@ -197,9 +206,12 @@ def _read_moe(read: _TensorReader, c: _C.ModelConfig, layer: str, out: str,
     if c.moe.scoring_func == "sigmoid":  # kept in fp32, as transformers does
         w[out + "gate.e_score_correction_bias"] = read(prefix + "gate.e_score_correction_bias",
                                                        torch.float32)
-    for e in range(c.moe.num_experts):
-        _read_mlp(read, f"{prefix}experts.{e}.", f"{out}experts.{e}.", False, w,
-                  (c.moe.moe_intermediate_size, c.hidden_size), names, plain=True)
+    experts = [f"{prefix}experts.{e}." for e in range(c.moe.num_experts)]
+    # fused_moe_quantized takes every expert in one quantized format, or fused_moe plain ones.
+    plain = not all(read.quantized(expert + name) for expert in experts for name in names)
+    for e, expert in enumerate(experts):
+        _read_mlp(read, expert, f"{out}experts.{e}.", False, w,
+                  (c.moe.moe_intermediate_size, c.hidden_size), names, plain=plain, expert=True)
     if c.moe.shared_intermediate_size:
         _read_mlp(read, prefix + "shared_experts.", out + "shared_experts.", False, w,
                   (c.moe.shared_intermediate_size, c.hidden_size))

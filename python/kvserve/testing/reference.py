@@ -349,6 +349,21 @@ def fused_moe(hidden: torch.Tensor, w13: list[torch.Tensor], w2: list[torch.Tens
     return out
 
 
+def fused_moe_quantized(hidden: torch.Tensor, w13: list[torch.Tensor],
+                        w13_scales: list[torch.Tensor], w13_zeros: list[torch.Tensor],
+                        w13_group_size: int, w2: list[torch.Tensor],
+                        w2_scales: list[torch.Tensor], w2_zeros: list[torch.Tensor],
+                        w2_group_size: int, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor) -> torch.Tensor:
+    """fused_moe on each expert's dequantized weights (quantized_weight; empty zeros lists for
+    none). Returns fp64 [T, H]."""
+    def weights(q, scales, zeros, group_size):
+        return [quantized_weight(q[e], scales[e], zeros[e] if zeros else None, group_size)
+                for e in range(len(q))]
+    return fused_moe(hidden, weights(w13, w13_scales, w13_zeros, w13_group_size),
+                     weights(w2, w2_scales, w2_zeros, w2_group_size), topk_weights, topk_ids)
+
+
 def moe_routing(router_logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int,
                 scoring_func: str, n_group: int, topk_group: int, renormalize: bool,
                 routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:

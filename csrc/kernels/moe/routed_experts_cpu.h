@@ -1,0 +1,26 @@
+#pragma once
+// What the CPU launchers of fused_moe and fused_moe_quantized share: tokens grouped by the
+// experts their router chose, each active expert's MLP run on its tokens, and the weighted sum.
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+
+namespace kvserve::ops {
+
+/// One expert's gated MLP on its tokens: (expert id, x [n, hidden_size]) -> [n, hidden_size],
+/// contiguous, in x's dtype.
+using ExpertMlp = std::function<at::Tensor(int64_t expert, const at::Tensor& x)>;
+
+/// out[t] = sum_j topk_weights[t, j] * mlp(topk_ids[t, j], hidden[t]) for hidden [T, hidden_size]
+/// (rows may be strided). Each active expert runs once on all of its tokens; experts run side by
+/// side (one thread each) while none has more than a few tokens (decode, where each is a GEMV
+/// bound by reading its weights), else one at a time with every thread. The sum is accumulated
+/// in fp32 in slot order j. topk_weights: fp32 [T, k]; topk_ids: int64 [T, k]. Throws c10::Error,
+/// naming `op`, on mismatched routing tensors or an expert id outside [0, num_experts), before any
+/// expert runs.
+at::Tensor routed_experts_cpu(const char* op, const at::Tensor& hidden, int64_t num_experts,
+                              const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                              const ExpertMlp& mlp);
+
+}  // namespace kvserve::ops
