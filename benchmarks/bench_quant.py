@@ -3,7 +3,9 @@
 1. Op: `quantized_linear` (int8, int4 groups of 128, fp8) against `linear` (fp32, bf16, on the
    weights packed as the engine keeps them) on one [n, k] projection for 1, 2, 4 and 8 tokens:
    milliseconds, speed-up over bf16, and weight GB/s against a `torch.sum` read of 1 GiB
-   (`memory_read_bandwidth`). Variants interleaved per repeat; medians.
+   (`memory_read_bandwidth`). Variants interleaved per repeat; medians. `--only prefill`: the
+   same for 32, 128 and 512 tokens with bf16 activations (as a bf16 model runs), where W8A8
+   (int8 activations per token) runs int8 x int8.
 2. Model: batch-1 greedy decode (TPOT over --decode-tokens tokens of an 8-token prompt, which the
    GEMV handles for every format) of one random checkpoint quantized each way by `kvserve
    quantize`: fp32, bf16, int8, fp8, int4 (g128); the quantized ones run in bf16 like the bf16
@@ -64,7 +66,7 @@ MODELS = {  # memory-bound shapes
     "quick": dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2),
 }
-METHODS = ("int8", "llm.int8", "fp8", "int4")
+METHODS = ("int8", "w8a8", "llm.int8", "fp8", "int4")
 
 
 def timed(fn, repeats: int) -> float:
@@ -77,8 +79,9 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def op_variants(n: int, k: int) -> dict[str, tuple[object, int]]:
-    """name -> (function of x, weight bytes)."""
+def op_variants(n: int, k: int, activations: torch.dtype) -> dict[str, tuple[object, int]]:
+    """name -> (function of x, weight bytes); weight-only quantized weights take x in
+    `activations` (LLM.int8() and W8A8 in bf16)."""
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) / k ** 0.5
     plain = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -89,7 +92,8 @@ def op_variants(n: int, k: int) -> dict[str, tuple[object, int]]:
 
     def quantized(qw):
         z = qw.zeros
-        return lambda x: ops.quantized_linear(x, qw.qweight, qw.scales, z, qw.group_size, None)
+        return lambda x: ops.quantized_linear(x.to(activations), qw.qweight, qw.scales, z,
+                                              qw.group_size, None)
 
     int8 = q["int8"]
     int8_scales = int8.scales.view(-1).contiguous()
@@ -102,30 +106,40 @@ def op_variants(n: int, k: int) -> dict[str, tuple[object, int]]:
     out["llm.int8"] = (
         lambda x: ops.llm_int8_linear(x.bfloat16(), int8.qweight, int8_scales, 6.0, None),
         int8.qweight.nbytes + int8.scales.nbytes)
+    out["w8a8"] = (  # the same op with no outliers: every activation rounded to int8 per token
+        lambda x: ops.llm_int8_linear(x.bfloat16(), int8.qweight, int8_scales, 0.0, None),
+        int8.qweight.nbytes + int8.scales.nbytes)
     return out
 
 
-def bench_op(args) -> list[list]:
+def bench_op(args, tokens=(1, 2, 4, 8), activations=torch.float32, calls=50) -> list[list]:
     n, k = args.op_shape
-    variants = op_variants(n, k)
+    variants = op_variants(n, k, activations)
     bandwidth = memory_read_bandwidth()
     rows = []
-    for m in (1, 2, 4, 8):
+    for m in tokens:
         x = torch.randn(m, k)
         runs = {name: [] for name in variants}
         for _ in range(args.repeats):
             for name, (fn, _) in variants.items():
-                runs[name].append(timed(lambda: fn(x), 50))
+                runs[name].append(timed(lambda: fn(x), calls))
         bf16 = statistics.median(runs["bf16"])
         for name, (_, nbytes) in variants.items():
             t = statistics.median(runs[name])
             rows.append([m, name, f"{nbytes / 2**20:.1f}", f"{t * 1e3:.3f}", f"{bf16 / t:.2f}x",
                          f"{nbytes / t / 1e9:.1f}", f"{nbytes / t / bandwidth:.2f}"])
-    print(f"\nquantized_linear [{n}, {k}], {args.repeats} repeats; torch.sum reads "
+    print(f"\nquantized_linear [{n}, {k}], weight-only with {activations} activations, "
+          f"{args.repeats} repeats; torch.sum reads "
           f"{bandwidth / 1e9:.1f} GB/s:")
     print(markdown_table(["tokens", "weight", "MiB", "ms", "vs bf16", "GB/s", "of torch.sum"],
                          rows))
     return rows
+
+
+def bench_prefill(args) -> list[list]:
+    """The op table at prefill sizes, where W8A8's int8 x int8 product competes with the
+    dequantize-and-GEMM path of weight-only int8; bf16 activations as a bf16 model runs them."""
+    return bench_op(args, tokens=(32, 128, 512), activations=torch.bfloat16, calls=5)
 
 
 def checkpoints(args) -> dict[str, tuple[Path, str]]:
@@ -184,7 +198,7 @@ def bench_model(args) -> list[list]:
     return rows
 
 
-PPL_METHODS = ("int8", "llm.int8", "fp8", "int4", "awq")
+PPL_METHODS = ("int8", "w8a8", "llm.int8", "fp8", "int4", "awq")
 
 
 def text_splits(data: Path, cache: Path) -> dict[str, tuple[Path, Path, Path]]:
@@ -301,8 +315,10 @@ def moe_variants(args) -> dict[str, tuple[object, float]]:
     w13 = [torch.randn(2 * inter, hidden, generator=g) / hidden ** 0.5
            for _ in range(args.moe_experts)]
     w2 = [torch.randn(hidden, inter, generator=g) / inter ** 0.5 for _ in range(args.moe_experts)]
-    plain13 = [ops.linear_prepack(w.bfloat16()) for w in w13]
-    plain2 = [ops.linear_prepack(w.bfloat16()) for w in w2]
+    def engine_form(w):  # as SparseMoE keeps it: packed where the device's GEMM has a layout
+        packed = ops.linear_prepack(w.bfloat16())
+        return w.bfloat16() if packed is None else packed
+    plain13, plain2 = [engine_form(w) for w in w13], [engine_form(w) for w in w2]
     out = {"bf16": (lambda x, tw, ti: ops.fused_moe(x, plain13, plain2, tw, ti),
                     (w13[0].numel() + w2[0].numel()) * 2)}
     for name, quantize in (("int8", quantize_int8), ("fp8", quantize_fp8),
@@ -353,7 +369,7 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cache-dir", type=Path, default=HERE / ".cache")
-    p.add_argument("--only", choices=["op", "model", "perplexity", "kv", "moe"], default=None)
+    p.add_argument("--only", choices=["op", "prefill", "model", "perplexity", "kv", "moe"], default=None)
     p.add_argument("--moe-experts", type=int, default=16)
     p.add_argument("--moe-top-k", type=int, default=4)
     p.add_argument("--kv-batch", type=int, default=8)
@@ -366,8 +382,8 @@ def main() -> None:
     if args.quick:
         args.model, args.op_shape, args.decode_tokens, args.repeats = "quick", [512, 256], 8, 1
         args.kv_context, args.moe_experts = 256, 4
-    runs = {"op": bench_op, "model": bench_model, "perplexity": bench_perplexity, "kv": bench_kv,
-            "moe": bench_moe}
+    runs = {"op": bench_op, "prefill": bench_prefill, "model": bench_model,
+            "perplexity": bench_perplexity, "kv": bench_kv, "moe": bench_moe}
     rows = {name: run(args) for name, run in runs.items() if args.only in (None, name)}
     name = "quant.json" if args.only is None else f"quant-{args.only}.json"
     path = write_json(HERE / "results" / name,

@@ -4,7 +4,7 @@
                                [--kv-cache-dtype int8|fp8]
     python -m kvserve eval-ppl --model DIR --text FILE [--max-tokens N] [--kv-cache-dtype int8|fp8]
     python -m kvserve convert llama2c --checkpoint FILE.bin --tokenizer TOK.bin --out DIR
-    python -m kvserve quantize --model DIR --method int8|llm.int8|fp8|int4|awq --out DIR
+    python -m kvserve quantize --model DIR --method int8|w8a8|llm.int8|fp8|int4|awq --out DIR
                                [--group-size N] [--calibration FILE]
 """
 
@@ -148,8 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("quantize", help="write a quantized copy of a checkpoint")
     q.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     q.add_argument("--method", required=True,
-                   choices=["int8", "llm.int8", "fp8", "int4", "awq"],
-                   help="int8 / fp8 per channel (compressed-tensors); llm.int8: int8 per channel "
+                   choices=["int8", "w8a8", "llm.int8", "fp8", "int4", "awq"],
+                   help="int8 / fp8 per channel (compressed-tensors; w8a8: int8 with dynamic "
+                   "per-token int8 activations); llm.int8: int8 per channel "
                    "run as LLM.int8() (bitsandbytes 8-bit); int4 per group, rounded to nearest or "
                    "after AWQ's search (AWQ gemm)")
     q.add_argument("--calibration", type=Path, default=None,

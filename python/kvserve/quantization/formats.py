@@ -2,9 +2,10 @@
 format stores for a linear layer, and their conversion to and from `QuantizedWeight`.
 
 Read: AWQ ("gemm" layout), GPTQ (desc_act false), compressed-tensors (int-quantized and
-float-quantized int8 / fp8 per channel or tensor, pack-quantized int4 per group), bitsandbytes
-8-bit (LLM.int8(): int8 `weight` with its per-row absmax `SCB`). Written by `kvserve quantize`:
-AWQ gemm for int4, compressed-tensors for int8 and fp8, bitsandbytes 8-bit for llm.int8.
+float-quantized int8 / fp8 per channel or tensor, pack-quantized int4 per group; int8 W8A8 with
+dynamic per-token activations runs them so), bitsandbytes 8-bit (LLM.int8(): int8 `weight` with its
+per-row absmax `SCB`). Written by `kvserve quantize`: AWQ gemm for int4, compressed-tensors for
+int8, w8a8 and fp8, bitsandbytes 8-bit for llm.int8.
 
 Every layer's linear projections are quantized (attention and MLP); embeddings, norms, the LM
 head and MoE routers stay as they are, as in these formats' own tools.
@@ -24,6 +25,7 @@ from kvserve.quantization.weights import QuantizedWeight, pack_int4, unpack_int4
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 SUPPORTED = ("awq (version gemm, 4 bits, zero_point), gptq (4 bits, desc_act false), "
              "compressed-tensors (int-quantized / float-quantized 8-bit per channel or tensor, "
+             "W8A8 int8 with dynamic per-token activations, "
              "pack-quantized 4-bit per group), bitsandbytes (load_in_8bit: LLM.int8())")
 
 # (shape, safetensors dtypes) of each tensor a format stores for one linear layer
@@ -43,6 +45,7 @@ class CheckpointQuantization:
     ignore: list[str] = field(default_factory=list)
     per_tensor: bool = False  # compressed-tensors 8-bit: one scale for the whole weight
     outlier_threshold: float = 6.0  # bitsandbytes: llm_int8_threshold
+    int8_activations: bool = False  # compressed-tensors W8A8: activations to int8 per token
 
     def covers(self, module: str) -> bool:
         """Whether the linear layer `module` (e.g. model.layers.0.mlp.down_proj) is quantized."""
@@ -125,7 +128,9 @@ class CheckpointQuantization:
         weight = read(f"{module}.weight")
         if self.fmt == "float" and torch.isnan(weight.float()).any():
             raise ValueError(f"{module}.weight holds fp8 NaNs")
-        return QuantizedWeight(weight.contiguous(), scale, None, k)
+        # W8A8: llm_int8_linear with no outliers (threshold 0) rounds activations per token.
+        return QuantizedWeight(weight.contiguous(), scale, None, k,
+                               0.0 if self.int8_activations else None)
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
@@ -186,8 +191,11 @@ def awq_config(group_size: int, plain: list[str] | None = None) -> dict:
             "version": "gemm", "modules_to_not_convert": plain or None}
 
 
-def compressed_tensors_config(kind: str) -> dict:
-    """kind: "int" (int8) or "float" (fp8 E4M3); per-channel symmetric weights, no activations."""
+def compressed_tensors_config(kind: str, int8_activations: bool = False) -> dict:
+    """kind: "int" (int8) or "float" (fp8 E4M3); per-channel symmetric weights; activations in
+    the model's dtype, or (int8_activations) int8 with a dynamic scale per token (W8A8)."""
+    activations = {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True,
+                   "dynamic": True, "group_size": None, "observer": None}
     return {
         "quant_method": "compressed-tensors",
         "format": f"{kind}-quantized",
@@ -196,7 +204,8 @@ def compressed_tensors_config(kind: str) -> dict:
             "targets": ["Linear"],
             "weights": {"num_bits": 8, "type": kind, "strategy": "channel", "symmetric": True,
                         "dynamic": False, "group_size": None, "observer": "minmax"},
-            "input_activations": None, "output_activations": None}},
+            "input_activations": activations if int8_activations else None,
+            "output_activations": None}},
         "ignore": ["lm_head"],
     }
 
@@ -256,7 +265,13 @@ def _compressed_tensors(qc: dict, unsupported) -> CheckpointQuantization:
         return CheckpointQuantization("compressed-tensors", 4, group, symmetric, fmt, ignore)
     if (fmt in ("float-quantized", "int-quantized", "naive-quantized") and bits == 8
             and kind in ("float", "int") and strategy in ("channel", "tensor") and symmetric):
+        # Dynamic per-token int8 activations run as W8A8; static activation scales (and fp8
+        # activations) are not used: those activations stay in the model's dtype.
+        a = groups[0].get("input_activations") or {}
+        int8_activations = kind == "int" and a.get("num_bits") == 8 and a.get("type") == "int" \
+            and a.get("strategy") == "token" and bool(a.get("dynamic")) \
+            and a.get("symmetric", True)
         return CheckpointQuantization("compressed-tensors", 8, -1, True, kind, ignore,
-                                      strategy == "tensor")
+                                      strategy == "tensor", int8_activations=int8_activations)
     raise unsupported(f"compressed-tensors format {fmt!r} with {bits}-bit {kind} weights "
                       f"({strategy}, symmetric {symmetric})")

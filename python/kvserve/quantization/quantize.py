@@ -3,6 +3,8 @@
 
 Methods (round to nearest; the weights alone, no calibration data):
 - int8: symmetric int8 per output channel, written as compressed-tensors int-quantized;
+- w8a8: the same weights, with dynamic per-token int8 activations in the config: kvserve runs
+  them int8 x int8 (llm_int8_linear with no outliers);
 - fp8: float8_e4m3fn per output channel, written as compressed-tensors float-quantized;
 - llm.int8: int8 per output channel run as LLM.int8() (activation columns with an |x| >= 6.0 in
   floating point, the rest int8 x int8), written as bitsandbytes 8-bit (`weight` + `SCB`);
@@ -36,7 +38,7 @@ from kvserve.quantization.formats import (
 )
 from kvserve.quantization.weights import quantize_fp8, quantize_int4, quantize_int8
 
-METHODS = ("int8", "llm.int8", "fp8", "int4", "awq")
+METHODS = ("int8", "w8a8", "llm.int8", "fp8", "int4", "awq")
 LLM_INT8_THRESHOLD = 6.0  # bitsandbytes' default: the paper's outlier magnitude
 
 
@@ -88,7 +90,7 @@ def quantize_checkpoint(model_dir: Path, out_dir: Path, method: str, group_size:
     elif method == "llm.int8":
         qc = bitsandbytes_config(LLM_INT8_THRESHOLD)
     else:
-        qc = compressed_tensors_config("int" if method == "int8" else "float")
+        qc = compressed_tensors_config("float" if method == "fp8" else "int", method == "w8a8")
     out_dir.mkdir(parents=True, exist_ok=True)
     for path in model_dir.iterdir():
         if path.is_file() and path.suffix != ".safetensors" and path.name not in (
@@ -102,7 +104,7 @@ def quantize_checkpoint(model_dir: Path, out_dir: Path, method: str, group_size:
 
 def _quantized(module: str, w: torch.Tensor, method: str,
                group_size: int) -> dict[str, torch.Tensor]:
-    if method == "int8":
+    if method in ("int8", "w8a8"):
         return compressed_tensors_tensors(module, quantize_int8(w))
     if method == "llm.int8":
         return bitsandbytes_tensors(module, quantize_int8(w))
