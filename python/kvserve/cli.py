@@ -3,6 +3,8 @@
     python -m kvserve generate [--model DIR] --prompt TEXT [--speculative-model DIR | --ngram]
                                [--kv-cache-dtype int8|fp8]
     python -m kvserve eval-ppl --model DIR --text FILE [--max-tokens N] [--kv-cache-dtype int8|fp8]
+    python -m kvserve serve --model DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+                            [engine options]
     python -m kvserve convert llama2c --checkpoint FILE.bin --tokenizer TOK.bin --out DIR
     python -m kvserve quantize --model DIR --method int8|w8a8|llm.int8|fp8|int4|awq --out DIR
                                [--group-size N] [--calibration FILE]
@@ -109,6 +111,27 @@ def _quantize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from kvserve.server.serve import serve
+    except ImportError as e:
+        raise ValueError(f"serve needs the server's packages ({e.name} is missing): "
+                         f"pip install 'kvserve[serve]' (fastapi, uvicorn, prometheus-client)"
+                         ) from e
+    speculation = {}
+    if args.speculative_model is not None or args.ngram:
+        speculation = dict(speculative_model=args.speculative_model,
+                           speculative_method="ngram" if args.ngram else None,
+                           num_speculative_tokens=args.num_speculative_tokens)
+    serve(args.model, args.host, args.port, args.api_key or os.environ.get("KVSERVE_API_KEY"),
+          args.served_model_name, args.chat_template, dtype=args.dtype,
+          max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
+          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+          num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching,
+          **speculation)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kvserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -158,6 +181,29 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--out", required=True, help="directory to write")
     q.add_argument("--group-size", type=int, default=128, help="int4 inputs per group (128, 64, 32)")
     q.set_defaults(func=_quantize)
+    v = sub.add_parser("serve", help="serve the OpenAI API over HTTP")
+    v.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1 (default: $KVSERVE_API_KEY)")
+    v.add_argument("--served-model-name", default=None,
+                   help="the model's name in the API (default: --model as given)")
+    v.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (file or text) instead of the checkpoint's")
+    v.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    v.add_argument("--max-model-len", type=int, default=None)
+    v.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"])
+    v.add_argument("--max-num-seqs", type=int, default=256)
+    v.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    v.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: sized "
+                   "from the memory budget)")
+    v.add_argument("--no-prefix-caching", action="store_true")
+    vspec = v.add_mutually_exclusive_group()
+    vspec.add_argument("--speculative-model", metavar="DIR")
+    vspec.add_argument("--ngram", action="store_true")
+    v.add_argument("--num-speculative-tokens", type=int, default=None)
+    v.set_defaults(func=_serve)
     c = sub.add_parser("convert", help="write another format's checkpoint as a Hugging Face dir")
     add_llama2c_parser(c.add_subparsers(dest="format", required=True))
     return parser

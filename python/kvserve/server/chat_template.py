@@ -1,0 +1,84 @@
+"""Chat templates: the checkpoint's `chat_template` (tokenizer_config.json, or a
+chat_template.jinja beside it) rendered with jinja2 the way transformers' apply_chat_template
+does: a sandboxed environment with trim_blocks and lstrip_blocks, `raise_exception`,
+`strftime_now` and a `tojson` filter, the special tokens as variables."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class ChatTemplateError(ValueError):
+    """A template that cannot render these messages (it raised, or it is malformed)."""
+
+
+def _raise_exception(message: str):
+    raise ChatTemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class ChatTemplate:
+    """A compiled chat template and the special tokens it may refer to."""
+
+    def __init__(self, source: str, special_tokens: dict[str, str | None] | None = None):
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self.template = env.from_string(source)
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"the chat template does not compile: {e}") from e
+        self.special_tokens = special_tokens or {}
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path,
+                       override: str | Path | None = None) -> "ChatTemplate | None":
+        """The model's template, or `override` (a file or the template text) instead; None when
+        neither has one."""
+        model_dir = Path(model_dir)
+        config_path = model_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        tokens = {name: _token_text(config.get(name))
+                  for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        if override is not None:
+            path = Path(override)
+            return cls(path.read_text() if path.is_file() else str(override), tokens)
+        source = config.get("chat_template")
+        if isinstance(source, list):  # named templates: the default one
+            named = {t.get("name"): t.get("template") for t in source}
+            source = named.get("default")
+        if source is None and (model_dir / "chat_template.jinja").is_file():
+            source = (model_dir / "chat_template.jinja").read_text()
+        return cls(source, tokens) if source else None
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               **kwargs) -> str:
+        """The prompt text of `messages` ([{"role": ..., "content": ...}, ...]). Raises
+        ChatTemplateError when the template rejects them."""
+        try:
+            return self.template.render(messages=messages,
+                                        add_generation_prompt=add_generation_prompt,
+                                        **self.special_tokens, **kwargs)
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"the chat template failed on these messages: {e}") from e

@@ -1,0 +1,148 @@
+"""The OpenAI API's request bodies (completions and chat completions) as pydantic models, their
+translation into SamplingParams, and OpenAI's error shape.
+
+Fields outside the API that vLLM also takes: top_k, min_p, repetition_penalty, ignore_eos.
+Fields of the API that kvserve does not implement are a 400 when set to anything but their
+default (echo, suffix, best_of != n, logit_bias, tools, non-text response_format), never
+silently ignored."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvserve.engine import SamplingParams
+
+
+class APIError(Exception):
+    """An error the server answers in OpenAI's shape with `status`."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status, message, type, param, code)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """What completions and chat completions share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The engine's parameters; raises APIError(400) for unsupported fields and ValueError
+        (SamplingParams' own checks) for bad values."""
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        if self.n < 1:
+            raise APIError(400, f"n must be at least 1, got {self.n}", param="n")
+        values: dict[str, Any] = dict(
+            n=self.n, stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            ignore_eos=self.ignore_eos, logprobs=logprobs, seed=self.seed)
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty"):
+            if getattr(self, name) is not None:
+                values[name] = getattr(self, name)
+        if max_tokens is not None:
+            values["max_tokens"] = max_tokens
+        params = SamplingParams(**values)
+        params.validate()
+        return params
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: one string, strings, one token-id list or token-id lists."""
+        p = self.prompt
+        if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
+            return [p]
+        if not p:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        return list(p)
+
+    def check_supported(self) -> None:
+        for name, default in (("echo", False), ("suffix", None)):
+            if getattr(self, name) != default:
+                raise APIError(400, f"{name} is not supported", param=name)
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, "best_of other than n is not supported", param="best_of")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict] | None = None
+
+    def as_template_input(self) -> dict:
+        """The message as chat templates read it: content parts of type text joined."""
+        content = self.content
+        if isinstance(content, list):
+            if any(part.get("type") != "text" for part in content):
+                raise APIError(400, "only text content parts are supported", param="messages")
+            content = "".join(part.get("text", "") for part in content)
+        return {**(self.model_extra or {}), "role": self.role, "content": content}
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+
+
+class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    response_format: ResponseFormat | None = None
+    add_generation_prompt: bool = True
+
+    def check_supported(self) -> None:
+        if self.tools:
+            raise APIError(400, "tools are not supported", param="tools")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise APIError(400, "only response_format text is supported",
+                           param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

@@ -1,0 +1,121 @@
+"""The choices of one API call as the engine's outputs build them: stream deltas as they come,
+the whole choices at the end, token usage, and logprobs in the completions API's and the chat
+API's shapes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.server.protocol import APIError
+
+
+@dataclass
+class _Choice:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list = field(default_factory=list)  # _C.TokenLogprobs per token
+    error: str | None = None
+    started: bool = False  # a delta has been streamed (chat: the role went out)
+
+
+class Choices:
+    """Choice i * n + j is sample j of prompt i."""
+
+    def __init__(self, tokenizer, n: int, num_prompts: int, chat: bool):
+        self.tokenizer, self.n, self.chat = tokenizer, n, chat
+        self.choices = [_Choice() for _ in range(n * num_prompts)]
+        self.prompt_tokens = [0] * num_prompts
+        self.want_logprobs = False
+
+    def add(self, prompt: int, out) -> list[dict]:
+        """Takes one RequestOutput of prompt `prompt`; returns the stream deltas it makes, one per
+        choice that gained text or finished."""
+        self.prompt_tokens[prompt] = len(out.prompt_token_ids)
+        deltas = []
+        for sample in out.outputs:
+            index = prompt * self.n + sample.index
+            c = self.choices[index]
+            if c.finish_reason is not None:
+                continue
+            new = list(sample.new_token_ids)
+            c.text, c.token_ids = sample.text, list(sample.token_ids)
+            c.finish_reason = sample.finish_reason
+            if sample.logprobs is not None:
+                self.want_logprobs = True
+                c.logprobs = list(sample.logprobs)
+            if sample.finish_reason == "error":
+                c.error = out.error or "the engine failed on this request"
+            if not (sample.delta_text or new or sample.finish_reason):
+                continue
+            new_logprobs = c.logprobs[len(c.logprobs) - len(new):] if self.want_logprobs else None
+            deltas.append(self._delta(index, c, sample.delta_text, new_logprobs))
+            c.started = True
+        return deltas
+
+    def _delta(self, index: int, c: _Choice, text: str, logprobs) -> dict:
+        finish = c.finish_reason
+        if self.chat:
+            delta = {"content": text}
+            if not c.started:
+                delta = {"role": "assistant", **delta}
+            return {"index": index, "delta": delta, "logprobs": self._chat_logprobs(logprobs),
+                    "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": self._completion_logprobs(logprobs),
+                "finish_reason": finish}
+
+    def final(self) -> list[dict]:
+        """The whole choices of a response that is not streamed."""
+        out = []
+        for index, c in enumerate(self.choices):
+            logprobs = c.logprobs if self.want_logprobs else None
+            finish = c.finish_reason
+            if self.chat:
+                out.append({"index": index, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": self._chat_logprobs(logprobs), "finish_reason": finish})
+            else:
+                out.append({"index": index, "text": c.text,
+                            "logprobs": self._completion_logprobs(logprobs),
+                            "finish_reason": finish})
+        return out
+
+    def usage(self) -> dict:
+        prompt = sum(self.prompt_tokens)
+        completion = sum(len(c.token_ids) for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    def raise_errors(self) -> None:
+        """An APIError(500) when the engine failed a sample (its other requests went on)."""
+        failed = next((c for c in self.choices if c.error is not None), None)
+        if failed is not None:
+            raise APIError(500, failed.error, type="internal_error")
+
+    # -------------------------------------------------------------------------- logprobs
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _completion_logprobs(self, logprobs) -> dict | None:
+        """The completions API's: tokens, token_logprobs, top_logprobs, text_offset."""
+        if logprobs is None:
+            return None
+        tokens = [self._token(lp.token_id) for lp in logprobs]
+        offsets, at = [], 0
+        for token in tokens:
+            offsets.append(at)
+            at += len(token)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [{self._token(t): p for t, p in lp.top} for lp in logprobs],
+                "text_offset": offsets}
+
+    def _chat_logprobs(self, logprobs) -> dict | None:
+        """The chat API's: content, one entry per token with its top alternatives."""
+        if logprobs is None:
+            return None
+
+        def entry(token_id: int, logprob: float) -> dict:
+            token = self._token(token_id)
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+        return {"content": [{**entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [entry(t, p) for t, p in lp.top]}
+                            for lp in logprobs]}

@@ -1,0 +1,83 @@
+"""`python -m kvserve serve`: the HTTP server on uvicorn. The port opens at once and answers 503
+while the model loads in a background thread."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+from kvserve.server.app import ServerState, build_app
+from kvserve.server.chat_template import ChatTemplate
+
+
+def load_into(state: ServerState, model: str | Path, chat_template: str | Path | None,
+              engine_kwargs: dict) -> None:
+    """Loads the engine and the chat template, then marks the server ready; a failure is kept in
+    state.load_error (the server then answers 503 saying why)."""
+    from kvserve.async_engine import AsyncLLMEngine
+
+    try:
+        template = ChatTemplate.from_model_dir(model, chat_template)
+        state.ready(AsyncLLMEngine(model, **engine_kwargs), template)
+    except BaseException as e:  # reported on every request instead
+        state.load_error = e
+        print(f"kvserve serve: the model failed to load: {e}", file=sys.stderr)
+
+
+def serve(model: str | Path, host: str = "127.0.0.1", port: int = 8000,
+          api_key: str | None = None, served_model_name: str | None = None,
+          chat_template: str | Path | None = None, log_level: str = "info",
+          **engine_kwargs) -> None:
+    """Serves until interrupted; the engine shuts down (aborting what runs) on exit."""
+    import uvicorn
+
+    state = ServerState(served_model_name or str(model), api_key)
+    loader = threading.Thread(target=load_into, args=(state, model, chat_template, engine_kwargs),
+                              name="kvserve-load", daemon=True)
+    loader.start()
+    try:
+        uvicorn.run(build_app(state), host=host, port=port, log_level=log_level)
+    finally:
+        loader.join()
+        if state.engine is not None:
+            state.engine.shutdown()
+
+
+class BackgroundServer:
+    """The app on a loopback port in a thread of this process (tests and benchmarks)."""
+
+    def __init__(self, state: ServerState, port: int | None = None):
+        import uvicorn
+
+        self.port = port or free_port()
+        self.state = state
+        config = uvicorn.Config(build_app(state), host="127.0.0.1", port=self.port,
+                                log_level="warning", lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="kvserve-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "BackgroundServer":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,345 @@
+"""The HTTP server with real clients: the official `openai` package and httpx against a server on
+a loopback port (the shipped model, fp32): greedy completions and chat equal LLM.generate's,
+streamed or not; n > 1, logprobs, stop strings, usage; OpenAI-shaped errors with their statuses;
+a disconnect mid-stream or mid-request frees the request's blocks; /metrics parses and its
+counters match the work done; many concurrent streams with cancellations lose nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+prometheus_parser = pytest.importorskip("prometheus_client.parser")
+
+import kvserve  # noqa: E402
+from kvserve.async_engine import AsyncLLMEngine  # noqa: E402
+from kvserve.server import ServerState  # noqa: E402
+from kvserve.server.chat_template import ChatTemplate  # noqa: E402
+from kvserve.server.serve import BackgroundServer  # noqa: E402
+
+MODEL = Path(__file__).resolve().parents[2] / "models" / "shakespeare-target"
+NAME = "shakespeare"
+TEMPLATE = ("{% for m in messages %}{{ m['role'] | upper }}:\n{{ m['content'] }}\n\n{% endfor %}"
+            "{% if add_generation_prompt %}ASSISTANT:\n{% endif %}")
+PROMPTS = ["ROMEO:\n", "JULIET:\nO Romeo, Romeo!", "First Citizen:\nBefore we proceed"]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with AsyncLLMEngine(MODEL, dtype="float32", max_model_len=256, num_blocks=64) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    state = ServerState(NAME)
+    state.ready(engine, ChatTemplate(TEMPLATE, {"eos_token": "</s>"}))
+    with BackgroundServer(state) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return kvserve.LLM(MODEL, dtype="float32", max_model_len=256)
+
+
+def greedy(**extra):
+    return dict(temperature=0, max_tokens=24, **extra)
+
+
+def wait_idle(engine, timeout=10.0) -> None:
+    """Until the engine has no request left and every block is free (fails after timeout)."""
+    deadline = time.monotonic() + timeout
+    blocks = engine.engine.block_manager
+    while engine.engine.has_unfinished_requests() or (
+            blocks.num_free_blocks() != blocks.num_usable_blocks()):
+        assert time.monotonic() < deadline, "requests or blocks were not freed"
+        time.sleep(0.02)
+
+
+# ------------------------------------------------------------------------------ completions
+
+def test_completions_equal_llm_generate(client, offline):
+    want = offline.generate(PROMPTS, kvserve.SamplingParams(temperature=0, max_tokens=24),
+                            use_tqdm=False)
+    r = client.completions.create(model=NAME, prompt=PROMPTS, **greedy())
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [w.outputs[0].text for w in want]
+    assert all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.prompt_tokens == sum(len(w.prompt_token_ids) for w in want)
+    assert r.usage.completion_tokens == 3 * 24
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.model == NAME and r.object == "text_completion"
+
+
+def test_streamed_completion_equals_the_whole(client):
+    whole = client.completions.create(model=NAME, prompt=PROMPTS[1], **greedy())
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPTS[1], stream=True,
+                                            stream_options={"include_usage": True},
+                                            **greedy()))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert len([c for c in chunks if c.choices]) > 3  # one chunk per step, not one at the end
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+
+
+def test_token_id_prompts_and_n_samples(client, offline):
+    ids = offline.tokenizer.encode(PROMPTS[0])
+    by_text = client.completions.create(model=NAME, prompt=PROMPTS[0], **greedy())
+    by_ids = client.completions.create(model=NAME, prompt=ids, **greedy())
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    r = client.completions.create(model=NAME, prompt=[PROMPTS[0], PROMPTS[2]], n=2,
+                                  temperature=1.0, seed=7, max_tokens=8)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.usage.completion_tokens == 4 * 8
+    again = client.completions.create(model=NAME, prompt=[PROMPTS[0], PROMPTS[2]], n=2,
+                                      temperature=1.0, seed=7, max_tokens=8)
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]  # seeded
+
+
+def test_stop_strings_and_logprobs(client, offline):
+    want = offline.generate([PROMPTS[0]], kvserve.SamplingParams(
+        temperature=0, max_tokens=24, logprobs=2), use_tqdm=False)[0].outputs[0]
+    r = client.completions.create(model=NAME, prompt=PROMPTS[0], logprobs=2, **greedy())
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 24
+    assert lp.token_logprobs == pytest.approx([t.logprob for t in want.logprobs], abs=1e-5)
+    assert all(len(top) <= 2 for top in lp.top_logprobs)
+    assert "".join(lp.tokens) == r.choices[0].text
+    stop = want.text[5:7]
+    r = client.completions.create(model=NAME, prompt=PROMPTS[0], stop=[stop], **greedy())
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == want.text[:want.text.index(stop)]
+
+
+# ------------------------------------------------------------------------------------ chat
+
+def test_chat_renders_the_template_and_streams(client, offline):
+    messages = [{"role": "user", "content": "Speak, speak."}]
+    prompt = "USER:\nSpeak, speak.\n\nASSISTANT:\n"
+    want = offline.generate([prompt], kvserve.SamplingParams(temperature=0, max_tokens=24),
+                            use_tqdm=False)[0]
+    r = client.chat.completions.create(model=NAME, messages=messages, **greedy())
+    # The template writes no BOS: the prompt is the rendered text without special tokens.
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids) - 1
+    assert r.choices[0].message.role == "assistant" and r.object == "chat.completion"
+    chunks = list(client.chat.completions.create(model=NAME, messages=messages, stream=True,
+                                                 **greedy()))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert streamed == r.choices[0].message.content
+    r = client.chat.completions.create(model=NAME, messages=messages, logprobs=True,
+                                       top_logprobs=3, max_completion_tokens=5, temperature=0)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 5 == r.usage.completion_tokens
+    assert all(len(t.top_logprobs) <= 3 and t.top_logprobs[0].logprob >= t.logprob - 1e-6
+               for t in content)
+
+
+def test_chat_without_a_template_is_a_400(server, client):
+    template, server.state.chat_template = server.state.chat_template, None
+    try:
+        with pytest.raises(openai.BadRequestError, match="no chat template"):
+            client.chat.completions.create(model=NAME, messages=[{"role": "user",
+                                                                  "content": "hi"}])
+    finally:
+        server.state.chat_template = template
+
+
+# ---------------------------------------------------------------------------------- errors
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(temperature=-1.0), "BadRequestError", "temperature"),
+    (dict(top_p=0.0), "BadRequestError", "top_p"),
+    (dict(n=0), "BadRequestError", "n must be"),
+    (dict(max_tokens=1000), "BadRequestError", "max_model_len"),
+    (dict(prompt="x" * 5000), "BadRequestError", "max_model_len"),
+    (dict(prompt=[10 ** 9]), "BadRequestError", "vocabulary"),
+    (dict(prompt=[]), "BadRequestError", "empty"),
+    (dict(echo=True), "BadRequestError", "echo"),
+    (dict(logit_bias={"5": 1.0}), "BadRequestError", "logit_bias"),
+    (dict(model="gpt-4"), "NotFoundError", "does not exist"),
+])
+def test_bad_requests_get_openai_errors(client, engine, kwargs, error, match):
+    args = dict(model=NAME, prompt=PROMPTS[0], max_tokens=4) | kwargs
+    with pytest.raises(getattr(openai, error), match=match) as info:
+        client.completions.create(**args)
+    body = info.value.body
+    assert set(body) >= {"message", "type", "param", "code"}
+    wait_idle(engine)
+
+
+def test_malformed_json_is_a_400(server):
+    r = httpx.post(server.url + "/v1/completions", content=b"{not json",
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(server.url + "/v1/completions", json={"model": NAME})  # no prompt
+    assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]
+
+
+def test_api_key_and_loading(engine):
+    state = ServerState(NAME, api_key="secret")
+    with BackgroundServer(state) as s:
+        assert httpx.get(s.url + "/health").status_code == 503  # still loading
+        r = httpx.get(s.url + "/v1/models", headers={"authorization": "Bearer secret"})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        state.ready(engine, None)
+        assert httpx.get(s.url + "/health").status_code == 200
+        for headers in ({}, {"authorization": "Bearer wrong"}):
+            r = httpx.get(s.url + "/v1/models", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=s.url + "/v1", api_key="wrong",
+                          max_retries=0).models.list()
+        models = openai.OpenAI(base_url=s.url + "/v1", api_key="secret").models.list()
+        assert [m.id for m in models.data] == [NAME]
+        assert httpx.get(s.url + "/metrics").status_code == 200  # outside /v1: no key
+
+
+# ------------------------------------------------------------------------ disconnects
+
+def test_a_disconnect_mid_stream_frees_the_request(server, engine):
+    wait_idle(engine)
+    before = engine.get_stats().num_aborted_requests
+    body = dict(model=NAME, prompt=PROMPTS[2], max_tokens=200, temperature=0, stream=True,
+                ignore_eos=True)
+    with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        assert engine.engine.has_unfinished_requests()
+    wait_idle(engine)
+    assert engine.get_stats().num_aborted_requests == before + 1
+
+
+def test_a_disconnect_before_the_answer_frees_the_request(server, engine):
+    wait_idle(engine)
+    before = engine.get_stats().num_aborted_requests
+    body = dict(model=NAME, prompt=PROMPTS[2], max_tokens=200, temperature=0, ignore_eos=True)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
+    wait_idle(engine)
+    assert engine.get_stats().num_aborted_requests == before + 1
+
+
+# -------------------------------------------------------------------------------- metrics
+
+def scrape(server) -> dict[str, float]:
+    text = httpx.get(server.url + "/metrics").text
+    values = {}
+    for family in prometheus_parser.text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name + "".join(f"[{v}]" for k, v in sorted(sample.labels.items())
+                                        if k not in ("model_name", "le"))
+            if "le" not in sample.labels:
+                values[key] = values.get(key, 0.0) + sample.value
+    return values
+
+
+def test_metrics_count_the_work_done(server, client, engine):
+    wait_idle(engine)
+    before = scrape(server)
+    r = client.completions.create(model=NAME, prompt=PROMPTS, n=2, temperature=0.8, seed=1,
+                                  max_tokens=10, extra_body={"ignore_eos": True})
+    after = scrape(server)
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert delta["kvserve:prompt_tokens_total"] == r.usage.prompt_tokens
+    assert delta["kvserve:generation_tokens_total"] == r.usage.completion_tokens == 60
+    assert delta["kvserve:request_success_total[length]"] == 6
+    assert delta["kvserve:time_to_first_token_seconds_count"] == 3
+    assert delta["kvserve:e2e_request_latency_seconds_count"] == 3
+    assert after["kvserve:num_requests_running"] == 0 == after["kvserve:num_requests_waiting"]
+    assert 0 <= after["kvserve:kv_cache_usage_perc"] <= 1
+    assert after["kvserve:prefix_cache_queries_total"] >= after["kvserve:prefix_cache_hits_total"]
+
+
+# ------------------------------------------------------------------------------------ load
+
+def test_concurrent_streams_with_cancellations_lose_nothing(server, engine, offline):
+    """Streams of greedy completions, a third cancelled at a random point: every stream that
+    finishes has exactly LLM.generate's text, the rest end early, and every block is free."""
+    count, rng = 60, random.Random(0)
+    prompts = [PROMPTS[i % 3] + " " * (i % 5) for i in range(count)]
+    lengths = [rng.randrange(4, 40) for _ in range(count)]
+    want = offline.generate(prompts, [kvserve.SamplingParams(temperature=0, max_tokens=n,
+                                                             ignore_eos=True) for n in lengths],
+                            use_tqdm=False)
+    cancel_after = {i: rng.randrange(1, 4) for i in rng.sample(range(count), count // 3)}
+
+    async def one(http, i):
+        body = dict(model=NAME, prompt=prompts[i], max_tokens=lengths[i], temperature=0,
+                    ignore_eos=True, stream=True)
+        text, chunks, finish = "", 0, None
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choice = json.loads(line[6:])["choices"][0]
+                text, chunks = text + choice["text"], chunks + 1
+                finish = choice["finish_reason"] or finish
+                if i in cancel_after and chunks == cancel_after[i]:
+                    return i, text, "cancelled"
+        return i, text, finish
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+            return await asyncio.gather(*(one(http, i) for i in range(count)))
+
+    results = asyncio.run(run())
+    for i, text, finish in results:
+        if finish == "cancelled":
+            assert want[i].outputs[0].text.startswith(text)
+        else:
+            assert (text, finish) == (want[i].outputs[0].text, "length"), i
+    wait_idle(engine)
+
+
+# --------------------------------------------------------------------------- command line
+
+def test_the_serve_command(tmp_path):
+    """`python -m kvserve serve`: 503 while loading, then the API, with its API key."""
+    import os
+    import subprocess
+    import sys
+
+    from kvserve.server.serve import free_port
+
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "kvserve", "serve", "--model", str(MODEL), "--port", str(port),
+         "--api-key", "k", "--served-model-name", NAME, "--chat-template", TEMPLATE,
+         "--max-model-len", "128"], env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline, statuses = time.monotonic() + 60, set()
+        while 200 not in statuses:
+            assert server.poll() is None and time.monotonic() < deadline, server.stdout.read()
+            try:
+                statuses.add(httpx.get(url + "/health").status_code)
+            except httpx.TransportError:
+                time.sleep(0.05)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
+        assert client.models.list().data[0].max_model_len == 128
+        r = client.chat.completions.create(model=NAME, messages=[{"role": "user",
+                                                                  "content": "Speak."}],
+                                           max_tokens=5, temperature=0)
+        assert r.usage.completion_tokens == 5
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
