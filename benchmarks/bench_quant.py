@@ -12,7 +12,8 @@
    baseline (activations, embeddings, LM head). Weights in MB as the engine holds them, TPOT,
    speed-up over bf16. In the same run, llama.cpp (llama-cpp-python) on the same weights as F32,
    BF16, Q8_0 and Q4_0 GGUF files (benchmarks/llama_cpp_peer.py; its file size as MB). Variants
-   interleaved per repeat; medians.
+   interleaved per repeat; medians. `--only throughput`: batched greedy decode of --batch
+   sequences, tokens per second, the same variants and llama.cpp's batched decoding.
 
 3. Quality: perplexity of the trained models (models/shakespeare-target on the held-out last 10%
    of Tiny Shakespeare; stories260K, converted from ../shared/data, on the second half of the
@@ -201,6 +202,46 @@ def bench_model(args) -> list[list]:
 PPL_METHODS = ("int8", "w8a8", "llm.int8", "fp8", "int4", "awq")
 
 
+def bench_throughput(args) -> list[list]:
+    """Batched greedy decode: args.batch 8-token prompts, args.decode_tokens each, output tokens
+    per second from submission to the last token (prefill included). kvserve: LLM.generate of
+    the batch (continuous batching, every sequence in each step); llama.cpp: one llama_decode
+    per step over a batch of all sequences. Each variant loads once, warms up, then times
+    args.repeats runs; medians."""
+    paths = checkpoints(args)
+    prompts = [[1] + [3 + (7 * i + j) % 1000 for j in range(7)] for i in range(args.batch)]
+    script = llama_cpp_peer.convert_script(args.llama_cpp_convert)
+    gguf = llama_cpp_peer.gguf_files(paths["fp32"][0], script) if script else {}
+    threads = torch.get_num_threads()
+    params = kvserve.SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
+    rates = {}
+    for name, (path, dtype) in paths.items():
+        llm = kvserve.LLM(path, dtype=dtype, max_model_len=8 + args.decode_tokens,
+                          enable_prefix_caching=False, max_num_seqs=args.batch,
+                          log_memory_plan=False)
+        llm.generate(prompts, kvserve.SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+        runs = []
+        for _ in range(args.repeats):
+            started = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            runs.append(args.batch * args.decode_tokens / (time.perf_counter() - started))
+        rates[name] = statistics.median(runs)
+        print(name, f"{rates[name]:.1f} tokens/s", flush=True)
+        del llm
+        gc.collect()
+    for fmt, path in gguf.items():
+        llama_cpp_peer.batched_throughput(path, prompts, 2, threads)  # warm-up
+        rates[f"llama.cpp {fmt}"] = statistics.median(
+            llama_cpp_peer.batched_throughput(path, prompts, args.decode_tokens, threads)
+            for _ in range(args.repeats))
+        print(f"llama.cpp {fmt}", f"{rates[f'llama.cpp {fmt}']:.1f} tokens/s", flush=True)
+    rows = [[name, f"{rate:.1f}", f"{rate / rates['bf16']:.2f}x"] for name, rate in rates.items()]
+    print(f"\nbatched greedy decode, {args.batch} sequences x {args.decode_tokens} tokens, "
+          f"medians of {args.repeats}:")
+    print(markdown_table(["weights", "tokens/s", "vs kvserve bf16"], rows))
+    return rows
+
+
 def text_splits(data: Path, cache: Path) -> dict[str, tuple[Path, Path, Path]]:
     """model -> (checkpoint, calibration text, evaluation text)."""
     from kvserve.convert.llama2c import convert_llama2c
@@ -369,7 +410,9 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cache-dir", type=Path, default=HERE / ".cache")
-    p.add_argument("--only", choices=["op", "prefill", "model", "perplexity", "kv", "moe"], default=None)
+    p.add_argument("--only", choices=["op", "prefill", "model", "throughput", "perplexity", "kv",
+                                             "moe"], default=None)
+    p.add_argument("--batch", type=int, default=16, help="sequences of --only throughput")
     p.add_argument("--moe-experts", type=int, default=16)
     p.add_argument("--moe-top-k", type=int, default=4)
     p.add_argument("--kv-batch", type=int, default=8)
@@ -383,6 +426,7 @@ def main() -> None:
         args.model, args.op_shape, args.decode_tokens, args.repeats = "quick", [512, 256], 8, 1
         args.kv_context, args.moe_experts = 256, 4
     runs = {"op": bench_op, "prefill": bench_prefill, "model": bench_model,
+            "throughput": bench_throughput,
             "perplexity": bench_perplexity, "kv": bench_kv, "moe": bench_moe}
     rows = {name: run(args) for name, run in runs.items() if args.only in (None, name)}
     name = "quant.json" if args.only is None else f"quant-{args.only}.json"

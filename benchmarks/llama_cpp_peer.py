@@ -132,3 +132,48 @@ def decode_tpot(path: Path, prompt: list[int], num_tokens: int, threads: int) ->
             break
     del llm
     return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+
+
+def batched_throughput(path: Path, prompts: list[list[int]], num_tokens: int,
+                       threads: int) -> float:
+    """Output tokens per second of greedy decode of all `prompts` at once, num_tokens each,
+    timed from the start of their prefill to the last token: one llama_decode per step over a
+    batch holding one token of every sequence (llama.cpp's batched decoding, as its
+    batched-bench and server run it), each sequence in its own KV sequence id."""
+    import llama_cpp
+    import numpy as np
+
+    n = len(prompts)
+    with quiet_stderr():
+        model = llama_cpp.llama_model_load_from_file(str(path).encode(),
+                                                     llama_cpp.llama_model_default_params())
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = sum(len(p) + num_tokens for p in prompts) + 16
+        params.n_batch = params.n_ubatch = max(512, sum(len(p) for p in prompts))
+        params.n_seq_max, params.n_threads, params.n_threads_batch = n, threads, threads
+        ctx = llama_cpp.llama_init_from_model(model, params)
+    vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    batch = llama_cpp.llama_batch_init(params.n_batch, 0, n)
+
+    def decode(entries: list[tuple[int, int, int]]) -> list[int]:
+        """entries (token, position, sequence), the last of each sequence's read: the greedy
+        next token of each sequence, in sequence order."""
+        last = {seq: i for i, (_, _, seq) in enumerate(entries)}
+        batch.n_tokens = len(entries)
+        for i, (token, pos, seq) in enumerate(entries):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
+            batch.seq_id[i][0], batch.logits[i] = seq, last[seq] == i
+        if llama_cpp.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        return [int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, last[s]),
+                                          shape=(vocab,)).argmax()) for s in range(n)]
+
+    started = time.perf_counter()
+    nxt = decode([(t, pos, s) for s, p in enumerate(prompts) for pos, t in enumerate(p)])
+    for step in range(num_tokens - 1):
+        nxt = decode([(t, len(prompts[s]) + step, s) for s, t in enumerate(nxt)])
+    elapsed = time.perf_counter() - started
+    llama_cpp.llama_batch_free(batch)
+    llama_cpp.llama_free(ctx)
+    llama_cpp.llama_model_free(model)
+    return n * num_tokens / elapsed

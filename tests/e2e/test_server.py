@@ -171,6 +171,7 @@ def test_chat_without_a_template_is_a_400(server, client):
     (dict(prompt="x" * 5000), "BadRequestError", "max_model_len"),
     (dict(prompt=[10 ** 9]), "BadRequestError", "vocabulary"),
     (dict(prompt=[]), "BadRequestError", "empty"),
+    (dict(prompt=[[1, 5, 9], [10 ** 9]], max_tokens=200), "BadRequestError", "vocabulary"),
     (dict(echo=True), "BadRequestError", "echo"),
     (dict(logit_bias={"5": 1.0}), "BadRequestError", "logit_bias"),
     (dict(model="gpt-4"), "NotFoundError", "does not exist"),

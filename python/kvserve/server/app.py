@@ -155,16 +155,20 @@ async def _serve(state: ServerState, request: Request, prefix: str, object_name:
     engine = state.engine
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     streams = [engine.generate(p, params, f"{request_id}-{i}") for i, p in enumerate(prompts)]
-    first = []
+    # Each stream submits its request at its first step, so all start together; a bad prompt
+    # raises there, and the call's other requests are aborted.
     try:
-        for stream in streams:  # add_request runs at the first step of each: errors surface here
-            first.append(await stream.__anext__())
-    except (ValueError, TypeError) as e:
-        await _close(streams)
-        raise APIError(400, str(e), param="prompt" if not chat else "messages") from e
-    except BaseException:
+        first = await asyncio.gather(*(stream.__anext__() for stream in streams),
+                                     return_exceptions=True)
+    except BaseException:  # cancelled (the server stops)
         await _close(streams)
         raise
+    failed = next((e for e in first if isinstance(e, BaseException)), None)
+    if failed is not None:
+        await _close(streams)
+        if isinstance(failed, (ValueError, TypeError)):
+            raise APIError(400, str(failed), param="messages" if chat else "prompt") from failed
+        raise failed
     choices = Choices(engine.engine.tokenizer, params.n, len(prompts), chat)
     header = dict(id=request_id, object=object_name, created=int(time.time()),
                   model=state.model_name)
