@@ -1,5 +1,7 @@
 #include "kernels/cpu_dispatch.h"
 
+#include <ATen/cpu/Utils.h>
+
 #include <cstdlib>
 #include <cstring>
 
@@ -34,6 +36,22 @@ Capability from_environment(Capability detected) {
 Capability cpu_capability() {
   static const Capability capability = from_environment(detect());
   return capability;
+}
+
+bool has_native_gemm(c10::ScalarType dtype) {
+  static const auto flags = at::cpu::get_cpu_capabilities();
+  const auto has = [](const char* name) {
+    auto it = flags.find(name);
+    return it != flags.end() && it->second.isBool() && it->second.toBool();
+  };
+  static const bool bf16 = has("avx512_bf16") || has("amx_bf16");
+  static const bool fp16 = has("avx512_fp16") || has("amx_fp16");
+  switch (dtype) {
+    case c10::ScalarType::Float: return true;
+    case c10::ScalarType::BFloat16: return bf16;
+    case c10::ScalarType::Half: return fp16;
+    default: return false;
+  }
 }
 
 const char* capability_name(Capability capability) {

@@ -5,6 +5,7 @@
 // CPU_CAPABILITY naming the variant, and registers its function into a CpuKernelStub. The launcher
 // calls `stub()` which returns the best variant the running CPU supports. No -march=native.
 
+#include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 
 namespace kvserve::cpu {
@@ -19,6 +20,12 @@ Capability cpu_capability();
 
 /// "default", "avx2" or "avx512".
 const char* capability_name(Capability capability);
+
+/// Whether the CPU multiplies `dtype` natively in a GEMM: always for fp32; bf16 with AVX-512 BF16
+/// or AMX-BF16, fp16 with AVX-512 FP16 or AMX-FP16 (detected once). Without, a reduced-precision
+/// GEMM converts as it goes and runs several times slower than fp32's (6x for bf16 on an AVX2
+/// Zen 4 VM, benchmarks/bench_quant.py --only prefill), so launchers run those products in fp32.
+bool has_native_gemm(c10::ScalarType dtype);
 
 /// One kernel, compiled once per capability; a slot stays null when that variant was not built.
 template <typename Fn>

@@ -344,3 +344,22 @@ def test_the_serve_command(tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_speculative_counters_appear_with_speculation():
+    from prometheus_client import generate_latest
+
+    from kvserve.server.metrics import ServerMetrics
+
+    llm = kvserve.LLM(MODEL, dtype="float32", max_model_len=128, speculative_method="ngram",
+                      num_speculative_tokens=3)
+    metrics = ServerMetrics(NAME)
+    metrics.attach(llm.llm_engine)
+    llm.generate([PROMPTS[1] * 3], kvserve.SamplingParams(temperature=0, max_tokens=24),
+                 use_tqdm=False)
+    values = {s.name: s.value for f in prometheus_parser.text_string_to_metric_families(
+        generate_latest(metrics.registry).decode()) for s in f.samples}
+    stats = llm.llm_engine.get_stats()
+    assert values["kvserve:spec_decode_num_drafts_total"] == stats.num_drafts > 0
+    assert values["kvserve:spec_decode_num_draft_tokens_total"] == stats.num_draft_tokens
+    assert values["kvserve:spec_decode_num_accepted_tokens_total"] == stats.num_accepted_tokens

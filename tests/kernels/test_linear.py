@@ -1,5 +1,6 @@
 """linear (the GEMV paths for a few tokens on the plain and on the packed weight, oneDNN's GEMM on
-the packed weight and the plain GEMM) and linear_gather_rows against an fp64 matmul / indexing."""
+the packed weight, the plain GEMM, and fp32 GEMMs on converted rows where the CPU has no bf16 /
+fp16 GEMM) and linear_gather_rows against an fp64 matmul / indexing."""
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ TOLERANCES = {
     torch.float16: dict(atol=2e-3, rtol=2e-3),
 }
 SHAPES = [(1, 1), (7, 5), (33, 16), (64, 100), (130, 257), (96, 1024)]  # (n, k)
-TOKENS = [1, 2, 3, 4, 5, 8, 9, 33]  # <= 8 (<= 2 with a packed weight) take the GEMV kernel
+TOKENS = [1, 2, 3, 4, 5, 8, 9, 33]  # <= 8 (<= 2 packed; <= 32 bf16 / fp16 without a GEMM) GEMV
 PACKABLE = [torch.float32, torch.bfloat16]  # oneDNN packs these on CPU
 
 

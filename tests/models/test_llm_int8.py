@@ -26,9 +26,11 @@ NUM_GREEDY_TOKENS = 16
 
 
 class ReferenceInt8Linear(torch.nn.Module):
-    def __init__(self, weight, scb, bias, threshold):
+    """A projection on the reference decomposition (threshold 0: W8A8)."""
+
+    def __init__(self, weight, scales, bias, threshold):
         super().__init__()
-        self.weight, self.scales, self.bias, self.threshold = weight, scb / 127.0, bias, threshold
+        self.weight, self.scales, self.bias, self.threshold = weight, scales, bias, threshold
 
     def forward(self, x):
         flat = x.reshape(-1, x.shape[-1])
@@ -36,20 +38,37 @@ class ReferenceInt8Linear(torch.nn.Module):
         return out.to(x.dtype).view(*x.shape[:-1], -1)
 
 
-def reference_model(original, quantized_dir, threshold):
+def reference_model(original, quantized_dir, threshold, scale: str = "SCB",
+                    to_scales=lambda scb: scb / 127.0):
+    """transformers' model of `original` with every projection the file quantized (it has
+    `<name>.<scale>`) on the reference decomposition of the file's int8 weight and scales."""
     model = transformers.AutoModelForCausalLM.from_pretrained(original).eval()
     tensors = load_file(quantized_dir / "model.safetensors")
     replaced = 0
     for name, module in list(model.named_modules()):
-        if f"{name}.SCB" not in tensors:
+        if f"{name}.{scale}" not in tensors:
             continue
         parent_name, _, attr = name.rpartition(".")
         bias = module.bias.detach() if module.bias is not None else None
         setattr(model.get_submodule(parent_name), attr, ReferenceInt8Linear(
-            tensors[f"{name}.weight"], tensors[f"{name}.SCB"], bias, threshold))
+            tensors[f"{name}.weight"], to_scales(tensors[f"{name}.{scale}"]), bias, threshold))
         replaced += 1
     assert replaced > 0
     return model
+
+
+def assert_matches_reference(llm, ref) -> None:
+    """Prompt logits within LOGIT_TOLERANCE of the largest and NUM_GREEDY_TOKENS greedy tokens
+    equal, on every test prompt."""
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            want = ref(torch.tensor([prompt])).logits[0]
+        ours = kvserve_prompt_logits(llm, prompt)
+        err = ((ours - want).abs().max() / want.abs().max()).item()
+        assert err <= LOGIT_TOLERANCE, f"max relative logit error {err:.2e}"
+    params = kvserve.SamplingParams(temperature=0, max_tokens=NUM_GREEDY_TOKENS, ignore_eos=True)
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params, use_tqdm=False)):
+        assert out.outputs[0].token_ids == hf_greedy(ref, prompt, NUM_GREEDY_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -72,17 +91,8 @@ def quantized(checkpoint_factory, tmp_path_factory):
                                           "Gemma2ForCausalLM"])
 def test_matches_the_reference_decomposition(quantized, architecture, threshold):
     original, path, threshold = quantized(architecture, threshold)
-    ref = reference_model(original, path, threshold)
-    llm = kvserve.LLM(path, dtype="float32")
-    for prompt in PROMPTS:
-        with torch.no_grad():
-            want = ref(torch.tensor([prompt])).logits[0]
-        ours = kvserve_prompt_logits(llm, prompt)
-        err = ((ours - want).abs().max() / want.abs().max()).item()
-        assert err <= LOGIT_TOLERANCE, f"max relative logit error {err:.2e}"
-    params = kvserve.SamplingParams(temperature=0, max_tokens=NUM_GREEDY_TOKENS, ignore_eos=True)
-    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params, use_tqdm=False)):
-        assert out.outputs[0].token_ids == hf_greedy(ref, prompt, NUM_GREEDY_TOKENS)
+    assert_matches_reference(kvserve.LLM(path, dtype="float32"),
+                             reference_model(original, path, threshold))
 
 
 def test_low_threshold_changes_the_result(quantized):

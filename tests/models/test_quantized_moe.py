@@ -14,7 +14,6 @@ from safetensors.torch import load_file, save_file
 import kvserve
 from kvserve.loader.safetensors_loader import load_weights
 from kvserve.quantization.quantize import quantize_checkpoint
-from tests.models.test_parity import PROMPTS, hf_greedy, kvserve_prompt_logits
 from tests.models.test_quantized_models import assert_same_generation, awq_dequantize
 
 transformers = pytest.importorskip("transformers")
@@ -77,7 +76,7 @@ def test_llm_int8_experts_run_weight_only(tmp_path):
     """LLM.int8() (bitsandbytes 8-bit) experts run weight-only int8 (fused_moe_quantized) while
     the attention runs LLM.int8(): against transformers with the experts' weights the file means
     and every attention projection on the reference decomposition."""
-    from tests.models.test_llm_int8 import LOGIT_TOLERANCE, NUM_GREEDY_TOKENS
+    from tests.models.test_llm_int8 import assert_matches_reference
     from tests.models.test_llm_int8 import reference_model as llm_int8_reference
 
     original = make_checkpoint(tmp_path / "plain", "MixtralForCausalLM")
@@ -91,12 +90,4 @@ def test_llm_int8_experts_run_weight_only(tmp_path):
     assert "layers.0.self_attn.qkv_proj.outlier_threshold" in loaded
 
     reference_dir, _ = dequantized_checkpoint(original, quantized, "llm.int8", tmp_path / "ref")
-    ref = llm_int8_reference(reference_dir, quantized, 6.0)
-    for prompt in PROMPTS:
-        with torch.no_grad():
-            want = ref(torch.tensor([prompt])).logits[0]
-        err = ((kvserve_prompt_logits(llm, prompt) - want).abs().max() / want.abs().max()).item()
-        assert err <= LOGIT_TOLERANCE, f"max relative logit error {err:.2e}"
-    params = kvserve.SamplingParams(temperature=0, max_tokens=NUM_GREEDY_TOKENS, ignore_eos=True)
-    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params, use_tqdm=False)):
-        assert out.outputs[0].token_ids == hf_greedy(ref, prompt, NUM_GREEDY_TOKENS)
+    assert_matches_reference(llm, llm_int8_reference(reference_dir, quantized, 6.0))

@@ -15,38 +15,11 @@ from safetensors.torch import load_file
 import kvserve
 from kvserve.loader.safetensors_loader import load_weights
 from kvserve.quantization.quantize import quantize_checkpoint
-from kvserve.testing import reference
-from tests.models.test_llm_int8 import LOGIT_TOLERANCE, NUM_GREEDY_TOKENS
-from tests.models.test_parity import PROMPTS, hf_greedy, kvserve_prompt_logits
+from tests.models.test_llm_int8 import (ReferenceInt8Linear, assert_matches_reference,
+                                        reference_model)
+from tests.models.test_parity import PROMPTS, kvserve_prompt_logits
 
 transformers = pytest.importorskip("transformers")
-
-
-class ReferenceW8A8Linear(torch.nn.Module):
-    def __init__(self, weight, weight_scale, bias):
-        super().__init__()
-        self.weight, self.scales, self.bias = weight, weight_scale.view(-1).float(), bias
-
-    def forward(self, x):
-        flat = x.reshape(-1, x.shape[-1])
-        out = reference.llm_int8_linear(flat, self.weight, self.scales, 0.0, self.bias)
-        return out.to(x.dtype).view(*x.shape[:-1], -1)
-
-
-def reference_model(original, quantized_dir):
-    model = transformers.AutoModelForCausalLM.from_pretrained(original).eval()
-    tensors = load_file(quantized_dir / "model.safetensors")
-    replaced = 0
-    for name, module in list(model.named_modules()):
-        if f"{name}.weight_scale" not in tensors:
-            continue
-        parent_name, _, attr = name.rpartition(".")
-        bias = module.bias.detach() if module.bias is not None else None
-        setattr(model.get_submodule(parent_name), attr, ReferenceW8A8Linear(
-            tensors[f"{name}.weight"], tensors[f"{name}.weight_scale"], bias))
-        replaced += 1
-    assert replaced == 2 * 7  # q, k, v, o, gate, up, down in each of 2 layers
-    return model
 
 
 @pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen2ForCausalLM",
@@ -60,15 +33,11 @@ def test_matches_the_reference_w8a8_product(checkpoint_factory, tmp_path, archit
     llm = kvserve.LLM(tmp_path / "w8a8", dtype="float32")
     loaded = load_weights(tmp_path / "w8a8", llm.model.config, torch.float32)
     assert loaded["layers.0.mlp.down_proj.outlier_threshold"].item() == 0.0
-    ref = reference_model(original, tmp_path / "w8a8")
-    for prompt in PROMPTS:
-        with torch.no_grad():
-            want = ref(torch.tensor([prompt])).logits[0]
-        err = ((kvserve_prompt_logits(llm, prompt) - want).abs().max() / want.abs().max()).item()
-        assert err <= LOGIT_TOLERANCE, f"max relative logit error {err:.2e}"
-    params = kvserve.SamplingParams(temperature=0, max_tokens=NUM_GREEDY_TOKENS, ignore_eos=True)
-    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params, use_tqdm=False)):
-        assert out.outputs[0].token_ids == hf_greedy(ref, prompt, NUM_GREEDY_TOKENS)
+    # weight_scale [out, 1] per row; threshold 0: no outliers, every activation to int8.
+    ref = reference_model(original, tmp_path / "w8a8", 0.0, "weight_scale",
+                          lambda scale: scale.view(-1).float())
+    assert sum(isinstance(m, ReferenceInt8Linear) for m in ref.modules()) == 2 * 7
+    assert_matches_reference(llm, ref)
 
 
 def test_activations_in_the_config_decide(checkpoint_factory, tmp_path):

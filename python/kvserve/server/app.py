@@ -106,9 +106,11 @@ def build_app(state: ServerState) -> FastAPI:
         engine = _engine(state)
         _check_model(state, body.model)
         body.check_supported()
-        if state.chat_template is None:
+        if state.chat_template is None or engine.engine.tokenizer is None:
             raise APIError(400, f"model {state.model_name} has no chat template (none in its "
-                                "tokenizer_config.json; start the server with --chat-template)")
+                                "tokenizer_config.json; start the server with --chat-template)"
+                           if state.chat_template is None else
+                           f"model {state.model_name} has no tokenizer to encode messages with")
         try:
             text = state.chat_template.render([m.as_template_input() for m in body.messages],
                                               body.add_generation_prompt)
