@@ -19,6 +19,7 @@ import asyncio
 import json
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -92,7 +93,7 @@ async def load(url: str, name: str, requests: list[tuple[str, int]], cancel: dic
 def start_server(model: Path, port: int, args) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "kvserve", "serve", "--model", str(model), "--port", str(port),
            "--served-model-name", "bench", "--dtype", args.dtype, "--max-num-seqs",
-           str(args.max_num_seqs)]
+           str(args.max_num_seqs), "--log-level", "warning"]
     server = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + 300
     while True:
@@ -104,6 +105,15 @@ def start_server(model: Path, port: int, args) -> subprocess.Popen:
         if server.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError("the server did not come up")
         time.sleep(0.2)
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of a process (this one by default) so far."""
+    if pid is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def metric(url: str, name: str) -> float:
@@ -141,7 +151,9 @@ def main() -> None:
     server = start_server(args.model, port, args)
     url = f"http://127.0.0.1:{port}"
     try:
+        client_cpu, server_cpu = cpu_seconds(), cpu_seconds(server.pid)
         results, started = asyncio.run(load(url, "bench", requests, cancel))
+        client_cpu, server_cpu = cpu_seconds() - client_cpu, cpu_seconds(server.pid) - server_cpu
         running = metric(url, "kvserve:num_requests_running")
         waiting = metric(url, "kvserve:num_requests_waiting")
         deadline = time.monotonic() + 30  # cancelled requests are aborted at the next step
@@ -178,12 +190,17 @@ def main() -> None:
           f"client), {args.model.name}, {args.dtype}:")
     print(markdown_table(["run", "requests done", "requests/s", "output tokens/s", "TTFT p50 ms",
                           "p90", "p99", "TPOT p50 ms", "p90", "p99"], rows))
+    print(f"CPU seconds over the {served_seconds:.1f} s of the load: server {server_cpu:.1f}, "
+          f"client {client_cpu:.1f} (2 cores: {2 * served_seconds:.1f}); offline "
+          f"{offline_seconds:.1f} s")
     checks = dict(errors=len(errors), wrong_text=len(wrong), bad_cancelled_prefix=len(bad_prefix),
                   running_after=running, waiting_after=waiting, kv_cache_usage_after=usage)
     print("checks:", checks)
     path = write_json(HERE / "results" / "serve.json",
                       dict(args={k: str(v) for k, v in vars(args).items()}, machine=machine_info(),
-                           rows=rows, checks=checks, errors=errors[:10]))
+                           rows=rows, checks=checks, errors=errors[:10],
+                           cpu=dict(server=server_cpu, client=client_cpu,
+                                    served_seconds=served_seconds)))
     print(f"wrote {path}")
     if errors or wrong or bad_prefix or running or waiting or usage:
         sys.exit(1)

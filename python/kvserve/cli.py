@@ -124,7 +124,7 @@ def _serve(args: argparse.Namespace) -> int:
                            speculative_method="ngram" if args.ngram else None,
                            num_speculative_tokens=args.num_speculative_tokens)
     serve(args.model, args.host, args.port, args.api_key or os.environ.get("KVSERVE_API_KEY"),
-          args.served_model_name, args.chat_template, dtype=args.dtype,
+          args.served_model_name, args.chat_template, args.log_level, dtype=args.dtype,
           max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
           num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching,
@@ -189,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require `Authorization: Bearer KEY` on /v1 (default: $KVSERVE_API_KEY)")
     v.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: --model as given)")
+    v.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (info logs every request)")
     v.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (file or text) instead of the checkpoint's")
     v.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
