@@ -33,13 +33,10 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
 
-    def put(self, item) -> bool:
-        """Hands `item` to the loop (from the owner thread); False once that loop is closed."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-            return True
-        except RuntimeError:
-            return False
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, out in items:
+        queue.put_nowait(out)
 
 
 class AsyncLLMEngine:
@@ -135,8 +132,17 @@ class AsyncLLMEngine:
             self._deliver(outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            with self._lock:
+        """Hands a step's outputs to their event loops: one wake-up per loop per step, not per
+        output (a server's step carries hundreds)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        with self._lock:
+            for out in outputs:
                 stream = self._streams.get(out.request_id)
-            if stream is not None and not stream.put(out):
-                self.engine.abort_request(out.request_id)  # its event loop is gone
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that event loop is closed: nobody awaits these requests
+                for _, out in items:
+                    self.engine.abort_request(out.request_id)

@@ -226,6 +226,15 @@ def _event(payload: dict) -> str:
 async def _merged(streams, first) -> AsyncIterator[tuple[int, object]]:
     """(prompt index, output) from every stream as they come, each stream's first output (already
     read) first. Closing or cancelling this closes every stream (aborting its request)."""
+    if len(streams) == 1:  # one prompt (most calls): no pump task or second queue
+        try:
+            yield 0, first[0]
+            if not first[0].finished:
+                async for out in streams[0]:
+                    yield 0, out
+        finally:
+            await _close(streams)
+        return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
