@@ -7,7 +7,7 @@
                             [engine options]
     python -m kvserve convert llama2c --checkpoint FILE.bin --tokenizer TOK.bin --out DIR
     python -m kvserve quantize --model DIR --method int8|w8a8|llm.int8|fp8|int4|awq --out DIR
-                               [--group-size N] [--calibration FILE]
+                               [--group-size N] [--calibration FILE] [--eval-text FILE]
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def _quantize(args: argparse.Namespace) -> int:
     from kvserve.quantization.quantize import quantize_checkpoint
 
     qc = quantize_checkpoint(Path(args.model), Path(args.out), args.method, args.group_size,
-                             args.calibration)
+                             args.calibration, args.eval_text, args.eval_tokens)
     print(f"wrote {args.out} ({qc['quant_method']}, {args.method}"
           f"{f', group size {args.group_size}' if args.method in ('int4', 'awq') else ''})")
     return 0
@@ -179,6 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--calibration", type=Path, default=None,
                    help="text file AWQ calibrates on (--method awq)")
     q.add_argument("--out", required=True, help="directory to write")
+    q.add_argument("--eval-text", type=Path, default=None,
+                   help="text whose perplexity (quantized and original) the model card gets "
+                   "(default: --calibration)")
+    q.add_argument("--eval-tokens", type=int, default=4096,
+                   help="tokens of --eval-text to score (4096)")
     q.add_argument("--group-size", type=int, default=128, help="int4 inputs per group (128, 64, 32)")
     q.set_defaults(func=_quantize)
     v = sub.add_parser("serve", help="serve the OpenAI API over HTTP")

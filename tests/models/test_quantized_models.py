@@ -221,3 +221,22 @@ def test_quantize_rejects_what_it_cannot_write(original, tmp_path):
     quantize_checkpoint(original, tmp_path / "z", "int8")
     with pytest.raises(ValueError, match="already quantized"):
         quantize_checkpoint(tmp_path / "z", tmp_path / "w", "int8")
+
+
+def test_model_card_states_the_method_and_perplexity(original, tmp_path):
+    from kvserve.perplexity import evaluate_perplexity
+
+    text = tmp_path / "eval.txt"
+    text.write_text("ROMEO: what light through yonder window breaks? " * 40)
+    quantize_checkpoint(original, tmp_path / "int8", "int8", eval_text=text, eval_tokens=300)
+    card = (tmp_path / "int8" / "README.md").read_text()
+    assert "--method int8" in card and "compressed-tensors" in card
+    line = next(x for x in card.splitlines() if x.startswith("- Perplexity on the first"))
+    ppl = {}
+    for name, path in (("quantized", tmp_path / "int8"), ("original", original)):
+        llm = kvserve.LLM(path)
+        ids = llm.tokenizer.encode(text.read_text())[:300]
+        ppl[name] = evaluate_perplexity(llm.model, ids, max_length=llm.max_model_len).perplexity
+    assert f"{ppl['quantized']:.4f} quantized, {ppl['original']:.4f} original" in line
+    quantize_checkpoint(original, tmp_path / "fp8", "fp8")
+    assert "not measured" in (tmp_path / "fp8" / "README.md").read_text()

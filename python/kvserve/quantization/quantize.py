@@ -12,6 +12,10 @@ Methods (round to nearest; the weights alone, no calibration data):
   written in AWQ's gemm layout;
 - awq: int4 as above after AWQ's activation-aware scales and clipping, calibrated on the text of
   --calibration (`kvserve.quantization.awq`).
+The output directory's model card (README.md: the source's, or a new one) gains a "Quantization"
+section: method, format, and with --eval-text FILE (default: the calibration text) the perplexity
+of the quantized and of the original model on its first --eval-tokens tokens.
+
 Attention and MLP projections are quantized; embeddings, norms, the LM head and MoE routers are
 copied as they are, and so is a projection whose shape the int4 layout cannot hold (in_features
 not a multiple of the group size, out_features not of 8): it is listed in the config's
@@ -43,11 +47,12 @@ LLM_INT8_THRESHOLD = 6.0  # bitsandbytes' default: the paper's outlier magnitude
 
 
 def quantize_checkpoint(model_dir: Path, out_dir: Path, method: str, group_size: int = 128,
-                        calibration: Path | None = None) -> dict:
+                        calibration: Path | None = None, eval_text: Path | None = None,
+                        eval_tokens: int = 4096) -> dict:
     """Writes the quantized checkpoint to out_dir (config.json with its quantization_config, one
-    model.safetensors, the other files copied) and returns its quantization_config. Raises
-    ValueError for an unknown method, an already quantized checkpoint or a layer whose shape the
-    format cannot hold."""
+    model.safetensors, the other files copied, the model card's Quantization section) and
+    returns its quantization_config. Raises ValueError for an unknown method, an already
+    quantized checkpoint or a layer whose shape the format cannot hold."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if method not in METHODS:
         raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
@@ -99,7 +104,49 @@ def quantize_checkpoint(model_dir: Path, out_dir: Path, method: str, group_size:
     save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
     config["quantization_config"] = qc
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    eval_text = eval_text if eval_text is not None else calibration
+    _write_card(model_dir, out_dir, method, group_size if int4 else None, qc, plain,
+                _perplexities(model_dir, out_dir, eval_text, eval_tokens) if eval_text else None,
+                eval_text)
     return qc
+
+
+def _perplexities(model_dir: Path, out_dir: Path, text: Path,
+                  max_tokens: int) -> tuple[float, float, int]:
+    """(quantized, original, tokens scored) on the first max_tokens tokens of `text`."""
+    from kvserve.llm import LLM
+    from kvserve.perplexity import evaluate_perplexity
+
+    results = []
+    for path in (out_dir, model_dir):
+        llm = LLM(path, log_memory_plan=False)
+        if llm.tokenizer is None:
+            raise ValueError(f"{model_dir} has no tokenizer.json to encode --eval-text with")
+        ids = llm.tokenizer.encode(Path(text).read_text(encoding="utf-8"))[:max_tokens]
+        results.append(evaluate_perplexity(llm.model, ids, max_length=llm.max_model_len))
+        del llm
+    return results[0].perplexity, results[1].perplexity, results[0].num_tokens
+
+
+def _write_card(model_dir: Path, out_dir: Path, method: str, group_size: int | None, qc: dict,
+                plain: list[str], ppl: tuple[float, float, int] | None,
+                text: Path | None) -> None:
+    card = model_dir / "README.md"
+    lines = [card.read_text().rstrip() + "\n" if card.is_file() else f"# {out_dir.name}\n",
+             "## Quantization\n",
+             f"- `python -m kvserve quantize --method {method}`"
+             f"{f' --group-size {group_size}' if group_size else ''} of `{model_dir.name}`, "
+             f"written as `{qc['quant_method']}`.",
+             "- Embeddings, norms, the LM head and MoE routers are kept as they were"
+             f"{'; so are ' + ', '.join(plain) if plain else ''}."]
+    if ppl is not None:
+        quantized, original, tokens = ppl
+        lines.append(f"- Perplexity on the first {tokens:,} tokens of `{Path(text).name}`: "
+                     f"{quantized:.4f} quantized, {original:.4f} original "
+                     f"({quantized / original - 1:+.2%}).")
+    else:
+        lines.append("- Perplexity: not measured (`--eval-text FILE` measures it).")
+    (out_dir / "README.md").write_text("\n".join(lines) + "\n")
 
 
 def _quantized(module: str, w: torch.Tensor, method: str,
