@@ -94,10 +94,9 @@ def start_server(model: Path, port: int, args) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "kvserve", "serve", "--model", str(model), "--port", str(port),
            "--served-model-name", "bench", "--dtype", args.dtype, "--max-num-seqs",
            str(args.max_num_seqs), "--log-level", "warning"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if args.server_threads:
-        env["OMP_NUM_THREADS"] = str(args.server_threads)
-    server = subprocess.Popen(cmd, env=env)
+        cmd += ["--threads", str(args.server_threads)]
+    server = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + 300
     while True:
         try:
@@ -137,7 +136,7 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--server-threads", type=int, default=None,
-                   help="the server's compute threads (OMP_NUM_THREADS; default: all cores)")
+                   help="the server's compute threads (serve --threads; default: all cores)")
     args = p.parse_args()
     requests = workload(args.requests)
     rng = random.Random(1)

@@ -123,6 +123,12 @@ def _serve(args: argparse.Namespace) -> int:
         speculation = dict(speculative_model=args.speculative_model,
                            speculative_method="ngram" if args.ngram else None,
                            num_speculative_tokens=args.num_speculative_tokens)
+    if args.threads is not None:
+        import torch
+
+        if args.threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     serve(args.model, args.host, args.port, args.api_key or os.environ.get("KVSERVE_API_KEY"),
           args.served_model_name, args.chat_template, args.log_level, dtype=args.dtype,
           max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
@@ -194,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require `Authorization: Bearer KEY` on /v1 (default: $KVSERVE_API_KEY)")
     v.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: --model as given)")
+    v.add_argument("--threads", type=int, default=None,
+                   help="compute threads (default: torch's, one per core); leave a core to the "
+                   "event loop and clients on small hosts")
     v.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (info logs every request)")

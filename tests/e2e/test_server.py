@@ -324,7 +324,7 @@ def test_the_serve_command(tmp_path):
     server = subprocess.Popen(
         [sys.executable, "-m", "kvserve", "serve", "--model", str(MODEL), "--port", str(port),
          "--api-key", "k", "--served-model-name", NAME, "--chat-template", TEMPLATE,
-         "--max-model-len", "128"], env={**os.environ, "PYTHONUNBUFFERED": "1"},
+         "--max-model-len", "128", "--threads", "1"], env={**os.environ, "PYTHONUNBUFFERED": "1"},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
