@@ -26,8 +26,9 @@
    over bf16, and the tokens a 1 GiB pool holds.
 5. MoE: `fused_moe` (bf16 experts, packed as the engine keeps them) against `fused_moe_quantized`
    (int8, int4 g128, fp8 experts; bf16 activations) on one Qwen1.5-MoE / DeepSeek-V2-Lite-sized
-   layer (--moe-experts experts of [1408, 2048], top --moe-top-k, 16 and 4 by default) for 1, 4 and 16 tokens:
-   milliseconds, speed-up over bf16, and GB/s of the expert weights the tokens touch.
+   layer (--moe-experts experts of [1408, 2048], top --moe-top-k, 16 and 4 by default) for 1, 4
+   and 16 tokens: milliseconds, speed-up over bf16, and GB/s of the expert weights the tokens
+   touch.
 
     python benchmarks/bench_quant.py [--model tinyllama-1.1b | llama-100m] [--repeats 3]
         [--llama-cpp-convert path/to/convert_hf_to_gguf.py]
