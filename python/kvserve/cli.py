@@ -44,16 +44,21 @@ def _default_model() -> Path:
         f"not contain them")
 
 
+def _speculation(args: argparse.Namespace) -> dict:
+    """The engine's speculative-decoding options from --speculative-model / --ngram."""
+    if args.speculative_model is not None or args.ngram:
+        return dict(speculative_model=args.speculative_model,
+                    speculative_method="ngram" if args.ngram else None,
+                    num_speculative_tokens=args.num_speculative_tokens)
+    if args.num_speculative_tokens is not None:
+        raise ValueError("--num-speculative-tokens needs --speculative-model DIR or --ngram")
+    return {}
+
+
 def _generate(args: argparse.Namespace) -> int:
     from kvserve import LLM, SamplingParams
 
-    speculation = {}
-    if args.speculative_model is not None or args.ngram:
-        speculation = dict(speculative_model=args.speculative_model,
-                           speculative_method="ngram" if args.ngram else None,
-                           num_speculative_tokens=args.num_speculative_tokens)
-    elif args.num_speculative_tokens is not None:
-        raise ValueError("--num-speculative-tokens needs --speculative-model DIR or --ngram")
+    speculation = _speculation(args)
     llm = LLM(args.model or _default_model(), dtype=args.dtype, max_model_len=args.max_model_len,
               kv_cache_dtype=args.kv_cache_dtype, **speculation)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -118,11 +123,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"serve needs the server's packages ({e.name} is missing): "
                          f"pip install 'kvserve[serve]' (fastapi, uvicorn, prometheus-client)"
                          ) from e
-    speculation = {}
-    if args.speculative_model is not None or args.ngram:
-        speculation = dict(speculative_model=args.speculative_model,
-                           speculative_method="ngram" if args.ngram else None,
-                           num_speculative_tokens=args.num_speculative_tokens)
+    speculation = _speculation(args)
     if args.threads is not None:
         import torch
 
