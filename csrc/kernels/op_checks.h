@@ -45,6 +45,18 @@ inline void check_gated_activation(const char* op, const at::Tensor& out, const 
               out.sizes());
 }
 
+/// Checks an RMSNorm's input [T, hidden] and weight [hidden] (the input's dtype or fp32).
+inline void check_norm_weight(const char* op, const at::Tensor& x, const at::Tensor& weight) {
+  check_rows(op, "input", x, 2);
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat, op,
+              ": weight must have input's dtype ", x.scalar_type(), " or be float32, got ",
+              weight.scalar_type());
+  TORCH_CHECK(weight.device() == x.device(), op, ": weight is on ", weight.device(),
+              ", expected ", x.device());
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(), op,
+              ": weight must be contiguous [", x.size(1), "], got ", weight.sizes());
+}
+
 /// The format of a KV cache (contract: kernels/cache/kv_cache_write.h) that holds entries of
 /// `dtype`: plain when the cache is of `dtype` (then `scale` must be absent); int8 / fp8 E4M3 with
 /// `scale` fp32 contiguous [num_blocks, block_size, num_kv_heads], one per row, on its device.

@@ -2,31 +2,20 @@
 #include <torch/library.h>
 
 #include "kernels/attention/paged_attention.h"
+#include "kernels/attention/paged_attention_checks.h"
 #include "kernels/cpu_kernels.h"
 #include "kernels/op_checks.h"
 
 namespace kvserve::ops {
 namespace {
 
-constexpr const char* kOp = "paged_attention";
-
-void check_heads(const char* name, const at::Tensor& t) {
-  TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2), kOp, ": ", name,
-              " must be [num_tokens, num_heads, head_dim] with contiguous heads, got ", t.sizes());
-}
+using paged_attention_checks::kOp;
 
 // Validates the attention metadata on the host so the kernel never reads outside the cache.
 void check_metadata(const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                     const at::Tensor& block_tables, int64_t num_tokens, int64_t num_blocks,
                     int64_t block_size) {
-  check_contiguous(kOp, "query_start_loc", query_start_loc, at::kInt);
-  check_contiguous(kOp, "seq_lens", seq_lens, at::kInt);
-  check_contiguous(kOp, "block_tables", block_tables, at::kInt);
   const int64_t num_seqs = seq_lens.numel();
-  TORCH_CHECK(query_start_loc.numel() == num_seqs + 1, kOp, ": query_start_loc must have ",
-              num_seqs + 1, " entries");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs, kOp,
-              ": block_tables must be [num_seqs, max_blocks_per_seq]");
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -54,31 +43,10 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
                          int64_t sliding_window, double logit_softcap,
                          const std::optional<at::Tensor>& key_scale,
                          const std::optional<at::Tensor>& value_scale) {
-  check_heads("query", query);
-  check_heads("out", out);
-  check_like(kOp, "out", out, query);
-  TORCH_CHECK(key_cache.device() == query.device() && value_cache.device() == query.device(),
-              kOp, ": the caches must be on the query's device");
-  const cpu::KVCacheFormat format =
-      check_kv_cache_format(kOp, "key_cache", key_cache, query.scalar_type(), key_scale);
-  TORCH_CHECK(check_kv_cache_format(kOp, "value_cache", value_cache, query.scalar_type(),
-                                    value_scale) == format,
-              kOp, ": key_cache and value_cache must be of one dtype");
-  TORCH_CHECK(out.size(0) == query.size(0) && out.size(1) == query.size(1), kOp,
-              ": out must be [num_tokens, num_heads, value_head_dim] like query, got ", out.sizes(),
-              " and ", query.sizes());
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.dim() == 4 &&
-                  value_cache.is_contiguous() &&
-                  value_cache.sizes().slice(0, 3) == key_cache.sizes().slice(0, 3),
-              kOp, ": caches must be contiguous [num_blocks, block_size, num_kv_heads, head_dim] ",
-              "of one pool, got ", key_cache.sizes(), " and ", value_cache.sizes());
-  TORCH_CHECK(out.size(2) >= 1 && out.size(2) <= value_cache.size(3), kOp, ": out's head_dim ",
-              out.size(2), " must be in [1, value_cache's head_dim ", value_cache.size(3), "]");
+  const cpu::KVCacheFormat format = check_paged_attention(
+      out, query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, key_scale,
+      value_scale);
   const int64_t num_heads = query.size(1), num_kv_heads = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == query.size(2), kOp, ": cache head_dim ", key_cache.size(3),
-              " differs from query head_dim ", query.size(2));
-  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, kOp, ": num_heads ", num_heads,
-              " is not a multiple of num_kv_heads ", num_kv_heads);
   check_metadata(query_start_loc, seq_lens, block_tables, query.size(0), key_cache.size(0),
                  key_cache.size(1));
 
@@ -108,8 +76,6 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
   args.value_cache_block_stride = value_cache.stride(0);
   args.value_in_key = value_cache.data_ptr() == key_cache.data_ptr() &&
                       value_cache.sizes() == key_cache.sizes();
-  TORCH_CHECK(!args.value_in_key || args.value_scale == args.key_scale, kOp,
-              ": a value inside its key (one cache passed twice) takes the key's scales");
   args.scale = static_cast<float>(scale);
   args.sliding_window = sliding_window;
   args.logit_softcap = static_cast<float>(logit_softcap);

@@ -10,21 +10,13 @@
 #include <cstring>
 
 #include "kernels/cache/kv_cache_write.h"
+#include "kernels/cache/kv_cache_write_checks.h"
 #include "kernels/op_checks.h"
 
 namespace kvserve::ops {
 namespace {
 
-constexpr const char* kOp = "kv_cache_write";
-
-void check_token_rows(const char* name, const at::Tensor& t, const at::Tensor& cache) {
-  TORCH_CHECK(t.dim() == 3 && t.size(1) == cache.size(2) && t.size(2) == cache.size(3), kOp, ": ",
-              name, " must be [T, ", cache.size(2), ", ", cache.size(3), "], got ", t.sizes());
-  TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == t.size(2), kOp, ": ", name,
-              " must have contiguous heads");
-  TORCH_CHECK(t.device() == cache.device(), kOp, ": ", name, " is on ", t.device(),
-              ", the cache on ", cache.device());
-}
+using kv_cache_write_checks::kOp;
 
 // Stores a row x[0, n) as q[0, n) and its scale (contract in kv_cache_write.h).
 template <typename T>
@@ -54,20 +46,10 @@ void kv_cache_write_cpu(const at::Tensor& key, const at::Tensor& value, at::Tens
                         at::Tensor& value_cache, const at::Tensor& slot_mapping,
                         const std::optional<at::Tensor>& key_scale,
                         const std::optional<at::Tensor>& value_scale) {
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() &&
-                  value_cache.sizes() == key_cache.sizes() && value_cache.is_contiguous(),
-              kOp, ": caches must be contiguous [num_blocks, block_size, heads, head_dim]");
-  check_like(kOp, "value_cache", value_cache, key_cache);
-  check_token_rows("key", key, key_cache);
-  check_token_rows("value", value, key_cache);
-  check_like(kOp, "value", value, key);
   const cpu::KVCacheFormat format =
-      check_kv_cache_format(kOp, "key_cache", key_cache, key.scalar_type(), key_scale);
-  check_kv_cache_format(kOp, "value_cache", value_cache, key.scalar_type(), value_scale);
-  check_contiguous(kOp, "slot_mapping", slot_mapping, at::kLong);
+      check_kv_cache_write(key, value, key_cache, value_cache, slot_mapping, key_scale,
+                           value_scale);
   const int64_t num_tokens = slot_mapping.numel();
-  TORCH_CHECK(key.size(0) == num_tokens && value.size(0) == num_tokens, kOp,
-              ": key, value and slot_mapping disagree on the number of tokens");
 
   const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
@@ -95,8 +77,6 @@ void kv_cache_write_cpu(const at::Tensor& key, const at::Tensor& value, at::Tens
     });
     return;
   }
-  TORCH_CHECK(!latent || key_scale->data_ptr() == value_scale->data_ptr(), kOp,
-              ": a latent cache (one cache passed twice) takes one scale tensor for both");
   float* ks = key_scale->data_ptr<float>();
   float* vs = value_scale->data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), kOp, [&] {

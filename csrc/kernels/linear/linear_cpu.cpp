@@ -16,6 +16,7 @@
 #include "kernels/cpu_kernels.h"
 #include "kernels/linear/linear.h"
 #include "kernels/linear/linear_packed_layout.h"
+#include "kernels/linear/linear_checks.h"
 #include "kernels/op_checks.h"
 
 // Raw access to an MKLDNN (oneDNN) tensor's buffer; exported by libtorch_cpu for AOTInductor,
@@ -137,18 +138,8 @@ at::Tensor linear_prepack_cpu(const at::Tensor& weight) {
 at::Tensor linear_cpu(const at::Tensor& input, const at::Tensor& weight,
                       const std::optional<at::Tensor>& bias) {
   constexpr const char* op = "linear";
-  check_rows(op, "input", input, 2);
-  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == input.size(1), op, ": weight must be [out, ",
-              input.size(1), "], got ", weight.sizes());
-  TORCH_CHECK(weight.scalar_type() == input.scalar_type(), op,
-              ": weight must have the input's dtype ", input.scalar_type(), ", got ",
-              weight.scalar_type());
+  check_linear(input, weight, bias);
   const int64_t m = input.size(0), n = weight.size(0), k = weight.size(1);
-  if (bias) {
-    check_like(op, "bias", *bias, input);
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(), op,
-                ": bias must be contiguous [", n, "]");
-  }
   const bool packed = weight.is_mkldnn();
   std::optional<PackedLayout> layout;
   if (packed) {

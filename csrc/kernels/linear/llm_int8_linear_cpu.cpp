@@ -5,37 +5,19 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <cmath>
-
 #include "kernels/cpu_kernels.h"
 #include "kernels/linear/llm_int8_linear.h"
-#include "kernels/op_checks.h"
+#include "kernels/linear/llm_int8_linear_checks.h"
 
 namespace kvserve::ops {
 namespace {
 
-constexpr const char* kOp = "llm_int8_linear";
-
 at::Tensor llm_int8_linear_cpu(const at::Tensor& input, const at::Tensor& weight,
                                const at::Tensor& weight_scales, double threshold,
                                const std::optional<at::Tensor>& bias) {
-  check_rows(kOp, "input", input, 2);
+  check_llm_int8_linear(input, weight, weight_scales, threshold, bias);
   const at::ScalarType dtype = input.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, kOp,
-              ": input must be fp32, bf16 or fp16, got ", dtype);
-  check_contiguous(kOp, "weight", weight, at::kChar);
-  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == input.size(1), kOp, ": weight must be [n, ",
-              input.size(1), "], got ", weight.sizes());
   const int64_t m = input.size(0), n = weight.size(0), k = weight.size(1);
-  check_contiguous(kOp, "weight_scales", weight_scales, at::kFloat);
-  TORCH_CHECK(weight_scales.dim() == 1 && weight_scales.size(0) == n, kOp,
-              ": weight_scales must be [", n, "], got ", weight_scales.sizes());
-  if (bias) {
-    TORCH_CHECK(bias->scalar_type() == dtype && bias->dim() == 1 && bias->size(0) == n, kOp,
-                ": bias must be [", n, "] of the input dtype");
-  }
-  TORCH_CHECK(k < (1 << 17), kOp, ": in_features ", k, " would overflow the int32 sums");
-  TORCH_CHECK(!std::isnan(threshold), kOp, ": threshold is NaN");
   if (m == 0) return at::empty({0, n}, input.options());
 
   const at::Tensor x = input.to(at::kFloat).contiguous();

@@ -9,7 +9,6 @@
 #include <vector>
 
 #include "kernels/cpu_kernels.h"
-#include "kernels/op_checks.h"
 
 namespace kvserve::ops {
 namespace {
@@ -47,12 +46,6 @@ at::Tensor routed_experts_cpu(const char* op, const at::Tensor& hidden, int64_t 
                               const at::Tensor& topk_weights, const at::Tensor& topk_ids,
                               const ExpertMlp& mlp) {
   const int64_t num_tokens = hidden.size(0), hidden_size = hidden.size(1);
-  check_contiguous(op, "topk_weights", topk_weights, at::kFloat);
-  check_contiguous(op, "topk_ids", topk_ids, at::kLong);
-  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == num_tokens &&
-                  topk_weights.sizes() == topk_ids.sizes(),
-              op, ": topk_weights and topk_ids must both be [", num_tokens, ", k], got ",
-              topk_weights.sizes(), " and ", topk_ids.sizes());
   const int64_t k = topk_ids.size(1);
   at::Tensor out = at::empty({num_tokens, hidden_size}, hidden.options());
   if (num_tokens == 0) return out;

@@ -16,9 +16,9 @@ using ExpertMlp = std::function<at::Tensor(int64_t expert, const at::Tensor& x)>
 /// (rows may be strided). Each active expert runs once on all of its tokens; experts run side by
 /// side (one thread each) while none has more than a few tokens (decode, where each is a GEMV
 /// bound by reading its weights), else one at a time with every thread. The sum is accumulated
-/// in fp32 in slot order j. topk_weights: fp32 [T, k]; topk_ids: int64 [T, k]. Throws c10::Error,
-/// naming `op`, on mismatched routing tensors or an expert id outside [0, num_experts), before any
-/// expert runs.
+/// in fp32 in slot order j. topk_weights: fp32 [T, k]; topk_ids: int64 [T, k], both contiguous,
+/// as the caller checked them (check_moe_topk). Throws c10::Error, naming `op`, on an expert id
+/// outside [0, num_experts), before any expert runs.
 at::Tensor routed_experts_cpu(const char* op, const at::Tensor& hidden, int64_t num_experts,
                               const at::Tensor& topk_weights, const at::Tensor& topk_ids,
                               const ExpertMlp& mlp);

@@ -8,20 +8,9 @@
 namespace kvserve::ops {
 namespace {
 
-void check_norm_args(const char* op, const at::Tensor& x, const at::Tensor& weight) {
-  check_rows(op, "input", x, 2);
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat, op,
-              ": weight must have input's dtype ", x.scalar_type(), " or be float32, got ",
-              weight.scalar_type());
-  TORCH_CHECK(weight.device() == x.device(), op, ": weight is on ", weight.device(),
-              ", expected ", x.device());
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(), op,
-              ": weight must be contiguous [", x.size(1), "], got ", weight.sizes());
-}
-
 void rms_norm_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
                   double epsilon) {
-  check_norm_args("rms_norm", input, weight);
+  check_norm_weight("rms_norm", input, weight);
   check_rows("rms_norm", "out", out, 2);
   check_like("rms_norm", "out", out, input);
   TORCH_CHECK(out.sizes() == input.sizes(), "rms_norm: out must have the shape of input");
@@ -33,7 +22,7 @@ void rms_norm_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& we
 
 void fused_add_rms_norm_cpu(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight,
                             double epsilon) {
-  check_norm_args("fused_add_rms_norm", input, weight);
+  check_norm_weight("fused_add_rms_norm", input, weight);
   check_rows("fused_add_rms_norm", "residual", residual, 2);
   check_like("fused_add_rms_norm", "residual", residual, input);
   TORCH_CHECK(residual.sizes() == input.sizes(),

@@ -4,6 +4,7 @@
 #include "kernels/cpu_kernels.h"
 #include "kernels/op_checks.h"
 #include "kernels/rotary/rotary_embedding.h"
+#include "kernels/rotary/rotary_embedding_checks.h"
 
 namespace kvserve::ops {
 namespace {
@@ -11,19 +12,8 @@ namespace {
 void rotary_embedding_cpu(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
                           int64_t head_dim, const at::Tensor& cos_sin_cache, bool is_neox) {
   constexpr const char* op = "rotary_embedding";
-  check_contiguous(op, "positions", positions, at::kLong);
-  check_contiguous(op, "cos_sin_cache", cos_sin_cache, at::kFloat);
-  check_rows(op, "query", query, 2);
-  check_rows(op, "key", key, 2);
-  check_like(op, "key", key, query);
+  check_rotary_embedding(positions, query, key, head_dim, cos_sin_cache);
   const int64_t num_tokens = positions.numel();
-  TORCH_CHECK(query.size(0) == num_tokens && key.size(0) == num_tokens, op,
-              ": query and key need one row per position");
-  TORCH_CHECK(head_dim > 0 && query.size(1) % head_dim == 0 && key.size(1) % head_dim == 0, op,
-              ": row widths must be multiples of head_dim ", head_dim);
-  TORCH_CHECK(cos_sin_cache.dim() == 2 && cos_sin_cache.size(1) % 2 == 0 &&
-                  cos_sin_cache.size(1) <= head_dim,
-              op, ": cos_sin_cache must be [max_position, rot_dim] with even rot_dim <= head_dim");
   const int64_t max_position = cos_sin_cache.size(0);
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t t = 0; t < num_tokens; ++t) {
