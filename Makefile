@@ -83,7 +83,7 @@ test-asan: build-tests
 	$(ASAN_ENV) LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 		$(PYTHON) scripts/asan_pytest.py $(ASAN_BUILD) -q -p no:cacheprovider $(ASAN_SKIP)
 
-# Compile-checks the CUDA kernel bodies (csrc/kernels/**/*_kernel.cuh) with nvcc alone.
+# Compile-checks every CUDA kernel body (nvcc alone) and launcher (against the installed torch).
 check-cuda:
 	bash scripts/check_cuda.sh
 

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Compile-checks every CUDA kernel body (csrc/kernels/**/*_kernel.cuh) with nvcc alone: no CUDA
-# torch needed. Each header is included by a generated .cu that instantiates its kernels.
+# Compile-checks the CUDA code with nvcc alone, no GPU and no CUDA torch needed:
+#  - every kernel body (csrc/kernels/**/*_kernel.cuh), included by a generated .cu that
+#    instantiates its kernels (scripts/cuda_instantiations/), without torch;
+#  - every launcher (csrc/kernels/**/*_cuda.cu) against the installed torch's headers, with
+#    scripts/cuda_stubs standing in for the generated c10/cuda header a CPU-only torch lacks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nvcc=${NVCC:-nvcc}
@@ -9,18 +12,44 @@ arch=${CUDA_ARCH:-sm_90}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 status=0
-for header in $(find csrc/kernels -name '*_kernel.cuh' | sort); do
-  name=$(basename "$header" .cuh)
+check_body() {
+  name=$(basename "$1" .cuh)
   instantiations="scripts/cuda_instantiations/$name.cu.inc"
   {
-    echo "#include \"$PWD/$header\""
+    echo "#include \"$PWD/$1\""
     [ -f "$instantiations" ] && cat "$instantiations"
   } > "$work/$name.cu"
   if "$nvcc" -std=c++17 -arch="$arch" -I"$PWD/csrc" -c "$work/$name.cu" -o "$work/$name.o"; then
-    echo "check-cuda: $header ok"
+    echo "check-cuda: $1 ok"
   else
-    echo "check-cuda: $header FAILED" >&2
-    status=1
+    echo "check-cuda: $1 FAILED" >&2
+    return 1
   fi
-done
+}
+export -f check_body
+export nvcc arch work
+# Each file is one nvcc process: $JOBS at a time, the machine's cores by default.
+find csrc/kernels -name '*_kernel.cuh' | sort | xargs -P "${JOBS:-$(nproc)}" -I{} \
+  bash -c 'check_body "$1"' _ {} || status=1
+
+python=${PYTHON:-python3}
+torch_dir=$("$python" -c "import os, torch; print(os.path.dirname(torch.__file__))")
+includes=(-I"$PWD/csrc" -I"$torch_dir/include" -I"$torch_dir/include/torch/csrc/api/include")
+generated="$torch_dir/include/c10/cuda/impl/cuda_cmake_macros.h"
+[ -f "$generated" ] || includes+=(-I"$PWD/scripts/cuda_stubs")
+check_launcher() {
+  name=$(basename "$1" .cu)
+  if "$nvcc" -std=c++20 -arch="$arch" --expt-relaxed-constexpr -diag-suppress 20013,20015 \
+      "${includes[@]}" -c "$1" -o "$work/$name.o" 2> "$work/$name.log"; then
+    echo "check-cuda: $1 ok"
+  else
+    cat "$work/$name.log" >&2
+    echo "check-cuda: $1 FAILED" >&2
+    return 1
+  fi
+}
+export -f check_launcher
+export includes_line="${includes[*]}"
+find csrc/kernels -name '*_cuda.cu' | sort | xargs -P "${JOBS:-$(nproc)}" -I{} \
+  bash -c 'includes=($includes_line); check_launcher "$1"' _ {} || status=1
 exit $status

@@ -9,6 +9,9 @@ PYBIND11_MODULE(_C, m) {
       "cpu_capability",
       [] { return kvserve::cpu::capability_name(kvserve::cpu::cpu_capability()); },
       "Vector instruction set the CPU kernels use: default, avx2 or avx512.");
+  m.def(
+      "built_with_cuda", [] { return KVSERVE_WITH_CUDA != 0; },
+      "Whether this build holds the CUDA kernels (a CUDA torch and nvcc at build time).");
   kvserve::bindings::bind_kv_cache(m);
   kvserve::bindings::bind_model(m);
   kvserve::bindings::bind_continuous_batching_engine(m);

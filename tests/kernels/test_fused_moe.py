@@ -51,6 +51,7 @@ def test_matches_reference(hidden, inter, num_experts, k, tokens, dtype):
     torch.testing.assert_close(out.double(), want, **TOLERANCES[dtype])
 
 
+@pytest.mark.cpu_only  # linear_prepack's packed layouts are CPU (oneDNN) tensors
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 40])
 def test_packed_weights(tokens, dtype):
@@ -96,9 +97,17 @@ def bad(**change):
     return list(values.values())
 
 
+@pytest.mark.cpu_only  # the ids' values are checked on the host; CUDA skips a bad one
 @pytest.mark.parametrize("change, match", [
     (dict(topk_ids=torch.tensor([[0, 3]] * 4)), "expert id 3 is outside"),
     (dict(topk_ids=torch.tensor([[0, -1]] * 4)), "expert id -1 is outside"),
+], ids=["id-too-large", "id-negative"])
+def test_rejects_bad_expert_ids(change, match):
+    with pytest.raises(RuntimeError, match=match):
+        ops.fused_moe(*bad(**change))
+
+
+@pytest.mark.parametrize("change, match", [
     (dict(topk_ids=torch.tensor([[0, 1]] * 4, dtype=torch.int32)), "Long"),
     (dict(topk_weights=torch.rand(4, 2).double()), "Float"),
     (dict(topk_weights=torch.rand(4, 3)), "must both be"),
@@ -107,8 +116,8 @@ def bad(**change):
     (dict(w2=[torch.randn(40, 23)] * 3), "must be \\[40, 24\\]"),
     (dict(w13=[torch.randn(48, 40).double()] * 3), "dtype"),
     (dict(hidden=torch.randn(4, 40, 1)), "hidden"),
-], ids=["id-too-large", "id-negative", "id-dtype", "weight-dtype", "weight-shape",
-        "expert-count", "w13-shape", "w2-shape", "weight-dtype-mismatch", "hidden-rank"])
+], ids=["id-dtype", "weight-dtype", "weight-shape", "expert-count", "w13-shape", "w2-shape",
+        "weight-dtype-mismatch", "hidden-rank"])
 def test_rejects_bad_arguments(change, match):
     with pytest.raises(RuntimeError, match=match):
         ops.fused_moe(*bad(**change))
@@ -128,3 +137,55 @@ def capability_checks():
 @pytest.mark.parametrize("capability", CAPABILITIES)
 def test_cpu_capability_variants(capability, capability_processes):
     check_variant(capability, capability_processes, capability_checks)
+
+
+# --------------------------------------------- CUDA: against the reference and the CPU op
+
+
+def on_cuda(args):
+    """make()'s arguments on the GPU (the weight lists tensor by tensor)."""
+    return [[w.cuda() for w in a] if isinstance(a, list) else a.cuda() for a in args]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("hidden, inter, num_experts, k", SHAPES)
+def test_cuda_matches_reference_and_cpu(hidden, inter, num_experts, k, tokens, dtype):
+    args, want = make(tokens, hidden, inter, num_experts, k, dtype)
+    out = ops.fused_moe(*on_cuda(args))
+    assert out.is_cuda and out.dtype == dtype and out.shape == (tokens, hidden)
+    torch.testing.assert_close(out.cpu().double(), want, **TOLERANCES[dtype])
+    torch.testing.assert_close(out.cpu(), ops.fused_moe(*args), **TOLERANCES[dtype])
+
+
+@pytest.mark.cuda
+def test_cuda_strided_hidden_rows():
+    args, want = make(9, 40, 24, 3, 2, torch.float32)
+    args = on_cuda(args)
+    args[0] = torch.cat([args[0], torch.full((9, 5), float("nan"), device="cuda")], dim=1)[:, :40]
+    torch.testing.assert_close(ops.fused_moe(*args).cpu().double(), want,
+                               **TOLERANCES[torch.float32])
+
+
+@pytest.mark.cuda
+def test_cuda_ids_out_of_range_add_nothing():
+    """The GPU cannot check ids without synchronising: a bad one is skipped, never read."""
+    args, _ = make(5, 40, 24, 3, 2, torch.float32)
+    bad_ids = args[4].clone()
+    bad_ids[:, 1] = torch.tensor([3, -1, 1 << 40, -(1 << 40), 7])
+    zero_slot = args[3].clone()
+    zero_slot[:, 1] = 0.0
+    x, w13, w2, _, _ = on_cuda(args)
+    out = ops.fused_moe(x, w13, w2, args[3].cuda(), bad_ids.cuda())
+    torch.cuda.synchronize()
+    want = ops.fused_moe(x, w13, w2, zero_slot.cuda(), args[4].cuda())
+    torch.testing.assert_close(out, want)
+
+
+@pytest.mark.cuda
+def test_cuda_bad_arguments():
+    args = on_cuda(bad())
+    args[3] = args[3].double()
+    with pytest.raises(RuntimeError, match="Float"):
+        ops.fused_moe(*args)

@@ -121,8 +121,13 @@ def _set(i, value):
     return lambda a: a.__setitem__(i, value)
 
 
+@pytest.mark.cpu_only  # the ids' values are checked on the host; CUDA skips a bad one
+def test_rejects_bad_expert_ids():
+    with pytest.raises(RuntimeError, match="expert id 3 is outside"):
+        ops.fused_moe_quantized(*bad(_set(10, torch.tensor([[0, 3]] * 4))))
+
+
 @pytest.mark.parametrize("change, match", [
-    (_set(10, torch.tensor([[0, 3]] * 4)), "expert id 3 is outside"),
     (_set(10, torch.tensor([[0, 1]] * 4, dtype=torch.int32)), "Long"),
     (_set(9, torch.rand(4, 3)), "must both be"),
     (lambda a: a[2].pop(), "w13_scales needs one tensor per expert"),
@@ -135,7 +140,7 @@ def _set(i, value):
     (_set(5, [torch.zeros(40, 16, dtype=torch.uint8)] * 3), "w2 must have 64 rows"),
     (_set(0, torch.randn(4, 64).double()), "input must be fp32, bf16 or fp16"),
     (lambda a: [a[1].clear(), a[5].clear()], "at least one expert"),
-], ids=["id-too-large", "id-dtype", "weights-shape", "scales-count", "zeros-count",
+], ids=["id-dtype", "weights-shape", "scales-count", "zeros-count",
         "mixed-format", "scales-shape", "w13-group", "w2-group", "hidden-width", "w2-rows",
         "hidden-dtype", "no-experts"])
 def test_rejects_bad_arguments(change, match):
@@ -159,3 +164,61 @@ def capability_checks():
 @pytest.mark.parametrize("capability", CAPABILITIES)
 def test_cpu_capability_variants(capability, capability_processes):
     check_variant(capability, capability_processes, capability_checks)
+
+
+# --------------------------------------------- CUDA: against the reference and the CPU op
+
+
+def on_cuda(args):
+    """make()'s arguments on the GPU (lists tensor by tensor; group sizes stay ints)."""
+    def move(a):
+        if isinstance(a, list):
+            return [t.cuda() for t in a]
+        return a.cuda() if isinstance(a, torch.Tensor) else a
+    return [move(a) for a in args]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_cuda_matches_reference_and_cpu(case, tokens, dtype):
+    args, want = make(*case, tokens, dtype)
+    out = ops.fused_moe_quantized(*on_cuda(args))
+    assert out.is_cuda and out.dtype == dtype and out.shape == (tokens, case[1])
+    torch.testing.assert_close(out.cpu().double(), want, **TOLERANCES[dtype])
+    torch.testing.assert_close(out.cpu(), ops.fused_moe_quantized(*args), **TOLERANCES[dtype])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tokens", [1, 17])
+def test_cuda_int4_without_zero_points_and_strided_rows(tokens):
+    args, want = make("int4", 64, 32, 3, 2, 32, 32, tokens, torch.float32, zeros=False)
+    args = on_cuda(args)
+    args[0] = torch.cat([args[0], torch.full((tokens, 5), float("nan"), device="cuda")],
+                        dim=1)[:, :64]
+    torch.testing.assert_close(ops.fused_moe_quantized(*args).cpu().double(), want,
+                               **TOLERANCES[torch.float32])
+
+
+@pytest.mark.cuda
+def test_cuda_ids_out_of_range_add_nothing():
+    """The GPU cannot check ids without synchronising: a bad one is skipped, never read."""
+    args, _ = make("int4", 64, 32, 3, 2, 32, 32, 5, torch.float32)
+    args = on_cuda(args)
+    good_ids, weights = args[10], args[9]
+    bad_ids = good_ids.clone()
+    bad_ids[:, 1] = torch.tensor([3, -1, 1 << 40, -(1 << 40), 7], device="cuda")
+    zero_slot = weights.clone()
+    zero_slot[:, 1] = 0.0
+    out = ops.fused_moe_quantized(*args[:10], bad_ids)
+    torch.cuda.synchronize()
+    want = ops.fused_moe_quantized(*args[:9], zero_slot, good_ids)
+    torch.testing.assert_close(out, want)
+
+
+@pytest.mark.cuda
+def test_cuda_bad_arguments():
+    args = on_cuda(bad(_set(0, torch.randn(4, 64).double())))
+    with pytest.raises(RuntimeError, match="input must be fp32, bf16 or fp16"):
+        ops.fused_moe_quantized(*args)

@@ -10,6 +10,7 @@ import torch
 
 import kvserve  # noqa: F401  (registers torch.ops.kvserve)
 from kvserve.testing import reference
+from tests.kernels.cuda_ops import host_check
 
 ops = torch.ops.kvserve
 
@@ -110,8 +111,8 @@ def bad(num_tokens=3, heads=2, head_dim=8, dtype=torch.float32, cache_dtype=torc
 @pytest.mark.parametrize(
     "args, match",
     [
-        (bad(slots=(0, 16, 1)), "slot 16 is outside the cache of 16 slots"),
-        (bad(slots=(0, -2, 1)), "slot -2 is outside the cache"),
+        host_check(bad(slots=(0, 16, 1)), "slot 16 is outside the cache of 16 slots"),
+        host_check(bad(slots=(0, -2, 1)), "slot -2 is outside the cache"),
         (bad(slots=(0, 1)), "number of tokens"),
         (bad(slot_dtype=torch.int32), "slot_mapping must be Long"),
         (bad(dtype=torch.bfloat16), "dtype"),

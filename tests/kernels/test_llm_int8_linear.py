@@ -124,3 +124,50 @@ def capability_checks():
 @pytest.mark.parametrize("capability", CAPABILITIES)
 def test_cpu_capability_variants(capability, capability_processes):
     check_variant(capability, capability_processes, capability_checks)
+
+
+# --------------------------------------------- CUDA: against the reference and the CPU op
+
+# Past 16 tokens the integer product runs cuBLAS's int8 GEMM where k and n are multiples of 8.
+CUDA_TOKENS = TOKENS + [40]
+
+
+def on_cuda(t):
+    """t on the GPU with its strides kept (a row-strided view stays row-strided); None stays."""
+    if t is None:
+        return None
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda").copy_(t)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("m", CUDA_TOKENS)
+def test_cuda_matches_reference_and_cpu(m, n, k, dtype):
+    x, w, s, b = operands(m, n, k, dtype, outlier_columns=(0, 7, 40), bias=True)
+    for threshold in (6.0, 0.0):
+        out = ops.llm_int8_linear(on_cuda(x), w.cuda(), s.cuda(), threshold, b.cuda())
+        assert out.is_cuda and out.dtype == dtype and out.shape == (m, n)
+        out = out.cpu()
+        want = reference.llm_int8_linear(x, w, s, threshold, b)
+        torch.testing.assert_close(out.double(), want, **TOLERANCES[dtype])
+        cpu = ops.llm_int8_linear(x, w, s, threshold, b)
+        torch.testing.assert_close(out, cpu, **TOLERANCES[dtype])
+
+
+@pytest.mark.cuda
+def test_cuda_a_token_does_not_depend_on_its_batch():
+    """Bit for bit, whether the batch takes the GEMV (one token) or cuBLAS (40 tokens)."""
+    x, w, s, b = operands(40, 64, 512, torch.float32, outlier_columns=(0, 40), bias=True)
+    x, w, s, b = on_cuda(x.clone()), w.cuda(), s.cuda(), b.cuda()
+    x[2, 100] = 9.0  # an outlier in one token only
+    batched = ops.llm_int8_linear(x, w, s, 6.0, b)
+    for t in (0, 2, 39):
+        assert torch.equal(ops.llm_int8_linear(x[t:t + 1], w, s, 6.0, b)[0], batched[t])
+
+
+@pytest.mark.cuda
+def test_cuda_bad_arguments():
+    x, w, s, _, b = bad()
+    with pytest.raises(RuntimeError, match="weight must be Char"):
+        ops.llm_int8_linear(x.cuda(), w.float().cuda(), s.cuda(), 6.0, b)

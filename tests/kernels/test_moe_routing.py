@@ -229,3 +229,53 @@ def capability_checks():
 @pytest.mark.parametrize("capability", CAPABILITIES)
 def test_cpu_capability_variants(capability, capability_processes):
     check_variant(capability, capability_processes, capability_checks)
+
+
+# --------------------------------------------- CUDA: against the reference and the CPU op
+
+
+def check_cuda(logits, args, scoring):
+    """The op on the GPU against the reference and against the CPU op on the same logits."""
+    correction = args[0]
+    cuda_args = (None if correction is None else correction.cuda(),) + args[1:]
+    got = ops.moe_routing(logits.cuda(), *cuda_args)
+    assert got[0].is_cuda and got[1].is_cuda
+    got = (got[0].cpu(), got[1].cpu())
+    assert_same_routing(got, reference.moe_routing(logits, *args), logits, correction, scoring)
+    assert_same_routing(got, ops.moe_routing(logits, *args), logits, correction, scoring)
+    assert (got[1].sort(-1).values.diff(dim=-1) > 0).all(), "an expert chosen twice"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("router", list(ROUTERS))
+def test_cuda_matches_reference_and_cpu(router, tokens, dtype):
+    num_experts, k, scoring, n_group, topk_group, bias, renormalize, scale = ROUTERS[router]
+    logits, correction = make(tokens, num_experts, bias, dtype)
+    check_cuda(logits, (correction, k, scoring, n_group, topk_group, renormalize, scale), scoring)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("num_experts", [2048, 8192])
+def test_cuda_many_experts(num_experts):
+    """Fewer warps per block, then more than 48 KiB of shared memory for one warp."""
+    logits, correction = make(37, num_experts, True, torch.float32)
+    check_cuda(logits, (correction, 8, "sigmoid", 8, 4, True, 2.5), "sigmoid")
+
+
+@pytest.mark.cuda
+def test_cuda_strided_logits_rows():
+    logits, _ = make(7, 20, False, torch.float32)
+    wide = torch.cat([logits, torch.full((7, 3), float("nan"))], dim=1).cuda()
+    got = ops.moe_routing(wide[:, :20], None, 3, "softmax", 4, 2, True, 1.0)
+    want = ops.moe_routing(logits.cuda(), None, 3, "softmax", 4, 2, True, 1.0)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.cuda
+def test_cuda_bad_arguments():
+    with pytest.raises(RuntimeError, match="correction_bias must be Float"):
+        ops.moe_routing(torch.zeros(3, 8, device="cuda"),
+                        torch.zeros(8, dtype=torch.float64, device="cuda"), 2, "softmax", 1, 1,
+                        True, 1.0)

@@ -10,6 +10,7 @@ import torch
 
 import kvserve  # noqa: F401  (registers torch.ops.kvserve)
 from kvserve.testing import reference
+from tests.kernels.cuda_ops import host_check
 from tests.kernels.capability import CAPABILITIES, check_variant
 
 ops = torch.ops.kvserve
@@ -213,6 +214,18 @@ def test_tile_edges(sliding_window, logit_softcap, head_dim, num_heads, num_kv_h
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seqs", [[(3000, 1)], [(2100, 1), (1, 1), (700, 1)],
+                                  [(1500, 3), (40, 40)]],
+                         ids=["one-long-decode", "decodes", "prefix-prefill"])
+def test_long_contexts(seqs, dtype):
+    """Few queries over long contexts: the CUDA kernel splits each context into partitions and
+    merges them (flash-decoding); sliding windows leave partitions empty."""
+    batch = Batch(seqs, 128, 8, 2, 16, dtype, seed=3)
+    check(batch, dtype)
+    check(batch, dtype, sliding_window=600, logit_softcap=30.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("scenario", ["mixed", "tile-edges"])
 def test_batched_equals_per_sequence(dtype, scenario):
     """Each sequence's rows are the same, bit for bit, whatever else is in the batch."""
@@ -292,14 +305,14 @@ def test_bad_call_baseline_is_valid():
         (bad_call(out_dtype=torch.float16), "dtype"),
         (bad_call(cache_head_dim=32), "head_dim"),
         (bad_call(query_heads=3), "not a multiple of num_kv_heads"),
-        (bad_call(table=((1, 4), (3, 0))), "block id 4 is outside the cache of 4 blocks"),
-        (bad_call(table=((1, -1), (3, 0))), "block id -1 is outside the cache"),
-        (bad_call(seq_lens=(5, 0)), "sequence 1 has 1 queries but a context of 0"),
-        (bad_call(seq_lens=(1, 3)), "sequence 0 has 2 queries but a context of 1"),
-        (bad_call(seq_lens=(9, 3)), "needs 3 blocks, its table has 2"),
-        (bad_call(query_start_loc=[0, 2, 2]), "query_start_loc must run from 0"),
+        host_check(bad_call(table=((1, 4), (3, 0))), "block id 4 is outside the cache of 4 blocks"),
+        host_check(bad_call(table=((1, -1), (3, 0))), "block id -1 is outside the cache"),
+        host_check(bad_call(seq_lens=(5, 0)), "sequence 1 has 1 queries but a context of 0"),
+        host_check(bad_call(seq_lens=(1, 3)), "sequence 0 has 2 queries but a context of 1"),
+        host_check(bad_call(seq_lens=(9, 3)), "needs 3 blocks, its table has 2"),
+        host_check(bad_call(query_start_loc=[0, 2, 2]), "query_start_loc must run from 0"),
         (bad_call(query_start_loc=[0, 3]), "query_start_loc must have 3 entries"),
-        (bad_call(query_start_loc=[0, 4, 3]), "sequence 1 has -1 queries"),
+        host_check(bad_call(query_start_loc=[0, 4, 3]), "sequence 1 has -1 queries"),
         (bad_call(metadata_dtype=torch.int64), "must be Int"),
         (bad_call(cache=torch.zeros(4, 2, 4, 16).transpose(1, 2)), "contiguous"),
     ],

@@ -160,3 +160,60 @@ def capability_checks():
 @pytest.mark.parametrize("capability", CAPABILITIES)
 def test_cpu_capability_variants(capability, capability_processes):
     check_variant(capability, capability_processes, capability_checks)
+
+
+# --------------------------------------------- CUDA: against the reference and the CPU op
+
+
+def on_cuda(t):
+    """t on the GPU with its strides kept (a row-strided view stays row-strided); None stays."""
+    if t is None:
+        return None
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda").copy_(t)
+
+
+def check_cuda(q, x, b, dtype):
+    """The op on the GPU against the reference and against the CPU op on the same inputs."""
+    out = ops.quantized_linear(on_cuda(x), on_cuda(q.qweight), on_cuda(q.scales),
+                               on_cuda(q.zeros), q.group_size, on_cuda(b))
+    assert out.is_cuda and out.dtype == dtype and out.shape == (x.shape[0], q.shape[0])
+    out = out.cpu()
+    expected = reference.quantized_linear(x, q.qweight, q.scales, q.zeros, q.group_size, b)
+    torch.testing.assert_close(out.double(), expected, **TOLERANCES[dtype])
+    cpu = ops.quantized_linear(x, q.qweight, q.scales, q.zeros, q.group_size, b)
+    torch.testing.assert_close(out, cpu, **TOLERANCES[dtype])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
+@pytest.mark.parametrize("fmt, n, k, group_size", CASES)
+@pytest.mark.parametrize("m", TOKENS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_cuda_matches_reference_and_cpu(fmt, n, k, group_size, m, dtype, bias):
+    x, b = operands(m, k, n, dtype, bias, pad=3)  # strided rows
+    check_cuda(quantized(fmt, n, k, group_size), x, b, dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m", [1, 9])
+def test_cuda_int4_without_zeros(m):
+    x, b = operands(m, 128, 40, torch.float32, True)
+    check_cuda(quantized("int4", 40, 128, 32, zeros=False), x, b, torch.float32)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_weight_dequantized_in_several_blocks(dtype):
+    """More output rows than one dequantized block holds (32 MiB of the input dtype)."""
+    n, k = 4200, 4096
+    x, b = operands(40, k, n, dtype, True)
+    check_cuda(quantized("int8", n, k, k), x, b, dtype)
+
+
+@pytest.mark.cuda
+def test_cuda_bad_arguments():
+    q = quantized("int8", 8, 64, 64)
+    x = torch.randn(2, 64, device="cuda")
+    with pytest.raises(RuntimeError, match="bias has dtype"):
+        ops.quantized_linear(x, q.qweight.cuda(), q.scales.cuda(), None, 64,
+                             torch.zeros(8, dtype=torch.bfloat16, device="cuda"))

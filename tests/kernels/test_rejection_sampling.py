@@ -160,13 +160,86 @@ def test_cpu_capability_variants(capability, capability_processes):
     check_variant(capability, capability_processes, capability_checks)
 
 
+@pytest.mark.cpu_only  # checked where the host holds cu_num_drafts; on the GPU it is clamped
+def test_bad_cu_num_drafts_raise():
+    target, draft, ids, _, uniform = case([2, 1], 9, 0)
+    with pytest.raises(RuntimeError, match="cu_num_drafts must run from 0"):
+        run(target, draft, ids, [0, 2, 2], uniform)
+    with pytest.raises(RuntimeError, match="non-decreasing"):
+        run(target, draft, ids, [0, 4, 3], uniform)
+
+
 def test_bad_arguments_raise():
     target, draft, ids, cu, uniform = case([2, 1], 9, 0)
     with pytest.raises(RuntimeError, match="target_probs needs"):
         run(target[:-1], draft, ids, cu, uniform[:-1])
-    with pytest.raises(RuntimeError, match="cu_num_drafts must run from 0"):
-        run(target, draft, ids, [0, 2, 2], uniform)
     with pytest.raises(RuntimeError, match="draft_probs must be"):
         run(target, draft[:, :5], ids, cu, uniform)
     with pytest.raises(RuntimeError, match="uniform needs"):
         run(target, draft, ids, cu, uniform[:2])
+
+
+# --------------------------------------------- CUDA: against the reference and the CPU op
+
+
+def run_cuda(target, draft, ids, cu, uniform, cu_device):
+    """run() on the GPU; cu_num_drafts on `cu_device` (on the host the tokens are exactly
+    [B, max k_b + 1] wide, on the GPU [B, N + 1]: reading it there would synchronise)."""
+    empty = torch.empty(0, target.size(1))
+    tokens, accepted = ops.rejection_sample(
+        target.cuda(), (empty if draft is None else draft).cuda(),
+        torch.tensor(ids, dtype=torch.long, device="cuda"),
+        torch.tensor(cu, dtype=torch.long, device=cu_device), uniform.cuda())
+    assert tokens.is_cuda and accepted.is_cuda
+    width = (max(b - a for a, b in zip(cu, cu[1:])) if cu_device == "cpu" else len(ids)) + 1
+    assert tokens.shape == (len(cu) - 1, width)
+    return tokens.cpu(), accepted.cpu()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cu_device", ["cpu", "cuda"])
+@pytest.mark.parametrize("vocab", [1, 2, 7, 33, 1000])
+@pytest.mark.parametrize("ks", [[0], [1], [3, 0, 5], [8, 8], [2, 1, 0, 4, 1, 7, 3]])
+@pytest.mark.parametrize("point_mass", [False, True])
+def test_cuda_matches_the_reference_and_cpu(vocab, ks, point_mass, cu_device):
+    for seed in range(3):
+        target, draft, ids, cu, uniform = case(ks, vocab, seed, point_mass)
+        tokens, accepted = run_cuda(target, draft, ids, cu, uniform, cu_device)
+        want_tokens, want_accepted = reference.rejection_sample(target, draft, ids, cu, uniform)
+        assert accepted.tolist() == want_accepted
+        for b, want in enumerate(want_tokens):
+            row = tokens[b].tolist()
+            assert row[:len(want)] == want and all(t == -1 for t in row[len(want):])
+        cpu_tokens, cpu_accepted = run(target, draft, ids, cu, uniform)
+        assert torch.equal(accepted, cpu_accepted)
+        assert torch.equal(tokens[:, :cpu_tokens.size(1)], cpu_tokens)
+
+
+@pytest.mark.cuda
+def test_cuda_rows_without_a_distribution():
+    target, draft, ids, cu, uniform = case([3, 2], 11, 0)
+    target[1] = 0.0
+    target[3 + 2] = float("nan")
+    uniform[:] = 0.0
+    tokens, accepted = run_cuda(target, draft, ids, cu, uniform, "cpu")
+    assert torch.equal(tokens, run(target, draft, ids, cu, uniform)[0])
+
+
+@pytest.mark.cuda
+def test_cuda_bad_cu_num_drafts_on_the_device_stay_in_bounds():
+    """Unchecked on the device: wrong tokens maybe, but no read or write out of bounds."""
+    target, draft, ids, _, uniform = case([3, 2], 11, 0)
+    for cu in ([0, 7, 5], [-4, 1 << 40, 2], [5, 0, 5], [0, 2, -(1 << 40)]):
+        tokens, accepted = run_cuda(target, draft, ids, cu, uniform, "cuda")
+        torch.cuda.synchronize()
+        assert ((accepted >= 0) & (accepted <= len(ids))).all()
+        assert ((tokens >= -1) & (tokens < 11)).all()
+
+
+@pytest.mark.cuda
+def test_cuda_bad_arguments():
+    target, draft, ids, cu, uniform = case([2, 1], 9, 0)
+    with pytest.raises(RuntimeError, match="cu_num_drafts must run from 0"):
+        run_cuda(target, draft, ids, [0, 2, 2], uniform, "cpu")
+    with pytest.raises(RuntimeError, match="uniform must be Float"):
+        run_cuda(target, draft, ids, cu, uniform.double(), "cuda")

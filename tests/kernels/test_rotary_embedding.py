@@ -7,6 +7,7 @@ import torch
 
 import kvserve  # noqa: F401  (registers torch.ops.kvserve)
 from kvserve.testing import reference
+from tests.kernels.cuda_ops import host_check
 from tests.kernels.capability import CAPABILITIES, check_variant
 
 ops = torch.ops.kvserve
@@ -121,8 +122,10 @@ def bad(num_tokens=3, width=64, key_width=32, head_dim=16, rot_dim=16, max_posit
 @pytest.mark.parametrize(
     "args, match",
     [
-        (bad(positions=torch.tensor([0, 8, 1])), "position 8 is outside the rotary cache"),
-        (bad(positions=torch.tensor([0, -1, 1])), "position -1 is outside the rotary cache"),
+        host_check(bad(positions=torch.tensor([0, 8, 1])),
+                   "position 8 is outside the rotary cache"),
+        host_check(bad(positions=torch.tensor([0, -1, 1])),
+                   "position -1 is outside the rotary cache"),
         (bad(positions=torch.tensor([0, 1, 2], dtype=torch.int32)), "positions must be Long"),
         (bad(positions=torch.tensor([0, 1])), "one row per position"),
         (bad(key_dtype=torch.bfloat16), "dtype"),

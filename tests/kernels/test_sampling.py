@@ -97,6 +97,13 @@ def test_filter_strided_rows():
     assert torch.equal(full[:, 50:], random_logits(40, 57, seed=9)[:, 50:])
 
 
+def random_uniform(rows, seed=0):
+    """One uniform number per row, the first three at both ends of [0, 1) and in the middle."""
+    uniform = torch.rand(rows, generator=torch.Generator().manual_seed(seed))
+    uniform[:3] = torch.tensor([0.0, 0.5, 1.0 - 2 ** -24])
+    return uniform
+
+
 def inverse_cdf(probs, uniform):
     """The first token whose cumulative probability exceeds u, per row (fp64)."""
     cdf = probs.cumsum(dim=1)
@@ -108,9 +115,7 @@ def inverse_cdf(probs, uniform):
 def test_sample_from_logits(vocab):
     rows = 300
     logits, params = random_logits(rows, vocab, seed=vocab), random_params(rows, seed=vocab)
-    g = torch.Generator().manual_seed(vocab)
-    uniform = torch.rand(rows, generator=g)
-    uniform[:3] = torch.tensor([0.0, 0.5, 1.0 - 2 ** -24])  # both ends of [0, 1)
+    uniform = random_uniform(rows, seed=vocab)
     filtered = logits.clone()
     ops.sampling_filter_logits(filtered, *params)
     tokens = ops.sampling_from_logits(filtered, params[0], uniform)
@@ -240,3 +245,113 @@ def capability_checks():
 @pytest.mark.parametrize("capability", CAPABILITIES)
 def test_cpu_capability_variants(capability, capability_processes):
     check_variant(capability, capability_processes, capability_checks)
+
+
+# ------------------------------------------------------------ CUDA against the CPU op and reference
+# The tests above also run on CUDA through tests/kernels/cuda_ops.py, at small vocabularies. These
+# run both ops on the same inputs, with vocabularies on either side of the launcher's switch to
+# large blocks (4096) and of real models.
+
+CUDA_VOCAB_SIZES = VOCAB_SIZES + [4095, 4096, 32003, 151936]
+
+
+def filter_on_cpu_and_cuda(logits, params, pad=0):
+    """The filtered logits of the CPU op and of the CUDA op, both on the CPU. On the GPU the rows
+    sit in a buffer `pad` columns wider, whose padding must stay untouched."""
+    on_cpu = logits.clone()
+    torch.ops.kvserve.sampling_filter_logits(on_cpu, *params)
+    rows, vocab = logits.shape
+    wide = torch.cat([logits, torch.full((rows, pad), 7.0)], dim=1).cuda()
+    torch.ops.kvserve.sampling_filter_logits(wide[:, :vocab], *[p.cuda() for p in params])
+    assert (wide[:, vocab:] == 7.0).all(), "the filter wrote outside its rows"
+    return on_cpu, wide[:, :vocab].cpu()
+
+
+def draw_on_cpu_and_cuda(filtered, temperature, uniform):
+    """The tokens the CPU op and the CUDA op draw from the same filtered logits and uniforms."""
+    on_cpu = torch.ops.kvserve.sampling_from_logits(filtered, temperature, uniform)
+    on_cuda = torch.ops.kvserve.sampling_from_logits(filtered.cuda(), temperature.cuda(),
+                                                     uniform.cuda())
+    return on_cpu, on_cuda.cpu()
+
+
+def rows_differing(a, b):
+    return torch.nonzero((a != b).reshape(a.size(0), -1).any(dim=1)).flatten().tolist()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("pad", [0, 3])
+@pytest.mark.parametrize("vocab", CUDA_VOCAB_SIZES)
+def test_cuda_matches_cpu_and_reference(vocab, pad):
+    """The same -inf pattern as the reference and the CPU, the same kept values (one IEEE division
+    each), the same greedy tokens and the same tokens for the same uniforms."""
+    rows = 200 if vocab < 10000 else 24
+    logits, params = random_logits(rows, vocab, seed=vocab), random_params(rows, seed=vocab)
+    on_cpu, on_cuda = filter_on_cpu_and_cuda(logits, params, pad)
+    want = reference.sampling_filter_logits(logits, *params)
+    differ = rows_differing(on_cuda.isneginf(), want.isneginf())
+    assert not differ, f"masks differ from the reference in rows {differ}"
+    assert torch.equal(on_cuda, on_cpu), f"rows {rows_differing(on_cuda, on_cpu)} differ"
+    uniform = random_uniform(rows, seed=vocab)
+    tokens_cpu, tokens_cuda = draw_on_cpu_and_cuda(on_cpu, params[0], uniform)
+    assert torch.equal(tokens_cuda, tokens_cpu), f"rows {rows_differing(tokens_cuda, tokens_cpu)}"
+    greedy = params[0] == 0
+    assert torch.equal(tokens_cuda[greedy], logits[greedy].argmax(dim=1))
+    sampled = inverse_cdf(reference.sampling_probs(logits, *params), uniform)
+    assert torch.equal(tokens_cuda, sampled), f"rows {rows_differing(tokens_cuda, sampled)}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("vocab", [7, 37, 1000, 5000])
+def test_cuda_keeps_whole_ties(vocab):
+    """On tied logits the GPU keeps every token tied at a threshold, top-p's too. With top-p off it
+    removes what the CPU removes; with top-p on it keeps what the CPU keeps and, beyond that, only
+    the rest of a tie the CPU split at its smallest kept logit. Greedy draws take the first tied
+    maximum; sampled draws match the CPU's."""
+    rows = 60
+    logits = random_logits(rows, vocab, seed=vocab, ties=True)
+    params = random_params(rows, seed=vocab + 1)
+    on_cpu, on_cuda = filter_on_cpu_and_cuda(logits, params)
+    kept_cpu, kept_cuda = ~on_cpu.isneginf(), ~on_cuda.isneginf()
+    top_p_off = params[2] >= 1.0
+    assert torch.equal(kept_cuda[top_p_off], kept_cpu[top_p_off])
+    assert not (kept_cpu & ~kept_cuda).any(), "the GPU removed a token the CPU keeps"
+    smallest_kept = on_cpu.masked_fill(~kept_cpu, float("inf")).amin(dim=1, keepdim=True)
+    extra = kept_cuda & ~kept_cpu
+    assert torch.equal(on_cuda[extra], smallest_kept.expand_as(on_cuda)[extra])
+    for r in range(rows):
+        for value in logits[r].unique():
+            assert kept_cuda[r][logits[r] == value].unique().numel() == 1, f"row {r} split a tie"
+    uniform = random_uniform(rows, seed=vocab)
+    tokens_cpu, tokens_cuda = draw_on_cpu_and_cuda(on_cpu, params[0], uniform)
+    assert torch.equal(tokens_cuda, tokens_cpu), f"rows {rows_differing(tokens_cuda, tokens_cpu)}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("vocab", [7, 5000])
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_cuda_degenerate_rows(vocab, temperature):
+    """Rows that are no distribution stay as the CPU leaves them and draw -1 on the GPU too."""
+    logits = degenerate_rows(vocab)
+    rows = logits.size(0)
+    params = (torch.full((rows,), temperature), torch.full((rows,), 3, dtype=torch.long),
+              torch.full((rows,), 0.5), torch.full((rows,), 0.1))
+    on_cpu, on_cuda = filter_on_cpu_and_cuda(logits, params)
+    torch.testing.assert_close(on_cuda, on_cpu, rtol=0, atol=0, equal_nan=True)
+    tokens_cpu, tokens_cuda = draw_on_cpu_and_cuda(on_cpu, params[0], torch.full((rows,), 0.5))
+    assert tokens_cuda[:-1].tolist() == [-1] * (rows - 1)
+    assert torch.equal(tokens_cuda, tokens_cpu)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "k_dtype, left_on_cpu, match",
+    [(torch.int32, None, "top_k must be Long"), (torch.long, 1, "temperature is on cpu")],
+    ids=["top-k-dtype", "temperature-on-cpu"],
+)
+def test_cuda_rejects_bad_arguments(k_dtype, left_on_cpu, match):
+    """The CPU launcher's checks, and every per-row tensor on the logits' device."""
+    args = [t if i == left_on_cpu else t.cuda()
+            for i, t in enumerate(filter_args(k_dtype=k_dtype))]
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.kvserve.sampling_filter_logits(*args)

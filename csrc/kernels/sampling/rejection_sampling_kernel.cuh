@@ -22,6 +22,10 @@ __device__ double block_sum(double value, double* scratch) {
   return total;
 }
 
+__device__ inline int64_t clamp(int64_t v, int64_t lo, int64_t hi) {
+  return v < lo ? lo : v > hi ? hi : v;
+}
+
 // Weight of token i: p (mode 0), or max(p - q, 0) with q a row or the point mass at x (mode 1).
 __device__ double weight(const float* p, const float* q, int64_t x, int64_t i, int mode) {
   if (mode == 0) return p[i];
@@ -72,21 +76,26 @@ __device__ int64_t draw(const float* p, const float* q, int64_t x, int mode, int
 
 }  // namespace rejection_detail
 
-/// grid = batch blocks of kThreads threads. Same arguments as the CPU body: target [N + B, vocab]
-/// and draft [N, vocab] (null: point masses) with row strides, out [B, out_stride] prefilled with
-/// -1, num_accepted [B].
+/// grid = batch blocks of kThreads threads. The CPU body's arguments plus num_drafts (N):
+/// target [N + B, vocab] and draft [N, vocab] (null: point masses) with row strides, out
+/// [B, out_stride] prefilled with -1, num_accepted [B]. cu_num_drafts may sit on the device,
+/// unchecked (checking would synchronise): each sequence's draft range is clamped into [0, N]
+/// and to out_stride - 1 drafts, so that bad values give wrong tokens, never a read or write out
+/// of bounds. Draft ids outside [0, vocab) have p = q = 0 (rejected).
 template <int kThreads>
 __global__ void rejection_sample_kernel(const float* __restrict__ target, int64_t target_stride,
                                         const float* __restrict__ draft, int64_t draft_stride,
                                         int64_t vocab, const int64_t* __restrict__ draft_ids,
                                         const int64_t* __restrict__ cu_num_drafts,
-                                        const float* __restrict__ uniform, int64_t* __restrict__ out,
-                                        int64_t out_stride, int64_t* __restrict__ num_accepted) {
+                                        int64_t num_drafts, const float* __restrict__ uniform,
+                                        int64_t* __restrict__ out, int64_t out_stride,
+                                        int64_t* __restrict__ num_accepted) {
   using namespace rejection_detail;
   __shared__ double scratch[kThreads];
   const int64_t b = blockIdx.x;
-  const int64_t first_draft = cu_num_drafts[b];
-  const int64_t k = cu_num_drafts[b + 1] - first_draft;
+  const int64_t first_draft = clamp(cu_num_drafts[b], 0, num_drafts);
+  const int64_t end = clamp(cu_num_drafts[b + 1], first_draft, num_drafts);
+  const int64_t k = end - first_draft < out_stride - 1 ? end - first_draft : out_stride - 1;
   const int64_t first_row = first_draft + b;
   const float u_final = uniform[first_row + k];
   int64_t* o = out + b * out_stride;

@@ -1,0 +1,31 @@
+// CUDA launcher for gelu_tanh_and_mul: the CPU launcher's checks, then one block per token.
+#include <torch/library.h>
+
+#include "kernels/activation/gelu_tanh_and_mul.h"
+#include "kernels/activation/gelu_tanh_and_mul_kernel.cuh"
+#include "kernels/cuda_launch.h"
+#include "kernels/op_checks.h"
+
+namespace kvserve::ops {
+namespace {
+
+void gelu_tanh_and_mul_cuda(at::Tensor& out, const at::Tensor& input) {
+  check_gated_activation("gelu_tanh_and_mul", out, input);
+  if (input.size(0) == 0 || out.size(1) == 0) return;
+  const c10::cuda::CUDAGuard guard(input.device());
+  const int64_t d = out.size(1);
+  const int threads = d >= 1024 ? 1024 : d >= 256 ? 256 : 128;
+  cuda::dispatch_float(input.scalar_type(), "gelu_tanh_and_mul", [&](auto type) {
+    using T = typename decltype(type)::type;
+    cuda::gelu_tanh_and_mul_kernel<T><<<input.size(0), threads, 0, cuda::current_stream()>>>(
+        static_cast<T*>(out.data_ptr()), out.stride(0), static_cast<const T*>(input.data_ptr()),
+        input.stride(0), d);
+  });
+  KVSERVE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvserve, CUDA, m) { m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul_cuda); }
+
+}  // namespace kvserve::ops

@@ -1,0 +1,61 @@
+#pragma once
+// What the CUDA launchers (*_cuda.cu) take from torch: the current stream, a device guard, the
+// launch check, and dispatch from a tensor dtype to the kernel bodies' element types. The bodies
+// (*_kernel.cuh) see none of it.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace kvserve::cuda {
+
+/// The stream torch runs on now (a captured graph's stream while capturing).
+inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+/// A type carried as a value, for the generic lambdas of the dispatchers below.
+template <typename T>
+struct Type {
+  using type = T;
+};
+
+/// Calls f(Type<T>{}) with T the CUDA element type of `dtype` (float, __nv_bfloat16, __half).
+template <typename F>
+void dispatch_float(at::ScalarType dtype, const char* op, F&& f) {
+  switch (dtype) {
+    case at::kFloat: f(Type<float>{}); break;
+    case at::kBFloat16: f(Type<__nv_bfloat16>{}); break;
+    case at::kHalf: f(Type<__half>{}); break;
+    default: TORCH_CHECK(false, op, ": unsupported dtype ", dtype);
+  }
+}
+
+/// `addresses` (null allowed) as an int64 tensor on `device`, for kernels that take a table of
+/// pointers (one per expert, layer or cache): written to pinned memory and copied without
+/// synchronising; the caching host allocator keeps the buffer until the copy has run.
+inline at::Tensor pointer_table(const std::vector<const void*>& addresses, at::Device device) {
+  at::Tensor host = at::empty({static_cast<int64_t>(addresses.size())},
+                              at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  int64_t* table = host.data_ptr<int64_t>();
+  for (size_t i = 0; i < addresses.size(); ++i) {
+    table[i] = reinterpret_cast<int64_t>(addresses[i]);
+  }
+  return host.to(device, /*non_blocking=*/true);
+}
+
+/// Blocks of `threads` threads that cover n items.
+inline unsigned int blocks_for(int64_t n, int threads) {
+  return static_cast<unsigned int>((n + threads - 1) / threads);
+}
+
+}  // namespace kvserve::cuda
+
+/// After every launch: a launch error is a c10::Error naming the op.
+#define KVSERVE_CUDA_CHECK_LAUNCH() C10_CUDA_KERNEL_LAUNCH_CHECK()

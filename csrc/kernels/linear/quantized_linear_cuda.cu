@@ -1,0 +1,130 @@
+// CUDA launcher for quantized_linear: the shared checks, then the quantized GEMV for a few
+// tokens (each weight row read once for all of them); for more, blocks of rows dequantized to the
+// input dtype and multiplied by cuBLAS through at::linear.
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kernels/cuda_launch.h"
+#include "kernels/linear/quantized_linear.h"
+#include "kernels/linear/quantized_linear_checks.h"
+#include "kernels/linear/quantized_linear_kernel.cuh"
+
+namespace kvserve::ops {
+namespace {
+
+// Up to this many tokens the GEMV, bound by reading the packed weight once, beats dequantizing
+// the weight (a write and a read of it in the input dtype) for a GEMM.
+constexpr int64_t kMaxGemvTokens = cuda::kQuantizedGemvTokens;
+// Rows dequantized per GEMM: large enough for cuBLAS to fill the GPU, small next to the weights.
+constexpr int64_t kDequantBlockBytes = 32 << 20;
+constexpr int kGemvThreads = 256;
+constexpr int kDequantThreads = 128;
+
+struct Weight {
+  const uint8_t* q;
+  const float* scales;
+  const float* zeros;  // null: none
+  int64_t n, k, group_size;
+  bool aligned;  // 4-byte loads: q at a multiple of 4 and whole words per row
+};
+
+template <cuda::QuantFormat F>
+bool rows_are_words(const at::Tensor& qweight, int64_t k) {
+  return reinterpret_cast<uintptr_t>(qweight.data_ptr()) % 4 == 0 &&
+         cuda::quantized_row_bytes<F>(k) % 4 == 0;
+}
+
+template <typename T, cuda::QuantFormat F>
+at::Tensor gemv(const at::Tensor& input, const Weight& w, const std::optional<at::Tensor>& bias) {
+  at::Tensor out = at::empty({input.size(0), w.n}, input.options());
+  const unsigned int blocks = cuda::blocks_for(w.n, kGemvThreads / 32);
+  cuda::quantized_gemv_kernel<T, F><<<blocks, kGemvThreads, 0, cuda::current_stream()>>>(
+      static_cast<const T*>(input.data_ptr()), input.stride(0), static_cast<int>(input.size(0)),
+      w.q, w.scales, w.zeros, bias ? static_cast<const T*>(bias->data_ptr()) : nullptr,
+      static_cast<T*>(out.data_ptr()), w.n, w.k, w.group_size, w.aligned);
+  KVSERVE_CUDA_CHECK_LAUNCH();
+  return out;
+}
+
+// Rows [r, r + block.size(0)) of the weight dequantized into block [rows, k] (the input dtype).
+template <typename T, cuda::QuantFormat F>
+void dequantize(const Weight& w, int64_t r, at::Tensor& block) {
+  const dim3 grid(block.size(0), cuda::blocks_for(cuda::quantized_row_bytes<F>(w.k),
+                                                  4 * kDequantThreads));
+  cuda::quantized_dequantize_kernel<T, F><<<grid, kDequantThreads, 0, cuda::current_stream()>>>(
+      w.q, w.scales, w.zeros, static_cast<T*>(block.data_ptr()), r, w.k, w.group_size,
+      w.aligned);
+  KVSERVE_CUDA_CHECK_LAUNCH();
+}
+
+template <typename T, cuda::QuantFormat F>
+at::Tensor dequantize_and_gemm(const at::Tensor& input, const Weight& w,
+                               const std::optional<at::Tensor>& bias) {
+  const int64_t rows = std::max<int64_t>(
+      64, kDequantBlockBytes / (w.k * static_cast<int64_t>(input.element_size())));
+  at::Tensor block = at::empty({std::min(rows, w.n), w.k}, input.options());
+  if (rows >= w.n) {  // one block: cuBLAS writes the output directly
+    dequantize<T, F>(w, 0, block);
+    return at::linear(input, block, bias);
+  }
+  at::Tensor out = at::empty({input.size(0), w.n}, input.options());
+  for (int64_t r = 0; r < w.n; r += rows) {
+    at::Tensor part = block.narrow(0, 0, std::min(rows, w.n - r));
+    dequantize<T, F>(w, r, part);
+    const std::optional<at::Tensor> part_bias =
+        bias ? std::optional<at::Tensor>(bias->narrow(0, r, part.size(0))) : std::nullopt;
+    out.narrow(1, r, part.size(0)).copy_(at::linear(input, part, part_bias));
+  }
+  return out;
+}
+
+template <typename T, cuda::QuantFormat F>
+at::Tensor run(const at::Tensor& input, const at::Tensor& qweight, const at::Tensor& scales,
+               const std::optional<at::Tensor>& zeros, int64_t group_size,
+               const std::optional<at::Tensor>& bias) {
+  const int64_t k = input.size(1);
+  const Weight w{static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr<float>(),
+                 zeros ? zeros->data_ptr<float>() : nullptr, qweight.size(0), k, group_size,
+                 rows_are_words<F>(qweight, k)};
+  // k == 0 takes the GEMV too: it writes the bias (or 0) where a 0-wide grid could not launch.
+  if (input.size(0) > kMaxGemvTokens && k > 0) return dequantize_and_gemm<T, F>(input, w, bias);
+  return gemv<T, F>(input, w, bias);
+}
+
+at::Tensor quantized_linear_cuda(const at::Tensor& input, const at::Tensor& qweight,
+                                 const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
+                                 int64_t group_size, const std::optional<at::Tensor>& bias) {
+  const cpu::QuantFormat format =
+      check_quantized_linear(input, qweight, scales, zeros, group_size, bias);
+  if (input.size(0) == 0 || qweight.size(0) == 0) {
+    return at::empty({input.size(0), qweight.size(0)}, input.options());
+  }
+  const c10::cuda::CUDAGuard guard(input.device());
+  at::Tensor out;
+  cuda::dispatch_float(input.scalar_type(), "quantized_linear", [&](auto type) {
+    using T = typename decltype(type)::type;
+    switch (format) {
+      case cpu::QuantFormat::kInt8:
+        out = run<T, cuda::QuantFormat::kInt8>(input, qweight, scales, zeros, group_size, bias);
+        break;
+      case cpu::QuantFormat::kInt4:
+        out = run<T, cuda::QuantFormat::kInt4>(input, qweight, scales, zeros, group_size, bias);
+        break;
+      case cpu::QuantFormat::kFp8E4M3:
+        out = run<T, cuda::QuantFormat::kFp8E4M3>(input, qweight, scales, zeros, group_size,
+                                                  bias);
+        break;
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvserve, CUDA, m) { m.impl("quantized_linear", &quantized_linear_cuda); }
+
+}  // namespace kvserve::ops

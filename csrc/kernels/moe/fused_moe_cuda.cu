@@ -1,0 +1,71 @@
+// CUDA launcher for fused_moe: the shared checks, the experts' weight pointers uploaded as one
+// table, then the body's two passes (SwiGLU per token-slot pair, down projection and weighted
+// sum per token). The ids stay on the device (reading them would synchronise); the body skips one
+// outside [0, num_experts), where the CPU launcher throws.
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+#include "kernels/cuda_launch.h"
+#include "kernels/moe/fused_moe.h"
+#include "kernels/moe/fused_moe_checks.h"
+#include "kernels/moe/fused_moe_kernel.cuh"
+
+namespace kvserve::ops {
+namespace {
+
+constexpr const char* kOp = "fused_moe";
+constexpr int kWarpsPerBlock = 4;
+
+// The data pointers of w13's experts, then w2's, on `device`.
+at::Tensor device_pointers(at::TensorList w13, at::TensorList w2, const at::Device& device) {
+  std::vector<const void*> addresses;
+  for (at::TensorList list : {w13, w2}) {
+    for (const at::Tensor& w : list) addresses.push_back(w.data_ptr());
+  }
+  return cuda::pointer_table(addresses, device);
+}
+
+at::Tensor fused_moe_cuda(const at::Tensor& hidden, at::TensorList w13, at::TensorList w2,
+                          const at::Tensor& topk_weights, const at::Tensor& topk_ids) {
+  check_fused_moe(hidden, w13, w2, topk_weights, topk_ids);
+  for (at::TensorList list : {w13, w2}) {
+    for (const at::Tensor& w : list) {
+      TORCH_CHECK(w.is_contiguous(), kOp, ": expert weights must be contiguous on CUDA");
+    }
+  }
+  const int64_t num_tokens = hidden.size(0), hidden_size = hidden.size(1);
+  const int64_t num_experts = static_cast<int64_t>(w13.size()), k = topk_ids.size(1);
+  const int64_t inter = w13[0].size(0) / 2;
+  at::Tensor out = at::empty({num_tokens, hidden_size}, hidden.options());
+  if (out.numel() == 0) return out;
+  if (k == 0 || inter == 0) return out.zero_();  // no expert adds anything
+  const c10::cuda::CUDAGuard guard(hidden.device());
+  const at::Tensor pointers = device_pointers(w13, w2, hidden.device());
+  at::Tensor act = at::empty({num_tokens * k, inter}, hidden.options().dtype(at::kFloat));
+  cuda::dispatch_float(hidden.scalar_type(), kOp, [&](auto type) {
+    using T = typename decltype(type)::type;
+    const auto* table = reinterpret_cast<const T* const*>(pointers.data_ptr<int64_t>());
+    const dim3 gate_grid(num_tokens * k, cuda::blocks_for(inter, kWarpsPerBlock));
+    cuda::moe_gate_up_kernel<T><<<gate_grid, 32 * kWarpsPerBlock, 0, cuda::current_stream()>>>(
+        static_cast<const T*>(hidden.data_ptr()), hidden.stride(0), table,
+        topk_ids.data_ptr<int64_t>(), k, num_experts, hidden_size, inter,
+        act.data_ptr<float>());
+    KVSERVE_CUDA_CHECK_LAUNCH();
+    const dim3 down_grid(num_tokens, cuda::blocks_for(hidden_size, kWarpsPerBlock));
+    cuda::moe_down_combine_kernel<T><<<down_grid, 32 * kWarpsPerBlock, 0,
+                                       cuda::current_stream()>>>(
+        act.data_ptr<float>(), table + num_experts, topk_ids.data_ptr<int64_t>(),
+        topk_weights.data_ptr<float>(), k, num_experts, hidden_size, inter,
+        static_cast<T*>(out.data_ptr()));
+    KVSERVE_CUDA_CHECK_LAUNCH();
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvserve, CUDA, m) { m.impl("fused_moe", &fused_moe_cuda); }
+
+}  // namespace kvserve::ops
