@@ -1,6 +1,12 @@
 #include "kvserve/forward_batch.h"
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+
 #include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <utility>
 #include <stdexcept>
 #include <string>
 
@@ -8,7 +14,6 @@
 
 namespace kvserve {
 
-using engine_helpers::to_tensor;
 void ForwardBatchBuilder::add(const std::vector<int64_t>& tokens, int64_t num_cached,
                               const std::vector<int32_t>& block_table) {
   add_grouped(tokens, num_cached, std::vector<std::vector<int32_t>>{block_table});
@@ -49,40 +54,113 @@ void ForwardBatchBuilder::add_grouped(const std::vector<int64_t>& tokens, int64_
 
 namespace {
 
-// [B, width] int32: the tables padded with block 0 to the longest.
-at::Tensor padded_tables(const std::vector<std::vector<int32_t>>& tables, at::Device device) {
+// [B * width] int32: the tables padded with block 0 to the longest, and the width.
+std::pair<std::vector<int32_t>, int64_t> padded_tables(
+    const std::vector<std::vector<int32_t>>& tables) {
   size_t width = 1;
   for (const auto& table : tables) width = std::max(width, table.size());
   std::vector<int32_t> flat(tables.size() * width, 0);
   for (size_t b = 0; b < tables.size(); ++b) {
     std::copy(tables[b].begin(), tables[b].end(), flat.begin() + b * width);
   }
-  return to_tensor(flat, device).view({static_cast<int64_t>(tables.size()),
-                                       static_cast<int64_t>(width)});
+  return {std::move(flat), static_cast<int64_t>(width)};
 }
+
+// Host vectors bound for one device. On the CPU each becomes its own tensor; elsewhere they are
+// packed into one pinned buffer and uploaded with one asynchronous copy, then viewed in place.
+class Upload {
+ public:
+  explicit Upload(at::Device device) : device_(device) {}
+
+  template <typename T>
+  size_t add(const std::vector<T>& values) {
+    pieces_.push_back({values.data(), values.size() * sizeof(T), values.size(),
+                       std::is_same_v<T, int64_t> ? at::kLong : at::kInt});
+    return pieces_.size() - 1;
+  }
+
+  /// The tensors, in the order they were added.
+  std::vector<at::Tensor> finish() const {
+    std::vector<at::Tensor> out;
+    if (device_.is_cpu()) {
+      for (const Piece& p : pieces_) {
+        out.push_back(at::from_blob(const_cast<void*>(p.data), {static_cast<int64_t>(p.count)},
+                                    at::TensorOptions().dtype(p.dtype))
+                          .clone());
+      }
+      return out;
+    }
+    std::vector<size_t> offsets;
+    size_t total = 0;
+    for (const Piece& p : pieces_) {
+      offsets.push_back(total);
+      total += (p.bytes + 7) / 8 * 8;  // every view starts 8-byte aligned
+    }
+    at::Tensor host = at::empty({static_cast<int64_t>(std::max<size_t>(total, 8))},
+                                at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    auto* base = static_cast<uint8_t*>(host.data_ptr());
+    for (size_t i = 0; i < pieces_.size(); ++i) {
+      if (pieces_[i].bytes > 0) std::memcpy(base + offsets[i], pieces_[i].data, pieces_[i].bytes);
+    }
+    const at::Tensor device = host.to(device_, /*non_blocking=*/true);
+    for (size_t i = 0; i < pieces_.size(); ++i) {
+      out.push_back(device.narrow(0, static_cast<int64_t>(offsets[i]),
+                                  static_cast<int64_t>(pieces_[i].bytes))
+                        .view(pieces_[i].dtype));
+    }
+    return out;
+  }
+
+ private:
+  struct Piece {
+    const void* data;
+    size_t bytes, count;
+    at::ScalarType dtype;
+  };
+  at::Device device_;
+  std::vector<Piece> pieces_;
+};
 
 }  // namespace
 
 ForwardBatch ForwardBatchBuilder::build(at::Device device) const {
-  ForwardBatch batch;
-  batch.input_ids = to_tensor(ids_, device);
-  batch.positions = to_tensor(positions_, device);
-  batch.metadata.query_start_loc = to_tensor(query_start_loc_, device);
-  batch.metadata.seq_lens = to_tensor(seq_lens_, device);
   const size_t groups = std::max<size_t>(1, slots_.size());
+  std::vector<std::vector<int64_t>> slots(groups);
+  std::vector<std::pair<std::vector<int32_t>, int64_t>> tables(groups);
   for (size_t g = 0; g < groups; ++g) {
-    at::Tensor slots = to_tensor(g < slots_.size() ? slots_[g] : std::vector<int64_t>{}, device);
-    at::Tensor tables = padded_tables(
-        g < block_tables_.size() ? block_tables_[g] : std::vector<std::vector<int32_t>>{}, device);
+    if (g < slots_.size()) slots[g] = slots_[g];
+    tables[g] = padded_tables(g < block_tables_.size() ? block_tables_[g]
+                                                       : std::vector<std::vector<int32_t>>{});
+  }
+  Upload upload(device);
+  upload.add(ids_);
+  upload.add(positions_);
+  upload.add(query_start_loc_);
+  upload.add(seq_lens_);
+  upload.add(logits_indices_);
+  for (size_t g = 0; g < groups; ++g) {
+    upload.add(slots[g]);
+    upload.add(tables[g].first);
+  }
+  const std::vector<at::Tensor> t = upload.finish();
+  ForwardBatch batch;
+  batch.input_ids = t[0];
+  batch.positions = t[1];
+  batch.metadata.query_start_loc = t[2];
+  batch.metadata.seq_lens = t[3];
+  batch.logits_indices = t[4];
+  for (size_t g = 0; g < groups; ++g) {
+    const at::Tensor& group_slots = t[5 + 2 * g];
+    const at::Tensor group_tables = t[6 + 2 * g].view(
+        {static_cast<int64_t>(tables[g].first.size()) / tables[g].second, tables[g].second});
     if (g == 0) {
-      batch.metadata.slot_mapping = slots;
-      batch.metadata.block_tables = tables;
+      batch.metadata.slot_mapping = group_slots;
+      batch.metadata.block_tables = group_tables;
     } else {
-      batch.metadata.group_slot_mappings.push_back(slots);
-      batch.metadata.group_block_tables.push_back(tables);
+      batch.metadata.group_slot_mappings.push_back(group_slots);
+      batch.metadata.group_block_tables.push_back(group_tables);
     }
   }
-  batch.logits_indices = to_tensor(logits_indices_, device);
   return batch;
 }
 

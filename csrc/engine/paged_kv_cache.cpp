@@ -97,8 +97,8 @@ void PagedKVCache::copy_blocks(const std::vector<std::pair<int32_t, int32_t>>& c
     flat.push_back(src);
     flat.push_back(dst);
   }
-  const at::Tensor mapping =
-      at::tensor(flat, at::TensorOptions().dtype(at::kLong)).view({-1, 2}).to(device());
+  // On the host: a CUDA launcher checks it there and uploads it (no device read-back).
+  const at::Tensor mapping = at::tensor(flat, at::TensorOptions().dtype(at::kLong)).view({-1, 2});
   std::vector<at::Tensor> keys, values;  // no values for latent layers: the key is the entry
   std::vector<at::Tensor> key_scales, value_scales;  // as [num_blocks, block_size, heads, 1]
   for (const LayerKVCache& slot : slots_) {

@@ -60,7 +60,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     speculation = _speculation(args)
     llm = LLM(args.model or _default_model(), dtype=args.dtype, max_model_len=args.max_model_len,
-              kv_cache_dtype=args.kv_cache_dtype, **speculation)
+              kv_cache_dtype=args.kv_cache_dtype, device=args.device, **speculation)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
                             ignore_eos=args.ignore_eos)
@@ -88,7 +88,7 @@ def _eval_ppl(args: argparse.Namespace) -> int:
     if not args.text.is_file():
         raise FileNotFoundError(f"--text {args.text} not found")
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_length,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, device=args.device)
     if llm.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer.json to encode the text with")
     ids = llm.tokenizer.encode(args.text.read_text(encoding="utf-8"))
@@ -135,7 +135,7 @@ def _serve(args: argparse.Namespace) -> int:
           max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
           num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching,
-          **speculation)
+          device=args.device, **speculation)
     return 0
 
 
@@ -156,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"])
+    g.add_argument("--device", default="cpu",
+                   help="cpu, or cuda[:N] (a build with the CUDA kernels and a GPU)")
     spec = g.add_mutually_exclusive_group()
     spec.add_argument("--speculative-model", metavar="DIR",
                       help="speculative decoding with this draft model (the target's tokenizer)")
@@ -174,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
                    help="score with the keys and values quantized as a server would cache them")
+    e.add_argument("--device", default="cpu",
+                   help="cpu, or cuda[:N] (a build with the CUDA kernels and a GPU)")
     e.set_defaults(func=_eval_ppl)
     q = sub.add_parser("quantize", help="write a quantized copy of a checkpoint")
     q.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
@@ -212,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     v.add_argument("--max-model-len", type=int, default=None)
     v.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"])
+    v.add_argument("--device", default="cpu",
+                   help="cpu, or cuda[:N] (a build with the CUDA kernels and a GPU)")
     v.add_argument("--max-num-seqs", type=int, default=256)
     v.add_argument("--max-num-batched-tokens", type=int, default=2048)
     v.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: sized "

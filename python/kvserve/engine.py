@@ -58,6 +58,28 @@ class _Request:
     final_metrics: object = None  # set when stop strings finished it (the engine forgot it)
 
 
+def check_device(device: str | torch.device) -> torch.device:
+    """The device to run on: the CPU, or a CUDA GPU when torch sees one and this build holds
+    the CUDA kernels; ValueError otherwise."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}") from e
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {str(device)!r}")
+    if not _C.built_with_cuda():
+        raise ValueError("device 'cuda': this kvserve build has no CUDA kernels (build it with a "
+                         "CUDA torch and nvcc installed)")
+    if not torch.cuda.is_available():
+        raise ValueError("device 'cuda': torch sees no CUDA GPU")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if not 0 <= index < torch.cuda.device_count():
+        raise ValueError(f"device {str(device)!r}: there are {torch.cuda.device_count()} GPUs")
+    return torch.device("cuda", index)
+
+
 def _release_freed_memory() -> None:
     """Returns the heap that loading freed (plain weights replaced by packed ones, conversion
     buffers) to the OS, so the process's resident memory is the model's. glibc only; a no-op
@@ -119,9 +141,7 @@ class LLMEngine:
                  prompt_lookup_max: int = 4, speculative_disable_batch_size: int | None = None,
                  speculative_max_verify_tokens: int | None = None,
                  log_memory_plan: bool = True):
-        if torch.device(device).type != "cpu":
-            raise ValueError(f"device {device!r} is not supported yet: kvserve's kernels run on "
-                             "the CPU")
+        device = check_device(device)
         info = load_checkpoint_info(model)
         self.model_dir = Path(model)
         self.config = info.config

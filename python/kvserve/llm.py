@@ -30,7 +30,8 @@ class LLM:
             max_position_embeddings.
         max_num_seqs: sequences running at once; max_num_batched_tokens: tokens per engine step
             (decodes + prefill chunks; longer prompts are prefilled in chunks).
-        device: "cpu" (CUDA kernels are not written yet).
+        device: "cpu", or "cuda[:N]" when this build holds the CUDA kernels and torch sees a
+            GPU: weights, KV pool and per-step metadata then live on that GPU.
         block_size: tokens per KV-cache block.
         num_blocks: blocks in the paged KV pool (block 0, the null block, included); or
         kv_cache_memory: bytes for the pool. Default: enough for max_num_seqs sequences of

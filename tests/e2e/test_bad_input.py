@@ -104,7 +104,9 @@ def test_missing_tensor(checkpoint_copy):
     ({"max_model_len": 10_000}, "max_model_len must be"),
     ({"max_model_len": 1}, "max_model_len must be"),
     ({"max_num_seqs": 0}, "max_num_seqs must be"),
-    ({"device": "cuda"}, "not supported yet"),
+    ({"device": "tpu"}, "device must be 'cpu' or 'cuda"),
+    ({"device": "not a device"}, "device must be 'cpu' or 'cuda"),
+    ({"device": "cuda:64"}, "cuda"),  # no CUDA build, no GPU, or no 65th GPU
 ])
 def test_bad_llm_arguments(checkpoint_factory, kwargs, message):
     with pytest.raises(ValueError, match=message):

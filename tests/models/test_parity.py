@@ -83,9 +83,10 @@ def hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
 
 
 def kvserve_prompt_logits(llm: kvserve.LLM, prompt: list[int]) -> torch.Tensor:
-    """Logits of every prompt position through the notes' KVCache loop."""
-    caches = kvserve.KVCache.for_model(1, len(prompt), llm.config, llm.dtype)
-    return llm.model(torch.tensor([prompt]), caches)[0]
+    """Logits of every prompt position through the notes' KVCache loop (on the CPU)."""
+    device = llm.model.device
+    caches = kvserve.KVCache.for_model(1, len(prompt), llm.config, llm.dtype, device=device)
+    return llm.model(torch.tensor([prompt], device=device), caches)[0].cpu()
 
 
 def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype):
@@ -125,9 +126,9 @@ def routed_prefix_len(ref32, prompt: list[int], llm: kvserve.LLM) -> int:
     return first
 
 
-def check_parity(path, dtype=torch.float32):
+def check_parity(path, dtype=torch.float32, device="cpu"):
     ref = hf_model(path, dtype)
-    llm = kvserve.LLM(path, dtype=dtype)
+    llm = kvserve.LLM(path, dtype=dtype, device=device)
     ref32 = hf_model(path) if llm.config.moe.num_experts and dtype != torch.float32 else None
     compared = 0
     for prompt in PROMPTS:

@@ -1,0 +1,164 @@
+"""paged_attention on a CUDA GPU against the GPU's memory bandwidth (decode) and torch's flash
+scaled_dot_product_attention (prefill), in one run.
+
+  * HBM bandwidth: a device-to-device copy of --copy-gib GiB, bytes read plus bytes written;
+  * decode: one query token per sequence over a paged cache (Llama-3-8B attention: 32 query
+    heads, 8 KV heads, head_dim 128, bf16, 16-token blocks handed out in random order) for every
+    batch size x context length that fits in --max-kv-gib; achieved bytes/s counts every key and
+    value read once (plus queries and outputs), over the copy's bandwidth;
+  * prefill: causal attention of a whole prompt (queries = context) for each length, ours against
+    torch's scaled_dot_product_attention (the flash backend) on contiguous [B, H, T, D] tensors
+    with the KV heads expanded (enable_gqa); time ratio SDPA / ours (>= 1: ours is faster).
+Each figure is the median of --repeats timings by CUDA events, the kernels of each pair
+interleaved. Prints markdown tables; writes JSON to --out.
+
+    python benchmarks/bench_cuda_attention.py
+    python benchmarks/bench_cuda_attention.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import kvserve  # noqa: F401  (registers torch.ops.kvserve)
+from kvserve.testing.bench import markdown_table, median
+
+ops = torch.ops.kvserve
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+
+
+def event_time(fn, repeats: int) -> float:
+    """Median seconds of fn() over `repeats` timings (after two warm-ups)."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return median(times)
+
+
+def copy_bandwidth(gib: float, repeats: int) -> float:
+    n = int(gib * (1 << 30))
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    return 2 * n / event_time(lambda: dst.copy_(src), repeats)
+
+
+def paged_cache(batch: int, context: int, dtype, gen):
+    blocks_per_seq = math.ceil(context / BLOCK)
+    num_blocks = batch * blocks_per_seq + 1
+    key = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype, device="cuda",
+                      generator=gen)
+    value = torch.randn_like(key)
+    tables = (torch.randperm(num_blocks - 1, device="cuda", generator=gen) + 1).int()
+    tables = tables.view(batch, blocks_per_seq)
+    return key, value, tables
+
+
+def decode_row(batch, context, dtype, bandwidth, repeats, gen):
+    key, value, tables = paged_cache(batch, context, dtype, gen)
+    query = torch.randn(batch, HEADS, HEAD_DIM, dtype=dtype, device="cuda", generator=gen)
+    out = torch.empty_like(query)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    seconds = event_time(lambda: ops.paged_attention(out, query, key, value, qsl, lens, tables,
+                                                     HEAD_DIM ** -0.5, 0, 0.0), repeats)
+    elem = key.element_size()
+    nbytes = 2 * batch * context * KV_HEADS * HEAD_DIM * elem + 2 * query.numel() * elem
+    nbytes += tables.numel() * 4
+    return dict(batch=batch, context=context, us=seconds * 1e6, gbps=nbytes / seconds / 1e9,
+                hbm_fraction=nbytes / seconds / bandwidth)
+
+
+def prefill_row(batch, length, dtype, repeats, gen):
+    key, value, tables = paged_cache(batch, length, dtype, gen)
+    query = torch.randn(batch * length, HEADS, HEAD_DIM, dtype=dtype, device="cuda",
+                        generator=gen)
+    out = torch.empty_like(query)
+    qsl = torch.arange(0, batch * length + 1, length, dtype=torch.int32, device="cuda")
+    lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+    # The same keys and values, contiguous, for SDPA: [B, H_kv, T, D].
+    flat = tables.long().view(batch, -1)
+    k = key[flat].view(batch, -1, KV_HEADS, HEAD_DIM)[:, :length].transpose(1, 2).contiguous()
+    v = value[flat].view(batch, -1, KV_HEADS, HEAD_DIM)[:, :length].transpose(1, 2).contiguous()
+    q = query.view(batch, length, HEADS, HEAD_DIM).transpose(1, 2).contiguous()
+
+    def ours():
+        ops.paged_attention(out, query, key, value, qsl, lens, tables, HEAD_DIM ** -0.5, 0, 0.0)
+
+    def sdpa():
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    ours()
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    err = (out.view(batch, length, HEADS, HEAD_DIM).transpose(1, 2).float() - want.float())
+    rel = (err.norm() / want.float().norm()).item()
+    times = {"ours": [], "sdpa": []}
+    for _ in range(3):  # interleaved
+        times["ours"].append(event_time(ours, max(repeats // 3, 3)))
+        times["sdpa"].append(event_time(sdpa, max(repeats // 3, 3)))
+    t_ours, t_sdpa = median(times["ours"]), median(times["sdpa"])
+    flops = 4 * batch * HEADS * HEAD_DIM * length * (length + 1) / 2
+    return dict(batch=batch, length=length, ours_ms=t_ours * 1e3, sdpa_ms=t_sdpa * 1e3,
+                speedup=t_sdpa / t_ours, ours_tflops=flops / t_ours / 1e12,
+                sdpa_tflops=flops / t_sdpa / 1e12, relative_error=rel)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a few small shapes")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--copy-gib", type=float, default=2.0)
+    parser.add_argument("--max-kv-gib", type=float, default=24.0)
+    parser.add_argument("--out", default="benchmarks/results/cuda_attention.json")
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    dtype = torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    batches = [1, 8, 64] if args.quick else [1, 4, 16, 64, 256]
+    contexts = [512, 4096] if args.quick else [512, 2048, 8192, 32768]
+    bandwidth = copy_bandwidth(args.copy_gib, args.repeats)
+    decode = []
+    for batch in batches:
+        for context in contexts:
+            kv_gib = 2 * batch * context * KV_HEADS * HEAD_DIM * 2 / (1 << 30)
+            if kv_gib <= args.max_kv_gib:
+                decode.append(decode_row(batch, context, dtype, bandwidth, args.repeats, gen))
+                torch.cuda.empty_cache()
+    prefill = [prefill_row(b, n, dtype, args.repeats, gen)
+               for b, n in ([(1, 512), (1, 2048)] if args.quick else
+                            [(1, 512), (1, 2048), (1, 8192), (8, 1024)])]
+    name = torch.cuda.get_device_name()
+    print(f"{name}: device-to-device copy {bandwidth / 1e12:.2f} TB/s (read + write)\n")
+    print("Decode (one query per sequence), bf16, 32 query / 8 KV heads, head_dim 128:\n")
+    print(markdown_table(["batch", "context", "µs", "GB/s", "of copy bandwidth"],
+                         [[r["batch"], r["context"], f"{r['us']:.1f}", f"{r['gbps']:.0f}",
+                           f"{r['hbm_fraction']:.0%}"] for r in decode]))
+    print("\nPrefill (causal, queries = context), bf16:\n")
+    print(markdown_table(["batch", "tokens", "ours ms", "SDPA flash ms", "SDPA / ours",
+                          "ours TFLOP/s", "SDPA TFLOP/s", "rel. error"],
+                         [[r["batch"], r["length"], f"{r['ours_ms']:.3f}", f"{r['sdpa_ms']:.3f}",
+                           f"{r['speedup']:.2f}x", f"{r['ours_tflops']:.1f}",
+                           f"{r['sdpa_tflops']:.1f}", f"{r['relative_error']:.1e}"]
+                          for r in prefill]))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(device=name, copy_bandwidth=bandwidth, decode=decode,
+                                   prefill=prefill), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# On a machine with an NVIDIA GPU and a CUDA build of torch (not CI): builds kvserve with its
+# CUDA kernels, then runs the stages named on the command line, logging each under $OUT (or
+# /tmp/kvserve-cuda):
+#   test      the kernel tests on CUDA (every kernel test, rerun with ops on the GPU) and the
+#             tests marked cuda (the engine on the GPU against transformers and the CPU engine)
+#   sanitize  compute-sanitizer memcheck and racecheck over a subset of the CUDA kernel tests
+#   bench-attention, bench-e2e   benchmarks/bench_cuda_attention.py, benchmarks/bench_cuda_e2e.py
+#     bash scripts/cuda_session.sh test bench-attention
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/kvserve-cuda}
+mkdir -p "$out"
+python=${PYTHON:-python3}
+export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+start=$(date +%s)
+# A warm machine keeps an earlier call's build folder, which may hold another configuration.
+[ "${CLEAN:-1}" = 1 ] && rm -rf build/py
+# One GPU architecture and one CPU kernel variant: the build is for this machine only.
+if ! $python -m pip install -q --no-build-isolation --no-deps -e . \
+    --config-settings=cmake.define.KVSERVE_CUDA=ON \
+    --config-settings=cmake.define.CMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHITECTURES:-90}" \
+    --config-settings=cmake.define.KVSERVE_CPU_CAPABILITIES=AVX2 > "$out/build.log" 2>&1; then
+  tail -60 "$out/build.log"
+  echo "cuda_session: build FAILED after $(( $(date +%s) - start )) s"
+  exit 1
+fi
+echo "cuda_session: built in $(( $(date +%s) - start )) s"
+$python - <<'EOF' || { echo "cuda_session: the CUDA kernels are not registered"; exit 1; }
+import kvserve, torch
+ops = ["paged_attention", "rms_norm", "kv_cache_write", "sampling_from_logits", "fused_moe"]
+missing = [op for op in ops
+           if not torch._C._dispatch_has_kernel_for_dispatch_key(f"kvserve::{op}", "CUDA")]
+assert kvserve._C.built_with_cuda() and not missing, f"no CUDA kernel for {missing}"
+print("CUDA kernels registered")
+EOF
+status=0
+for stage in "$@"; do
+  case $stage in
+    test)
+      timeout "${TEST_TIMEOUT:-420}" $python -m pytest -q -p no:cacheprovider -m cuda \
+        -o addopts="" tests/kernels tests/e2e/test_cuda_engine.py ${PYTEST_ARGS:-} \
+        > "$out/test.log" 2>&1 || status=1
+      grep -E "passed|failed|error" "$out/test.log" | tail -3
+      grep -E "^(FAILED|ERROR)" "$out/test.log" | head -40 ;;
+    sanitize)
+      for tool in memcheck racecheck; do
+        timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 \
+          $python -m pytest -q -p no:cacheprovider -m cuda -o addopts="" -x \
+          tests/kernels/test_paged_attention.py tests/kernels/test_kv_cache_write.py \
+          tests/kernels/test_rms_norm.py -k "long_contexts or mixed_batch or latent or quantized" \
+          > "$out/sanitize-$tool.log" 2>&1
+        echo "compute-sanitizer $tool: exit $?"; grep -E "ERROR SUMMARY|passed|failed" \
+          "$out/sanitize-$tool.log" | tail -3
+      done ;;
+    bench-attention)
+      $python benchmarks/bench_cuda_attention.py --out "$out/cuda_attention.json" \
+        2>&1 | tee "$out/bench_attention.log" | tail -40 ;;
+    bench-e2e)
+      $python benchmarks/bench_cuda_e2e.py ${E2E_ARGS:-} --out "$out/cuda_e2e.json" \
+        2>&1 | tee "$out/bench_e2e.log" | tail -20 ;;
+    *) echo "cuda_session: unknown stage $stage"; status=1 ;;
+  esac
+done
+echo "cuda_session: done in $(( $(date +%s) - start )) s"
+exit $status

@@ -1,0 +1,90 @@
+"""The engine on a CUDA GPU (skipped without one): parity with transformers, and the engine's
+invariants (batching, prefix caching, chunked prefill, quantized KV, speculation) on the GPU
+against the same engine on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvserve
+from tests.conftest import ARCHITECTURES
+from tests.models.test_parity import PROMPTS, check_parity
+
+pytestmark = pytest.mark.cuda
+
+GREEDY = kvserve.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def tokens(llm, prompts=PROMPTS, params=GREEDY):
+    return [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_fp32_logits_and_greedy_match_transformers(checkpoint_factory, architecture):
+    check_parity(checkpoint_factory(architecture), device="cuda")
+
+
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen3ForCausalLM",
+                                          "Gemma2ForCausalLM", "DeepseekV2ForCausalLM"])
+def test_bf16_logits_within_tolerance(checkpoint_factory, architecture):
+    check_parity(checkpoint_factory(architecture, dtype=torch.bfloat16), torch.bfloat16,
+                 device="cuda")
+
+
+def test_weights_and_kv_pool_live_on_the_gpu(checkpoint_factory):
+    llm = kvserve.LLM(checkpoint_factory("LlamaForCausalLM"), device="cuda")
+    assert llm.model.device.type == "cuda"
+    assert torch.cuda.memory_allocated() > 0
+
+
+@pytest.mark.parametrize("engine_args", [
+    dict(),
+    dict(enable_prefix_caching=False),
+    dict(max_num_batched_tokens=8),  # chunked prefill
+    dict(max_num_seqs=1),            # one sequence at a time
+    dict(block_size=1),
+], ids=["default", "no-prefix-cache", "chunked-prefill", "one-at-a-time", "block-size-1"])
+def test_gpu_engine_equals_cpu_engine(checkpoint_factory, engine_args):
+    path = checkpoint_factory("LlamaForCausalLM")
+    want = tokens(kvserve.LLM(path, **engine_args))
+    got = tokens(kvserve.LLM(path, device="cuda", **engine_args))
+    assert got == want
+
+
+def test_shared_prefixes_and_repeats(checkpoint_factory):
+    """Prompts sharing a prefix (prefix cache hits, copy-on-write of a partial block)."""
+    path = checkpoint_factory("Qwen3ForCausalLM")
+    base = PROMPTS[2]
+    prompts = [base, base + [5, 6], base[:9], base + [7], base]
+    assert tokens(kvserve.LLM(path, device="cuda", block_size=4), prompts) == \
+        tokens(kvserve.LLM(path, block_size=4), prompts)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_quantized_kv_cache(checkpoint_factory, kv_cache_dtype):
+    path = checkpoint_factory("LlamaForCausalLM")
+    want = tokens(kvserve.LLM(path, kv_cache_dtype=kv_cache_dtype))
+    got = tokens(kvserve.LLM(path, device="cuda", kv_cache_dtype=kv_cache_dtype))
+    agree = sum(a == b for w, g in zip(want, got) for a, b in zip(w, g))
+    assert agree >= 0.9 * sum(map(len, want)), (got, want)
+
+
+def test_ngram_speculation_keeps_greedy_output(checkpoint_factory):
+    path = checkpoint_factory("LlamaForCausalLM")
+    plain = tokens(kvserve.LLM(path, device="cuda"))
+    speculative = tokens(kvserve.LLM(path, device="cuda", speculative_method="ngram",
+                                     num_speculative_tokens=3))
+    assert speculative == plain
+
+
+def test_seeded_sampling_is_reproducible(checkpoint_factory):
+    llm = kvserve.LLM(checkpoint_factory("LlamaForCausalLM"), device="cuda")
+    params = kvserve.SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=7, max_tokens=16,
+                                    ignore_eos=True)
+    assert tokens(llm, params=params) == tokens(llm, params=params)
+
+
+def test_bad_device_is_a_clear_error(checkpoint_factory):
+    with pytest.raises(ValueError, match="GPUs"):
+        kvserve.LLM(checkpoint_factory("LlamaForCausalLM"), device="cuda:99")
