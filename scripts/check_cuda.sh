@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Compile-checks the CUDA code with nvcc alone, no GPU and no CUDA torch needed:
-#  - every kernel body (csrc/kernels/**/*_kernel.cuh), included by a generated .cu that
-#    instantiates its kernels (scripts/cuda_instantiations/), without torch;
+#  - that no kernel body (csrc/kernels/**/*_kernel.cuh) includes a torch header, and every body
+#    without a launcher, included by a generated .cu that instantiates its kernels
+#    (scripts/cuda_instantiations/), compiled without torch (a launcher compiles its body);
 #  - every launcher (csrc/kernels/**/*_cuda.cu) against the installed torch's headers, with
 #    scripts/cuda_stubs standing in for the generated c10/cuda header a CPU-only torch lacks.
 set -euo pipefail
@@ -29,8 +30,13 @@ check_body() {
 export -f check_body
 export nvcc arch work
 # Each file is one nvcc process: $JOBS at a time, the machine's cores by default.
-find csrc/kernels -name '*_kernel.cuh' | sort | xargs -P "${JOBS:-$(nproc)}" -I{} \
-  bash -c 'check_body "$1"' _ {} || status=1
+if grep -lE '#include [<"](torch|ATen|c10)/' $(find csrc/kernels -name '*_kernel.cuh'); then
+  echo "check-cuda: the kernel bodies above include torch headers" >&2
+  status=1
+fi
+for body in $(find csrc/kernels -name '*_kernel.cuh' | sort); do
+  [ -f "${body%_kernel.cuh}_cuda.cu" ] || echo "$body"
+done | xargs -r -P "${JOBS:-$(nproc)}" -I{} bash -c 'check_body "$1"' _ {} || status=1
 
 python=${PYTHON:-python3}
 torch_dir=$("$python" -c "import os, torch; print(os.path.dirname(torch.__file__))")
