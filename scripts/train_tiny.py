@@ -4,6 +4,15 @@
     python scripts/train_tiny.py --out models/shakespeare-draft --preset draft \
         --tokenizer models/shakespeare-target
     python scripts/train_tiny.py --out /tmp/stdlib-target --preset stdlib-target --corpus stdlib
+    python scripts/train_tiny.py --out /tmp/mla --preset target --attention mla
+
+--attention picks the attention of the same shape (notebooks/02_attention_variants.ipynb compares
+them): mha, gqa (4 query heads per KV head), mqa (one KV head) as a Llama; sliding (every layer
+attends over the last --sliding-window positions; a Mistral) and hybrid (one global layer in
+--global-every, the others sliding; a Qwen2 with layer_types, whose q/k/v projections carry
+biases) on --num-key-value-heads, else 4:1; mla (a dense DeepSeek-V2: keys and values from one
+latent of --kv-lora-rank plus a --rope-head-dim shared RoPE key per token). --kv-sharing adds
+cross-layer KV sharing to mha / gqa / mqa.
 
 --corpus stdlib trains on the Python standard library's own sources (every .py file of the
 running interpreter's stdlib, sorted by path and concatenated: ~30 MB that every machine has),
@@ -50,6 +59,8 @@ BOS_ID, EOS_ID = 1, 2
 # within 30 minutes on a 2-core CPU; the draft is ~10x smaller for speculative decoding. The
 # stdlib pair is the speculative-decoding benchmark's (scripts/build_speculative_pair.sh): a
 # ~46M-parameter target whose decode step is dominated by reading its weights, and a ~4M draft.
+ATTENTION_KINDS = ["mha", "gqa", "mqa", "sliding", "hybrid", "mla"]
+
 PRESETS = {
     "target": dict(hidden_size=320, num_hidden_layers=6, num_attention_heads=8,
                    num_key_value_heads=2, intermediate_size=864, steps=700, batch_size=8,
@@ -84,6 +95,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="cross-layer KV sharing (kvserve's kv_sharing extension): N to let each "
                         "run of N consecutive layers attend over its first layer's K/V (CLA "
                         "factor N), or an explicit map such as 1:0,3:2 (layer:source)")
+    p.add_argument("--attention", choices=ATTENTION_KINDS, default=None,
+                   help="the attention design (see above); default: a Llama with the given "
+                        "--num-key-value-heads")
+    p.add_argument("--sliding-window", type=int, default=128,
+                   help="sliding / hybrid: positions a local layer attends to")
+    p.add_argument("--global-every", type=int, default=3,
+                   help="hybrid: layers i with (i + 1) %% N == 0 are global")
+    p.add_argument("--kv-lora-rank", type=int, default=None,
+                   help="mla: latent size (default: a quarter of the query width)")
+    p.add_argument("--rope-head-dim", type=int, default=16,
+                   help="mla: the RoPE part of each query / key head")
     p.add_argument("--seq-len", type=int, default=512, help="training context (tokens, BOS included)")
     p.add_argument("--max-position-embeddings", type=int, default=1024,
                    help="the context the config declares (RoPE has no learned positions; text "
@@ -116,10 +138,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, key, value)
     if args.dropout is None:
         args.dropout = 0.0
+    heads = args.num_attention_heads
+    if args.attention == "mha":
+        args.num_key_value_heads = heads
+    elif args.attention == "mqa":
+        args.num_key_value_heads = 1
+    elif args.attention == "gqa" or (args.attention in ("sliding", "hybrid")
+                                     and args.num_key_value_heads is None):
+        args.num_key_value_heads = max(1, heads // 4) if heads else None
+    elif args.attention == "mla" and args.num_key_value_heads is None:
+        args.num_key_value_heads = heads  # unused: MLA has no KV heads of its own
     try:
         args.kv_sharing = parse_kv_sharing(args.kv_sharing, args.num_hidden_layers)
     except ValueError as e:
         p.error(f"--kv-sharing: {e}")
+    if args.kv_sharing and args.attention not in (None, "mha", "gqa", "mqa"):
+        p.error("--kv-sharing works on mha, gqa and mqa attention")
     missing = [k for k in PRESETS["target"] if getattr(args, k) is None]
     if missing:
         p.error("without --preset, give " + ", ".join("--" + k.replace("_", "-") for k in missing))
@@ -206,17 +240,36 @@ def encode(tok, text: str) -> torch.Tensor:
 
 
 def make_config(args: argparse.Namespace, vocab_size: int):
-    from transformers import LlamaConfig
+    """A Llama of the given shape, or the architecture that has --attention's design."""
+    import transformers
 
-    config = LlamaConfig(
+    common = dict(
         vocab_size=vocab_size, hidden_size=args.hidden_size,
         intermediate_size=args.intermediate_size, num_hidden_layers=args.num_hidden_layers,
         num_attention_heads=args.num_attention_heads,
         num_key_value_heads=args.num_key_value_heads,
         max_position_embeddings=args.max_position_embeddings, rms_norm_eps=1e-5,
         initializer_range=0.02, tie_word_embeddings=True, bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID, attention_bias=False, mlp_bias=False)
-    config.architectures = ["LlamaForCausalLM"]
+        eos_token_id=EOS_ID)
+    layers, head_dim = args.num_hidden_layers, args.hidden_size // args.num_attention_heads
+    if args.attention == "sliding":
+        config = transformers.MistralConfig(**common, sliding_window=args.sliding_window,
+                                            head_dim=head_dim)
+    elif args.attention == "hybrid":
+        kinds = ["full_attention" if (i + 1) % args.global_every == 0 else "sliding_attention"
+                 for i in range(layers)]
+        config = transformers.Qwen2Config(**common, use_sliding_window=True,
+                                          sliding_window=args.sliding_window,
+                                          max_window_layers=0, layer_types=kinds)
+    elif args.attention == "mla":
+        rope = args.rope_head_dim
+        config = transformers.DeepseekV2Config(
+            **common, first_k_dense_replace=layers, n_routed_experts=1, num_experts_per_tok=1,
+            q_lora_rank=None, kv_lora_rank=args.kv_lora_rank or args.hidden_size // 4,
+            qk_rope_head_dim=rope, qk_nope_head_dim=head_dim - rope, v_head_dim=head_dim)
+    else:
+        config = transformers.LlamaConfig(**common, attention_bias=False, mlp_bias=False)
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
     if args.kv_sharing:
         config.kv_sharing = {str(layer): source for layer, source in args.kv_sharing.items()}
     return config
@@ -304,7 +357,7 @@ def save(model, tok, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     from tqdm import tqdm
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     args = parse_args(argv)
     if args.threads:
@@ -324,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
         from kvserve.testing.cla import cla_llama
         model = cla_llama(config)
     else:
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     add_residual_dropout(model, args.dropout)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"corpus {args.corpus}: {len(train_text):,} train / {len(val_text):,} validation chars, "
@@ -398,7 +451,7 @@ def main(argv: list[str] | None = None) -> None:
         "train_tokens": len(train_ids), "validation_tokens": len(val_ids),
         "vocab_size": vocab_size, "parameters": n_params, "steps": args.steps,
         "best_step": best_step, "batch_size": args.batch_size, "precision": args.precision,
-        "dropout": args.dropout, "seq_len": args.seq_len,
+        "dropout": args.dropout, "seq_len": args.seq_len, "attention": args.attention,
         "tokens_seen": args.steps * tokens_per_step, "lr": args.lr, "seed": args.seed,
         "threads": torch.get_num_threads(), "wall_time_s": round(wall, 1),
         "final_train_loss": round(final_train, 4), "final_validation_loss": round(val_loss, 4),

@@ -17,6 +17,10 @@
 namespace kvserve {
 namespace {
 
+// The latents' RMSNorms (q_a_layernorm, kv_a_layernorm) use 1e-6 whatever the config's
+// rms_norm_eps, as DeepSeek's reference code and transformers' DeepseekV2/V3 do.
+constexpr double kLatentNormEpsilon = 1e-6;
+
 at::Tensor host_tensor(const std::vector<int32_t>& v) {
   return at::from_blob(const_cast<int32_t*>(v.data()), {static_cast<int64_t>(v.size())}, at::kInt)
       .clone();
@@ -141,7 +145,7 @@ MLAAttention::MLAAttention(const ModelConfig& c, int64_t layer, const WeightMap&
   if (mla_.q_lora_rank > 0) {
     q_in = w.get(p + "q_a_proj.weight");
     q_in_bias = w.get_optional(p + "q_a_proj.bias");
-    q_a_layernorm_ = RMSNorm(w.get(p + "q_a_layernorm.weight"), c.rms_norm_eps);
+    q_a_layernorm_ = RMSNorm(w.get(p + "q_a_layernorm.weight"), kLatentNormEpsilon);
     q_b_proj_ = Linear(nope_then_rope(w.get(p + "q_b_proj.weight"), H, N, R), at::Tensor());
   } else {
     q_in = nope_then_rope(w.get(p + "q_proj.weight"), H, N, R);
@@ -154,7 +158,7 @@ MLAAttention::MLAAttention(const ModelConfig& c, int64_t layer, const WeightMap&
     fused_bias = at::cat({or_zeros(q_in_bias, q_in.size(0), q_in), or_zeros(kv_a_bias, L + R, kv_a)});
   }
   q_a_kv_a_proj_ = Linear(at::cat({q_in, kv_a}), fused_bias);
-  kv_a_layernorm_ = RMSNorm(w.get(p + "kv_a_layernorm.weight"), c.rms_norm_eps);
+  kv_a_layernorm_ = RMSNorm(w.get(p + "kv_a_layernorm.weight"), kLatentNormEpsilon);
   const at::Tensor kv_b = w.get(p + "kv_b_proj.weight");
   TORCH_CHECK(kv_b.dim() == 2 && kv_b.size(0) == H * (N + V) && kv_b.size(1) == L, "layer ",
               layer, ": kv_b_proj must be [", H * (N + V), ", ", L, "], got ", kv_b.sizes());

@@ -46,6 +46,8 @@ VARIANTS = {
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                          "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32,
                          "beta_slow": 1, "rope_theta": 10000.0})),
+    # The latent norms keep eps 1e-6 whatever rms_norm_eps says (transformers' code).
+    "deepseek-v2-norm-eps": ("DeepseekV2ForCausalLM", dict(rms_norm_eps=1e-4)),
     "deepseek-v2-group-routing": ("DeepseekV2ForCausalLM", dict(
         topk_method="group_limited_greedy", n_group=4, topk_group=2)),
     "deepseek-v3-neox-rope-all-dense": ("DeepseekV3ForCausalLM", dict(
