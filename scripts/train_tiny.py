@@ -123,6 +123,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-batches", type=int, default=0,
                    help="batches of windows to score per evaluation, and for the final train "
                         "loss (0 = the whole split)")
+    p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the dtype of the saved weights (bfloat16 halves a shipped model)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
                    help="matmul precision: bf16 autocast (fp32 master weights; ~1.4x faster on "
@@ -337,10 +339,10 @@ def learning_rate(step: int, args: argparse.Namespace) -> float:
     return floor + 0.5 * (args.lr - floor) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def save(model, tok, out: Path) -> None:
+def save(model, tok, out: Path, dtype: str = "float32") -> None:
     from transformers import GenerationConfig, PreTrainedTokenizerFast
 
-    model.save_pretrained(out)
+    model.to(getattr(torch, dtype)).save_pretrained(out)
     GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, do_sample=True, temperature=0.8,
                      top_k=50).save_pretrained(out)
     tok.save(str(out / "tokenizer.json"))
@@ -442,7 +444,7 @@ def main(argv: list[str] | None = None) -> None:
     final_train = evaluate(model, validation_windows(train_ids[-len(val_ids):], args.seq_len),
                            args.eval_batches, args.batch_size)
     wall = time.monotonic() - started
-    save(model, tok, args.out)
+    save(model, tok, args.out, args.save_dtype)
     summary = {
         "command": "python " + " ".join(shlex.quote(a) for a in
                                         ["scripts/train_tiny.py", *(argv or sys.argv[1:])]),
@@ -452,6 +454,7 @@ def main(argv: list[str] | None = None) -> None:
         "vocab_size": vocab_size, "parameters": n_params, "steps": args.steps,
         "best_step": best_step, "batch_size": args.batch_size, "precision": args.precision,
         "dropout": args.dropout, "seq_len": args.seq_len, "attention": args.attention,
+        "save_dtype": args.save_dtype,
         "tokens_seen": args.steps * tokens_per_step, "lr": args.lr, "seed": args.seed,
         "threads": torch.get_num_threads(), "wall_time_s": round(wall, 1),
         "final_train_loss": round(final_train, 4), "final_validation_loss": round(val_loss, 4),

@@ -19,15 +19,41 @@ import torch
 
 import kvserve
 from kvserve.perplexity import evaluate_perplexity
+from kvserve.testing.cla import load_cla_llama
 from kvserve.testing.hf_reference import greedy_agreement, hf_perplexity, load_hf_model
 from train_tiny import BOS_ID, DEFAULT_CORPUS, REPO, read_split
 
 SAMPLE_PROMPT = "ROMEO:\n"
 
 
-def kv_bytes_per_token(config, dtype_bytes: int) -> int:
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * \
-        (config.hidden_size // config.num_attention_heads) * dtype_bytes
+def kv_bytes_per_token(model_config, dtype: torch.dtype) -> int:
+    """Bytes the paged KV pool holds per token of context, by kvserve's own layout (K/V heads of
+    the layers that own a cache, or MLA's latent)."""
+    layout = kvserve._C.KVCacheLayout.for_model(model_config)
+    return kvserve._C.PagedKVCache.bytes_per_block(layout, 1, dtype)
+
+
+def attention_row(c, training: dict) -> str:
+    """The attention design in words."""
+    head_dim = c.hidden_size // c.num_attention_heads
+    kind = training.get("attention")
+    if kind == "mla":
+        return (f"multi-head latent attention: {c.num_attention_heads} query heads; keys and "
+                f"values from one {c.kv_lora_rank}-wide latent + a {c.qk_rope_head_dim}-wide "
+                f"RoPE key per token (nope {c.qk_nope_head_dim}, value {c.v_head_dim} per head)")
+    kv = c.num_key_value_heads
+    heads = (f"{c.num_attention_heads} query heads, {kv} KV head{'s' if kv > 1 else ''} "
+             + ("(MHA)" if kv == c.num_attention_heads else "(MQA)" if kv == 1
+                else f"(GQA {c.num_attention_heads // kv}:1)") + f", head dim {head_dim}")
+    if kind == "sliding":
+        heads += f"; every layer sees the last {c.sliding_window} positions"
+    elif kind == "hybrid":
+        local = sum(t == "sliding_attention" for t in c.layer_types)
+        heads += (f"; {local} of {len(c.layer_types)} layers see the last {c.sliding_window} "
+                  f"positions, the others all (`layer_types`)")
+    if getattr(c, "kv_sharing", None):
+        heads += f"; cross-layer KV sharing {c.kv_sharing} (layer: the layer whose KV it reads)"
+    return heads
 
 
 def measure(model_dir: Path, target_dir: Path | None, corpus: Path, max_tokens: int | None,
@@ -39,10 +65,15 @@ def measure(model_dir: Path, target_dir: Path | None, corpus: Path, max_tokens: 
     window = training["seq_len"]
     stride = window // 2
     ours = evaluate_perplexity(llm.model, ids, max_length=window, stride=stride)
-    hf = load_hf_model(model_dir)
+    # transformers has no cross-layer KV sharing: its Llama with kvserve's CLA layers instead.
+    cla = bool(json.loads((model_dir / "config.json").read_text()).get("kv_sharing"))
+    hf = load_cla_llama(model_dir) if cla else load_hf_model(model_dir)
     theirs = hf_perplexity(hf, ids, window, stride)
-    facts = dict(training=training, config=hf.config, val_tokens=ours.num_tokens, window=window,
-                 stride=stride, ppl_kvserve=ours.perplexity, ppl_hf=theirs)
+    facts = dict(training=training, config=hf.config, cla=cla, val_tokens=ours.num_tokens,
+                 window=window,
+                 stride=stride, ppl_kvserve=ours.perplexity, ppl_hf=theirs,
+                 kv_fp32=kv_bytes_per_token(llm.config, torch.float32),
+                 kv_bf16=kv_bytes_per_token(llm.config, torch.bfloat16))
     if target_dir is not None:
         facts["target"] = target_dir.name
         facts["agreement"] = greedy_agreement(hf, load_hf_model(target_dir), ids[1:], window, BOS_ID)
@@ -57,13 +88,22 @@ def measure(model_dir: Path, target_dir: Path | None, corpus: Path, max_tokens: 
 
 def render(name: str, f: dict) -> str:
     t, c = f["training"], f["config"]
-    head_dim = c.hidden_size // c.num_attention_heads
-    role = ("the default model of `make demo` and `python -m kvserve generate`"
-            if "target" not in f else f"the speculative-decoding draft for `{f['target']}`")
+    architecture = c.architectures[0]
+    local = t.get("attention") in ("sliding", "hybrid")
+    window_note = "; a sliding layer keeps at most its window" if local else ""
+    cla_note = " (its Llama with the CLA layers of kvserve.testing.cla)" if f.get("cla") else ""
+    if "target" in f:
+        role = f"the speculative-decoding draft for `{f['target']}`"
+    elif t.get("attention"):
+        role = (f"the {t['attention']} member of a family of one shape and training budget that "
+                f"differ only in attention (`scripts/train_attention_family.sh`)")
+    else:
+        role = "the default model of `make demo` and `python -m kvserve generate`"
     lines = [
         f"# {name}",
         "",
-        f"A small Llama trained from scratch on {f['corpus_name']} by kvserve's own "
+        f"A small {architecture.removesuffix('ForCausalLM')} trained from scratch on "
+        f"{f['corpus_name']} by kvserve's own "
         f"`scripts/train_tiny.py`; {role}. It imitates its corpus, it does not make sense: it has "
         f"{t['parameters'] / 1e6:.2f}M parameters and saw {t['tokens_seen'] / 1e6:.1f}M tokens.",
         "",
@@ -71,23 +111,24 @@ def render(name: str, f: dict) -> str:
         "",
         "| | |",
         "|---|---|",
-        f"| class | `LlamaForCausalLM` (Hugging Face format, fp32 safetensors) |",
+        f"| class | `{architecture}` (Hugging Face format, "
+        f"{'bf16' if t.get('save_dtype') == 'bfloat16' else 'fp32'} safetensors) |",
         f"| parameters | {t['parameters']:,} (embeddings tied with the output layer) |",
         f"| layers, hidden, MLP | {c.num_hidden_layers}, {c.hidden_size}, {c.intermediate_size} (SwiGLU) |",
-        f"| attention | {c.num_attention_heads} query heads, {c.num_key_value_heads} KV heads "
-        f"(GQA {c.num_attention_heads // c.num_key_value_heads}:1), head dim {head_dim}, RoPE θ "
-        f"{int(c.rope_parameters['rope_theta'])} |",
+        f"| attention | {attention_row(c, t)}; RoPE θ {int(c.rope_parameters['rope_theta'])} |",
         f"| context | trained on {t['seq_len']}-token windows; the config allows "
         f"{c.max_position_embeddings} (RoPE has no learned positions, but text past "
         f"{t['seq_len']} tokens is out of distribution) |",
-        f"| KV cache per token | {kv_bytes_per_token(c, 4):,} bytes in fp32, "
-        f"{kv_bytes_per_token(c, 2):,} in bf16 |",
+        f"| KV cache per token | {f['kv_fp32']:,} bytes in fp32, {f['kv_bf16']:,} in bf16 "
+        f"(kvserve's paged pool{window_note}) |",
         "",
         "## Tokenizer",
         "",
         f"Byte-level BPE, {t['vocab_size']:,} tokens (ids 0/1/2 = `<unk>`/`<s>`/`</s>`), trained "
         f"with the `tokenizers` library on the training split; every text encodes without unknown "
-        f"tokens. The tokenizer prepends `<s>`. A target and its draft share it.",
+        f"tokens. The tokenizer prepends `<s>`. "
+        + ("Every member of the family shares it." if t.get("attention")
+           else "A target and its draft share it."),
         "",
         "## Training",
         "",
@@ -122,7 +163,7 @@ def render(name: str, f: dict) -> str:
         "",
         "| runtime | perplexity |",
         "|---|---|",
-        f"| transformers | {f['ppl_hf']:.4f} |",
+        f"| transformers{cla_note} | {f['ppl_hf']:.4f} |",
         f"| kvserve | {f['ppl_kvserve']:.4f} |",
         "",
         f"They differ by {abs(f['ppl_kvserve'] / f['ppl_hf'] - 1) * 100:.4f}%.",

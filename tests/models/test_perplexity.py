@@ -67,6 +67,25 @@ def test_shipped_model_matches_transformers(name):
     assert ours.perplexity < 40  # trained: far below the vocabulary size of a uniform guess
 
 
+FAMILY = ["mha", "gqa", "mqa", "mla", "sliding", "hybrid", "cla-gqa", "cla-mqa"]
+
+
+@pytest.mark.parametrize("member", FAMILY)
+def test_attention_family_matches_transformers(member):
+    """models/attention (scripts/train_attention_family.sh): each design's kvserve perplexity is
+    transformers' on held-out text longer than the sliding window, and it learned the corpus.
+    The cross-layer-shared members run against kvserve's CLA reference (transformers has no CLA)."""
+    from kvserve.testing.cla import load_cla_llama
+
+    model_dir = REPO / "models" / "attention" / member
+    llm = kvserve.LLM(model_dir, dtype="float32", log_memory_plan=False)
+    ids = llm.tokenizer.encode(validation_text(4000))
+    ours = evaluate_perplexity(llm.model, ids, max_length=256, stride=128)
+    reference = load_cla_llama(model_dir) if member.startswith("cla") else load_hf_model(model_dir)
+    assert ours.perplexity == pytest.approx(hf_perplexity(reference, ids, 256, 128), rel=1e-4)
+    assert ours.perplexity < 60
+
+
 def test_converted_stories260k_matches_transformers(tmp_path):
     from kvserve.convert import convert_llama2c
 
