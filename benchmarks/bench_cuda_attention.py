@@ -131,12 +131,16 @@ def main() -> None:
     batches = [1, 8, 64] if args.quick else [1, 4, 16, 64, 256]
     contexts = [512, 4096] if args.quick else [512, 2048, 8192, 32768]
     bandwidth = copy_bandwidth(args.copy_gib, args.repeats)
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     decode = []
     for batch in batches:
         for context in contexts:
             kv_gib = 2 * batch * context * KV_HEADS * HEAD_DIM * 2 / (1 << 30)
             if kv_gib <= args.max_kv_gib:
-                decode.append(decode_row(batch, context, dtype, bandwidth, args.repeats, gen))
+                row = decode_row(batch, context, dtype, bandwidth, args.repeats, gen)
+                decode.append(row)
+                print(f"decode batch {batch} context {context}: {row['us']:.1f} µs, "
+                      f"{row['hbm_fraction']:.0%} of copy bandwidth", flush=True)
                 torch.cuda.empty_cache()
     prefill = [prefill_row(b, n, dtype, args.repeats, gen)
                for b, n in ([(1, 512), (1, 2048)] if args.quick else

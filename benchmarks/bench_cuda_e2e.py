@@ -8,8 +8,9 @@ For each model (random weights of a real shape, bf16, built on the GPU and saved
     --gen-len tokens greedily (ignore_eos), in one LLM.generate; output tokens per second, against
     transformers `generate` on the same model object, prompts and token counts (greedy,
     min_new_tokens = max_new_tokens, its default dynamic cache).
-Medians of --repeats, the two engines interleaved. kvserve has no CUDA graphs yet: every figure
-is eager launches. Prints a markdown table; writes JSON to --out.
+kvserve runs twice, with CUDA graphs for its decode steps (the default) and without
+(enforce_eager=True). Medians of --repeats, the engines interleaved. Prints a markdown table;
+writes JSON to --out.
 
     python benchmarks/bench_cuda_e2e.py                               # llama3-8b and qwen3-0.6b
     python benchmarks/bench_cuda_e2e.py --models qwen3-0.6b --repeats 1
@@ -125,37 +126,47 @@ def main() -> None:
     for name in args.models:
         model, path = build(name, Path(args.cache))
         bound = weight_bytes(model) / bandwidth
-        llm = kvserve.LLM(path, dtype=torch.bfloat16, device="cuda", max_model_len=2048,
-                          max_num_seqs=args.batch, max_num_batched_tokens=4096,
-                          kv_cache_memory=8 << 30, log_memory_plan=False)
+        engines = {mode: kvserve.LLM(path, dtype=torch.bfloat16, device="cuda",
+                                     max_model_len=2048, max_num_seqs=args.batch,
+                                     max_num_batched_tokens=4096, kv_cache_memory=8 << 30,
+                                     log_memory_plan=False, enforce_eager=mode == "eager")
+                   for mode in ("graphs", "eager")}
         vocab = model.config.vocab_size
         prompt = torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist()
         prompts = torch.randint(3, vocab, (args.batch, args.prompt_len), generator=gen).tolist()
-        kvserve_decode(llm, prompt, 8)  # warm-up
-        kvserve_throughput(llm, prompts[:4], 4)
+        for llm in engines.values():  # warm-up (and the graphs of the sizes measured)
+            kvserve_decode(llm, prompt, 8)
+            kvserve_throughput(llm, prompts, 4)
         hf_throughput(model, prompts[:4], 4)
-        tpot, ours, theirs = [], [], []
+        tpot = {mode: [] for mode in engines}
+        tok_s = {mode: [] for mode in engines}
+        theirs = []
         for _ in range(args.repeats):
-            tpot.append(kvserve_decode(llm, prompt, args.decode_tokens))
-            ours.append(kvserve_throughput(llm, prompts, args.gen_len))
+            for mode, llm in engines.items():
+                tpot[mode].append(kvserve_decode(llm, prompt, args.decode_tokens))
+                tok_s[mode].append(kvserve_throughput(llm, prompts, args.gen_len))
             theirs.append(hf_throughput(model, prompts, args.gen_len))
-        row = dict(model=name, weight_gb=weight_bytes(model) / 1e9, tpot_ms=median(tpot) * 1e3,
-                   bound_ms=bound * 1e3, bound_fraction=bound / median(tpot),
-                   kvserve_tok_s=median(ours), transformers_tok_s=median(theirs))
-        row["speedup"] = row["kvserve_tok_s"] / row["transformers_tok_s"]
+        row = dict(model=name, weight_gb=weight_bytes(model) / 1e9, bound_ms=bound * 1e3,
+                   transformers_tok_s=median(theirs))
+        for mode in engines:
+            row[f"tpot_ms_{mode}"] = median(tpot[mode]) * 1e3
+            row[f"bound_fraction_{mode}"] = bound / median(tpot[mode])
+            row[f"kvserve_tok_s_{mode}"] = median(tok_s[mode])
+            row[f"speedup_{mode}"] = median(tok_s[mode]) / row["transformers_tok_s"]
         rows.append(row)
         print(json.dumps(row), flush=True)
-        del llm, model
+        del engines, model
         torch.cuda.empty_cache()
     name = torch.cuda.get_device_name()
     print(f"\n{name}: device-to-device copy {bandwidth / 1e12:.2f} TB/s (read + write); bf16; "
           f"batch {args.batch} x ({args.prompt_len} prompt + {args.gen_len} generated)\n")
     print(markdown_table(
-        ["model", "weights GB", "batch-1 TPOT ms", "weight-read bound ms", "of bound",
-         "kvserve tok/s", "transformers tok/s", "speed-up"],
-        [[r["model"], f"{r['weight_gb']:.2f}", f"{r['tpot_ms']:.2f}", f"{r['bound_ms']:.2f}",
-          f"{r['bound_fraction']:.0%}", f"{r['kvserve_tok_s']:.0f}",
-          f"{r['transformers_tok_s']:.0f}", f"{r['speedup']:.1f}x"] for r in rows]))
+        ["model", "weights GB", "CUDA graphs", "batch-1 TPOT ms", "weight-read bound ms",
+         "of bound", "kvserve tok/s", "transformers tok/s", "speed-up"],
+        [[r["model"], f"{r['weight_gb']:.2f}", mode, f"{r[f'tpot_ms_{mode}']:.2f}",
+          f"{r['bound_ms']:.2f}", f"{r[f'bound_fraction_{mode}']:.0%}",
+          f"{r[f'kvserve_tok_s_{mode}']:.0f}", f"{r['transformers_tok_s']:.0f}",
+          f"{r[f'speedup_{mode}']:.1f}x"] for r in rows for mode in ("graphs", "eager")]))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(device=name, copy_bandwidth=bandwidth, rows=rows), indent=1))

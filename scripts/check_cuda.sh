@@ -4,7 +4,8 @@
 #    without a launcher, included by a generated .cu that instantiates its kernels
 #    (scripts/cuda_instantiations/), compiled without torch (a launcher compiles its body);
 #  - every launcher (csrc/kernels/**/*_cuda.cu) against the installed torch's headers, with
-#    scripts/cuda_stubs standing in for the generated c10/cuda header a CPU-only torch lacks.
+#    scripts/cuda_stubs standing in for the generated c10/cuda header a CPU-only torch lacks;
+#  - the CUDA half of host code that has one (engine/cuda_graph_runner.cpp), the same way.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nvcc=${NVCC:-nvcc}
@@ -58,4 +59,16 @@ export -f check_launcher
 export includes_line="${includes[*]}"
 find csrc/kernels -name '*_cuda.cu' | sort | xargs -P "${JOBS:-$(nproc)}" -I{} \
   bash -c 'includes=($includes_line); check_launcher "$1"' _ {} || status=1
+
+# Host code with a CUDA half (KVSERVE_WITH_CUDA=1 in a CUDA build): the CUDA-graph runner.
+for source in csrc/engine/cuda_graph_runner.cpp; do
+  if "$nvcc" -std=c++20 -DKVSERVE_WITH_CUDA=1 "${includes[@]}" -Icsrc/include -c "$source" \
+      -o "$work/$(basename "$source" .cpp).o" 2> "$work/host.log"; then
+    echo "check-cuda: $source ok"
+  else
+    cat "$work/host.log" >&2
+    echo "check-cuda: $source FAILED" >&2
+    status=1
+  fi
+done
 exit $status

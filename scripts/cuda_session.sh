@@ -4,9 +4,16 @@
 # /tmp/kvserve-cuda):
 #   test      the kernel tests on CUDA (every kernel test, rerun with ops on the GPU) and the
 #             tests marked cuda (the engine on the GPU against transformers and the CPU engine)
+#   test-attention, test-engine   only paged_attention's kernel tests / only the engine's
+#   errors    the bad-argument kernel tests alone, one process, with Python's fault handler; if
+#             one crashes, its native backtrace (cuda-gdb, which debugs host code too)
 #   sanitize  compute-sanitizer memcheck and racecheck over a subset of the CUDA kernel tests
 #   bench-attention, bench-e2e   benchmarks/bench_cuda_attention.py, benchmarks/bench_cuda_e2e.py
 #     bash scripts/cuda_session.sh test bench-attention
+# DEADLINE=S: every stage ends within S seconds of the start (cut short, or skipped when under
+# 20 s are left), so a lease's time limit still leaves the logs. TEST_TIMEOUT, BENCH_TIMEOUT:
+# seconds per test / benchmark stage; PYTEST_ARGS (e.g. -n 8), ATTENTION_ARGS, E2E_ARGS,
+# SANITIZE_TOOLS, SANITIZE_K pass through.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/kvserve-cuda}
@@ -37,30 +44,63 @@ missing = [op for op in ops
 assert kvserve._C.built_with_cuda() and not missing, f"no CUDA kernel for {missing}"
 print("CUDA kernels registered")
 EOF
+# Seconds a stage may take: its own limit, or less where the deadline is nearer.
+limit() {
+  local own=$1
+  [ "${DEADLINE:-0}" -gt 0 ] || { echo "$own"; return; }
+  local left=$(( start + DEADLINE - $(date +%s) ))
+  echo $(( left < own ? left : own ))
+}
+cuda_tests() {  # log name, then pytest arguments
+  local name=$1 seconds
+  shift
+  seconds=$(limit "${TEST_TIMEOUT:-420}")
+  [ "$seconds" -ge 20 ] || { echo "cuda_session: no time left for $name"; return 1; }
+  timeout "$seconds" $python -m pytest -q -p no:cacheprovider -m cuda -o addopts="" "$@" \
+    ${PYTEST_ARGS:-} > "$out/$name.log" 2>&1
+  local rc=$?
+  echo "$name (exit $rc):"; grep -E "passed|failed|error" "$out/$name.log" | tail -2
+  grep -E "^(FAILED|ERROR)" "$out/$name.log" | head -40
+  return $rc
+}
 status=0
 for stage in "$@"; do
   case $stage in
-    test)
-      timeout "${TEST_TIMEOUT:-420}" $python -m pytest -q -p no:cacheprovider -m cuda \
-        -o addopts="" tests/kernels tests/e2e/test_cuda_engine.py ${PYTEST_ARGS:-} \
-        > "$out/test.log" 2>&1 || status=1
-      grep -E "passed|failed|error" "$out/test.log" | tail -3
-      grep -E "^(FAILED|ERROR)" "$out/test.log" | head -40 ;;
+    test) cuda_tests test tests/kernels tests/e2e/test_cuda_engine.py || status=1 ;;
+    test-attention)
+      cuda_tests test-attention tests/kernels/test_paged_attention.py \
+        tests/kernels/test_paged_attention_quantized_kv.py || status=1 ;;
+    test-engine) cuda_tests test-engine tests/e2e/test_cuda_engine.py || status=1 ;;
+    errors)
+      args=(-q -p no:cacheprovider -p no:xdist -o addopts="" -k "reject or bad"
+            tests/kernels/test_paged_attention.py tests/kernels/test_rms_norm.py)
+      timeout "$(limit 60)" $python -X faulthandler -m pytest "${args[@]}" \
+        > "$out/errors.log" 2>&1
+      rc=$?
+      echo "bad-argument tests: exit $rc"; tail -5 "$out/errors.log"
+      if [ $rc -ge 128 ] || grep -q "Fatal Python error" "$out/errors.log"; then
+        grep -A30 "Fatal Python error" "$out/errors.log" | head -40
+        timeout "$(limit 90)" cuda-gdb -q -batch -ex "set pagination off" -ex run -ex bt \
+          --args $python -m pytest -x "${args[@]}" > "$out/errors-gdb.log" 2>&1
+        grep -E "^#[0-9]+ " "$out/errors-gdb.log" | head -40
+      fi ;;
     sanitize)
-      for tool in memcheck racecheck; do
-        timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 \
+      for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
+        timeout "$(limit 240)" compute-sanitizer --tool $tool --error-exitcode 9 \
           $python -m pytest -q -p no:cacheprovider -m cuda -o addopts="" -x \
           tests/kernels/test_paged_attention.py tests/kernels/test_kv_cache_write.py \
-          tests/kernels/test_rms_norm.py -k "long_contexts or mixed_batch or latent or quantized" \
+          tests/kernels/test_rms_norm.py -k "${SANITIZE_K:-long_contexts or gqa_groups or latent}" \
           > "$out/sanitize-$tool.log" 2>&1
         echo "compute-sanitizer $tool: exit $?"; grep -E "ERROR SUMMARY|passed|failed" \
           "$out/sanitize-$tool.log" | tail -3
       done ;;
     bench-attention)
-      $python benchmarks/bench_cuda_attention.py --out "$out/cuda_attention.json" \
+      timeout "$(limit ${BENCH_TIMEOUT:-600})" $python benchmarks/bench_cuda_attention.py \
+        ${ATTENTION_ARGS:-} --out "$out/cuda_attention.json" \
         2>&1 | tee "$out/bench_attention.log" | tail -40 ;;
     bench-e2e)
-      $python benchmarks/bench_cuda_e2e.py ${E2E_ARGS:-} --out "$out/cuda_e2e.json" \
+      timeout "$(limit ${BENCH_TIMEOUT:-600})" $python benchmarks/bench_cuda_e2e.py ${E2E_ARGS:-} \
+        --out "$out/cuda_e2e.json" \
         2>&1 | tee "$out/bench_e2e.log" | tail -20 ;;
     *) echo "cuda_session: unknown stage $stage"; status=1 ;;
   esac

@@ -102,6 +102,7 @@ void bind_outputs(py::module_& m) {
       .def_readonly("num_aborted_requests", &EngineStats::num_aborted_requests)
       .def_readonly("num_failed_requests", &EngineStats::num_failed_requests)
       .def_readonly("num_steps", &EngineStats::num_steps)
+      .def_readonly("num_cuda_graph_steps", &EngineStats::num_cuda_graph_steps)
       .def_readonly("num_generated_tokens", &EngineStats::num_generated_tokens)
       .def_readonly("time_to_first_token", &EngineStats::time_to_first_token)
       .def_readonly("time_per_output_token", &EngineStats::time_per_output_token)
@@ -178,19 +179,22 @@ void bind_continuous_batching_engine(py::module_& m) {
                        int64_t max_model_len, int64_t block_size, int64_t num_blocks,
                        bool enable_prefix_caching, std::vector<int64_t> eos_token_ids,
                        int64_t max_logprobs, SpeculativeConfig speculative,
-                       std::optional<at::ScalarType> kv_cache_dtype) {
+                       std::optional<at::ScalarType> kv_cache_dtype,
+                       int64_t cuda_graph_max_batch) {
              EngineConfig c{max_num_seqs,          max_num_batched_tokens,
                             max_model_len,         block_size,
                             num_blocks,            kv_cache_dtype,
                             enable_prefix_caching, std::move(eos_token_ids),
-                            max_logprobs,          std::move(speculative)};
+                            max_logprobs,          std::move(speculative),
+                            cuda_graph_max_batch};
              return c;
            }),
            py::kw_only(), py::arg("max_num_seqs") = 256, py::arg("max_num_batched_tokens") = 2048,
            py::arg("max_model_len") = 0, py::arg("block_size") = 16, py::arg("num_blocks"),
            py::arg("enable_prefix_caching") = true,
            py::arg("eos_token_ids") = std::vector<int64_t>{}, py::arg("max_logprobs") = 20,
-           py::arg("speculative") = SpeculativeConfig{}, py::arg("kv_cache_dtype") = py::none())
+           py::arg("speculative") = SpeculativeConfig{}, py::arg("kv_cache_dtype") = py::none(),
+           py::arg("cuda_graph_max_batch") = 0)
       .def_readonly("max_num_seqs", &EngineConfig::max_num_seqs)
       .def_readonly("max_num_batched_tokens", &EngineConfig::max_num_batched_tokens)
       .def_readonly("max_model_len", &EngineConfig::max_model_len)
@@ -200,7 +204,8 @@ void bind_continuous_batching_engine(py::module_& m) {
       .def_readonly("enable_prefix_caching", &EngineConfig::enable_prefix_caching)
       .def_readonly("eos_token_ids", &EngineConfig::eos_token_ids)
       .def_readonly("max_logprobs", &EngineConfig::max_logprobs)
-      .def_readonly("speculative", &EngineConfig::speculative);
+      .def_readonly("speculative", &EngineConfig::speculative)
+      .def_readonly("cuda_graph_max_batch", &EngineConfig::cuda_graph_max_batch);
 
   py::class_<Scheduler>(m, "Scheduler", "The engine's scheduler (read-only from Python).")
       .def_property_readonly("has_pending_work", &Scheduler::has_pending_work)

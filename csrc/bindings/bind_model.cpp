@@ -103,7 +103,12 @@ void bind_forward_batch(py::module_& m) {
       .def("add", &ForwardBatchBuilder::add, py::arg("tokens"), py::arg("num_cached"),
            py::arg("block_table"),
            "Appends a sequence's new tokens; its first num_cached tokens are already cached.")
-      .def("build", &ForwardBatchBuilder::build, py::arg("device") = at::Device("cpu"))
+      .def(
+          "build",
+          [](const ForwardBatchBuilder& builder, at::Device device, int64_t table_width) {
+            return builder.build(device, table_width);
+          },
+          py::arg("device") = at::Device("cpu"), py::arg("table_width") = 0)
       .def_property_readonly("num_sequences", &ForwardBatchBuilder::num_sequences);
 }
 

@@ -61,7 +61,7 @@ ContinuousBatchingEngine::ContinuousBatchingEngine(std::shared_ptr<CausalLM> mod
                                              config_.num_blocks, config_.block_size,
                                              config_.max_model_len)),
       runner_(model_, config_.num_blocks, config_.block_size, scheduler_, speculator_.get(),
-              config_.kv_cache_dtype) {
+              config_.kv_cache_dtype, config_.cuda_graph_max_batch, config_.max_model_len) {
   if (speculator_) {
     stats_.accepted_per_position.assign(config_.speculative.num_speculative_tokens, 0);
   }
@@ -172,6 +172,7 @@ void ContinuousBatchingEngine::update_from_output(const SchedulerOutput& work,
                                                   std::vector<RequestOutput>& outputs) {
   scheduler_.update_computed(work);
   ++stats_.num_steps;
+  if (result.cuda_graph) ++stats_.num_cuda_graph_steps;
   for (Request* request : samples.forking) {
     const int64_t parent = request->completions.front().seq_id;
     for (size_t c = 1; c < request->completions.size(); ++c) {

@@ -52,12 +52,37 @@ void ForwardBatchBuilder::add_grouped(const std::vector<int64_t>& tokens, int64_
   for (size_t g = 0; g < group_tables.size(); ++g) block_tables_[g].push_back(group_tables[g]);
 }
 
+void ForwardBatchBuilder::add_padding() {
+  if (slots_.empty()) {
+    slots_.resize(1);
+    block_tables_.resize(1);
+  }
+  ids_.push_back(0);
+  positions_.push_back(0);
+  for (size_t g = 0; g < slots_.size(); ++g) {
+    slots_[g].push_back(-1);
+    block_tables_[g].emplace_back();
+  }
+  query_start_loc_.push_back(static_cast<int32_t>(ids_.size()));
+  seq_lens_.push_back(1);
+  logits_indices_.push_back(static_cast<int64_t>(ids_.size()) - 1);
+}
+
+int64_t ForwardBatchBuilder::max_table_blocks() const {
+  size_t width = 0;
+  for (const auto& group : block_tables_) {
+    for (const auto& table : group) width = std::max(width, table.size());
+  }
+  return static_cast<int64_t>(width);
+}
+
 namespace {
 
-// [B * width] int32: the tables padded with block 0 to the longest, and the width.
+// [B * width] int32: the tables padded with block 0 to the longest (at least min_width), and
+// the width.
 std::pair<std::vector<int32_t>, int64_t> padded_tables(
-    const std::vector<std::vector<int32_t>>& tables) {
-  size_t width = 1;
+    const std::vector<std::vector<int32_t>>& tables, int64_t min_width) {
+  size_t width = static_cast<size_t>(std::max<int64_t>(min_width, 1));
   for (const auto& table : tables) width = std::max(width, table.size());
   std::vector<int32_t> flat(tables.size() * width, 0);
   for (size_t b = 0; b < tables.size(); ++b) {
@@ -67,10 +92,11 @@ std::pair<std::vector<int32_t>, int64_t> padded_tables(
 }
 
 // Host vectors bound for one device. On the CPU each becomes its own tensor; elsewhere they are
-// packed into one pinned buffer and uploaded with one asynchronous copy, then viewed in place.
+// packed into one pinned buffer and uploaded with one asynchronous copy (into `storage` when
+// given), then viewed in place.
 class Upload {
  public:
-  explicit Upload(at::Device device) : device_(device) {}
+  Upload(at::Device device, const at::Tensor& storage) : device_(device), storage_(storage) {}
 
   template <typename T>
   size_t add(const std::vector<T>& values) {
@@ -79,8 +105,9 @@ class Upload {
     return pieces_.size() - 1;
   }
 
-  /// The tensors, in the order they were added.
-  std::vector<at::Tensor> finish() const {
+  /// The tensors, in the order they were added; `storage` gets the bytes they view (off the
+  /// CPU).
+  std::vector<at::Tensor> finish(at::Tensor& storage) const {
     std::vector<at::Tensor> out;
     if (device_.is_cpu()) {
       for (const Piece& p : pieces_) {
@@ -102,7 +129,18 @@ class Upload {
     for (size_t i = 0; i < pieces_.size(); ++i) {
       if (pieces_[i].bytes > 0) std::memcpy(base + offsets[i], pieces_[i].data, pieces_[i].bytes);
     }
-    const at::Tensor device = host.to(device_, /*non_blocking=*/true);
+    at::Tensor device;
+    if (storage_.defined()) {
+      if (storage_.numel() != host.numel() || storage_.device() != device_) {
+        throw std::invalid_argument("ForwardBatchBuilder: a batch of another layout than its "
+                                    "storage");
+      }
+      device = storage_;
+      device.copy_(host, /*non_blocking=*/true);
+    } else {
+      device = host.to(device_, /*non_blocking=*/true);
+    }
+    storage = device;
     for (size_t i = 0; i < pieces_.size(); ++i) {
       out.push_back(device.narrow(0, static_cast<int64_t>(offsets[i]),
                                   static_cast<int64_t>(pieces_[i].bytes))
@@ -118,21 +156,24 @@ class Upload {
     at::ScalarType dtype;
   };
   at::Device device_;
+  at::Tensor storage_;
   std::vector<Piece> pieces_;
 };
 
 }  // namespace
 
-ForwardBatch ForwardBatchBuilder::build(at::Device device) const {
+ForwardBatch ForwardBatchBuilder::build(at::Device device, int64_t table_width,
+                                        const at::Tensor& storage) const {
   const size_t groups = std::max<size_t>(1, slots_.size());
   std::vector<std::vector<int64_t>> slots(groups);
   std::vector<std::pair<std::vector<int32_t>, int64_t>> tables(groups);
   for (size_t g = 0; g < groups; ++g) {
     if (g < slots_.size()) slots[g] = slots_[g];
     tables[g] = padded_tables(g < block_tables_.size() ? block_tables_[g]
-                                                       : std::vector<std::vector<int32_t>>{});
+                                                       : std::vector<std::vector<int32_t>>{},
+                              table_width);
   }
-  Upload upload(device);
+  Upload upload(device, storage);
   upload.add(ids_);
   upload.add(positions_);
   upload.add(query_start_loc_);
@@ -142,8 +183,8 @@ ForwardBatch ForwardBatchBuilder::build(at::Device device) const {
     upload.add(slots[g]);
     upload.add(tables[g].first);
   }
-  const std::vector<at::Tensor> t = upload.finish();
   ForwardBatch batch;
+  const std::vector<at::Tensor> t = upload.finish(batch.storage);
   batch.input_ids = t[0];
   batch.positions = t[1];
   batch.metadata.query_start_loc = t[2];

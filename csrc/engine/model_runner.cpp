@@ -34,7 +34,8 @@ bool grouped(const PagedBlockManager& blocks) {
 
 ModelRunner::ModelRunner(std::shared_ptr<CausalLM> model, int64_t num_blocks, int64_t block_size,
                          const Scheduler& scheduler, SpeculativeDecoder* speculator,
-                         std::optional<at::ScalarType> kv_cache_dtype)
+                         std::optional<at::ScalarType> kv_cache_dtype,
+                         int64_t cuda_graph_max_batch, int64_t max_model_len)
     : model_(std::move(model)),
       kv_cache_(make_kv_cache(*model_, num_blocks, block_size, grouped(scheduler.block_manager()),
                               kv_cache_dtype)),
@@ -48,7 +49,13 @@ ModelRunner::ModelRunner(std::shared_ptr<CausalLM> model, int64_t num_blocks, in
     throw std::invalid_argument("ModelRunner: the block manager's groups of layers do not match "
                                 "the model's sliding windows");
   }
+  if (cuda_graph_max_batch > 0 && max_model_len > 0 && CudaGraphRunner::supports(*model_)) {
+    graphs_ = std::make_unique<CudaGraphRunner>(*model_, cuda_graph_max_batch,
+                                                (max_model_len + block_size - 1) / block_size);
+  }
 }
+
+ModelRunner::~ModelRunner() = default;
 
 ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
                                        const std::vector<SamplingTarget>& targets) {
@@ -95,6 +102,7 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
   const PagedBlockManager& blocks = scheduler_.block_manager();
   std::vector<int64_t> starts;  // first row of each scheduled sequence in the flattened batch
   int64_t num_rows = 0;
+  bool decode_only = !verifies;
   for (size_t i = 0; i < work.scheduled.size(); ++i) {
     const ScheduledSequence& s = work.scheduled[i];
     const auto& tokens = scheduler_.token_ids(s.seq_id);
@@ -112,10 +120,21 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
     }
     starts.push_back(num_rows);
     num_rows += static_cast<int64_t>(fed.size());
+    decode_only = decode_only && fed.size() == 1;
   }
-  const ForwardBatch batch = builder.build(model_->device());
-  const at::Tensor hidden =
-      model_->forward(batch.input_ids, batch.positions, batch.metadata, kv_cache_.layers());
+  at::Tensor hidden;
+  const int64_t graph_size = graphs_ && decode_only && builder.max_table_blocks() <=
+                                                           graphs_->table_width()
+                                 ? graphs_->padded_size(builder.num_sequences())
+                                 : 0;
+  if (graph_size > 0) {
+    while (builder.num_sequences() < graph_size) builder.add_padding();
+    hidden = graphs_->forward(builder, kv_cache_.layers());
+    out.cuda_graph = true;
+  } else {
+    const ForwardBatch batch = builder.build(model_->device());
+    hidden = model_->forward(batch.input_ids, batch.positions, batch.metadata, kv_cache_.layers());
+  }
   out.samples.resize(targets.size());
   if (targets.empty()) return out;
 

@@ -36,6 +36,8 @@ SamplingParams = _C.SamplingParams
 # Upper bound of the default KV pool (vLLM's CPU backend defaults to 4 GiB too). Pages of the
 # pool are only committed when first written.
 DEFAULT_KV_CACHE_MEMORY = 4 << 30
+# Decode steps of up to this many sequences replay CUDA graphs on a GPU (vLLM captures up to 512).
+CUDA_GRAPH_MAX_BATCH = 256
 
 
 @dataclass
@@ -127,6 +129,10 @@ class LLMEngine:
             (default 0: never); speculative_max_verify_tokens: per step k shrinks to this / running
             sequences - 1 (default kvserve.speculative.DEFAULT_MAX_VERIFY_TOKENS; 0: no limit).
         log_memory_plan: print weights, KV capacity and concurrency at start-up (stderr).
+        enforce_eager: on a CUDA device, launch every decode step's kernels one by one instead
+            of replaying CUDA graphs (graphs serve decode steps of up to min(max_num_seqs, 256)
+            sequences of models without mixture of experts or latent attention; see
+            csrc/include/kvserve/cuda_graph_runner.h). No effect on the CPU.
     """
 
     def __init__(self, model: str | Path, dtype: str | torch.dtype = "auto",
@@ -140,7 +146,7 @@ class LLMEngine:
                  num_speculative_tokens: int | None = None, prompt_lookup_min: int = 1,
                  prompt_lookup_max: int = 4, speculative_disable_batch_size: int | None = None,
                  speculative_max_verify_tokens: int | None = None,
-                 log_memory_plan: bool = True):
+                 log_memory_plan: bool = True, enforce_eager: bool = False):
         device = check_device(device)
         info = load_checkpoint_info(model)
         self.model_dir = Path(model)
@@ -184,7 +190,9 @@ class LLMEngine:
             max_model_len=max_model_len, block_size=block_size, num_blocks=pool_blocks,
             enable_prefix_caching=bool(enable_prefix_caching), eos_token_ids=info.eos_token_ids,
             max_logprobs=max_logprobs, speculative=speculative,
-            kv_cache_dtype=self.kv_cache_dtype)
+            kv_cache_dtype=self.kv_cache_dtype,
+            cuda_graph_max_batch=(0 if enforce_eager or device.type != "cuda"
+                                  else min(max_num_seqs, CUDA_GRAPH_MAX_BATCH)))
         self.engine = _C.ContinuousBatchingEngine(self.model, config, self.draft_model)
         self._requests: dict[str, _Request] = {}  # under _lock
         self._lock = threading.Lock()

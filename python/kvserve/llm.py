@@ -50,6 +50,8 @@ class LLM:
             (default 0: never).
             Outputs keep the target's distribution exactly.
         log_memory_plan: print the weights / KV-cache plan at start-up.
+        enforce_eager: on a GPU, no CUDA graphs: every decode step launches its kernels one by
+            one (by default decode steps of up to 256 sequences replay captured graphs).
     """
 
     def __init__(self, model: str | Path, dtype: str | torch.dtype = "auto",
@@ -63,7 +65,7 @@ class LLM:
                  num_speculative_tokens: int | None = None, prompt_lookup_min: int = 1,
                  prompt_lookup_max: int = 4, speculative_disable_batch_size: int | None = None,
                  speculative_max_verify_tokens: int | None = None,
-                 log_memory_plan: bool = False):
+                 log_memory_plan: bool = False, enforce_eager: bool = False):
         self.llm_engine = LLMEngine(
             model, dtype, max_model_len, block_size=block_size, num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
@@ -75,7 +77,7 @@ class LLM:
             prompt_lookup_max=prompt_lookup_max,
             speculative_disable_batch_size=speculative_disable_batch_size,
             speculative_max_verify_tokens=speculative_max_verify_tokens,
-            log_memory_plan=log_memory_plan)
+            log_memory_plan=log_memory_plan, enforce_eager=enforce_eager)
         e = self.llm_engine
         self.model_dir, self.config, self.hf_config = e.model_dir, e.config, e.hf_config
         self.dtype, self.max_model_len, self.eos_token_ids = e.dtype, e.max_model_len, e.eos_token_ids

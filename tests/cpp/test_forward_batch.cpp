@@ -31,6 +31,29 @@ TEST(ForwardBatchBuilder, FlattensPrefillsAndDecodesWithExactSlots) {
   EXPECT_EQ(values<int64_t>(b.logits_indices), (std::vector<int64_t>{4, 5, 7}));
 }
 
+TEST(ForwardBatchBuilder, PadsADecodeBatchWithRowsThatWriteNothing) {
+  // The padded decode batches that CudaGraphRunner replays: fixed row count and table width.
+  ForwardBatchBuilder builder(/*block_size=*/4);
+  builder.add({21}, /*num_cached=*/6, {3, 9});
+  builder.add({31}, /*num_cached=*/0, {5});
+  builder.add_padding();
+  builder.add_padding();
+  EXPECT_EQ(builder.num_sequences(), 4);
+  EXPECT_EQ(builder.num_tokens(), 4);
+  EXPECT_EQ(builder.max_table_blocks(), 2);
+  const ForwardBatch b = builder.build(at::Device("cpu"), /*table_width=*/3);
+  EXPECT_EQ(values<int64_t>(b.input_ids), (std::vector<int64_t>{21, 31, 0, 0}));
+  EXPECT_EQ(values<int64_t>(b.positions), (std::vector<int64_t>{6, 0, 0, 0}));
+  EXPECT_EQ(values<int64_t>(b.metadata.slot_mapping), (std::vector<int64_t>{38, 20, -1, -1}));
+  EXPECT_EQ(values<int32_t>(b.metadata.query_start_loc), (std::vector<int32_t>{0, 1, 2, 3, 4}));
+  EXPECT_EQ(values<int32_t>(b.metadata.seq_lens), (std::vector<int32_t>{7, 1, 1, 1}));
+  EXPECT_EQ(b.metadata.block_tables.sizes(), (std::vector<int64_t>{4, 3}));
+  EXPECT_EQ(values<int32_t>(b.metadata.block_tables),
+            (std::vector<int32_t>{3, 9, 0, 5, 0, 0, 0, 0, 0, 0, 0, 0}));
+  // A table wider than table_width keeps its own width.
+  EXPECT_EQ(builder.build(at::Device("cpu"), 1).metadata.block_tables.size(1), 2);
+}
+
 TEST(ForwardBatchBuilder, RejectsASequenceLongerThanItsBlocks) {
   ForwardBatchBuilder builder(4);
   EXPECT_THROW(builder.add({1, 2, 3}, 2, {0}), std::out_of_range);

@@ -52,6 +52,39 @@ def test_gpu_engine_equals_cpu_engine(checkpoint_factory, engine_args):
     assert got == want
 
 
+@pytest.mark.parametrize("architecture, overrides", [
+    ("LlamaForCausalLM", {}),
+    ("LlamaForCausalLM", dict(head_dim=64)),  # the row kernel of paged_attention
+    ("Qwen3ForCausalLM", {}),
+    ("Gemma2ForCausalLM", {}),                # sliding-window layers: two groups of tables
+], ids=["llama", "llama-head-dim-64", "qwen3", "gemma2"])
+def test_cuda_graphs_equal_eager_steps_and_the_cpu(checkpoint_factory, architecture, overrides):
+    """Decode steps replayed from CUDA graphs give the tokens of eager steps and of the CPU
+    engine, while requests finish at different steps (5, 4, ... 1 sequences: graphs of 8, 4, 2
+    and 1 rows, padded)."""
+    path = checkpoint_factory(architecture, **overrides)
+    prompts = (PROMPTS * 2)[:5]
+    params = [kvserve.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+              for n in (3, 9, 17, 24, 30)]
+    eager_llm = kvserve.LLM(path, device="cuda", enforce_eager=True)
+    graph_llm = kvserve.LLM(path, device="cuda")
+    eager = tokens(eager_llm, prompts, params)
+    replayed = tokens(graph_llm, prompts, params)
+    assert replayed == eager
+    assert replayed == tokens(kvserve.LLM(path), prompts, params)
+    assert eager_llm.llm_engine.engine.get_stats().num_cuda_graph_steps == 0
+    stats = graph_llm.llm_engine.engine.get_stats()
+    assert 0 < stats.num_cuda_graph_steps < stats.num_steps  # prefills run eagerly
+
+
+def test_models_without_graph_support_decode_eagerly(checkpoint_factory):
+    """DeepSeek-V2 (latent attention reads its tables on the host; MoE uploads pointer tables)
+    is never captured."""
+    llm = kvserve.LLM(checkpoint_factory("DeepseekV2ForCausalLM"), device="cuda")
+    assert tokens(llm) == tokens(kvserve.LLM(checkpoint_factory("DeepseekV2ForCausalLM")))
+    assert llm.llm_engine.engine.get_stats().num_cuda_graph_steps == 0
+
+
 def test_shared_prefixes_and_repeats(checkpoint_factory):
     """Prompts sharing a prefix (prefix cache hits, copy-on-write of a partial block)."""
     path = checkpoint_factory("Qwen3ForCausalLM")

@@ -226,6 +226,19 @@ def test_long_contexts(seqs, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim, num_heads, num_kv_heads",
+                         [(128, 4, 2), (64, 12, 2), (256, 6, 3), (128, 40, 4)])
+def test_gqa_groups_over_split_contexts(head_dim, num_heads, num_kv_heads, dtype):
+    """Groups of 2, 3, 6 and 10 query heads per KV head: on CUDA the row kernel (head sizes 64,
+    128, 256) holds 1, 2, 4 or 8 heads per block, so a group that does not fill its block, and
+    one that takes two blocks, over contexts that split and merge."""
+    batch = Batch([(700, 1), (1, 1), (300, 2), (129, 1)], head_dim, num_heads, num_kv_heads, 16,
+                  dtype, seed=5)
+    check(batch, dtype)
+    check(batch, dtype, sliding_window=200, logit_softcap=15.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("scenario", ["mixed", "tile-edges"])
 def test_batched_equals_per_sequence(dtype, scenario):
     """Each sequence's rows are the same, bit for bit, whatever else is in the batch."""

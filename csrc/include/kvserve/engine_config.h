@@ -26,6 +26,9 @@ struct EngineConfig {
   std::vector<int64_t> eos_token_ids;
   int64_t max_logprobs = 20;  ///< SamplingParams::logprobs at most (vLLM's default)
   SpeculativeConfig speculative;  ///< off unless speculative.method is set
+  /// A model on a CUDA device replays CUDA graphs for decode steps of up to this many
+  /// sequences (CudaGraphRunner); 0: every step launches its kernels one by one.
+  int64_t cuda_graph_max_batch = 0;
 };
 
 }  // namespace kvserve

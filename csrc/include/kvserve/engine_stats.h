@@ -33,6 +33,7 @@ struct EngineStats {
   int64_t num_aborted_requests = 0;
   int64_t num_failed_requests = 0;    ///< ended with finish_reason "error"
   int64_t num_steps = 0;              ///< steps that ran a forward
+  int64_t num_cuda_graph_steps = 0;   ///< of which the forward replayed a CUDA graph
   int64_t num_generated_tokens = 0;
   LatencyHistogram time_to_first_token;  ///< of requests that produced a token
   LatencyHistogram time_per_output_token;  ///< of finished requests with 2+ tokens

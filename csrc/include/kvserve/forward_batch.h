@@ -16,6 +16,8 @@ struct ForwardBatch {
   at::Tensor positions;       ///< int64 [T]
   AttentionMetadata metadata;
   at::Tensor logits_indices;  ///< int64 [B]: the last token of each sequence
+  /// Off the CPU: the device bytes that every tensor above views (the batch's one upload).
+  at::Tensor storage;
 };
 
 /// Collects sequences (new tokens + where their context lives in the cache) into a ForwardBatch.
@@ -34,10 +36,23 @@ class ForwardBatchBuilder {
   void add_grouped(const std::vector<int64_t>& tokens, int64_t num_cached,
                    const std::vector<std::vector<int32_t>>& group_tables);
 
-  /// The tensors on `device`; block tables padded with block 0 to the longest.
-  ForwardBatch build(at::Device device) const;
+  /// Appends a sequence that only fills a row of a padded batch (CudaGraphRunner): one token 0
+  /// at position 0 whose K/V is not written (slot -1), attending to block 0 through an empty
+  /// table; its outputs mean nothing and nothing reads them.
+  void add_padding();
+
+  /// The tensors on `device`; block tables padded with block 0 to the longest, or to
+  /// `table_width` blocks if that is wider. Off the CPU, with `storage` (a previous build's,
+  /// same sequences, tokens and table widths), the batch is uploaded into those bytes and its
+  /// tensors view them, at the addresses of that build; throws std::invalid_argument if the
+  /// layout differs.
+  ForwardBatch build(at::Device device, int64_t table_width = 0,
+                     const at::Tensor& storage = {}) const;
 
   int64_t num_sequences() const { return static_cast<int64_t>(seq_lens_.size()); }
+  int64_t num_tokens() const { return static_cast<int64_t>(ids_.size()); }
+  /// Blocks in the longest block table of any group.
+  int64_t max_table_blocks() const;
 
  private:
   int64_t block_size_;

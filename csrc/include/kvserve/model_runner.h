@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kvserve/causal_lm.h"
+#include "kvserve/cuda_graph_runner.h"
 #include "kvserve/paged_kv_cache.h"
 #include "kvserve/sampler.h"
 #include "kvserve/scheduler.h"
@@ -45,6 +46,7 @@ struct ModelRunnerOutput {
   std::vector<SampledTokens> samples;  ///< one per SamplingTarget
   double propose_seconds = 0.0;  ///< in the proposer (0 without speculation)
   double verify_seconds = 0.0;   ///< forward + sampling of a step that verified drafts
+  bool cuda_graph = false;       ///< the forward replayed a CUDA graph
 };
 
 /// Runs a CausalLM over scheduled steps on a paged KV cache that it owns.
@@ -54,10 +56,14 @@ class ModelRunner {
   /// Token ids and block tables of scheduled sequences are read from `scheduler`, which must
   /// outlive the runner.
   /// With a `speculator` (borrowed; outliving the runner), the scheduled sequences that have
-  /// draft slots get drafts, and their targets are verified.
+  /// draft slots get drafts, and their targets are verified. cuda_graph_max_batch > 0 (a model
+  /// that CudaGraphRunner supports): decode steps of up to that many sequences, whose contexts
+  /// fit max_model_len, replay CUDA graphs.
   ModelRunner(std::shared_ptr<CausalLM> model, int64_t num_blocks, int64_t block_size,
               const Scheduler& scheduler, SpeculativeDecoder* speculator = nullptr,
-              std::optional<at::ScalarType> kv_cache_dtype = std::nullopt);
+              std::optional<at::ScalarType> kv_cache_dtype = std::nullopt,
+              int64_t cuda_graph_max_batch = 0, int64_t max_model_len = 0);
+  ~ModelRunner();
 
   /// Copies the step's copy-on-write blocks, asks the speculator for drafts, runs one forward
   /// over every scheduled sequence's new tokens and drafts (writing their K/V), and samples
@@ -76,6 +82,7 @@ class ModelRunner {
   const Scheduler& scheduler_;
   SpeculativeDecoder* speculator_;
   Sampler sampler_;
+  std::unique_ptr<CudaGraphRunner> graphs_;  // null: eager steps only
 };
 
 }  // namespace kvserve

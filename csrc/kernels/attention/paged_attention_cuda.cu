@@ -1,15 +1,21 @@
-// CUDA launcher for paged_attention: the shared checks, then the split-K kernel, and the merge
-// of the splits when a call has too few (token, head group) blocks to fill the GPU. The metadata
-// stays on the device (reading it would synchronise): the number of splits comes from the block
-// table's width, an upper bound on every context.
+// CUDA launcher for paged_attention: the shared checks, then a split-K kernel (the row kernel for
+// head sizes 64, 128 and 256, the general one otherwise), and the merge of the splits when a
+// call has too few (token, head group) blocks to fill the GPU. The metadata stays on the device
+// (reading it would synchronise): the number of splits comes from the block table's width, an
+// upper bound on every context.
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <type_traits>
 
 #include "kernels/attention/paged_attention.h"
 #include "kernels/attention/paged_attention_checks.h"
 #include "kernels/attention/paged_attention_kernel.cuh"
+#include "kernels/attention/paged_attention_rows_kernel.cuh"
 #include "kernels/cuda_launch.h"
 
 namespace kvserve::ops {
@@ -17,10 +23,16 @@ namespace {
 
 using paged_attention_checks::kOp;
 
+// Read once per device: a call inside CUDA-graph capture must not query the driver.
 int multiprocessors(int device) {
-  int count = 0;
-  cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
-  return std::max(count, 1);
+  static std::array<std::atomic<int>, 64> counts{};
+  std::atomic<int>& count = counts.at(static_cast<size_t>(device));
+  if (count.load(std::memory_order_relaxed) == 0) {
+    int value = 0;
+    cudaDeviceGetAttribute(&value, cudaDevAttrMultiProcessorCount, device);
+    count.store(std::max(value, 1), std::memory_order_relaxed);
+  }
+  return count.load(std::memory_order_relaxed);
 }
 
 // Thread blocks of one wave per multiprocessor, times this: enough to hide memory latency.
@@ -28,8 +40,11 @@ constexpr int64_t kBlocksPerMultiprocessor = 4;
 // Splits never hold fewer positions than this (their merge would cost more than they save).
 constexpr int64_t kMinPartition = 256;
 
-template <typename T, cuda::KVFormat F, int DPL, int HPB>
-void launch(cuda::PagedAttentionParams& p, int64_t num_tokens, int sms, const at::Tensor& query) {
+// Splits each context into partitions (multiples of `step` positions) when the (token, head
+// group) blocks alone would not fill the GPU, then launches `kernel` and the merge.
+template <typename T, int HPB>
+void launch(void (*kernel)(cuda::PagedAttentionParams), cuda::PagedAttentionParams& p,
+            int64_t num_tokens, int sms, int64_t step, const at::Tensor& query) {
   p.head_blocks_per_kv_head = (p.num_heads / p.num_kv_heads + HPB - 1) / HPB;
   const int64_t head_blocks = static_cast<int64_t>(p.num_kv_heads) * p.head_blocks_per_kv_head;
   const int64_t max_context = static_cast<int64_t>(p.max_blocks_per_seq) * p.block_size;
@@ -40,11 +55,13 @@ void launch(cuda::PagedAttentionParams& p, int64_t num_tokens, int sms, const at
                       (sms * kBlocksPerMultiprocessor + blocks - 1) / blocks);
     splits = std::max<int64_t>(splits, 1);
   }
-  p.num_splits = static_cast<int>(splits);
-  p.partition = static_cast<int>(std::max<int64_t>((max_context + splits - 1) / splits, 1));
+  int64_t partition = (max_context + splits - 1) / splits;
+  partition = std::max<int64_t>((partition + step - 1) / step * step, 1);
+  p.num_splits = static_cast<int>((max_context + partition - 1) / partition);
+  p.partition = static_cast<int>(partition);
   at::Tensor workspace;
-  if (splits > 1) {
-    const int64_t partials = num_tokens * p.num_heads * splits;
+  if (p.num_splits > 1) {
+    const int64_t partials = num_tokens * p.num_heads * p.num_splits;
     workspace = at::empty({partials * (p.value_head_dim + 2)},
                           query.options().dtype(at::kFloat));
     p.partial_out = workspace.data_ptr<float>();
@@ -52,29 +69,71 @@ void launch(cuda::PagedAttentionParams& p, int64_t num_tokens, int sms, const at
     p.partial_sum = p.partial_max + partials;
   }
   const cudaStream_t stream = cuda::current_stream();
-  const dim3 grid(num_tokens, head_blocks, splits);
-  cuda::paged_attention_kernel<T, F, DPL, HPB><<<grid, cuda::kAttentionThreads, 0, stream>>>(p);
+  const dim3 grid(num_tokens, head_blocks, p.num_splits);
+  kernel<<<grid, cuda::kAttentionThreads, 0, stream>>>(p);
   KVSERVE_CUDA_CHECK_LAUNCH();
-  if (splits > 1) {
+  if (p.num_splits > 1) {
     const dim3 merge_grid(num_tokens, p.num_heads);
     cuda::paged_attention_merge_kernel<T><<<merge_grid, 128, 0, stream>>>(p);
     KVSERVE_CUDA_CHECK_LAUNCH();
   }
 }
 
-// Dimensions per lane and query heads per block by head size: the queries and accumulators of
-// HPB heads live in registers (2 * HPB * DPL floats per thread).
+// The row kernel (paged_attention_rows_kernel.cuh) for keys and values of one size, 64, 128 or
+// 256, in caches whose rows are aligned for its vector loads; false where it does not apply.
+template <typename T, cuda::KVFormat F>
+bool launch_rows(cuda::PagedAttentionParams& p, int64_t num_tokens, int sms,
+                 const at::Tensor& query) {
+  using Entry = typename cuda::KVEntry<T, F>::type;
+  constexpr int kRows = sizeof(Entry) == 4 ? 2 : 4;  // fp32 rows take two 16-byte loads each
+  const int d = p.head_dim;
+  constexpr uintptr_t kAlignment = 8 * sizeof(Entry) < 16 ? 8 * sizeof(Entry) : 16;
+  const auto aligned = [](const void* ptr) {
+    return reinterpret_cast<uintptr_t>(ptr) % kAlignment == 0;
+  };
+  if ((d != 64 && d != 128 && d != 256) || p.value_head_dim != d || p.value_row != d ||
+      !aligned(p.key_cache) || !aligned(p.value_cache)) {
+    return false;
+  }
+  const int group = p.num_heads / p.num_kv_heads;
+  const auto with_heads = [&](auto heads_per_block) {
+    constexpr int HPB = decltype(heads_per_block)::value;
+    const auto for_dim = [&](auto head_dim) {
+      constexpr int D = decltype(head_dim)::value;
+      launch<T, HPB>(cuda::paged_attention_rows_kernel<T, F, D, HPB, kRows>, p, num_tokens, sms,
+                     cuda::rows_kernel_step<D, kRows>(), query);
+    };
+    if (d == 64) {
+      for_dim(std::integral_constant<int, 64>{});
+    } else if (d == 128) {
+      for_dim(std::integral_constant<int, 128>{});
+    } else {
+      for_dim(std::integral_constant<int, 256>{});
+    }
+  };
+  switch (cuda::rows_heads_per_block(group)) {
+    case 1: with_heads(std::integral_constant<int, 1>{}); break;
+    case 2: with_heads(std::integral_constant<int, 2>{}); break;
+    case 4: with_heads(std::integral_constant<int, 4>{}); break;
+    default: with_heads(std::integral_constant<int, 8>{}); break;
+  }
+  return true;
+}
+
+// Otherwise the general kernel, by head size: the queries and accumulators of HPB heads live in
+// registers (2 * HPB * DPL floats per thread).
 template <typename T, cuda::KVFormat F>
 void launch_for_head_dim(cuda::PagedAttentionParams& p, int64_t num_tokens, int sms,
                          const at::Tensor& query) {
+  if (launch_rows<T, F>(p, num_tokens, sms, query)) return;
   const int widest = std::max(p.head_dim, p.value_head_dim);
   if (widest <= 128) {
-    launch<T, F, 4, 8>(p, num_tokens, sms, query);
+    launch<T, 8>(cuda::paged_attention_kernel<T, F, 4, 8>, p, num_tokens, sms, 1, query);
   } else if (widest <= 256) {
-    launch<T, F, 8, 4>(p, num_tokens, sms, query);
+    launch<T, 4>(cuda::paged_attention_kernel<T, F, 8, 4>, p, num_tokens, sms, 1, query);
   } else {
     TORCH_CHECK(widest <= 576, kOp, ": head dimensions up to 576 on CUDA, got ", widest);
-    launch<T, F, 18, 2>(p, num_tokens, sms, query);
+    launch<T, 2>(cuda::paged_attention_kernel<T, F, 18, 2>, p, num_tokens, sms, 1, query);
   }
 }
 
