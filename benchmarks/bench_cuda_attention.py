@@ -9,7 +9,8 @@ scaled_dot_product_attention (prefill), in one run.
   * prefill: causal attention of a whole prompt (queries = context) for each length, ours against
     torch's scaled_dot_product_attention (the flash backend) on contiguous [B, H, T, D] tensors
     with the KV heads expanded (enable_gqa); time ratio SDPA / ours (>= 1: ours is faster).
-Each figure is the median of --repeats timings by CUDA events, the kernels of each pair
+Each figure is the median of --repeats timings by CUDA events (a decode timing covers 20 calls
+back to back, so that launch overhead does not hide the kernel), the kernels of each pair
 interleaved. Prints markdown tables; writes JSON to --out.
 
     python benchmarks/bench_cuda_attention.py
@@ -31,20 +32,24 @@ from kvserve.testing.bench import markdown_table, median
 
 ops = torch.ops.kvserve
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+DECODE_CALLS = 20  # decode calls per timing, back to back
 
 
-def event_time(fn, repeats: int) -> float:
-    """Median seconds of fn() over `repeats` timings (after two warm-ups)."""
+def event_time(fn, repeats: int, calls: int = 1) -> float:
+    """Median seconds of one fn() over `repeats` timings of `calls` calls back to back (after two
+    warm-ups): with several calls the GPU never waits for the host to launch the next kernel, so
+    a short kernel's time is not its launch overhead."""
     for _ in range(2):
         fn()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(calls):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        times.append(start.elapsed_time(end) / 1e3 / calls)
     return median(times)
 
 
@@ -73,7 +78,8 @@ def decode_row(batch, context, dtype, bandwidth, repeats, gen):
     qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     seconds = event_time(lambda: ops.paged_attention(out, query, key, value, qsl, lens, tables,
-                                                     HEAD_DIM ** -0.5, 0, 0.0), repeats)
+                                                     HEAD_DIM ** -0.5, 0, 0.0), repeats,
+                         calls=DECODE_CALLS)
     elem = key.element_size()
     nbytes = 2 * batch * context * KV_HEADS * HEAD_DIM * elem + 2 * query.numel() * elem
     nbytes += tables.numel() * 4

@@ -85,7 +85,6 @@ template <typename T, cuda::KVFormat F>
 bool launch_rows(cuda::PagedAttentionParams& p, int64_t num_tokens, int sms,
                  const at::Tensor& query) {
   using Entry = typename cuda::KVEntry<T, F>::type;
-  constexpr int kRows = sizeof(Entry) == 4 ? 2 : 4;  // fp32 rows take two 16-byte loads each
   const int d = p.head_dim;
   constexpr uintptr_t kAlignment = 8 * sizeof(Entry) < 16 ? 8 * sizeof(Entry) : 16;
   const auto aligned = [](const void* ptr) {
@@ -98,6 +97,9 @@ bool launch_rows(cuda::PagedAttentionParams& p, int64_t num_tokens, int sms,
   const int group = p.num_heads / p.num_kv_heads;
   const auto with_heads = [&](auto heads_per_block) {
     constexpr int HPB = decltype(heads_per_block)::value;
+    // Rows in flight per lane, twice over (pipelined): fewer where registers are short (fp32
+    // rows take two 16-byte loads; 8 heads hold 128 floats of queries and accumulators).
+    constexpr int kRows = sizeof(Entry) == 4 || HPB >= 8 ? 2 : 4;
     const auto for_dim = [&](auto head_dim) {
       constexpr int D = decltype(head_dim)::value;
       launch<T, HPB>(cuda::paged_attention_rows_kernel<T, F, D, HPB, kRows>, p, num_tokens, sms,
@@ -132,7 +134,7 @@ void launch_for_head_dim(cuda::PagedAttentionParams& p, int64_t num_tokens, int 
   } else if (widest <= 256) {
     launch<T, 4>(cuda::paged_attention_kernel<T, F, 8, 4>, p, num_tokens, sms, 1, query);
   } else {
-    TORCH_CHECK(widest <= 576, kOp, ": head dimensions up to 576 on CUDA, got ", widest);
+    if (widest > 576) fail_with_number(kOp, ": head dimensions up to 576 on CUDA, got ", widest);
     launch<T, 2>(cuda::paged_attention_kernel<T, F, 18, 2>, p, num_tokens, sms, 1, query);
   }
 }
@@ -172,6 +174,7 @@ void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Te
   p.block_size = static_cast<int>(key_cache.size(1));
   p.max_blocks_per_seq = static_cast<int>(block_tables.size(1));
   p.num_blocks = static_cast<int>(key_cache.size(0));
+  cuda::host_block_divisor(p);
   p.scale = static_cast<float>(scale);
   p.sliding_window = static_cast<int>(std::clamp<int64_t>(sliding_window, 0, INT32_MAX));
   p.logit_softcap = static_cast<float>(logit_softcap);

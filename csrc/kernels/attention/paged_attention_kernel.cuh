@@ -39,12 +39,34 @@ struct PagedAttentionParams {
   int64_t cache_block_stride, value_cache_block_stride, value_row;
   int num_seqs, num_heads, num_kv_heads, head_dim, value_head_dim;
   int block_size, max_blocks_per_seq, num_blocks;
+  // position / block_size as __umulhi(position, block_mul) >> block_shift (block_mul 0: the
+  // block size is 1), for positions below 2^31: host_block_divisor() sets them.
+  uint32_t block_mul;
+  int block_shift;
   int head_blocks_per_kv_head;  // thread blocks per KV head: ceil(group / heads per block)
   int num_splits, partition;    // split z covers positions [z * partition, (z + 1) * partition)
   float scale;
   int sliding_window;   // <= 0: none
   float logit_softcap;  // <= 0: none
 };
+
+/// Sets p.block_mul and p.block_shift for p.block_size >= 1 (0 reads as 1) (round-up reciprocal, as CUTLASS's
+/// FastDivmod: exact for every dividend below 2^31).
+inline void host_block_divisor(PagedAttentionParams& p) {
+  const uint32_t d = static_cast<uint32_t>(p.block_size);
+  int log2_up = 0;
+  while ((1u << log2_up) < d) ++log2_up;
+  const int shift = 31 + log2_up;
+  p.block_mul = d <= 1 ? 0u : static_cast<uint32_t>(((1ull << shift) + d - 1) / d);
+  p.block_shift = d <= 1 ? 0 : shift - 32;
+}
+
+/// position / block_size for 0 <= position < 2^31 (see host_block_divisor).
+__device__ inline int block_of(const PagedAttentionParams& p, int position) {
+  return p.block_mul == 0 ? position
+                          : static_cast<int>(__umulhi(static_cast<uint32_t>(position),
+                                                      p.block_mul) >> p.block_shift);
+}
 
 /// The sequence of query token t: the last b with query_start_loc[b] <= t.
 __device__ inline int sequence_of(const int32_t* query_start_loc, int num_seqs, int t) {

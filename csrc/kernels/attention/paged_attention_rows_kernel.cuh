@@ -2,13 +2,14 @@
 // CUDA body of paged_attention for keys and values of one size, 64, 128 or 256 (contract:
 // paged_attention.h), in the split-K layout of paged_attention_kernel.cuh but built for memory
 // bandwidth: a key or value row is read by HEAD_DIM / 8 lanes, 8 entries each in one vector
-// load, so a warp reads 32 / (HEAD_DIM / 8) rows per load and every lane keeps ROWS key rows and
-// ROWS value rows in flight before it uses any. Each row group of lanes is its own softmax
-// stream: a score is a reduction over the group's lanes only, and the stream updates its running
-// max, sum and weighted values once per ROWS positions, in base 2 (exp2 of log2(e)-scaled
-// scores). The streams of a block merge in shared memory at the end; several splits merge in
-// paged_attention_merge_kernel. Raw pointers only, no torch headers; the launcher checks shapes,
-// dtypes and the alignment of the caches.
+// load, so a warp reads 32 / (HEAD_DIM / 8) rows per load, and every lane loads the ROWS key and
+// value rows of its next iteration before it uses those of this one (software pipelining); block
+// ids come from the block table through a multiply-shift division. Each row group of lanes is its
+// own softmax stream: a score is a reduction over the group's lanes only, and the stream updates
+// its running max, sum and weighted values once per ROWS positions, in base 2 (exp2 of
+// log2(e)-scaled scores). The streams of a block merge in shared memory at the end; several
+// splits merge in paged_attention_merge_kernel. Raw pointers only, no torch headers; the launcher
+// checks shapes, dtypes and the alignment of the caches.
 
 #include <cfloat>
 #include <cstdint>
@@ -103,28 +104,46 @@ __global__ void __launch_bounds__(kAttentionThreads)
   const Entry* key_cache = static_cast<const Entry*>(p.key_cache) + part * 8;
   const Entry* value_cache = static_cast<const Entry*>(p.value_cache) + part * 8;
   const int32_t* table = p.block_tables + static_cast<int64_t>(b) * p.max_blocks_per_seq;
-  for (int base = split_begin; base < split_end; base += kStreams * ROWS) {
+  // This lane's ROWS key and value rows at positions base + r * kStreams + stream (zeros and
+  // invalid past split_end or in a block outside the pool).
+  struct Rows {
     ChunkOf<Entry> key[ROWS], value[ROWS];
     float key_scale[ROWS], value_scale[ROWS];
     bool valid[ROWS];
+  };
+  const auto load_rows = [&](int base, Rows& rows) {
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       const int pos = base + r * kStreams + stream;
-      const int block = pos < split_end ? table[pos / p.block_size] : -1;
-      valid[r] = block >= 0 && block < p.num_blocks;
+      const int block_index = block_of(p, pos);
+      const int block = pos < split_end ? table[block_index] : -1;
+      rows.valid[r] = block >= 0 && block < p.num_blocks;
       // The row's index in the cache (and its scale's), [block][offset][kv_head].
-      const int64_t row = valid[r] ? (static_cast<int64_t>(block) * p.block_size +
-                                      pos % p.block_size) * p.num_kv_heads + kv_head
-                                   : 0;
-      key[r] = {};
-      value[r] = {};
-      if (valid[r]) {
-        key[r] = load_chunk(key_cache + row * HEAD_DIM);
-        value[r] = load_chunk(value_cache + row * HEAD_DIM);
+      const int64_t row =
+          rows.valid[r] ? (static_cast<int64_t>(block) * p.block_size +
+                           (pos - block_index * p.block_size)) * p.num_kv_heads + kv_head
+                        : 0;
+      rows.key[r] = {};
+      rows.value[r] = {};
+      if (rows.valid[r]) {
+        rows.key[r] = load_chunk(key_cache + row * HEAD_DIM);
+        rows.value[r] = load_chunk(value_cache + row * HEAD_DIM);
       }
-      key_scale[r] = F == KVFormat::kPlain || !valid[r] ? 1.0f : p.key_scale[row];
-      value_scale[r] = F == KVFormat::kPlain || !valid[r] ? 1.0f : p.value_scale[row];
+      rows.key_scale[r] = F == KVFormat::kPlain || !rows.valid[r] ? 1.0f : p.key_scale[row];
+      rows.value_scale[r] = F == KVFormat::kPlain || !rows.valid[r] ? 1.0f : p.value_scale[row];
     }
+  };
+  // Software pipelining: the next iteration's rows are in flight while this one's are used.
+  Rows next;
+  load_rows(split_begin, next);
+  for (int base = split_begin; base < split_end; base += kStreams * ROWS) {
+    const Rows current = next;
+    load_rows(base + kStreams * ROWS, next);
+    const auto& key = current.key;
+    const auto& value = current.value;
+    const auto& key_scale = current.key_scale;
+    const auto& value_scale = current.value_scale;
+    const auto& valid = current.valid;
     // Scores in log2 units; a masked position scores -inf and weighs exp2(-inf) = 0.
     float score[ROWS][HPB];
 #pragma unroll
