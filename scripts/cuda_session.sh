@@ -56,11 +56,13 @@ cuda_tests() {  # log name, then pytest arguments
   shift
   seconds=$(limit "${TEST_TIMEOUT:-420}")
   [ "$seconds" -ge 20 ] || { echo "cuda_session: no time left for $name"; return 1; }
-  timeout "$seconds" $python -m pytest -q -p no:cacheprovider -m cuda -o addopts="" "$@" \
-    ${PYTEST_ARGS:-} > "$out/$name.log" 2>&1
+  # -v: a run cut short by its limit still names each test it finished. Few threads per
+  # process: with pytest-xdist workers, the CPU references would oversubscribe the cores.
+  OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} timeout "$seconds" $python -m pytest -v -rfE \
+    -p no:cacheprovider -m cuda -o addopts="" "$@" ${PYTEST_ARGS:-} > "$out/$name.log" 2>&1
   local rc=$?
-  echo "$name (exit $rc):"; grep -E "passed|failed|error" "$out/$name.log" | tail -2
-  grep -E "^(FAILED|ERROR)" "$out/$name.log" | head -40
+  echo "$name (exit $rc):"; grep -E "[0-9]+ (passed|failed)" "$out/$name.log" | tail -2
+  grep -E "^(FAILED|ERROR)|(FAILED|ERROR) tests/" "$out/$name.log" | head -40
   return $rc
 }
 status=0

@@ -67,7 +67,7 @@ def test_cuda_graphs_equal_eager_steps_and_the_cpu(checkpoint_factory, architect
     params = [kvserve.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
               for n in (3, 9, 17, 24, 30)]
     eager_llm = kvserve.LLM(path, device="cuda", enforce_eager=True)
-    graph_llm = kvserve.LLM(path, device="cuda")
+    graph_llm = kvserve.LLM(path, device="cuda", enforce_eager=False)
     eager = tokens(eager_llm, prompts, params)
     replayed = tokens(graph_llm, prompts, params)
     assert replayed == eager
@@ -80,7 +80,8 @@ def test_cuda_graphs_equal_eager_steps_and_the_cpu(checkpoint_factory, architect
 def test_models_without_graph_support_decode_eagerly(checkpoint_factory):
     """DeepSeek-V2 (latent attention reads its tables on the host; MoE uploads pointer tables)
     is never captured."""
-    llm = kvserve.LLM(checkpoint_factory("DeepseekV2ForCausalLM"), device="cuda")
+    llm = kvserve.LLM(checkpoint_factory("DeepseekV2ForCausalLM"), device="cuda",
+                      enforce_eager=False)
     assert tokens(llm) == tokens(kvserve.LLM(checkpoint_factory("DeepseekV2ForCausalLM")))
     assert llm.llm_engine.engine.get_stats().num_cuda_graph_steps == 0
 

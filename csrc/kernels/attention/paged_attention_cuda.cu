@@ -134,7 +134,7 @@ void launch_for_head_dim(cuda::PagedAttentionParams& p, int64_t num_tokens, int 
   } else if (widest <= 256) {
     launch<T, 4>(cuda::paged_attention_kernel<T, F, 8, 4>, p, num_tokens, sms, 1, query);
   } else {
-    if (widest > 576) fail_with_number(kOp, ": head dimensions up to 576 on CUDA, got ", widest);
+    TORCH_CHECK(widest <= 576, kOp, ": head dimensions up to 576 on CUDA, got ", widest);
     launch<T, 2>(cuda::paged_attention_kernel<T, F, 18, 2>, p, num_tokens, sms, 1, query);
   }
 }

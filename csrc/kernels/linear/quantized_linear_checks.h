@@ -12,17 +12,64 @@
 namespace kvserve::ops {
 
 /// The format qweight's dtype stores q in; throws for any other dtype.
-cpu::QuantFormat quantized_format_of(const at::Tensor& qweight);
+inline cpu::QuantFormat quantized_format_of(const at::Tensor& qweight) {
+  switch (qweight.scalar_type()) {
+    case at::kChar: return cpu::QuantFormat::kInt8;
+    case at::kByte: return cpu::QuantFormat::kInt4;
+    case at::kFloat8_e4m3fn: return cpu::QuantFormat::kFp8E4M3;
+    default:
+      TORCH_CHECK(false, "quantized_linear: qweight must be int8 (int8), uint8 (packed int4) or "
+                         "float8_e4m3fn (fp8), got ", qweight.scalar_type());
+  }
+}
 
 /// Checks scales or zeros: contiguous fp32 [n, groups].
-void check_quantized_params(const char* name, const at::Tensor& t, int64_t n,
-                            int64_t groups);
+inline void check_quantized_params(const char* name, const at::Tensor& t, int64_t n,
+                                   int64_t groups) {
+  constexpr const char* op = "quantized_linear";
+  check_contiguous(op, name, t, at::kFloat);
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == n && t.size(1) == groups, op, ": ", name,
+              " must be [", n, ", ", groups, "] (one per output row and group), got ", t.sizes());
+}
 
 /// Every shape, dtype, device and group size of quantized_linear.h; returns qweight's format.
-cpu::QuantFormat check_quantized_linear(const at::Tensor& input, const at::Tensor& qweight,
-                                        const at::Tensor& scales,
-                                        const std::optional<at::Tensor>& zeros,
-                                        int64_t group_size,
-                                        const std::optional<at::Tensor>& bias);
+inline cpu::QuantFormat check_quantized_linear(const at::Tensor& input, const at::Tensor& qweight,
+                                               const at::Tensor& scales,
+                                               const std::optional<at::Tensor>& zeros,
+                                               int64_t group_size,
+                                               const std::optional<at::Tensor>& bias) {
+  constexpr const char* op = "quantized_linear";
+  check_rows(op, "input", input, 2);
+  const at::ScalarType dtype = input.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
+              ": input must be fp32, bf16 or fp16, got ", dtype);
+  const cpu::QuantFormat format = quantized_format_of(qweight);
+  const bool int4 = format == cpu::QuantFormat::kInt4;
+  const int64_t k = input.size(1);
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() &&
+                  qweight.size(1) * (int4 ? 2 : 1) == k,
+              op, ": qweight must be contiguous [n, ", int4 ? k / 2 : k, "] for ", k,
+              " inputs", int4 ? " (two int4 per byte)" : "", ", got ", qweight.sizes());
+  const int64_t n = qweight.size(0);
+  TORCH_CHECK(group_size > 0 && k % group_size == 0, op, ": group_size must divide the ", k,
+              " inputs, got ", group_size);
+  TORCH_CHECK(!int4 || group_size % 32 == 0, op,
+              ": int4 weights need a group_size that is a multiple of 32, got ", group_size);
+  const int64_t groups = k / group_size;
+  check_quantized_params("scales", scales, n, groups);
+  if (zeros) {
+    TORCH_CHECK(format != cpu::QuantFormat::kFp8E4M3, op, ": fp8 weights take no zeros");
+    check_quantized_params("zeros", *zeros, n, groups);
+  }
+  if (bias) {
+    check_like(op, "bias", *bias, input);
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(), op,
+                ": bias must be contiguous [", n, "]");
+  }
+  TORCH_CHECK(qweight.device() == input.device() && scales.device() == input.device() &&
+                  (!zeros || zeros->device() == input.device()),
+              op, ": qweight, scales and zeros must be on the input's device");
+  return format;
+}
 
 }  // namespace kvserve::ops

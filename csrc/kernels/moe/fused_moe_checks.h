@@ -10,16 +10,46 @@
 namespace kvserve::ops {
 
 /// topk_weights fp32 and topk_ids int64, both contiguous [hidden.size(0), k] on hidden's device.
-void check_moe_topk(const char* op, const at::Tensor& hidden,
-                    const at::Tensor& topk_weights, const at::Tensor& topk_ids);
+inline void check_moe_topk(const char* op, const at::Tensor& hidden,
+                           const at::Tensor& topk_weights, const at::Tensor& topk_ids) {
+  check_contiguous(op, "topk_weights", topk_weights, at::kFloat);
+  check_contiguous(op, "topk_ids", topk_ids, at::kLong);
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == hidden.size(0) &&
+                  topk_weights.sizes() == topk_ids.sizes(),
+              op, ": topk_weights and topk_ids must both be [", hidden.size(0), ", k], got ",
+              topk_weights.sizes(), " and ", topk_ids.sizes());
+  TORCH_CHECK(topk_weights.device() == hidden.device() && topk_ids.device() == hidden.device(),
+              op, ": topk_weights and topk_ids must be on hidden's device ", hidden.device());
+}
 
 /// Every weight of `weights` is [rows, cols] of hidden's dtype, on hidden's device.
-void check_moe_experts(const char* name, at::TensorList weights, int64_t rows,
-                       int64_t cols, const at::Tensor& hidden);
+inline void check_moe_experts(const char* name, at::TensorList weights, int64_t rows,
+                              int64_t cols, const at::Tensor& hidden) {
+  constexpr const char* op = "fused_moe";
+  for (const at::Tensor& w : weights) {
+    TORCH_CHECK(w.dim() == 2 && w.size(0) == rows && w.size(1) == cols, op, ": every ", name,
+                " must be [", rows, ", ", cols, "], got ", w.sizes());
+    TORCH_CHECK(w.scalar_type() == hidden.scalar_type(), op, ": ", name,
+                " must have hidden's dtype ", hidden.scalar_type(), ", got ", w.scalar_type());
+    TORCH_CHECK(w.device() == hidden.device(), op, ": ", name, " is on ", w.device(),
+                ", hidden on ", hidden.device());
+  }
+}
 
 /// hidden [T, hidden_size] (last dim contiguous), one w13 [2 * inter, hidden_size] and one w2
 /// [hidden_size, inter] per expert, and the routing tensors (see fused_moe.h).
-void check_fused_moe(const at::Tensor& hidden, at::TensorList w13, at::TensorList w2,
-                     const at::Tensor& topk_weights, const at::Tensor& topk_ids);
+inline void check_fused_moe(const at::Tensor& hidden, at::TensorList w13, at::TensorList w2,
+                            const at::Tensor& topk_weights, const at::Tensor& topk_ids) {
+  constexpr const char* op = "fused_moe";
+  check_rows(op, "hidden", hidden, 2);
+  TORCH_CHECK(!w13.empty() && w2.size() == w13.size(), op,
+              ": need one w13 and one w2 per expert, got ", w13.size(), " and ", w2.size());
+  const int64_t inter2 = w13[0].size(0);
+  TORCH_CHECK(w13[0].dim() == 2 && inter2 % 2 == 0, op,
+              ": w13 must be [2 * inter, hidden_size], got ", w13[0].sizes());
+  check_moe_experts("w13", w13, inter2, hidden.size(1), hidden);
+  check_moe_experts("w2", w2, hidden.size(1), inter2 / 2, hidden);
+  check_moe_topk(op, hidden, topk_weights, topk_ids);
+}
 
 }  // namespace kvserve::ops

@@ -43,9 +43,8 @@ at::Tensor sampling_from_logits_cuda(const at::Tensor& logits, const at::Tensor&
   check_sampling_from_logits(logits, temperature, uniform);
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   // The kernel packs a token's index in 32 bits beside its value for the argmax.
-  if (vocab > std::numeric_limits<uint32_t>::max()) {
-    fail_with_number("sampling_from_logits", ": too large a vocabulary for CUDA: ", vocab);
-  }
+  TORCH_CHECK(vocab <= std::numeric_limits<uint32_t>::max(),
+              "sampling_from_logits: a vocabulary of ", vocab, " tokens is too large for CUDA");
   at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
   if (rows == 0) return out;
   const c10::cuda::CUDAGuard guard(logits.device());
