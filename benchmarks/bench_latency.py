@@ -3,6 +3,8 @@
 Requests arrive at exponential intervals (rate in requests/s) and join the running engine
 (LLMEngine) as soon as their arrival time has passed; the loop calls step() in real time. For each
 rate: TTFT and TPOT p50/p99, queue time p50, output throughput, and preemptions.
+`--static-batch B` runs the same arrivals with request-level batching instead (a batch of up to B
+waiting requests runs to completion before the next starts), for comparison.
 
     python benchmarks/bench_latency.py [--rates 1 2 4 8] [--requests 48]
 """
@@ -28,7 +30,10 @@ def percentile(values, q):
 
 
 def run_rate(engine: kvserve.LLMEngine, rate: float, n: int, prompt_range, output_range,
-             vocab: int, seed: int) -> dict:
+             vocab: int, seed: int, static_batch: int = 0) -> dict:
+    """static_batch > 0: request-level (static) batching on the same engine: arrived requests,
+    up to static_batch of them, start only when the previous batch has finished; 0: continuous
+    batching (a request joins the running batch at the next step)."""
     rng = random.Random(seed)
     t, arrivals = 0.0, []
     for i in range(n):
@@ -40,7 +45,9 @@ def run_rate(engine: kvserve.LLMEngine, rate: float, n: int, prompt_range, outpu
     pending, finished, generated = list(arrivals), {}, 0
     while pending or engine.has_unfinished_requests():
         now = time.monotonic() - start
-        while pending and pending[0][0] <= now:
+        room = n if not static_batch else 0 if engine.has_unfinished_requests() else static_batch
+        while pending and pending[0][0] <= now and room > 0:
+            room -= 1
             at, request_id, prompt, max_tokens = pending.pop(0)
             engine.add_request(request_id, prompt,
                                kvserve.SamplingParams(temperature=0.8, max_tokens=max_tokens,
@@ -57,7 +64,8 @@ def run_rate(engine: kvserve.LLMEngine, rate: float, n: int, prompt_range, outpu
     ttft = [m.time_to_first_token for m in finished.values()]
     tpot = [m.time_per_output_token for m in finished.values() if m.num_generated_tokens > 1]
     queue = [m.queue_time for m in finished.values()]
-    return dict(rate=rate, requests=n, wall_s=wall, output_tokens=generated,
+    return dict(rate=rate, requests=n, static_batch=static_batch, wall_s=wall,
+                output_tokens=generated,
                 throughput_tok_s=generated / wall,
                 ttft_p50_ms=1e3 * percentile(ttft, 50), ttft_p99_ms=1e3 * percentile(ttft, 99),
                 tpot_p50_ms=1e3 * percentile(tpot, 50), tpot_p99_ms=1e3 * percentile(tpot, 99),
@@ -77,12 +85,14 @@ def main() -> None:
                    help="a smaller pool shows preemption under load")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--static-batch", type=int, default=0,
+                   help="request-level batching of up to this many requests (0: continuous)")
     args = p.parse_args()
     engine = kvserve.LLMEngine(args.model, dtype=args.dtype, num_blocks=args.num_blocks,
                                max_num_batched_tokens=args.max_num_batched_tokens)
     vocab = engine.config.vocab_size
     results = [run_rate(engine, rate, args.requests, args.prompt_range, args.output_range, vocab,
-                        args.seed + i) for i, rate in enumerate(args.rates)]
+                        args.seed + i, args.static_batch) for i, rate in enumerate(args.rates)]
     rows = [[f"{r['rate']:g}", f"{r['throughput_tok_s']:.0f}", f"{r['ttft_p50_ms']:.0f}",
              f"{r['ttft_p99_ms']:.0f}", f"{r['tpot_p50_ms']:.1f}", f"{r['tpot_p99_ms']:.1f}",
              f"{r['queue_p50_ms']:.0f}", r["preemptions"]] for r in results]

@@ -30,7 +30,7 @@ SHAPE = dict(vocab_size=1024, hidden_size=320, intermediate_size=864, num_hidden
 def run(llm, prompts) -> dict:
     params = kvserve.SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     started = time.monotonic()
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.monotonic() - started
     ttft = [o.metrics.time_to_first_token for o in outs]
     computed = sum(len(o.prompt_token_ids) - o.num_cached_tokens for o in outs)
