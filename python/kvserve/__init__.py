@@ -13,6 +13,7 @@ from kvserve.async_engine import AsyncLLMEngine
 from kvserve.engine import LLMEngine
 from kvserve.kv_cache import KVCache, reset_all_caches
 from kvserve.llm import LLM, SamplingParams
+from kvserve.lora import merge_lora
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.serving import ContinuousBatchingEngine, GenerationRequest
 
@@ -30,4 +31,5 @@ __all__ = [
     "RequestOutput",
     "CompletionOutput",
     "RequestMetrics",
+    "merge_lora",
 ]

@@ -8,6 +8,7 @@
     python -m kvserve convert llama2c --checkpoint FILE.bin --tokenizer TOK.bin --out DIR
     python -m kvserve quantize --model DIR --method int8|w8a8|llm.int8|fp8|int4|awq --out DIR
                                [--group-size N] [--calibration FILE] [--eval-text FILE]
+    python -m kvserve merge-lora --base DIR --adapter DIR --out DIR
 """
 
 from __future__ import annotations
@@ -116,6 +117,15 @@ def _quantize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _merge_lora(args: argparse.Namespace) -> int:
+    from kvserve.lora import merge_lora
+
+    done = merge_lora(args.base, args.adapter, args.out)
+    print(f"wrote {args.out}: {len(done['merged'])} weights merged, "
+          f"{len(done['replaced'])} replaced")
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     try:
         from kvserve.server.serve import serve
@@ -197,6 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens of --eval-text to score (4096)")
     q.add_argument("--group-size", type=int, default=128, help="int4 inputs per group (128, 64, 32)")
     q.set_defaults(func=_quantize)
+    m = sub.add_parser("merge-lora", help="merge a PEFT LoRA adapter into its base checkpoint")
+    m.add_argument("--base", required=True, help="the base model's Hugging Face directory")
+    m.add_argument("--adapter", required=True,
+                   help="the adapter's directory (adapter_config.json, adapter_model.safetensors)")
+    m.add_argument("--out", required=True, help="directory to write the merged checkpoint to")
+    m.set_defaults(func=_merge_lora)
     v = sub.add_parser("serve", help="serve the OpenAI API over HTTP")
     v.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     v.add_argument("--host", default="127.0.0.1")
