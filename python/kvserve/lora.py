@@ -18,11 +18,12 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from kvserve.loader.checkpoint_writer import write_checkpoint
 
 PREFIX = "base_model.model."
 LORA_PARTS = {"lora_A.weight": "A", "lora_B.weight": "B",
@@ -117,12 +118,7 @@ def merge_lora(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Pat
             raise ValueError(f"the adapter's update of {module} is {tuple(delta.shape)}, the "
                              f"base weight {tuple(weight.shape)}")
         tensors[name] = (weight.float() + delta).to(weight.dtype)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for path in base_dir.iterdir():
-        if path.is_file() and path.suffix != ".safetensors" and path.name not in (
-                "model.safetensors.index.json", "README.md"):
-            shutil.copy2(path, out_dir / path.name)
-    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    write_checkpoint(base_dir, out_dir, tensors, skip=("README.md",))
     targets = sorted({m.rsplit(".", 1)[-1] for m in modules})
     (out_dir / "README.md").write_text(
         f"# {out_dir.name}\n\n{base_dir.name} with the LoRA adapter {adapter_dir.name} merged "

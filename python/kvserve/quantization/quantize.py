@@ -25,12 +25,12 @@ not a multiple of the group size, out_features not of 8): it is listed in the co
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from kvserve.loader.checkpoint_writer import write_checkpoint
 from kvserve.quantization.formats import (
     CheckpointQuantization,
     awq_config,
@@ -96,12 +96,7 @@ def quantize_checkpoint(model_dir: Path, out_dir: Path, method: str, group_size:
         qc = bitsandbytes_config(LLM_INT8_THRESHOLD)
     else:
         qc = compressed_tensors_config("float" if method == "fp8" else "int", method == "w8a8")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for path in model_dir.iterdir():
-        if path.is_file() and path.suffix != ".safetensors" and path.name not in (
-                "config.json", "model.safetensors.index.json"):
-            shutil.copy2(path, out_dir / path.name)
-    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    write_checkpoint(model_dir, out_dir, tensors, skip=("config.json",))
     config["quantization_config"] = qc
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     eval_text = eval_text if eval_text is not None else calibration
