@@ -82,6 +82,17 @@ for stage in "$@"; do
       echo "bad-argument tests: exit $rc"; tail -5 "$out/errors.log"
       if [ $rc -ge 128 ] || grep -q "Fatal Python error" "$out/errors.log"; then
         grep -A30 "Fatal Python error" "$out/errors.log" | head -40
+        # Where the crashing stream code comes from: libstdc++ symbols defined in our library,
+        # the link line, the compilers and the flags the build saw.
+        lib=$($python -c "import kvserve, pathlib
+print(pathlib.Path(kvserve._C.__file__).parent / 'libkvserve_runtime.so')")
+        { echo "== libstdc++ symbols defined in $lib"; nm -C --defined-only "$lib" | grep -c "std::"
+          nm -C --defined-only "$lib" | grep -E "basic_ostream|codecvt|locale::id" | head -20
+          echo "== dynamic dependencies"; ldd "$lib"
+          echo "== link line"; grep -h -A2 "libkvserve_runtime.so" build/py/build.ninja | head -8
+          echo "== compilers"; c++ --version | head -1; nvcc --version | tail -1
+          env | grep -E "FLAGS|^CC=|^CXX=|CUDAHOSTCXX" ; } > "$out/errors-link.log" 2>&1
+        head -40 "$out/errors-link.log"
         timeout "$(limit 90)" cuda-gdb -q -batch -ex "set pagination off" -ex run -ex bt \
           --args $python -m pytest -x "${args[@]}" > "$out/errors-gdb.log" 2>&1
         grep -E "^#[0-9]+ " "$out/errors-gdb.log" | head -40
