@@ -9,6 +9,8 @@
     python -m kvserve quantize --model DIR --method int8|w8a8|llm.int8|fp8|int4|awq --out DIR
                                [--group-size N] [--calibration FILE] [--eval-text FILE]
     python -m kvserve merge-lora --base DIR --adapter DIR --out DIR
+    python -m kvserve prune --model DIR --calibration FILE --out DIR [--layers N] [--heads N]
+                            [--intermediate N] [--hidden N]
 """
 
 from __future__ import annotations
@@ -126,6 +128,21 @@ def _merge_lora(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prune(args: argparse.Namespace) -> int:
+    from kvserve.prune import prune_checkpoint
+
+    if not args.calibration.is_file():
+        raise FileNotFoundError(f"--calibration {args.calibration}: no such file")
+    done = prune_checkpoint(args.model, args.calibration.read_text(), args.out,
+                            layers=args.layers, heads=args.heads,
+                            intermediate=args.intermediate, hidden=args.hidden)
+    c = done["config"]
+    print(f"wrote {args.out}: {c['num_hidden_layers']} layers, {c['num_attention_heads']} heads "
+          f"({c['num_key_value_heads']} KV), intermediate {c['intermediate_size']}, hidden "
+          f"{c['hidden_size']}")
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     try:
         from kvserve.server.serve import serve
@@ -213,6 +230,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the adapter's directory (adapter_config.json, adapter_model.safetensors)")
     m.add_argument("--out", required=True, help="directory to write the merged checkpoint to")
     m.set_defaults(func=_merge_lora)
+    p = sub.add_parser("prune", help="remove the least important layers, heads and channels")
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--calibration", required=True, type=Path,
+                   help="text whose activations rank what to keep")
+    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers to keep")
+    p.add_argument("--heads", type=int, default=None,
+                   help="query heads per layer to keep (whole GQA groups)")
+    p.add_argument("--intermediate", type=int, default=None, help="MLP channels to keep")
+    p.add_argument("--hidden", type=int, default=None, help="model width to keep")
+    p.set_defaults(func=_prune)
     v = sub.add_parser("serve", help="serve the OpenAI API over HTTP")
     v.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     v.add_argument("--host", default="127.0.0.1")
