@@ -8,8 +8,8 @@ For each model (random weights of a real shape, bf16, built on the GPU and saved
     --gen-len tokens greedily (ignore_eos), in one LLM.generate; output tokens per second, against
     transformers `generate` on the same model object, prompts and token counts (greedy,
     min_new_tokens = max_new_tokens, its default dynamic cache).
-kvserve runs twice, with CUDA graphs for its decode steps (enforce_eager=False) and without
-(enforce_eager=True, the default). Medians of --repeats, the engines interleaved. Prints a
+kvserve runs twice, with CUDA graphs for its decode steps (enforce_eager=False, the default) and
+without (enforce_eager=True). Medians of --repeats, the engines interleaved. Prints a
 markdown table; writes JSON to --out.
 
     python benchmarks/bench_cuda_e2e.py                               # llama3-8b and qwen3-0.6b

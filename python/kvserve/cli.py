@@ -63,7 +63,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     speculation = _speculation(args)
     llm = LLM(args.model or _default_model(), dtype=args.dtype, max_model_len=args.max_model_len,
-              kv_cache_dtype=args.kv_cache_dtype, device=args.device, **speculation)
+              kv_cache_dtype=args.kv_cache_dtype, device=args.device,
+              enforce_eager=args.enforce_eager, **speculation)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
                             ignore_eos=args.ignore_eos)
@@ -162,7 +163,7 @@ def _serve(args: argparse.Namespace) -> int:
           max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
           num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching,
-          device=args.device, **speculation)
+          device=args.device, enforce_eager=args.enforce_eager, **speculation)
     return 0
 
 
@@ -185,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"])
     g.add_argument("--device", default="cpu",
                    help="cpu, or cuda[:N] (a build with the CUDA kernels and a GPU)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="on a GPU, launch every decode step's kernels instead of replaying CUDA "
+                   "graphs")
     spec = g.add_mutually_exclusive_group()
     spec.add_argument("--speculative-model", metavar="DIR",
                       help="speculative decoding with this draft model (the target's tokenizer)")
@@ -262,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"])
     v.add_argument("--device", default="cpu",
                    help="cpu, or cuda[:N] (a build with the CUDA kernels and a GPU)")
+    v.add_argument("--enforce-eager", action="store_true",
+                   help="on a GPU, launch every decode step's kernels instead of replaying CUDA "
+                   "graphs")
     v.add_argument("--max-num-seqs", type=int, default=256)
     v.add_argument("--max-num-batched-tokens", type=int, default=2048)
     v.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: sized "

@@ -131,9 +131,8 @@ class LLMEngine:
         log_memory_plan: print weights, KV capacity and concurrency at start-up (stderr).
         enforce_eager: on a CUDA device, False replays CUDA graphs for decode steps of up to
             min(max_num_seqs, 256) sequences of models without mixture of experts or latent
-            attention (csrc/include/kvserve/cuda_graph_runner.h); True (the default until the
-            GPU tests of graph replay have passed, see the README) launches every step's
-            kernels one by one. No effect on the CPU.
+            attention (csrc/include/kvserve/cuda_graph_runner.h), the default; True launches
+            every step's kernels one by one. No effect on the CPU.
     """
 
     def __init__(self, model: str | Path, dtype: str | torch.dtype = "auto",
@@ -147,7 +146,7 @@ class LLMEngine:
                  num_speculative_tokens: int | None = None, prompt_lookup_min: int = 1,
                  prompt_lookup_max: int = 4, speculative_disable_batch_size: int | None = None,
                  speculative_max_verify_tokens: int | None = None,
-                 log_memory_plan: bool = True, enforce_eager: bool = True):
+                 log_memory_plan: bool = True, enforce_eager: bool = False):
         device = check_device(device)
         info = load_checkpoint_info(model)
         self.model_dir = Path(model)

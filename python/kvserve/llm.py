@@ -50,9 +50,9 @@ class LLM:
             (default 0: never).
             Outputs keep the target's distribution exactly.
         log_memory_plan: print the weights / KV-cache plan at start-up.
-        enforce_eager: on a GPU, True (for now the default) launches every step's kernels one
-            by one; False replays CUDA graphs for decode steps of up to 256 sequences (see
-            kvserve.engine.LLMEngine).
+        enforce_eager: on a GPU, False (the default) replays CUDA graphs for decode steps of
+            up to 256 sequences (see kvserve.engine.LLMEngine); True launches every step's
+            kernels one by one.
     """
 
     def __init__(self, model: str | Path, dtype: str | torch.dtype = "auto",
@@ -66,7 +66,7 @@ class LLM:
                  num_speculative_tokens: int | None = None, prompt_lookup_min: int = 1,
                  prompt_lookup_max: int = 4, speculative_disable_batch_size: int | None = None,
                  speculative_max_verify_tokens: int | None = None,
-                 log_memory_plan: bool = False, enforce_eager: bool = True):
+                 log_memory_plan: bool = False, enforce_eager: bool = False):
         self.llm_engine = LLMEngine(
             model, dtype, max_model_len, block_size=block_size, num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,

@@ -71,7 +71,9 @@ VARIANTS = {
 
 
 def hf_model(path, dtype=torch.float32):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    # Eager attention: the reference implementation of soft-caps and windows in every version.
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation="eager").eval()
 
 
 def hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
@@ -111,13 +113,25 @@ def routed_prefix_len(ref32, prompt: list[int], llm: kvserve.LLM) -> int:
     moe = llm.config.moe
     if moe.num_experts == 0:
         return len(prompt)
-    with torch.no_grad():
-        routers = ref32(torch.tensor([prompt]), output_router_logits=True).router_logits
-    first = len(prompt)
+    # Each router's logits from its input, caught by a hook (output_router_logits is not
+    # returned by every model in every transformers version).
     gates = [m for name, m in ref32.named_modules() if name.endswith((".gate", "mlp.gate"))
              and hasattr(m, "weight") and m.weight.dim() == 2 and m.weight.size(0) == moe.num_experts]
+    routers: list[torch.Tensor] = []
+    hooks = [gate.register_forward_pre_hook(
+        lambda gate, args: routers.append(torch.nn.functional.linear(
+            args[0].float().reshape(-1, gate.weight.size(1)), gate.weight.float())))
+        for gate in gates]
+    try:
+        with torch.no_grad():
+            ref32(torch.tensor([prompt]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(routers) == len(gates), "a router ran more or less than once"
+    first = len(prompt)
     for layer, logits in enumerate(routers):
-        scores = logits.float().view(len(prompt), -1)
+        scores = logits.view(len(prompt), -1)
         if moe.scoring_func == "sigmoid":
             scores = scores.sigmoid() + gates[layer].e_score_correction_bias.float()
         top = scores.topk(moe.num_experts_per_tok + 1, dim=-1).values
