@@ -100,11 +100,20 @@ def test_packed_weight_must_match_the_input():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_strided_input_rows_and_batch_independence(dtype):
+def test_strided_input_rows(dtype):
     x, w, b = operands(6, 70, 90, dtype, True, pad=11)
     assert not x.is_contiguous()
+    torch.testing.assert_close(ops.linear(x, w, b).double(), reference.linear(x, w, b),
+                               **TOLERANCES[dtype])
+
+
+# cuBLAS picks its kernel (and so its summation order) by shape: on CUDA a row's bits may change
+# with the batch, as in torch.
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_independence(dtype):
+    x, w, b = operands(6, 70, 90, dtype, True, pad=11)
     batched = ops.linear(x, w, b)
-    torch.testing.assert_close(batched.double(), reference.linear(x, w, b), **TOLERANCES[dtype])
     for t in range(6):  # a row's result must not depend on the others in its token block
         torch.testing.assert_close(ops.linear(x[t:t + 1], w, b), batched[t:t + 1], rtol=0, atol=0)
 
