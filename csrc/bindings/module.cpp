@@ -3,12 +3,32 @@
 #include "bindings/bindings.h"
 #include "kernels/cpu_dispatch.h"
 
+#include <algorithm>
+#include <cctype>
+#include <string>
+#include <vector>
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "kvserve C++ runtime";
   m.def(
       "cpu_capability",
       [] { return kvserve::cpu::capability_name(kvserve::cpu::cpu_capability()); },
       "Vector instruction set the CPU kernels use: default, avx2 or avx512.");
+  m.def(
+      "built_cpu_capabilities",
+      [] {
+        std::vector<std::string> names;
+        std::string list = KVSERVE_BUILT_CPU_CAPABILITIES;  // "DEFAULT,AVX2,..." from CMake
+        for (size_t begin = 0; begin < list.size();) {
+          const size_t end = std::min(list.find(',', begin), list.size());
+          std::string name = list.substr(begin, end - begin);
+          for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+          names.push_back(name);
+          begin = end + 1;
+        }
+        return names;
+      },
+      "CPU kernel variants this build holds (KVSERVE_CPU_CAPABILITIES at build time).");
   m.def(
       "built_with_cuda", [] { return KVSERVE_WITH_CUDA != 0; },
       "Whether this build holds the CUDA kernels (a CUDA torch and nvcc at build time).");
