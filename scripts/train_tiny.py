@@ -38,7 +38,6 @@ import argparse
 import copy
 import csv
 import json
-import math
 import os
 import shlex
 import sys
@@ -46,6 +45,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from kvserve import training
 
 REPO = Path(__file__).resolve().parents[1]
 # The shared data folder: $KVSERVE_SHARED_DATA, else ../shared/data beside the checkout (the
@@ -91,6 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-attention-heads", type=int)
     p.add_argument("--num-key-value-heads", type=int)
     p.add_argument("--intermediate-size", type=int)
+    p.add_argument("--head-dim", type=int, default=None,
+                   help="width of each attention head (default: hidden size / heads), e.g. a "
+                        "pruned model's shape")
     p.add_argument("--kv-sharing", default=None,
                    help="cross-layer KV sharing (kvserve's kv_sharing extension): N to let each "
                         "run of N consecutive layers attend over its first layer's K/V (CLA "
@@ -200,13 +204,12 @@ def stdlib_corpus() -> Path:
 
 
 def read_split(corpus: Path) -> tuple[str, str]:
-    """The corpus text split 90/10 by characters, at a line boundary."""
-    if not corpus.is_file():
+    """The corpus split 90/10 (kvserve.training.read_split), or exit naming where it should be."""
+    try:
+        return training.read_split(corpus)
+    except FileNotFoundError:
         raise SystemExit(f"corpus {corpus} not found (the shared data lives in ../shared/data "
-                         "beside the checkout, or where KVSERVE_SHARED_DATA points)")
-    text = corpus.read_text(encoding="utf-8")
-    cut = text.rfind("\n", 0, int(len(text) * 0.9)) + 1
-    return text[:cut], text[cut:]
+                         "beside the checkout, or where KVSERVE_SHARED_DATA points)") from None
 
 
 def train_tokenizer(text: str, vocab_size: int):
@@ -253,7 +256,8 @@ def make_config(args: argparse.Namespace, vocab_size: int):
         max_position_embeddings=args.max_position_embeddings, rms_norm_eps=1e-5,
         initializer_range=0.02, tie_word_embeddings=True, bos_token_id=BOS_ID,
         eos_token_id=EOS_ID)
-    layers, head_dim = args.num_hidden_layers, args.hidden_size // args.num_attention_heads
+    layers = args.num_hidden_layers
+    head_dim = args.head_dim or args.hidden_size // args.num_attention_heads
     if args.attention == "sliding":
         config = transformers.MistralConfig(**common, sliding_window=args.sliding_window,
                                             head_dim=head_dim)
@@ -270,7 +274,8 @@ def make_config(args: argparse.Namespace, vocab_size: int):
             q_lora_rank=None, kv_lora_rank=args.kv_lora_rank or args.hidden_size // 4,
             qk_rope_head_dim=rope, qk_nope_head_dim=head_dim - rope, v_head_dim=head_dim)
     else:
-        config = transformers.LlamaConfig(**common, attention_bias=False, mlp_bias=False)
+        config = transformers.LlamaConfig(**common, attention_bias=False, mlp_bias=False,
+                                          head_dim=head_dim)
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
     if args.kv_sharing:
         config.kv_sharing = {str(layer): source for layer, source in args.kv_sharing.items()}
@@ -294,49 +299,6 @@ def add_residual_dropout(model, p: float) -> None:
     for layer in model.model.layers:
         layer.self_attn.register_forward_hook(hook)
         layer.mlp.register_forward_hook(hook)
-
-
-def sample_batch(ids: torch.Tensor, batch_size: int, seq_len: int,
-                 gen: torch.Generator) -> torch.Tensor:
-    """[batch, seq_len]: BOS then seq_len - 1 consecutive corpus tokens from a random offset."""
-    starts = torch.randint(0, len(ids) - seq_len + 1, (batch_size,), generator=gen)
-    rows = torch.stack([ids[s:s + seq_len - 1] for s in starts.tolist()])
-    bos = torch.full((batch_size, 1), BOS_ID, dtype=torch.long)
-    return torch.cat([bos, rows], dim=1)
-
-
-def validation_windows(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """Non-overlapping BOS-prefixed windows covering the validation split."""
-    body = seq_len - 1
-    n = (len(ids) - 1) // body
-    rows = ids[:n * body].view(n, body)
-    return torch.cat([torch.full((n, 1), BOS_ID, dtype=torch.long), rows], dim=1)
-
-
-@torch.no_grad()
-def evaluate(model, windows: torch.Tensor, limit: int, batch_size: int) -> float:
-    """Mean next-token cross entropy over the windows (the loss at BOS is not counted)."""
-    model.eval()
-    if limit:
-        windows = windows[:limit * batch_size]
-    total, count = 0.0, 0
-    for chunk in windows.split(batch_size):
-        logits = model(chunk).logits[:, :-1].float()
-        loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), chunk[:, 1:].reshape(-1), reduction="sum")
-        total += loss.item()
-        count += chunk[:, 1:].numel()
-    model.train()
-    return total / count
-
-
-def learning_rate(step: int, args: argparse.Namespace) -> float:
-    """Linear warm-up, then cosine decay to min_lr_ratio * lr."""
-    if step < args.warmup_steps:
-        return args.lr * (step + 1) / args.warmup_steps
-    progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
-    floor = args.lr * args.min_lr_ratio
-    return floor + 0.5 * (args.lr - floor) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
 def save(model, tok, out: Path, dtype: str = "float32") -> None:
@@ -391,7 +353,7 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}],
                                   lr=args.lr, betas=(0.9, 0.95))
-    val_windows = validation_windows(val_ids, args.seq_len)
+    val_windows = training.validation_windows(val_ids, args.seq_len, BOS_ID)
     args.out.mkdir(parents=True, exist_ok=True)
     log_path = args.out / "train_log.csv"
     tokens_per_step = args.batch_size * (args.seq_len - 1)
@@ -405,10 +367,11 @@ def main(argv: list[str] | None = None) -> None:
         running = None
         best = (float("inf"), 0, None)  # validation loss, step, weights
         for step in bar:
-            lr = learning_rate(step, args)
+            lr = training.learning_rate(step, args.lr, args.steps, args.warmup_steps,
+                                        args.min_lr_ratio)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            batch = sample_batch(train_ids, args.batch_size, args.seq_len, gen)
+            batch = training.sample_batch(train_ids, args.batch_size, args.seq_len, gen, BOS_ID)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
                 loss = model(batch, labels=batch).loss
             optimizer.zero_grad(set_to_none=True)
@@ -427,7 +390,8 @@ def main(argv: list[str] | None = None) -> None:
                 break
             last = step + 1 == args.steps
             if (step + 1) % args.eval_every == 0 or last:
-                val_loss = evaluate(model, val_windows, args.eval_batches, args.batch_size)
+                val_loss = training.evaluate(model, val_windows, args.eval_batches,
+                                             args.batch_size)
                 if val_loss < best[0]:
                     best = (val_loss, step + 1, copy.deepcopy(model.state_dict()))
             bar.set_postfix(loss=f"{running:.3f}", val=f"{val_loss:.3f}", lr=f"{lr:.1e}")
@@ -441,8 +405,9 @@ def main(argv: list[str] | None = None) -> None:
     # validation loss.
     val_loss, best_step, state = best
     model.load_state_dict(state)
-    final_train = evaluate(model, validation_windows(train_ids[-len(val_ids):], args.seq_len),
-                           args.eval_batches, args.batch_size)
+    final_train = training.evaluate(
+        model, training.validation_windows(train_ids[-len(val_ids):], args.seq_len, BOS_ID),
+        args.eval_batches, args.batch_size)
     wall = time.monotonic() - started
     save(model, tok, args.out, args.save_dtype)
     summary = {

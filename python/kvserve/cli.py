@@ -11,6 +11,8 @@
     python -m kvserve merge-lora --base DIR --adapter DIR --out DIR
     python -m kvserve prune --model DIR --calibration FILE --out DIR [--layers N] [--heads N]
                             [--intermediate N] [--hidden N]
+    python -m kvserve distill --teacher DIR --student DIR --corpus FILE --out DIR [--steps N]
+                              [--temperature T] [--ce-weight W] [--patience N]
 """
 
 from __future__ import annotations
@@ -144,6 +146,27 @@ def _prune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _distill(args: argparse.Namespace) -> int:
+    from kvserve.distill import DistillConfig, distill
+
+    config = DistillConfig(
+        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+        warmup_steps=args.warmup_steps, temperature=args.temperature, ce_weight=args.ce_weight,
+        eval_every=args.eval_every, eval_batches=args.eval_batches, patience=args.patience,
+        seed=args.seed, device=args.device)
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    done = distill(args.teacher, args.student, args.corpus, args.out, config)
+    before, after = done["before"], done["after"]
+    print(f"wrote {args.out}: validation loss {before['validation_loss']:.3f} -> "
+          f"{after['validation_loss']:.3f} (teacher {done['teacher_validation_loss']:.3f}), KL "
+          f"to the teacher {before['validation_kl']:.3f} -> {after['validation_kl']:.3f}; "
+          f"{done['steps_run']} steps, kept step {done['best_step']}")
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     try:
         from kvserve.server.serve import serve
@@ -245,6 +268,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--intermediate", type=int, default=None, help="MLP channels to keep")
     p.add_argument("--hidden", type=int, default=None, help="model width to keep")
     p.set_defaults(func=_prune)
+    d = sub.add_parser("distill", help="train a student on a teacher's logits (forward KL)")
+    d.add_argument("--teacher", required=True, help="the teacher's checkpoint directory")
+    d.add_argument("--student", required=True,
+                   help="the student's checkpoint directory (e.g. a pruned teacher); same tokenizer")
+    d.add_argument("--corpus", required=True, type=Path,
+                   help="UTF-8 text; its last tenth (by characters) validates")
+    d.add_argument("--out", required=True, help="directory to write the distilled student to")
+    d.add_argument("--steps", type=int, default=600)
+    d.add_argument("--batch-size", type=int, default=8)
+    d.add_argument("--seq-len", type=int, default=256, help="tokens per window, BOS included")
+    d.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (cosine decay)")
+    d.add_argument("--warmup-steps", type=int, default=30)
+    d.add_argument("--temperature", type=float, default=1.0,
+                   help="softens both distributions; the loss is scaled by its square")
+    d.add_argument("--ce-weight", type=float, default=0.0,
+                   help="weight of the next-token cross entropy on the text, added to the KL")
+    d.add_argument("--eval-every", type=int, default=50)
+    d.add_argument("--eval-batches", type=int, default=8,
+                   help="batches of validation windows per evaluation (0: all)")
+    d.add_argument("--patience", type=int, default=4,
+                   help="stop after this many evaluations without a better validation loss "
+                   "(0: never)")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--threads", type=int, default=None)
+    d.add_argument("--device", default="cpu", help="cpu, or cuda[:N] for teacher and student")
+    d.set_defaults(func=_distill)
     v = sub.add_parser("serve", help="serve the OpenAI API over HTTP")
     v.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     v.add_argument("--host", default="127.0.0.1")
