@@ -32,6 +32,25 @@ KVSERVE_CPU_STUB(silu_and_mul_stub, SiluAndMulFn);
 /// out[t, i] = gelu_tanh(input[t, i]) * input[t, d + i] for i < d; same layout as silu_and_mul.
 KVSERVE_CPU_STUB(gelu_tanh_and_mul_stub, SiluAndMulFn);
 
+/// One lora_add call (contract: kernels/linear/lora_add.h): out [T, out_features] and x
+/// [T, in_features] with row strides, of `dtype`; lora_a [slots, rank, in_features] and lora_b
+/// [slots, rank, out_features] contiguous, of `dtype`; slots int32 [T] in [-1, slots); scales
+/// fp32 [slots].
+struct LoraAddArgs {
+  c10::ScalarType dtype;
+  void* out;
+  int64_t out_stride;
+  const void* x;
+  int64_t x_stride;
+  const void* lora_a;
+  const void* lora_b;
+  const int32_t* slots;
+  const float* scales;
+  int64_t num_tokens, in_features, out_features, rank;
+};
+using LoraAddFn = void (*)(const LoraAddArgs& args);
+KVSERVE_CPU_STUB(lora_add_stub, LoraAddFn);
+
 /// Rotates query [T, num_heads, head_dim] and key [T, num_kv_heads, head_dim] in place
 /// (rows strided by query_stride/key_stride, heads contiguous) with cos_sin_cache
 /// [max_position, rot_dim] (fp32: rot_dim/2 cosines then rot_dim/2 sines) at positions [T].

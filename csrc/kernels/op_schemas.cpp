@@ -10,6 +10,7 @@
 #include "kernels/cache/kv_cache_write.h"
 #include "kernels/linear/linear.h"
 #include "kernels/linear/llm_int8_linear.h"
+#include "kernels/linear/lora_add.h"
 #include "kernels/linear/quantized_linear.h"
 #include "kernels/moe/fused_moe.h"
 #include "kernels/moe/fused_moe_quantized.h"
@@ -27,6 +28,9 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("linear_prepack(Tensor weight) -> Tensor");
   m.def("linear_gather_rows(Tensor weight, Tensor ids) -> Tensor");
+  m.def(
+      "lora_add(Tensor(a!) out, Tensor x, Tensor lora_a, Tensor lora_b, Tensor slots, "
+      "Tensor scales) -> ()");
   m.def(
       "quantized_linear(Tensor input, Tensor qweight, Tensor scales, Tensor? zeros, int group_size, "
       "Tensor? bias=None) -> Tensor");
@@ -102,6 +106,14 @@ void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tenso
 void silu_and_mul(at::Tensor& out, const at::Tensor& input) {
   static const auto op = handle<void(at::Tensor&, const at::Tensor&)>("kvserve::silu_and_mul");
   op.call(out, input);
+}
+
+void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& lora_a,
+              const at::Tensor& lora_b, const at::Tensor& slots, const at::Tensor& scales) {
+  static const auto op =
+      handle<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                  const at::Tensor&, const at::Tensor&)>("kvserve::lora_add");
+  op.call(out, x, lora_a, lora_b, slots, scales);
 }
 
 void gelu_tanh_and_mul(at::Tensor& out, const at::Tensor& input) {

@@ -64,6 +64,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return gate / (1.0 + torch.exp(-gate)) * up
 
 
+def lora_add(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+             slots: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """out + scales[s] * B_s (A_s x[t]) for each token t of slot s = slots[t] >= 0, fp64 [T, out];
+    lora_a [S, rank, in], lora_b [S, rank, out] (B_s transposed)."""
+    result = out.double().clone()
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            shrunk = lora_a[s].double() @ x[t].double()  # [rank]
+            result[t] += float(scales[s]) * (shrunk @ lora_b[s].double())
+    return result
+
+
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(gate) * up for x = [gate | up] [T, 2d] -> fp64 [T, d]."""
     gate, up = x.double().chunk(2, dim=-1)
