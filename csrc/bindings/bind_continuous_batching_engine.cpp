@@ -224,8 +224,13 @@ void bind_continuous_batching_engine(py::module_& m) {
       .def("add_request", &ContinuousBatchingEngine::add_request, py::arg("request_id"),
            py::arg("prompt_token_ids"), py::arg("sampling_params"),
            py::arg("arrival_time") = py::none(), py::arg("priority") = 0,
+           py::arg("lora_slot") = -1, py::arg("lora_key") = 0,
            py::call_guard<py::gil_scoped_release>(),
            "Thread-safe: validates now, applied before the next step's work.")
+      .def("set_lora", &ContinuousBatchingEngine::set_lora, py::arg("slot"), py::arg("factors"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Loads {target name: (a [r, in], b [r, out])} into a LoRA slot ({} clears it); waits "
+           "for a running step.")
       .def("step", &ContinuousBatchingEngine::step, py::call_guard<py::gil_scoped_release>(),
            "One iteration; the requests that produced tokens or finished in it.")
       .def("has_unfinished_requests", &ContinuousBatchingEngine::has_unfinished_requests)

@@ -99,9 +99,9 @@ void bind_forward_batch(py::module_& m) {
       .def_readonly("metadata", &ForwardBatch::metadata)
       .def_readonly("logits_indices", &ForwardBatch::logits_indices);
   py::class_<ForwardBatchBuilder>(m, "ForwardBatchBuilder")
-      .def(py::init<int64_t>(), py::arg("block_size"))
+      .def(py::init<int64_t, bool>(), py::arg("block_size"), py::arg("lora") = false)
       .def("add", &ForwardBatchBuilder::add, py::arg("tokens"), py::arg("num_cached"),
-           py::arg("block_table"),
+           py::arg("block_table"), py::arg("lora_slot") = -1,
            "Appends a sequence's new tokens; its first num_cached tokens are already cached.")
       .def(
           "build",
@@ -119,7 +119,8 @@ void bind_causal_lm(py::module_& m) {
       .def_readwrite("slot_mapping", &AttentionMetadata::slot_mapping)
       .def_readwrite("query_start_loc", &AttentionMetadata::query_start_loc)
       .def_readwrite("seq_lens", &AttentionMetadata::seq_lens)
-      .def_readwrite("block_tables", &AttentionMetadata::block_tables);
+      .def_readwrite("block_tables", &AttentionMetadata::block_tables)
+      .def_readwrite("lora_slots", &AttentionMetadata::lora_slots);
 
   py::class_<CausalLM, std::shared_ptr<CausalLM>>(m, "CausalLM", "A loaded decoder-only model.")
       .def(
@@ -158,7 +159,21 @@ void bind_causal_lm(py::module_& m) {
       .def_property_readonly("config", &CausalLM::config, py::return_value_policy::reference_internal)
       .def_property_readonly("dtype", &CausalLM::dtype)
       .def_property_readonly("device", &CausalLM::device)
-      .def_property_readonly("weight_bytes", &CausalLM::weight_bytes);
+      .def_property_readonly("weight_bytes", &CausalLM::weight_bytes)
+      .def(
+          "lora_targets",
+          [](CausalLM& model) {
+            std::vector<std::tuple<std::string, int64_t, int64_t, int64_t>> out;
+            for (const LoraTarget& t : model.lora_targets()) {
+              out.emplace_back(t.name, t.in_features, t.out_features, t.rank);
+            }
+            return out;
+          },
+          "(name, in_features, out_features, rank) of every projection that can serve LoRA "
+          "adapters (rank 0 until enable_lora).")
+      .def("enable_lora", &CausalLM::enable_lora, py::arg("slots"), py::arg("rank"),
+           "Room for `slots` adapters of rank up to `rank` in every LoRA target (before serving).")
+      .def_property_readonly("num_lora_slots", &CausalLM::num_lora_slots);
 
   m.def("supported_architectures", &supported_architectures);
   m.def("create_causal_lm", &create_causal_lm, py::arg("config"), py::arg("weights"),

@@ -67,9 +67,16 @@ void ContinuousBatchingEngine::validate(const std::string& request_id,
 void ContinuousBatchingEngine::add_request(const std::string& request_id,
                                            const std::vector<int64_t>& prompt_token_ids,
                                            const SamplingParams& params,
-                                           std::optional<double> arrival_time, int64_t priority) {
+                                           std::optional<double> arrival_time, int64_t priority,
+                                           int32_t lora_slot, uint64_t lora_key) {
   validate(request_id, prompt_token_ids, params, arrival_time);
+  if (lora_slot < -1 || lora_slot >= model_->num_lora_slots()) {
+    throw std::invalid_argument("lora_slot " + std::to_string(lora_slot) + " is outside [-1, " +
+                                std::to_string(model_->num_lora_slots()) + ")");
+  }
   auto request = std::make_unique<Request>();
+  request->lora_slot = lora_slot;
+  request->lora_key = lora_key;
   request->id = request_id;
   request->prompt = prompt_token_ids;
   request->params = params;
@@ -83,6 +90,19 @@ void ContinuousBatchingEngine::add_request(const std::string& request_id,
     inbox_.push_back(Command{std::move(request), {}});
   }
   try_apply_commands();
+}
+
+void ContinuousBatchingEngine::set_lora(int64_t slot, const LoraFactors& factors) {
+  if (slot < 0 || slot >= model_->num_lora_slots()) {
+    throw std::invalid_argument("LoRA slot " + std::to_string(slot) + " is outside [0, " +
+                                std::to_string(model_->num_lora_slots()) + ")");
+  }
+  std::lock_guard<std::mutex> owner(step_mutex_);
+  if (factors.empty()) {
+    model_->clear_lora(slot);
+  } else {
+    model_->set_lora(slot, factors);
+  }
 }
 
 bool ContinuousBatchingEngine::abort_request(const std::string& request_id) {
@@ -120,7 +140,8 @@ void ContinuousBatchingEngine::apply_commands() {
 void ContinuousBatchingEngine::admit(std::unique_ptr<Request> request) {
   const int64_t seq_id = next_seq_id_++;
   scheduler_.add(seq_id, std::vector<int32_t>(request->prompt.begin(), request->prompt.end()),
-                 request->priority, request->params.max_tokens);
+                 request->priority, request->params.max_tokens, request->lora_slot,
+                 request->lora_key);
   request->completions.push_back(
       {seq_id, CompletionOutput{}, 0, RequestRandom(request->params.seed), true});
   where_[seq_id] = {request.get(), 0};

@@ -15,12 +15,13 @@
 namespace kvserve {
 
 void ForwardBatchBuilder::add(const std::vector<int64_t>& tokens, int64_t num_cached,
-                              const std::vector<int32_t>& block_table) {
-  add_grouped(tokens, num_cached, std::vector<std::vector<int32_t>>{block_table});
+                              const std::vector<int32_t>& block_table, int32_t lora_slot) {
+  add_grouped(tokens, num_cached, std::vector<std::vector<int32_t>>{block_table}, lora_slot);
 }
 
 void ForwardBatchBuilder::add_grouped(const std::vector<int64_t>& tokens, int64_t num_cached,
-                                      const std::vector<std::vector<int32_t>>& group_tables) {
+                                      const std::vector<std::vector<int32_t>>& group_tables,
+                                      int32_t lora_slot) {
   const int64_t total = num_cached + static_cast<int64_t>(tokens.size());
   if (slots_.empty()) {
     slots_.resize(group_tables.size());
@@ -41,6 +42,7 @@ void ForwardBatchBuilder::add_grouped(const std::vector<int64_t>& tokens, int64_
     const int64_t position = num_cached + static_cast<int64_t>(i);
     ids_.push_back(tokens[i]);
     positions_.push_back(position);
+    lora_slots_.push_back(lora_slot);
     for (size_t g = 0; g < group_tables.size(); ++g) {
       slots_[g].push_back(group_tables[g][position / block_size_] * block_size_ +
                           position % block_size_);
@@ -59,6 +61,7 @@ void ForwardBatchBuilder::add_padding() {
   }
   ids_.push_back(0);
   positions_.push_back(0);
+  lora_slots_.push_back(-1);
   for (size_t g = 0; g < slots_.size(); ++g) {
     slots_[g].push_back(-1);
     block_tables_[g].emplace_back();
@@ -183,8 +186,10 @@ ForwardBatch ForwardBatchBuilder::build(at::Device device, int64_t table_width,
     upload.add(slots[g]);
     upload.add(tables[g].first);
   }
+  if (lora_) upload.add(lora_slots_);
   ForwardBatch batch;
   const std::vector<at::Tensor> t = upload.finish(batch.storage);
+  if (lora_) batch.metadata.lora_slots = t.back();
   batch.input_ids = t[0];
   batch.positions = t[1];
   batch.metadata.query_start_loc = t[2];

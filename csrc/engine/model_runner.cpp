@@ -98,7 +98,7 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
   const bool verifies = proposals.num_tokens() > 0;
   const auto forward_started = std::chrono::steady_clock::now();
 
-  ForwardBatchBuilder builder(kv_cache_.block_size());
+  ForwardBatchBuilder builder(kv_cache_.block_size(), model_->lora_enabled());
   const PagedBlockManager& blocks = scheduler_.block_manager();
   std::vector<int64_t> starts;  // first row of each scheduled sequence in the flattened batch
   int64_t num_rows = 0;
@@ -110,13 +110,14 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
                              tokens.begin() + s.num_computed + s.num_new_tokens);
     fed.insert(fed.end(), proposals.tokens[i].begin(), proposals.tokens[i].end());
     if (blocks.num_groups() == 1) {
-      builder.add(fed, s.num_computed, blocks.block_table(s.seq_id));
+      builder.add(fed, s.num_computed, blocks.block_table(s.seq_id),
+                  scheduler_.lora_slot(s.seq_id));
     } else {
       std::vector<std::vector<int32_t>> tables;
       for (int64_t g = 0; g < blocks.num_groups(); ++g) {
         tables.push_back(blocks.block_table(s.seq_id, g));
       }
-      builder.add_grouped(fed, s.num_computed, tables);
+      builder.add_grouped(fed, s.num_computed, tables, scheduler_.lora_slot(s.seq_id));
     }
     starts.push_back(num_rows);
     num_rows += static_cast<int64_t>(fed.size());

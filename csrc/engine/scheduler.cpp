@@ -35,9 +35,10 @@ const std::vector<int32_t>& Scheduler::token_ids(int64_t seq_id) const { return 
 int64_t Scheduler::num_computed_tokens(int64_t seq_id) const { return seq(seq_id).num_computed; }
 int64_t Scheduler::num_prompt_tokens(int64_t seq_id) const { return seq(seq_id).num_prompt_tokens; }
 int64_t Scheduler::num_cached_tokens(int64_t seq_id) const { return seq(seq_id).num_cached; }
+int32_t Scheduler::lora_slot(int64_t seq_id) const { return seq(seq_id).lora_slot; }
 
 void Scheduler::add(int64_t seq_id, std::vector<int32_t> prompt_token_ids, int64_t priority,
-                    int64_t max_new_tokens) {
+                    int64_t max_new_tokens, int32_t lora_slot, uint64_t cache_key) {
   if (sequences_.count(seq_id)) {
     throw std::invalid_argument("sequence id " + std::to_string(seq_id) + " already exists");
   }
@@ -63,6 +64,8 @@ void Scheduler::add(int64_t seq_id, std::vector<int32_t> prompt_token_ids, int64
   s.num_prompt_tokens = len;
   s.max_new_tokens = max_new_tokens;
   s.priority = priority;
+  s.lora_slot = lora_slot;
+  s.cache_key = cache_key;
   s.arrival = next_arrival_++;
   sequences_.emplace(seq_id, std::move(s));
   enqueue_waiting(seq_id, /*preempted=*/false);
@@ -218,10 +221,10 @@ void Scheduler::admit_waiting(int64_t& budget, SchedulerOutput& out) {
     // The watermark keeps headroom for running sequences' growth; with nothing running there is
     // nothing to protect, so a sequence that fits the pool at all is admitted.
     // Sliding-window groups reserve the first chunk only (at most the budget after the hit).
-    if (!blocks_.can_allocate(s.tokens, 0, budget) && !running_.empty()) return;
+    if (!blocks_.can_allocate(s.tokens, s.cache_key, budget) && !running_.empty()) return;
     int64_t cached = 0;
     try {
-      cached = blocks_.allocate(id, s.tokens, 0, budget);
+      cached = blocks_.allocate(id, s.tokens, s.cache_key, budget);
     } catch (const std::runtime_error&) {
       return;  // not enough free blocks (only reachable with nothing running)
     }

@@ -43,7 +43,7 @@ at::Tensor Attention::forward(const at::Tensor& positions, const at::Tensor& hid
                               const AttentionMetadata& m, const LayerKVCache& kv) const {
   const int64_t num_tokens = hidden.size(0);
   const int64_t q_width = num_heads_ * head_dim_, kv_width = num_kv_heads_ * head_dim_;
-  at::Tensor qkv = qkv_proj_.forward(hidden);  // [T, q_width (+ 2 * kv_width)]
+  at::Tensor qkv = qkv_proj_.forward(hidden, m.lora_slots);  // [T, q_width (+ 2 * kv_width)]
   at::Tensor q = qkv.narrow(1, 0, q_width);
   if (q_norm_.defined()) {  // Qwen3, Gemma 3: RMSNorm over each head before RoPE
     q = q_norm_.forward(q.reshape({num_tokens * num_heads_, head_dim_})).view({num_tokens, q_width});
@@ -68,7 +68,7 @@ at::Tensor Attention::forward(const at::Tensor& positions, const at::Tensor& hid
   ops::paged_attention(out, q.view({num_tokens, num_heads_, head_dim_}), kv.key, kv.value,
                        m.query_start_loc, m.seq_lens, m.tables(kv.group), scale_, sliding_window_,
                        logit_softcap_, kv.key_scales(), kv.value_scales());
-  return o_proj_.forward(out.view({num_tokens, q_width}));
+  return o_proj_.forward(out.view({num_tokens, q_width}), m.lora_slots);
 }
 
 int64_t Attention::weight_bytes() const {

@@ -4,6 +4,10 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <string>
+#include <utility>
+#include <vector>
+
 #include "kvserve/attention_metadata.h"
 #include "kvserve/model_config.h"
 #include "layers/linear.h"
@@ -28,6 +32,12 @@ class Attention {
                      const AttentionMetadata& metadata, const LayerKVCache& kv_cache) const;
 
   int64_t weight_bytes() const;
+
+  /// Its projections that can serve LoRA adapters, by name under its prefix.
+  std::vector<LoraLinear> lora_linears() {
+    if (shares_kv_) return {{"q_proj", &qkv_proj_, 1}, {"o_proj", &o_proj_, 1}};
+    return {{"qkv_proj", &qkv_proj_, 3}, {"o_proj", &o_proj_, 1}};
+  }
 
  private:
   Linear qkv_proj_;

@@ -1,9 +1,13 @@
 #include "layers/linear.h"
 
+#include <ATen/ops/ones.h>
+#include <ATen/ops/zeros.h>
+
 #include <stdexcept>
 
 #include "kernels/linear/linear.h"
 #include "kernels/linear/llm_int8_linear.h"
+#include "kernels/linear/lora_add.h"
 #include "kernels/linear/quantized_linear.h"
 #include "layers/weights.h"
 
@@ -90,6 +94,45 @@ at::Tensor Linear::forward(const at::Tensor& x) const {
     return ops::quantized_linear(x, q.qweight, q.scales, zeros, q.group_size, bias);
   }
   return ops::linear(x, weight_, bias);
+}
+
+at::Tensor Linear::forward(const at::Tensor& x, const at::Tensor& lora_slots) const {
+  at::Tensor y = forward(x);
+  if (lora_a_.defined() && lora_slots.defined()) {
+    ops::lora_add(y, x, lora_a_, lora_b_, lora_slots, lora_scales_);
+  }
+  return y;
+}
+
+void Linear::enable_lora(int64_t slots, int64_t rank, at::ScalarType dtype, at::Device device) {
+  TORCH_CHECK(slots >= 1 && rank >= 1, "Linear: LoRA needs at least one slot and rank 1, got ",
+              slots, " slots of rank ", rank);
+  const auto options = at::TensorOptions().dtype(dtype).device(device);
+  lora_a_ = at::zeros({slots, rank, in_features_}, options);
+  lora_b_ = at::zeros({slots, rank, out_features_}, options);
+  lora_scales_ = at::ones({slots}, options.dtype(at::kFloat));
+}
+
+void Linear::set_lora(int64_t slot, const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(lora_a_.defined(), "Linear: LoRA is not enabled");
+  TORCH_CHECK(slot >= 0 && slot < lora_a_.size(0), "Linear: LoRA slot ", slot, " outside [0, ",
+              lora_a_.size(0), ")");
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(0) == b.size(0) &&
+                  a.size(0) <= lora_a_.size(1) && a.size(1) == in_features_ &&
+                  b.size(1) == out_features_,
+              "Linear: LoRA factors must be a [r, ", in_features_, "] and b [r, ", out_features_,
+              "] with r <= ", lora_a_.size(1), ", got ", a.sizes(), " and ", b.sizes());
+  clear_lora(slot);
+  const int64_t r = a.size(0);
+  lora_a_[slot].narrow(0, 0, r).copy_(a);
+  lora_b_[slot].narrow(0, 0, r).copy_(b);
+}
+
+void Linear::clear_lora(int64_t slot) {
+  TORCH_CHECK(lora_a_.defined() && slot >= 0 && slot < lora_a_.size(0),
+              "Linear: no LoRA slot ", slot);
+  lora_a_[slot].zero_();
+  lora_b_[slot].zero_();
 }
 
 at::Tensor Linear::rows(const at::Tensor& ids) const {

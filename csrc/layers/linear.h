@@ -26,6 +26,17 @@ struct QuantizedLinearWeight {
   int64_t nbytes() const;
 };
 
+class Linear;
+
+/// A projection that can serve LoRA adapters, as a layer lists it: its name under the layer's
+/// prefix, the Linear, and how many of the checkpoint's projections it fuses (qkv: 3, gate_up:
+/// 2), each of which an adapter may target with its own rank.
+struct LoraLinear {
+  std::string name;
+  Linear* linear;
+  int64_t parts = 1;
+};
+
 /// A projection on a plain weight (ops::linear) or a quantized one (ops::quantized_linear): the
 /// model code does not know which.
 class Linear {
@@ -46,6 +57,19 @@ class Linear {
 
   /// x [T, in_features] -> [T, out_features], in the weight dtype.
   at::Tensor forward(const at::Tensor& x) const;
+  /// The same, plus each token's LoRA update (ops::lora_add) when LoRA is enabled and
+  /// lora_slots (int32 [T], -1: none) is defined.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& lora_slots) const;
+
+  /// Room for `slots` LoRA adapters of rank up to `rank` (zero: no update), in `dtype` (the
+  /// activations') on `device`.
+  void enable_lora(int64_t slots, int64_t rank, at::ScalarType dtype, at::Device device);
+  /// Slot `slot`'s factors, scaling included: a [r, in_features] and b [r, out_features] (B
+  /// transposed), r <= the rank; the update is x a^T b. Throws c10::Error on a bad shape.
+  void set_lora(int64_t slot, const at::Tensor& a, const at::Tensor& b);
+  /// Slot `slot` adds nothing.
+  void clear_lora(int64_t slot);
+  bool lora_enabled() const { return lora_a_.defined(); }
 
   /// Rows `ids` (int64 [T]) of a plain weight, [T, in_features]: a tied embedding's lookup.
   at::Tensor rows(const at::Tensor& ids) const;
@@ -63,6 +87,9 @@ class Linear {
   QuantizedLinearWeight quantized_;  // or this
   at::Tensor bias_;
   int64_t in_features_ = 0, out_features_ = 0;
+  // LoRA factors by slot (ops::lora_add): [slots, rank, in], [slots, rank, out], fp32 [slots]
+  // of ones (the scaling is in b); undefined until enable_lora.
+  at::Tensor lora_a_, lora_b_, lora_scales_;
 };
 
 }  // namespace kvserve

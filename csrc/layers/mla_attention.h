@@ -16,6 +16,8 @@
 #include <ATen/core/Tensor.h>
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "kvserve/attention_metadata.h"
 #include "kvserve/model_config.h"
@@ -66,6 +68,9 @@ class MLAAttention {
                      const MLABatchPlan& plan) const;
 
   int64_t weight_bytes() const;
+
+  /// No LoRA on latent attention (adapters may still target the layer's dense MLP).
+  std::vector<LoraLinear> lora_linears() { return {}; }
 
  private:
   // out [T_part, H, v] of the part's queries (q_nope [T_part, H, nope], q_rope [T_part, H, rope]).

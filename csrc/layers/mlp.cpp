@@ -27,28 +27,30 @@ GatedMLP::GatedMLP(const std::string& p, const WeightMap& w, const std::string& 
   }
 }
 
-at::Tensor GatedMLP::forward(const at::Tensor& x) const {
+at::Tensor GatedMLP::forward(const at::Tensor& x, const at::Tensor& lora_slots) const {
   const int64_t tokens = x.size(0);
   const int64_t row_bytes = gate_up_proj_.out_features() * x.element_size();
   const int64_t chunks = std::max<int64_t>(1, (tokens * row_bytes + kChunkBytes - 1) / kChunkBytes);
-  if (chunks == 1) return forward_chunk(x);
+  if (chunks == 1) return forward_chunk(x, lora_slots);
   at::Tensor out = at::empty({tokens, down_proj_.out_features()}, x.options());
   for (int64_t c = 0; c < chunks; ++c) {  // equal chunks: no small GEMM at the end
     const int64_t begin = tokens * c / chunks, end = tokens * (c + 1) / chunks;
-    out.narrow(0, begin, end - begin).copy_(forward_chunk(x.narrow(0, begin, end - begin)));
+    const at::Tensor slots =
+        lora_slots.defined() ? lora_slots.narrow(0, begin, end - begin) : at::Tensor();
+    out.narrow(0, begin, end - begin).copy_(forward_chunk(x.narrow(0, begin, end - begin), slots));
   }
   return out;
 }
 
-at::Tensor GatedMLP::forward_chunk(const at::Tensor& x) const {
-  at::Tensor gate_up = gate_up_proj_.forward(x);
+at::Tensor GatedMLP::forward_chunk(const at::Tensor& x, const at::Tensor& lora_slots) const {
+  at::Tensor gate_up = gate_up_proj_.forward(x, lora_slots);
   at::Tensor act = at::empty({x.size(0), gate_up.size(1) / 2}, x.options());
   if (gelu_) {
     ops::gelu_tanh_and_mul(act, gate_up);
   } else {
     ops::silu_and_mul(act, gate_up);
   }
-  return down_proj_.forward(act);
+  return down_proj_.forward(act, lora_slots);
 }
 
 }  // namespace kvserve

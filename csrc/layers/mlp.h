@@ -21,15 +21,20 @@ class GatedMLP : public FeedForward {
   GatedMLP(const std::string& prefix, const WeightMap& weights,
            const std::string& hidden_act = "silu");
 
-  /// x [T, hidden] -> [T, hidden].
-  at::Tensor forward(const at::Tensor& x) const override;
+  /// x [T, hidden] -> [T, hidden], with each token's LoRA update where lora_slots says.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& lora_slots) const override;
+  /// Without adapters (a mixture's shared expert).
+  at::Tensor forward(const at::Tensor& x) const { return forward(x, at::Tensor()); }
+  std::vector<LoraLinear> lora_linears() override {
+    return {{"gate_up_proj", &gate_up_proj_, 2}, {"down_proj", &down_proj_, 1}};
+  }
 
   int64_t weight_bytes() const override {
     return gate_up_proj_.weight_bytes() + down_proj_.weight_bytes();
   }
 
  private:
-  at::Tensor forward_chunk(const at::Tensor& x) const;
+  at::Tensor forward_chunk(const at::Tensor& x, const at::Tensor& lora_slots) const;
 
   Linear gate_up_proj_;
   Linear down_proj_;

@@ -82,7 +82,7 @@ std::pair<at::Tensor, at::Tensor> SparseMoE::route_logits(const at::Tensor& logi
   return {weights, ids};
 }
 
-at::Tensor SparseMoE::forward(const at::Tensor& x) const {
+at::Tensor SparseMoE::forward(const at::Tensor& x, const at::Tensor& /*lora_slots*/) const {
   auto [weights, ids] = route(x);
   at::Tensor out;
   if (w13_quantized_.empty()) {

@@ -30,7 +30,8 @@ class SparseMoE : public FeedForward {
   /// Throws std::invalid_argument on a missing weight.
   SparseMoE(const MoEConfig& config, const std::string& prefix, const WeightMap& weights);
 
-  at::Tensor forward(const at::Tensor& x) const override;
+  /// No LoRA on experts: lora_slots is not read.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& lora_slots) const override;
   int64_t weight_bytes() const override;
 
   /// The routing of tokens x [T, hidden]: fp32 weights [T, k] and int64 expert ids [T, k].

@@ -7,6 +7,7 @@
 #include <ATen/ops/embedding.h>
 #include <ATen/ops/scalar_tensor.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -42,6 +43,44 @@ class DecoderLM : public CausalLM {
   const ModelConfig& config() const override { return config_; }
   at::ScalarType dtype() const override { return dtype_; }
   at::Device device() const override { return device_; }
+
+  std::vector<LoraTarget> lora_targets() override {
+    std::vector<LoraTarget> targets;
+    for (const LoraLinear& l : lora_linears()) {
+      targets.push_back({l.name, l.linear->in_features(), l.linear->out_features(),
+                         lora_rank_ * l.parts});
+    }
+    return targets;
+  }
+  void enable_lora(int64_t slots, int64_t rank) override {
+    const auto linears = lora_linears();
+    if (linears.empty()) throw std::invalid_argument("this model has no projection for LoRA");
+    for (const LoraLinear& l : linears) l.linear->enable_lora(slots, rank * l.parts, dtype_, device_);
+    lora_slots_ = slots;
+    lora_rank_ = rank;
+  }
+  int64_t num_lora_slots() const override { return lora_slots_; }
+  void set_lora(int64_t slot, const LoraFactors& factors) override {
+    if (lora_slots_ == 0) throw std::invalid_argument("LoRA is not enabled");
+    const auto linears = lora_linears();
+    for (const auto& [name, pair] : factors) {
+      const bool known = std::any_of(linears.begin(), linears.end(),
+                                     [&](const LoraLinear& l) { return l.name == name; });
+      if (!known) throw std::invalid_argument("no LoRA target named " + name);
+    }
+    for (const LoraLinear& l : linears) {
+      auto it = factors.find(l.name);
+      if (it == factors.end()) {
+        l.linear->clear_lora(slot);
+      } else {
+        l.linear->set_lora(slot, it->second.first, it->second.second);
+      }
+    }
+  }
+  void clear_lora(int64_t slot) override {
+    if (lora_slots_ == 0) throw std::invalid_argument("LoRA is not enabled");
+    for (const LoraLinear& l : lora_linears()) l.linear->clear_lora(slot);
+  }
 
   int64_t weight_bytes() const override {
     // A tied LM head shares the embedding matrix (or holds it alone, packed).
@@ -120,11 +159,13 @@ class DecoderLM : public CausalLM {
 
   /// The residual stream over input_ids [T]: attend(i, attention, normed hidden [T, hidden],
   /// cache) runs layer i's attention on the cache it reads (its own, or the one of the layer
-  /// whose KV it shares). kv_caches: one per layer that writes K/V. Returns the final-norm
-  /// hidden states [T, hidden].
+  /// whose KV it shares). kv_caches: one per layer that writes K/V; lora_slots: the tokens'
+  /// adapter slots for the MLPs (AttentionMetadata::lora_slots). Returns the final-norm hidden
+  /// states [T, hidden].
   template <typename Attend>
   at::Tensor run_layers(const at::Tensor& input_ids, const at::Tensor& positions,
-                        const std::vector<LayerKVCache>& kv_caches, Attend&& attend) const {
+                        const std::vector<LayerKVCache>& kv_caches, const at::Tensor& lora_slots,
+                        Attend&& attend) const {
     TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == config_.num_kv_layers(),
                 "forward: got ", kv_caches.size(), " KV caches for ", config_.num_kv_layers(),
                 " layers that write K/V");
@@ -148,14 +189,33 @@ class DecoderLM : public CausalLM {
       hidden = attend(i, *layer.self_attn, hidden, kv_caches[cache_index_[i]]);
       if (layer.attention_out_norm.defined()) hidden = layer.attention_out_norm.forward(hidden);
       layer.mlp_norm.forward_fused(hidden, residual);
-      hidden = layer.mlp->forward(hidden);
+      hidden = layer.mlp->forward(hidden, lora_slots);
       if (layer.mlp_out_norm.defined()) hidden = layer.mlp_out_norm.forward(hidden);
     }
     norm_.forward_fused(hidden, residual);
     return hidden;
   }
 
+  /// Every projection that can serve LoRA adapters, named as the loader names its weight.
+  std::vector<LoraLinear> lora_linears() {
+    std::vector<LoraLinear> out;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const std::string p = "layers." + std::to_string(i) + ".";
+      for (LoraLinear l : layers_[i].self_attn->lora_linears()) {
+        l.name = p + "self_attn." + l.name;
+        out.push_back(l);
+      }
+      for (LoraLinear l : layers_[i].mlp->lora_linears()) {
+        l.name = p + "mlp." + l.name;
+        out.push_back(l);
+      }
+    }
+    return out;
+  }
+
   ModelConfig config_;
+  int64_t lora_slots_ = 0;  // LoRA adapters each target projection holds
+  int64_t lora_rank_ = 0;   // their rank per unfused projection
   at::Tensor embed_tokens_;  // [vocab, hidden]; undefined when tied to a packed lm_head_
   at::ScalarType dtype_;
   at::Device device_;

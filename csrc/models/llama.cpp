@@ -24,7 +24,7 @@ LlamaForCausalLM::LlamaForCausalLM(const ModelConfig& config, const WeightMap& w
 at::Tensor LlamaForCausalLM::forward(const at::Tensor& input_ids, const at::Tensor& positions,
                                      const AttentionMetadata& metadata,
                                      const std::vector<LayerKVCache>& kv_caches) {
-  return run_layers(input_ids, positions, kv_caches,
+  return run_layers(input_ids, positions, kv_caches, metadata.lora_slots,
                     [&](size_t, const Attention& attention, const at::Tensor& hidden,
                         const LayerKVCache& cache) {
                       return attention.forward(positions, hidden, metadata, cache);

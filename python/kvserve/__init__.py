@@ -14,6 +14,7 @@ from kvserve.engine import LLMEngine
 from kvserve.kv_cache import KVCache, reset_all_caches
 from kvserve.llm import LLM, SamplingParams
 from kvserve.lora import merge_lora
+from kvserve.lora_serving import AdapterRef, LoRARequest
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.serving import ContinuousBatchingEngine, GenerationRequest
 
@@ -32,4 +33,6 @@ __all__ = [
     "CompletionOutput",
     "RequestMetrics",
     "merge_lora",
+    "LoRARequest",
+    "AdapterRef",
 ]

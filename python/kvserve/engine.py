@@ -27,6 +27,7 @@ import torch
 from kvserve import _C
 from kvserve.config import load_checkpoint_info, resolve_dtype, resolve_kv_cache_dtype
 from kvserve.loader import load_weights
+from kvserve.lora_serving import LoRAManager, LoRARequest
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.speculative import load_draft_info, speculative_config
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -58,6 +59,7 @@ class _Request:
     params: SamplingParams
     samples: dict[int, _Sample] = field(default_factory=dict)
     final_metrics: object = None  # set when stop strings finished it (the engine forgot it)
+    lora: str | None = None  # the adapter's name (LoRAManager), released when it finishes
 
 
 def check_device(device: str | torch.device) -> torch.device:
@@ -133,6 +135,9 @@ class LLMEngine:
             min(max_num_seqs, 256) sequences of models without mixture of experts or latent
             attention (csrc/include/kvserve/cuda_graph_runner.h), the default; True launches
             every step's kernels one by one. No effect on the CPU.
+        enable_lora: serve LoRA adapters per request without merging them
+            (kvserve.lora_serving): up to max_loras adapters in the model at once, each of rank
+            up to max_lora_rank per projection; add_request(..., lora=LoRARequest(name, path)).
     """
 
     def __init__(self, model: str | Path, dtype: str | torch.dtype = "auto",
@@ -146,7 +151,8 @@ class LLMEngine:
                  num_speculative_tokens: int | None = None, prompt_lookup_min: int = 1,
                  prompt_lookup_max: int = 4, speculative_disable_batch_size: int | None = None,
                  speculative_max_verify_tokens: int | None = None,
-                 log_memory_plan: bool = True, enforce_eager: bool = False):
+                 log_memory_plan: bool = True, enforce_eager: bool = False,
+                 enable_lora: bool = False, max_loras: int = 4, max_lora_rank: int = 16):
         device = check_device(device)
         info = load_checkpoint_info(model)
         self.model_dir = Path(model)
@@ -179,6 +185,11 @@ class LLMEngine:
         weights = load_weights(self.model_dir, info.config, self.dtype, device)
         self.model = _C.create_causal_lm(info.config, weights, max_model_len)
         del weights  # the model packed or copied what it keeps
+        if enable_lora:
+            for name, value in [("max_loras", max_loras), ("max_lora_rank", max_lora_rank)]:
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            self.model.enable_lora(max_loras, max_lora_rank)
         self.draft_model = None
         if draft_info is not None:  # in the target's dtype
             weights = load_weights(Path(speculative_model), draft_info.config, self.dtype, device)
@@ -194,6 +205,8 @@ class LLMEngine:
             cuda_graph_max_batch=(0 if enforce_eager or device.type != "cuda"
                                   else min(max_num_seqs, CUDA_GRAPH_MAX_BATCH)))
         self.engine = _C.ContinuousBatchingEngine(self.model, config, self.draft_model)
+        self.lora_manager = (LoRAManager(self.engine, self.model, info.config, max_loras,
+                                         max_lora_rank) if enable_lora else None)
         self._requests: dict[str, _Request] = {}  # under _lock
         self._lock = threading.Lock()
         self._step_lock = threading.Lock()
@@ -278,9 +291,10 @@ class LLMEngine:
     # ------------------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, arrival_time: float | None = None,
-                    priority: int = 0) -> None:
-        """Queues a prompt (text, or token ids). Raises ValueError / TypeError for bad input;
-        the engine keeps serving the other requests."""
+                    priority: int = 0, lora: LoRARequest | None = None) -> None:
+        """Queues a prompt (text, or token ids), with a LoRA adapter if given (an engine made
+        with enable_lora). Raises ValueError / TypeError for bad input; the engine keeps serving
+        the other requests."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
         if request_id in self._requests:
@@ -289,16 +303,27 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self._tokenize(prompt)
+        slot, key = -1, 0
+        if lora is not None:
+            if self.lora_manager is None:
+                raise ValueError("a LoRA adapter needs an engine made with enable_lora=True")
+            slot, key = self.lora_manager.acquire(lora)
         # Registered first: once the C++ engine has it, a step on another thread may report it.
         with self._lock:
             if request_id in self._requests:
+                if lora is not None:
+                    self.lora_manager.release(lora.name)
                 raise ValueError(f"request id '{request_id}' is already in use")
-            self._requests[request_id] = _Request(text, ids, params)
+            self._requests[request_id] = _Request(text, ids, params,
+                                                  lora=lora.name if lora is not None else None)
         try:
-            self.engine.add_request(request_id, ids, params, arrival_time, priority)
+            self.engine.add_request(request_id, ids, params, arrival_time, priority,
+                                    lora_slot=slot, lora_key=key)
         except BaseException:
             with self._lock:
                 del self._requests[request_id]
+            if lora is not None:
+                self.lora_manager.release(lora.name)
             raise
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
@@ -368,6 +393,8 @@ class LLMEngine:
             if finished:
                 with self._lock:
                     del self._requests[raw.request_id]
+                if request.lora is not None:
+                    self.lora_manager.release(request.lora)
         return outputs
 
     def _sample(self, request: _Request, index: int) -> _Sample:

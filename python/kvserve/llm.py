@@ -12,6 +12,7 @@ import torch
 
 from kvserve import _C
 from kvserve.engine import LLMEngine
+from kvserve.lora_serving import LoRARequest
 from kvserve.outputs import RequestOutput
 
 SamplingParams = _C.SamplingParams
@@ -53,6 +54,9 @@ class LLM:
         enforce_eager: on a GPU, False (the default) replays CUDA graphs for decode steps of
             up to 256 sequences (see kvserve.engine.LLMEngine); True launches every step's
             kernels one by one.
+        enable_lora: serve LoRA adapters per request (generate(..., lora=LoRARequest(name,
+            path))), up to max_loras at once of rank up to max_lora_rank (see
+            kvserve.lora_serving).
     """
 
     def __init__(self, model: str | Path, dtype: str | torch.dtype = "auto",
@@ -66,7 +70,8 @@ class LLM:
                  num_speculative_tokens: int | None = None, prompt_lookup_min: int = 1,
                  prompt_lookup_max: int = 4, speculative_disable_batch_size: int | None = None,
                  speculative_max_verify_tokens: int | None = None,
-                 log_memory_plan: bool = False, enforce_eager: bool = False):
+                 log_memory_plan: bool = False, enforce_eager: bool = False,
+                 enable_lora: bool = False, max_loras: int = 4, max_lora_rank: int = 16):
         self.llm_engine = LLMEngine(
             model, dtype, max_model_len, block_size=block_size, num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
@@ -78,7 +83,8 @@ class LLM:
             prompt_lookup_max=prompt_lookup_max,
             speculative_disable_batch_size=speculative_disable_batch_size,
             speculative_max_verify_tokens=speculative_max_verify_tokens,
-            log_memory_plan=log_memory_plan, enforce_eager=enforce_eager)
+            log_memory_plan=log_memory_plan, enforce_eager=enforce_eager,
+            enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank)
         e = self.llm_engine
         self.model_dir, self.config, self.hf_config = e.model_dir, e.config, e.hf_config
         self.dtype, self.max_model_len, self.eos_token_ids = e.dtype, e.max_model_len, e.eos_token_ids
@@ -97,24 +103,34 @@ class LLM:
 
     def generate(self, prompts: PromptType,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """Completes every prompt; one RequestOutput per prompt, in order.
 
         prompts: a string, a list of strings, or a list of token-id lists.
         sampling_params: one SamplingParams for all prompts or one per prompt (default:
             SamplingParams(), i.e. temperature 1, 16 tokens).
         use_tqdm: a progress bar over finished prompts with the output tokens/s.
+        lora: a LoRA adapter for all prompts, or one (or None) per prompt (enable_lora=True).
         Raises ValueError / TypeError for bad prompts or parameters before running anything.
         """
         prompts = self._prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
+        if lora is None or isinstance(lora, LoRARequest):
+            loras = [lora] * len(prompts)
+        else:
+            loras = list(lora)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} LoRA adapters for {len(prompts)} prompts")
         ids = [str(self._next_request_id + i) for i in range(len(prompts))]
         self._next_request_id += len(prompts)
         arrival = time.monotonic()
         added = []
         try:
-            for request_id, prompt, p in zip(ids, prompts, params):
-                self.llm_engine.add_request(request_id, prompt, p, arrival_time=arrival)
+            for request_id, prompt, p, adapter in zip(ids, prompts, params, loras):
+                self.llm_engine.add_request(request_id, prompt, p, arrival_time=arrival,
+                                            lora=adapter)
                 added.append(request_id)
         except Exception:
             for request_id in added:  # nothing runs: take the accepted ones back out

@@ -39,7 +39,7 @@ def _pattern_value(patterns: dict, module: str, default):
     return default
 
 
-def _read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, dict[str, torch.Tensor]],
+def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, dict[str, torch.Tensor]],
                                                dict[str, torch.Tensor]]:
     """(config, {module: {"A"|"B"|...: tensor}}, {base tensor name: replacement})."""
     config_path = adapter_dir / "adapter_config.json"
@@ -74,11 +74,17 @@ def _read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, dict[str, torch.Te
     return config, modules, replacements
 
 
-def lora_delta(config: dict, module: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The update of `module`'s weight, in fp32 and the weight's layout."""
+def lora_scaling(config: dict, module: str) -> float:
+    """lora_alpha / r for `module` (lora_alpha / sqrt(r) with rsLoRA), after rank_pattern and
+    alpha_pattern."""
     r = _pattern_value(config.get("rank_pattern") or {}, module, config["r"])
     alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config["lora_alpha"])
-    scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+    return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+
+
+def lora_delta(config: dict, module: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The update of `module`'s weight, in fp32 and the weight's layout."""
+    scaling = lora_scaling(config, module)
     if "A" in parts:
         a, b = parts["A"].float(), parts["B"].float()  # [r, in], [out, r]
         delta = b @ a
@@ -98,7 +104,7 @@ def merge_lora(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Pat
     files = sorted(base_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{base_dir} has no *.safetensors files")
-    config, modules, replacements = _read_adapter(adapter_dir)
+    config, modules, replacements = read_adapter(adapter_dir)
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         tensors.update(load_file(file))

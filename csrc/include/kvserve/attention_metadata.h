@@ -17,6 +17,10 @@ struct AttentionMetadata {
   /// Groups 1.. of a pool whose layers are grouped (KVCacheLayout::groups): each group's own
   /// slot_mapping and block_tables; slot_mapping and block_tables above are group 0's.
   std::vector<at::Tensor> group_slot_mappings, group_block_tables;
+  /// int32 [T]: the LoRA adapter slot of each token's request, -1 for none (CausalLM::set_lora);
+  /// undefined when the model serves no adapters. Not attention's, but the batch's: it rides
+  /// along to the projections.
+  at::Tensor lora_slots;
 
   const at::Tensor& slots(int64_t group) const {
     return group == 0 ? slot_mapping : group_slot_mappings.at(group - 1);

@@ -4,12 +4,28 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "kvserve/attention_metadata.h"
 #include "kvserve/model_config.h"
 
 namespace kvserve {
+
+/// A projection that can serve LoRA adapters: its name in the model (as the loader names
+/// weights, e.g. layers.0.self_attn.qkv_proj) and its shape.
+struct LoraTarget {
+  std::string name;
+  int64_t in_features = 0, out_features = 0;
+  int64_t rank = 0;  ///< rows an adapter's factors may have (once enabled; fused parts add up)
+};
+
+/// Per projection name, the factors a [r, in_features] and b [r, out_features] (B transposed,
+/// the scaling included) of one adapter.
+using LoraFactors = std::map<std::string, std::pair<at::Tensor, at::Tensor>>;
 
 /// A decoder-only language model.
 class CausalLM {
@@ -36,6 +52,22 @@ class CausalLM {
 
   /// Bytes of all weights (what one decode step reads at least once).
   virtual int64_t weight_bytes() const = 0;
+
+  // LoRA adapters served without merging: every target projection holds `slots` adapters of rank
+  // up to `rank`; a token runs with the adapter of its slot (AttentionMetadata::lora_slots).
+  // Models without targets throw std::invalid_argument from enable_lora.
+  virtual std::vector<LoraTarget> lora_targets() { return {}; }
+  virtual void enable_lora(int64_t slots, int64_t rank) {
+    throw std::invalid_argument("this model serves no LoRA adapters");
+  }
+  virtual int64_t num_lora_slots() const { return 0; }
+  bool lora_enabled() const { return num_lora_slots() > 0; }
+  /// Loads one adapter into `slot`; target projections it does not name add nothing. Throws
+  /// std::invalid_argument for a name that is not a target, c10::Error for a bad shape.
+  virtual void set_lora(int64_t slot, const LoraFactors& factors) {
+    throw std::invalid_argument("LoRA is not enabled");
+  }
+  virtual void clear_lora(int64_t slot) { throw std::invalid_argument("LoRA is not enabled"); }
 };
 
 }  // namespace kvserve

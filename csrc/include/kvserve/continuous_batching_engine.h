@@ -47,9 +47,19 @@ class ContinuousBatchingEngine {
   /// vocabulary, invalid params (n, logprobs beyond max_logprobs or the vocabulary), an
   /// arrival_time that is not finite or lies in the future, or a request that could never fit:
   /// prompt + max_tokens beyond max_model_len, or its n samples at full length beyond the pool.
+  /// lora_slot: the LoRA adapter its tokens run with (a slot of set_lora; -1: the base model);
+  /// lora_key: salts its prefix-cache hashes, so that requests share cached blocks only with
+  /// requests of the same adapter (0: the base model's; one key per adapter ever loaded, not per
+  /// slot, since a slot is reused). A slot outside [-1, num_lora_slots) is invalid.
   void add_request(const std::string& request_id, const std::vector<int64_t>& prompt_token_ids,
                    const SamplingParams& params, std::optional<double> arrival_time = std::nullopt,
-                   int64_t priority = 0);
+                   int64_t priority = 0, int32_t lora_slot = -1, uint64_t lora_key = 0);
+
+  /// Loads one LoRA adapter's factors into `slot` of the model (CausalLM::set_lora), or clears
+  /// the slot when `factors` is empty; waits for a running step to end. The caller must not
+  /// load into a slot that unfinished requests use. Throws std::invalid_argument when the model
+  /// serves no adapters or the slot is out of range.
+  void set_lora(int64_t slot, const LoraFactors& factors);
 
   /// Stops a request and frees its blocks (thread-safe; applied before the next step's work).
   /// Its final output, finish_reason "abort", comes from that step. False if the id is unknown or
@@ -98,6 +108,8 @@ class ContinuousBatchingEngine {
     std::vector<int64_t> prompt;
     SamplingParams params;
     int64_t priority = 0;
+    int32_t lora_slot = -1;
+    uint64_t lora_key = 0;
     RequestMetrics metrics;
     std::vector<Completion> completions;  ///< one until the prompt's first sample, then n
     int64_t num_cached_tokens = 0;        ///< prefix-cache hit when first scheduled

@@ -24,17 +24,19 @@ struct ForwardBatch {
 class ForwardBatchBuilder {
  public:
   /// block_size: tokens per cache block (a contiguous KVCache is one block of max_seq_len).
-  explicit ForwardBatchBuilder(int64_t block_size) : block_size_(block_size) {}
+  /// lora: the batch carries metadata.lora_slots (a model that serves LoRA adapters).
+  explicit ForwardBatchBuilder(int64_t block_size, bool lora = false)
+      : block_size_(block_size), lora_(lora) {}
 
   /// Appends `tokens` of a sequence whose cache already holds `num_cached` tokens; position p of
-  /// the sequence lives in block block_table[p / block_size]. Throws std::out_of_range when the
-  /// table is too short for the new tokens.
+  /// the sequence lives in block block_table[p / block_size]. lora_slot: its adapter's slot, or
+  /// -1. Throws std::out_of_range when the table is too short for the new tokens.
   void add(const std::vector<int64_t>& tokens, int64_t num_cached,
-           const std::vector<int32_t>& block_table);
+           const std::vector<int32_t>& block_table, int32_t lora_slot = -1);
   /// The same for a pool whose layers are grouped: one block table per group (every builder of a
   /// batch adds the same number of groups).
   void add_grouped(const std::vector<int64_t>& tokens, int64_t num_cached,
-                   const std::vector<std::vector<int32_t>>& group_tables);
+                   const std::vector<std::vector<int32_t>>& group_tables, int32_t lora_slot = -1);
 
   /// Appends a sequence that only fills a row of a padded batch (CudaGraphRunner): one token 0
   /// at position 0 whose K/V is not written (slot -1), attending to block 0 through an empty
@@ -56,6 +58,8 @@ class ForwardBatchBuilder {
 
  private:
   int64_t block_size_;
+  bool lora_;
+  std::vector<int32_t> lora_slots_;  // [token]
   std::vector<int64_t> ids_, positions_, logits_indices_;
   std::vector<int32_t> query_start_loc_{0}, seq_lens_;
   std::vector<std::vector<int64_t>> slots_;                     // [group][token]

@@ -56,9 +56,12 @@ class Scheduler {
   /// priority value first, first come first served among equals. Throws std::invalid_argument
   /// when the id exists, the prompt is empty or longer than max_model_len, or the prompt alone
   /// could never fit in the block pool. The sequence will hold at most max_new_tokens tokens
-  /// after its prompt (it caps the draft tokens scheduled for it).
+  /// after its prompt (it caps the draft tokens scheduled for it). lora_slot: the LoRA adapter
+  /// slot its tokens run with (-1: none); cache_key: what its prefix-cache hashes are salted
+  /// with (0: none), so that sequences share cached blocks only under one key (one adapter).
   void add(int64_t seq_id, std::vector<int32_t> prompt_token_ids, int64_t priority = 0,
-           int64_t max_new_tokens = std::numeric_limits<int64_t>::max());
+           int64_t max_new_tokens = std::numeric_limits<int64_t>::max(), int32_t lora_slot = -1,
+           uint64_t cache_key = 0);
 
   /// Picks the next step's work and reserves its KV slots. When blocks run out, preempts the
   /// most recently admitted running sequence: its blocks are freed and it goes back to the front
@@ -96,6 +99,8 @@ class Scheduler {
   /// Prompt + output tokens of a sequence; num_computed_tokens of them have KV in the cache.
   const std::vector<int32_t>& token_ids(int64_t seq_id) const;
   int64_t num_computed_tokens(int64_t seq_id) const;
+  /// The LoRA adapter slot the sequence's tokens run with (-1: none).
+  int32_t lora_slot(int64_t seq_id) const;
   int64_t num_prompt_tokens(int64_t seq_id) const;
   /// Prompt tokens the prefix cache supplied when the sequence was (last) admitted.
   int64_t num_cached_tokens(int64_t seq_id) const;
@@ -121,6 +126,8 @@ class Scheduler {
     int64_t max_new_tokens = 0;
     int64_t priority = 0;
     int64_t arrival = 0;
+    int32_t lora_slot = -1;
+    uint64_t cache_key = 0;
     bool allocated = false;  ///< holds blocks (running)
     WaitKey wait_key;                          ///< while waiting
     std::list<int64_t>::iterator running_pos;  ///< while running

@@ -1,0 +1,187 @@
+"""LoRA adapters served without merging: several adapters on one base model, chosen per request.
+
+    llm = LLM("base", enable_lora=True, max_loras=4, max_lora_rank=16)
+    llm.generate(prompts, params, lora=LoRARequest("sql", "adapters/sql"))
+
+Each target projection of the model (q/k/v fused as qkv_proj, o_proj, gate/up fused as
+gate_up_proj, down_proj) holds max_loras slots of factors; a token runs with its request's slot
+(ops::lora_add: out += B (A x), gathered by slot, as punica / S-LoRA do), so requests for
+different adapters and for none share one batch. An adapter is read (PEFT format, kvserve.lora)
+when a request first names it, into a free slot or the least recently used one that no
+unfinished request holds; its scaling goes into B. The prefix cache is keyed by adapter: a request
+reuses cached blocks only of requests of the same adapter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvserve.lora import lora_scaling, read_adapter
+
+# A checkpoint projection -> (the kvserve projection that holds it, its part of the fused output).
+FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """An adapter for a request: its name (one adapter per name) and its PEFT directory."""
+    name: str
+    path: str | Path
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"a LoRA adapter needs a non-empty name, got {self.name!r}")
+
+
+AdapterRef = LoRARequest
+
+
+@dataclass
+class _Loaded:
+    path: Path
+    slot: int
+    key: int
+    users: int = 0
+    last_used: int = 0
+
+
+class LoRAManager:
+    """Which adapter is in which slot of an engine's model; thread-safe."""
+
+    def __init__(self, engine, model, config, max_loras: int, max_lora_rank: int):
+        self._engine = engine
+        self._targets = {name: (inp, out, rank) for name, inp, out, rank in model.lora_targets()}
+        self._config = config  # kvserve's ModelConfig (head counts for the fused q/k/v split)
+        self._dtype = model.dtype
+        self._device = model.device
+        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        self._slots: list[str | None] = [None] * max_loras
+        self._loaded: dict[str, _Loaded] = {}
+        self._clock = 0
+        self._lock = threading.Lock()
+
+    def acquire(self, request: LoRARequest) -> tuple[int, int]:
+        """(slot, prefix-cache key) of the adapter, loaded if it is not; one more user. Raises
+        ValueError when every slot holds an adapter that unfinished requests use, or for an
+        adapter that does not fit the model (FileNotFoundError when it is missing)."""
+        if not isinstance(request, LoRARequest):
+            raise TypeError(f"lora must be a LoRARequest, got {type(request).__name__}")
+        path = Path(request.path)
+        with self._lock:
+            self._clock += 1
+            loaded = self._loaded.get(request.name)
+            if loaded is not None and loaded.path.resolve() != path.resolve():
+                raise ValueError(f"LoRA adapter '{request.name}' is loaded from {loaded.path}, "
+                                 f"not {path}: one name, one adapter")
+            if loaded is None:
+                loaded = self._load(request.name, path)
+            loaded.users += 1
+            loaded.last_used = self._clock
+            return loaded.slot, loaded.key
+
+    def release(self, name: str) -> None:
+        """One user fewer (its request finished)."""
+        with self._lock:
+            loaded = self._loaded.get(name)
+            if loaded is not None and loaded.users > 0:
+                loaded.users -= 1
+
+    def loaded(self) -> dict[str, int]:
+        """{adapter name: slot} of the adapters in the model now."""
+        with self._lock:
+            return {name: a.slot for name, a in self._loaded.items()}
+
+    def _load(self, name: str, path: Path) -> _Loaded:
+        factors = self.factors(path)
+        slot = self._free_slot()
+        self._engine.set_lora(slot, factors)
+        previous = self._slots[slot]
+        if previous is not None:
+            del self._loaded[previous]
+        self._slots[slot] = name
+        loaded = self._loaded[name] = _Loaded(path, slot, adapter_key(path))
+        return loaded
+
+    def _free_slot(self) -> int:
+        if None in self._slots:
+            return self._slots.index(None)
+        idle = [(self._loaded[n].last_used, self._loaded[n].slot) for n in self._slots
+                if self._loaded[n].users == 0]
+        if not idle:
+            raise ValueError(f"all {self.max_loras} LoRA slots hold adapters that unfinished "
+                             "requests use; raise max_loras or wait")
+        return min(idle)[1]
+
+    def factors(self, path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """{kvserve projection: (a [r, in], b [r, out])} of a PEFT adapter, its scaling in b and
+        the parts of fused projections in their rows and columns."""
+        config, modules, replacements = read_adapter(path)
+        if replacements:
+            raise ValueError(f"{path} replaces whole tensors ({', '.join(sorted(replacements))});"
+                             " serve it merged (kvserve merge-lora)")
+        if config.get("fan_in_fan_out"):
+            raise ValueError(f"{path}: fan_in_fan_out adapters are not served; merge them")
+        parts: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+        for module, tensors in sorted(modules.items()):
+            if "A" not in tensors:
+                raise ValueError(f"{path}: {module} is an embedding; serve the adapter merged")
+            base, _, leaf = module.removeprefix("model.").rpartition(".")
+            target, part = FUSED.get(leaf, (leaf, 0))
+            name = f"{base}.{target}"
+            if name not in self._targets:
+                raise ValueError(f"{path}: {module} is not a projection kvserve serves LoRA on "
+                                 f"(targets: q/k/v/o_proj, gate/up/down_proj of each layer)")
+            a = tensors["A"].float()
+            b = (tensors["B"].float() * lora_scaling(config, module)).t()  # [r, out part]
+            if a.shape[0] > self.max_lora_rank:
+                raise ValueError(f"{path}: {module} has rank {a.shape[0]}, above max_lora_rank "
+                                 f"{self.max_lora_rank}")
+            parts.setdefault(name, []).append((part, a, b))
+        return {name: self._fuse(name, pieces) for name, pieces in parts.items()}
+
+    def _fuse(self, name: str, pieces) -> tuple[torch.Tensor, torch.Tensor]:
+        inp, out, _ = self._targets[name]
+        widths = self._part_widths(name, out)
+        offsets = [sum(widths[:i]) for i in range(len(widths))]
+        rank = sum(a.shape[0] for _, a, _ in pieces)
+        a_all = torch.zeros(rank, inp)
+        b_all = torch.zeros(rank, out)
+        row = 0
+        for part, a, b in pieces:
+            if a.shape[1] != inp or b.shape[1] != widths[part]:
+                raise ValueError(f"the adapter's factors for {name} (part {part}) are "
+                                 f"{tuple(a.shape)} and {tuple(b.t().shape)}; the model's "
+                                 f"projection is [{widths[part]}, {inp}]")
+            r = a.shape[0]
+            a_all[row:row + r] = a
+            b_all[row:row + r, offsets[part]:offsets[part] + widths[part]] = b
+            row += r
+        return (a_all.to(self._dtype).to(self._device), b_all.to(self._dtype).to(self._device))
+
+    def _part_widths(self, name: str, out: int) -> list[int]:
+        """Output widths of the checkpoint projections fused into `name`."""
+        c = self._config
+        if name.endswith("qkv_proj"):
+            q = c.num_heads * c.head_dim
+            kv = c.num_kv_heads * c.head_dim
+            return [q, kv, kv]
+        if name.endswith("gate_up_proj"):
+            return [out // 2, out // 2]
+        return [out]
+
+
+def adapter_key(path: Path) -> int:
+    """A prefix-cache key for an adapter's files (their path, size and modification time): the
+    same adapter loaded again keeps its cached blocks; another never shares them. Never 0 (the
+    base model's key)."""
+    h = hashlib.blake2b(digest_size=8)
+    for file in (path / "adapter_config.json", path / "adapter_model.safetensors"):
+        st = file.stat()
+        h.update(f"{file.resolve()}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return int.from_bytes(h.digest(), "little") or 1
