@@ -43,7 +43,8 @@ at::Tensor Attention::forward(const at::Tensor& positions, const at::Tensor& hid
                               const AttentionMetadata& m, const LayerKVCache& kv) const {
   const int64_t num_tokens = hidden.size(0);
   const int64_t q_width = num_heads_ * head_dim_, kv_width = num_kv_heads_ * head_dim_;
-  at::Tensor qkv = qkv_proj_.forward(hidden, m.lora_slots);  // [T, q_width (+ 2 * kv_width)]
+  // [T, q_width (+ 2 * kv_width)]
+  at::Tensor qkv = qkv_proj_.forward(hidden, m.lora_slots);
   at::Tensor q = qkv.narrow(1, 0, q_width);
   if (q_norm_.defined()) {  // Qwen3, Gemma 3: RMSNorm over each head before RoPE
     q = q_norm_.forward(q.reshape({num_tokens * num_heads_, head_dim_})).view({num_tokens, q_width});

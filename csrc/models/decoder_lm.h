@@ -55,7 +55,9 @@ class DecoderLM : public CausalLM {
   void enable_lora(int64_t slots, int64_t rank) override {
     const auto linears = lora_linears();
     if (linears.empty()) throw std::invalid_argument("this model has no projection for LoRA");
-    for (const LoraLinear& l : linears) l.linear->enable_lora(slots, rank * l.parts, dtype_, device_);
+    for (const LoraLinear& l : linears) {
+      l.linear->enable_lora(slots, rank * l.parts, dtype_, device_);
+    }
     lora_slots_ = slots;
     lora_rank_ = rank;
   }

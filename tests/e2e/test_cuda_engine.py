@@ -77,6 +77,28 @@ def test_cuda_graphs_equal_eager_steps_and_the_cpu(checkpoint_factory, architect
     assert 0 < stats.num_cuda_graph_steps < stats.num_steps  # prefills run eagerly
 
 
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
+def test_lora_adapters_equal_their_merged_models(checkpoint_factory, tmp_path, enforce_eager):
+    """Requests for two adapters and for none in one batch (ops::lora_add on the GPU, replayed in
+    decode graphs too) give the tokens of each merged model on the CPU."""
+    from tests.models.test_lora import make_adapter
+
+    base = checkpoint_factory("LlamaForCausalLM")
+    loras = []
+    for i, targets in enumerate([["q_proj", "v_proj"], "all-linear"]):
+        make_adapter(base, tmp_path / f"a{i}", seed=i, r=4, lora_alpha=8, target_modules=targets)
+        kvserve.merge_lora(base, tmp_path / f"a{i}", tmp_path / f"m{i}")
+        loras.append(kvserve.LoRARequest(f"a{i}", tmp_path / f"a{i}"))
+    llm = kvserve.LLM(base, device="cuda", enable_lora=True, max_loras=2, max_lora_rank=4,
+                      enforce_eager=enforce_eager)
+    prompts = PROMPTS[:3]
+    got = [o.outputs[0].token_ids
+           for o in llm.generate(prompts, GREEDY, lora=[loras[0], None, loras[1]])]
+    assert got[0] == tokens(kvserve.LLM(tmp_path / "m0"), prompts[:1])[0]
+    assert got[1] == tokens(kvserve.LLM(base), prompts[1:2])[0]
+    assert got[2] == tokens(kvserve.LLM(tmp_path / "m1"), prompts[2:3])[0]
+
+
 def test_models_without_graph_support_decode_eagerly(checkpoint_factory):
     """DeepSeek-V2 (latent attention reads its tables on the host; MoE uploads pointer tables)
     is never captured."""

@@ -1,0 +1,146 @@
+"""LoRA adapters served per request (LLM(enable_lora=True)) against the same adapters merged into
+their base by kvserve.merge_lora (itself checked against peft's merge_and_unload in
+tests/models/test_lora.py): greedy tokens and their logprobs agree, for batches that mix
+adapters and the base model, across slot reuse, with the prefix cache keyed by adapter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvserve
+from kvserve import LoRARequest, SamplingParams
+from tests.models.test_lora import make_adapter
+
+PROMPTS = [[1, 17, 45, 9, 200, 31], [1, 5, 5, 90], [1, 300, 2, 8, 8, 64, 12, 7, 99]]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, logprobs=0)
+
+ADAPTERS = {
+    "qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "all-linear-rslora": dict(r=8, lora_alpha=16, target_modules="all-linear", use_rslora=True),
+    "patterns": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "down_proj", "up_proj"],
+                     rank_pattern={"down_proj": 2},
+                     alpha_pattern={r"layers\.0\.self_attn\.q_proj": 32}),
+}
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, checkpoint_factory):
+    """{architecture: (base, {adapter name: (adapter dir, merged dir)})}."""
+    out = {}
+    for architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+        base = checkpoint_factory(architecture)
+        made = {}
+        for i, (name, args) in enumerate(ADAPTERS.items()):
+            tmp = tmp_path_factory.mktemp(f"{architecture}-{name}")
+            make_adapter(base, tmp / "adapter", seed=i, **args)
+            kvserve.merge_lora(base, tmp / "adapter", tmp / "merged")
+            made[name] = (tmp / "adapter", tmp / "merged")
+        out[architecture] = (base, made)
+    return out
+
+
+def greedy(llm, prompts, lora=None):
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora=lora)
+    return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs])
+            for o in outs]
+
+
+def assert_same(ours, want):
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(ours, want):
+        assert tokens == want_tokens
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs),
+                                   atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_each_adapter_equals_its_merged_model(adapters, architecture):
+    base, made = adapters[architecture]
+    llm = kvserve.LLM(base, dtype=torch.float32, enable_lora=True, max_loras=3, max_lora_rank=8)
+    for name, (adapter, merged) in made.items():
+        want = greedy(kvserve.LLM(merged, dtype=torch.float32), PROMPTS)
+        assert_same(greedy(llm, PROMPTS, LoRARequest(name, adapter)), want)
+    assert_same(greedy(llm, PROMPTS), greedy(kvserve.LLM(base, dtype=torch.float32), PROMPTS))
+
+
+def test_one_batch_mixes_adapters_and_the_base_model(adapters):
+    base, made = adapters["LlamaForCausalLM"]
+    names = list(made)
+    llm = kvserve.LLM(base, dtype=torch.float32, enable_lora=True, max_loras=2, max_lora_rank=8)
+    prompts = PROMPTS * 2
+    first, second = (LoRARequest(n, made[n][0]) for n in names[:2])
+    loras = [first, None, second, None, second, first]
+    ours = greedy(llm, prompts, loras)
+    references = {None: kvserve.LLM(base, dtype=torch.float32)}
+    for lora, prompt, got in zip(loras, prompts, ours):
+        key = lora.name if lora else None
+        if key not in references:
+            references[key] = kvserve.LLM(made[key][1], dtype=torch.float32)
+        assert_same([got], greedy(references[key], [prompt]))
+
+
+def test_slots_are_reused_least_recently_used_first(adapters):
+    base, made = adapters["LlamaForCausalLM"]
+    llm = kvserve.LLM(base, dtype=torch.float32, enable_lora=True, max_loras=2, max_lora_rank=8)
+    refs = {n: greedy(kvserve.LLM(m, dtype=torch.float32), PROMPTS[:1])
+            for n, (_, m) in made.items()}
+    order = ["qv", "patterns", "qv", "all-linear-rslora", "patterns", "qv"]
+    for name in order:  # three adapters through two slots
+        assert_same(greedy(llm, PROMPTS[:1], LoRARequest(name, made[name][0])), refs[name])
+    assert set(llm.llm_engine.lora_manager.loaded()) == {"patterns", "qv"}
+
+
+def test_prefix_cache_is_keyed_by_adapter(adapters):
+    base, made = adapters["LlamaForCausalLM"]
+    adapter, merged = made["all-linear-rslora"]
+    lora = LoRARequest("a", adapter)
+    prompt = [1] + list(range(3, 60))  # several full 16-token blocks
+    llm = kvserve.LLM(base, dtype=torch.float32, enable_lora=True, max_loras=2, max_lora_rank=8)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    first = llm.generate([prompt], params, use_tqdm=False, lora=lora)[0]
+    base_run = llm.generate([prompt], params, use_tqdm=False)[0]
+    again = llm.generate([prompt], params, use_tqdm=False, lora=lora)[0]
+    assert first.num_cached_tokens == 0
+    assert base_run.num_cached_tokens == 0, "the base model reused an adapter's KV blocks"
+    assert again.num_cached_tokens >= 48, "the adapter's own prefix was not reused"
+    want = kvserve.LLM(merged, dtype=torch.float32).generate([prompt], params, use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == want.outputs[0].token_ids
+    assert base_run.outputs[0].token_ids != want.outputs[0].token_ids
+
+
+def test_busy_slots_and_bad_adapters_are_clear_errors(adapters, tmp_path, checkpoint_factory):
+    base, made = adapters["LlamaForCausalLM"]
+    engine = kvserve.LLMEngine(base, torch.float32, enable_lora=True, max_loras=1,
+                               max_lora_rank=4, log_memory_plan=False)
+    engine.add_request("a", PROMPTS[0], GREEDY, lora=LoRARequest("qv", made["qv"][0]))
+    with pytest.raises(ValueError, match="all 1 LoRA slots"):
+        engine.add_request("b", PROMPTS[0], GREEDY, lora=LoRARequest("p", made["patterns"][0]))
+    with pytest.raises(ValueError, match="above max_lora_rank 4"):  # rank 8 > 4, slot busy too
+        engine.add_request("c", PROMPTS[0], GREEDY,
+                           lora=LoRARequest("r", made["all-linear-rslora"][0]))
+    with pytest.raises(ValueError, match="one name, one adapter"):
+        engine.add_request("d", PROMPTS[0], GREEDY, lora=LoRARequest("qv", made["patterns"][0]))
+    with pytest.raises(FileNotFoundError, match="not a PEFT adapter"):
+        engine.add_request("e", PROMPTS[0], GREEDY, lora=LoRARequest("x", tmp_path / "none"))
+    with pytest.raises(TypeError, match="LoRARequest"):
+        engine.add_request("f", PROMPTS[0], GREEDY, lora="qv")
+    outputs = []
+    while engine.has_unfinished_requests():  # the first request is served all the same
+        outputs += engine.step()
+    assert [o.request_id for o in outputs if o.finished] == ["a"]
+    # Its slot is free again: another adapter now loads.
+    engine.add_request("g", PROMPTS[1], GREEDY, lora=LoRARequest("p", made["patterns"][0]))
+    with pytest.raises(ValueError, match="enable_lora"):
+        kvserve.LLM(base).generate(PROMPTS[:1], GREEDY, lora=LoRARequest("qv", made["qv"][0]))
+    with pytest.raises(ValueError, match="max_loras"):
+        kvserve.LLM(base, enable_lora=True, max_loras=0)
+    with pytest.raises(ValueError, match="lora_slot 3 is outside"):
+        engine.engine.add_request("h", PROMPTS[0], GREEDY, lora_slot=3)
+    embedding = tmp_path / "embedding"
+    make_adapter(base, embedding, r=2, lora_alpha=2, target_modules=["embed_tokens"])
+    with pytest.raises(ValueError, match="embedding"):
+        engine.add_request("i", PROMPTS[0], GREEDY, lora=LoRARequest("emb", embedding))
+    # Latent attention and experts only: nothing to put an adapter on.
+    moe_only = checkpoint_factory("DeepseekV2ForCausalLM", first_k_dense_replace=0)
+    with pytest.raises(ValueError, match="no projection for LoRA"):
+        kvserve.LLM(moe_only, enable_lora=True)
