@@ -54,6 +54,19 @@ TEST(ForwardBatchBuilder, PadsADecodeBatchWithRowsThatWriteNothing) {
   EXPECT_EQ(builder.build(at::Device("cpu"), 1).metadata.block_tables.size(1), 2);
 }
 
+TEST(ForwardBatchBuilder, CarriesEachTokensLoraSlotWhenAsked) {
+  ForwardBatchBuilder plain(4);
+  plain.add({1, 2}, 0, {3}, /*lora_slot=*/2);
+  EXPECT_FALSE(plain.build(at::Device("cpu")).metadata.lora_slots.defined());
+  ForwardBatchBuilder builder(4, /*lora=*/true);
+  builder.add({1, 2, 3}, 0, {3}, /*lora_slot=*/2);
+  builder.add({4}, 5, {1, 6});
+  builder.add({5, 6}, 0, {7}, /*lora_slot=*/0);
+  builder.add_padding();
+  EXPECT_EQ(values<int32_t>(builder.build(at::Device("cpu")).metadata.lora_slots),
+            (std::vector<int32_t>{2, 2, 2, -1, 0, 0, -1}));
+}
+
 TEST(ForwardBatchBuilder, RejectsASequenceLongerThanItsBlocks) {
   ForwardBatchBuilder builder(4);
   EXPECT_THROW(builder.add({1, 2, 3}, 2, {0}), std::out_of_range);

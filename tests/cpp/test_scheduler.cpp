@@ -110,6 +110,24 @@ TEST(Scheduler, PrefixHitsStartTheFirstChunkAfterTheCachedTokens) {
   EXPECT_EQ(scheduler.num_cached_tokens(1), 8);
 }
 
+TEST(Scheduler, PrefixHitsOnlyUnderTheSameCacheKey) {
+  // One key per LoRA adapter: the same prompt under another adapter has other K/V.
+  PagedBlockManager blocks(32, 4);
+  Scheduler scheduler({8, 100, 64}, blocks);
+  scheduler.add(0, prompt(1, 10), 0, 100, /*lora_slot=*/1, /*cache_key=*/77);
+  step(scheduler);
+  scheduler.add(1, prompt(1, 10));                        // the base model: no hit
+  scheduler.add(2, prompt(1, 10), 0, 100, 0, /*cache_key=*/78);
+  scheduler.add(3, prompt(1, 10), 0, 100, 1, /*cache_key=*/77);
+  step(scheduler);
+  EXPECT_EQ(scheduler.num_cached_tokens(1), 0);
+  EXPECT_EQ(scheduler.num_cached_tokens(2), 0);
+  EXPECT_EQ(scheduler.num_cached_tokens(3), 8);
+  EXPECT_EQ(scheduler.lora_slot(0), 1);
+  EXPECT_EQ(scheduler.lora_slot(1), -1);
+  EXPECT_EQ(scheduler.lora_slot(2), 0);
+}
+
 TEST(Scheduler, SequencesAdmittedInOneStepShareTheFirstOnesBlocks) {
   PagedBlockManager blocks(32, 4);
   Scheduler scheduler({8, 100, 64}, blocks);
