@@ -7,7 +7,8 @@ training split) -> `kvserve distill` from the teacher (forward KL on kvserve's l
 (a) the pruned model before distillation and (b) a model of the same shape trained from scratch
 (scripts/train_tiny.py, next-token loss) on the same number of training tokens. Validation
 perplexity is kvserve's (strided windows of 512, stride 256, the model cards' method) over the
-corpus's last tenth, which neither training saw. Decode speed: batch-1 greedy decoding with
+corpus's last tenth, which neither training saw (train perplexity: a slice of the training
+split of the same size). Decode speed: batch-1 greedy decoding with
 kvserve, median of --repeats, models interleaved; KV cache bytes per token in fp32. Draft
 acceptance: the teacher decoding greedily with each small model as its speculative draft, over
 prompts from the validation text, against the shipped draft.
@@ -123,7 +124,7 @@ def decode_speed(models: dict[str, Path], args, prompt: str) -> dict[str, float]
 
 def acceptance(teacher: Path, draft: Path, prompts: list[str], args) -> dict:
     llm = kvserve.LLM(teacher, dtype=torch.float32, max_model_len=512, speculative_model=draft,
-                      num_speculative_tokens=4)
+                      num_speculative_tokens=4, speculative_max_verify_tokens=0)
     params = kvserve.SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     before = llm.llm_engine.get_stats()
     llm.generate(prompts, params, use_tqdm=False)
@@ -163,7 +164,8 @@ def main() -> None:
     for name, path in models.items():
         rows.append(dict(model=name, parameters=parameters(path),
                          kv_bytes_per_token=kv_bytes_per_token(path),
-                         perplexity=perplexity(path, val_text)))
+                         perplexity=perplexity(path, val_text),
+                         train_perplexity=perplexity(path, train_text[-len(val_text):])))
         print(f"{name}: {rows[-1]['parameters']:,} parameters, perplexity "
               f"{rows[-1]['perplexity']:.2f}", flush=True)
     prompt = val_text[:200]
@@ -184,13 +186,14 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     teacher_ppl = rows[0]["perplexity"]
-    print("\n| model | parameters | val. perplexity | vs teacher | decode tok/s (batch 1) "
-          "| KV bytes/token |")
-    print("|---|---|---|---|---|---|")
+    print("\n| model | parameters | val. perplexity | vs teacher | train perplexity "
+          "| decode tok/s (batch 1) | KV bytes/token |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         tps = f"{r['decode_tokens_per_s']:.0f}" if r["decode_tokens_per_s"] else "-"
         print(f"| {r['model']} | {r['parameters'] / 1e6:.2f}M | {r['perplexity']:.2f} | "
-              f"{r['perplexity'] / teacher_ppl:.2f}x | {tps} | {r['kv_bytes_per_token']:,} |")
+              f"{r['perplexity'] / teacher_ppl:.2f}x | {r['train_perplexity']:.2f} | {tps} | "
+              f"{r['kv_bytes_per_token']:,} |")
     print("\n| draft for the teacher | parameters | acceptance (k=4) | mean accepted length |")
     print("|---|---|---|---|")
     for name, s in spec.items():
