@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvserve.engine import LLMEngine, SamplingParams
+from kvserve.lora_serving import LoRARequest
 from kvserve.outputs import RequestOutput
 
 
@@ -62,10 +63,12 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------------------ clients
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, priority: int = 0
-                       ) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: int = 0,
+                       lora: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs, one per step that produced text, the last with
-        finished=True. Raises ValueError / TypeError for bad input before yielding anything."""
+        finished=True. Raises ValueError / TypeError for bad input before yielding anything.
+        lora: the LoRA adapter it runs with (an engine made with enable_lora); its first use
+        loads it, which waits for the running step."""
         if self._stopped:
             raise RuntimeError("the engine is shut down")
         request_id = f"async-{next(self._ids)}" if request_id is None else request_id
@@ -76,7 +79,8 @@ class AsyncLLMEngine:
             self._streams[request_id] = stream
         finished = False
         try:
-            self.engine.add_request(request_id, prompt, sampling_params, priority=priority)
+            self.engine.add_request(request_id, prompt, sampling_params, priority=priority,
+                                    lora=lora)
             self._wakeup.set()
             while not finished:
                 out = await stream.queue.get()

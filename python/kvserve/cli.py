@@ -186,8 +186,23 @@ def _serve(args: argparse.Namespace) -> int:
           max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
           num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching,
-          device=args.device, enforce_eager=args.enforce_eager, **speculation)
+          device=args.device, enforce_eager=args.enforce_eager,
+          lora_modules=_lora_modules(args.lora_modules), max_loras=args.max_loras,
+          max_lora_rank=args.max_lora_rank, **speculation)
     return 0
+
+
+def _lora_modules(specs: list[str] | None) -> dict[str, str]:
+    """{name: path} from NAME=PATH arguments."""
+    modules = {}
+    for spec in specs or []:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH, got {spec!r}")
+        if name in modules:
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        modules[name] = path
+    return modules
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -318,6 +333,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--enforce-eager", action="store_true",
                    help="on a GPU, launch every decode step's kernels instead of replaying CUDA "
                    "graphs")
+    v.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", default=None,
+                   help="LoRA adapters (PEFT directories) served as models named NAME")
+    v.add_argument("--max-loras", type=int, default=4,
+                   help="adapters in the model at once (with --lora-modules)")
+    v.add_argument("--max-lora-rank", type=int, default=16)
     v.add_argument("--max-num-seqs", type=int, default=256)
     v.add_argument("--max-num-batched-tokens", type=int, default=2048)
     v.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: sized "

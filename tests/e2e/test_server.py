@@ -363,3 +363,40 @@ def test_speculative_counters_appear_with_speculation():
     assert values["kvserve:spec_decode_num_drafts_total"] == stats.num_drafts > 0
     assert values["kvserve:spec_decode_num_draft_tokens_total"] == stats.num_draft_tokens
     assert values["kvserve:spec_decode_num_accepted_tokens_total"] == stats.num_accepted_tokens
+
+
+def test_lora_adapters_are_models_of_their_own(tmp_path, offline):
+    """--lora-modules: each adapter is a model in /v1/models (its parent the base) and a request
+    names it in "model"; its completions are the merged adapter's, the base model's the base's."""
+    from kvserve.cli import _lora_modules
+    from kvserve.server.serve import lora_requests
+    from tests.models.test_lora import make_adapter
+
+    make_adapter(MODEL, tmp_path / "adapter", r=4, lora_alpha=8,
+                 target_modules=["q_proj", "v_proj", "down_proj"])
+    kvserve.merge_lora(MODEL, tmp_path / "adapter", tmp_path / "merged")
+    state = ServerState(NAME, lora_modules=lora_requests(
+        _lora_modules([f"sonnets={tmp_path / 'adapter'}"])))
+    with AsyncLLMEngine(MODEL, dtype="float32", max_model_len=256, num_blocks=64,
+                        enable_lora=True, max_loras=2, max_lora_rank=4) as engine:
+        state.ready(engine, None)
+        with BackgroundServer(state) as server:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+            models = client.models.list().data
+            assert [m.id for m in models] == [NAME, "sonnets"]
+            assert models[1].parent == NAME
+            r = client.completions.create(model="sonnets", prompt=PROMPTS[:2], **greedy())
+            assert r.model == "sonnets"
+            merged = kvserve.LLM(tmp_path / "merged", dtype="float32", max_model_len=256)
+            params = kvserve.SamplingParams(temperature=0, max_tokens=24)
+            want = merged.generate(PROMPTS[:2], params, use_tqdm=False)
+            assert [c.text for c in r.choices] == [w.outputs[0].text for w in want]
+            base = client.completions.create(model=NAME, prompt=PROMPTS[:1], **greedy())
+            assert base.choices[0].text == offline.generate(
+                PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].text
+            with pytest.raises(openai.NotFoundError, match="'sonnets'"):
+                client.completions.create(model="poems", prompt="x", max_tokens=2)
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        _lora_modules(["sonnets"])
+    with pytest.raises(FileNotFoundError, match="adapter_config.json"):
+        lora_requests({"x": tmp_path})

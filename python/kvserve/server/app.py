@@ -35,6 +35,8 @@ class ServerState:
 
     model_name: str
     api_key: str | None = None
+    # LoRA adapters served by name (the request's "model"), on an engine made with enable_lora.
+    lora_modules: dict = field(default_factory=dict)  # name -> LoRARequest
     engine: object = None  # AsyncLLMEngine
     chat_template: ChatTemplate | None = None
     load_error: BaseException | None = None
@@ -87,24 +89,25 @@ def build_app(state: ServerState) -> FastAPI:
     @v1.get("/models")
     async def models():
         engine = _engine(state)
-        return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": 0, "owned_by": "kvserve",
-            "max_model_len": engine.engine.max_model_len}]}
+        card = {"object": "model", "created": 0, "owned_by": "kvserve",
+                "max_model_len": engine.engine.max_model_len}
+        return {"object": "list", "data": [{"id": state.model_name, **card}] + [
+            {"id": name, **card, "parent": state.model_name} for name in state.lora_modules]}
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
         _engine(state)
-        _check_model(state, body.model)
+        lora = _check_model(state, body.model)
         body.check_supported()
         params = _params(body, body.max_tokens, body.logprobs)
         prompts = body.prompts()
         return await _serve(state, request, "cmpl", "text_completion", body, params, prompts,
-                            chat=False)
+                            chat=False, lora=lora)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         engine = _engine(state)
-        _check_model(state, body.model)
+        lora = _check_model(state, body.model)
         body.check_supported()
         if state.chat_template is None or engine.engine.tokenizer is None:
             raise APIError(400, f"model {state.model_name} has no chat template (none in its "
@@ -123,7 +126,7 @@ def build_app(state: ServerState) -> FastAPI:
             max_tokens = max(1, engine.engine.max_model_len - len(prompt))
         params = _params(body, max_tokens, body.requested_logprobs())
         return await _serve(state, request, "chatcmpl", "chat.completion", body, params,
-                            [prompt], chat=True)
+                            [prompt], chat=True, lora=lora)
 
     app.include_router(v1)
     return app
@@ -137,10 +140,15 @@ def _engine(state: ServerState):
     return state.engine
 
 
-def _check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.model_name:
-        raise APIError(404, f"model {model!r} does not exist; this server serves "
-                            f"{state.model_name!r}", param="model", code="model_not_found")
+def _check_model(state: ServerState, model: str | None):
+    """The LoRA adapter the request names (a LoRARequest), or None for the base model."""
+    if model is None or model == state.model_name:
+        return None
+    if model in state.lora_modules:
+        return state.lora_modules[model]
+    served = ", ".join(repr(m) for m in [state.model_name, *state.lora_modules])
+    raise APIError(404, f"model {model!r} does not exist; this server serves {served}",
+                   param="model", code="model_not_found")
 
 
 def _params(body, max_tokens, logprobs):
@@ -151,12 +159,13 @@ def _params(body, max_tokens, logprobs):
 
 
 async def _serve(state: ServerState, request: Request, prefix: str, object_name: str, body,
-                 params, prompts: list, chat: bool):
+                 params, prompts: list, chat: bool, lora=None):
     """Runs the prompts (n samples each) and answers, streamed or whole. Bad prompts are a 400
     before any byte is sent; a disconnect aborts every request of the call."""
     engine = state.engine
     request_id = f"{prefix}-{uuid.uuid4().hex}"
-    streams = [engine.generate(p, params, f"{request_id}-{i}") for i, p in enumerate(prompts)]
+    streams = [engine.generate(p, params, f"{request_id}-{i}", lora=lora)
+               for i, p in enumerate(prompts)]
     # Each stream submits its request at its first step, so all start together; a bad prompt
     # raises there, and the call's other requests are aborted.
     try:
@@ -173,7 +182,7 @@ async def _serve(state: ServerState, request: Request, prefix: str, object_name:
         raise failed
     choices = Choices(engine.engine.tokenizer, params.n, len(prompts), chat)
     header = dict(id=request_id, object=object_name, created=int(time.time()),
-                  model=state.model_name)
+                  model=lora.name if lora is not None else state.model_name)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _stream_events(state, streams, first, choices, header, include_usage)

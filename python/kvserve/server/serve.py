@@ -27,14 +27,32 @@ def load_into(state: ServerState, model: str | Path, chat_template: str | Path |
         print(f"kvserve serve: the model failed to load: {e}", file=sys.stderr)
 
 
+def lora_requests(modules: dict[str, str | Path]) -> dict:
+    """{name: LoRARequest} for the adapters a server offers, each checked to be a PEFT adapter."""
+    from kvserve.lora_serving import LoRARequest
+
+    out = {}
+    for name, path in modules.items():
+        if not (Path(path) / "adapter_config.json").is_file():
+            raise FileNotFoundError(f"LoRA module {name}: {path} has no adapter_config.json")
+        out[name] = LoRARequest(name, Path(path))
+    return out
+
+
 def serve(model: str | Path, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, served_model_name: str | None = None,
           chat_template: str | Path | None = None, log_level: str = "info",
-          **engine_kwargs) -> None:
-    """Serves until interrupted; the engine shuts down (aborting what runs) on exit."""
+          lora_modules: dict[str, str | Path] | None = None, **engine_kwargs) -> None:
+    """Serves until interrupted; the engine shuts down (aborting what runs) on exit.
+    lora_modules: {name: PEFT adapter directory}, served as models of their own name (LoRA on,
+    adapters loaded at first use). Raises FileNotFoundError for an adapter directory without
+    adapter_config.json."""
     import uvicorn
 
-    state = ServerState(served_model_name or str(model), api_key)
+    state = ServerState(served_model_name or str(model), api_key,
+                        lora_modules=lora_requests(lora_modules or {}))
+    if state.lora_modules:
+        engine_kwargs.setdefault("enable_lora", True)
     loader = threading.Thread(target=load_into, args=(state, model, chat_template, engine_kwargs),
                               name="kvserve-load", daemon=True)
     loader.start()
