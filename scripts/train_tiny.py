@@ -367,10 +367,8 @@ def main(argv: list[str] | None = None) -> None:
         running = None
         best = (float("inf"), 0, None)  # validation loss, step, weights
         for step in bar:
-            lr = training.learning_rate(step, args.lr, args.steps, args.warmup_steps,
-                                        args.min_lr_ratio)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            lr = training.schedule(optimizer, step, args.lr, args.steps, args.warmup_steps,
+                                   args.min_lr_ratio)
             batch = training.sample_batch(train_ids, args.batch_size, args.seq_len, gen, BOS_ID)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
                 loss = model(batch, labels=batch).loss

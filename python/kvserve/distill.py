@@ -116,23 +116,14 @@ def _vocab(model_dir: Path) -> dict[str, int]:
     return json.loads(path.read_text())["model"]["vocab"]
 
 
-@torch.no_grad()
 def validation_kl(student, teacher: Teacher, windows: torch.Tensor, limit: int,
                   batch_size: int) -> float:
     """Mean KL(teacher || student) at T = 1 over the held-out windows' positions."""
-    was_training = student.training
-    student.eval()
-    if limit:
-        windows = windows[:limit * batch_size]
-    device = next(student.parameters()).device
-    total, count = 0.0, 0
-    for chunk in windows.split(batch_size):
-        ours = student(chunk.to(device)).logits
-        theirs = teacher.logits(chunk).to(device)
-        total += distillation_loss(ours, theirs).item() * chunk.numel()
-        count += chunk.numel()
-    student.train(was_training)
-    return total / count
+    def kl(chunk, logits):
+        theirs = teacher.logits(chunk).to(logits.device)
+        return distillation_loss(logits, theirs).item() * chunk.numel(), chunk.numel()
+
+    return training.held_out_mean(student, windows, limit, batch_size, kl)
 
 
 def distill(teacher_dir: str | Path, student_dir: str | Path, corpus: str | Path,
@@ -200,10 +191,8 @@ def distill(teacher_dir: str | Path, student_dir: str | Path, corpus: str | Path
                       "elapsed_s"])
         log.writerow([0, 0, "", "", f"{val_ce:.4f}", f"{val_kl:.4f}", "", "0.0"])
         for step in bar:
-            lr = training.learning_rate(step, config.lr, config.steps, config.warmup_steps,
-                                        config.min_lr_ratio)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            lr = training.schedule(optimizer, step, config.lr, config.steps,
+                                   config.warmup_steps, config.min_lr_ratio)
             batch = training.sample_batch(train_ids, config.batch_size, config.seq_len, gen, bos)
             target = teacher.logits(batch).to(device)
             batch = batch.to(device)

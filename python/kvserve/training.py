@@ -56,10 +56,20 @@ def learning_rate(step: int, lr: float, steps: int, warmup_steps: int,
     return floor + 0.5 * (lr - floor) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def schedule(optimizer, step: int, lr: float, steps: int, warmup_steps: int,
+             min_lr_ratio: float) -> float:
+    """Sets every parameter group's learning rate to learning_rate(step, ...); returns it."""
+    value = learning_rate(step, lr, steps, warmup_steps, min_lr_ratio)
+    for group in optimizer.param_groups:
+        group["lr"] = value
+    return value
+
+
 @torch.no_grad()
-def evaluate(model, windows: torch.Tensor, limit: int, batch_size: int) -> float:
-    """Mean next-token cross entropy of a transformers model over the windows (the loss at BOS is
-    not counted); limit > 0 scores only the first `limit` batches."""
+def held_out_mean(model, windows: torch.Tensor, limit: int, batch_size: int, score) -> float:
+    """sum(totals) / sum(counts) of score(chunk, logits) -> (total, count) over batches of the
+    windows, the model in eval mode (then back); limit > 0 scores only the first `limit`
+    batches. chunk is on the model's device, logits are the model's (transformers)."""
     was_training = model.training
     model.eval()
     if limit:
@@ -68,10 +78,20 @@ def evaluate(model, windows: torch.Tensor, limit: int, batch_size: int) -> float
     total, count = 0.0, 0
     for chunk in windows.split(batch_size):
         chunk = chunk.to(device)
-        logits = model(chunk).logits[:, :-1].float()
-        loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), chunk[:, 1:].reshape(-1), reduction="sum")
-        total += loss.item()
-        count += chunk[:, 1:].numel()
+        t, c = score(chunk, model(chunk).logits)
+        total += t
+        count += c
     model.train(was_training)
     return total / count
+
+
+def evaluate(model, windows: torch.Tensor, limit: int, batch_size: int) -> float:
+    """Mean next-token cross entropy of a transformers model over the windows (the loss at BOS is
+    not counted); limit > 0 scores only the first `limit` batches."""
+    def cross_entropy(chunk, logits):
+        logits = logits[:, :-1].float()
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), chunk[:, 1:].reshape(-1), reduction="sum")
+        return loss.item(), chunk[:, 1:].numel()
+
+    return held_out_mean(model, windows, limit, batch_size, cross_entropy)
