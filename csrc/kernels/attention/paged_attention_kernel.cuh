@@ -82,6 +82,51 @@ __device__ inline int sequence_of(const int32_t* query_start_loc, int num_seqs, 
   return lo;
 }
 
+/// The epilogue of the split-K kernels: each output row r (a query token and head, as row_of(r)
+/// gives them, {-1, -1} for none) has `streams` online-softmax streams in shared memory, stream
+/// s's running max at s_max[s * row_stride + r] (log2 units when LOG2, natural otherwise), its
+/// sum at s_sum[same] and its unnormalized values at s_acc[(s * row_stride + r) * acc_width + d].
+/// Merges them and stores each row normalized in `out` (one split) or as split blockIdx.z's
+/// partial output, max (natural units) and sum for paged_attention_merge_kernel. A stream that saw
+/// no position has sum 0; a row that saw none stores zeros.
+template <typename T, bool LOG2, typename RowOf>
+__device__ inline void store_merged_rows(const PagedAttentionParams& p, int rows, int streams,
+                                         const float* s_max, const float* s_sum,
+                                         const float* s_acc, int row_stride, int acc_width,
+                                         RowOf row_of) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  const int dv = p.value_head_dim;
+  for (int i = threadIdx.x; i < rows * dv; i += blockDim.x) {
+    const int r = i / dv, d = i % dv;
+    const int2 row = row_of(r);
+    if (row.x < 0) continue;
+    float merged_max = -FLT_MAX;
+    for (int s = 0; s < streams; ++s) merged_max = fmaxf(merged_max, s_max[s * row_stride + r]);
+    float total = 0.0f, value = 0.0f;
+    for (int s = 0; s < streams; ++s) {
+      const int slot = s * row_stride + r;
+      if (s_sum[slot] == 0.0f) continue;  // a stream that saw no position
+      const float shift = s_max[slot] - merged_max;
+      const float w = LOG2 ? exp2f(shift) : expf(shift);
+      total += s_sum[slot] * w;
+      value += s_acc[static_cast<int64_t>(slot) * acc_width + d] * w;
+    }
+    const float normalized = total > 0.0f ? value / total : 0.0f;
+    if (p.num_splits == 1) {
+      static_cast<T*>(p.out)[row.x * p.out_stride + static_cast<int64_t>(row.y) * dv + d] =
+          from_float<T>(normalized);
+    } else {
+      const int64_t index =
+          (static_cast<int64_t>(row.x) * p.num_heads + row.y) * p.num_splits + blockIdx.z;
+      p.partial_out[index * dv + d] = normalized;
+      if (d == 0) {
+        p.partial_max[index] = LOG2 ? merged_max / kLog2e : merged_max;
+        p.partial_sum[index] = total;
+      }
+    }
+  }
+}
+
 /// Grid (num_tokens, num_kv_heads * head_blocks_per_kv_head, num_splits), kAttentionThreads
 /// threads. DPL: dimensions per lane, >= ceil(max(head_dim, value_head_dim) / 32); HPB: query
 /// heads per block. A block id outside the pool reads as a masked position (the host checks the
@@ -180,33 +225,8 @@ __global__ void __launch_bounds__(kAttentionThreads)
     for (int j = 0; j < DPL; ++j) s_acc[warp][h][lane + 32 * j] = acc[h][j];
   }
   __syncthreads();
-  const int dv = p.value_head_dim;
-  for (int i = threadIdx.x; i < heads * dv; i += blockDim.x) {
-    const int h = i / dv, d = i % dv;
-    float merged_max = -FLT_MAX;
-    for (int w = 0; w < kAttentionWarps; ++w) merged_max = fmaxf(merged_max, s_max[w][h]);
-    float total = 0.0f, value = 0.0f;
-    for (int w = 0; w < kAttentionWarps; ++w) {
-      if (s_sum[w][h] == 0.0f) continue;  // a warp that saw no position
-      const float weight = expf(s_max[w][h] - merged_max);
-      total += s_sum[w][h] * weight;
-      value += s_acc[w][h][d] * weight;
-    }
-    const float normalized = total > 0.0f ? value / total : 0.0f;
-    const int head = head0 + h;
-    if (p.num_splits == 1) {
-      static_cast<T*>(p.out)[t * p.out_stride + static_cast<int64_t>(head) * dv + d] =
-          from_float<T>(normalized);
-    } else {
-      const int64_t index = (static_cast<int64_t>(t) * p.num_heads + head) * p.num_splits +
-                            blockIdx.z;
-      p.partial_out[index * dv + d] = normalized;
-      if (d == 0) {
-        p.partial_max[index] = merged_max;
-        p.partial_sum[index] = total;
-      }
-    }
-  }
+  store_merged_rows<T, false>(p, heads, kAttentionWarps, &s_max[0][0], &s_sum[0][0], &s_acc[0][0][0],
+                              HPB, DPL * 32, [&](int h) { return make_int2(t, head0 + h); });
 }
 
 /// Grid (num_tokens, num_heads), any block size: out = the splits' partial outputs weighted by

@@ -202,32 +202,8 @@ __global__ void __launch_bounds__(kAttentionThreads)
     for (int i = 0; i < 8; ++i) s_acc[stream][h][part * 8 + i] = acc[h][i];
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < heads * HEAD_DIM; i += blockDim.x) {
-    const int h = i / HEAD_DIM, d = i % HEAD_DIM;
-    float merged_max = -FLT_MAX;
-    for (int s = 0; s < kStreams; ++s) merged_max = fmaxf(merged_max, s_max[s][h]);
-    float total = 0.0f, value = 0.0f;
-    for (int s = 0; s < kStreams; ++s) {
-      if (s_sum[s][h] == 0.0f) continue;  // a stream that saw no position
-      const float w = exp2f(s_max[s][h] - merged_max);
-      total += s_sum[s][h] * w;
-      value += s_acc[s][h][d] * w;
-    }
-    const float normalized = total > 0.0f ? value / total : 0.0f;
-    const int head = head0 + h;
-    if (p.num_splits == 1) {
-      static_cast<T*>(p.out)[t * p.out_stride + static_cast<int64_t>(head) * HEAD_DIM + d] =
-          from_float<T>(normalized);
-    } else {
-      const int64_t index = (static_cast<int64_t>(t) * p.num_heads + head) * p.num_splits +
-                            blockIdx.z;
-      p.partial_out[index * HEAD_DIM + d] = normalized;
-      if (d == 0) {
-        p.partial_max[index] = merged_max / kLog2e;  // natural-log units, as the merge reads
-        p.partial_sum[index] = total;
-      }
-    }
-  }
+  store_merged_rows<T, true>(p, heads, kStreams, &s_max[0][0], &s_sum[0][0], &s_acc[0][0][0], HPB,
+                             HEAD_DIM, [&](int h) { return make_int2(t, head0 + h); });
 }
 
 }  // namespace kvserve::cuda

@@ -1,0 +1,239 @@
+#pragma once
+// The host half of paged_attention's CUDA launcher, apart from the CUDA runtime so that the
+// kernel emulator's tests (tests/cpp/test_paged_attention_emulated.cpp) run it too: parameters
+// from the tensors, the choice of kernel (tensor cores for bf16 / fp16 over plain caches of head
+// size 64 or 128, the row kernel for other head sizes 64, 128, 256, the general one otherwise),
+// the tile shape, and the split of long contexts when too few blocks would fill the GPU. The
+// metadata stays on the device (reading it would synchronise): grids are bounds from the shapes
+// and the number of splits comes from the block table's width. `launch(kernel, grid, threads,
+// shared_bytes, params)` starts a kernel: on a stream (paged_attention_cuda.cu) or emulated.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <type_traits>
+
+#include "kernels/attention/paged_attention_kernel.cuh"
+#include "kernels/attention/paged_attention_mma_kernel.cuh"
+#include "kernels/attention/paged_attention_rows_kernel.cuh"
+
+namespace kvserve::ops::paged_attention_launch {
+
+/// Which kernel body runs a call.
+enum class Kernel { kAuto, kMma, kRows, kGeneral };
+
+/// KVSERVE_ATTENTION_KERNEL=mma|rows|general narrows the choice (for benchmarks and for
+/// bisecting a wrong result); unset or `auto`: the fastest that applies.
+inline Kernel kernel_from_environment() {
+  static const Kernel kernel = [] {
+    const char* name = std::getenv("KVSERVE_ATTENTION_KERNEL");
+    if (name == nullptr || std::strcmp(name, "auto") == 0 || name[0] == '\0') return Kernel::kAuto;
+    if (std::strcmp(name, "mma") == 0) return Kernel::kMma;
+    if (std::strcmp(name, "rows") == 0) return Kernel::kRows;
+    TORCH_CHECK(std::strcmp(name, "general") == 0,
+                "KVSERVE_ATTENTION_KERNEL must be auto, mma, rows or general, got ", name);
+    return Kernel::kGeneral;
+  }();
+  return kernel;
+}
+
+/// Kernel parameters of a checked call (split fields are set by launch_split).
+inline cuda::PagedAttentionParams make_params(
+    at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+    const at::Tensor& value_cache, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+    const at::Tensor& block_tables, double scale, int64_t sliding_window, double logit_softcap,
+    const std::optional<at::Tensor>& key_scale, const std::optional<at::Tensor>& value_scale) {
+  cuda::PagedAttentionParams p{};
+  p.out = out.data_ptr();
+  p.query = query.data_ptr();
+  p.key_cache = key_cache.data_ptr();
+  p.value_cache = value_cache.data_ptr();
+  p.key_scale = key_scale ? key_scale->data_ptr<float>() : nullptr;
+  p.value_scale = value_scale ? value_scale->data_ptr<float>() : nullptr;
+  p.query_start_loc = query_start_loc.data_ptr<int32_t>();
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.block_tables = block_tables.data_ptr<int32_t>();
+  p.out_stride = out.stride(0);
+  p.query_stride = query.stride(0);
+  p.cache_block_stride = key_cache.stride(0);
+  p.value_cache_block_stride = value_cache.stride(0);
+  p.value_row = value_cache.size(3);
+  p.num_seqs = static_cast<int>(seq_lens.numel());
+  p.num_heads = static_cast<int>(query.size(1));
+  p.num_kv_heads = static_cast<int>(key_cache.size(2));
+  p.head_dim = static_cast<int>(query.size(2));
+  p.value_head_dim = static_cast<int>(out.size(2));
+  p.block_size = static_cast<int>(key_cache.size(1));
+  p.max_blocks_per_seq = static_cast<int>(block_tables.size(1));
+  p.num_blocks = static_cast<int>(key_cache.size(0));
+  cuda::host_block_divisor(p);
+  p.scale = static_cast<float>(scale);
+  p.sliding_window = static_cast<int>(std::clamp<int64_t>(sliding_window, 0, INT32_MAX));
+  p.logit_softcap = static_cast<float>(logit_softcap);
+  return p;
+}
+
+// Thread blocks of one wave per multiprocessor, times this: enough to hide memory latency.
+constexpr int64_t kBlocksPerMultiprocessor = 4;
+// Splits never hold fewer positions than this (their merge would cost more than they save).
+constexpr int64_t kMinPartition = 256;
+
+/// Launches `kernel` on a grid of `tiles` x (KV heads x head blocks of `heads_per_block`) x
+/// splits, and the merge of the splits: contexts are split into partitions (multiples of `step`
+/// positions) when `useful_tiles` x head blocks would not fill `sms` multiprocessors.
+template <typename T, typename Launch>
+void launch_split(void (*kernel)(cuda::PagedAttentionParams), cuda::PagedAttentionParams& p,
+                  int64_t tiles, int64_t useful_tiles, int heads_per_block, int sms, int64_t step,
+                  size_t shared_bytes, const at::Tensor& query, Launch& launch) {
+  p.head_blocks_per_kv_head = (p.num_heads / p.num_kv_heads + heads_per_block - 1) /
+                              heads_per_block;
+  const int64_t head_blocks = static_cast<int64_t>(p.num_kv_heads) * p.head_blocks_per_kv_head;
+  const int64_t max_context = static_cast<int64_t>(p.max_blocks_per_seq) * p.block_size;
+  const int64_t blocks = std::max<int64_t>(useful_tiles * head_blocks, 1);
+  int64_t splits = 1;
+  if (blocks < sms * kBlocksPerMultiprocessor) {
+    splits = std::min((max_context + kMinPartition - 1) / kMinPartition,
+                      (sms * kBlocksPerMultiprocessor + blocks - 1) / blocks);
+    splits = std::max<int64_t>(splits, 1);
+  }
+  int64_t partition = (max_context + splits - 1) / splits;
+  partition = std::max<int64_t>((partition + step - 1) / step * step, 1);
+  p.num_splits = static_cast<int>((max_context + partition - 1) / partition);
+  p.partition = static_cast<int>(partition);
+  at::Tensor workspace;
+  const int64_t num_tokens = query.size(0);
+  if (p.num_splits > 1) {
+    const int64_t partials = num_tokens * p.num_heads * p.num_splits;
+    workspace = at::empty({partials * (p.value_head_dim + 2)}, query.options().dtype(at::kFloat));
+    p.partial_out = workspace.data_ptr<float>();
+    p.partial_max = p.partial_out + partials * p.value_head_dim;
+    p.partial_sum = p.partial_max + partials;
+  }
+  launch(kernel, dim3(tiles, head_blocks, p.num_splits), cuda::kAttentionThreads, shared_bytes, p);
+  if (p.num_splits > 1) {
+    launch(cuda::paged_attention_merge_kernel<T>, dim3(num_tokens, p.num_heads), 128, 0, p);
+  }
+}
+
+/// The tensor-core kernel for bf16 / fp16 over plain caches of keys and values of one size, 64
+/// or 128, 16-byte aligned; false where it does not apply. Tiles of 16 rows (one query token's
+/// GQA group, four warps splitting the positions) when sequences bring few rows, as decode
+/// does; tiles of 64 rows (four warps of 16 rows, flash-attention style) otherwise.
+template <typename T, cuda::KVFormat F, typename Launch>
+bool launch_mma(cuda::PagedAttentionParams& p, int64_t num_tokens, int sms,
+                const at::Tensor& query, Launch& launch) {
+  if constexpr (std::is_same_v<T, float> || F != cuda::KVFormat::kPlain) {
+    return false;
+  } else {
+    const int d = p.head_dim;
+    const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+    if ((d != 64 && d != 128) || p.value_head_dim != d || p.value_row != d ||
+        p.query_stride % 8 != 0 || !aligned(p.query) || !aligned(p.key_cache) ||
+        !aligned(p.value_cache)) {
+      return false;
+    }
+    const int group = p.num_heads / p.num_kv_heads;
+    const int64_t rows_per_sequence =
+        (num_tokens + p.num_seqs - 1) / std::max(p.num_seqs, 1) * group;
+    const auto with_shape = [&](auto head_dim, auto warps_m, auto positions) {
+      constexpr int D = decltype(head_dim)::value, WM = decltype(warps_m)::value;
+      constexpr int N = decltype(positions)::value, WN = cuda::kAttentionWarps / WM;
+      using Shape = cuda::MmaAttentionShape<D, WM, WN, N>;
+      const int tile_heads = cuda::mma_tile_heads(group, Shape::kRows);
+      const int64_t tile_tokens = Shape::kRows / tile_heads;
+      launch_split<T>(cuda::paged_attention_mma_kernel<T, D, WM, WN, N>, p,
+                      num_tokens / tile_tokens + p.num_seqs,
+                      (num_tokens + tile_tokens - 1) / tile_tokens, tile_heads, sms, N,
+                      Shape::kSharedBytes, query, launch);
+    };
+    using I = std::integral_constant<int, 1>;
+    using IV = std::integral_constant<int, 4>;
+    using N64 = std::integral_constant<int, 64>;
+    const bool decode_tiles = rows_per_sequence <= 16;
+    if (d == 64) {
+      using D64 = std::integral_constant<int, 64>;
+      decode_tiles ? with_shape(D64{}, I{}, N64{}) : with_shape(D64{}, IV{}, N64{});
+    } else {
+      using D128 = std::integral_constant<int, 128>;
+      decode_tiles ? with_shape(D128{}, I{}, N64{}) : with_shape(D128{}, IV{}, N64{});
+    }
+    return true;
+  }
+}
+
+/// The row kernel for keys and values of one size, 64, 128 or 256, in caches whose rows are
+/// aligned for its vector loads; false where it does not apply.
+template <typename T, cuda::KVFormat F, typename Launch>
+bool launch_rows(cuda::PagedAttentionParams& p, int64_t num_tokens, int sms,
+                 const at::Tensor& query, Launch& launch) {
+  using Entry = typename cuda::KVEntry<T, F>::type;
+  const int d = p.head_dim;
+  constexpr uintptr_t kAlignment = 8 * sizeof(Entry) < 16 ? 8 * sizeof(Entry) : 16;
+  const auto aligned = [](const void* ptr) {
+    return reinterpret_cast<uintptr_t>(ptr) % kAlignment == 0;
+  };
+  if ((d != 64 && d != 128 && d != 256) || p.value_head_dim != d || p.value_row != d ||
+      !aligned(p.key_cache) || !aligned(p.value_cache)) {
+    return false;
+  }
+  const int group = p.num_heads / p.num_kv_heads;
+  const auto with_heads = [&](auto heads_per_block) {
+    constexpr int HPB = decltype(heads_per_block)::value;
+    // Rows in flight per lane, twice over (pipelined): fewer where registers are short (fp32
+    // rows take two 16-byte loads; 8 heads hold 128 floats of queries and accumulators).
+    constexpr int kRows = sizeof(Entry) == 4 || HPB >= 8 ? 2 : 4;
+    const auto for_dim = [&](auto head_dim) {
+      constexpr int D = decltype(head_dim)::value;
+      launch_split<T>(cuda::paged_attention_rows_kernel<T, F, D, HPB, kRows>, p, num_tokens,
+                      num_tokens, HPB, sms, cuda::rows_kernel_step<D, kRows>(), 0, query, launch);
+    };
+    if (d == 64) {
+      for_dim(std::integral_constant<int, 64>{});
+    } else if (d == 128) {
+      for_dim(std::integral_constant<int, 128>{});
+    } else {
+      for_dim(std::integral_constant<int, 256>{});
+    }
+  };
+  switch (cuda::rows_heads_per_block(group)) {
+    case 1: with_heads(std::integral_constant<int, 1>{}); break;
+    case 2: with_heads(std::integral_constant<int, 2>{}); break;
+    case 4: with_heads(std::integral_constant<int, 4>{}); break;
+    default: with_heads(std::integral_constant<int, 8>{}); break;
+  }
+  return true;
+}
+
+/// The first kernel of `kernel`'s choice that applies, down to the general one: the queries and
+/// accumulators of HPB heads live in its registers (2 * HPB * DPL floats per thread).
+template <typename T, cuda::KVFormat F, typename Launch>
+void launch_kernel(cuda::PagedAttentionParams& p, int64_t num_tokens, int sms,
+                   const at::Tensor& query, Kernel kernel, Launch& launch) {
+  if (kernel == Kernel::kAuto || kernel == Kernel::kMma) {
+    if (launch_mma<T, F>(p, num_tokens, sms, query, launch)) return;
+  }
+  if (kernel != Kernel::kGeneral) {
+    if (launch_rows<T, F>(p, num_tokens, sms, query, launch)) return;
+  }
+  const int widest = std::max(p.head_dim, p.value_head_dim);
+  if (widest <= 128) {
+    launch_split<T>(cuda::paged_attention_kernel<T, F, 4, 8>, p, num_tokens, num_tokens, 8, sms,
+                    1, 0, query, launch);
+  } else if (widest <= 256) {
+    launch_split<T>(cuda::paged_attention_kernel<T, F, 8, 4>, p, num_tokens, num_tokens, 4, sms,
+                    1, 0, query, launch);
+  } else {
+    TORCH_CHECK(widest <= 576, "paged_attention: head dimensions up to 576 on CUDA, got ", widest);
+    launch_split<T>(cuda::paged_attention_kernel<T, F, 18, 2>, p, num_tokens, num_tokens, 2, sms,
+                    1, 0, query, launch);
+  }
+}
+
+}  // namespace kvserve::ops::paged_attention_launch

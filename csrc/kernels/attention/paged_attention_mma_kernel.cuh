@@ -1,0 +1,305 @@
+#pragma once
+// CUDA body of paged_attention on tensor cores (sm_80+), for bf16 / fp16 queries over plain
+// caches with keys and values of one size, 64 or 128 (contract: paged_attention.h). A thread
+// block takes a tile of 16 * WM query rows of one sequence and one KV head, a row being a query
+// token and one of the query heads that share the KV head: the GQA group is the matrix's M, so a
+// decode step's group of heads reads each key and value row once and multiplies it on tensor
+// cores (FlashInfer's decode layout), and a prefill's tokens x heads form flash-attention tiles.
+// The block walks its context split N positions at a time: cp.async copies the next tile's key
+// and value rows (gathered through the block table) into shared memory while the warps compute
+// on this one (two stages); rows are stored XOR-swizzled in 16-byte chunks so ldmatrix reads
+// them without bank conflicts. Its 4 warps are WM (rows) x WN (positions): each computes
+// S = Q K^T for its 16 rows and N / WN positions with mma.m16n8k16, masks (causal, sliding
+// window, outside the pool), soft-caps, keeps a base-2 online softmax per row in registers, and
+// accumulates P V with P taken straight from S's accumulators. The WN streams of a row merge in
+// shared memory (store_merged_rows), as do splits in paged_attention_merge_kernel.
+
+#include <cfloat>
+#include <cstdint>
+
+#include "kernels/attention/paged_attention_kernel.cuh"
+#include "kernels/cuda_mma.cuh"
+
+namespace kvserve::cuda {
+
+/// The shape of one instantiation: HEAD_DIM 64 or 128; WM x WN warps (4 in all); N positions a
+/// stage, N / WN (a multiple of 16) per warp.
+template <int HEAD_DIM, int WM, int WN, int N>
+struct MmaAttentionShape {
+  static_assert(WM * WN == kAttentionWarps, "the block's 4 warps are WM x WN");
+  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head sizes 64 and 128");
+  static_assert(N % (16 * WN) == 0, "each warp takes a multiple of 16 positions");
+  static constexpr int kRows = 16 * WM;            // query rows of a block
+  static constexpr int kChunks = HEAD_DIM / 8;     // 16-byte chunks of a row
+  static constexpr int kWarpPositions = N / WN;    // positions per warp and stage
+  static constexpr int kStages = 2;
+  // Shared memory: Q [kRows][HEAD_DIM], K and V [kStages][N][HEAD_DIM] of 16-bit entries, then
+  // [kStages][N] flags of the rows that hold a position; the epilogue reuses K and V for WN
+  // streams' maxima, sums and values per row.
+  static constexpr int kQueryEntries = kRows * HEAD_DIM;
+  static constexpr int kStageEntries = N * HEAD_DIM;
+  static constexpr size_t kSharedBytes =
+      2 * (kQueryEntries + 2 * kStages * kStageEntries) + 4 * kStages * N;
+  static_assert(4 * WN * kRows * (HEAD_DIM + 2) <= 2 * 2 * kStages * kStageEntries,
+                "the epilogue fits in the key and value stages");
+};
+
+/// Entry offset of chunk `chunk` of row `row` in a swizzled tile of HEAD_DIM-entry rows.
+template <int HEAD_DIM>
+__device__ inline int swizzled(int row, int chunk) {
+  return row * HEAD_DIM + ((chunk ^ (row & 7)) << 3);
+}
+
+/// Query heads per row tile for a GQA group, and tokens per tile: a tile holds whole groups of
+/// min(group, rows) heads, for rows / heads tokens.
+__host__ __device__ inline int mma_tile_heads(int group, int rows) {
+  return group < rows ? group : rows;
+}
+
+/// The first tile of sequence b when each takes tiles of `tokens` query tokens: a bound that
+/// needs no scan, floor(query_start_loc[b] / tokens) + b; the grid has
+/// floor(num_tokens / tokens) + num_seqs tiles and a sequence's surplus tiles exit.
+__device__ inline int mma_first_tile(const int32_t* query_start_loc, int b, int tokens) {
+  return query_start_loc[b] / tokens + b;
+}
+
+/// The sequence of tile `tile`: the last b whose first tile is <= tile.
+__device__ inline int mma_sequence_of(const PagedAttentionParams& p, int tile, int tokens) {
+  int lo = 0, hi = p.num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (mma_first_tile(p.query_start_loc, mid, tokens) <= tile) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+/// Grid (num_tokens / tile tokens + num_seqs, num_kv_heads * head_blocks_per_kv_head,
+/// num_splits), kAttentionThreads threads, Shape::kSharedBytes of dynamic shared memory.
+/// T: __nv_bfloat16 or __half; head_dim == value_head_dim == value_row == HEAD_DIM; the
+/// caches', query's and query rows' addresses are 16-byte aligned (the launcher checks).
+template <typename T, int HEAD_DIM, int WM, int WN, int N>
+__global__ void __launch_bounds__(kAttentionThreads)
+    paged_attention_mma_kernel(const PagedAttentionParams p) {
+  using Shape = MmaAttentionShape<HEAD_DIM, WM, WN, N>;
+  constexpr int kRows = Shape::kRows, kChunks = Shape::kChunks;
+  constexpr int kWarpPositions = Shape::kWarpPositions;
+  constexpr int kScoreTiles = kWarpPositions / 8;  // 8-position tiles of a warp's scores
+  constexpr int kValueTiles = HEAD_DIM / 8;        // 8-entry tiles of a row's output
+  constexpr float kLog2e = 1.4426950408889634f;
+  T* s_query = static_cast<T*>(dynamic_shared_memory());
+  T* s_key = s_query + Shape::kQueryEntries;
+  T* s_value = s_key + Shape::kStages * Shape::kStageEntries;
+  int* s_valid = reinterpret_cast<int*>(s_value + Shape::kStages * Shape::kStageEntries);
+
+  // This block's sequence, query tokens and heads.
+  const int group = p.num_heads / p.num_kv_heads;
+  const int tile_heads = mma_tile_heads(group, kRows);
+  const int tile_tokens = kRows / tile_heads;
+  const int b = mma_sequence_of(p, blockIdx.x, tile_tokens);
+  const int first_query = p.query_start_loc[b];
+  const int query_len = p.query_start_loc[b + 1] - first_query;
+  const int q0 = (blockIdx.x - mma_first_tile(p.query_start_loc, b, tile_tokens)) * tile_tokens;
+  if (q0 >= query_len) return;  // a surplus tile (uniform across the block)
+  const int tokens = min(tile_tokens, query_len - q0);
+  const int kv_head = blockIdx.y / p.head_blocks_per_kv_head;
+  const int head0 = kv_head * group + (blockIdx.y % p.head_blocks_per_kv_head) * tile_heads;
+  const int heads = min(tile_heads, (kv_head + 1) * group - head0);
+  const int first_position = p.seq_lens[b] - query_len + q0;  // of the tile's first token
+  // A row's token and head, {-1, -1} past the tile's tokens or heads.
+  const auto row_of = [&](int r) {
+    const int token = r / tile_heads, head = r % tile_heads;
+    return token < tokens && head < heads ? make_int2(first_query + q0 + token, head0 + head)
+                                          : make_int2(-1, -1);
+  };
+
+  // The positions this block reads: the tile's causal span, its sliding windows, this split.
+  const int last_position = first_position + tokens - 1;
+  const int context_end = min(last_position + 1, p.max_blocks_per_seq * p.block_size);
+  const int window_start =
+      p.sliding_window > 0 ? max(0, first_position + 1 - p.sliding_window) : 0;
+  const int kv_begin = max(window_start, static_cast<int>(blockIdx.z) * p.partition);
+  const int kv_end = min(context_end, static_cast<int>(blockIdx.z + 1) * p.partition);
+  const int iterations = kv_end > kv_begin ? (kv_end - kv_begin + N - 1) / N : 0;
+
+  // Queries: row r's entries, zeros for rows of no token or head.
+  const T* query = static_cast<const T*>(p.query);
+  for (int i = threadIdx.x; i < kRows * kChunks; i += kAttentionThreads) {
+    const int r = i / kChunks, chunk = i % kChunks;
+    const int2 row = row_of(r);
+    const T* src = row.x < 0 ? query
+                             : query + static_cast<int64_t>(row.x) * p.query_stride +
+                                   static_cast<int64_t>(row.y) * HEAD_DIM + chunk * 8;
+    cp_async_16(s_query + swizzled<HEAD_DIM>(r, chunk), src, row.x >= 0);
+  }
+  cp_async_commit();
+  const T* key_cache = static_cast<const T*>(p.key_cache);
+  const T* value_cache = static_cast<const T*>(p.value_cache);
+  const int32_t* table = p.block_tables + static_cast<int64_t>(b) * p.max_blocks_per_seq;
+  // Stage `stage` <- the key and value rows of positions [base, base + N): zeros and an unset
+  // flag past kv_end or in a block outside the pool.
+  const auto load_stage = [&](int stage, int base) {
+    T* keys = s_key + stage * Shape::kStageEntries;
+    T* values = s_value + stage * Shape::kStageEntries;
+    for (int i = threadIdx.x; i < N * kChunks; i += kAttentionThreads) {
+      const int j = i / kChunks, chunk = i % kChunks;
+      const int pos = base + j;
+      const int block_index = pos < kv_end ? block_of(p, pos) : 0;
+      const int block = pos < kv_end ? table[block_index] : -1;
+      const bool valid = block >= 0 && block < p.num_blocks;
+      const int64_t row =
+          valid ? (static_cast<int64_t>(block) * p.block_size + (pos - block_index * p.block_size)) *
+                          p.num_kv_heads + kv_head
+                : 0;
+      const int64_t offset = row * HEAD_DIM + chunk * 8;
+      cp_async_16(keys + swizzled<HEAD_DIM>(j, chunk), key_cache + offset, valid);
+      cp_async_16(values + swizzled<HEAD_DIM>(j, chunk), value_cache + offset, valid);
+      if (chunk == 0) s_valid[stage * N + j] = valid;
+    }
+  };
+  if (iterations > 0) load_stage(0, kv_begin);
+  cp_async_commit();
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int wm = warp / WN, wn = warp % WN;
+  const int g = lane / 4, c = lane % 4;
+  // This lane's two rows (g and g + 8 of the warp's 16): the positions they attend to.
+  int lowest[2], highest[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = 16 * wm + g + 8 * i;
+    const bool used = row_of(r).x >= 0;
+    const int position = first_position + r / tile_heads;
+    highest[i] = used ? position : -1;
+    lowest[i] = p.sliding_window > 0 ? position + 1 - p.sliding_window : 0;
+  }
+  float out[kValueTiles][4] = {}, running_max[2] = {-INFINITY, -INFINITY}, running_sum[2] = {};
+  uint32_t q_frag[HEAD_DIM / 16][4];
+  cp_async_wait<1>();  // the queries
+  __syncthreads();
+#pragma unroll
+  for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+    ldmatrix_x4<false>(q_frag[kk], s_query + swizzled<HEAD_DIM>(16 * wm + lane % 16,
+                                                                2 * kk + lane / 16));
+  }
+  const float score_scale = p.logit_softcap > 0.0f ? p.scale / p.logit_softcap : p.scale * kLog2e;
+
+  for (int it = 0; it < iterations; ++it) {
+    const int stage = it % Shape::kStages;
+    if (it + 1 < iterations) load_stage(stage ^ 1, kv_begin + (it + 1) * N);
+    cp_async_commit();
+    cp_async_wait<1>();  // this stage's rows (the next stage's may still be in flight)
+    __syncthreads();
+    const T* keys = s_key + stage * Shape::kStageEntries;
+    const T* values = s_value + stage * Shape::kStageEntries;
+    const int first = wn * kWarpPositions;  // this warp's first row of the stage
+    const int base = kv_begin + it * N + first;
+
+    // S = Q K^T: each ldmatrix gives the B fragments of two 8-position tiles.
+    float score[kScoreTiles][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+#pragma unroll
+      for (int nt = 0; nt < kScoreTiles; nt += 2) {
+        uint32_t frag[4];
+        const int j = first + nt * 8 + (lane / 16) * 8 + lane % 8;
+        ldmatrix_x4<false>(frag, keys + swizzled<HEAD_DIM>(j, 2 * kk + (lane / 8) % 2));
+        const uint32_t b0[2] = {frag[0], frag[1]}, b1[2] = {frag[2], frag[3]};
+        mma_m16n8k16<T>(score[nt], q_frag[kk], b0);
+        mma_m16n8k16<T>(score[nt + 1], q_frag[kk], b1);
+      }
+    }
+    // Scale (log2 units), soft-cap, mask; then the online softmax of each of the two rows.
+#pragma unroll
+    for (int nt = 0; nt < kScoreTiles; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int pos = base + nt * 8 + 2 * c + e % 2, i = e / 2;
+        float x = score[nt][e] * score_scale;
+        if (p.logit_softcap > 0.0f) x = p.logit_softcap * kLog2e * tanhf(x);
+        const bool valid = s_valid[stage * N + pos - (base - first)] && pos >= lowest[i] &&
+                           pos <= highest[i];
+        score[nt][e] = valid ? x : -INFINITY;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float tile_max = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < kScoreTiles; ++nt) {
+        tile_max = fmaxf(tile_max, fmaxf(score[nt][2 * i], score[nt][2 * i + 1]));
+      }
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+      const float new_max = fmaxf(running_max[i], tile_max);
+      const float shift = new_max == -INFINITY ? 0.0f : new_max;  // a row with nothing yet
+      const float correction = exp2f(running_max[i] - shift);
+      running_sum[i] *= correction;
+#pragma unroll
+      for (int dt = 0; dt < kValueTiles; ++dt) {
+        out[dt][2 * i] *= correction;
+        out[dt][2 * i + 1] *= correction;
+      }
+#pragma unroll
+      for (int nt = 0; nt < kScoreTiles; ++nt) {
+#pragma unroll
+        for (int e = 2 * i; e < 2 * i + 2; ++e) {
+          score[nt][e] = exp2f(score[nt][e] - shift);
+          running_sum[i] += score[nt][e];
+        }
+      }
+      running_max[i] = new_max;
+    }
+    // O += P V: P's A fragments are two score tiles; a transposed ldmatrix gives V's B
+    // fragments of two 8-entry output tiles.
+#pragma unroll
+    for (int kt = 0; kt < kWarpPositions / 16; ++kt) {
+      const float(&s0)[4] = score[2 * kt];
+      const float(&s1)[4] = score[2 * kt + 1];
+      const uint32_t a[4] = {pack_pair<T>(s0[0], s0[1]), pack_pair<T>(s0[2], s0[3]),
+                             pack_pair<T>(s1[0], s1[1]), pack_pair<T>(s1[2], s1[3])};
+      const int j = first + 16 * kt + ((lane / 8) % 2) * 8 + lane % 8;
+#pragma unroll
+      for (int dt = 0; dt < kValueTiles; dt += 2) {
+        uint32_t frag[4];
+        ldmatrix_x4<true>(frag, values + swizzled<HEAD_DIM>(j, dt + lane / 16));
+        const uint32_t b0[2] = {frag[0], frag[1]}, b1[2] = {frag[2], frag[3]};
+        mma_m16n8k16<T>(out[dt], a, b0);
+        mma_m16n8k16<T>(out[dt + 1], a, b1);
+      }
+    }
+    __syncthreads();  // every warp is done with this stage before it is loaded again
+  }
+  cp_async_wait<0>();
+
+  // The lanes of a quad hold parts of their rows' sums.
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    running_sum[i] += __shfl_xor_sync(0xffffffffu, running_sum[i], 1);
+    running_sum[i] += __shfl_xor_sync(0xffffffffu, running_sum[i], 2);
+  }
+  __syncthreads();  // the stages are free (a block with no iteration reaches here directly)
+  float* e_max = reinterpret_cast<float*>(s_key);
+  float* e_sum = e_max + WN * kRows;
+  float* e_acc = e_sum + WN * kRows;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int slot = wn * kRows + 16 * wm + g + 8 * i;
+    if (c == 0) {
+      e_max[slot] = running_max[i];
+      e_sum[slot] = running_sum[i];
+    }
+#pragma unroll
+    for (int dt = 0; dt < kValueTiles; ++dt) {
+      e_acc[slot * HEAD_DIM + 8 * dt + 2 * c] = out[dt][2 * i];
+      e_acc[slot * HEAD_DIM + 8 * dt + 2 * c + 1] = out[dt][2 * i + 1];
+    }
+  }
+  __syncthreads();
+  store_merged_rows<T, true>(p, kRows, WN, e_max, e_sum, e_acc, kRows, HEAD_DIM, row_of);
+}
+
+}  // namespace kvserve::cuda
