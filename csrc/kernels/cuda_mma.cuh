@@ -28,8 +28,16 @@ __device__ inline uint32_t pack_pair(float low, float high) {
 #ifdef KVSERVE_CUDA_EMULATOR
 template <typename T>
 void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]);
+template <>
+void mma_m16n8k16<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]);
+template <>
+void mma_m16n8k16<__half>(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]);
 template <bool TRANSPOSE>
 void ldmatrix_x4(uint32_t (&r)[4], const void* shared_row);
+template <>
+void ldmatrix_x4<false>(uint32_t (&r)[4], const void* shared_row);
+template <>
+void ldmatrix_x4<true>(uint32_t (&r)[4], const void* shared_row);
 void cp_async_16(void* shared_dst, const void* global_src, bool fill);
 void cp_async_commit();
 template <int PENDING>

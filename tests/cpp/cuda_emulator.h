@@ -1,0 +1,106 @@
+#pragma once
+// A host emulator of the CUDA execution model, for testing kernel bodies (*_kernel.cuh) on a
+// machine without a GPU: every thread of a block is a coroutine on one OS thread, run in turn
+// until it reaches a point that needs other threads (__syncthreads, a warp shuffle, ldmatrix,
+// mma), which completes when all of them have arrived. The warp-wide primitives follow PTX's
+// definitions: mma.m16n8k16 computes in fp32 from the fragments' bf16 / fp16 entries, ldmatrix
+// checks that its rows are 16-byte aligned and inside the block's shared memory, and cp.async
+// copies happen at the latest allowed moment (cp_async_wait), so a read that misses its wait or
+// its barrier sees stale bytes. Dynamic shared memory starts as 0xFF bytes (NaN), so reading
+// what nothing wrote shows. A deadlock (a barrier some thread never reaches, lanes of a warp at
+// different primitives) aborts with where each thread waits. Include this before any kernel body.
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+
+#define KVSERVE_CUDA_EMULATOR 1
+#include "kernels/cuda_mma.cuh"
+
+namespace kvserve::emu {
+
+const uint3& thread_index();
+const uint3& block_index();
+const dim3& block_dim();
+const dim3& grid_dim();
+void sync_threads();
+[[noreturn]] void fail(const char* what);
+
+/// Bytes a warp primitive's lane may pass in or out.
+constexpr size_t kSlotBytes = 64;
+
+/// Runs `op(inputs, outputs)` once every lane of the calling thread's warp has called this with
+/// the same `name`; inputs[l] / outputs[l] are lane l's (raw bytes of In / Out).
+void warp_collective_raw(const char* name, const void* in, size_t in_bytes, void* out,
+                         size_t out_bytes,
+                         const std::function<void(const unsigned char (*)[kSlotBytes],
+                                                  unsigned char (*)[kSlotBytes])>& op);
+
+template <typename In, typename Out, typename Op>
+Out warp_collective(const char* name, const In& in, Op op) {
+  static_assert(sizeof(In) <= kSlotBytes && sizeof(Out) <= kSlotBytes, "slot too small");
+  Out out{};
+  warp_collective_raw(name, &in, sizeof(In), &out, sizeof(Out),
+                      [&](const unsigned char (*ins)[kSlotBytes], unsigned char (*outs)[kSlotBytes]) {
+                        In lanes_in[32];
+                        Out lanes_out[32];
+                        for (int l = 0; l < 32; ++l) std::memcpy(&lanes_in[l], ins[l], sizeof(In));
+                        op(lanes_in, lanes_out);
+                        for (int l = 0; l < 32; ++l) std::memcpy(outs[l], &lanes_out[l], sizeof(Out));
+                      });
+  return out;
+}
+
+/// Runs kernel(params) on `grid` blocks of `block` threads, one block after another, with
+/// `shared_bytes` of dynamic shared memory each.
+void launch_blocks(dim3 grid, dim3 block, size_t shared_bytes, const std::function<void()>& body);
+
+template <typename Params>
+void launch(void (*kernel)(Params), dim3 grid, dim3 block, size_t shared_bytes,
+            const Params& params) {
+  launch_blocks(grid, block, shared_bytes, [&] { kernel(params); });
+}
+
+}  // namespace kvserve::emu
+
+#define threadIdx (::kvserve::emu::thread_index())
+#define blockIdx (::kvserve::emu::block_index())
+#define blockDim (::kvserve::emu::block_dim())
+#define gridDim (::kvserve::emu::grid_dim())
+#undef __shared__
+#define __shared__ static
+#undef __launch_bounds__
+#define __launch_bounds__(...)
+#define __syncthreads() ::kvserve::emu::sync_threads()
+
+template <typename T>
+T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32) {
+  if (mask != 0xffffffffu || width != 32) ::kvserve::emu::fail("__shfl_xor_sync: full warps only");
+  return ::kvserve::emu::warp_collective<T, T>(
+      "__shfl_xor_sync", value, [lane_mask](const T* in, T* out) {
+        for (int l = 0; l < 32; ++l) out[l] = in[(l ^ lane_mask) & 31];
+      });
+}
+
+template <typename T>
+T __shfl_sync(unsigned mask, T value, int source, int width = 32) {
+  if (mask != 0xffffffffu || width != 32) ::kvserve::emu::fail("__shfl_sync: full warps only");
+  struct In {
+    T value;
+    int source;
+  };
+  return ::kvserve::emu::warp_collective<In, T>(
+      "__shfl_sync", In{value, source}, [](const In* in, T* out) {
+        for (int l = 0; l < 32; ++l) out[l] = in[in[l].source & 31].value;
+      });
+}
+
+inline unsigned int __umulhi(unsigned int a, unsigned int b) {
+  return static_cast<unsigned int>((static_cast<uint64_t>(a) * b) >> 32);
+}
+
+using std::max;
+using std::min;

@@ -1,0 +1,161 @@
+// paged_attention's CUDA kernel bodies run by the CUDA emulator (cuda_emulator.h) through the
+// launcher's own host plan (paged_attention_cuda_launch.h), against the CPU op: the tensor-core
+// kernel in its decode (16-row) and prefill (64-row) tiles, the row kernel and the general one,
+// over awkward shapes, GQA groups, block sizes, sliding windows, soft-caps and context splits.
+// This tests the kernels' indexing, masking, pipelining and merging without a GPU; what the
+// emulator cannot show (speed, the hardware's own fragment layouts) the `cuda` tests do on one.
+#include "cuda_emulator.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/randn.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels/attention/paged_attention.h"
+#include "kernels/attention/paged_attention_cuda_launch.h"
+
+namespace kvserve {
+namespace {
+
+using ops::paged_attention_launch::Kernel;
+
+struct Case {
+  std::string name;
+  int heads, kv_heads, head_dim, block_size;
+  std::vector<std::pair<int, int>> runs;  // (query tokens, context length) per sequence
+  int sliding_window = 0;
+  double softcap = 0.0;
+  int sms = 132;  // fewer multiprocessors split contexts sooner
+};
+
+struct EmulatedLaunch {
+  void operator()(void (*kernel)(cuda::PagedAttentionParams), dim3 grid, int threads,
+                  size_t shared_bytes, const cuda::PagedAttentionParams& p) const {
+    emu::launch(kernel, grid, dim3(threads), shared_bytes, p);
+  }
+};
+
+at::Tensor int_tensor(const std::vector<int32_t>& values) {
+  at::Tensor t = at::empty({static_cast<int64_t>(values.size())}, at::kInt);
+  std::copy(values.begin(), values.end(), t.data_ptr<int32_t>());
+  return t;
+}
+
+template <typename T>
+void run_case(const Case& c, at::ScalarType dtype, Kernel kernel, double tolerance) {
+  SCOPED_TRACE(c.name);
+  std::mt19937 rng(1234);
+  const int num_seqs = static_cast<int>(c.runs.size());
+  std::vector<int32_t> starts{0}, lens;
+  int max_blocks = 1, total_blocks = 0;
+  for (const auto& [tokens, context] : c.runs) {
+    starts.push_back(starts.back() + tokens);
+    lens.push_back(context);
+    const int blocks = (context + c.block_size - 1) / c.block_size;
+    max_blocks = std::max(max_blocks, blocks + 1);  // a spare column the contexts do not reach
+    total_blocks += blocks;
+  }
+  const int num_blocks = total_blocks + 3;
+  std::vector<int32_t> ids(num_blocks);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  std::vector<int32_t> table(static_cast<size_t>(num_seqs) * max_blocks, 0);
+  int next = 0;
+  for (int b = 0; b < num_seqs; ++b) {
+    for (int i = 0; i < (lens[b] + c.block_size - 1) / c.block_size; ++i) {
+      table[static_cast<size_t>(b) * max_blocks + i] = ids[next++];
+    }
+  }
+  const int num_tokens = starts.back();
+  const int d = c.head_dim;
+  at::manual_seed(7);
+  const at::Tensor key = at::randn({num_blocks, c.block_size, c.kv_heads, d}).to(dtype);
+  const at::Tensor value = at::randn({num_blocks, c.block_size, c.kv_heads, d}).to(dtype);
+  // The queries are a view of a fused projection's output, as the engine passes them.
+  const at::Tensor fused = at::randn({num_tokens, c.heads + 2 * c.kv_heads, d}).to(dtype);
+  const at::Tensor query = fused.narrow(1, 0, c.heads);
+  const at::Tensor qsl = int_tensor(starts), seq_lens = int_tensor(lens);
+  const at::Tensor tables = int_tensor(table).view({num_seqs, max_blocks});
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+
+  at::Tensor expected = at::empty({num_tokens, c.heads, d}, dtype);
+  ops::paged_attention(expected, query, key, value, qsl, seq_lens, tables, scale,
+                       c.sliding_window, c.softcap);
+  at::Tensor actual = at::zeros({num_tokens, c.heads, d}, dtype);
+  cuda::PagedAttentionParams p = ops::paged_attention_launch::make_params(
+      actual, query, key, value, qsl, seq_lens, tables, scale, c.sliding_window, c.softcap,
+      std::nullopt, std::nullopt);
+  EmulatedLaunch launch;
+  ops::paged_attention_launch::launch_kernel<T, cuda::KVFormat::kPlain>(p, num_tokens, c.sms,
+                                                                        query, kernel, launch);
+  const at::Tensor e = expected.to(at::kFloat), a = actual.to(at::kFloat);
+  const float* ep = e.data_ptr<float>();
+  const float* ap = a.data_ptr<float>();
+  double worst = 0.0;
+  int64_t worst_index = 0;
+  for (int64_t i = 0; i < e.numel(); ++i) {
+    const double error = std::abs(ep[i] - ap[i]) / (1.0 + std::abs(ep[i]));
+    if (!(error <= worst)) {  // NaN counts as worst
+      worst = std::isnan(error) ? INFINITY : error;
+      worst_index = i;
+    }
+  }
+  EXPECT_LE(worst, tolerance) << "token " << worst_index / (c.heads * d) << " head "
+                              << worst_index / d % c.heads << " entry " << worst_index % d
+                              << ": expected " << ep[worst_index] << ", got " << ap[worst_index]
+                              << " (" << p.num_splits << " splits)";
+}
+
+std::vector<Case> decode_cases() {
+  return {
+      {"decode, GQA 4, head 128, blocks of 16", 8, 2, 128, 16, {{1, 1}, {1, 37}, {1, 300}}},
+      {"decode, 3 splits", 4, 1, 128, 16, {{1, 700}, {1, 65}}, 0, 0.0, 1},
+      {"decode, MHA, head 64, blocks of 5", 3, 3, 64, 5, {{1, 70}, {1, 9}}},
+      {"decode, group 3, window 19, soft-cap 5", 6, 2, 128, 16, {{1, 90}, {1, 18}}, 19, 5.0},
+      {"decode, group 20 (two head blocks), blocks of 1", 20, 1, 64, 1, {{1, 33}, {1, 4}}},
+      {"speculative verification, 3 tokens a sequence", 8, 2, 64, 16, {{3, 40}, {3, 3}}},
+  };
+}
+
+std::vector<Case> prefill_cases() {
+  return {
+      {"prefill and chunks, GQA 4", 8, 2, 128, 16, {{5, 5}, {17, 40}, {1, 9}, {70, 70}}},
+      {"prefill, MHA, head 64, blocks of 3, window 11", 2, 2, 64, 3, {{40, 40}, {23, 50}}, 11},
+      {"prefill, group 3, soft-cap 20, split", 3, 1, 128, 16, {{30, 300}}, 0, 20.0, 1},
+      {"prefill, group 32 over one KV head", 32, 1, 64, 16, {{6, 20}, {2, 2}}},
+  };
+}
+
+TEST(PagedAttentionEmulated, TensorCoreKernelDecodesInBf16AndFp16) {
+  for (const Case& c : decode_cases()) {
+    run_case<__nv_bfloat16>(c, at::kBFloat16, Kernel::kMma, 2e-2);
+    run_case<__half>(c, at::kHalf, Kernel::kMma, 4e-3);
+  }
+}
+
+TEST(PagedAttentionEmulated, TensorCoreKernelPrefillsInBf16AndFp16) {
+  for (const Case& c : prefill_cases()) {
+    run_case<__nv_bfloat16>(c, at::kBFloat16, Kernel::kMma, 2e-2);
+    run_case<__half>(c, at::kHalf, Kernel::kMma, 4e-3);
+  }
+}
+
+TEST(PagedAttentionEmulated, RowKernelAndGeneralKernelMatchTheCpu) {
+  const std::vector<Case> cases = {decode_cases()[0], decode_cases()[3], prefill_cases()[1]};
+  for (const Case& c : cases) {
+    run_case<float>(c, at::kFloat, Kernel::kRows, 1e-5);
+    run_case<__nv_bfloat16>(c, at::kBFloat16, Kernel::kGeneral, 1e-2);
+  }
+}
+
+}  // namespace
+}  // namespace kvserve
