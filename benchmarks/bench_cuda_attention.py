@@ -9,9 +9,11 @@ scaled_dot_product_attention (prefill), in one run.
   * prefill: causal attention of a whole prompt (queries = context) for each length, ours against
     torch's scaled_dot_product_attention (the flash backend) on contiguous [B, H, T, D] tensors
     with the KV heads expanded (enable_gqa); time ratio SDPA / ours (>= 1: ours is faster).
-Each figure is the median of --repeats timings by CUDA events (a decode timing covers 20 calls
-back to back, so that launch overhead does not hide the kernel), the kernels of each pair
-interleaved. Prints markdown tables; writes JSON to --out.
+Each of --kernels (paged_attention's CUDA bodies: auto = the one the op picks, tensor cores for
+bf16; rows, the row kernel; general) runs every shape. Each figure is the median of --repeats
+timings by CUDA events (a decode timing covers 20 calls back to back, so that launch overhead
+does not hide the kernel), the kernels of each shape interleaved. Prints markdown tables; writes
+JSON to --out.
 
     python benchmarks/bench_cuda_attention.py
     python benchmarks/bench_cuda_attention.py --quick
@@ -71,23 +73,50 @@ def paged_cache(batch: int, context: int, dtype, gen):
     return key, value, tables
 
 
-def decode_row(batch, context, dtype, bandwidth, repeats, gen):
+def interleaved(fns: dict, repeats: int, calls: int = 1, rounds: int = 3) -> dict:
+    """Median seconds of each fn, timed in `rounds` interleaved rounds of repeats / rounds."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(event_time(fn, max(repeats // rounds, 3), calls))
+    return {name: median(t) for name, t in times.items()}
+
+
+def with_kernel(kernel: str, fn):
+    def run():
+        kvserve._C.set_cuda_attention_kernel(kernel)
+        fn()
+    return run
+
+
+def decode_row(batch, context, dtype, bandwidth, repeats, gen, kernels):
     key, value, tables = paged_cache(batch, context, dtype, gen)
     query = torch.randn(batch, HEADS, HEAD_DIM, dtype=dtype, device="cuda", generator=gen)
     out = torch.empty_like(query)
     qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    seconds = event_time(lambda: ops.paged_attention(out, query, key, value, qsl, lens, tables,
-                                                     HEAD_DIM ** -0.5, 0, 0.0), repeats,
-                         calls=DECODE_CALLS)
+
+    def call():
+        ops.paged_attention(out, query, key, value, qsl, lens, tables, HEAD_DIM ** -0.5, 0, 0.0)
+
+    outputs = {}
+    for kernel in kernels:
+        with_kernel(kernel, call)()
+        outputs[kernel] = out.clone()
+    seconds = interleaved({k: with_kernel(k, call) for k in kernels}, repeats, DECODE_CALLS)
+    kvserve._C.set_cuda_attention_kernel("auto")
     elem = key.element_size()
     nbytes = 2 * batch * context * KV_HEADS * HEAD_DIM * elem + 2 * query.numel() * elem
     nbytes += tables.numel() * 4
-    return dict(batch=batch, context=context, us=seconds * 1e6, gbps=nbytes / seconds / 1e9,
-                hbm_fraction=nbytes / seconds / bandwidth)
+    first = outputs[kernels[0]].float()
+    return dict(batch=batch, context=context,
+                us={k: s * 1e6 for k, s in seconds.items()},
+                hbm_fraction={k: nbytes / s / bandwidth for k, s in seconds.items()},
+                max_difference=max((o.float() - first).abs().max().item()
+                                   for o in outputs.values()))
 
 
-def prefill_row(batch, length, dtype, repeats, gen):
+def prefill_row(batch, length, dtype, repeats, gen, kernels):
     key, value, tables = paged_cache(batch, length, dtype, gen)
     query = torch.randn(batch * length, HEADS, HEAD_DIM, dtype=dtype, device="cuda",
                         generator=gen)
@@ -107,20 +136,22 @@ def prefill_row(batch, length, dtype, repeats, gen):
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
             F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
-    ours()
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
         want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    err = (out.view(batch, length, HEADS, HEAD_DIM).transpose(1, 2).float() - want.float())
-    rel = (err.norm() / want.float().norm()).item()
-    times = {"ours": [], "sdpa": []}
-    for _ in range(3):  # interleaved
-        times["ours"].append(event_time(ours, max(repeats // 3, 3)))
-        times["sdpa"].append(event_time(sdpa, max(repeats // 3, 3)))
-    t_ours, t_sdpa = median(times["ours"]), median(times["sdpa"])
+    errors = {}
+    for kernel in kernels:
+        with_kernel(kernel, ours)()
+        err = out.view(batch, length, HEADS, HEAD_DIM).transpose(1, 2).float() - want.float()
+        errors[kernel] = (err.norm() / want.float().norm()).item()
+    fns = {k: with_kernel(k, ours) for k in kernels}
+    fns["sdpa"] = sdpa
+    seconds = interleaved(fns, repeats)
+    kvserve._C.set_cuda_attention_kernel("auto")
     flops = 4 * batch * HEADS * HEAD_DIM * length * (length + 1) / 2
-    return dict(batch=batch, length=length, ours_ms=t_ours * 1e3, sdpa_ms=t_sdpa * 1e3,
-                speedup=t_sdpa / t_ours, ours_tflops=flops / t_ours / 1e12,
-                sdpa_tflops=flops / t_sdpa / 1e12, relative_error=rel)
+    return dict(batch=batch, length=length, ms={k: s * 1e3 for k, s in seconds.items()},
+                speedup={k: seconds["sdpa"] / seconds[k] for k in kernels},
+                tflops={k: flops / s / 1e12 for k, s in seconds.items()},
+                relative_error=errors)
 
 
 def main() -> None:
@@ -129,6 +160,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--copy-gib", type=float, default=2.0)
     parser.add_argument("--max-kv-gib", type=float, default=24.0)
+    parser.add_argument("--kernels", nargs="+", default=["auto", "rows"],
+                        choices=["auto", "mma", "rows", "general"])
     parser.add_argument("--out", default="benchmarks/results/cuda_attention.json")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
@@ -143,27 +176,31 @@ def main() -> None:
         for context in contexts:
             kv_gib = 2 * batch * context * KV_HEADS * HEAD_DIM * 2 / (1 << 30)
             if kv_gib <= args.max_kv_gib:
-                row = decode_row(batch, context, dtype, bandwidth, args.repeats, gen)
+                row = decode_row(batch, context, dtype, bandwidth, args.repeats, gen,
+                                 args.kernels)
                 decode.append(row)
-                print(f"decode batch {batch} context {context}: {row['us']:.1f} µs, "
-                      f"{row['hbm_fraction']:.0%} of copy bandwidth", flush=True)
+                print(f"decode batch {batch} context {context}: " + ", ".join(
+                    f"{k} {row['us'][k]:.1f} µs ({row['hbm_fraction'][k]:.0%})"
+                    for k in args.kernels), flush=True)
                 torch.cuda.empty_cache()
-    prefill = [prefill_row(b, n, dtype, args.repeats, gen)
+    prefill = [prefill_row(b, n, dtype, args.repeats, gen, args.kernels)
                for b, n in ([(1, 512), (1, 2048)] if args.quick else
                             [(1, 512), (1, 2048), (1, 8192), (8, 1024)])]
     name = torch.cuda.get_device_name()
     print(f"{name}: device-to-device copy {bandwidth / 1e12:.2f} TB/s (read + write)\n")
     print("Decode (one query per sequence), bf16, 32 query / 8 KV heads, head_dim 128:\n")
-    print(markdown_table(["batch", "context", "µs", "GB/s", "of copy bandwidth"],
-                         [[r["batch"], r["context"], f"{r['us']:.1f}", f"{r['gbps']:.0f}",
-                           f"{r['hbm_fraction']:.0%}"] for r in decode]))
-    print("\nPrefill (causal, queries = context), bf16:\n")
-    print(markdown_table(["batch", "tokens", "ours ms", "SDPA flash ms", "SDPA / ours",
-                          "ours TFLOP/s", "SDPA TFLOP/s", "rel. error"],
-                         [[r["batch"], r["length"], f"{r['ours_ms']:.3f}", f"{r['sdpa_ms']:.3f}",
-                           f"{r['speedup']:.2f}x", f"{r['ours_tflops']:.1f}",
-                           f"{r['sdpa_tflops']:.1f}", f"{r['relative_error']:.1e}"]
-                          for r in prefill]))
+    ks = args.kernels
+    print(markdown_table(["batch", "context"] + [f"{k}: µs, of copy bandwidth" for k in ks]
+                         + ["max |difference|"],
+                         [[r["batch"], r["context"]]
+                          + [f"{r['us'][k]:.1f}, {r['hbm_fraction'][k]:.0%}" for k in ks]
+                          + [f"{r['max_difference']:.1e}"] for r in decode]))
+    print("\nPrefill (causal, queries = context), bf16, against SDPA's flash backend:\n")
+    print(markdown_table(["batch", "tokens", "SDPA ms"]
+                         + [f"{k}: ms, SDPA / ours, TFLOP/s, rel. error" for k in ks],
+                         [[r["batch"], r["length"], f"{r['ms']['sdpa']:.3f}"]
+                          + [f"{r['ms'][k]:.3f}, {r['speedup'][k]:.2f}x, {r['tflops'][k]:.0f}, "
+                             f"{r['relative_error'][k]:.1e}" for k in ks] for r in prefill]))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(device=name, copy_bandwidth=bandwidth, decode=decode,

@@ -1,6 +1,7 @@
 // kvserve._C: the C++ engine bound to Python. Ops are reached as torch.ops.kvserve.* once this
 // module is imported (their registrations live in the runtime library it links).
 #include "bindings/bindings.h"
+#include "kernels/attention/paged_attention_kernel_choice.h"
 #include "kernels/cpu_dispatch.h"
 
 #include <algorithm>
@@ -32,6 +33,12 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "built_with_cuda", [] { return KVSERVE_WITH_CUDA != 0; },
       "Whether this build holds the CUDA kernels (a CUDA torch and nvcc at build time).");
+  m.def(
+      "set_cuda_attention_kernel", &kvserve::ops::set_attention_kernel, pybind11::arg("name"),
+      "Which CUDA body runs paged_attention from now on: auto (the fastest that applies), mma "
+      "(tensor cores), rows or general (KVSERVE_ATTENTION_KERNEL sets it at start-up).");
+  m.def("cuda_attention_kernel", &kvserve::ops::attention_kernel_name,
+        "The CUDA attention kernel choice: auto, mma, rows or general.");
   kvserve::bindings::bind_kv_cache(m);
   kvserve::bindings::bind_model(m);
   kvserve::bindings::bind_continuous_batching_engine(m);

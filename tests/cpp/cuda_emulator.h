@@ -43,13 +43,16 @@ template <typename In, typename Out, typename Op>
 Out warp_collective(const char* name, const In& in, Op op) {
   static_assert(sizeof(In) <= kSlotBytes && sizeof(Out) <= kSlotBytes, "slot too small");
   Out out{};
+  using Slots = unsigned char (*)[kSlotBytes];
   warp_collective_raw(name, &in, sizeof(In), &out, sizeof(Out),
-                      [&](const unsigned char (*ins)[kSlotBytes], unsigned char (*outs)[kSlotBytes]) {
+                      [&](const unsigned char (*ins)[kSlotBytes], Slots outs) {
                         In lanes_in[32];
                         Out lanes_out[32];
                         for (int l = 0; l < 32; ++l) std::memcpy(&lanes_in[l], ins[l], sizeof(In));
                         op(lanes_in, lanes_out);
-                        for (int l = 0; l < 32; ++l) std::memcpy(outs[l], &lanes_out[l], sizeof(Out));
+                        for (int l = 0; l < 32; ++l) {
+                          std::memcpy(outs[l], &lanes_out[l], sizeof(Out));
+                        }
                       });
   return out;
 }

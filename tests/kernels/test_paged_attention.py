@@ -238,10 +238,8 @@ def test_gqa_groups_over_split_contexts(head_dim, num_heads, num_kv_heads, dtype
     check(batch, dtype, sliding_window=200, logit_softcap=15.0)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("scenario", ["mixed", "tile-edges"])
-def test_batched_equals_per_sequence(dtype, scenario):
-    """Each sequence's rows are the same, bit for bit, whatever else is in the batch."""
+def _batched_and_alone(dtype, scenario):
+    """The rows of a batch, and each sequence's rows run alone, over the same cache."""
     seqs = SCENARIOS["mixed"] if scenario == "mixed" else TILE_EDGES
     batch = Batch(seqs, 64, 8, 2, 16, dtype)
     batched = batch.run(sliding_window=9, logit_softcap=20.0)
@@ -251,8 +249,57 @@ def test_batched_equals_per_sequence(dtype, scenario):
         alone.key_cache, alone.value_cache = batch.key_cache, batch.value_cache
         alone.block_tables = batch.block_tables[b:b + 1].clone()
         alone.query = batch.query[starts[b]:starts[b + 1]]
-        assert torch.equal(alone.run(sliding_window=9, logit_softcap=20.0),
-                           batched[starts[b]:starts[b + 1]]), f"sequence {b}"
+        yield b, batched[starts[b]:starts[b + 1]], alone.run(sliding_window=9, logit_softcap=20.0)
+
+
+@pytest.mark.parametrize("dtype", [
+    torch.float32,
+    pytest.param(torch.bfloat16, marks=pytest.mark.cpu_only),
+    pytest.param(torch.float16, marks=pytest.mark.cpu_only)])
+@pytest.mark.parametrize("scenario", ["mixed", "tile-edges"])
+def test_batched_equals_per_sequence(dtype, scenario):
+    """Each sequence's rows are the same, bit for bit, whatever else is in the batch. On CUDA
+    this holds in fp32 (a query's rows depend on its context alone); bf16 / fp16 calls take the
+    tensor-core kernel, whose tile shape follows the call's query rows per sequence (as cuBLAS
+    picks kernels by shape), so there the rows agree within the dtype's tolerance (below)."""
+    for b, batched, alone in _batched_and_alone(dtype, scenario):
+        assert torch.equal(alone, batched), f"sequence {b}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scenario", ["mixed", "tile-edges"])
+def test_batched_is_close_to_per_sequence(dtype, scenario):
+    for b, batched, alone in _batched_and_alone(dtype, scenario):
+        torch.testing.assert_close(alone, batched, **TOLERANCES[dtype], msg=f"sequence {b}")
+
+
+@pytest.fixture
+def attention_kernel():
+    """Sets the CUDA attention kernel for one test (the CPU op has one kernel: no effect)."""
+    yield kvserve._C.set_cuda_attention_kernel
+    kvserve._C.set_cuda_attention_kernel("auto")
+
+
+@pytest.mark.parametrize("kernel", ["mma", "rows", "general"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_cuda_kernel(kernel, dtype, attention_kernel):
+    """On CUDA each body that applies, forced: the tensor-core kernel (bf16 / fp16, head sizes
+    64 and 128), the row kernel (head sizes 64, 128, 256), the general one (any), over decode,
+    prefill and split contexts, GQA groups that fill a tile, leave it part empty or need two."""
+    attention_kernel(kernel)
+    for head_dim, num_heads, num_kv_heads in [(128, 8, 2), (64, 6, 2), (64, 40, 2), (256, 4, 4)]:
+        batch = Batch(SCENARIOS["mixed"] + [(700, 1), (300, 70)], head_dim, num_heads,
+                      num_kv_heads, 16, dtype, seed=11)
+        check(batch, dtype)
+        check(batch, dtype, sliding_window=50, logit_softcap=12.0)
+
+
+def test_attention_kernel_choice_is_checked(attention_kernel):
+    attention_kernel("rows")
+    assert kvserve._C.cuda_attention_kernel() == "rows"
+    with pytest.raises(ValueError, match="auto, mma, rows or general"):
+        attention_kernel("flash")
+    assert kvserve._C.cuda_attention_kernel() == "rows"
 
 
 def test_contiguous_query_and_out():

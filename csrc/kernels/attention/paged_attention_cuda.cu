@@ -64,7 +64,7 @@ void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Te
     return;
   }
   const int sms = multiprocessors(query.device().index());
-  const paged_attention_launch::Kernel kernel = paged_attention_launch::kernel_from_environment();
+  const AttentionKernel kernel = attention_kernel();
   StreamLaunch launch{cuda::current_stream()};
   cuda::dispatch_float(query.scalar_type(), kOp, [&](auto type) {
     using T = typename decltype(type)::type;

@@ -15,34 +15,17 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <optional>
 #include <type_traits>
 
 #include "kernels/attention/paged_attention_kernel.cuh"
+#include "kernels/attention/paged_attention_kernel_choice.h"
 #include "kernels/attention/paged_attention_mma_kernel.cuh"
 #include "kernels/attention/paged_attention_rows_kernel.cuh"
 
 namespace kvserve::ops::paged_attention_launch {
 
-/// Which kernel body runs a call.
-enum class Kernel { kAuto, kMma, kRows, kGeneral };
-
-/// KVSERVE_ATTENTION_KERNEL=mma|rows|general narrows the choice (for benchmarks and for
-/// bisecting a wrong result); unset or `auto`: the fastest that applies.
-inline Kernel kernel_from_environment() {
-  static const Kernel kernel = [] {
-    const char* name = std::getenv("KVSERVE_ATTENTION_KERNEL");
-    if (name == nullptr || std::strcmp(name, "auto") == 0 || name[0] == '\0') return Kernel::kAuto;
-    if (std::strcmp(name, "mma") == 0) return Kernel::kMma;
-    if (std::strcmp(name, "rows") == 0) return Kernel::kRows;
-    TORCH_CHECK(std::strcmp(name, "general") == 0,
-                "KVSERVE_ATTENTION_KERNEL must be auto, mma, rows or general, got ", name);
-    return Kernel::kGeneral;
-  }();
-  return kernel;
-}
+using Kernel = AttentionKernel;
 
 /// Kernel parameters of a checked call (split fields are set by launch_split).
 inline cuda::PagedAttentionParams make_params(

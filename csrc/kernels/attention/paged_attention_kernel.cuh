@@ -50,8 +50,8 @@ struct PagedAttentionParams {
   float logit_softcap;  // <= 0: none
 };
 
-/// Sets p.block_mul and p.block_shift for p.block_size >= 1 (0 reads as 1) (round-up reciprocal, as CUTLASS's
-/// FastDivmod: exact for every dividend below 2^31).
+/// Sets p.block_mul and p.block_shift for p.block_size >= 1 (0 reads as 1): a round-up
+/// reciprocal, as CUTLASS's FastDivmod, exact for every dividend below 2^31.
 inline void host_block_divisor(PagedAttentionParams& p) {
   const uint32_t d = static_cast<uint32_t>(p.block_size);
   int log2_up = 0;
@@ -225,8 +225,9 @@ __global__ void __launch_bounds__(kAttentionThreads)
     for (int j = 0; j < DPL; ++j) s_acc[warp][h][lane + 32 * j] = acc[h][j];
   }
   __syncthreads();
-  store_merged_rows<T, false>(p, heads, kAttentionWarps, &s_max[0][0], &s_sum[0][0], &s_acc[0][0][0],
-                              HPB, DPL * 32, [&](int h) { return make_int2(t, head0 + h); });
+  store_merged_rows<T, false>(p, heads, kAttentionWarps, &s_max[0][0], &s_sum[0][0],
+                              &s_acc[0][0][0], HPB, DPL * 32,
+                              [&](int h) { return make_int2(t, head0 + h); });
 }
 
 /// Grid (num_tokens, num_heads), any block size: out = the splits' partial outputs weighted by

@@ -99,10 +99,12 @@ __global__ void __launch_bounds__(kAttentionThreads)
   const int group = p.num_heads / p.num_kv_heads;
   const int tile_heads = mma_tile_heads(group, kRows);
   const int tile_tokens = kRows / tile_heads;
-  const int b = mma_sequence_of(p, blockIdx.x, tile_tokens);
+  // Tiles run last to first: a prefill's late tiles, with the longest causal spans, start first.
+  const int tile = static_cast<int>(gridDim.x - 1 - blockIdx.x);
+  const int b = mma_sequence_of(p, tile, tile_tokens);
   const int first_query = p.query_start_loc[b];
   const int query_len = p.query_start_loc[b + 1] - first_query;
-  const int q0 = (blockIdx.x - mma_first_tile(p.query_start_loc, b, tile_tokens)) * tile_tokens;
+  const int q0 = (tile - mma_first_tile(p.query_start_loc, b, tile_tokens)) * tile_tokens;
   if (q0 >= query_len) return;  // a surplus tile (uniform across the block)
   const int tokens = min(tile_tokens, query_len - q0);
   const int kv_head = blockIdx.y / p.head_blocks_per_kv_head;
@@ -150,9 +152,10 @@ __global__ void __launch_bounds__(kAttentionThreads)
       const int block_index = pos < kv_end ? block_of(p, pos) : 0;
       const int block = pos < kv_end ? table[block_index] : -1;
       const bool valid = block >= 0 && block < p.num_blocks;
+      const int offset_in_block = pos - block_index * p.block_size;
       const int64_t row =
-          valid ? (static_cast<int64_t>(block) * p.block_size + (pos - block_index * p.block_size)) *
-                          p.num_kv_heads + kv_head
+          valid ? (static_cast<int64_t>(block) * p.block_size + offset_in_block) * p.num_kv_heads +
+                      kv_head
                 : 0;
       const int64_t offset = row * HEAD_DIM + chunk * 8;
       cp_async_16(keys + swizzled<HEAD_DIM>(j, chunk), key_cache + offset, valid);
