@@ -39,6 +39,7 @@ void ldmatrix_x4<false>(uint32_t (&r)[4], const void* shared_row);
 template <>
 void ldmatrix_x4<true>(uint32_t (&r)[4], const void* shared_row);
 void cp_async_16(void* shared_dst, const void* global_src, bool fill);
+void cp_async_4(void* shared_dst, const void* global_src, bool fill);
 void cp_async_commit();
 template <int PENDING>
 void cp_async_wait();
@@ -89,6 +90,14 @@ __device__ inline void cp_async_16(void* shared_dst, const void* global_src, boo
   const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(shared_dst));
   const int bytes = fill ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address),
+               "l"(global_src), "r"(bytes));
+}
+
+/// The same for 4 bytes (both addresses 4-byte aligned).
+__device__ inline void cp_async_4(void* shared_dst, const void* global_src, bool fill) {
+  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(shared_dst));
+  const int bytes = fill ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(address),
                "l"(global_src), "r"(bytes));
 }
 

@@ -32,6 +32,7 @@ constexpr size_t kStackBytes = 256 * 1024;
 struct Copy {
   void* dst;
   const void* src;
+  size_t bytes;
   bool fill;
 };
 
@@ -106,9 +107,9 @@ void yield(const char* where) {
 void run_copies(std::vector<Copy>& copies) {
   for (const Copy& c : copies) {
     if (c.fill) {
-      std::memcpy(c.dst, c.src, 16);
+      std::memcpy(c.dst, c.src, c.bytes);
     } else {
-      std::memset(c.dst, 0, 16);
+      std::memset(c.dst, 0, c.bytes);
     }
   }
   copies.clear();
@@ -372,12 +373,21 @@ void ldmatrix_x4<true>(uint32_t (&r)[4], const void* shared_row) {
   emu::ldmatrix_x4_impl<true>(r, shared_row);
 }
 
-void cp_async_16(void* shared_dst, const void* global_src, bool fill) {
-  if (reinterpret_cast<uintptr_t>(global_src) % 16 != 0 ||
-      reinterpret_cast<uintptr_t>(shared_dst) % 16 != 0 || !emu::in_shared(shared_dst, 16)) {
-    emu::fail("cp_async_16: addresses must be 16-byte aligned, the destination in shared memory");
+static void cp_async(void* shared_dst, const void* global_src, size_t bytes, bool fill) {
+  if (reinterpret_cast<uintptr_t>(global_src) % bytes != 0 ||
+      reinterpret_cast<uintptr_t>(shared_dst) % bytes != 0 ||
+      !emu::in_shared(shared_dst, bytes)) {
+    emu::fail("cp.async: addresses must be aligned to the size, the destination in shared memory");
   }
-  emu::current().open.push_back({shared_dst, global_src, fill});
+  emu::current().open.push_back({shared_dst, global_src, bytes, fill});
+}
+
+void cp_async_16(void* shared_dst, const void* global_src, bool fill) {
+  cp_async(shared_dst, global_src, 16, fill);
+}
+
+void cp_async_4(void* shared_dst, const void* global_src, bool fill) {
+  cp_async(shared_dst, global_src, 4, fill);
 }
 
 void cp_async_commit() {

@@ -7,6 +7,7 @@
 #include "cuda_emulator.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/rand.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
@@ -15,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <utility>
@@ -50,9 +52,13 @@ at::Tensor int_tensor(const std::vector<int32_t>& values) {
   return t;
 }
 
-template <typename T>
-void run_case(const Case& c, at::ScalarType dtype, Kernel kernel, double tolerance) {
-  SCOPED_TRACE(c.name);
+/// Runs case c with queries of T (`dtype`) over caches of format F (`cache_dtype`: the query's,
+/// int8 or float8_e4m3fn with random row scales) and compares with the CPU op.
+template <typename T, cuda::KVFormat F = cuda::KVFormat::kPlain>
+void run_case(const Case& c, at::ScalarType dtype, Kernel kernel, double tolerance,
+              at::ScalarType cache_dtype = at::kFloat) {
+  SCOPED_TRACE(c.name + " (" + std::string(c10::toString(dtype)) + ", cache " +
+               (F == cuda::KVFormat::kPlain ? "plain" : c10::toString(cache_dtype)) + ")");
   std::mt19937 rng(1234);
   const int num_seqs = static_cast<int>(c.runs.size());
   std::vector<int32_t> starts{0}, lens;
@@ -78,8 +84,21 @@ void run_case(const Case& c, at::ScalarType dtype, Kernel kernel, double toleran
   const int num_tokens = starts.back();
   const int d = c.head_dim;
   at::manual_seed(7);
-  const at::Tensor key = at::randn({num_blocks, c.block_size, c.kv_heads, d}).to(dtype);
-  const at::Tensor value = at::randn({num_blocks, c.block_size, c.kv_heads, d}).to(dtype);
+  at::Tensor key = at::randn({num_blocks, c.block_size, c.kv_heads, d});
+  at::Tensor value = at::randn({num_blocks, c.block_size, c.kv_heads, d});
+  std::optional<at::Tensor> key_scale, value_scale;
+  if constexpr (F == cuda::KVFormat::kPlain) {
+    key = key.to(dtype);
+    value = value.to(dtype);
+  } else {
+    // Entries of the cache's type (int8 in [-127, 127], fp8 of N(0, 4)) and positive row
+    // scales around 1 / spread, so that keys and values are about N(0, 1).
+    const double spread = F == cuda::KVFormat::kInt8 ? 60.0 : 2.0;
+    key = key.mul(spread).clamp(-127, 127).to(cache_dtype);
+    value = value.mul(spread).clamp(-127, 127).to(cache_dtype);
+    key_scale = at::rand({num_blocks, c.block_size, c.kv_heads}).add(0.5).div(spread);
+    value_scale = at::rand({num_blocks, c.block_size, c.kv_heads}).add(0.5).div(spread);
+  }
   // The queries are a view of a fused projection's output, as the engine passes them.
   const at::Tensor fused = at::randn({num_tokens, c.heads + 2 * c.kv_heads, d}).to(dtype);
   const at::Tensor query = fused.narrow(1, 0, c.heads);
@@ -89,14 +108,13 @@ void run_case(const Case& c, at::ScalarType dtype, Kernel kernel, double toleran
 
   at::Tensor expected = at::empty({num_tokens, c.heads, d}, dtype);
   ops::paged_attention(expected, query, key, value, qsl, seq_lens, tables, scale,
-                       c.sliding_window, c.softcap);
+                       c.sliding_window, c.softcap, key_scale, value_scale);
   at::Tensor actual = at::zeros({num_tokens, c.heads, d}, dtype);
   cuda::PagedAttentionParams p = ops::paged_attention_launch::make_params(
       actual, query, key, value, qsl, seq_lens, tables, scale, c.sliding_window, c.softcap,
-      std::nullopt, std::nullopt);
+      key_scale, value_scale);
   EmulatedLaunch launch;
-  ops::paged_attention_launch::launch_kernel<T, cuda::KVFormat::kPlain>(p, num_tokens, c.sms,
-                                                                        query, kernel, launch);
+  ops::paged_attention_launch::launch_kernel<T, F>(p, num_tokens, c.sms, query, kernel, launch);
   const at::Tensor e = expected.to(at::kFloat), a = actual.to(at::kFloat);
   const float* ep = e.data_ptr<float>();
   const float* ap = a.data_ptr<float>();
@@ -146,6 +164,16 @@ TEST(PagedAttentionEmulated, TensorCoreKernelPrefillsInBf16AndFp16) {
   for (const Case& c : prefill_cases()) {
     run_case<__nv_bfloat16>(c, at::kBFloat16, Kernel::kMma, 2e-2);
     run_case<__half>(c, at::kHalf, Kernel::kMma, 4e-3);
+  }
+}
+
+TEST(PagedAttentionEmulated, TensorCoreKernelReadsInt8AndFp8Caches) {
+  const std::vector<Case> cases = {decode_cases()[0], decode_cases()[1], decode_cases()[2],
+                                   prefill_cases()[0], prefill_cases()[1]};
+  for (const Case& c : cases) {
+    run_case<__nv_bfloat16, cuda::KVFormat::kInt8>(c, at::kBFloat16, Kernel::kMma, 2e-2, at::kChar);
+    run_case<__half, cuda::KVFormat::kFp8E4M3>(c, at::kHalf, Kernel::kMma, 4e-3,
+                                               at::kFloat8_e4m3fn);
   }
 }
 

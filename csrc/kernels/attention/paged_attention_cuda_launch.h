@@ -1,8 +1,9 @@
 #pragma once
 // The host half of paged_attention's CUDA launcher, apart from the CUDA runtime so that the
 // kernel emulator's tests (tests/cpp/test_paged_attention_emulated.cpp) run it too: parameters
-// from the tensors, the choice of kernel (tensor cores for bf16 / fp16 over plain caches of head
-// size 64 or 128, the row kernel for other head sizes 64, 128, 256, the general one otherwise),
+// from the tensors, the choice of kernel (tensor cores for bf16 / fp16 queries with head size 64
+// or 128, the row kernel for the other calls with head sizes 64, 128, 256, the general one
+// otherwise),
 // the tile shape, and the split of long contexts when too few blocks would fill the GPU. The
 // metadata stays on the device (reading it would synchronise): grids are bounds from the shapes
 // and the number of splits comes from the block table's width. `launch(kernel, grid, threads,
@@ -105,14 +106,14 @@ void launch_split(void (*kernel)(cuda::PagedAttentionParams), cuda::PagedAttenti
   }
 }
 
-/// The tensor-core kernel for bf16 / fp16 over plain caches of keys and values of one size, 64
-/// or 128, 16-byte aligned; false where it does not apply. Tiles of 16 rows (one query token's
+/// The tensor-core kernel for bf16 / fp16 queries over caches (of their dtype, int8 or fp8) of
+/// keys and values of one size, 64 or 128, 16-byte aligned; false where it does not apply. Tiles of 16 rows (one query token's
 /// GQA group, four warps splitting the positions) when sequences bring few rows, as decode
 /// does; tiles of 64 rows (four warps of 16 rows, flash-attention style) otherwise.
 template <typename T, cuda::KVFormat F, typename Launch>
 bool launch_mma(cuda::PagedAttentionParams& p, int64_t num_tokens, int sms,
                 const at::Tensor& query, Launch& launch) {
-  if constexpr (std::is_same_v<T, float> || F != cuda::KVFormat::kPlain) {
+  if constexpr (std::is_same_v<T, float>) {
     return false;
   } else {
     const int d = p.head_dim;
@@ -128,12 +129,16 @@ bool launch_mma(cuda::PagedAttentionParams& p, int64_t num_tokens, int sms,
     const auto with_shape = [&](auto head_dim, auto warps_m, auto positions) {
       constexpr int D = decltype(head_dim)::value, WM = decltype(warps_m)::value;
       constexpr int N = decltype(positions)::value, WN = cuda::kAttentionWarps / WM;
-      using Shape = cuda::MmaAttentionShape<D, WM, WN, N>;
+      using Shape = cuda::MmaAttentionShape<D, WM, WN, N, F != cuda::KVFormat::kPlain>;
       const int tile_heads = cuda::mma_tile_heads(group, Shape::kRows);
       const int64_t tile_tokens = Shape::kRows / tile_heads;
-      launch_split<T>(cuda::paged_attention_mma_kernel<T, D, WM, WN, N>, p,
-                      num_tokens / tile_tokens + p.num_seqs,
-                      (num_tokens + tile_tokens - 1) / tile_tokens, tile_heads, sms, N,
+      // Every sequence with a query takes a tile of its own: a decode step of B sequences
+      // brings B tiles, not B / tile_tokens.
+      const int64_t useful_tiles =
+          std::max<int64_t>((num_tokens + tile_tokens - 1) / tile_tokens,
+                            std::min<int64_t>(p.num_seqs, num_tokens));
+      launch_split<T>(cuda::paged_attention_mma_kernel<T, F, D, WM, WN, N>, p,
+                      num_tokens / tile_tokens + p.num_seqs, useful_tiles, tile_heads, sms, N,
                       Shape::kSharedBytes, query, launch);
     };
     using I = std::integral_constant<int, 1>;

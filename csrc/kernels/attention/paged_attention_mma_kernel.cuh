@@ -1,6 +1,7 @@
 #pragma once
-// CUDA body of paged_attention on tensor cores (sm_80+), for bf16 / fp16 queries over plain
-// caches with keys and values of one size, 64 or 128 (contract: paged_attention.h). A thread
+// CUDA body of paged_attention on tensor cores (sm_80+), for bf16 / fp16 queries over caches of
+// the query's dtype, int8 or fp8, with keys and values of one size, 64 or 128 (contract:
+// paged_attention.h). A thread
 // block takes a tile of 16 * WM query rows of one sequence and one KV head, a row being a query
 // token and one of the query heads that share the KV head: the GQA group is the matrix's M, so a
 // decode step's group of heads reads each key and value row once and multiplies it on tensor
@@ -8,7 +9,8 @@
 // The block walks its context split N positions at a time: cp.async copies the next tile's key
 // and value rows (gathered through the block table) into shared memory while the warps compute
 // on this one (two stages); rows are stored XOR-swizzled in 16-byte chunks so ldmatrix reads
-// them without bank conflicts. Its 4 warps are WM (rows) x WN (positions): each computes
+// them without bank conflicts. Quantized rows are copied raw with their scales and dequantized
+// into the 16-bit tiles in shared memory when their stage comes up. Its 4 warps are WM (rows) x WN (positions): each computes
 // S = Q K^T for its 16 rows and N / WN positions with mma.m16n8k16, masks (causal, sliding
 // window, outside the pool), soft-caps, keeps a base-2 online softmax per row in registers, and
 // accumulates P V with P taken straight from S's accumulators. The WN streams of a row merge in
@@ -23,31 +25,50 @@
 namespace kvserve::cuda {
 
 /// The shape of one instantiation: HEAD_DIM 64 or 128; WM x WN warps (4 in all); N positions a
-/// stage, N / WN (a multiple of 16) per warp.
-template <int HEAD_DIM, int WM, int WN, int N>
+/// stage, N / WN (a multiple of 16) per warp; QUANTIZED: int8 / fp8 cache entries.
+template <int HEAD_DIM, int WM, int WN, int N, bool QUANTIZED = false>
 struct MmaAttentionShape {
   static_assert(WM * WN == kAttentionWarps, "the block's 4 warps are WM x WN");
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head sizes 64 and 128");
   static_assert(N % (16 * WN) == 0, "each warp takes a multiple of 16 positions");
   static constexpr int kRows = 16 * WM;            // query rows of a block
-  static constexpr int kChunks = HEAD_DIM / 8;     // 16-byte chunks of a row
+  static constexpr int kChunks = HEAD_DIM / 8;     // 16-byte chunks of a 16-bit row
   static constexpr int kWarpPositions = N / WN;    // positions per warp and stage
   static constexpr int kStages = 2;
-  // Shared memory: Q [kRows][HEAD_DIM], K and V [kStages][N][HEAD_DIM] of 16-bit entries, then
-  // [kStages][N] flags of the rows that hold a position; the epilogue reuses K and V for WN
+  // Shared memory, after Q [kRows][HEAD_DIM] of 16-bit entries: the key / value region, then
+  // [kStages][N] flags of the rows that hold a position, then (QUANTIZED) [kStages][N] key and
+  // value scales. Plain caches: K and V [kStages][N][HEAD_DIM] in the region, copied as they
+  // are. Quantized: K and V [N][HEAD_DIM] of 16-bit entries (dequantized from this stage),
+  // then raw K and V [kStages][N][HEAD_DIM] bytes. The epilogue reuses the region for WN
   // streams' maxima, sums and values per row.
   static constexpr int kQueryEntries = kRows * HEAD_DIM;
   static constexpr int kStageEntries = N * HEAD_DIM;
+  static constexpr size_t kRegionBytes =
+      QUANTIZED ? 2 * 2 * kStageEntries + 2 * kStages * kStageEntries
+                : 2 * 2 * kStages * kStageEntries;
   static constexpr size_t kSharedBytes =
-      2 * (kQueryEntries + 2 * kStages * kStageEntries) + 4 * kStages * N;
-  static_assert(4 * WN * kRows * (HEAD_DIM + 2) <= 2 * 2 * kStages * kStageEntries,
-                "the epilogue fits in the key and value stages");
+      2 * kQueryEntries + kRegionBytes + 4 * kStages * N * (QUANTIZED ? 3 : 1);
+  static_assert(4 * WN * kRows * (HEAD_DIM + 2) <= kRegionBytes,
+                "the epilogue fits in the key and value region");
 };
 
 /// Entry offset of chunk `chunk` of row `row` in a swizzled tile of HEAD_DIM-entry rows.
 template <int HEAD_DIM>
 __device__ inline int swizzled(int row, int chunk) {
   return row * HEAD_DIM + ((chunk ^ (row & 7)) << 3);
+}
+
+/// 8 consecutive cache entries times their row's scale, as T, stored as one 16-byte chunk.
+template <typename T, typename Entry>
+__device__ inline void dequantize_chunk(const Entry* src, float scale, T* dst) {
+  struct alignas(16) Chunk {
+    T entries[8];
+  } chunk;
+  Entry raw[8];
+  __builtin_memcpy(raw, src, sizeof(raw));
+#pragma unroll
+  for (int i = 0; i < 8; ++i) chunk.entries[i] = from_float<T>(entry_to_float(raw[i]) * scale);
+  *reinterpret_cast<Chunk*>(dst) = chunk;
 }
 
 /// Query heads per row tile for a GQA group, and tokens per tile: a tile holds whole groups of
@@ -79,21 +100,31 @@ __device__ inline int mma_sequence_of(const PagedAttentionParams& p, int tile, i
 
 /// Grid (num_tokens / tile tokens + num_seqs, num_kv_heads * head_blocks_per_kv_head,
 /// num_splits), kAttentionThreads threads, Shape::kSharedBytes of dynamic shared memory.
-/// T: __nv_bfloat16 or __half; head_dim == value_head_dim == value_row == HEAD_DIM; the
-/// caches', query's and query rows' addresses are 16-byte aligned (the launcher checks).
-template <typename T, int HEAD_DIM, int WM, int WN, int N>
+/// T: __nv_bfloat16 or __half; caches of T (kPlain) or int8 / fp8 entries with fp32 row scales;
+/// head_dim == value_head_dim == value_row == HEAD_DIM; the caches', query's and query rows'
+/// addresses are 16-byte aligned (the launcher checks).
+template <typename T, KVFormat F, int HEAD_DIM, int WM, int WN, int N>
 __global__ void __launch_bounds__(kAttentionThreads)
     paged_attention_mma_kernel(const PagedAttentionParams p) {
-  using Shape = MmaAttentionShape<HEAD_DIM, WM, WN, N>;
+  using Entry = typename KVEntry<T, F>::type;
+  constexpr bool kQuantized = F != KVFormat::kPlain;
+  using Shape = MmaAttentionShape<HEAD_DIM, WM, WN, N, kQuantized>;
   constexpr int kRows = Shape::kRows, kChunks = Shape::kChunks;
   constexpr int kWarpPositions = Shape::kWarpPositions;
   constexpr int kScoreTiles = kWarpPositions / 8;  // 8-position tiles of a warp's scores
   constexpr int kValueTiles = HEAD_DIM / 8;        // 8-entry tiles of a row's output
   constexpr float kLog2e = 1.4426950408889634f;
   T* s_query = static_cast<T*>(dynamic_shared_memory());
-  T* s_key = s_query + Shape::kQueryEntries;
-  T* s_value = s_key + Shape::kStages * Shape::kStageEntries;
-  int* s_valid = reinterpret_cast<int*>(s_value + Shape::kStages * Shape::kStageEntries);
+  unsigned char* s_region = reinterpret_cast<unsigned char*>(s_query + Shape::kQueryEntries);
+  // Plain: the stages' rows. Quantized: this stage's rows, dequantized.
+  T* s_key = reinterpret_cast<T*>(s_region);
+  T* s_value = s_key + (kQuantized ? 1 : Shape::kStages) * Shape::kStageEntries;
+  // Quantized: the stages' raw entries and their rows' scales.
+  Entry* s_raw_key = reinterpret_cast<Entry*>(s_value + Shape::kStageEntries);
+  Entry* s_raw_value = s_raw_key + Shape::kStages * Shape::kStageEntries;
+  int* s_valid = reinterpret_cast<int*>(s_region + Shape::kRegionBytes);
+  float* s_key_scale = reinterpret_cast<float*>(s_valid + Shape::kStages * N);
+  float* s_value_scale = s_key_scale + Shape::kStages * N;
 
   // This block's sequence, query tokens and heads.
   const int group = p.num_heads / p.num_kv_heads;
@@ -138,16 +169,17 @@ __global__ void __launch_bounds__(kAttentionThreads)
     cp_async_16(s_query + swizzled<HEAD_DIM>(r, chunk), src, row.x >= 0);
   }
   cp_async_commit();
-  const T* key_cache = static_cast<const T*>(p.key_cache);
-  const T* value_cache = static_cast<const T*>(p.value_cache);
+  const Entry* key_cache = static_cast<const Entry*>(p.key_cache);
+  const Entry* value_cache = static_cast<const Entry*>(p.value_cache);
   const int32_t* table = p.block_tables + static_cast<int64_t>(b) * p.max_blocks_per_seq;
-  // Stage `stage` <- the key and value rows of positions [base, base + N): zeros and an unset
-  // flag past kv_end or in a block outside the pool.
+  // Stage `stage` <- the key and value rows of positions [base, base + N) (raw, with their
+  // scales, when quantized): zeros and an unset flag past kv_end or in a block outside the pool.
+  // A row is HEAD_DIM * sizeof(Entry) / 16 chunks of 16 bytes.
+  constexpr int kEntriesPerChunk = 16 / sizeof(Entry);
+  constexpr int kCopyChunks = HEAD_DIM / kEntriesPerChunk;
   const auto load_stage = [&](int stage, int base) {
-    T* keys = s_key + stage * Shape::kStageEntries;
-    T* values = s_value + stage * Shape::kStageEntries;
-    for (int i = threadIdx.x; i < N * kChunks; i += kAttentionThreads) {
-      const int j = i / kChunks, chunk = i % kChunks;
+    for (int i = threadIdx.x; i < N * kCopyChunks; i += kAttentionThreads) {
+      const int j = i / kCopyChunks, chunk = i % kCopyChunks;
       const int pos = base + j;
       const int block_index = pos < kv_end ? block_of(p, pos) : 0;
       const int block = pos < kv_end ? table[block_index] : -1;
@@ -157,10 +189,33 @@ __global__ void __launch_bounds__(kAttentionThreads)
           valid ? (static_cast<int64_t>(block) * p.block_size + offset_in_block) * p.num_kv_heads +
                       kv_head
                 : 0;
-      const int64_t offset = row * HEAD_DIM + chunk * 8;
-      cp_async_16(keys + swizzled<HEAD_DIM>(j, chunk), key_cache + offset, valid);
-      cp_async_16(values + swizzled<HEAD_DIM>(j, chunk), value_cache + offset, valid);
+      const int64_t offset = row * HEAD_DIM + chunk * kEntriesPerChunk;
+      if constexpr (kQuantized) {
+        const int at = (stage * N + j) * HEAD_DIM + chunk * kEntriesPerChunk;
+        cp_async_16(s_raw_key + at, key_cache + offset, valid);
+        cp_async_16(s_raw_value + at, value_cache + offset, valid);
+        if (chunk == 0) {
+          cp_async_4(s_key_scale + stage * N + j, p.key_scale + row, valid);
+          cp_async_4(s_value_scale + stage * N + j, p.value_scale + row, valid);
+        }
+      } else {
+        T* keys = s_key + stage * Shape::kStageEntries;
+        T* values = s_value + stage * Shape::kStageEntries;
+        cp_async_16(keys + swizzled<HEAD_DIM>(j, chunk), key_cache + offset, valid);
+        cp_async_16(values + swizzled<HEAD_DIM>(j, chunk), value_cache + offset, valid);
+      }
       if (chunk == 0) s_valid[stage * N + j] = valid;
+    }
+  };
+  // Quantized: this stage's raw rows times their scales, as T, into the swizzled K and V tiles.
+  const auto dequantize_stage = [&](int stage) {
+    for (int i = threadIdx.x; i < N * kChunks; i += kAttentionThreads) {
+      const int j = i / kChunks, chunk = i % kChunks;
+      const int at = (stage * N + j) * HEAD_DIM + chunk * 8;
+      dequantize_chunk<T>(s_raw_key + at, s_key_scale[stage * N + j],
+                          s_key + swizzled<HEAD_DIM>(j, chunk));
+      dequantize_chunk<T>(s_raw_value + at, s_value_scale[stage * N + j],
+                          s_value + swizzled<HEAD_DIM>(j, chunk));
     }
   };
   if (iterations > 0) load_stage(0, kv_begin);
@@ -196,8 +251,12 @@ __global__ void __launch_bounds__(kAttentionThreads)
     cp_async_commit();
     cp_async_wait<1>();  // this stage's rows (the next stage's may still be in flight)
     __syncthreads();
-    const T* keys = s_key + stage * Shape::kStageEntries;
-    const T* values = s_value + stage * Shape::kStageEntries;
+    if constexpr (kQuantized) {
+      dequantize_stage(stage);
+      __syncthreads();
+    }
+    const T* keys = s_key + (kQuantized ? 0 : stage * Shape::kStageEntries);
+    const T* values = s_value + (kQuantized ? 0 : stage * Shape::kStageEntries);
     const int first = wn * kWarpPositions;  // this warp's first row of the stage
     const int base = kv_begin + it * N + first;
 
@@ -285,7 +344,7 @@ __global__ void __launch_bounds__(kAttentionThreads)
     running_sum[i] += __shfl_xor_sync(0xffffffffu, running_sum[i], 2);
   }
   __syncthreads();  // the stages are free (a block with no iteration reaches here directly)
-  float* e_max = reinterpret_cast<float*>(s_key);
+  float* e_max = reinterpret_cast<float*>(s_region);
   float* e_sum = e_max + WN * kRows;
   float* e_acc = e_sum + WN * kRows;
 #pragma unroll
