@@ -107,9 +107,10 @@ void launch_split(void (*kernel)(cuda::PagedAttentionParams), cuda::PagedAttenti
 }
 
 /// The tensor-core kernel for bf16 / fp16 queries over caches (of their dtype, int8 or fp8) of
-/// keys and values of one size, 64 or 128, 16-byte aligned; false where it does not apply. Tiles of 16 rows (one query token's
-/// GQA group, four warps splitting the positions) when sequences bring few rows, as decode
-/// does; tiles of 64 rows (four warps of 16 rows, flash-attention style) otherwise.
+/// keys and values of one size, 64 or 128, 16-byte aligned; false where it does not apply.
+/// Tiles of 16 rows (one query token's GQA group, four warps splitting the positions) when
+/// sequences bring few rows, as decode does; tiles of 64 rows (four warps of 16 rows, flash-
+/// attention style) otherwise.
 template <typename T, cuda::KVFormat F, typename Launch>
 bool launch_mma(cuda::PagedAttentionParams& p, int64_t num_tokens, int sms,
                 const at::Tensor& query, Launch& launch) {

@@ -1,20 +1,20 @@
 #pragma once
 // CUDA body of paged_attention on tensor cores (sm_80+), for bf16 / fp16 queries over caches of
 // the query's dtype, int8 or fp8, with keys and values of one size, 64 or 128 (contract:
-// paged_attention.h). A thread
-// block takes a tile of 16 * WM query rows of one sequence and one KV head, a row being a query
-// token and one of the query heads that share the KV head: the GQA group is the matrix's M, so a
-// decode step's group of heads reads each key and value row once and multiplies it on tensor
-// cores (FlashInfer's decode layout), and a prefill's tokens x heads form flash-attention tiles.
-// The block walks its context split N positions at a time: cp.async copies the next tile's key
-// and value rows (gathered through the block table) into shared memory while the warps compute
-// on this one (two stages); rows are stored XOR-swizzled in 16-byte chunks so ldmatrix reads
-// them without bank conflicts. Quantized rows are copied raw with their scales and dequantized
-// into the 16-bit tiles in shared memory when their stage comes up. Its 4 warps are WM (rows) x WN (positions): each computes
-// S = Q K^T for its 16 rows and N / WN positions with mma.m16n8k16, masks (causal, sliding
-// window, outside the pool), soft-caps, keeps a base-2 online softmax per row in registers, and
-// accumulates P V with P taken straight from S's accumulators. The WN streams of a row merge in
-// shared memory (store_merged_rows), as do splits in paged_attention_merge_kernel.
+// paged_attention.h). A thread block takes a tile of 16 * WM query rows of one sequence and one
+// KV head, a row being a query token and one of the query heads that share the KV head: the GQA
+// group is the matrix's M, so a decode step's group of heads reads each key and value row once
+// and multiplies it on tensor cores (FlashInfer's decode layout), and a prefill's tokens x heads
+// form flash-attention tiles. The block walks its context split N positions at a time: cp.async
+// copies the next tile's key and value rows (gathered through the block table) into shared
+// memory while the warps compute on this one (two stages); rows are stored XOR-swizzled in
+// 16-byte chunks so ldmatrix reads them without bank conflicts. Quantized rows are copied raw
+// with their scales and dequantized into the 16-bit tiles in shared memory when their stage
+// comes up. The 4 warps are WM (rows) x WN (positions): each computes S = Q K^T for its 16 rows
+// and N / WN positions with mma.m16n8k16, masks (causal, sliding window, outside the pool),
+// soft-caps, keeps a base-2 online softmax per row in registers, and accumulates P V with P
+// taken straight from S's accumulators. The WN streams of a row merge in shared memory
+// (store_merged_rows), as do splits in paged_attention_merge_kernel.
 
 #include <cfloat>
 #include <cstdint>
