@@ -141,6 +141,8 @@ std::vector<Case> decode_cases() {
       {"decode, group 3, window 19, soft-cap 5", 6, 2, 128, 16, {{1, 90}, {1, 18}}, 19, 5.0},
       {"decode, group 20 (two head blocks), blocks of 1", 20, 1, 64, 1, {{1, 33}, {1, 4}}},
       {"speculative verification, 3 tokens a sequence", 8, 2, 64, 16, {{3, 40}, {3, 3}}},
+      {"decode, head 256, group 2, window 19, soft-cap 50", 4, 2, 256, 16, {{1, 80}, {1, 7}},
+       19, 50.0},
   };
 }
 
@@ -150,6 +152,7 @@ std::vector<Case> prefill_cases() {
       {"prefill, MHA, head 64, blocks of 3, window 11", 2, 2, 64, 3, {{40, 40}, {23, 50}}, 11},
       {"prefill, group 3, soft-cap 20, split", 3, 1, 128, 16, {{30, 300}}, 0, 20.0, 1},
       {"prefill, group 32 over one KV head", 32, 1, 64, 16, {{6, 20}, {2, 2}}},
+      {"prefill, head 256, MHA, split", 2, 2, 256, 8, {{40, 40}, {9, 300}}, 0, 0.0, 1},
   };
 }
 

@@ -1,9 +1,8 @@
 #pragma once
 // The host half of paged_attention's CUDA launcher, apart from the CUDA runtime so that the
 // kernel emulator's tests (tests/cpp/test_paged_attention_emulated.cpp) run it too: parameters
-// from the tensors, the choice of kernel (tensor cores for bf16 / fp16 queries with head size 64
-// or 128, the row kernel for the other calls with head sizes 64, 128, 256, the general one
-// otherwise),
+// from the tensors, the choice of kernel (tensor cores for bf16 / fp16 queries with head size 64,
+// 128 or 256, the row kernel for fp32 calls of those sizes, the general one otherwise),
 // the tile shape, and the split of long contexts when too few blocks would fill the GPU. The
 // metadata stays on the device (reading it would synchronise): grids are bounds from the shapes
 // and the number of splits comes from the block table's width. `launch(kernel, grid, threads,
@@ -107,10 +106,11 @@ void launch_split(void (*kernel)(cuda::PagedAttentionParams), cuda::PagedAttenti
 }
 
 /// The tensor-core kernel for bf16 / fp16 queries over caches (of their dtype, int8 or fp8) of
-/// keys and values of one size, 64 or 128, 16-byte aligned; false where it does not apply.
+/// keys and values of one size, 64, 128 or 256, 16-byte aligned; false where it does not apply.
 /// Tiles of 16 rows (one query token's GQA group, four warps splitting the positions) when
 /// sequences bring few rows, as decode does; tiles of 64 rows (four warps of 16 rows, flash-
-/// attention style) otherwise.
+/// attention style) otherwise. Head size 256 takes 32-position stages (shared memory), so its
+/// decode tiles are 32 rows, two warps per 16 rows splitting the positions.
 template <typename T, cuda::KVFormat F, typename Launch>
 bool launch_mma(cuda::PagedAttentionParams& p, int64_t num_tokens, int sms,
                 const at::Tensor& query, Launch& launch) {
@@ -119,7 +119,7 @@ bool launch_mma(cuda::PagedAttentionParams& p, int64_t num_tokens, int sms,
   } else {
     const int d = p.head_dim;
     const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-    if ((d != 64 && d != 128) || p.value_head_dim != d || p.value_row != d ||
+    if ((d != 64 && d != 128 && d != 256) || p.value_head_dim != d || p.value_row != d ||
         p.query_stride % 8 != 0 || !aligned(p.query) || !aligned(p.key_cache) ||
         !aligned(p.value_cache)) {
       return false;
@@ -143,15 +143,20 @@ bool launch_mma(cuda::PagedAttentionParams& p, int64_t num_tokens, int sms,
                       Shape::kSharedBytes, query, launch);
     };
     using I = std::integral_constant<int, 1>;
+    using II = std::integral_constant<int, 2>;
     using IV = std::integral_constant<int, 4>;
+    using N32 = std::integral_constant<int, 32>;
     using N64 = std::integral_constant<int, 64>;
     const bool decode_tiles = rows_per_sequence <= 16;
     if (d == 64) {
       using D64 = std::integral_constant<int, 64>;
       decode_tiles ? with_shape(D64{}, I{}, N64{}) : with_shape(D64{}, IV{}, N64{});
-    } else {
+    } else if (d == 128) {
       using D128 = std::integral_constant<int, 128>;
       decode_tiles ? with_shape(D128{}, I{}, N64{}) : with_shape(D128{}, IV{}, N64{});
+    } else {
+      using D256 = std::integral_constant<int, 256>;
+      decode_tiles ? with_shape(D256{}, II{}, N32{}) : with_shape(D256{}, IV{}, N32{});
     }
     return true;
   }

@@ -1,6 +1,6 @@
 #pragma once
 // CUDA body of paged_attention on tensor cores (sm_80+), for bf16 / fp16 queries over caches of
-// the query's dtype, int8 or fp8, with keys and values of one size, 64 or 128 (contract:
+// the query's dtype, int8 or fp8, with keys and values of one size, 64, 128 or 256 (contract:
 // paged_attention.h). A thread block takes a tile of 16 * WM query rows of one sequence and one
 // KV head, a row being a query token and one of the query heads that share the KV head: the GQA
 // group is the matrix's M, so a decode step's group of heads reads each key and value row once
@@ -24,12 +24,12 @@
 
 namespace kvserve::cuda {
 
-/// The shape of one instantiation: HEAD_DIM 64 or 128; WM x WN warps (4 in all); N positions a
-/// stage, N / WN (a multiple of 16) per warp; QUANTIZED: int8 / fp8 cache entries.
+/// The shape of one instantiation: HEAD_DIM 64, 128 or 256; WM x WN warps (4 in all); N
+/// positions a stage, N / WN (a multiple of 16) per warp; QUANTIZED: int8 / fp8 cache entries.
 template <int HEAD_DIM, int WM, int WN, int N, bool QUANTIZED = false>
 struct MmaAttentionShape {
   static_assert(WM * WN == kAttentionWarps, "the block's 4 warps are WM x WN");
-  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head sizes 64 and 128");
+  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "head sizes 64 to 256");
   static_assert(N % (16 * WN) == 0, "each warp takes a multiple of 16 positions");
   static constexpr int kRows = 16 * WM;            // query rows of a block
   static constexpr int kChunks = HEAD_DIM / 8;     // 16-byte chunks of a 16-bit row
@@ -39,8 +39,9 @@ struct MmaAttentionShape {
   // [kStages][N] flags of the rows that hold a position, then (QUANTIZED) [kStages][N] key and
   // value scales. Plain caches: K and V [kStages][N][HEAD_DIM] in the region, copied as they
   // are. Quantized: K and V [N][HEAD_DIM] of 16-bit entries (dequantized from this stage),
-  // then raw K and V [kStages][N][HEAD_DIM] bytes. The epilogue reuses the region for WN
-  // streams' maxima, sums and values per row.
+  // then raw K and V [kStages][N][HEAD_DIM] bytes. The epilogue reuses Q and the region for
+  // WN streams' maxima, sums and values per row. Queries of up to 128 entries are held in
+  // registers for the whole walk; wider ones are read from shared memory at each use.
   static constexpr int kQueryEntries = kRows * HEAD_DIM;
   static constexpr int kStageEntries = N * HEAD_DIM;
   static constexpr size_t kRegionBytes =
@@ -48,8 +49,9 @@ struct MmaAttentionShape {
                 : 2 * 2 * kStages * kStageEntries;
   static constexpr size_t kSharedBytes =
       2 * kQueryEntries + kRegionBytes + 4 * kStages * N * (QUANTIZED ? 3 : 1);
-  static_assert(4 * WN * kRows * (HEAD_DIM + 2) <= kRegionBytes,
-                "the epilogue fits in the key and value region");
+  static_assert(4 * WN * kRows * (HEAD_DIM + 2) <= 2 * kQueryEntries + kRegionBytes,
+                "the epilogue fits in the query, key and value region");
+  static constexpr bool kQueryInRegisters = HEAD_DIM <= 128;
 };
 
 /// Entry offset of chunk `chunk` of row `row` in a swizzled tile of HEAD_DIM-entry rows.
@@ -235,13 +237,17 @@ __global__ void __launch_bounds__(kAttentionThreads)
     lowest[i] = p.sliding_window > 0 ? position + 1 - p.sliding_window : 0;
   }
   float out[kValueTiles][4] = {}, running_max[2] = {-INFINITY, -INFINITY}, running_sum[2] = {};
-  uint32_t q_frag[HEAD_DIM / 16][4];
+  // The A fragment of the warp's 16 query rows, entries [16 kk, 16 kk + 16).
+  const auto load_query = [&](int kk, uint32_t(&frag)[4]) {
+    const int row = 16 * wm + lane % 16;
+    ldmatrix_x4<false>(frag, s_query + swizzled<HEAD_DIM>(row, 2 * kk + lane / 16));
+  };
+  uint32_t q_frag[Shape::kQueryInRegisters ? HEAD_DIM / 16 : 1][4];
   cp_async_wait<1>();  // the queries
   __syncthreads();
+  if constexpr (Shape::kQueryInRegisters) {
 #pragma unroll
-  for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-    ldmatrix_x4<false>(q_frag[kk], s_query + swizzled<HEAD_DIM>(16 * wm + lane % 16,
-                                                                2 * kk + lane / 16));
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) load_query(kk, q_frag[kk]);
   }
   const float score_scale = p.logit_softcap > 0.0f ? p.scale / p.logit_softcap : p.scale * kLog2e;
 
@@ -264,14 +270,21 @@ __global__ void __launch_bounds__(kAttentionThreads)
     float score[kScoreTiles][4] = {};
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+      uint32_t a[4];
+      if constexpr (Shape::kQueryInRegisters) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) a[r] = q_frag[kk][r];
+      } else {
+        load_query(kk, a);
+      }
 #pragma unroll
       for (int nt = 0; nt < kScoreTiles; nt += 2) {
         uint32_t frag[4];
         const int j = first + nt * 8 + (lane / 16) * 8 + lane % 8;
         ldmatrix_x4<false>(frag, keys + swizzled<HEAD_DIM>(j, 2 * kk + (lane / 8) % 2));
         const uint32_t b0[2] = {frag[0], frag[1]}, b1[2] = {frag[2], frag[3]};
-        mma_m16n8k16<T>(score[nt], q_frag[kk], b0);
-        mma_m16n8k16<T>(score[nt + 1], q_frag[kk], b1);
+        mma_m16n8k16<T>(score[nt], a, b0);
+        mma_m16n8k16<T>(score[nt + 1], a, b1);
       }
     }
     // Scale (log2 units), soft-cap, mask; then the online softmax of each of the two rows.
@@ -344,7 +357,7 @@ __global__ void __launch_bounds__(kAttentionThreads)
     running_sum[i] += __shfl_xor_sync(0xffffffffu, running_sum[i], 2);
   }
   __syncthreads();  // the stages are free (a block with no iteration reaches here directly)
-  float* e_max = reinterpret_cast<float*>(s_region);
+  float* e_max = reinterpret_cast<float*>(s_query);
   float* e_sum = e_max + WN * kRows;
   float* e_acc = e_sum + WN * kRows;
 #pragma unroll
