@@ -105,7 +105,7 @@ print(pathlib.Path(kvserve._C.__file__).parent / 'libkvserve_runtime.so')")
         timeout "$(limit 240)" compute-sanitizer --tool $tool --error-exitcode 9 \
           $python -m pytest -q -p no:cacheprovider -m cuda -o addopts="" -x \
           tests/kernels/test_paged_attention.py tests/kernels/test_kv_cache_write.py \
-          tests/kernels/test_rms_norm.py -k "${SANITIZE_K:-long_contexts or gqa_groups or latent}" \
+          tests/kernels/test_rms_norm.py -k "${SANITIZE_K:-long_contexts or gqa_groups or latent or every_cuda_kernel}" \
           > "$out/sanitize-$tool.log" 2>&1
         echo "compute-sanitizer $tool: exit $?"; grep -E "ERROR SUMMARY|passed|failed" \
           "$out/sanitize-$tool.log" | tail -3
