@@ -2,7 +2,8 @@
 // Tensor-core and asynchronous-copy primitives of the CUDA kernel bodies (sm_80 and later): the
 // warp-wide m16n8k16 matrix multiply-accumulate in fp32 of bf16 or fp16 operands, ldmatrix
 // (four 8x8 tiles of 16-bit entries from shared memory, optionally transposed) and 16-byte
-// cp.async copies from global to shared memory in commit groups. Fragment layouts are PTX's
+// cp.async copies from global to shared memory in commit groups; and the block's dynamic shared
+// memory (a kernel that takes it from here runs in the emulator). Fragment layouts are PTX's
 // (lane = 4 * g + c): A (16 x 16, row-major) a0 = A[g][2c, 2c+1], a1 = A[g+8][2c, 2c+1],
 // a2 = A[g][2c+8, 2c+9], a3 = A[g+8][2c+8, 2c+9]; B (16 x 8, by column) b0 = B[2c, 2c+1][g],
 // b1 = B[2c+8, 2c+9][g]; C (16 x 8, fp32) c0, c1 = C[g][2c, 2c+1], c2, c3 = C[g+8][2c, 2c+1].

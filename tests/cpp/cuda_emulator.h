@@ -57,14 +57,20 @@ Out warp_collective(const char* name, const In& in, Op op) {
   return out;
 }
 
-/// Runs kernel(params) on `grid` blocks of `block` threads, one block after another, with
+/// Runs body() as each thread of `grid` blocks of `block` threads, one block after another, with
 /// `shared_bytes` of dynamic shared memory each.
 void launch_blocks(dim3 grid, dim3 block, size_t shared_bytes, const std::function<void()>& body);
 
-template <typename Params>
-void launch(void (*kernel)(Params), dim3 grid, dim3 block, size_t shared_bytes,
-            const Params& params) {
-  launch_blocks(grid, block, shared_bytes, [&] { kernel(params); });
+template <typename T>
+struct Same {
+  using type = T;
+};
+
+/// kernel<<<grid, block, shared_bytes>>>(args...), emulated.
+template <typename... Params>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes,
+            typename Same<Params>::type... args) {
+  launch_blocks(grid, block, shared_bytes, [&] { kernel(args...); });
 }
 
 }  // namespace kvserve::emu

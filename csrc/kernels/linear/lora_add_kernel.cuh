@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "kernels/cuda_dtype.cuh"
+#include "kernels/cuda_mma.cuh"
 #include "kernels/cuda_reduce.cuh"
 
 namespace kvserve::cuda {
@@ -18,7 +19,7 @@ __global__ void lora_add_kernel(T* out, int64_t out_stride, const T* x, int64_t 
                                 const T* lora_a, const T* lora_b, const int32_t* slots,
                                 const float* scales, int num_slots, int64_t in_features,
                                 int64_t out_features, int rank) {
-  extern __shared__ float shrunk[];  // [rank]
+  float* shrunk = static_cast<float*>(dynamic_shared_memory());  // [rank]
   const int64_t t = blockIdx.x;
   const int s = slots[t];
   if (s < 0 || s >= num_slots) return;  // the whole block leaves together
