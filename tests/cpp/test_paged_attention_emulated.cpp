@@ -36,7 +36,7 @@ struct Case {
   std::vector<std::pair<int, int>> runs;  // (query tokens, context length) per sequence
   int sliding_window = 0;
   double softcap = 0.0;
-  int sms = 132;  // fewer multiprocessors split contexts sooner
+  int splits = 0;  // the context splits the plan must choose (0: any)
 };
 
 struct EmulatedLaunch {
@@ -44,6 +44,7 @@ struct EmulatedLaunch {
                   size_t shared_bytes, const cuda::PagedAttentionParams& p) const {
     emu::launch(kernel, grid, dim3(threads), shared_bytes, p);
   }
+  int resident_blocks(void (*)(cuda::PagedAttentionParams), int, size_t) const { return 2; }
 };
 
 at::Tensor int_tensor(const std::vector<int32_t>& values) {
@@ -114,7 +115,8 @@ void run_case(const Case& c, at::ScalarType dtype, Kernel kernel, double toleran
       actual, query, key, value, qsl, seq_lens, tables, scale, c.sliding_window, c.softcap,
       key_scale, value_scale);
   EmulatedLaunch launch;
-  ops::paged_attention_launch::launch_kernel<T, F>(p, num_tokens, c.sms, query, kernel, launch);
+  ops::paged_attention_launch::launch_kernel<T, F>(p, num_tokens, 132, query, kernel, launch);
+  if (c.splits > 0) EXPECT_EQ(p.num_splits, c.splits);
   const at::Tensor e = expected.to(at::kFloat), a = actual.to(at::kFloat);
   const float* ep = e.data_ptr<float>();
   const float* ap = a.data_ptr<float>();
@@ -136,7 +138,7 @@ void run_case(const Case& c, at::ScalarType dtype, Kernel kernel, double toleran
 std::vector<Case> decode_cases() {
   return {
       {"decode, GQA 4, head 128, blocks of 16", 8, 2, 128, 16, {{1, 1}, {1, 37}, {1, 300}}},
-      {"decode, 3 splits", 4, 1, 128, 16, {{1, 700}, {1, 65}}, 0, 0.0, 1},
+      {"decode, 3 splits", 4, 1, 128, 16, {{1, 700}, {1, 65}}, 0, 0.0, 3},
       {"decode, MHA, head 64, blocks of 5", 3, 3, 64, 5, {{1, 70}, {1, 9}}},
       {"decode, group 3, window 19, soft-cap 5", 6, 2, 128, 16, {{1, 90}, {1, 18}}, 19, 5.0},
       {"decode, group 20 (two head blocks), blocks of 1", 20, 1, 64, 1, {{1, 33}, {1, 4}}},
@@ -150,10 +152,20 @@ std::vector<Case> prefill_cases() {
   return {
       {"prefill and chunks, GQA 4", 8, 2, 128, 16, {{5, 5}, {17, 40}, {1, 9}, {70, 70}}},
       {"prefill, MHA, head 64, blocks of 3, window 11", 2, 2, 64, 3, {{40, 40}, {23, 50}}, 11},
-      {"prefill, group 3, soft-cap 20, split", 3, 1, 128, 16, {{30, 300}}, 0, 20.0, 1},
+      {"prefill, group 3, soft-cap 20, 2 splits", 3, 1, 128, 16, {{30, 300}}, 0, 20.0, 2},
       {"prefill, group 32 over one KV head", 32, 1, 64, 16, {{6, 20}, {2, 2}}},
-      {"prefill, head 256, MHA, split", 2, 2, 256, 8, {{40, 40}, {9, 300}}, 0, 0.0, 1},
+      {"prefill, head 256, MHA, 2 splits", 2, 2, 256, 8, {{40, 40}, {9, 300}}, 0, 0.0, 2},
   };
+}
+
+TEST(PagedAttentionEmulated, SplitCountFillsWaves) {
+  using ops::paged_attention_launch::split_count;
+  EXPECT_EQ(split_count(400, 396, 128), 1);   // a wave's worth already
+  EXPECT_EQ(split_count(317, 396, 128), 1);   // 80% of one
+  EXPECT_EQ(split_count(8, 396, 2), 2);       // as many as the context allows
+  EXPECT_EQ(split_count(8, 396, 128), 43);    // 344 blocks: 87% of a wave
+  EXPECT_EQ(split_count(64, 396, 128), 6);    // 384 blocks: 97% of a wave
+  EXPECT_EQ(split_count(1, 1, 1), 1);
 }
 
 TEST(PagedAttentionEmulated, TensorCoreKernelDecodesInBf16AndFp16) {

@@ -6,6 +6,9 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "kernels/attention/paged_attention.h"
 #include "kernels/attention/paged_attention_checks.h"
@@ -33,14 +36,39 @@ int multiprocessors(int device) {
 // opt in (a function attribute: no stream work, allowed while a graph is captured).
 struct StreamLaunch {
   cudaStream_t stream;
-  void operator()(void (*kernel)(cuda::PagedAttentionParams), dim3 grid, int threads,
-                  size_t shared_bytes, const cuda::PagedAttentionParams& p) const {
+  int device;
+  using Kernel = void (*)(cuda::PagedAttentionParams);
+
+  static void allow_shared_bytes(Kernel kernel, size_t shared_bytes) {
     if (shared_bytes > 48 * 1024) {
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(shared_bytes)));
     }
+  }
+
+  void operator()(Kernel kernel, dim3 grid, int threads, size_t shared_bytes,
+                  const cuda::PagedAttentionParams& p) const {
+    allow_shared_bytes(kernel, shared_bytes);
     kernel<<<grid, threads, shared_bytes, stream>>>(p);
     KVSERVE_CUDA_CHECK_LAUNCH();
+  }
+
+  // Blocks of `kernel` one multiprocessor holds at once: asked once per device and kernel (a
+  // query of the function's attributes, no stream work).
+  int resident_blocks(Kernel kernel, int threads, size_t shared_bytes) const {
+    static std::mutex mutex;
+    static std::map<std::pair<int, const void*>, int> known;
+    const std::lock_guard<std::mutex> lock(mutex);
+    const auto key = std::make_pair(device, reinterpret_cast<const void*>(kernel));
+    auto it = known.find(key);
+    if (it == known.end()) {
+      allow_shared_bytes(kernel, shared_bytes);
+      int blocks = 0;
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads,
+                                                                   shared_bytes));
+      it = known.emplace(key, std::max(blocks, 1)).first;
+    }
+    return it->second;
   }
 };
 
@@ -65,7 +93,7 @@ void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Te
   }
   const int sms = multiprocessors(query.device().index());
   const AttentionKernel kernel = attention_kernel();
-  StreamLaunch launch{cuda::current_stream()};
+  StreamLaunch launch{cuda::current_stream(), query.device().index()};
   cuda::dispatch_float(query.scalar_type(), kOp, [&](auto type) {
     using T = typename decltype(type)::type;
     switch (format) {

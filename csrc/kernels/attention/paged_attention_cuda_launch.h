@@ -6,7 +6,8 @@
 // the tile shape, and the split of long contexts when too few blocks would fill the GPU. The
 // metadata stays on the device (reading it would synchronise): grids are bounds from the shapes
 // and the number of splits comes from the block table's width. `launch(kernel, grid, threads,
-// shared_bytes, params)` starts a kernel: on a stream (paged_attention_cuda.cu) or emulated.
+// shared_bytes, params)` starts a kernel, on a stream (paged_attention_cuda.cu) or emulated;
+// `launch.resident_blocks(kernel, threads, shared_bytes)` is how many fit on a multiprocessor.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -14,6 +15,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <type_traits>
@@ -63,14 +65,33 @@ inline cuda::PagedAttentionParams make_params(
   return p;
 }
 
-// Thread blocks of one wave per multiprocessor, times this: enough to hide memory latency.
-constexpr int64_t kBlocksPerMultiprocessor = 4;
 // Splits never hold fewer positions than this (their merge would cost more than they save).
 constexpr int64_t kMinPartition = 256;
 
+/// Splits of each context for `blocks` (query tile, head block) blocks when `slots` blocks fit
+/// on the GPU at once (multiprocessors x resident blocks of the kernel): none when the blocks
+/// fill 80% of a wave; otherwise the fewest, up to max_splits, whose waves are at least 85% as
+/// full as the fullest choice's (FlashAttention's heuristic for its split-KV decode).
+inline int64_t split_count(int64_t blocks, int64_t slots, int64_t max_splits) {
+  blocks = std::max<int64_t>(blocks, 1);
+  slots = std::max<int64_t>(slots, 1);
+  if (5 * blocks >= 4 * slots || max_splits <= 1) return 1;
+  const auto efficiency = [&](int64_t splits) {
+    const double waves = static_cast<double>(blocks * splits) / static_cast<double>(slots);
+    return waves / std::ceil(waves);
+  };
+  double best = 0.0;
+  for (int64_t splits = 1; splits <= max_splits; ++splits) best = std::max(best, efficiency(splits));
+  for (int64_t splits = 1; splits <= max_splits; ++splits) {
+    if (efficiency(splits) >= 0.85 * best) return splits;
+  }
+  return 1;
+}
+
 /// Launches `kernel` on a grid of `tiles` x (KV heads x head blocks of `heads_per_block`) x
 /// splits, and the merge of the splits: contexts are split into partitions (multiples of `step`
-/// positions) when `useful_tiles` x head blocks would not fill `sms` multiprocessors.
+/// positions) by split_count, from `useful_tiles` x head blocks and the kernel's occupancy of
+/// `sms` multiprocessors (launch.resident_blocks).
 template <typename T, typename Launch>
 void launch_split(void (*kernel)(cuda::PagedAttentionParams), cuda::PagedAttentionParams& p,
                   int64_t tiles, int64_t useful_tiles, int heads_per_block, int sms, int64_t step,
@@ -79,13 +100,10 @@ void launch_split(void (*kernel)(cuda::PagedAttentionParams), cuda::PagedAttenti
                               heads_per_block;
   const int64_t head_blocks = static_cast<int64_t>(p.num_kv_heads) * p.head_blocks_per_kv_head;
   const int64_t max_context = static_cast<int64_t>(p.max_blocks_per_seq) * p.block_size;
-  const int64_t blocks = std::max<int64_t>(useful_tiles * head_blocks, 1);
-  int64_t splits = 1;
-  if (blocks < sms * kBlocksPerMultiprocessor) {
-    splits = std::min((max_context + kMinPartition - 1) / kMinPartition,
-                      (sms * kBlocksPerMultiprocessor + blocks - 1) / blocks);
-    splits = std::max<int64_t>(splits, 1);
-  }
+  const int64_t slots = static_cast<int64_t>(sms) *
+                        launch.resident_blocks(kernel, cuda::kAttentionThreads, shared_bytes);
+  const int64_t splits = split_count(useful_tiles * head_blocks, slots,
+                                     (max_context + kMinPartition - 1) / kMinPartition);
   int64_t partition = (max_context + splits - 1) / splits;
   partition = std::max<int64_t>((partition + step - 1) / step * step, 1);
   p.num_splits = static_cast<int>((max_context + partition - 1) / partition);
