@@ -81,7 +81,9 @@ inline int64_t split_count(int64_t blocks, int64_t slots, int64_t max_splits) {
     return waves / std::ceil(waves);
   };
   double best = 0.0;
-  for (int64_t splits = 1; splits <= max_splits; ++splits) best = std::max(best, efficiency(splits));
+  for (int64_t splits = 1; splits <= max_splits; ++splits) {
+    best = std::max(best, efficiency(splits));
+  }
   for (int64_t splits = 1; splits <= max_splits; ++splits) {
     if (efficiency(splits) >= 0.85 * best) return splits;
   }
