@@ -37,6 +37,7 @@ struct Case {
   int sliding_window = 0;
   double softcap = 0.0;
   int splits = 0;  // the context splits the plan must choose (0: any)
+  int latent_value_dim = 0;  // > 0: MLA's latent, one cache for both, values its first entries
 };
 
 struct EmulatedLaunch {
@@ -86,19 +87,21 @@ void run_case(const Case& c, at::ScalarType dtype, Kernel kernel, double toleran
   const int d = c.head_dim;
   at::manual_seed(7);
   at::Tensor key = at::randn({num_blocks, c.block_size, c.kv_heads, d});
-  at::Tensor value = at::randn({num_blocks, c.block_size, c.kv_heads, d});
+  at::Tensor value = c.latent_value_dim > 0 ? key : at::randn({num_blocks, c.block_size, c.kv_heads, d});
   std::optional<at::Tensor> key_scale, value_scale;
   if constexpr (F == cuda::KVFormat::kPlain) {
     key = key.to(dtype);
-    value = value.to(dtype);
+    value = c.latent_value_dim > 0 ? key : value.to(dtype);
   } else {
     // Entries of the cache's type (int8 in [-127, 127], fp8 of N(0, 4)) and positive row
     // scales around 1 / spread, so that keys and values are about N(0, 1).
     const double spread = F == cuda::KVFormat::kInt8 ? 60.0 : 2.0;
     key = key.mul(spread).clamp(-127, 127).to(cache_dtype);
-    value = value.mul(spread).clamp(-127, 127).to(cache_dtype);
+    value = c.latent_value_dim > 0 ? key : value.mul(spread).clamp(-127, 127).to(cache_dtype);
     key_scale = at::rand({num_blocks, c.block_size, c.kv_heads}).add(0.5).div(spread);
-    value_scale = at::rand({num_blocks, c.block_size, c.kv_heads}).add(0.5).div(spread);
+    value_scale = c.latent_value_dim > 0
+                      ? *key_scale
+                      : at::rand({num_blocks, c.block_size, c.kv_heads}).add(0.5).div(spread);
   }
   // The queries are a view of a fused projection's output, as the engine passes them.
   const at::Tensor fused = at::randn({num_tokens, c.heads + 2 * c.kv_heads, d}).to(dtype);
@@ -107,10 +110,11 @@ void run_case(const Case& c, at::ScalarType dtype, Kernel kernel, double toleran
   const at::Tensor tables = int_tensor(table).view({num_seqs, max_blocks});
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
 
-  at::Tensor expected = at::empty({num_tokens, c.heads, d}, dtype);
+  const int dv = c.latent_value_dim > 0 ? c.latent_value_dim : d;
+  at::Tensor expected = at::empty({num_tokens, c.heads, dv}, dtype);
   ops::paged_attention(expected, query, key, value, qsl, seq_lens, tables, scale,
                        c.sliding_window, c.softcap, key_scale, value_scale);
-  at::Tensor actual = at::zeros({num_tokens, c.heads, d}, dtype);
+  at::Tensor actual = at::zeros({num_tokens, c.heads, dv}, dtype);
   cuda::PagedAttentionParams p = ops::paged_attention_launch::make_params(
       actual, query, key, value, qsl, seq_lens, tables, scale, c.sliding_window, c.softcap,
       key_scale, value_scale);
@@ -129,8 +133,8 @@ void run_case(const Case& c, at::ScalarType dtype, Kernel kernel, double toleran
       worst_index = i;
     }
   }
-  EXPECT_LE(worst, tolerance) << "token " << worst_index / (c.heads * d) << " head "
-                              << worst_index / d % c.heads << " entry " << worst_index % d
+  EXPECT_LE(worst, tolerance) << "token " << worst_index / (c.heads * dv) << " head "
+                              << worst_index / dv % c.heads << " entry " << worst_index % dv
                               << ": expected " << ep[worst_index] << ", got " << ap[worst_index]
                               << " (" << p.num_splits << " splits)";
 }
@@ -187,6 +191,22 @@ TEST(PagedAttentionEmulated, TensorCoreKernelReadsInt8AndFp8Caches) {
                                    prefill_cases()[0], prefill_cases()[1]};
   for (const Case& c : cases) {
     run_case<__nv_bfloat16, cuda::KVFormat::kInt8>(c, at::kBFloat16, Kernel::kMma, 2e-2, at::kChar);
+    run_case<__half, cuda::KVFormat::kFp8E4M3>(c, at::kHalf, Kernel::kMma, 4e-3,
+                                               at::kFloat8_e4m3fn);
+  }
+}
+
+std::vector<Case> latent_cases() {
+  Case decode{"MLA latent decode, 16 heads, 2 splits", 16, 1, 576, 16, {{1, 300}, {1, 5}}, 0,
+              0.0, 2, 512};
+  Case wide{"MLA latent, 40 heads (three head blocks), chunk of 3", 40, 1, 576, 8,
+            {{3, 50}, {1, 1}}, 0, 0.0, 0, 512};
+  return {decode, wide};
+}
+
+TEST(PagedAttentionEmulated, TensorCoreKernelReadsMlaLatents) {
+  for (const Case& c : latent_cases()) {
+    run_case<__nv_bfloat16>(c, at::kBFloat16, Kernel::kMma, 2e-2);
     run_case<__half, cuda::KVFormat::kFp8E4M3>(c, at::kHalf, Kernel::kMma, 4e-3,
                                                at::kFloat8_e4m3fn);
   }

@@ -126,7 +126,8 @@ void launch_split(void (*kernel)(cuda::PagedAttentionParams), cuda::PagedAttenti
 }
 
 /// The tensor-core kernel for bf16 / fp16 queries over caches (of their dtype, int8 or fp8) of
-/// keys and values of one size, 64, 128 or 256, 16-byte aligned; false where it does not apply.
+/// keys and values of one size, 64, 128 or 256, or over MLA's latent (576 entries, values the
+/// first 512), 16-byte aligned; false where it does not apply.
 /// Tiles of 16 rows (one query token's GQA group, four warps splitting the positions) when
 /// sequences bring few rows, as decode does; tiles of 64 rows (four warps of 16 rows, flash-
 /// attention style) otherwise. Head size 256 takes 32-position stages (shared memory), so its
@@ -138,19 +139,28 @@ bool launch_mma(cuda::PagedAttentionParams& p, int64_t num_tokens, int sms,
     return false;
   } else {
     const int d = p.head_dim;
-    const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-    if ((d != 64 && d != 128 && d != 256) || p.value_head_dim != d || p.value_row != d ||
-        p.query_stride % 8 != 0 || !aligned(p.query) || !aligned(p.key_cache) ||
+    const auto aligned = [](const void* ptr) {
+      return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+    };
+    // MLA's latent (DeepSeek-V2 / V3: rank 512 + 64 rotary entries), read as keys and values.
+    const bool latent = p.key_cache == p.value_cache && p.num_kv_heads == 1 &&
+                        p.value_row == d && d == 576 && p.value_head_dim == 512;
+    if (!latent && ((d != 64 && d != 128 && d != 256) || p.value_head_dim != d ||
+                    p.value_row != d)) {
+      return false;
+    }
+    if (p.query_stride % 8 != 0 || !aligned(p.query) || !aligned(p.key_cache) ||
         !aligned(p.value_cache)) {
       return false;
     }
     const int group = p.num_heads / p.num_kv_heads;
     const int64_t rows_per_sequence =
         (num_tokens + p.num_seqs - 1) / std::max(p.num_seqs, 1) * group;
-    const auto with_shape = [&](auto head_dim, auto warps_m, auto positions) {
+    const auto with_shape = [&](auto head_dim, auto warps_m, auto positions, auto latent_dim) {
       constexpr int D = decltype(head_dim)::value, WM = decltype(warps_m)::value;
       constexpr int N = decltype(positions)::value, WN = cuda::kAttentionWarps / WM;
-      using Shape = cuda::MmaAttentionShape<D, WM, WN, N, F != cuda::KVFormat::kPlain>;
+      constexpr int L = decltype(latent_dim)::value;
+      using Shape = cuda::MmaAttentionShape<D, WM, WN, N, F != cuda::KVFormat::kPlain, L>;
       const int tile_heads = cuda::mma_tile_heads(group, Shape::kRows);
       const int64_t tile_tokens = Shape::kRows / tile_heads;
       // Every sequence with a query takes a tile of its own: a decode step of B sequences
@@ -158,7 +168,7 @@ bool launch_mma(cuda::PagedAttentionParams& p, int64_t num_tokens, int sms,
       const int64_t useful_tiles =
           std::max<int64_t>((num_tokens + tile_tokens - 1) / tile_tokens,
                             std::min<int64_t>(p.num_seqs, num_tokens));
-      launch_split<T>(cuda::paged_attention_mma_kernel<T, F, D, WM, WN, N>, p,
+      launch_split<T>(cuda::paged_attention_mma_kernel<T, F, D, WM, WN, N, L>, p,
                       num_tokens / tile_tokens + p.num_seqs, useful_tiles, tile_heads, sms, N,
                       Shape::kSharedBytes, query, launch);
     };
@@ -167,16 +177,25 @@ bool launch_mma(cuda::PagedAttentionParams& p, int64_t num_tokens, int sms,
     using IV = std::integral_constant<int, 4>;
     using N32 = std::integral_constant<int, 32>;
     using N64 = std::integral_constant<int, 64>;
+    using Plain = std::integral_constant<int, 0>;
     const bool decode_tiles = rows_per_sequence <= 16;
-    if (d == 64) {
+    if (latent) {
+      // 16 heads a block, the warps splitting the positions for scores and the value entries
+      // for outputs: 32 positions a stage (72 KiB of latent rows in two stages).
+      with_shape(std::integral_constant<int, 576>{}, I{}, N32{},
+                 std::integral_constant<int, 512>{});
+    } else if (d == 64) {
       using D64 = std::integral_constant<int, 64>;
-      decode_tiles ? with_shape(D64{}, I{}, N64{}) : with_shape(D64{}, IV{}, N64{});
+      decode_tiles ? with_shape(D64{}, I{}, N64{}, Plain{})
+                   : with_shape(D64{}, IV{}, N64{}, Plain{});
     } else if (d == 128) {
       using D128 = std::integral_constant<int, 128>;
-      decode_tiles ? with_shape(D128{}, I{}, N64{}) : with_shape(D128{}, IV{}, N64{});
+      decode_tiles ? with_shape(D128{}, I{}, N64{}, Plain{})
+                   : with_shape(D128{}, IV{}, N64{}, Plain{});
     } else {
       using D256 = std::integral_constant<int, 256>;
-      decode_tiles ? with_shape(D256{}, II{}, N32{}) : with_shape(D256{}, IV{}, N32{});
+      decode_tiles ? with_shape(D256{}, II{}, N32{}, Plain{})
+                   : with_shape(D256{}, IV{}, N32{}, Plain{});
     }
     return true;
   }

@@ -25,31 +25,46 @@
 namespace kvserve::cuda {
 
 /// The shape of one instantiation: HEAD_DIM 64, 128 or 256; WM x WN warps (4 in all); N
-/// positions a stage, N / WN (a multiple of 16) per warp; QUANTIZED: int8 / fp8 cache entries.
-template <int HEAD_DIM, int WM, int WN, int N, bool QUANTIZED = false>
+/// positions a stage, N / WN (8 or a multiple of 16) per warp; QUANTIZED: int8 / fp8 cache
+/// entries; LATENT_VALUE_DIM > 0: MLA's latent cache, one for keys and values, a value being the
+/// first LATENT_VALUE_DIM entries of its key row (HEAD_DIM any multiple of 64; WM = 1).
+template <int HEAD_DIM, int WM, int WN, int N, bool QUANTIZED = false, int LATENT_VALUE_DIM = 0>
 struct MmaAttentionShape {
+  static constexpr bool kLatent = LATENT_VALUE_DIM > 0;
   static_assert(WM * WN == kAttentionWarps, "the block's 4 warps are WM x WN");
-  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "head sizes 64 to 256");
-  static_assert(N % (16 * WN) == 0, "each warp takes a multiple of 16 positions");
+  static_assert(kLatent ? HEAD_DIM % 64 == 0 && WM == 1 &&
+                              LATENT_VALUE_DIM % (16 * kAttentionWarps) == 0 &&
+                              LATENT_VALUE_DIM <= HEAD_DIM
+                        : HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256,
+                "head sizes 64 to 256, or a latent of a multiple of 64");
+  static_assert(N % (16 * WN) == 0 || (kLatent && N == 8 * WN),
+                "each warp takes a multiple of 16 positions (8 over a latent)");
   static constexpr int kRows = 16 * WM;            // query rows of a block
   static constexpr int kChunks = HEAD_DIM / 8;     // 16-byte chunks of a 16-bit row
   static constexpr int kWarpPositions = N / WN;    // positions per warp and stage
   static constexpr int kStages = 2;
+  static constexpr int kValueDim = kLatent ? LATENT_VALUE_DIM : HEAD_DIM;
+  // Output entries of a row per warp: all of them, or over a latent a quarter (the warps split
+  // the value entries and share the probabilities).
+  static constexpr int kOutputDim = kLatent ? kValueDim / kAttentionWarps : HEAD_DIM;
   // Shared memory, after Q [kRows][HEAD_DIM] of 16-bit entries: the key / value region, then
-  // [kStages][N] flags of the rows that hold a position, then (QUANTIZED) [kStages][N] key and
-  // value scales. Plain caches: K and V [kStages][N][HEAD_DIM] in the region, copied as they
-  // are. Quantized: K and V [N][HEAD_DIM] of 16-bit entries (dequantized from this stage),
-  // then raw K and V [kStages][N][HEAD_DIM] bytes. The epilogue reuses Q and the region for
-  // WN streams' maxima, sums and values per row. Queries of up to 128 entries are held in
-  // registers for the whole walk; wider ones are read from shared memory at each use.
+  // [kStages][N] flags of the rows that hold a position and key and value scales, then (latent)
+  // the stage's scores [kRows][N]. Plain caches: K and V [kStages][N][HEAD_DIM] in the region,
+  // copied as they are. Quantized: K and V [N][HEAD_DIM] of 16-bit entries (dequantized from
+  // this stage), then raw K and V [kStages][N][HEAD_DIM] bytes. A latent has no V of its own.
+  // The epilogue reuses Q and the region for the streams' maxima, sums and values per row.
+  // Queries of up to 128 entries are held in registers for the whole walk; wider ones are read
+  // from shared memory at each use.
   static constexpr int kQueryEntries = kRows * HEAD_DIM;
   static constexpr int kStageEntries = N * HEAD_DIM;
+  static constexpr int kCaches = kLatent ? 1 : 2;
   static constexpr size_t kRegionBytes =
-      QUANTIZED ? 2 * 2 * kStageEntries + 2 * kStages * kStageEntries
-                : 2 * 2 * kStages * kStageEntries;
+      QUANTIZED ? kCaches * (2 * kStageEntries + kStages * kStageEntries)
+                : kCaches * 2 * kStages * kStageEntries;
   static constexpr size_t kSharedBytes =
-      2 * kQueryEntries + kRegionBytes + 4 * kStages * N * (QUANTIZED ? 3 : 1);
-  static_assert(4 * WN * kRows * (HEAD_DIM + 2) <= 2 * kQueryEntries + kRegionBytes,
+      2 * kQueryEntries + kRegionBytes + 12 * kStages * N + (kLatent ? 4 * kRows * N : 0);
+  static constexpr int kStreams = kLatent ? 1 : WN;  // online softmaxes per row
+  static_assert(4 * kStreams * kRows * (kValueDim + 2) <= 2 * kQueryEntries + kRegionBytes,
                 "the epilogue fits in the query, key and value region");
   static constexpr bool kQueryInRegisters = HEAD_DIM <= 128;
 };
@@ -103,30 +118,39 @@ __device__ inline int mma_sequence_of(const PagedAttentionParams& p, int tile, i
 /// Grid (num_tokens / tile tokens + num_seqs, num_kv_heads * head_blocks_per_kv_head,
 /// num_splits), kAttentionThreads threads, Shape::kSharedBytes of dynamic shared memory.
 /// T: __nv_bfloat16 or __half; caches of T (kPlain) or int8 / fp8 entries with fp32 row scales;
-/// head_dim == value_head_dim == value_row == HEAD_DIM; the caches', query's and query rows'
-/// addresses are 16-byte aligned (the launcher checks).
-template <typename T, KVFormat F, int HEAD_DIM, int WM, int WN, int N>
+/// head_dim == value_head_dim == value_row == HEAD_DIM, or over a latent (key_cache ==
+/// value_cache, one KV head) head_dim == value_row == HEAD_DIM, value_head_dim ==
+/// LATENT_VALUE_DIM; the caches', query's and query rows' addresses are 16-byte aligned (the
+/// launcher checks).
+template <typename T, KVFormat F, int HEAD_DIM, int WM, int WN, int N, int LATENT_VALUE_DIM = 0>
 __global__ void __launch_bounds__(kAttentionThreads)
     paged_attention_mma_kernel(const PagedAttentionParams p) {
   using Entry = typename KVEntry<T, F>::type;
   constexpr bool kQuantized = F != KVFormat::kPlain;
-  using Shape = MmaAttentionShape<HEAD_DIM, WM, WN, N, kQuantized>;
+  using Shape = MmaAttentionShape<HEAD_DIM, WM, WN, N, kQuantized, LATENT_VALUE_DIM>;
+  constexpr bool kLatent = Shape::kLatent;
   constexpr int kRows = Shape::kRows, kChunks = Shape::kChunks;
   constexpr int kWarpPositions = Shape::kWarpPositions;
   constexpr int kScoreTiles = kWarpPositions / 8;  // 8-position tiles of a warp's scores
-  constexpr int kValueTiles = HEAD_DIM / 8;        // 8-entry tiles of a row's output
+  // 8-position tiles of the probabilities a warp multiplies by values: its own scores, or over a
+  // latent the whole stage's (the warps exchange their scores).
+  constexpr int kProbTiles = kLatent ? N / 8 : kScoreTiles;
+  constexpr int kValueTiles = Shape::kOutputDim / 8;  // 8-entry tiles of a warp's output
   constexpr float kLog2e = 1.4426950408889634f;
+  constexpr int E = Shape::kStageEntries;
   T* s_query = static_cast<T*>(dynamic_shared_memory());
   unsigned char* s_region = reinterpret_cast<unsigned char*>(s_query + Shape::kQueryEntries);
-  // Plain: the stages' rows. Quantized: this stage's rows, dequantized.
+  // Plain: the stages' rows. Quantized: this stage's rows, dequantized. A latent's values are
+  // its key rows.
   T* s_key = reinterpret_cast<T*>(s_region);
-  T* s_value = s_key + (kQuantized ? 1 : Shape::kStages) * Shape::kStageEntries;
+  T* s_value = kLatent ? s_key : s_key + (kQuantized ? 1 : Shape::kStages) * E;
   // Quantized: the stages' raw entries and their rows' scales.
-  Entry* s_raw_key = reinterpret_cast<Entry*>(s_value + Shape::kStageEntries);
-  Entry* s_raw_value = s_raw_key + Shape::kStages * Shape::kStageEntries;
+  Entry* s_raw_key = reinterpret_cast<Entry*>(s_key + Shape::kCaches * E);
+  Entry* s_raw_value = s_raw_key + Shape::kStages * E;
   int* s_valid = reinterpret_cast<int*>(s_region + Shape::kRegionBytes);
   float* s_key_scale = reinterpret_cast<float*>(s_valid + Shape::kStages * N);
   float* s_value_scale = s_key_scale + Shape::kStages * N;
+  float* s_scores = s_value_scale + Shape::kStages * N;  // latent: [kRows][N]
 
   // This block's sequence, query tokens and heads.
   const int group = p.num_heads / p.num_kv_heads;
@@ -195,16 +219,17 @@ __global__ void __launch_bounds__(kAttentionThreads)
       if constexpr (kQuantized) {
         const int at = (stage * N + j) * HEAD_DIM + chunk * kEntriesPerChunk;
         cp_async_16(s_raw_key + at, key_cache + offset, valid);
-        cp_async_16(s_raw_value + at, value_cache + offset, valid);
+        if (!kLatent) cp_async_16(s_raw_value + at, value_cache + offset, valid);
         if (chunk == 0) {
           cp_async_4(s_key_scale + stage * N + j, p.key_scale + row, valid);
-          cp_async_4(s_value_scale + stage * N + j, p.value_scale + row, valid);
+          if (!kLatent) cp_async_4(s_value_scale + stage * N + j, p.value_scale + row, valid);
         }
       } else {
-        T* keys = s_key + stage * Shape::kStageEntries;
-        T* values = s_value + stage * Shape::kStageEntries;
-        cp_async_16(keys + swizzled<HEAD_DIM>(j, chunk), key_cache + offset, valid);
-        cp_async_16(values + swizzled<HEAD_DIM>(j, chunk), value_cache + offset, valid);
+        cp_async_16(s_key + stage * E + swizzled<HEAD_DIM>(j, chunk), key_cache + offset, valid);
+        if (!kLatent) {
+          cp_async_16(s_value + stage * E + swizzled<HEAD_DIM>(j, chunk), value_cache + offset,
+                      valid);
+        }
       }
       if (chunk == 0) s_valid[stage * N + j] = valid;
     }
@@ -216,8 +241,10 @@ __global__ void __launch_bounds__(kAttentionThreads)
       const int at = (stage * N + j) * HEAD_DIM + chunk * 8;
       dequantize_chunk<T>(s_raw_key + at, s_key_scale[stage * N + j],
                           s_key + swizzled<HEAD_DIM>(j, chunk));
-      dequantize_chunk<T>(s_raw_value + at, s_value_scale[stage * N + j],
-                          s_value + swizzled<HEAD_DIM>(j, chunk));
+      if (!kLatent) {
+        dequantize_chunk<T>(s_raw_value + at, s_value_scale[stage * N + j],
+                            s_value + swizzled<HEAD_DIM>(j, chunk));
+      }
     }
   };
   if (iterations > 0) load_stage(0, kv_begin);
@@ -261,13 +288,14 @@ __global__ void __launch_bounds__(kAttentionThreads)
       dequantize_stage(stage);
       __syncthreads();
     }
-    const T* keys = s_key + (kQuantized ? 0 : stage * Shape::kStageEntries);
-    const T* values = s_value + (kQuantized ? 0 : stage * Shape::kStageEntries);
+    const T* keys = s_key + (kQuantized ? 0 : stage * E);
+    const T* values = s_value + (kQuantized ? 0 : stage * E);
     const int first = wn * kWarpPositions;  // this warp's first row of the stage
     const int base = kv_begin + it * N + first;
 
     // S = Q K^T: each ldmatrix gives the B fragments of two 8-position tiles.
     float score[kScoreTiles][4] = {};
+    uint32_t key_frag[4];
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
       uint32_t a[4];
@@ -277,14 +305,24 @@ __global__ void __launch_bounds__(kAttentionThreads)
       } else {
         load_query(kk, a);
       }
+      if constexpr (kScoreTiles == 1) {
+        // One 8-position tile: each ldmatrix gives its B fragments for two steps of 16 entries.
+        if (kk % 2 == 0) {
+          ldmatrix_x4<false>(key_frag, keys + swizzled<HEAD_DIM>(first + lane % 8,
+                                                                 2 * kk + lane / 8));
+        }
+        const uint32_t b[2] = {key_frag[2 * (kk % 2)], key_frag[2 * (kk % 2) + 1]};
+        mma_m16n8k16<T>(score[0], a, b);
+      } else {
 #pragma unroll
-      for (int nt = 0; nt < kScoreTiles; nt += 2) {
-        uint32_t frag[4];
-        const int j = first + nt * 8 + (lane / 16) * 8 + lane % 8;
-        ldmatrix_x4<false>(frag, keys + swizzled<HEAD_DIM>(j, 2 * kk + (lane / 8) % 2));
-        const uint32_t b0[2] = {frag[0], frag[1]}, b1[2] = {frag[2], frag[3]};
-        mma_m16n8k16<T>(score[nt], a, b0);
-        mma_m16n8k16<T>(score[nt + 1], a, b1);
+        for (int nt = 0; nt < kScoreTiles; nt += 2) {
+          uint32_t frag[4];
+          const int j = first + nt * 8 + (lane / 16) * 8 + lane % 8;
+          ldmatrix_x4<false>(frag, keys + swizzled<HEAD_DIM>(j, 2 * kk + (lane / 8) % 2));
+          const uint32_t b0[2] = {frag[0], frag[1]}, b1[2] = {frag[2], frag[3]};
+          mma_m16n8k16<T>(score[nt], a, b0);
+          mma_m16n8k16<T>(score[nt + 1], a, b1);
+        }
       }
     }
     // Scale (log2 units), soft-cap, mask; then the online softmax of each of the two rows.
@@ -300,12 +338,37 @@ __global__ void __launch_bounds__(kAttentionThreads)
         score[nt][e] = valid ? x : -INFINITY;
       }
     }
+    // The scores of the positions this warp multiplies by values (prob), and their first row.
+    float prob[kProbTiles][4];
+    int prob_first = first;
+    if constexpr (kLatent) {
+      // Every warp needs the whole stage's scores: it holds a quarter of each value row.
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s_scores[(g + 8 * (e / 2)) * N + first + 2 * c + e % 2] = score[0][e];
+      }
+      __syncthreads();
+#pragma unroll
+      for (int nt = 0; nt < kProbTiles; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          prob[nt][e] = s_scores[(g + 8 * (e / 2)) * N + nt * 8 + 2 * c + e % 2];
+        }
+      }
+      prob_first = 0;
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < kProbTiles; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) prob[nt][e] = score[nt][e];
+      }
+    }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       float tile_max = -INFINITY;
 #pragma unroll
-      for (int nt = 0; nt < kScoreTiles; ++nt) {
-        tile_max = fmaxf(tile_max, fmaxf(score[nt][2 * i], score[nt][2 * i + 1]));
+      for (int nt = 0; nt < kProbTiles; ++nt) {
+        tile_max = fmaxf(tile_max, fmaxf(prob[nt][2 * i], prob[nt][2 * i + 1]));
       }
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
@@ -319,28 +382,29 @@ __global__ void __launch_bounds__(kAttentionThreads)
         out[dt][2 * i + 1] *= correction;
       }
 #pragma unroll
-      for (int nt = 0; nt < kScoreTiles; ++nt) {
+      for (int nt = 0; nt < kProbTiles; ++nt) {
 #pragma unroll
         for (int e = 2 * i; e < 2 * i + 2; ++e) {
-          score[nt][e] = exp2f(score[nt][e] - shift);
-          running_sum[i] += score[nt][e];
+          prob[nt][e] = exp2f(prob[nt][e] - shift);
+          running_sum[i] += prob[nt][e];
         }
       }
       running_max[i] = new_max;
     }
-    // O += P V: P's A fragments are two score tiles; a transposed ldmatrix gives V's B
-    // fragments of two 8-entry output tiles.
+    // O += P V: P's A fragments are two probability tiles; a transposed ldmatrix gives V's B
+    // fragments of two 8-entry output tiles (of this warp's quarter over a latent).
+    const int first_chunk = kLatent ? wn * (Shape::kOutputDim / 8) : 0;
 #pragma unroll
-    for (int kt = 0; kt < kWarpPositions / 16; ++kt) {
-      const float(&s0)[4] = score[2 * kt];
-      const float(&s1)[4] = score[2 * kt + 1];
+    for (int kt = 0; kt < kProbTiles / 2; ++kt) {
+      const float(&s0)[4] = prob[2 * kt];
+      const float(&s1)[4] = prob[2 * kt + 1];
       const uint32_t a[4] = {pack_pair<T>(s0[0], s0[1]), pack_pair<T>(s0[2], s0[3]),
                              pack_pair<T>(s1[0], s1[1]), pack_pair<T>(s1[2], s1[3])};
-      const int j = first + 16 * kt + ((lane / 8) % 2) * 8 + lane % 8;
+      const int j = prob_first + 16 * kt + ((lane / 8) % 2) * 8 + lane % 8;
 #pragma unroll
       for (int dt = 0; dt < kValueTiles; dt += 2) {
         uint32_t frag[4];
-        ldmatrix_x4<true>(frag, values + swizzled<HEAD_DIM>(j, dt + lane / 16));
+        ldmatrix_x4<true>(frag, values + swizzled<HEAD_DIM>(j, first_chunk + dt + lane / 16));
         const uint32_t b0[2] = {frag[0], frag[1]}, b1[2] = {frag[2], frag[3]};
         mma_m16n8k16<T>(out[dt], a, b0);
         mma_m16n8k16<T>(out[dt + 1], a, b1);
@@ -358,23 +422,29 @@ __global__ void __launch_bounds__(kAttentionThreads)
   }
   __syncthreads();  // the stages are free (a block with no iteration reaches here directly)
   float* e_max = reinterpret_cast<float*>(s_query);
-  float* e_sum = e_max + WN * kRows;
-  float* e_acc = e_sum + WN * kRows;
+  float* e_sum = e_max + Shape::kStreams * kRows;
+  float* e_acc = e_sum + Shape::kStreams * kRows;
+  constexpr int kAccWidth = Shape::kValueDim;
+  // Each warp's stream, or over a latent one stream whose values the warps hold in quarters.
+  const int stream = kLatent ? 0 : wn;
+  const int first_entry = kLatent ? wn * Shape::kOutputDim : 0;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const int slot = wn * kRows + 16 * wm + g + 8 * i;
-    if (c == 0) {
+    const int slot = stream * kRows + 16 * wm + g + 8 * i;
+    if (c == 0 && (!kLatent || wn == 0)) {
       e_max[slot] = running_max[i];
       e_sum[slot] = running_sum[i];
     }
 #pragma unroll
     for (int dt = 0; dt < kValueTiles; ++dt) {
-      e_acc[slot * HEAD_DIM + 8 * dt + 2 * c] = out[dt][2 * i];
-      e_acc[slot * HEAD_DIM + 8 * dt + 2 * c + 1] = out[dt][2 * i + 1];
+      const int d = first_entry + 8 * dt + 2 * c;
+      e_acc[slot * kAccWidth + d] = out[dt][2 * i];
+      e_acc[slot * kAccWidth + d + 1] = out[dt][2 * i + 1];
     }
   }
   __syncthreads();
-  store_merged_rows<T, true>(p, kRows, WN, e_max, e_sum, e_acc, kRows, HEAD_DIM, row_of);
+  store_merged_rows<T, true>(p, kRows, Shape::kStreams, e_max, e_sum, e_acc, kRows, kAccWidth,
+                             row_of);
 }
 
 }  // namespace kvserve::cuda
