@@ -87,7 +87,8 @@ void run_case(const Case& c, at::ScalarType dtype, Kernel kernel, double toleran
   const int d = c.head_dim;
   at::manual_seed(7);
   at::Tensor key = at::randn({num_blocks, c.block_size, c.kv_heads, d});
-  at::Tensor value = c.latent_value_dim > 0 ? key : at::randn({num_blocks, c.block_size, c.kv_heads, d});
+  at::Tensor value =
+      c.latent_value_dim > 0 ? key : at::randn({num_blocks, c.block_size, c.kv_heads, d});
   std::optional<at::Tensor> key_scale, value_scale;
   if constexpr (F == cuda::KVFormat::kPlain) {
     key = key.to(dtype);
