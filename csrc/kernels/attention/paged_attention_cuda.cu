@@ -54,7 +54,9 @@ struct StreamLaunch {
   }
 
   // Blocks of `kernel` one multiprocessor holds at once: asked once per device and kernel (a
-  // query of the function's attributes, no stream work).
+  // query of the function's attributes, no stream work), outside graph capture (the engine's
+  // first step of a size runs eagerly before its capture; a capture that comes first assumes
+  // one block and asks next time).
   int resident_blocks(Kernel kernel, int threads, size_t shared_bytes) const {
     static std::mutex mutex;
     static std::map<std::pair<int, const void*>, int> known;
@@ -62,6 +64,9 @@ struct StreamLaunch {
     const auto key = std::make_pair(device, reinterpret_cast<const void*>(kernel));
     auto it = known.find(key);
     if (it == known.end()) {
+      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+      C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+      if (capturing != cudaStreamCaptureStatusNone) return 1;
       allow_shared_bytes(kernel, shared_bytes);
       int blocks = 0;
       C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads,
