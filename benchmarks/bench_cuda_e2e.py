@@ -8,12 +8,15 @@ For each model (random weights of a real shape, bf16, built on the GPU and saved
     --gen-len tokens greedily (ignore_eos), in one LLM.generate; output tokens per second, against
     transformers `generate` on the same model object, prompts and token counts (greedy,
     min_new_tokens = max_new_tokens, its default dynamic cache).
-kvserve runs twice, with CUDA graphs for its decode steps (enforce_eager=False, the default) and
-without (enforce_eager=True). Medians of --repeats, the engines interleaved. Prints a
-markdown table; writes JSON to --out.
+kvserve runs once per --modes entry: `graphs` (CUDA graphs for its decode steps,
+enforce_eager=False, the default), `eager` (enforce_eager=True), and either with `-<kernel>`
+appended (`graphs-rows`: paged_attention's row kernel forced, kvserve._C.set_cuda_attention_kernel,
+set before each of that engine's calls so that its graphs capture it). Medians of --repeats, the
+engines interleaved. Prints a markdown table; writes JSON to --out.
 
     python benchmarks/bench_cuda_e2e.py                               # llama3-8b and qwen3-0.6b
     python benchmarks/bench_cuda_e2e.py --models qwen3-0.6b --repeats 1
+    python benchmarks/bench_cuda_e2e.py --models qwen3-0.6b --modes graphs graphs-rows
 """
 
 from __future__ import annotations
@@ -117,6 +120,8 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cache", default="/tmp/kvserve-bench-checkpoints")
+    parser.add_argument("--modes", nargs="+", default=["graphs", "eager"],
+                        help="graphs | eager, optionally -mma / -rows / -general")
     parser.add_argument("--out", default="benchmarks/results/cuda_e2e.json")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
@@ -129,12 +134,18 @@ def main() -> None:
         engines = {mode: kvserve.LLM(path, dtype=torch.bfloat16, device="cuda",
                                      max_model_len=2048, max_num_seqs=args.batch,
                                      max_num_batched_tokens=4096, kv_cache_memory=8 << 30,
-                                     log_memory_plan=False, enforce_eager=mode == "eager")
-                   for mode in ("graphs", "eager")}
+                                     log_memory_plan=False,
+                                     enforce_eager=mode.startswith("eager"))
+                   for mode in args.modes}
+
+        def use(mode):  # the mode's attention kernel, for this engine's next calls
+            kvserve._C.set_cuda_attention_kernel(mode.partition("-")[2] or "auto")
+
         vocab = model.config.vocab_size
         prompt = torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist()
         prompts = torch.randint(3, vocab, (args.batch, args.prompt_len), generator=gen).tolist()
-        for llm in engines.values():  # warm-up (and the graphs of the sizes measured)
+        for mode, llm in engines.items():  # warm-up (and the graphs of the sizes measured)
+            use(mode)
             kvserve_decode(llm, prompt, 8)
             kvserve_throughput(llm, prompts, 4)
         hf_throughput(model, prompts[:4], 4)
@@ -143,6 +154,7 @@ def main() -> None:
         theirs = []
         for _ in range(args.repeats):
             for mode, llm in engines.items():
+                use(mode)
                 tpot[mode].append(kvserve_decode(llm, prompt, args.decode_tokens))
                 tok_s[mode].append(kvserve_throughput(llm, prompts, args.gen_len))
             theirs.append(hf_throughput(model, prompts, args.gen_len))
@@ -155,18 +167,19 @@ def main() -> None:
             row[f"speedup_{mode}"] = median(tok_s[mode]) / row["transformers_tok_s"]
         rows.append(row)
         print(json.dumps(row), flush=True)
+        use("auto")
         del engines, model
         torch.cuda.empty_cache()
     name = torch.cuda.get_device_name()
     print(f"\n{name}: device-to-device copy {bandwidth / 1e12:.2f} TB/s (read + write); bf16; "
           f"batch {args.batch} x ({args.prompt_len} prompt + {args.gen_len} generated)\n")
     print(markdown_table(
-        ["model", "weights GB", "CUDA graphs", "batch-1 TPOT ms", "weight-read bound ms",
+        ["model", "weights GB", "mode", "batch-1 TPOT ms", "weight-read bound ms",
          "of bound", "kvserve tok/s", "transformers tok/s", "speed-up"],
         [[r["model"], f"{r['weight_gb']:.2f}", mode, f"{r[f'tpot_ms_{mode}']:.2f}",
           f"{r['bound_ms']:.2f}", f"{r[f'bound_fraction_{mode}']:.0%}",
           f"{r[f'kvserve_tok_s_{mode}']:.0f}", f"{r['transformers_tok_s']:.0f}",
-          f"{r[f'speedup_{mode}']:.1f}x"] for r in rows for mode in ("graphs", "eager")]))
+          f"{r[f'speedup_{mode}']:.1f}x"] for r in rows for mode in args.modes]))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(device=name, copy_bandwidth=bandwidth, rows=rows), indent=1))
