@@ -74,6 +74,8 @@ struct Block {
 };
 
 Block* g_block = nullptr;
+CopyTiming g_copy_timing = CopyTiming::kLate;
+Schedule g_schedule = Schedule::kInterleaved;
 
 Block& block() {
   if (g_block == nullptr) fail("a device function ran outside an emulated launch");
@@ -152,6 +154,9 @@ float half_to_float(uint16_t bits) {
 
 }  // namespace
 
+void set_copy_timing(CopyTiming timing) { g_copy_timing = timing; }
+void set_schedule(Schedule schedule) { g_schedule = schedule; }
+
 void fail(const char* what) {
   std::fprintf(stderr, "cuda emulator: %s\n", what);
   if (g_block != nullptr) {
@@ -219,6 +224,57 @@ void warp_collective_raw(const char* name, const void* in, size_t in_bytes, void
   std::memcpy(out, w.out[lane], out_bytes);
 }
 
+namespace {
+
+void resume(Block& b, Thread& t, char* stack) {
+  b.current = &t;
+#ifdef KVSERVE_EMU_ASAN
+  void* fake = nullptr;
+  __sanitizer_start_switch_fiber(&fake, stack, kStackBytes);
+#else
+  (void)stack;
+#endif
+  swapcontext(&b.scheduler, &t.context);
+#ifdef KVSERVE_EMU_ASAN
+  __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#endif
+  b.current = nullptr;
+}
+
+// Runs the block's threads to their end in the order g_schedule asks for.
+void run_block(Block& b, const std::vector<std::unique_ptr<char[]>>& stacks) {
+  const int threads = static_cast<int>(b.threads.size()), warps = threads / 32;
+  const auto finished = [&] {
+    for (const Thread& t : b.threads) {
+      if (!t.done) return false;
+    }
+    return true;
+  };
+  while (!finished()) {
+    const uint64_t events = b.events;
+    if (g_schedule == Schedule::kInterleaved) {
+      for (Thread& t : b.threads) {
+        if (!t.done) resume(b, t, stacks[t.linear].get());
+      }
+    } else {
+      // Each warp in turn, as far as it goes (to a block barrier or its end).
+      for (int k = 0; k < warps; ++k) {
+        const int w = g_schedule == Schedule::kWarpsAhead ? k : warps - 1 - k;
+        for (uint64_t before = ~uint64_t{0}; before != b.events;) {
+          before = b.events;
+          for (int l = 0; l < 32; ++l) {
+            Thread& t = b.threads[32 * w + l];
+            if (!t.done) resume(b, t, stacks[t.linear].get());
+          }
+        }
+      }
+    }
+    if (!finished() && b.events == events) fail("deadlock");
+  }
+}
+
+}  // namespace
+
 void launch_blocks(dim3 grid, dim3 dim, size_t shared_bytes, const std::function<void()>& body) {
   const int threads = static_cast<int>(dim.x * dim.y * dim.z);
   if (threads % 32 != 0) fail("blocks of whole warps only");
@@ -251,29 +307,7 @@ void launch_blocks(dim3 grid, dim3 dim, size_t shared_bytes, const std::function
           t.context.uc_link = nullptr;
           makecontext(&t.context, thread_entry, 0);
         }
-        int done = 0;
-        while (done < threads) {
-          const uint64_t events = b.events;
-          done = 0;
-          for (Thread& t : b.threads) {
-            if (t.done) {
-              ++done;
-              continue;
-            }
-            b.current = &t;
-#ifdef KVSERVE_EMU_ASAN
-            void* fake = nullptr;
-            __sanitizer_start_switch_fiber(&fake, stacks[t.linear].get(), kStackBytes);
-#endif
-            swapcontext(&b.scheduler, &t.context);
-#ifdef KVSERVE_EMU_ASAN
-            __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
-#endif
-            b.current = nullptr;
-            if (t.done) ++done;
-          }
-          if (done < threads && b.events == events) fail("deadlock");
-        }
+        run_block(b, stacks);
         g_block = nullptr;
       }
     }
@@ -379,7 +413,12 @@ static void cp_async(void* shared_dst, const void* global_src, size_t bytes, boo
       !emu::in_shared(shared_dst, bytes)) {
     emu::fail("cp.async: addresses must be aligned to the size, the destination in shared memory");
   }
-  emu::current().open.push_back({shared_dst, global_src, bytes, fill});
+  std::vector<emu::Copy> copy = {{shared_dst, global_src, bytes, fill}};
+  if (emu::g_copy_timing == emu::CopyTiming::kEarly) {
+    emu::run_copies(copy);
+  } else {
+    emu::current().open.push_back(copy[0]);
+  }
 }
 
 void cp_async_16(void* shared_dst, const void* global_src, bool fill) {

@@ -5,8 +5,9 @@
 // mma), which completes when all of them have arrived. The warp-wide primitives follow PTX's
 // definitions: mma.m16n8k16 computes in fp32 from the fragments' bf16 / fp16 entries, ldmatrix
 // checks that its rows are 16-byte aligned and inside the block's shared memory, and cp.async
-// copies happen at the latest allowed moment (cp_async_wait), so a read that misses its wait or
-// its barrier sees stale bytes. Dynamic shared memory starts as 0xFF bytes (NaN), so reading
+// copies land at the latest allowed moment (cp_async_wait) or at once (set_copy_timing), the
+// two extremes of the hardware's freedom, so a read that misses its wait or its barrier, or a
+// copy into a stage that other warps still read, changes what the kernel computes. Dynamic shared memory starts as 0xFF bytes (NaN), so reading
 // what nothing wrote shows. A deadlock (a barrier some thread never reaches, lanes of a warp at
 // different primitives) aborts with where each thread waits. Include this before any kernel body.
 
@@ -28,6 +29,18 @@ const dim3& block_dim();
 const dim3& grid_dim();
 void sync_threads();
 [[noreturn]] void fail(const char* what);
+
+/// When cp.async copies land: as late as the program allows (at the issuing thread's
+/// cp_async_wait, so a read that misses its wait or barrier sees stale bytes), or at once (so a
+/// copy into a buffer that other warps still read, missing a barrier, overwrites it under them).
+enum class CopyTiming { kLate, kEarly };
+void set_copy_timing(CopyTiming timing);
+
+/// The order the threads of a block run in: one step each in turn (the warps move together), or
+/// each warp as far as it goes before the next, lowest first or highest first (one warp runs
+/// ahead of the others, so a missing barrier between warps shows).
+enum class Schedule { kInterleaved, kWarpsAhead, kWarpsAheadReversed };
+void set_schedule(Schedule schedule);
 
 /// Bytes a warp primitive's lane may pass in or out.
 constexpr size_t kSlotBytes = 64;

@@ -119,8 +119,20 @@ void run_case(const Case& c, at::ScalarType dtype, Kernel kernel, double toleran
   cuda::PagedAttentionParams p = ops::paged_attention_launch::make_params(
       actual, query, key, value, qsl, seq_lens, tables, scale, c.sliding_window, c.softcap,
       key_scale, value_scale);
+  // Twice: the lowest warp running ahead with copies landing at once, then the highest one
+  // with copies landing as late as allowed; a race between warps or with a copy gives two
+  // different results.
   EmulatedLaunch launch;
+  emu::set_copy_timing(emu::CopyTiming::kEarly);
+  emu::set_schedule(emu::Schedule::kWarpsAhead);
   ops::paged_attention_launch::launch_kernel<T, F>(p, num_tokens, 132, query, kernel, launch);
+  const at::Tensor first_run = actual.clone();
+  actual.zero_();
+  emu::set_copy_timing(emu::CopyTiming::kLate);
+  emu::set_schedule(emu::Schedule::kWarpsAheadReversed);
+  ops::paged_attention_launch::launch_kernel<T, F>(p, num_tokens, 132, query, kernel, launch);
+  emu::set_schedule(emu::Schedule::kInterleaved);
+  EXPECT_TRUE(first_run.equal(actual)) << "the rows depend on the order of warps and copies";
   if (c.splits > 0) EXPECT_EQ(p.num_splits, c.splits);
   const at::Tensor e = expected.to(at::kFloat), a = actual.to(at::kFloat);
   const float* ep = e.data_ptr<float>();
@@ -150,12 +162,15 @@ std::vector<Case> decode_cases() {
       {"speculative verification, 3 tokens a sequence", 8, 2, 64, 16, {{3, 40}, {3, 3}}},
       {"decode, head 256, group 2, window 19, soft-cap 50", 4, 2, 256, 16, {{1, 80}, {1, 7}},
        19, 50.0},
+      {"decode, window 150 over 3 splits (the first one empty)", 8, 2, 128, 16, {{1, 700}},
+       150, 0.0, 3},
   };
 }
 
 std::vector<Case> prefill_cases() {
   return {
       {"prefill and chunks, GQA 4", 8, 2, 128, 16, {{5, 5}, {17, 40}, {1, 9}, {70, 70}}},
+      {"a sequence without queries between two", 4, 2, 64, 16, {{20, 20}, {0, 9}, {7, 30}}},
       {"prefill, MHA, head 64, blocks of 3, window 11", 2, 2, 64, 3, {{40, 40}, {23, 50}}, 11},
       {"prefill, group 3, soft-cap 20, 2 splits", 3, 1, 128, 16, {{30, 300}}, 0, 20.0, 2},
       {"prefill, group 32 over one KV head", 32, 1, 64, 16, {{6, 20}, {2, 2}}},
