@@ -1,15 +1,17 @@
 #pragma once
 // A host emulator of the CUDA execution model, for testing kernel bodies (*_kernel.cuh) on a
-// machine without a GPU: every thread of a block is a coroutine on one OS thread, run in turn
-// until it reaches a point that needs other threads (__syncthreads, a warp shuffle, ldmatrix,
-// mma), which completes when all of them have arrived. The warp-wide primitives follow PTX's
+// machine without a GPU: every thread of a block is a coroutine on one OS thread, run until it
+// reaches a point that needs other threads (__syncthreads, a warp shuffle, ldmatrix, mma), which
+// completes when all of them have arrived; the threads take turns step by step, or each warp
+// runs as far as it can before the next (set_schedule). The warp-wide primitives follow PTX's
 // definitions: mma.m16n8k16 computes in fp32 from the fragments' bf16 / fp16 entries, ldmatrix
 // checks that its rows are 16-byte aligned and inside the block's shared memory, and cp.async
 // copies land at the latest allowed moment (cp_async_wait) or at once (set_copy_timing), the
 // two extremes of the hardware's freedom, so a read that misses its wait or its barrier, or a
-// copy into a stage that other warps still read, changes what the kernel computes. Dynamic shared memory starts as 0xFF bytes (NaN), so reading
-// what nothing wrote shows. A deadlock (a barrier some thread never reaches, lanes of a warp at
-// different primitives) aborts with where each thread waits. Include this before any kernel body.
+// copy into a stage that other warps still read, changes what the kernel computes. Dynamic
+// shared memory starts as 0xFF bytes (NaN), so reading what nothing wrote shows. A deadlock (a
+// barrier some thread never reaches, lanes of a warp at different primitives) aborts with where
+// each thread waits. Include this before any kernel body.
 
 #include <cuda_runtime.h>
 
