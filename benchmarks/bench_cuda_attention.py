@@ -6,6 +6,9 @@ scaled_dot_product_attention (prefill), in one run.
     heads, 8 KV heads, head_dim 128, bf16, 16-token blocks handed out in random order) for every
     batch size x context length that fits in --max-kv-gib; achieved bytes/s counts every key and
     value read once (plus queries and outputs), over the copy's bandwidth;
+  * --variants fp8 mla: decode over an fp8 E4M3 cache (fp32 row scales, the same heads) and over
+    DeepSeek's MLA latent (16 heads reading one 576-entry latent row per position, values its
+    first 512), at batches 1, 16, 64 and contexts 2,048 and 8,192, bytes counted as stored;
   * prefill: causal attention of a whole prompt (queries = context) for each length, ours against
     torch's scaled_dot_product_attention (the flash backend) on contiguous [B, H, T, D] tensors
     with the KV heads expanded (enable_gqa); time ratio SDPA / ours (>= 1: ours is faster).
@@ -60,6 +63,50 @@ def copy_bandwidth(gib: float, repeats: int) -> float:
     src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
     return 2 * n / event_time(lambda: dst.copy_(src), repeats)
+
+
+def variant_decode_row(variant, batch, context, bandwidth, repeats, gen, kernels):
+    """Decode over an fp8 cache ("fp8") or an MLA latent ("mla"), as decode_row."""
+    blocks_per_seq = math.ceil(context / BLOCK)
+    num_blocks = batch * blocks_per_seq + 1
+    tables = (torch.randperm(num_blocks - 1, device="cuda", generator=gen) + 1).int()
+    tables = tables.view(batch, blocks_per_seq)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    if variant == "fp8":
+        heads, kv_heads, dim, value_dim = HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM
+        key = torch.randn(num_blocks, BLOCK, kv_heads, dim, device="cuda", generator=gen)
+        key = key.to(torch.float8_e4m3fn)
+        value = torch.randn(key.shape, device="cuda", generator=gen).to(torch.float8_e4m3fn)
+        scales = [torch.rand(num_blocks, BLOCK, kv_heads, device="cuda", generator=gen) + 0.5
+                  for _ in range(2)]
+        row_bytes = 2 * (dim + 4)  # key and value entries, their scales
+    else:  # mla
+        heads, kv_heads, dim, value_dim = 16, 1, 576, 512
+        key = torch.randn(num_blocks, BLOCK, 1, dim, dtype=torch.bfloat16, device="cuda",
+                          generator=gen)
+        value, scales = key, [None, None]
+        row_bytes = 2 * dim  # one latent row, read once for keys and values
+    query = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device="cuda", generator=gen)
+    out = torch.empty(batch, heads, value_dim, dtype=torch.bfloat16, device="cuda")
+
+    def call():
+        ops.paged_attention(out, query, key, value, qsl, lens, tables, dim ** -0.5, 0, 0.0,
+                            *scales)
+
+    outputs = {}
+    for kernel in kernels:
+        with_kernel(kernel, call)()
+        outputs[kernel] = out.clone()
+    seconds = interleaved({k: with_kernel(k, call) for k in kernels}, repeats, DECODE_CALLS)
+    kvserve._C.set_cuda_attention_kernel("auto")
+    nbytes = batch * context * kv_heads * row_bytes + 2 * (query.numel() + out.numel())
+    first = outputs[kernels[0]].float()
+    return dict(variant=variant, batch=batch, context=context,
+                us={k: t * 1e6 for k, t in seconds.items()},
+                hbm_fraction={k: nbytes / t / bandwidth for k, t in seconds.items()},
+                max_difference=max((o.float() - first).abs().max().item()
+                                   for o in outputs.values()))
 
 
 def paged_cache(batch: int, context: int, dtype, gen):
@@ -162,6 +209,7 @@ def main() -> None:
     parser.add_argument("--max-kv-gib", type=float, default=24.0)
     parser.add_argument("--kernels", nargs="+", default=["auto", "rows"],
                         choices=["auto", "mma", "rows", "general"])
+    parser.add_argument("--variants", nargs="*", default=[], choices=["fp8", "mla"])
     parser.add_argument("--out", default="benchmarks/results/cuda_attention.json")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
@@ -183,28 +231,47 @@ def main() -> None:
                     f"{k} {row['us'][k]:.1f} µs ({row['hbm_fraction'][k]:.0%})"
                     for k in args.kernels), flush=True)
                 torch.cuda.empty_cache()
+    variants = []
+    for variant in args.variants:
+        for batch in [1, 16, 64]:
+            for context in [2048, 8192]:
+                row = variant_decode_row(variant, batch, context, bandwidth, args.repeats, gen,
+                                         args.kernels)
+                variants.append(row)
+                print(f"{variant} decode batch {batch} context {context}: " + ", ".join(
+                    f"{k} {row['us'][k]:.1f} µs ({row['hbm_fraction'][k]:.0%})"
+                    for k in args.kernels), flush=True)
+                torch.cuda.empty_cache()
     prefill = [prefill_row(b, n, dtype, args.repeats, gen, args.kernels)
                for b, n in ([(1, 512), (1, 2048)] if args.quick else
                             [(1, 512), (1, 2048), (1, 8192), (8, 1024)])]
     name = torch.cuda.get_device_name()
+    out = Path(args.out)  # written first: a table that fails to print loses no figures
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(device=name, copy_bandwidth=bandwidth, decode=decode,
+                                   variants=variants, prefill=prefill), indent=1))
     print(f"{name}: device-to-device copy {bandwidth / 1e12:.2f} TB/s (read + write)\n")
     print("Decode (one query per sequence), bf16, 32 query / 8 KV heads, head_dim 128:\n")
     ks = args.kernels
     print(markdown_table(["batch", "context"] + [f"{k}: µs, of copy bandwidth" for k in ks]
-                         + ["max |difference|"],
+                         + ["max abs. difference"],
                          [[r["batch"], r["context"]]
                           + [f"{r['us'][k]:.1f}, {r['hbm_fraction'][k]:.0%}" for k in ks]
                           + [f"{r['max_difference']:.1e}"] for r in decode]))
+    if variants:
+        print("\nDecode over an fp8 cache (32 / 8 heads, head_dim 128) and an MLA latent (16 "
+              "heads, 576 / 512), bf16 queries:\n")
+        print(markdown_table(["cache", "batch", "context"]
+                             + [f"{k}: µs, of copy bandwidth" for k in ks] + ["max abs. difference"],
+                             [[r["variant"], r["batch"], r["context"]]
+                              + [f"{r['us'][k]:.1f}, {r['hbm_fraction'][k]:.0%}" for k in ks]
+                              + [f"{r['max_difference']:.1e}"] for r in variants]))
     print("\nPrefill (causal, queries = context), bf16, against SDPA's flash backend:\n")
     print(markdown_table(["batch", "tokens", "SDPA ms"]
                          + [f"{k}: ms, SDPA / ours, TFLOP/s, rel. error" for k in ks],
                          [[r["batch"], r["length"], f"{r['ms']['sdpa']:.3f}"]
                           + [f"{r['ms'][k]:.3f}, {r['speedup'][k]:.2f}x, {r['tflops'][k]:.0f}, "
                              f"{r['relative_error'][k]:.1e}" for k in ks] for r in prefill]))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(device=name, copy_bandwidth=bandwidth, decode=decode,
-                                   prefill=prefill), indent=1))
 
 
 if __name__ == "__main__":
