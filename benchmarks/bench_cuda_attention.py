@@ -94,19 +94,9 @@ def variant_decode_row(variant, batch, context, bandwidth, repeats, gen, kernels
         ops.paged_attention(out, query, key, value, qsl, lens, tables, dim ** -0.5, 0, 0.0,
                             *scales)
 
-    outputs = {}
-    for kernel in kernels:
-        with_kernel(kernel, call)()
-        outputs[kernel] = out.clone()
-    seconds = interleaved({k: with_kernel(k, call) for k in kernels}, repeats, DECODE_CALLS)
-    kvserve._C.set_cuda_attention_kernel("auto")
     nbytes = batch * context * kv_heads * row_bytes + 2 * (query.numel() + out.numel())
-    first = outputs[kernels[0]].float()
     return dict(variant=variant, batch=batch, context=context,
-                us={k: t * 1e6 for k, t in seconds.items()},
-                hbm_fraction={k: nbytes / t / bandwidth for k, t in seconds.items()},
-                max_difference=max((o.float() - first).abs().max().item()
-                                   for o in outputs.values()))
+                **time_kernels(call, out, nbytes, bandwidth, repeats, kernels))
 
 
 def paged_cache(batch: int, context: int, dtype, gen):
@@ -136,6 +126,28 @@ def with_kernel(kernel: str, fn):
     return run
 
 
+def time_kernels(call, out, nbytes, bandwidth, repeats, kernels) -> dict:
+    """Decode timings of call() (writing `out`, reading `nbytes`) with each kernel, interleaved:
+    µs, fraction of copy bandwidth, and how far the kernels' outputs are apart."""
+    outputs = {}
+    for kernel in kernels:
+        with_kernel(kernel, call)()
+        outputs[kernel] = out.clone()
+    seconds = interleaved({k: with_kernel(k, call) for k in kernels}, repeats, DECODE_CALLS)
+    kvserve._C.set_cuda_attention_kernel("auto")
+    first = outputs[kernels[0]].float()
+    return dict(us={k: t * 1e6 for k, t in seconds.items()},
+                hbm_fraction={k: nbytes / t / bandwidth for k, t in seconds.items()},
+                max_difference=max((o.float() - first).abs().max().item()
+                                   for o in outputs.values()))
+
+
+def report(label: str, row: dict, kernels) -> None:
+    print(f"{label} batch {row['batch']} context {row['context']}: " + ", ".join(
+        f"{k} {row['us'][k]:.1f} µs ({row['hbm_fraction'][k]:.0%})" for k in kernels),
+        flush=True)
+
+
 def decode_row(batch, context, dtype, bandwidth, repeats, gen, kernels):
     key, value, tables = paged_cache(batch, context, dtype, gen)
     query = torch.randn(batch, HEADS, HEAD_DIM, dtype=dtype, device="cuda", generator=gen)
@@ -146,21 +158,11 @@ def decode_row(batch, context, dtype, bandwidth, repeats, gen, kernels):
     def call():
         ops.paged_attention(out, query, key, value, qsl, lens, tables, HEAD_DIM ** -0.5, 0, 0.0)
 
-    outputs = {}
-    for kernel in kernels:
-        with_kernel(kernel, call)()
-        outputs[kernel] = out.clone()
-    seconds = interleaved({k: with_kernel(k, call) for k in kernels}, repeats, DECODE_CALLS)
-    kvserve._C.set_cuda_attention_kernel("auto")
     elem = key.element_size()
     nbytes = 2 * batch * context * KV_HEADS * HEAD_DIM * elem + 2 * query.numel() * elem
     nbytes += tables.numel() * 4
-    first = outputs[kernels[0]].float()
     return dict(batch=batch, context=context,
-                us={k: s * 1e6 for k, s in seconds.items()},
-                hbm_fraction={k: nbytes / s / bandwidth for k, s in seconds.items()},
-                max_difference=max((o.float() - first).abs().max().item()
-                                   for o in outputs.values()))
+                **time_kernels(call, out, nbytes, bandwidth, repeats, kernels))
 
 
 def prefill_row(batch, length, dtype, repeats, gen, kernels):
@@ -227,9 +229,7 @@ def main() -> None:
                 row = decode_row(batch, context, dtype, bandwidth, args.repeats, gen,
                                  args.kernels)
                 decode.append(row)
-                print(f"decode batch {batch} context {context}: " + ", ".join(
-                    f"{k} {row['us'][k]:.1f} µs ({row['hbm_fraction'][k]:.0%})"
-                    for k in args.kernels), flush=True)
+                report("decode", row, args.kernels)
                 torch.cuda.empty_cache()
     variants = []
     for variant in args.variants:
@@ -238,9 +238,7 @@ def main() -> None:
                 row = variant_decode_row(variant, batch, context, bandwidth, args.repeats, gen,
                                          args.kernels)
                 variants.append(row)
-                print(f"{variant} decode batch {batch} context {context}: " + ", ".join(
-                    f"{k} {row['us'][k]:.1f} µs ({row['hbm_fraction'][k]:.0%})"
-                    for k in args.kernels), flush=True)
+                report(f"{variant} decode", row, args.kernels)
                 torch.cuda.empty_cache()
     prefill = [prefill_row(b, n, dtype, args.repeats, gen, args.kernels)
                for b, n in ([(1, 512), (1, 2048)] if args.quick else
