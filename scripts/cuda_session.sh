@@ -8,12 +8,13 @@
 #   errors    the bad-argument kernel tests alone, one process, with Python's fault handler; if
 #             one crashes, its native backtrace (cuda-gdb, which debugs host code too)
 #   sanitize  compute-sanitizer memcheck and racecheck over a subset of the CUDA kernel tests
-#   bench-attention, bench-e2e   benchmarks/bench_cuda_attention.py, benchmarks/bench_cuda_e2e.py
+#   bench-attention, bench-e2e, bench-quant   benchmarks/bench_cuda_attention.py,
+#             benchmarks/bench_cuda_e2e.py, benchmarks/bench_cuda_quant.py
 #     bash scripts/cuda_session.sh test bench-attention
 # DEADLINE=S: every stage ends within S seconds of the start (cut short, or skipped when under
 # 20 s are left), so a lease's time limit still leaves the logs. TEST_TIMEOUT, BENCH_TIMEOUT:
 # seconds per test / benchmark stage; PYTEST_ARGS (e.g. -n 8), ATTENTION_ARGS, E2E_ARGS,
-# SANITIZE_TOOLS, SANITIZE_K pass through.
+# QUANT_ARGS, SANITIZE_TOOLS, SANITIZE_K pass through.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/kvserve-cuda}
@@ -118,6 +119,10 @@ print(pathlib.Path(kvserve._C.__file__).parent / 'libkvserve_runtime.so')")
       timeout "$(limit ${BENCH_TIMEOUT:-600})" $python benchmarks/bench_cuda_e2e.py ${E2E_ARGS:-} \
         --out "$out/cuda_e2e.json" \
         2>&1 | tee "$out/bench_e2e.log" | tail -20 ;;
+    bench-quant)
+      timeout "$(limit ${BENCH_TIMEOUT:-600})" $python benchmarks/bench_cuda_quant.py \
+        ${QUANT_ARGS:-} --out "$out/cuda_quant.json" \
+        2>&1 | tee "$out/bench_quant.log" | tail -30 ;;
     *) echo "cuda_session: unknown stage $stage"; status=1 ;;
   esac
 done
