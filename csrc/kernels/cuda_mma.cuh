@@ -46,6 +46,14 @@ template <int PENDING>
 void cp_async_wait();
 void* dynamic_shared_memory();
 #else
+// A build for an architecture before sm_80 (CMAKE_CUDA_ARCHITECTURES=75) compiles these as traps;
+// the launchers never pick a kernel that uses them on such a GPU.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define KVSERVE_SM80(...) __trap()
+#else
+#define KVSERVE_SM80(...) __VA_ARGS__
+#endif
+
 /// c += A * B for the warp's 16 x 16 A and 16 x 8 B fragments (layouts above); T: __nv_bfloat16
 /// or __half.
 template <typename T>
@@ -53,63 +61,70 @@ __device__ inline void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], const
 template <>
 __device__ inline void mma_m16n8k16<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4],
                                                    const uint32_t (&b)[2]) {
-  asm volatile(
+  KVSERVE_SM80(asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
       "{%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1])));
 }
 template <>
 __device__ inline void mma_m16n8k16<__half>(float (&c)[4], const uint32_t (&a)[4],
                                             const uint32_t (&b)[2]) {
-  asm volatile(
+  KVSERVE_SM80(asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
       "{%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1])));
 }
 
 /// Four 8 x 8 tiles of 16-bit entries: lanes 8i..8i+7 give the 16-byte-aligned shared addresses
 /// of tile i's rows; r[i] holds tile i's entries [g][2c, 2c+1] ([2c, 2c+1][g] transposed).
 template <bool TRANSPOSE>
 __device__ inline void ldmatrix_x4(uint32_t (&r)[4], const void* shared_row) {
-  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(shared_row));
+  [[maybe_unused]] const uint32_t address =
+      static_cast<uint32_t>(__cvta_generic_to_shared(shared_row));
   if constexpr (TRANSPOSE) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(address));
+    KVSERVE_SM80(asm volatile(
+        "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+        : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+        : "r"(address)));
   } else {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(address));
+    KVSERVE_SM80(asm volatile(
+        "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+        : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+        : "r"(address)));
   }
 }
 
 /// Starts copying 16 bytes (both addresses 16-byte aligned); !fill writes zeros instead and
 /// reads nothing.
 __device__ inline void cp_async_16(void* shared_dst, const void* global_src, bool fill) {
-  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(shared_dst));
-  const int bytes = fill ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address),
-               "l"(global_src), "r"(bytes));
+  [[maybe_unused]] const uint32_t address =
+      static_cast<uint32_t>(__cvta_generic_to_shared(shared_dst));
+  [[maybe_unused]] const int bytes = fill ? 16 : 0;
+  KVSERVE_SM80(asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                            ::"r"(address), "l"(global_src), "r"(bytes)));
 }
 
 /// The same for 4 bytes (both addresses 4-byte aligned).
 __device__ inline void cp_async_4(void* shared_dst, const void* global_src, bool fill) {
-  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(shared_dst));
-  const int bytes = fill ? 4 : 0;
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(address),
-               "l"(global_src), "r"(bytes));
+  [[maybe_unused]] const uint32_t address =
+      static_cast<uint32_t>(__cvta_generic_to_shared(shared_dst));
+  [[maybe_unused]] const int bytes = fill ? 4 : 0;
+  KVSERVE_SM80(asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
+                            ::"r"(address), "l"(global_src), "r"(bytes)));
 }
 
 /// Closes the group of copies this thread started since the last commit.
-__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ inline void cp_async_commit() {
+  KVSERVE_SM80(asm volatile("cp.async.commit_group;\n" ::));
+}
 
 /// Waits until at most PENDING of this thread's committed groups are still in flight (other
 /// threads' copies need a __syncthreads after their wait).
 template <int PENDING>
 __device__ inline void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
+  KVSERVE_SM80(asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING)));
 }
 
 /// The block's dynamic shared memory, 16-byte aligned.

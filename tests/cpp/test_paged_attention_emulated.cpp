@@ -46,6 +46,7 @@ struct EmulatedLaunch {
     emu::launch(kernel, grid, dim3(threads), shared_bytes, p);
   }
   int resident_blocks(void (*)(cuda::PagedAttentionParams), int, size_t) const { return 2; }
+  bool tensor_cores() const { return true; }
 };
 
 at::Tensor int_tensor(const std::vector<int32_t>& values) {

@@ -32,6 +32,19 @@ int multiprocessors(int device) {
   return count.load(std::memory_order_relaxed);
 }
 
+// Whether the device runs mma.sync / ldmatrix / cp.async (compute capability 8.0 or later);
+// read once per device, like multiprocessors().
+bool tensor_cores(int device) {
+  static std::array<std::atomic<int>, 64> majors{};
+  std::atomic<int>& major = majors.at(static_cast<size_t>(device));
+  if (major.load(std::memory_order_relaxed) == 0) {
+    int value = 0;
+    cudaDeviceGetAttribute(&value, cudaDevAttrComputeCapabilityMajor, device);
+    major.store(std::max(value, 1), std::memory_order_relaxed);
+  }
+  return major.load(std::memory_order_relaxed) >= 8;
+}
+
 // Starts a kernel on the current stream; beyond 48 KiB of dynamic shared memory a kernel must
 // opt in (a function attribute: no stream work, allowed while a graph is captured).
 struct StreamLaunch {
@@ -45,6 +58,8 @@ struct StreamLaunch {
                                           static_cast<int>(shared_bytes)));
     }
   }
+
+  bool tensor_cores() const { return ::kvserve::ops::tensor_cores(device); }
 
   void operator()(Kernel kernel, dim3 grid, int threads, size_t shared_bytes,
                   const cuda::PagedAttentionParams& p) const {

@@ -7,7 +7,8 @@
 // metadata stays on the device (reading it would synchronise): grids are bounds from the shapes
 // and the number of splits comes from the block table's width. `launch(kernel, grid, threads,
 // shared_bytes, params)` starts a kernel, on a stream (paged_attention_cuda.cu) or emulated;
-// `launch.resident_blocks(kernel, threads, shared_bytes)` is how many fit on a multiprocessor.
+// `launch.resident_blocks(kernel, threads, shared_bytes)` is how many fit on a multiprocessor,
+// `launch.tensor_cores()` whether the GPU has sm_80's mma / ldmatrix / cp.async.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -138,6 +139,7 @@ bool launch_mma(cuda::PagedAttentionParams& p, int64_t num_tokens, int sms,
   if constexpr (std::is_same_v<T, float>) {
     return false;
   } else {
+    if (!launch.tensor_cores()) return false;
     const int d = p.head_dim;
     const auto aligned = [](const void* ptr) {
       return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
