@@ -31,7 +31,7 @@ struct CudaGraphRunner::Graphs {
 
 bool CudaGraphRunner::supports(const CausalLM& model) {
   const ModelConfig& config = model.config();
-  return model.device().is_cuda() && config.moe.num_experts == 0 && config.mla.kv_lora_rank == 0;
+  return model.device().is_cuda() && config.mla.kv_lora_rank == 0;
 }
 
 #else
@@ -47,7 +47,7 @@ CudaGraphRunner::CudaGraphRunner(CausalLM& model, int64_t max_batch, int64_t tab
       graphs_(std::make_unique<Graphs>()) {
   if (!supports(model)) {
     throw std::invalid_argument("CUDA graphs need a CUDA build and a model on a CUDA device "
-                                "without mixture of experts or latent attention");
+                                "without latent attention");
   }
   if (max_batch < 1 || table_width < 1) {
     throw std::invalid_argument("CudaGraphRunner: max_batch and table_width must be >= 1");

@@ -13,6 +13,9 @@
 #include <cuda_fp8.h>
 
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <utility>
 #include <vector>
 
 namespace kvserve::cuda {
@@ -38,16 +41,27 @@ void dispatch_float(at::ScalarType dtype, const char* op, F&& f) {
 }
 
 /// `addresses` (null allowed) as an int64 tensor on `device`, for kernels that take a table of
-/// pointers (one per expert, layer or cache): written to pinned memory and copied without
-/// synchronising; the caching host allocator keeps the buffer until the copy has run.
+/// pointers (one per expert, layer or cache). Tables are kept per (device, addresses): a table
+/// holds nothing but its key, so it stays right whatever is later allocated at those addresses,
+/// and a call that finds its table does no host-to-device copy, which lets a CUDA graph capture
+/// it (the engine's first step of a size runs eagerly and fills the table in). A new table is
+/// written to pinned memory and copied without synchronising; the caching host allocator keeps
+/// the buffer until the copy has run. Tables are never dropped (a captured graph may read one);
+/// a model's tables are a few KiB.
 inline at::Tensor pointer_table(const std::vector<const void*>& addresses, at::Device device) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, std::vector<const void*>>, at::Tensor> tables;
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto key = std::make_pair(static_cast<int>(device.index()), addresses);
+  auto found = tables.find(key);
+  if (found != tables.end()) return found->second;
   at::Tensor host = at::empty({static_cast<int64_t>(addresses.size())},
                               at::TensorOptions().dtype(at::kLong).pinned_memory(true));
   int64_t* table = host.data_ptr<int64_t>();
   for (size_t i = 0; i < addresses.size(); ++i) {
     table[i] = reinterpret_cast<int64_t>(addresses[i]);
   }
-  return host.to(device, /*non_blocking=*/true);
+  return tables.emplace(std::move(key), host.to(device, /*non_blocking=*/true)).first->second;
 }
 
 /// Blocks of `threads` threads that cover n items.

@@ -57,7 +57,9 @@ def test_gpu_engine_equals_cpu_engine(checkpoint_factory, engine_args):
     ("LlamaForCausalLM", dict(head_dim=64)),  # the row kernel of paged_attention
     ("Qwen3ForCausalLM", {}),
     ("Gemma2ForCausalLM", {}),                # sliding-window layers: two groups of tables
-], ids=["llama", "llama-head-dim-64", "qwen3", "gemma2"])
+    ("Qwen3MoeForCausalLM", {}),              # fused_moe's pointer tables, kept on the GPU
+    ("MixtralForCausalLM", {}),
+], ids=["llama", "llama-head-dim-64", "qwen3", "gemma2", "qwen3-moe", "mixtral"])
 def test_cuda_graphs_equal_eager_steps_and_the_cpu(checkpoint_factory, architecture, overrides):
     """Decode steps replayed from CUDA graphs give the tokens of eager steps and of the CPU
     engine, while requests finish at different steps (5, 4, ... 1 sequences: graphs of 8, 4, 2
@@ -100,8 +102,7 @@ def test_lora_adapters_equal_their_merged_models(checkpoint_factory, tmp_path, e
 
 
 def test_models_without_graph_support_decode_eagerly(checkpoint_factory):
-    """DeepSeek-V2 (latent attention reads its tables on the host; MoE uploads pointer tables)
-    is never captured."""
+    """DeepSeek-V2 (latent attention reads its tables on the host) is never captured."""
     llm = kvserve.LLM(checkpoint_factory("DeepseekV2ForCausalLM"), device="cuda",
                       enforce_eager=False)
     assert tokens(llm) == tokens(kvserve.LLM(checkpoint_factory("DeepseekV2ForCausalLM")))

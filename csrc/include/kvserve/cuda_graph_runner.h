@@ -29,8 +29,9 @@ class CudaGraphRunner {
   CudaGraphRunner& operator=(const CudaGraphRunner&) = delete;
 
   /// Whether this build can capture graphs of `model`: a CUDA build, the model on a CUDA
-  /// device, and a forward without host synchronisation or host-side tables (no mixture of
-  /// experts, no multi-head latent attention).
+  /// device, and a forward without host synchronisation or host-side tables (no multi-head
+  /// latent attention, whose per-batch plan reads the metadata on the host; mixture-of-experts
+  /// layers qualify: their kernels' pointer tables are uploaded once and kept).
   static bool supports(const CausalLM& model);
 
   /// The captured size a step of `num_sequences` decodes runs as, or 0 when no graph serves it
