@@ -23,7 +23,7 @@ void launch(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cach
   const int64_t head_dim = key_cache.size(3);
   const bool latent = value_cache.data_ptr() == key_cache.data_ptr();
   const dim3 grid(num_tokens, heads, latent ? 1 : 2);
-  const int threads = head_dim >= 256 ? 256 : head_dim > 64 ? 128 : 64;
+  const int threads = cuda::kv_cache_write_threads(head_dim);
   cuda::kv_cache_write_kernel<T, F><<<grid, threads, 0, cuda::current_stream()>>>(
       static_cast<const T*>(key.data_ptr()), key.stride(0),
       static_cast<const T*>(value.data_ptr()), value.stride(0),

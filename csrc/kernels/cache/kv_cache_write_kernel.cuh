@@ -10,8 +10,13 @@
 
 namespace kvserve::cuda {
 
+/// Threads a block of kv_cache_write_kernel takes for rows of `head_dim` entries.
+inline int kv_cache_write_threads(int64_t head_dim) {
+  return head_dim >= 256 ? 256 : head_dim > 64 ? 128 : 64;
+}
+
 /// Grid (num_tokens, num_kv_heads, 2 or 1: key then value; 1 for a latent cache), block a
-/// multiple of 32. Rows of key/value: [num_tokens, heads, head_dim] with token strides. Slot -1
+/// multiple of 32 (kv_cache_write_threads). Rows of key/value: [num_tokens, heads, head_dim] with token strides. Slot -1
 /// is padding; a slot outside [0, num_slots) is skipped (the host checks slots where it can read
 /// them; a kernel must not write past the cache).
 template <typename T, KVFormat F>
