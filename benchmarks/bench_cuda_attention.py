@@ -33,29 +33,14 @@ import torch
 import torch.nn.functional as F
 
 import kvserve  # noqa: F401  (registers torch.ops.kvserve)
-from kvserve.testing.bench import markdown_table, median
+from kvserve.testing.bench import cuda_event_time, markdown_table, median
 
 ops = torch.ops.kvserve
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 DECODE_CALLS = 20  # decode calls per timing, back to back
 
 
-def event_time(fn, repeats: int, calls: int = 1) -> float:
-    """Median seconds of one fn() over `repeats` timings of `calls` calls back to back (after two
-    warm-ups): with several calls the GPU never waits for the host to launch the next kernel, so
-    a short kernel's time is not its launch overhead."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    return median(times)
+event_time = cuda_event_time  # CUDA events, calls back to back, median
 
 
 def copy_bandwidth(gib: float, repeats: int) -> float:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 import kvserve  # noqa: F401  (registers torch.ops.kvserve)
 from kvserve.quantization import quantize_fp8, quantize_int4, quantize_int8
-from kvserve.testing.bench import markdown_table, median
+from kvserve.testing.bench import cuda_event_time, markdown_table, median
 
 ops = torch.ops.kvserve
 SHAPES = {  # name: (out_features, in_features), Llama-3-8B's projections
@@ -43,19 +43,7 @@ WORKING_SET = 256 << 20  # bytes of bf16 weight copies cycled through, past any 
 DEVICE = "cuda"
 
 
-def event_time(fn, repeats: int, calls: int) -> float:
-    """Median seconds per call over `repeats` timings of `calls` calls back to back."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    return median(times)
+event_time = cuda_event_time  # CUDA events, calls back to back, median
 
 
 def copy_bandwidth(repeats: int) -> float:

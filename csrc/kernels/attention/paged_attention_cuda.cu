@@ -20,29 +20,27 @@ namespace {
 
 using paged_attention_checks::kOp;
 
-// Read once per device: a call inside CUDA-graph capture must not query the driver.
-int multiprocessors(int device) {
-  static std::array<std::atomic<int>, 64> counts{};
-  std::atomic<int>& count = counts.at(static_cast<size_t>(device));
-  if (count.load(std::memory_order_relaxed) == 0) {
-    int value = 0;
-    cudaDeviceGetAttribute(&value, cudaDevAttrMultiProcessorCount, device);
-    count.store(std::max(value, 1), std::memory_order_relaxed);
+// A device attribute (the multiprocessor count, the compute capability), read once per device
+// and attribute: a call inside CUDA-graph capture must not query the driver.
+template <cudaDeviceAttr ATTRIBUTE>
+int device_attribute(int device) {
+  static std::array<std::atomic<int>, 64> values{};
+  std::atomic<int>& value = values.at(static_cast<size_t>(device));
+  if (value.load(std::memory_order_relaxed) == 0) {
+    int read = 0;
+    cudaDeviceGetAttribute(&read, ATTRIBUTE, device);
+    value.store(std::max(read, 1), std::memory_order_relaxed);
   }
-  return count.load(std::memory_order_relaxed);
+  return value.load(std::memory_order_relaxed);
 }
 
-// Whether the device runs mma.sync / ldmatrix / cp.async (compute capability 8.0 or later);
-// read once per device, like multiprocessors().
+int multiprocessors(int device) {
+  return device_attribute<cudaDevAttrMultiProcessorCount>(device);
+}
+
+// Whether the device runs mma.sync / ldmatrix / cp.async (compute capability 8.0 or later).
 bool tensor_cores(int device) {
-  static std::array<std::atomic<int>, 64> majors{};
-  std::atomic<int>& major = majors.at(static_cast<size_t>(device));
-  if (major.load(std::memory_order_relaxed) == 0) {
-    int value = 0;
-    cudaDeviceGetAttribute(&value, cudaDevAttrComputeCapabilityMajor, device);
-    major.store(std::max(value, 1), std::memory_order_relaxed);
-  }
-  return major.load(std::memory_order_relaxed) >= 8;
+  return device_attribute<cudaDevAttrComputeCapabilityMajor>(device) >= 8;
 }
 
 // Starts a kernel on the current stream; beyond 48 KiB of dynamic shared memory a kernel must

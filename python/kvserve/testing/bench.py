@@ -61,6 +61,26 @@ def best_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> fl
     return min(times)
 
 
+def cuda_event_time(fn: Callable[[], object], repeats: int, calls: int = 1,
+                    warmup: int = 2) -> float:
+    """Median seconds of one fn() on the current CUDA device over `repeats` timings by CUDA
+    events of `calls` calls back to back (after `warmup` calls): with several calls the GPU never
+    waits for the host to launch the next kernel, so a short kernel's time is not its launch
+    overhead."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    return median(times)
+
+
 def memory_read_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:
     """Memory read bandwidth in bytes/s: the best of `repeats` fp32 sums over a buffer much larger
     than the last-level cache, with torch's current thread count. Many short repeats, since on a
