@@ -120,6 +120,9 @@ void bind_causal_lm(py::module_& m) {
       .def_readwrite("query_start_loc", &AttentionMetadata::query_start_loc)
       .def_readwrite("seq_lens", &AttentionMetadata::seq_lens)
       .def_readwrite("block_tables", &AttentionMetadata::block_tables)
+      .def_readwrite("host_query_start_loc", &AttentionMetadata::host_query_start_loc)
+      .def_readwrite("host_seq_lens", &AttentionMetadata::host_seq_lens)
+      .def_readwrite("host_block_tables", &AttentionMetadata::host_block_tables)
       .def_readwrite("lora_slots", &AttentionMetadata::lora_slots);
 
   py::class_<CausalLM, std::shared_ptr<CausalLM>>(m, "CausalLM", "A loaded decoder-only model.")

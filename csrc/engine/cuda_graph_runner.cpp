@@ -31,7 +31,8 @@ struct CudaGraphRunner::Graphs {
 
 bool CudaGraphRunner::supports(const CausalLM& model) {
   const ModelConfig& config = model.config();
-  return model.device().is_cuda() && config.mla.kv_lora_rank == 0;
+  return model.device().is_cuda() &&
+         (config.mla.kv_lora_rank == 0 || config.mla.attention_path != "expanded");
 }
 
 #else
@@ -47,7 +48,7 @@ CudaGraphRunner::CudaGraphRunner(CausalLM& model, int64_t max_batch, int64_t tab
       graphs_(std::make_unique<Graphs>()) {
   if (!supports(model)) {
     throw std::invalid_argument("CUDA graphs need a CUDA build and a model on a CUDA device "
-                                "without latent attention");
+                                "(latent attention not forced to its expanded form)");
   }
   if (max_batch < 1 || table_width < 1) {
     throw std::invalid_argument("CudaGraphRunner: max_batch and table_width must be >= 1");

@@ -96,7 +96,7 @@ std::pair<std::vector<int32_t>, int64_t> padded_tables(
 
 // Host vectors bound for one device. On the CPU each becomes its own tensor; elsewhere they are
 // packed into one pinned buffer and uploaded with one asynchronous copy (into `storage` when
-// given), then viewed in place.
+// given), then viewed in place, on the device and in the pinned buffer.
 class Upload {
  public:
   Upload(at::Device device, const at::Tensor& storage) : device_(device), storage_(storage) {}
@@ -108,16 +108,22 @@ class Upload {
     return pieces_.size() - 1;
   }
 
+  struct Tensors {
+    std::vector<at::Tensor> device, host;  // host: the same values, readable without waiting
+  };
+
   /// The tensors, in the order they were added; `storage` gets the bytes they view (off the
   /// CPU).
-  std::vector<at::Tensor> finish(at::Tensor& storage) const {
-    std::vector<at::Tensor> out;
+  Tensors finish(at::Tensor& storage) const {
+    Tensors out;
     if (device_.is_cpu()) {
       for (const Piece& p : pieces_) {
-        out.push_back(at::from_blob(const_cast<void*>(p.data), {static_cast<int64_t>(p.count)},
-                                    at::TensorOptions().dtype(p.dtype))
-                          .clone());
+        out.device.push_back(at::from_blob(const_cast<void*>(p.data),
+                                           {static_cast<int64_t>(p.count)},
+                                           at::TensorOptions().dtype(p.dtype))
+                                 .clone());
       }
+      out.host = out.device;
       return out;
     }
     std::vector<size_t> offsets;
@@ -144,10 +150,14 @@ class Upload {
       device = host.to(device_, /*non_blocking=*/true);
     }
     storage = device;
+    auto view = [&](const at::Tensor& bytes, size_t i) {
+      return bytes.narrow(0, static_cast<int64_t>(offsets[i]),
+                          static_cast<int64_t>(pieces_[i].bytes))
+          .view(pieces_[i].dtype);
+    };
     for (size_t i = 0; i < pieces_.size(); ++i) {
-      out.push_back(device.narrow(0, static_cast<int64_t>(offsets[i]),
-                                  static_cast<int64_t>(pieces_[i].bytes))
-                        .view(pieces_[i].dtype));
+      out.device.push_back(view(device, i));
+      out.host.push_back(view(host, i));
     }
     return out;
   }
@@ -188,20 +198,25 @@ ForwardBatch ForwardBatchBuilder::build(at::Device device, int64_t table_width,
   }
   if (lora_) upload.add(lora_slots_);
   ForwardBatch batch;
-  const std::vector<at::Tensor> t = upload.finish(batch.storage);
+  const Upload::Tensors uploaded = upload.finish(batch.storage);
+  const std::vector<at::Tensor>& t = uploaded.device;
   if (lora_) batch.metadata.lora_slots = t.back();
   batch.input_ids = t[0];
   batch.positions = t[1];
   batch.metadata.query_start_loc = t[2];
   batch.metadata.seq_lens = t[3];
+  batch.metadata.host_query_start_loc = uploaded.host[2];
+  batch.metadata.host_seq_lens = uploaded.host[3];
   batch.logits_indices = t[4];
   for (size_t g = 0; g < groups; ++g) {
     const at::Tensor& group_slots = t[5 + 2 * g];
-    const at::Tensor group_tables = t[6 + 2 * g].view(
-        {static_cast<int64_t>(tables[g].first.size()) / tables[g].second, tables[g].second});
+    const std::vector<int64_t> shape = {
+        static_cast<int64_t>(tables[g].first.size()) / tables[g].second, tables[g].second};
+    const at::Tensor group_tables = t[6 + 2 * g].view(shape);
     if (g == 0) {
       batch.metadata.slot_mapping = group_slots;
       batch.metadata.block_tables = group_tables;
+      batch.metadata.host_block_tables = uploaded.host[6].view(shape);
     } else {
       batch.metadata.group_slot_mappings.push_back(group_slots);
       batch.metadata.group_block_tables.push_back(group_tables);

@@ -51,22 +51,31 @@ MLABatchPlan MLABatchPlan::make(const AttentionMetadata& m, const MLAConfig& mla
     throw std::invalid_argument("MLA attention path must be auto, absorbed or expanded, got '" +
                                 path + "'");
   }
-  const at::Tensor qsl_t = m.query_start_loc.cpu(), lens_t = m.seq_lens.cpu();
-  const at::Tensor tables_t = m.block_tables.cpu().contiguous();
+  // The plan reads the batch on the host: the builder's copies when the metadata has them (no
+  // wait for the device, nothing read inside a CUDA graph capture), else the device tensors.
+  auto on_host = [](const at::Tensor& host, const at::Tensor& device) {
+    return host.defined() ? host : device.cpu();
+  };
+  const at::Tensor qsl_t = on_host(m.host_query_start_loc, m.query_start_loc);
+  const at::Tensor lens_t = on_host(m.host_seq_lens, m.seq_lens);
   const int32_t* qsl = qsl_t.data_ptr<int32_t>();
   const int32_t* lens = lens_t.data_ptr<int32_t>();
-  const int32_t* tables = tables_t.data_ptr<int32_t>();
-  const int64_t num_seqs = lens_t.numel(), width = tables_t.size(1);
+  const int64_t num_seqs = lens_t.numel();
   const int64_t L = mla.kv_lora_rank, R = mla.qk_rope_head_dim, N = mla.qk_nope_head_dim,
                 V = mla.v_head_dim;
   std::vector<bool> absorbed(num_seqs);
   bool all_absorbed = true, all_expanded = true;
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t q = qsl[b + 1] - qsl[b], ctx = lens[b];
-    // Multiply-adds per head (see mla_attention.h).
+    // Multiply-adds per head (see mla_attention.h). One query token is absorbed whatever its
+    // context: from a context of 2 on that form is the cheaper one, and at 1 (a one-token
+    // prompt) the two are 2 L - N - V multiply-adds apart. So every decode batch is one
+    // absorbed part viewing the batch's own metadata, whatever its lengths: a CUDA graph
+    // captured for one replays for all.
     const int64_t absorbed_cost = q * ctx * (2 * L + R) + q * (N * L + L * V);
     const int64_t expanded_cost = ctx * L * (N + V) + q * ctx * (N + R + V);
-    absorbed[b] = path == "absorbed" || (path == "auto" && absorbed_cost <= expanded_cost);
+    absorbed[b] = path == "absorbed" ||
+                  (path == "auto" && (q == 1 || absorbed_cost <= expanded_cost));
     if (q == 0) continue;
     all_absorbed = all_absorbed && absorbed[b];
     all_expanded = all_expanded && !absorbed[b];
@@ -78,6 +87,9 @@ MLABatchPlan MLABatchPlan::make(const AttentionMetadata& m, const MLAConfig& mla
                      num_tokens};
     return plan;
   }
+  const at::Tensor tables_t = on_host(m.host_block_tables, m.block_tables).contiguous();
+  const int32_t* tables = tables_t.data_ptr<int32_t>();
+  const int64_t width = tables_t.size(1);
   // The parts' own metadata; an expanded sequence's table indexes the blocks gathered for it.
   std::vector<int64_t> tokens[2], gather;
   std::vector<int32_t> starts[2] = {{0}, {0}}, seq_lens[2], expanded_tables;

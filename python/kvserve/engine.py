@@ -132,8 +132,8 @@ class LLMEngine:
             sequences - 1 (default kvserve.speculative.DEFAULT_MAX_VERIFY_TOKENS; 0: no limit).
         log_memory_plan: print weights, KV capacity and concurrency at start-up (stderr).
         enforce_eager: on a CUDA device, False replays CUDA graphs for decode steps of up to
-            min(max_num_seqs, 256) sequences of models without latent attention
-            (csrc/include/kvserve/cuda_graph_runner.h), the default; True launches every
+            min(max_num_seqs, 256) sequences (csrc/include/kvserve/cuda_graph_runner.h;
+            not for latent attention forced to its expanded form), the default; True launches every
             step's kernels one by one. No effect on the CPU.
         enable_lora: serve LoRA adapters per request without merging them
             (kvserve.lora_serving): up to max_loras adapters in the model at once, each of rank

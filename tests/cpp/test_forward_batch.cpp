@@ -29,6 +29,12 @@ TEST(ForwardBatchBuilder, FlattensPrefillsAndDecodesWithExactSlots) {
   EXPECT_EQ(b.metadata.block_tables.sizes(), (std::vector<int64_t>{3, 2}));
   EXPECT_EQ(values<int32_t>(b.metadata.block_tables), (std::vector<int32_t>{7, 2, 3, 9, 5, 0}));
   EXPECT_EQ(values<int64_t>(b.logits_indices), (std::vector<int64_t>{4, 5, 7}));
+  // On the CPU the host copies view the tensors' own bytes.
+  const AttentionMetadata& m = b.metadata;
+  EXPECT_EQ(m.host_query_start_loc.data_ptr(), m.query_start_loc.data_ptr());
+  EXPECT_EQ(m.host_seq_lens.data_ptr(), m.seq_lens.data_ptr());
+  EXPECT_EQ(m.host_block_tables.data_ptr(), m.block_tables.data_ptr());
+  EXPECT_EQ(m.host_block_tables.sizes(), m.block_tables.sizes());
 }
 
 TEST(ForwardBatchBuilder, PadsADecodeBatchWithRowsThatWriteNothing) {

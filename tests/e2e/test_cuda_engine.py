@@ -59,7 +59,10 @@ def test_gpu_engine_equals_cpu_engine(checkpoint_factory, engine_args):
     ("Gemma2ForCausalLM", {}),                # sliding-window layers: two groups of tables
     ("Qwen3MoeForCausalLM", {}),              # fused_moe's pointer tables, kept on the GPU
     ("MixtralForCausalLM", {}),
-], ids=["llama", "llama-head-dim-64", "qwen3", "gemma2", "qwen3-moe", "mixtral"])
+    ("DeepseekV2ForCausalLM", {}),            # latent attention: decode steps all absorbed
+    ("DeepseekV3ForCausalLM", {}),
+], ids=["llama", "llama-head-dim-64", "qwen3", "gemma2", "qwen3-moe", "mixtral", "deepseek-v2",
+        "deepseek-v3"])
 def test_cuda_graphs_equal_eager_steps_and_the_cpu(checkpoint_factory, architecture, overrides):
     """Decode steps replayed from CUDA graphs give the tokens of eager steps and of the CPU
     engine, while requests finish at different steps (5, 4, ... 1 sequences: graphs of 8, 4, 2
@@ -101,8 +104,10 @@ def test_lora_adapters_equal_their_merged_models(checkpoint_factory, tmp_path, e
     assert got[2] == tokens(kvserve.LLM(tmp_path / "m1"), prompts[2:3])[0]
 
 
-def test_models_without_graph_support_decode_eagerly(checkpoint_factory):
-    """DeepSeek-V2 (latent attention reads its tables on the host) is never captured."""
+def test_models_without_graph_support_decode_eagerly(checkpoint_factory, monkeypatch):
+    """Latent attention forced to its expanded form (a per-batch gather of blocks) is never
+    captured."""
+    monkeypatch.setenv("KVSERVE_MLA_ATTENTION", "expanded")
     llm = kvserve.LLM(checkpoint_factory("DeepseekV2ForCausalLM"), device="cuda",
                       enforce_eager=False)
     assert tokens(llm) == tokens(kvserve.LLM(checkpoint_factory("DeepseekV2ForCausalLM")))

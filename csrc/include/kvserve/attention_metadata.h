@@ -14,6 +14,10 @@ struct AttentionMetadata {
   at::Tensor query_start_loc;  ///< int32 [B + 1]: token offsets of each sequence's queries
   at::Tensor seq_lens;         ///< int32 [B]: context length of each sequence after this step
   at::Tensor block_tables;     ///< int32 [B, max_blocks_per_seq]: cache blocks of each sequence
+  /// The three above on the host, where a model plans its batch from them (MLABatchPlan) without
+  /// waiting for the device: ForwardBatchBuilder's own bytes (the same tensors on the CPU).
+  /// Undefined when whoever built the metadata gave none; a reader then copies the device ones.
+  at::Tensor host_query_start_loc, host_seq_lens, host_block_tables;
   /// Groups 1.. of a pool whose layers are grouped (KVCacheLayout::groups): each group's own
   /// slot_mapping and block_tables; slot_mapping and block_tables above are group 0's.
   std::vector<at::Tensor> group_slot_mappings, group_block_tables;

@@ -29,9 +29,10 @@ class CudaGraphRunner {
   CudaGraphRunner& operator=(const CudaGraphRunner&) = delete;
 
   /// Whether this build can capture graphs of `model`: a CUDA build, the model on a CUDA
-  /// device, and a forward without host synchronisation or host-side tables (no multi-head
-  /// latent attention, whose per-batch plan reads the metadata on the host; mixture-of-experts
-  /// layers qualify: their kernels' pointer tables are uploaded once and kept).
+  /// device, and a forward without host synchronisation or host-side tables whose decode steps
+  /// all take one shape. Mixture-of-experts layers qualify (their kernels' pointer tables are
+  /// uploaded once and kept), and so does multi-head latent attention unless it is forced to
+  /// the expanded form (MLABatchPlan puts every decode step in one absorbed part).
   static bool supports(const CausalLM& model);
 
   /// The captured size a step of `num_sequences` decodes runs as, or 0 when no graph serves it
