@@ -55,11 +55,14 @@ KVSERVE_CPU_STUB(lora_add_stub, LoraAddFn);
 /// (rows strided by query_stride/key_stride, heads contiguous) with cos_sin_cache
 /// [max_position, rot_dim] (fp32: rot_dim/2 cosines then rot_dim/2 sines) at positions [T].
 /// is_neox: rotate halves (x[i], x[i + rot_dim/2]); otherwise adjacent pairs (x[2i], x[2i+1]).
+/// query_norm / key_norm: [head_dim] weights (dtype, or fp32 with fp32_norm) of an RMSNorm over
+/// each head of that side before it is rotated, or null for none.
 using RotaryEmbeddingFn = void (*)(c10::ScalarType dtype, const int64_t* positions, void* query,
                                    int64_t query_stride, int64_t num_heads, void* key,
                                    int64_t key_stride, int64_t num_kv_heads, int64_t head_dim,
                                    const float* cos_sin_cache, int64_t rot_dim, int64_t num_tokens,
-                                   bool is_neox);
+                                   bool is_neox, const void* query_norm, const void* key_norm,
+                                   bool fp32_norm, float norm_epsilon);
 KVSERVE_CPU_STUB(rotary_embedding_stub, RotaryEmbeddingFn);
 
 /// out[t] = sum_j weights[t * k + j] * expert_out[t * k + j] for T tokens of k slots, rows of

@@ -39,7 +39,8 @@ TORCH_LIBRARY(kvserve, m) {
       "Tensor? bias=None) -> Tensor");
   m.def(
       "rotary_embedding(Tensor positions, Tensor! query, Tensor! key, int head_dim, "
-      "Tensor cos_sin_cache, bool is_neox) -> ()");
+      "Tensor cos_sin_cache, bool is_neox, Tensor? query_norm=None, Tensor? key_norm=None, "
+      "float norm_epsilon=1e-6) -> ()");
   m.def(
       "kv_cache_write(Tensor key, Tensor value, Tensor! key_cache, Tensor! value_cache, "
       "Tensor slot_mapping, Tensor(c!)? key_scale=None, Tensor(d!)? value_scale=None) -> ()");
@@ -161,11 +162,15 @@ at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& qweight,
 }
 
 void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
-                      int64_t head_dim, const at::Tensor& cos_sin_cache, bool is_neox) {
+                      int64_t head_dim, const at::Tensor& cos_sin_cache, bool is_neox,
+                      const std::optional<at::Tensor>& query_norm,
+                      const std::optional<at::Tensor>& key_norm, double norm_epsilon) {
   static const auto op =
-      handle<void(const at::Tensor&, at::Tensor&, at::Tensor&, int64_t, const at::Tensor&, bool)>(
+      handle<void(const at::Tensor&, at::Tensor&, at::Tensor&, int64_t, const at::Tensor&, bool,
+                  const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, double)>(
           "kvserve::rotary_embedding");
-  op.call(positions, query, key, head_dim, cos_sin_cache, is_neox);
+  op.call(positions, query, key, head_dim, cos_sin_cache, is_neox, query_norm, key_norm,
+          norm_epsilon);
 }
 
 void kv_cache_write(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,

@@ -46,20 +46,15 @@ at::Tensor Attention::forward(const at::Tensor& positions, const at::Tensor& hid
   // [T, q_width (+ 2 * kv_width)]
   at::Tensor qkv = qkv_proj_.forward(hidden, m.lora_slots);
   at::Tensor q = qkv.narrow(1, 0, q_width);
-  if (q_norm_.defined()) {  // Qwen3, Gemma 3: RMSNorm over each head before RoPE
-    q = q_norm_.forward(q.reshape({num_tokens * num_heads_, head_dim_})).view({num_tokens, q_width});
-  }
+  // Qwen3, Gemma 3: an RMSNorm over each head before RoPE, in the rotary op's pass.
+  const RMSNorm* q_norm = q_norm_.defined() ? &q_norm_ : nullptr;
   if (shares_kv_) {  // the source layer wrote this step's K/V already
     at::Tensor no_key = at::empty({num_tokens, 0}, q.options());
-    rotary_->apply(positions, q, no_key);
+    rotary_->apply(positions, q, no_key, q_norm);
   } else {
     at::Tensor k = qkv.narrow(1, q_width, kv_width);
     at::Tensor v = qkv.narrow(1, q_width + kv_width, kv_width);
-    if (k_norm_.defined()) {
-      k = k_norm_.forward(k.reshape({num_tokens * num_kv_heads_, head_dim_}))
-              .view({num_tokens, kv_width});
-    }
-    rotary_->apply(positions, q, k);
+    rotary_->apply(positions, q, k, q_norm, k_norm_.defined() ? &k_norm_ : nullptr);
     at::Tensor key_cache = kv.key, value_cache = kv.value;
     ops::kv_cache_write(k.view({num_tokens, num_kv_heads_, head_dim_}),
                         v.view({num_tokens, num_kv_heads_, head_dim_}), key_cache, value_cache,

@@ -33,6 +33,9 @@ class RMSNorm {
   }
 
   bool defined() const { return weight_.defined(); }
+  /// [hidden]: the model's dtype, or fp32 with an offset folded in.
+  const at::Tensor& weight() const { return weight_; }
+  double epsilon() const { return eps_; }
   int64_t weight_bytes() const { return weight_.defined() ? weight_.nbytes() : 0; }
 
  private:

@@ -108,8 +108,16 @@ RotaryEmbedding::RotaryEmbedding(const ModelConfig& config, int64_t max_position
           .to(device);
 }
 
-void RotaryEmbedding::apply(const at::Tensor& positions, at::Tensor& query, at::Tensor& key) const {
-  ops::rotary_embedding(positions, query, key, head_dim_, cos_sin_cache_, is_neox_);
+void RotaryEmbedding::apply(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
+                            const RMSNorm* query_norm, const RMSNorm* key_norm) const {
+  auto weight = [](const RMSNorm* norm) {
+    return norm ? std::optional<at::Tensor>(norm->weight()) : std::nullopt;
+  };
+  TORCH_CHECK(!query_norm || !key_norm || query_norm->epsilon() == key_norm->epsilon(),
+              "RotaryEmbedding: query and key norms with different epsilons");
+  const double epsilon = query_norm ? query_norm->epsilon() : key_norm ? key_norm->epsilon() : 0;
+  ops::rotary_embedding(positions, query, key, head_dim_, cos_sin_cache_, is_neox_,
+                        weight(query_norm), weight(key_norm), epsilon);
 }
 
 }  // namespace kvserve

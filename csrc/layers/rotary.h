@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "kvserve/model_config.h"
+#include "layers/norm.h"
 
 namespace kvserve {
 
@@ -16,8 +17,11 @@ class RotaryEmbedding {
   RotaryEmbedding(const ModelConfig& config, int64_t max_positions, at::Device device,
                   bool is_neox = true);
 
-  /// Rotates query [T, num_heads * head_dim] and key [T, num_kv_heads * head_dim] in place.
-  void apply(const at::Tensor& positions, at::Tensor& query, at::Tensor& key) const;
+  /// Rotates query [T, num_heads * head_dim] and key [T, num_kv_heads * head_dim] in place;
+  /// with query_norm / key_norm, each head of that side is RMS-normalized first (Qwen3's and
+  /// Gemma 3's q_norm / k_norm), in the same pass.
+  void apply(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
+             const RMSNorm* query_norm = nullptr, const RMSNorm* key_norm = nullptr) const;
 
   /// fp32 [max_positions, head_dim]: head_dim/2 cosines then head_dim/2 sines.
   const at::Tensor& cos_sin_cache() const { return cos_sin_cache_; }

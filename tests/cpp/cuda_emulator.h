@@ -17,6 +17,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 #include <functional>
 
@@ -121,6 +122,8 @@ T __shfl_sync(unsigned mask, T value, int source, int width = 32) {
         for (int l = 0; l < 32; ++l) out[l] = in[in[l].source & 31].value;
       });
 }
+
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 
 inline unsigned int __umulhi(unsigned int a, unsigned int b) {
   return static_cast<unsigned int>((static_cast<uint64_t>(a) * b) >> 32);

@@ -1,39 +1,13 @@
 // Vectorized RMSNorm bodies; compiled once per CPU capability (see kernels/cpu_dispatch.h).
 #include <ATen/Parallel.h>
 
-#include <cmath>
-
 #include "kernels/cpu_kernels.h"
 #include "kernels/cpu_vec.h"
+#include "kernels/norm/rms_norm_cpu_row.h"
 
 namespace kvserve::cpu {
 inline namespace CPU_CAPABILITY {
 namespace {
-
-template <typename T>
-float inverse_rms(const T* x, int64_t hidden, float eps) {
-  Vec acc(0.0f);
-  int64_t i = 0;
-  for (; i + Vec::size() <= hidden; i += Vec::size()) {
-    const Vec v = load_as_float(x + i);
-    acc = at::vec::fmadd(v, v, acc);
-  }
-  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
-  for (; i < hidden; ++i) sum += static_cast<float>(x[i]) * static_cast<float>(x[i]);
-  return 1.0f / std::sqrt(sum / static_cast<float>(hidden) + eps);
-}
-
-template <typename T, typename W>
-void normalize_row(T* out, const T* x, const W* weight, int64_t hidden, float inv) {
-  const Vec scale(inv);
-  int64_t i = 0;
-  for (; i + Vec::size() <= hidden; i += Vec::size()) {
-    store_from_float(out + i, load_as_float(x + i) * scale * load_as_float(weight + i));
-  }
-  for (; i < hidden; ++i) {
-    out[i] = static_cast<T>(static_cast<float>(x[i]) * inv * static_cast<float>(weight[i]));
-  }
-}
 
 template <typename T, typename W>
 void rms_norm_rows(T* o, int64_t out_stride, const T* x, int64_t input_stride, const W* w,

@@ -1,6 +1,9 @@
-// CUDA launcher for rotary_embedding: the shared checks, then one block per token. Positions stay
-// on the device (reading them would synchronise); the kernel skips one outside the cache.
+// CUDA launcher for rotary_embedding: the shared checks, then one block per token (the normed
+// kernel when heads are normalized first). Positions stay on the device (reading them would
+// synchronise); the kernel skips one outside the cache.
 #include <torch/library.h>
+
+#include <optional>
 
 #include "kernels/cuda_launch.h"
 #include "kernels/rotary/rotary_embedding.h"
@@ -11,18 +14,46 @@ namespace kvserve::ops {
 namespace {
 
 void rotary_embedding_cuda(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
-                           int64_t head_dim, const at::Tensor& cos_sin_cache, bool is_neox) {
+                           int64_t head_dim, const at::Tensor& cos_sin_cache, bool is_neox,
+                           const std::optional<at::Tensor>& query_norm,
+                           const std::optional<at::Tensor>& key_norm, double norm_epsilon) {
   check_rotary_embedding(positions, query, key, head_dim, cos_sin_cache);
+  const at::ScalarType norm_type =
+      check_head_norms(query, head_dim, query_norm, key_norm, norm_epsilon);
   const int64_t num_tokens = positions.numel();
-  if (num_tokens == 0 || cos_sin_cache.size(1) == 0) return;
+  const bool normed = norm_type != at::ScalarType::Undefined;
+  if (num_tokens == 0 || (cos_sin_cache.size(1) == 0 && !normed)) return;
   const c10::cuda::CUDAGuard guard(query.device());
+  const int64_t num_heads = query.size(1) / head_dim, num_kv_heads = key.size(1) / head_dim;
   cuda::dispatch_float(query.scalar_type(), "rotary_embedding", [&](auto type) {
     using T = typename decltype(type)::type;
-    cuda::rotary_embedding_kernel<T><<<num_tokens, 128, 0, cuda::current_stream()>>>(
-        positions.data_ptr<int64_t>(), static_cast<T*>(query.data_ptr()), query.stride(0),
-        query.size(1) / head_dim, static_cast<T*>(key.data_ptr()), key.stride(0),
-        key.size(1) / head_dim, head_dim, cos_sin_cache.data_ptr<float>(),
-        cos_sin_cache.size(1), cos_sin_cache.size(0), is_neox);
+    auto* q = static_cast<T*>(query.data_ptr());
+    auto* k = static_cast<T*>(key.data_ptr());
+    if (!normed) {
+      cuda::rotary_embedding_kernel<T><<<num_tokens, 128, 0, cuda::current_stream()>>>(
+          positions.data_ptr<int64_t>(), q, query.stride(0), num_heads, k, key.stride(0),
+          num_kv_heads, head_dim, cos_sin_cache.data_ptr<float>(), cos_sin_cache.size(1),
+          cos_sin_cache.size(0), is_neox);
+      return;
+    }
+    auto launch = [&](auto weight_type) {
+      using W = typename decltype(weight_type)::type;
+      auto weight = [](const std::optional<at::Tensor>& w) {
+        return w ? static_cast<const W*>(w->data_ptr()) : nullptr;
+      };
+      const int threads = cuda::rotary_normed_threads(num_heads + num_kv_heads);
+      cuda::rotary_embedding_normed_kernel<T, W>
+          <<<num_tokens, threads, 0, cuda::current_stream()>>>(
+              positions.data_ptr<int64_t>(), q, query.stride(0), num_heads, k, key.stride(0),
+              num_kv_heads, head_dim, cos_sin_cache.data_ptr<float>(), cos_sin_cache.size(1),
+              cos_sin_cache.size(0), is_neox, weight(query_norm), weight(key_norm),
+              static_cast<float>(norm_epsilon));
+    };
+    if (norm_type == at::kFloat) {
+      launch(cuda::Type<float>{});
+    } else {
+      launch(cuda::Type<T>{});
+    }
   });
   KVSERVE_CUDA_CHECK_LAUNCH();
 }

@@ -172,15 +172,25 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool
 
 
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                     head_dim: int, cos_sin_cache: torch.Tensor,
-                     is_neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                     head_dim: int, cos_sin_cache: torch.Tensor, is_neox: bool,
+                     query_norm: torch.Tensor | None = None, key_norm: torch.Tensor | None = None,
+                     norm_epsilon: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotated (query, key) in fp64, same shapes as the inputs.
 
     positions [T]; query [T, num_heads * head_dim]; key [T, num_kv_heads * head_dim];
     cos_sin_cache [max_position, rot_dim] (cosines then sines); dims past rot_dim pass through.
+    query_norm / key_norm [head_dim]: each head of that side is first rms_norm'ed with the
+    weight and rounded to the input's dtype (as the op and the models do), then rotated.
     """
+
+    def normed(x, weight):
+        if weight is None:
+            return x.double()
+        heads = x.reshape(-1, head_dim)
+        return rms_norm(heads, weight, norm_epsilon).to(x.dtype).double().view(x.shape)
+
     half = cos_sin_cache.size(1) // 2
-    q_out, k_out = query.double().clone(), key.double().clone()
+    q_out, k_out = normed(query, query_norm).clone(), normed(key, key_norm).clone()
     for t in range(positions.numel()):
         row = cos_sin_cache[int(positions[t])].double()
         cos, sin = row[:half], row[half:]
