@@ -81,6 +81,45 @@ def cuda_event_time(fn: Callable[[], object], repeats: int, calls: int = 1,
     return median(times)
 
 
+def device_profile(run: Callable[[], object], steps: int, device: str = "cuda",
+                   top: int = 12) -> dict:
+    """What one of `steps` steps (all made by one run()) costs, from torch.profiler: wall ms per
+    step; on CUDA the GPU's busy ms per step (the union of its kernels', copies' and memsets'
+    intervals, graph replays' kernels included), their count per step and the `top` kernels by
+    time ({name, ms, calls} per step). The gap between wall and busy is time the GPU waited for
+    the host. On the CPU the same table lists the kvserve ops' own time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        run()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    if device == "cuda":
+        events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    else:
+        events = [e for e in prof.events() if e.name.startswith("kvserve::")]
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in events)
+    busy_us, reach = 0.0, float("-inf")
+    for begin, end in intervals:  # the union's length
+        busy_us += max(0.0, end - max(begin, reach))
+        reach = max(reach, end)
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    ranked = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:top]
+    return dict(wall_ms=wall * 1e3 / steps, busy_ms=busy_us / 1e3 / steps,
+                events=len(events) / steps,
+                top=[dict(name=name[:90], ms=sum(times) / 1e3 / steps, calls=len(times) / steps)
+                     for name, times in ranked])
+
+
 def memory_read_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:
     """Memory read bandwidth in bytes/s: the best of `repeats` fp32 sums over a buffer much larger
     than the last-level cache, with torch's current thread count. Many short repeats, since on a

@@ -426,13 +426,12 @@ def _filter_row(x: torch.Tensor, temperature: float, top_k: int, top_p: float,
     if 0 < top_k < vocab:  # keep everything >= the k-th largest, so ties at the threshold stay
         threshold = torch.sort(x, descending=True).values[top_k - 1]
         x = x.masked_fill(x < threshold, -math.inf)
-    if top_p < 1.0:  # drop the least likely tokens while their ascending cumsum stays <= 1 - p
-        order = torch.argsort(x, stable=True)
-        cumulative = torch.softmax(x[order], dim=0).cumsum(dim=0)
-        remove = cumulative <= 1.0 - top_p
-        remove[-1] = False  # the most likely token always stays
-        x = x.clone()
-        x[order[remove]] = -math.inf
+    if top_p < 1.0:  # keep x when the mass of the logits <= x exceeds 1 - p (ties alike)
+        values = torch.sort(x).values
+        cumulative = torch.softmax(values, dim=0).cumsum(dim=0)
+        at_or_below = cumulative[torch.searchsorted(values, x, right=True) - 1]
+        # the most likely token always stays
+        x = x.masked_fill((at_or_below <= 1.0 - top_p) & (x < values[-1]), -math.inf)
     if min_p > 0.0:  # drop tokens less likely than min_p times the most likely one
         probs = torch.softmax(x, dim=0)
         x = x.masked_fill(probs < min_p * probs.max(), -math.inf)
