@@ -13,6 +13,9 @@ enforce_eager=False, the default), `eager` (enforce_eager=True), and either with
 appended (`graphs-rows`: paged_attention's row kernel forced, kvserve._C.set_cuda_attention_kernel,
 set before each of that engine's calls so that its graphs capture it). Medians of --repeats, the
 engines interleaved. Prints a markdown table; writes JSON to --out.
+With --profile-steps N (default 32), each mode's batch-1 decode is then profiled for N steps
+(torch.profiler, kvserve.testing.bench.device_profile): wall and GPU-busy ms per step (their gap
+is the GPU waiting for the host), kernels per step and the kernels that take the most time.
 
     python benchmarks/bench_cuda_e2e.py                               # llama3-8b and qwen3-0.6b
     python benchmarks/bench_cuda_e2e.py --models qwen3-0.6b --repeats 1
@@ -29,7 +32,7 @@ from pathlib import Path
 import torch
 
 import kvserve
-from kvserve.testing.bench import markdown_table, median
+from kvserve.testing.bench import device_profile, markdown_table, median
 from kvserve.testing.checkpoints import build_tokenizer, make_config
 
 MODELS = {
@@ -99,6 +102,32 @@ def kvserve_throughput(llm, prompts, gen_len) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outs) / seconds
 
 
+def profile_decode(llm, prompt, steps: int) -> dict:
+    """device_profile of `steps` batch-1 decode steps (after the prompt's prefill)."""
+    params = kvserve.SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+    engine = llm.llm_engine
+    engine.add_request("profiled", prompt, params)
+    engine.step()  # the prefill
+
+    def run():
+        for _ in range(steps):
+            engine.step()
+
+    profile = device_profile(run, steps)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return profile
+
+
+def print_profile(name: str, mode: str, profile: dict) -> None:
+    print(f"\n{name}, {mode}: {profile['wall_ms']:.3f} ms a decode step, GPU busy "
+          f"{profile['busy_ms']:.3f} ms ({profile['busy_ms'] / profile['wall_ms']:.0%}), "
+          f"{profile['events']:.0f} kernels and copies a step")
+    print(markdown_table(["kernel", "ms a step", "calls a step"],
+                         [[k["name"], f"{k['ms']:.4f}", f"{k['calls']:.0f}"]
+                          for k in profile["top"]]))
+
+
 def hf_throughput(model, prompts, gen_len) -> float:
     ids = torch.tensor(prompts, device="cuda")
     torch.cuda.synchronize()
@@ -122,6 +151,8 @@ def main() -> None:
     parser.add_argument("--cache", default="/tmp/kvserve-bench-checkpoints")
     parser.add_argument("--modes", nargs="+", default=["graphs", "eager"],
                         help="graphs | eager, optionally -mma / -rows / -general")
+    parser.add_argument("--profile-steps", type=int, default=32,
+                        help="decode steps profiled per mode (0: none)")
     parser.add_argument("--out", default="benchmarks/results/cuda_e2e.json")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
@@ -165,8 +196,14 @@ def main() -> None:
             row[f"bound_fraction_{mode}"] = bound / median(tpot[mode])
             row[f"kvserve_tok_s_{mode}"] = median(tok_s[mode])
             row[f"speedup_{mode}"] = median(tok_s[mode]) / row["transformers_tok_s"]
+        if args.profile_steps > 0:
+            row["profiles"] = {}
+            for mode, llm in engines.items():
+                use(mode)
+                row["profiles"][mode] = profile_decode(llm, prompt, args.profile_steps)
+                print_profile(name, mode, row["profiles"][mode])
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k != "profiles"}), flush=True)
         use("auto")
         del engines, model
         torch.cuda.empty_cache()
