@@ -72,6 +72,7 @@ RowScan scan_row(const float* x, int64_t vocab) {
 // call would cost its page faults every step).
 struct Scratch {
   std::vector<double> weights, histogram, bucket_weights;
+  std::vector<float> candidates;
   std::vector<uint32_t> bucket_keys;
 };
 
@@ -176,12 +177,24 @@ void filter_row(float* x, int64_t vocab, float temperature, int64_t top_k, float
                                      [](int64_t) { return 1.0; }, s));
   }
   if (top_p < 1.0f) {  // softmax weights of what top-k kept, unnormalized
-    s.weights.resize(vocab);
-    const double total = exp_weights<true>(x, vocab, scan.max, threshold, s.weights.data());
+    // After top-k only its survivors carry weight: top-p looks at them alone.
+    const float* candidates = x;
+    int64_t count = vocab;
+    if (threshold > kNegInf) {
+      s.candidates.clear();
+      for (int64_t j = 0; j < vocab; ++j) {
+        if (x[j] >= threshold) s.candidates.push_back(x[j]);
+      }
+      candidates = s.candidates.data();
+      count = static_cast<int64_t>(s.candidates.size());
+    }
+    s.weights.resize(count);
+    const double total =
+        exp_weights<true>(candidates, count, scan.max, threshold, s.weights.data());
     const double target = (1.0 - static_cast<double>(top_p)) * total;
     // Where no mass exceeds the target (p <= 0, NaN) only the maximum stays.
     const float p_threshold =
-        target < total ? key_float(select_key(x, vocab, target,
+        target < total ? key_float(select_key(candidates, count, target,
                                               [&](int64_t j) { return s.weights[j]; }, s))
                        : scan.max;
     threshold = std::max(threshold, p_threshold);
