@@ -106,7 +106,8 @@ print(pathlib.Path(kvserve._C.__file__).parent / 'libkvserve_runtime.so')")
         timeout "$(limit 240)" compute-sanitizer --tool $tool --error-exitcode 9 \
           $python -m pytest -q -p no:cacheprovider -m cuda -o addopts="" -x \
           tests/kernels/test_paged_attention.py tests/kernels/test_kv_cache_write.py \
-          tests/kernels/test_rms_norm.py -k "${SANITIZE_K:-long_contexts or gqa_groups or latent or every_cuda_kernel}" \
+          tests/kernels/test_rms_norm.py tests/kernels/test_rotary_embedding.py \
+          -k "${SANITIZE_K:-long_contexts or gqa_groups or latent or every_cuda_kernel or head_norms_sides}" \
           > "$out/sanitize-$tool.log" 2>&1
         echo "compute-sanitizer $tool: exit $?"; grep -E "ERROR SUMMARY|passed|failed" \
           "$out/sanitize-$tool.log" | tail -3
@@ -118,7 +119,7 @@ print(pathlib.Path(kvserve._C.__file__).parent / 'libkvserve_runtime.so')")
     bench-e2e)
       timeout "$(limit ${BENCH_TIMEOUT:-600})" $python benchmarks/bench_cuda_e2e.py ${E2E_ARGS:-} \
         --out "$out/cuda_e2e.json" \
-        2>&1 | tee "$out/bench_e2e.log" | tail -20 ;;
+        2>&1 | tee "$out/bench_e2e.log" | tail -80 ;;
     bench-quant)
       timeout "$(limit ${BENCH_TIMEOUT:-600})" $python benchmarks/bench_cuda_quant.py \
         ${QUANT_ARGS:-} --out "$out/cuda_quant.json" \
