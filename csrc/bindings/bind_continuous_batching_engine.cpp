@@ -54,6 +54,7 @@ void bind_outputs(py::module_& m) {
         return none_if_empty(o.finish_reason);
       })
       .def_readonly("logprobs", &CompletionOutput::logprobs)
+      .def_readonly("new_logprobs", &CompletionOutput::new_logprobs)
       .def_property_readonly("finished", &CompletionOutput::finished);
 
   py::class_<RequestOutput>(m, "RequestOutput",

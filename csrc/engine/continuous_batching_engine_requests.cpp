@@ -177,9 +177,18 @@ RequestOutput ContinuousBatchingEngine::make_output(Request& request) const {
   out.request_id = request.id;
   out.prompt_token_ids = request.prompt;
   for (Completion& completion : request.completions) {
-    CompletionOutput o = completion.output;
-    o.new_token_ids.assign(o.token_ids.begin() + completion.num_reported, o.token_ids.end());
-    completion.num_reported = o.token_ids.size();
+    const CompletionOutput& state = completion.output;
+    CompletionOutput o;
+    o.index = state.index;
+    o.token_ids = state.token_ids;
+    o.finish_reason = state.finish_reason;
+    const size_t from = completion.num_reported;
+    o.new_token_ids.assign(state.token_ids.begin() + from, state.token_ids.end());
+    if (from < state.logprobs.size()) {
+      o.new_logprobs.assign(state.logprobs.begin() + from, state.logprobs.end());
+    }
+    if (state.finished()) o.logprobs = state.logprobs;  // the whole list once, at the end
+    completion.num_reported = state.token_ids.size();
     out.outputs.push_back(std::move(o));
   }
   out.finished = all_finished(request);

@@ -48,6 +48,7 @@ class _Sample:
     detokenizer: IncrementalDetokenizer | None
     emitted: int = 0           # characters of the text already returned as deltas
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # one per token id, when the request asks
     finish_reason: str | None = None
     detokenized: int = 0       # token_ids already given to the detokenizer
 
@@ -412,6 +413,7 @@ class LLMEngine:
         if sample.finish_reason is not None:
             return
         sample.token_ids.extend(raw.new_token_ids)
+        sample.logprobs.extend(raw.new_logprobs)
         sample.finish_reason = raw.finish_reason
         if request.params.stop:
             self._detokenize(request_id, request, sample, raw.index)
@@ -436,6 +438,7 @@ class LLMEngine:
         new_ids = list(raw.new_token_ids)
         if not recorded and sample.finish_reason is None:
             sample.token_ids.extend(new_ids)
+            sample.logprobs.extend(raw.new_logprobs)
             sample.finish_reason = raw.finish_reason
         self._detokenize(request_id, request, sample, raw.index, deferred=recorded)
         text = sample.detokenizer.text if sample.detokenizer is not None else ""
@@ -444,7 +447,7 @@ class LLMEngine:
             sample.emitted, len(text) - self._stop_holdback(request.params))
         delta = text[sample.emitted:visible]
         sample.emitted = visible
-        logprobs = (list(raw.logprobs)[:len(sample.token_ids)]
+        logprobs = (sample.logprobs[:len(sample.token_ids)]
                     if request.params.logprobs is not None else None)
         return CompletionOutput(raw.index, text[:visible] if not sample.finish_reason else text,
                                 list(sample.token_ids), sample.finish_reason, delta, new_ids,

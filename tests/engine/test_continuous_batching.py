@@ -161,6 +161,39 @@ def test_penalties_match_transformers_greedy(path):
     assert run(engine(path), [(prompt, n, 0)], params)["0"] == expected
 
 
+def test_step_outputs_carry_each_tokens_logprobs_once(path):
+    """The C++ engine's output for a running sample carries the logprobs of its new tokens only;
+    the output that finishes it carries all of them (a step's cost must not grow with the output
+    so far). LLMEngine still hands out every logprob so far at each step."""
+    params = SamplingParams(max_tokens=7, logprobs=2, n=2, seed=3, temperature=1.0)
+    core = engine(path).engine  # kvserve._C.ContinuousBatchingEngine
+    core.add_request("l", [1, 40, 41], params)
+    seen, final = {0: [], 1: []}, {}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            for o in out.outputs:
+                assert [lp.token_id for lp in o.new_logprobs] == list(o.new_token_ids)
+                seen[o.index] += list(o.new_logprobs)
+                if o.finished:
+                    final[o.index] = o
+                else:
+                    assert len(o.logprobs) == 0
+    assert sorted(final) == [0, 1]
+    for index, o in final.items():
+        assert [(lp.token_id, lp.logprob) for lp in o.logprobs] == \
+            [(lp.token_id, lp.logprob) for lp in seen[index]]
+        assert [lp.token_id for lp in o.logprobs] == list(o.token_ids)
+    python_engine = engine(path)
+    python_engine.add_request("l", [1, 40, 41], params)
+    while python_engine.has_unfinished_requests():
+        for out in python_engine.step():
+            for o in out.outputs:
+                assert [lp.token_id for lp in o.logprobs] == list(o.token_ids)
+                if o.finished:
+                    assert [(lp.token_id, lp.logprob) for lp in o.logprobs] == \
+                        [(lp.token_id, lp.logprob) for lp in final[o.index].logprobs]
+
+
 def test_logprobs_match_log_softmax(path):
     prompt, n = [1, 40, 41, 42], 6
     e = engine(path)

@@ -44,8 +44,13 @@ struct CompletionOutput {
   std::vector<int64_t> new_token_ids;  ///< generated since the previous step() output
   /// "" while running; "length", "stop", "abort", or "error" (see RequestOutput::error).
   std::string finish_reason;
-  /// When SamplingParams::logprobs is set: one entry per token of token_ids.
+  /// When SamplingParams::logprobs is set: one entry per token of token_ids, in the output that
+  /// reports the sample finished; a running sample's step outputs leave it empty and carry
+  /// new_logprobs (copying every earlier entry each step made a step's cost grow with the
+  /// output's length: 1.6 -> 8.4 ms a step over 256 tokens of 64 sequences).
   std::vector<TokenLogprobs> logprobs;
+  /// When SamplingParams::logprobs is set: one entry per token of new_token_ids.
+  std::vector<TokenLogprobs> new_logprobs;
   bool finished() const { return !finish_reason.empty(); }
 };
 
