@@ -232,8 +232,10 @@ void bind_continuous_batching_engine(py::module_& m) {
            py::call_guard<py::gil_scoped_release>(),
            "Loads {target name: (a [r, in], b [r, out])} into a LoRA slot ({} clears it); waits "
            "for a running step.")
-      .def("step", &ContinuousBatchingEngine::step, py::call_guard<py::gil_scoped_release>(),
-           "One iteration; the requests that produced tokens or finished in it.")
+      .def("step", &ContinuousBatchingEngine::step, py::arg("finished_only") = false,
+           py::call_guard<py::gil_scoped_release>(),
+           "One iteration; the requests that produced tokens or finished in it (finished_only: "
+           "only those that finished, and those with stop strings).")
       .def("has_unfinished_requests", &ContinuousBatchingEngine::has_unfinished_requests)
       .def("abort_request", &ContinuousBatchingEngine::abort_request, py::arg("request_id"),
            py::call_guard<py::gil_scoped_release>())

@@ -70,7 +70,7 @@ ContinuousBatchingEngine::ContinuousBatchingEngine(std::shared_ptr<CausalLM> mod
 
 // ------------------------------------------------------------------------------------ the step
 
-std::vector<RequestOutput> ContinuousBatchingEngine::step() {
+std::vector<RequestOutput> ContinuousBatchingEngine::step(bool finished_only) {
   std::lock_guard<std::mutex> owner(step_mutex_);
   apply_commands();
   std::vector<RequestOutput> outputs = take_aborted_outputs();
@@ -83,7 +83,7 @@ std::vector<RequestOutput> ContinuousBatchingEngine::step() {
     num_idle_steps_ = 0;
     const StepSamples samples = plan_samples(work);
     const ModelRunnerOutput result = execute(work, samples);
-    update_from_output(work, samples, result, outputs);
+    update_from_output(work, samples, result, outputs, finished_only);
   }
   publish_stats();
   return outputs;
@@ -169,7 +169,8 @@ ModelRunnerOutput ContinuousBatchingEngine::execute(const SchedulerOutput& work,
 void ContinuousBatchingEngine::update_from_output(const SchedulerOutput& work,
                                                   const StepSamples& samples,
                                                   const ModelRunnerOutput& result,
-                                                  std::vector<RequestOutput>& outputs) {
+                                                  std::vector<RequestOutput>& outputs,
+                                                  bool finished_only) {
   scheduler_.update_computed(work);
   ++stats_.num_steps;
   if (result.cuda_graph) ++stats_.num_cuda_graph_steps;
@@ -219,6 +220,7 @@ void ContinuousBatchingEngine::update_from_output(const SchedulerOutput& work,
   stats_.propose_seconds += result.propose_seconds;
   stats_.verify_seconds += result.verify_seconds;
   for (Request* request : touched) {
+    if (finished_only && request->params.stop.empty() && !all_finished(*request)) continue;
     outputs.push_back(make_output(*request));
     if (outputs.back().finished) {
       retire(*request, t);

@@ -375,7 +375,9 @@ class LLMEngine:
 
     def _step(self, final_only: bool) -> list[RequestOutput]:
         outputs = []
-        for raw in self.engine.step():
+        # final_only: the C++ engine reports only finished requests and those with stop strings;
+        # the others' tokens arrive at once in their final output.
+        for raw in self.engine.step(final_only):
             with self._lock:
                 request = self._requests[raw.request_id]
             if final_only:

@@ -194,6 +194,38 @@ def test_step_outputs_carry_each_tokens_logprobs_once(path):
                         [(lp.token_id, lp.logprob) for lp in final[o.index].logprobs]
 
 
+def test_finished_only_steps_report_what_generate_needs(path):
+    """step(finished_only=True) (LLM.generate's) reports a request only when it finishes, with
+    every token it made since (new_token_ids, new_logprobs), unless it has stop strings, whose
+    text is matched as tokens arrive: those are reported every step. The tokens equal the ones
+    of reporting steps."""
+    plain = SamplingParams(max_tokens=5, logprobs=1, **GREEDY)
+    stopping = SamplingParams(max_tokens=5, stop=["never printed"], **GREEDY)
+    finals = {}
+    for finished_only in (False, True):
+        core = engine(path).engine
+        core.add_request("plain", [1, 40, 41], plain)
+        core.add_request("stop", [1, 40, 42], stopping)
+        core.add_request("short", [1, 40, 43], SamplingParams(max_tokens=2, n=2, seed=1))
+        tokens = {"plain": [], "stop": [], "short0": [], "short1": []}
+        steps = stop_reports = 0
+        while core.has_unfinished_requests():
+            steps += 1
+            for out in core.step(finished_only):
+                stop_reports += out.request_id == "stop"
+                if finished_only:
+                    assert out.finished or out.request_id == "stop", (steps, out.request_id)
+                for o in out.outputs:
+                    key = out.request_id + (str(o.index) if out.request_id == "short" else "")
+                    tokens[key] += list(o.new_token_ids)
+                    if out.request_id == "plain" and out.finished:
+                        assert [lp.token_id for lp in o.new_logprobs] == list(o.new_token_ids)
+        assert steps >= 5 and len(tokens["plain"]) == 5 and len(tokens["short0"]) == 2
+        assert stop_reports == 5  # one report per token: its text is matched as it grows
+        finals[finished_only] = tokens
+    assert finals[True] == finals[False]
+
+
 def test_logprobs_match_log_softmax(path):
     prompt, n = [1, 40, 41, 42], 6
     e = engine(path)

@@ -71,7 +71,11 @@ class ContinuousBatchingEngine {
   /// requests are aborted and the exception propagates; the engine keeps serving the others.
   /// Requests that can never be scheduled (nothing runs for two steps in a row while they wait)
   /// finish with finish_reason "error" instead of waiting forever.
-  std::vector<RequestOutput> step();
+  /// finished_only: report only the requests that finished, aborted ones included, and those
+  /// whose SamplingParams have stop strings (their caller matches text as tokens arrive); the
+  /// others' tokens come in their final output's new_token_ids (LLM.generate's steps: no
+  /// per-step output to build and convert for every running request).
+  std::vector<RequestOutput> step(bool finished_only = false);
 
   /// True while a request is queued, running, or has an output step() has not reported yet.
   bool has_unfinished_requests() const;
@@ -146,7 +150,8 @@ class ContinuousBatchingEngine {
   /// runner_.execute; if it throws, aborts the step's requests and drops the prefix cache.
   ModelRunnerOutput execute(const SchedulerOutput& work, const StepSamples& samples);
   void update_from_output(const SchedulerOutput& work, const StepSamples& samples,
-                          const ModelRunnerOutput& result, std::vector<RequestOutput>& outputs);
+                          const ModelRunnerOutput& result, std::vector<RequestOutput>& outputs,
+                          bool finished_only);
   /// Ends every waiting request with an error after two steps in a row scheduled nothing.
   void fail_if_stalled(std::vector<RequestOutput>& outputs);
   /// Ends `completion` with `reason`, freeing its sequence.
