@@ -4,14 +4,12 @@
 
 #include <stdexcept>
 
+#include "tensor_values.h"
+
 namespace kvserve {
 namespace {
 
-template <typename T>
-std::vector<T> values(const at::Tensor& t) {
-  const at::Tensor c = t.contiguous();
-  return std::vector<T>(c.data_ptr<T>(), c.data_ptr<T>() + c.numel());
-}
+using test_util::values;
 
 TEST(ForwardBatchBuilder, FlattensPrefillsAndDecodesWithExactSlots) {
   ForwardBatchBuilder builder(/*block_size=*/4);

@@ -10,14 +10,12 @@
 
 #include "kvserve/forward_batch.h"
 
+#include "tensor_values.h"
+
 namespace kvserve {
 namespace {
 
-template <typename T>
-std::vector<T> values(const at::Tensor& t) {
-  const at::Tensor c = t.contiguous();
-  return std::vector<T>(c.data_ptr<T>(), c.data_ptr<T>() + c.numel());
-}
+using test_util::values;
 
 // DeepSeek-V2-Lite's latent shape.
 MLAConfig lite() {
