@@ -2,7 +2,7 @@
 // launch shapes, against the CPU op: the plain kernel, and the normed one (an RMSNorm of each
 // head first: Qwen3's and Gemma 3's q_norm / k_norm) over awkward head sizes, partial rotary,
 // both pair layouts, either side normalized, model-dtype and fp32 weights, each dtype; the
-// normed kernel under two warp schedules, which must agree bit for bit.
+// kernels under two warp schedules and several blocks per token, which must agree bit for bit.
 #include "cuda_emulator.h"
 
 #include <ATen/ops/empty.h>
@@ -15,6 +15,7 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "kernels/rotary/rotary_embedding.h"
 #include "kernels/rotary/rotary_embedding_kernel.cuh"
@@ -90,15 +91,26 @@ void run_case(at::ScalarType dtype, const Case& c, double tolerance) {
   at::Tensor eq = expected.narrow(1, 0, q_width), ek = expected.narrow(1, q_width, k_width);
   ops::rotary_embedding(positions, eq, ek, c.head_dim, cache, c.is_neox, q_norm, k_norm, 1e-6);
 
+  // The launcher's blocks per token, then one and three (each must give the same bits).
+  const int normed_threads = cuda::rotary_normed_threads(c.heads + c.kv_heads);
+  const unsigned int launcher_splits =
+      sides.empty() ? cuda::rotary_splits(tokens, (c.heads + c.kv_heads) * (c.rot_dim / 2),
+                                          cuda::kRotaryThreads)
+                    : cuda::rotary_splits(tokens, c.heads + c.kv_heads, normed_threads / 32);
   at::Tensor first;
-  for (emu::Schedule schedule : {emu::Schedule::kInterleaved, emu::Schedule::kWarpsAheadReversed}) {
+  for (const auto& [schedule, splits] :
+       {std::pair{emu::Schedule::kInterleaved, launcher_splits},
+        std::pair{emu::Schedule::kWarpsAheadReversed, launcher_splits},
+        std::pair{emu::Schedule::kInterleaved, 1u}, std::pair{emu::Schedule::kInterleaved, 3u}}) {
+    SCOPED_TRACE("blocks per token " + std::to_string(splits));
     emu::set_schedule(schedule);
     at::Tensor actual = qkv.clone();
     T* q = static_cast<T*>(actual.data_ptr());
     T* k = q + q_width;
     const int64_t stride = actual.stride(0);
     if (sides.empty()) {
-      emu::launch(cuda::rotary_embedding_kernel<T>, dim3(tokens), dim3(128), 0,
+      emu::launch(cuda::rotary_embedding_kernel<T>, dim3(tokens, splits),
+                  dim3(cuda::kRotaryThreads), 0,
                   positions.data_ptr<int64_t>(), q, stride, c.heads, k, stride, c.kv_heads,
                   c.head_dim, cache.data_ptr<float>(), c.rot_dim, kMaxPosition, c.is_neox);
     } else {
@@ -107,8 +119,8 @@ void run_case(at::ScalarType dtype, const Case& c, double tolerance) {
         auto weight = [](const std::optional<at::Tensor>& w) {
           return w ? static_cast<const W*>(w->data_ptr()) : nullptr;
         };
-        emu::launch(cuda::rotary_embedding_normed_kernel<T, W>, dim3(tokens),
-                    dim3(cuda::rotary_normed_threads(c.heads + c.kv_heads)), 0,
+        emu::launch(cuda::rotary_embedding_normed_kernel<T, W>, dim3(tokens, splits),
+                    dim3(normed_threads), 0,
                     positions.data_ptr<int64_t>(), q, stride, c.heads, k, stride, c.kv_heads,
                     c.head_dim, cache.data_ptr<float>(), c.rot_dim, kMaxPosition, c.is_neox,
                     weight(q_norm), weight(k_norm), 1e-6f);
@@ -126,7 +138,7 @@ void run_case(at::ScalarType dtype, const Case& c, double tolerance) {
     if (!first.defined()) {
       first = actual;
     } else {
-      EXPECT_TRUE(first.equal(actual)) << "the warp schedules disagree";
+      EXPECT_TRUE(first.equal(actual)) << "the warp schedules or block splits disagree";
     }
   }
   emu::set_schedule(emu::Schedule::kInterleaved);

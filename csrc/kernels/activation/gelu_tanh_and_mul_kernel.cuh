@@ -1,31 +1,18 @@
 #pragma once
-// CUDA body of gelu_tanh_and_mul (contract: gelu_tanh_and_mul.h): one thread block per token,
-// threads striding over the d outputs; fp32 math. Raw pointers only, no torch headers; the
+// CUDA body of gelu_tanh_and_mul (contract: gelu_tanh_and_mul.h): the shared gated-activation
+// body with GELU's tanh approximation on the gate. Raw pointers only, no torch headers; the
 // launcher checks shapes and dtypes.
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
-#include "kernels/cuda_dtype.cuh"
-
-#include <cstdint>
+#include "kernels/activation/gated_activation_kernel.cuh"
 
 namespace kvserve::cuda {
 
-/// Grid (num_tokens), any block size. input [num_tokens, 2d] and out [num_tokens, d] with row
-/// strides in elements.
-template <typename T>
-__global__ void gelu_tanh_and_mul_kernel(T* out, int64_t out_stride, const T* input,
-                                         int64_t input_stride, int64_t d) {
-  const T* gate = input + static_cast<int64_t>(blockIdx.x) * input_stride;
-  const T* up = gate + d;
-  T* dst = out + static_cast<int64_t>(blockIdx.x) * out_stride;
-  for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
-    const float g = to_float(gate[i]);
+/// gelu_tanh(g) = g / 2 * (1 + tanh(sqrt(2 / pi) * (g + 0.044715 g^3))).
+struct GeluTanhGate {
+  __device__ float operator()(float g) const {
     const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-    dst[i] = from_float<T>(0.5f * g * (1.0f + tanhf(inner)) *
-                                        to_float(up[i]));
+    return 0.5f * g * (1.0f + tanhf(inner));
   }
-}
+};
 
 }  // namespace kvserve::cuda

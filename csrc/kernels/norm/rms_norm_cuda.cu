@@ -1,5 +1,5 @@
 // CUDA launchers for rms_norm and fused_add_rms_norm: the CPU launchers' checks, then one block
-// per token on the current stream.
+// per token on the current stream, its row's values in registers (norm_plan).
 #include <torch/library.h>
 
 #include "kernels/cuda_launch.h"
@@ -10,18 +10,20 @@
 namespace kvserve::ops {
 namespace {
 
-int norm_threads(int64_t hidden) { return hidden >= 4096 ? 1024 : hidden >= 1024 ? 512 : 256; }
-
-// Calls f(Type<T>, Type<W>): T the input's element type, W the weight's (T or fp32).
+// Calls f(Type<T>, Type<W>, integral_constant<P>): T the input's element type, W the weight's
+// (T or fp32), P the values per thread of the plan for rows of `hidden`.
 template <typename F>
-void dispatch_norm(const at::Tensor& input, const at::Tensor& weight, const char* op, F&& f) {
+void dispatch_norm(const at::Tensor& input, const at::Tensor& weight, const char* op,
+                   int per_thread, F&& f) {
   cuda::dispatch_float(input.scalar_type(), op, [&](auto type) {
     using T = typename decltype(type)::type;
-    if (weight.scalar_type() == at::kFloat) {
-      f(type, cuda::Type<float>{});
-    } else {
-      f(type, cuda::Type<T>{});
-    }
+    cuda::dispatch_per_thread(per_thread, [&](auto values) {
+      if (weight.scalar_type() == at::kFloat) {
+        f(type, cuda::Type<float>{}, values);
+      } else {
+        f(type, cuda::Type<T>{}, values);
+      }
+    });
   });
 }
 
@@ -34,15 +36,17 @@ void rms_norm_cuda(at::Tensor& out, const at::Tensor& input, const at::Tensor& w
   if (input.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(input.device());
   const int64_t hidden = input.size(1);
-  dispatch_norm(input, weight, "rms_norm", [&](auto type, auto weight_type) {
+  const cuda::NormPlan plan = cuda::norm_plan(hidden);
+  const auto launch = [&](auto type, auto weight_type, auto values) {
     using T = typename decltype(type)::type;
     using W = typename decltype(weight_type)::type;
-    cuda::rms_norm_kernel<T, W><<<input.size(0), norm_threads(hidden), 0,
-                                  cuda::current_stream()>>>(
+    constexpr int P = decltype(values)::value;
+    cuda::rms_norm_kernel<T, W, P><<<input.size(0), plan.threads, 0, cuda::current_stream()>>>(
         static_cast<T*>(out.data_ptr()), out.stride(0), static_cast<const T*>(input.data_ptr()),
         input.stride(0), static_cast<const W*>(weight.data_ptr()), hidden,
         static_cast<float>(epsilon));
-  });
+  };
+  dispatch_norm(input, weight, "rms_norm", plan.per_thread, launch);
   KVSERVE_CUDA_CHECK_LAUNCH();
 }
 
@@ -56,15 +60,18 @@ void fused_add_rms_norm_cuda(at::Tensor& input, at::Tensor& residual, const at::
   if (input.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(input.device());
   const int64_t hidden = input.size(1);
-  dispatch_norm(input, weight, "fused_add_rms_norm", [&](auto type, auto weight_type) {
+  const cuda::NormPlan plan = cuda::norm_plan(hidden);
+  const auto launch = [&](auto type, auto weight_type, auto values) {
     using T = typename decltype(type)::type;
     using W = typename decltype(weight_type)::type;
-    cuda::fused_add_rms_norm_kernel<T, W><<<input.size(0), norm_threads(hidden), 0,
-                                            cuda::current_stream()>>>(
-        static_cast<T*>(input.data_ptr()), input.stride(0), static_cast<T*>(residual.data_ptr()),
-        residual.stride(0), static_cast<const W*>(weight.data_ptr()), hidden,
-        static_cast<float>(epsilon));
-  });
+    constexpr int P = decltype(values)::value;
+    cuda::fused_add_rms_norm_kernel<T, W, P>
+        <<<input.size(0), plan.threads, 0, cuda::current_stream()>>>(
+            static_cast<T*>(input.data_ptr()), input.stride(0),
+            static_cast<T*>(residual.data_ptr()), residual.stride(0),
+            static_cast<const W*>(weight.data_ptr()), hidden, static_cast<float>(epsilon));
+  };
+  dispatch_norm(input, weight, "fused_add_rms_norm", plan.per_thread, launch);
   KVSERVE_CUDA_CHECK_LAUNCH();
 }
 

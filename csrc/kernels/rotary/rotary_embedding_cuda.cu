@@ -1,5 +1,5 @@
-// CUDA launcher for rotary_embedding: the shared checks, then one block per token (the normed
-// kernel when heads are normalized first). Positions stay on the device (reading them would
+// CUDA launcher for rotary_embedding: the shared checks, then a block per token, several for a
+// few tokens (rotary_splits; the normed kernel when heads are normalized first). Positions stay on the device (reading them would
 // synchronise); the kernel skips one outside the cache.
 #include <torch/library.h>
 
@@ -30,7 +30,12 @@ void rotary_embedding_cuda(const at::Tensor& positions, at::Tensor& query, at::T
     auto* q = static_cast<T*>(query.data_ptr());
     auto* k = static_cast<T*>(key.data_ptr());
     if (!normed) {
-      cuda::rotary_embedding_kernel<T><<<num_tokens, 128, 0, cuda::current_stream()>>>(
+      const dim3 grid(static_cast<unsigned int>(num_tokens),
+                      cuda::rotary_splits(num_tokens, (num_heads + num_kv_heads) *
+                                                          (cos_sin_cache.size(1) / 2),
+                                          cuda::kRotaryThreads));
+      cuda::rotary_embedding_kernel<T>
+          <<<grid, cuda::kRotaryThreads, 0, cuda::current_stream()>>>(
           positions.data_ptr<int64_t>(), q, query.stride(0), num_heads, k, key.stride(0),
           num_kv_heads, head_dim, cos_sin_cache.data_ptr<float>(), cos_sin_cache.size(1),
           cos_sin_cache.size(0), is_neox);
@@ -42,8 +47,10 @@ void rotary_embedding_cuda(const at::Tensor& positions, at::Tensor& query, at::T
         return w ? static_cast<const W*>(w->data_ptr()) : nullptr;
       };
       const int threads = cuda::rotary_normed_threads(num_heads + num_kv_heads);
+      const dim3 grid(static_cast<unsigned int>(num_tokens),
+                      cuda::rotary_splits(num_tokens, num_heads + num_kv_heads, threads / 32));
       cuda::rotary_embedding_normed_kernel<T, W>
-          <<<num_tokens, threads, 0, cuda::current_stream()>>>(
+          <<<grid, threads, 0, cuda::current_stream()>>>(
               positions.data_ptr<int64_t>(), q, query.stride(0), num_heads, k, key.stride(0),
               num_kv_heads, head_dim, cos_sin_cache.data_ptr<float>(), cos_sin_cache.size(1),
               cos_sin_cache.size(0), is_neox, weight(query_norm), weight(key_norm),

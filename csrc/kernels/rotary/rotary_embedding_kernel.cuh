@@ -1,6 +1,6 @@
 #pragma once
-// CUDA bodies of rotary_embedding (contract: rotary_embedding.h): one thread block per token,
-// in place, fp32 math. Without head norms threads stride over the (head, pair) rotations of its
+// CUDA bodies of rotary_embedding (contract: rotary_embedding.h): in place, fp32 math; a few
+// tokens spread each over several blocks (rotary_splits), many take a block each. Without head norms threads stride over the (head, pair) rotations of its
 // query and key rows; with them a warp takes a head at a time (its RMS reduced by shuffles, then
 // normalized and rotated pair by pair). Raw pointers only, no torch headers; the launcher checks
 // shapes and dtypes.
@@ -27,9 +27,24 @@ __device__ inline const float* cos_row(int64_t position, const float* cos_sin_ca
   return position < 0 || position >= max_position ? nullptr : cos_sin_cache + position * rot_dim;
 }
 
-/// Grid (num_tokens), any block size. A position outside [0, max_position) leaves its rows as
-/// they are (the host checks positions where it can read them; a kernel must not read past the
-/// cache).
+/// Blocks per token (grid.y) for `units` pieces of work a token, `per_block` of them a block at
+/// once: a small batch spreads over about 1,024 blocks (a decode step's one token otherwise
+/// runs on one multiprocessor, a strided loop's memory round trip after round trip), a large
+/// batch keeps one block per token.
+inline unsigned int rotary_splits(int64_t num_tokens, int64_t units, int64_t per_block) {
+  constexpr int64_t kTargetBlocks = 1024;
+  const int64_t needed = (units + per_block - 1) / per_block;
+  const int64_t fill = (kTargetBlocks + num_tokens - 1) / num_tokens;
+  return static_cast<unsigned int>(needed < fill ? (needed < 1 ? 1 : needed) : fill);
+}
+
+/// Threads of a rotary_embedding_kernel block.
+constexpr int kRotaryThreads = 128;
+
+/// Grid (num_tokens, rotary_splits(num_tokens, (num_heads + num_kv_heads) * rot_dim / 2,
+/// blockDim.x)) or any grid.y, any block size. A position outside [0, max_position) leaves its
+/// rows as they are (the host checks positions where it can read them; a kernel must not read
+/// past the cache).
 template <typename T>
 __global__ void rotary_embedding_kernel(const int64_t* positions, T* query, int64_t query_stride,
                                         int64_t num_heads, T* key, int64_t key_stride,
@@ -39,13 +54,16 @@ __global__ void rotary_embedding_kernel(const int64_t* positions, T* query, int6
   const int64_t t = blockIdx.x;
   const float* cos = cos_row(positions[t], cos_sin_cache, rot_dim, max_position);
   if (!cos) return;
-  const int64_t half = rot_dim / 2;
+  // Heads x pairs fit an int: 32-bit division (a 64-bit one is a long call on the GPU).
+  const int half = static_cast<int>(rot_dim / 2);
   const float* sin = cos + half;
-  const int64_t query_pairs = num_heads * half, all_pairs = (num_heads + num_kv_heads) * half;
-  for (int64_t p = threadIdx.x; p < all_pairs; p += blockDim.x) {
+  const int query_pairs = static_cast<int>(num_heads) * half;
+  const int all_pairs = static_cast<int>(num_heads + num_kv_heads) * half;
+  for (int p = blockIdx.y * blockDim.x + threadIdx.x; p < all_pairs;
+       p += blockDim.x * gridDim.y) {
     const bool is_query = p < query_pairs;
-    const int64_t local = is_query ? p : p - query_pairs;
-    const int64_t head = local / half, i = local % half;
+    const int local = is_query ? p : p - query_pairs;
+    const int head = local / half, i = local % half;
     T* row = is_query ? query + t * query_stride : key + t * key_stride;
     rotate_pair(row + head * head_dim, i, half, cos[i], sin[i], is_neox);
   }
@@ -57,7 +75,8 @@ inline int rotary_normed_threads(int64_t heads) {
   return 32 * static_cast<int>(heads < 1 ? 1 : heads < 8 ? heads : 8);
 }
 
-/// Grid (num_tokens), block a multiple of 32. Each head of the query (with query_norm) and of
+/// Grid (num_tokens, rotary_splits(num_tokens, heads, warps a block)) or any grid.y, block a
+/// multiple of 32. Each head of the query (with query_norm) and of
 /// the key (with key_norm; a null weight leaves that side unnormalized) becomes
 /// round(x * rsqrt(mean(x^2) + epsilon) * w), then is rotated from those rounded values, as
 /// rms_norm then rotary_embedding do. W: T or float. A lane reads back only the entries it
@@ -77,7 +96,8 @@ __global__ void rotary_embedding_normed_kernel(const int64_t* positions, T* quer
   const float* sin = cos + half;
   const int lane = threadIdx.x % 32;
   const int64_t warps = blockDim.x / 32;
-  for (int64_t h = threadIdx.x / 32; h < num_heads + num_kv_heads; h += warps) {
+  for (int64_t h = blockIdx.y * warps + threadIdx.x / 32; h < num_heads + num_kv_heads;
+       h += warps * gridDim.y) {
     const bool is_query = h < num_heads;
     T* x = is_query ? query + t * query_stride + h * head_dim
                     : key + t * key_stride + (h - num_heads) * head_dim;
