@@ -125,6 +125,23 @@ T __shfl_sync(unsigned mask, T value, int source, int width = 32) {
 
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 
+// Byte j of the result is byte (selector's nibble j & 7) of the 8 bytes y:x (x the low four).
+inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int selector) {
+  const uint64_t bytes = (static_cast<uint64_t>(y) << 32) | x;
+  unsigned int result = 0;
+  for (int j = 0; j < 4; ++j) {
+    const unsigned int source = (selector >> (4 * j)) & 7u;
+    result |= static_cast<unsigned int>((bytes >> (8 * source)) & 0xffu) << (8 * j);
+  }
+  return result;
+}
+
+inline float __uint_as_float(unsigned int x) {
+  float f;
+  std::memcpy(&f, &x, sizeof(f));
+  return f;
+}
+
 inline unsigned int __umulhi(unsigned int a, unsigned int b) {
   return static_cast<unsigned int>((static_cast<uint64_t>(a) * b) >> 32);
 }

@@ -1,12 +1,14 @@
 // CUDA launcher for quantized_linear: the shared checks, then the quantized GEMV for a few
-// tokens (each weight row read once for all of them); for more, blocks of rows dequantized to the
-// input dtype and multiplied by cuBLAS through at::linear.
+// tokens (each weight row read once per launch of up to 8 of them; by 16-byte vectors where
+// the data is aligned for them); for more, blocks of rows dequantized to the input dtype and
+// multiplied by cuBLAS through at::linear.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/cuda_launch.h"
 #include "kernels/linear/quantized_linear.h"
@@ -16,12 +18,13 @@
 namespace kvserve::ops {
 namespace {
 
-// Up to this many tokens the GEMV, bound by reading the packed weight once, beats dequantizing
-// the weight (a write and a read of it in the input dtype) for a GEMM.
-constexpr int64_t kMaxGemvTokens = cuda::kQuantizedGemvTokens;
+// Up to this many tokens the GEMV, bound by reading the packed weight once per launch of up to
+// cuda::kQuantizedGemvTokens tokens, beats dequantizing the weight (a write and a read of it in
+// the input dtype) for a GEMM: with 16-byte vectors two launches still do; byte-wise, one.
+constexpr int64_t kMaxVectorGemvTokens = 2 * cuda::kQuantizedGemvTokens;
+constexpr int64_t kMaxWordGemvTokens = cuda::kQuantizedGemvTokens;
 // Rows dequantized per GEMM: large enough for cuBLAS to fill the GPU, small next to the weights.
 constexpr int64_t kDequantBlockBytes = 32 << 20;
-constexpr int kGemvThreads = 256;
 constexpr int kDequantThreads = 128;
 
 struct Weight {
@@ -38,26 +41,69 @@ bool rows_are_words(const at::Tensor& qweight, int64_t k) {
          cuda::quantized_row_bytes<F>(k) % 4 == 0;
 }
 
+// Calls f(integral_constant<int, P>{}) for the fewest tokens P (1, 2, 4 or 8) a GEMV launch
+// for m tokens can be compiled for.
+template <typename F>
+void dispatch_tokens(int64_t m, F&& f) {
+  if (m == 1) {
+    f(std::integral_constant<int, 1>{});
+  } else if (m == 2) {
+    f(std::integral_constant<int, 2>{});
+  } else if (m <= 4) {
+    f(std::integral_constant<int, 4>{});
+  } else {
+    f(std::integral_constant<int, cuda::kQuantizedGemvTokens>{});
+  }
+}
+
 template <typename T, cuda::QuantFormat F>
 at::Tensor gemv(const at::Tensor& input, const Weight& w, const std::optional<at::Tensor>& bias) {
   at::Tensor out = at::empty({input.size(0), w.n}, input.options());
-  const unsigned int blocks = cuda::blocks_for(w.n, kGemvThreads / 32);
-  cuda::quantized_gemv_kernel<T, F><<<blocks, kGemvThreads, 0, cuda::current_stream()>>>(
-      static_cast<const T*>(input.data_ptr()), input.stride(0), static_cast<int>(input.size(0)),
-      w.q, w.scales, w.zeros, bias ? static_cast<const T*>(bias->data_ptr()) : nullptr,
-      static_cast<T*>(out.data_ptr()), w.n, w.k, w.group_size, w.aligned);
-  KVSERVE_CUDA_CHECK_LAUNCH();
+  const unsigned int blocks = cuda::blocks_for_rows(w.n);
+  const T* bias_data = bias ? static_cast<const T*>(bias->data_ptr()) : nullptr;
+  const bool vector = cuda::vector_gemv_applies<F>(
+      w.q, input.data_ptr(), input.stride(0) * input.element_size(), w.k, w.group_size);
+  // Launches of up to kQuantizedGemvTokens tokens: out's rows [t, t + m) are contiguous.
+  for (int64_t t = 0; t < input.size(0); t += cuda::kQuantizedGemvTokens) {
+    const int64_t m = std::min<int64_t>(cuda::kQuantizedGemvTokens, input.size(0) - t);
+    const T* x = static_cast<const T*>(input.data_ptr()) + t * input.stride(0);
+    T* y = static_cast<T*>(out.data_ptr()) + t * w.n;
+    if (!vector) {
+      cuda::quantized_gemv_kernel<T, F>
+          <<<blocks, cuda::kQuantizedGemvThreads, 0, cuda::current_stream()>>>(
+              x, input.stride(0), static_cast<int>(m), w.q, w.scales, w.zeros, bias_data, y,
+              w.n, w.k, w.group_size, w.aligned);
+    } else {
+      dispatch_tokens(m, [&](auto tokens) {
+        constexpr int P = decltype(tokens)::value;
+        auto* kernel = w.zeros != nullptr ? cuda::quantized_gemv_vector_kernel<T, F, P, true>
+                                          : cuda::quantized_gemv_vector_kernel<T, F, P, false>;
+        kernel<<<blocks, cuda::kQuantizedGemvThreads, 0, cuda::current_stream()>>>(
+            x, input.stride(0), static_cast<int>(m), w.q, w.scales, w.zeros, bias_data, y, w.n,
+            w.k, w.group_size);
+      });
+    }
+    KVSERVE_CUDA_CHECK_LAUNCH();
+  }
   return out;
 }
 
 // Rows [r, r + block.size(0)) of the weight dequantized into block [rows, k] (the input dtype).
 template <typename T, cuda::QuantFormat F>
 void dequantize(const Weight& w, int64_t r, at::Tensor& block) {
-  const dim3 grid(block.size(0), cuda::blocks_for(cuda::quantized_row_bytes<F>(w.k),
-                                                  4 * kDequantThreads));
-  cuda::quantized_dequantize_kernel<T, F><<<grid, kDequantThreads, 0, cuda::current_stream()>>>(
-      w.q, w.scales, w.zeros, static_cast<T*>(block.data_ptr()), r, w.k, w.group_size,
-      w.aligned);
+  if (cuda::vector_rows_apply<F>(w.q, w.k, w.group_size)) {
+    const dim3 grid(block.size(0), cuda::blocks_for(w.k / cuda::kVectorInputs<F>,
+                                                    kDequantThreads));
+    cuda::quantized_dequantize_vector_kernel<T, F>
+        <<<grid, kDequantThreads, 0, cuda::current_stream()>>>(
+            w.q, w.scales, w.zeros, static_cast<T*>(block.data_ptr()), r, w.k, w.group_size);
+  } else {
+    const dim3 grid(block.size(0), cuda::blocks_for(cuda::quantized_row_bytes<F>(w.k),
+                                                    4 * kDequantThreads));
+    cuda::quantized_dequantize_kernel<T, F><<<grid, kDequantThreads, 0, cuda::current_stream()>>>(
+        w.q, w.scales, w.zeros, static_cast<T*>(block.data_ptr()), r, w.k, w.group_size,
+        w.aligned);
+  }
   KVSERVE_CUDA_CHECK_LAUNCH();
 }
 
@@ -91,7 +137,9 @@ at::Tensor run(const at::Tensor& input, const at::Tensor& qweight, const at::Ten
                  zeros ? zeros->data_ptr<float>() : nullptr, qweight.size(0), k, group_size,
                  rows_are_words<F>(qweight, k)};
   // k == 0 takes the GEMV too: it writes the bias (or 0) where a 0-wide grid could not launch.
-  if (input.size(0) > kMaxGemvTokens && k > 0) return dequantize_and_gemm<T, F>(input, w, bias);
+  const int64_t max_gemv_tokens =
+      cuda::vector_rows_apply<F>(w.q, k, group_size) ? kMaxVectorGemvTokens : kMaxWordGemvTokens;
+  if (input.size(0) > max_gemv_tokens && k > 0) return dequantize_and_gemm<T, F>(input, w, bias);
   return gemv<T, F>(input, w, bias);
 }
 

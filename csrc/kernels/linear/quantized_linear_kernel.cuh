@@ -1,8 +1,10 @@
 #pragma once
 // CUDA bodies of quantized_linear (contract: quantized_linear.h): a GEMV with one warp per output
-// row that reads the row once for all of a few tokens (lanes read consecutive 4-byte words,
-// dequantize in registers and reduce with shuffles), and a dequantization of rows to the input
-// dtype for the prefill GEMM (cuBLAS). fused_moe_quantized's body reuses the row dot product.
+// row that reads the row once for all of a few tokens and dequantizes in registers, reducing
+// with shuffles: by 16-byte vectors where the data is aligned for them (the usual case), else
+// by 4-byte words, byte by byte where need be; and a dequantization of rows to the input dtype
+// for the prefill GEMM (cuBLAS), again by vectors where it can. fused_moe_quantized's body
+// reuses the word-wise row dot product.
 // Raw pointers only, no torch headers; the launcher checks shapes and dtypes.
 
 #include <cuda_bf16.h>
@@ -10,6 +12,7 @@
 #include <cuda_fp8.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "kernels/cuda_dtype.cuh"
 #include "kernels/cuda_reduce.cuh"
@@ -103,6 +106,14 @@ __device__ inline void quantized_row_dot(const X* x, int64_t x_stride, int m, co
 
 /// Tokens one GEMV launch takes at most (the launcher splits more into launches).
 constexpr int kQuantizedGemvTokens = 8;
+/// Threads of a GEMV block: a warp per output row.
+constexpr int kQuantizedGemvThreads = 256;
+
+/// The GEMV's grid for n output rows.
+inline unsigned int blocks_for_rows(int64_t n) {
+  constexpr int64_t kRows = kQuantizedGemvThreads / 32;
+  return static_cast<unsigned int>((n + kRows - 1) / kRows);
+}
 
 /// Grid ceil(n / warps per block), block a multiple of 32 threads. out [m, n] = input [m, k]
 /// (row stride input_stride), m <= kQuantizedGemvTokens, @ dequant(q)^T + bias (nullable): each
@@ -127,6 +138,141 @@ __global__ void quantized_gemv_kernel(const T* input, int64_t input_stride, int 
   }
 }
 
+/// Inputs in one 16-byte vector of a row: 16 int8 / fp8 values, or one 32-input int4 chunk.
+template <QuantFormat F>
+constexpr int kVectorInputs = F == QuantFormat::kInt4 ? 32 : 16;
+
+/// The vector kernels apply to q's rows when every 16-byte load of them is aligned and holds
+/// inputs of one group: qweight's start at a multiple of 16, whole vectors per row, group_size a
+/// multiple of the vector's inputs.
+template <QuantFormat F>
+inline bool vector_rows_apply(const void* q, int64_t k, int64_t group_size) {
+  return reinterpret_cast<uintptr_t>(q) % 16 == 0 && k % kVectorInputs<F> == 0 &&
+         group_size % kVectorInputs<F> == 0;
+}
+
+/// The vector GEMV also reads the input rows 16 bytes at a time: their start and stride (in
+/// bytes) must be multiples of 16.
+template <QuantFormat F>
+inline bool vector_gemv_applies(const void* q, const void* x, int64_t x_stride_bytes, int64_t k,
+                                int64_t group_size) {
+  return vector_rows_apply<F>(q, k, group_size) && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+         x_stride_bytes % 16 == 0;
+}
+
+/// The 4 bytes of `word` as fp32: int8 by the exponent trick (byte ^ 0x80 placed in the mantissa
+/// of 2^23, minus 2^23 + 128: exact, two integer-unit instructions and a subtraction instead of
+/// the slow int-to-float conversion); fp8 E4M3 through the paired fp8-to-fp16 conversion.
+template <QuantFormat F>
+__device__ inline void unpack_bytes(uint32_t word, float* w) {
+  if constexpr (F == QuantFormat::kInt8) {
+    const uint32_t biased = word ^ 0x80808080u;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      w[j] = __uint_as_float(__byte_perm(biased, 0x4b000000u, 0x7440u | j)) - 8388736.0f;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const __half2_raw pair = __nv_cvt_fp8x2_to_halfraw2(
+          static_cast<__nv_fp8x2_storage_t>((word >> (16 * j)) & 0xffffu), __NV_E4M3);
+      const float2 f = __half22float2(__half2(pair));
+      w[2 * j] = f.x;
+      w[2 * j + 1] = f.y;
+    }
+  }
+}
+
+/// The kVectorInputs<F> values of a 16-byte vector in input order, as fp32 before their group's
+/// zero and scale. int4: byte j holds input j (low nibble) and j + 16 (high), each placed in the
+/// mantissa of 2^23 and 2^23 subtracted.
+template <QuantFormat F>
+__device__ inline void unpack_vector(const uint4& packed, float* w) {
+  const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (F == QuantFormat::kInt4) {
+      const uint32_t low = words[i] & 0x0f0f0f0fu, high = (words[i] >> 4) & 0x0f0f0f0fu;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        w[4 * i + j] = __uint_as_float(__byte_perm(low, 0x4b000000u, 0x7440u | j)) - 8388608.0f;
+        w[16 + 4 * i + j] =
+            __uint_as_float(__byte_perm(high, 0x4b000000u, 0x7440u | j)) - 8388608.0f;
+      }
+    } else {
+      unpack_bytes<F>(words[i], w + 4 * i);
+    }
+  }
+}
+
+/// kCount consecutive inputs at x (16-byte aligned) as fp32, by 16-byte loads.
+template <typename X, int kCount>
+__device__ inline void load_inputs(const X* x, float* out) {
+  constexpr int kPerLoad = 16 / static_cast<int>(sizeof(X));
+  const uint4* src = reinterpret_cast<const uint4*>(x);
+#pragma unroll
+  for (int i = 0; i < kCount / kPerLoad; ++i) {
+    const uint4 v = src[i];
+    X e[kPerLoad];
+    memcpy(e, &v, sizeof(v));  // registers; a pointer cast would break strict aliasing
+#pragma unroll
+    for (int j = 0; j < kPerLoad; ++j) out[i * kPerLoad + j] = to_float(e[j]);
+  }
+}
+
+/// Grid ceil(n / warps per block), block a multiple of 32 threads; where vector_gemv_applies.
+/// out [m, n] = input [m, k] @ dequant(q)^T + bias for m <= kTokens: a warp per output row, each
+/// lane loading a 16-byte vector of it at a time (32 x 16 bytes a warp), dequantizing in
+/// registers and taking the vector's dot product with every token's inputs before the group's
+/// zero and scale (w = (q - z) s, so x . w = s (x . q - z sum(x)); kZeros: zeros is not null).
+template <typename T, QuantFormat F, int kTokens, bool kZeros>
+__global__ void quantized_gemv_vector_kernel(const T* input, int64_t input_stride, int m,
+                                             const uint8_t* q, const float* scales,
+                                             const float* zeros, const T* bias, T* out,
+                                             int64_t n, int64_t k, int64_t group_size) {
+  constexpr int kInputs = kVectorInputs<F>;
+  const int lane = threadIdx.x % 32;
+  const int64_t o = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (o >= n) return;  // whole warps leave together
+  const int vectors = static_cast<int>(k / kInputs);
+  const int vectors_per_group = static_cast<int>(group_size / kInputs);
+  const int64_t groups = k / group_size;
+  const uint4* row = reinterpret_cast<const uint4*>(q + o * quantized_row_bytes<F>(k));
+  const float* s = scales + o * groups;
+  float acc[kTokens] = {};
+#pragma unroll 2
+  for (int v = lane; v < vectors; v += 32) {
+    float w[kInputs];
+    unpack_vector<F>(row[v], w);
+    const int g = v / vectors_per_group;
+    const float scale = s[g];
+#pragma unroll
+    for (int t = 0; t < kTokens; ++t) {
+      if (t >= m) break;
+      float x[kInputs];
+      load_inputs<T, kInputs>(input + t * input_stride + static_cast<int64_t>(v) * kInputs, x);
+      float dot = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kInputs; ++j) dot += x[j] * w[j];
+      if constexpr (kZeros) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kInputs; ++j) sum += x[j];
+        dot -= zeros[o * groups + g] * sum;
+      }
+      acc[t] += scale * dot;
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < kTokens; ++t) {
+    if (t >= m) break;
+    const float total = warp_sum(acc[t]);
+    if (lane == 0) {
+      out[t * n + o] = from_float<T>(bias != nullptr ? total + to_float(bias[o]) : total);
+    }
+  }
+}
+
 /// Grid (rows, ceil(row_bytes / 4 / blockDim.x)). dst [rows, k] (T, contiguous, inputs in their
 /// natural order) = dequant(q) rows [row_begin, row_begin + rows). `aligned` as for the GEMV.
 template <typename T, QuantFormat F>
@@ -144,6 +290,35 @@ __global__ void quantized_dequantize_kernel(const uint8_t* q, const float* scale
     const int64_t g = o * groups + index[j] / group_size;
     const float w = (values[j] - (zeros != nullptr ? zeros[g] : 0.0f)) * scales[g];
     dst[blockIdx.x * k + index[j]] = from_float<T>(w);
+  }
+}
+
+/// Grid (rows, ceil(row vectors / blockDim.x)); where vector_rows_apply (dst's rows are then
+/// 16-byte aligned too). dst [rows, k] (T,
+/// contiguous) = dequant(q) rows [row_begin, row_begin + rows), a 16-byte vector of q a thread,
+/// its outputs stored 16 bytes at a time.
+template <typename T, QuantFormat F>
+__global__ void quantized_dequantize_vector_kernel(const uint8_t* q, const float* scales,
+                                                   const float* zeros, T* dst, int64_t row_begin,
+                                                   int64_t k, int64_t group_size) {
+  constexpr int kInputs = kVectorInputs<F>;
+  constexpr int kPerStore = 16 / static_cast<int>(sizeof(T));
+  const int64_t o = row_begin + blockIdx.x;
+  const int64_t v = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
+  if (v >= k / kInputs) return;
+  const int64_t g = o * (k / group_size) + v * kInputs / group_size;
+  const float scale = scales[g], zero = zeros != nullptr ? zeros[g] : 0.0f;
+  float w[kInputs];
+  unpack_vector<F>(reinterpret_cast<const uint4*>(q + o * quantized_row_bytes<F>(k))[v], w);
+  uint4* out = reinterpret_cast<uint4*>(dst + blockIdx.x * k + v * kInputs);
+#pragma unroll
+  for (int i = 0; i < kInputs / kPerStore; ++i) {
+    T e[kPerStore];
+#pragma unroll
+    for (int j = 0; j < kPerStore; ++j) e[j] = from_float<T>((w[i * kPerStore + j] - zero) * scale);
+    uint4 packed;
+    memcpy(&packed, e, sizeof(packed));
+    out[i] = packed;
   }
 }
 
