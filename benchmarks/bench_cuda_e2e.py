@@ -126,6 +126,9 @@ def print_profile(name: str, mode: str, profile: dict) -> None:
     print(markdown_table(["kernel", "ms a step", "calls a step"],
                          [[k["name"], f"{k['ms']:.4f}", f"{k['calls']:.0f}"]
                           for k in profile["top"]]))
+    print(markdown_table(["host CUDA runtime call", "ms a step (profiled)", "calls a step"],
+                         [[k["name"], f"{k['ms']:.4f}", f"{k['calls']:.1f}"]
+                          for k in profile["runtime"]]))
 
 
 def hf_throughput(model, prompts, gen_len) -> float:

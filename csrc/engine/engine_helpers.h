@@ -2,11 +2,13 @@
 // Small helpers shared by the engine's runners (ModelRunner, ContinuousBatchingEngine, Sampler,
 // SpeculativeDecoder and its proposers).
 
+#include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -27,7 +29,11 @@ inline bool contains(const std::vector<int64_t>& ids, int64_t id) {
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 /// A copy of host values as a 1-D tensor on `device` (int64 -> kLong, int32 -> kInt,
-/// float -> kFloat). Always a copy: the result never aliases the vector, on any device.
+/// float -> kFloat). Always a copy: the result never aliases the vector, on any device. On a GPU
+/// the values are staged in pinned memory and copied without waiting for the device (a copy
+/// from pageable memory would synchronise the stream: each one a round trip in the middle of a
+/// step); torch's host allocator keeps the staging buffer until the copy has run. Not for use
+/// while a CUDA graph is being captured.
 template <typename T>
 at::Tensor to_tensor(const std::vector<T>& values, at::Device device) {
   static_assert(std::is_same_v<T, int64_t> || std::is_same_v<T, int32_t> ||
@@ -35,9 +41,14 @@ at::Tensor to_tensor(const std::vector<T>& values, at::Device device) {
   const at::ScalarType dtype = std::is_same_v<T, int64_t>   ? at::kLong
                                : std::is_same_v<T, int32_t> ? at::kInt
                                                             : at::kFloat;
-  return at::from_blob(const_cast<T*>(values.data()), {static_cast<int64_t>(values.size())},
-                       at::TensorOptions().dtype(dtype))
-      .to(device, dtype, /*non_blocking=*/false, /*copy=*/true);
+  const int64_t n = static_cast<int64_t>(values.size());
+  if (!device.is_cuda()) {
+    return at::from_blob(const_cast<T*>(values.data()), {n}, at::TensorOptions().dtype(dtype))
+        .to(device, dtype, /*non_blocking=*/false, /*copy=*/true);
+  }
+  at::Tensor staged = at::empty({n}, at::TensorOptions().dtype(dtype).pinned_memory(true));
+  if (n > 0) std::memcpy(staged.data_ptr(), values.data(), n * sizeof(T));
+  return staged.to(device, dtype, /*non_blocking=*/true, /*copy=*/false);
 }
 
 /// A paged KV pool laid out for `model` (its KV heads or MLA latents, dtype and device; its
