@@ -1,6 +1,6 @@
 // CUDA launcher for quantized_linear: the shared checks, then the quantized GEMV for a few
-// tokens (each weight row read once per launch of up to 8 of them; by 16-byte vectors where
-// the data is aligned for them); for more, blocks of rows dequantized to the input dtype and
+// tokens (each weight row read once for all of them; by 16-byte vectors where the data is
+// aligned for them); for more, blocks of rows dequantized to the input dtype and
 // multiplied by cuBLAS through at::linear.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
@@ -18,11 +18,11 @@
 namespace kvserve::ops {
 namespace {
 
-// Up to this many tokens the GEMV, bound by reading the packed weight once per launch of up to
-// cuda::kQuantizedGemvTokens tokens, beats dequantizing the weight (a write and a read of it in
-// the input dtype) for a GEMM: with 16-byte vectors two launches still do; byte-wise, one.
-constexpr int64_t kMaxVectorGemvTokens = 2 * cuda::kQuantizedGemvTokens;
-constexpr int64_t kMaxWordGemvTokens = cuda::kQuantizedGemvTokens;
+// Up to this many tokens the GEMV, bound by reading the packed weight once, beats dequantizing
+// the weight (a write and a read of it in the input dtype) for a GEMM. Measured on an H100
+// (bench_cuda_quant.py, Llama-3-8B shapes): at 8 tokens the vector GEMV takes 0.5-0.9x the
+// time of the dequantizing path; at 16 (two launches) 1.0-1.3x, so 16 tokens dequantize.
+constexpr int64_t kMaxGemvTokens = cuda::kQuantizedGemvTokens;
 // Rows dequantized per GEMM: large enough for cuBLAS to fill the GPU, small next to the weights.
 constexpr int64_t kDequantBlockBytes = 32 << 20;
 constexpr int kDequantThreads = 128;
@@ -63,28 +63,25 @@ at::Tensor gemv(const at::Tensor& input, const Weight& w, const std::optional<at
   const T* bias_data = bias ? static_cast<const T*>(bias->data_ptr()) : nullptr;
   const bool vector = cuda::vector_gemv_applies<F>(
       w.q, input.data_ptr(), input.stride(0) * input.element_size(), w.k, w.group_size);
-  // Launches of up to kQuantizedGemvTokens tokens: out's rows [t, t + m) are contiguous.
-  for (int64_t t = 0; t < input.size(0); t += cuda::kQuantizedGemvTokens) {
-    const int64_t m = std::min<int64_t>(cuda::kQuantizedGemvTokens, input.size(0) - t);
-    const T* x = static_cast<const T*>(input.data_ptr()) + t * input.stride(0);
-    T* y = static_cast<T*>(out.data_ptr()) + t * w.n;
-    if (!vector) {
-      cuda::quantized_gemv_kernel<T, F>
-          <<<blocks, cuda::kQuantizedGemvThreads, 0, cuda::current_stream()>>>(
-              x, input.stride(0), static_cast<int>(m), w.q, w.scales, w.zeros, bias_data, y,
-              w.n, w.k, w.group_size, w.aligned);
-    } else {
-      dispatch_tokens(m, [&](auto tokens) {
-        constexpr int P = decltype(tokens)::value;
-        auto* kernel = w.zeros != nullptr ? cuda::quantized_gemv_vector_kernel<T, F, P, true>
-                                          : cuda::quantized_gemv_vector_kernel<T, F, P, false>;
-        kernel<<<blocks, cuda::kQuantizedGemvThreads, 0, cuda::current_stream()>>>(
-            x, input.stride(0), static_cast<int>(m), w.q, w.scales, w.zeros, bias_data, y, w.n,
-            w.k, w.group_size);
-      });
-    }
-    KVSERVE_CUDA_CHECK_LAUNCH();
+  // m <= kQuantizedGemvTokens (run() sends more to the GEMM).
+  const int m = static_cast<int>(input.size(0));
+  const T* x = static_cast<const T*>(input.data_ptr());
+  T* y = static_cast<T*>(out.data_ptr());
+  if (!vector) {
+    cuda::quantized_gemv_kernel<T, F>
+        <<<blocks, cuda::kQuantizedGemvThreads, 0, cuda::current_stream()>>>(
+            x, input.stride(0), m, w.q, w.scales, w.zeros, bias_data, y, w.n, w.k, w.group_size,
+            w.aligned);
+  } else {
+    dispatch_tokens(m, [&](auto tokens) {
+      constexpr int P = decltype(tokens)::value;
+      auto* kernel = w.zeros != nullptr ? cuda::quantized_gemv_vector_kernel<T, F, P, true>
+                                        : cuda::quantized_gemv_vector_kernel<T, F, P, false>;
+      kernel<<<blocks, cuda::kQuantizedGemvThreads, 0, cuda::current_stream()>>>(
+          x, input.stride(0), m, w.q, w.scales, w.zeros, bias_data, y, w.n, w.k, w.group_size);
+    });
   }
+  KVSERVE_CUDA_CHECK_LAUNCH();
   return out;
 }
 
@@ -137,9 +134,7 @@ at::Tensor run(const at::Tensor& input, const at::Tensor& qweight, const at::Ten
                  zeros ? zeros->data_ptr<float>() : nullptr, qweight.size(0), k, group_size,
                  rows_are_words<F>(qweight, k)};
   // k == 0 takes the GEMV too: it writes the bias (or 0) where a 0-wide grid could not launch.
-  const int64_t max_gemv_tokens =
-      cuda::vector_rows_apply<F>(w.q, k, group_size) ? kMaxVectorGemvTokens : kMaxWordGemvTokens;
-  if (input.size(0) > max_gemv_tokens && k > 0) return dequantize_and_gemm<T, F>(input, w, bias);
+  if (input.size(0) > kMaxGemvTokens && k > 0) return dequantize_and_gemm<T, F>(input, w, bias);
   return gemv<T, F>(input, w, bias);
 }
 

@@ -58,18 +58,19 @@ __global__ void rms_norm_kernel(T* out, int64_t out_stride, const T* input, int6
       y[i] = from_float<T>(to_float(x[i]) * scale * to_float(weight[i]));
     }
   } else {
-    float v[kPerThread];
+    float v[kPerThread], w[kPerThread];
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
       const int64_t i = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
       v[j] = i < hidden ? to_float(x[i]) : 0.0f;
+      w[j] = i < hidden ? to_float(weight[i]) : 0.0f;  // loaded before the reduction's wait
       sum += v[j] * v[j];
     }
     const float scale = rsqrtf(block_sum(sum, scratch) / static_cast<float>(hidden) + epsilon);
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
       const int64_t i = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
-      if (i < hidden) y[i] = from_float<T>(v[j] * scale * to_float(weight[i]));
+      if (i < hidden) y[i] = from_float<T>(v[j] * scale * w[j]);
     }
   }
 }
@@ -97,11 +98,12 @@ __global__ void fused_add_rms_norm_kernel(T* input, int64_t input_stride, T* res
       x[i] = from_float<T>(to_float(r[i]) * scale * to_float(weight[i]));
     }
   } else {
-    float v[kPerThread];
+    float v[kPerThread], w[kPerThread];
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
       const int64_t i = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
       v[j] = i < hidden ? to_float(r[i]) + to_float(x[i]) : 0.0f;
+      w[j] = i < hidden ? to_float(weight[i]) : 0.0f;  // loaded before the reduction's wait
     }
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
@@ -117,7 +119,7 @@ __global__ void fused_add_rms_norm_kernel(T* input, int64_t input_stride, T* res
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
       const int64_t i = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
-      if (i < hidden) x[i] = from_float<T>(v[j] * scale * to_float(weight[i]));
+      if (i < hidden) x[i] = from_float<T>(v[j] * scale * w[j]);
     }
   }
 }
