@@ -450,3 +450,7 @@ template void cp_async_wait<2>();
 void* dynamic_shared_memory() { return emu::block().shared; }
 
 }  // namespace kvserve::cuda
+
+// The fast exponential the CUDA headers declare for host code without defining it (on the GPU an
+// ex2.approx; here the exact one, within the kernels' tolerances).
+extern "C" float __expf(float x) { return std::exp(x); }

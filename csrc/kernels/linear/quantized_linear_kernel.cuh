@@ -4,7 +4,7 @@
 // with shuffles: by 16-byte vectors where the data is aligned for them (the usual case), else
 // by 4-byte words, byte by byte where need be; and a dequantization of rows to the input dtype
 // for the prefill GEMM (cuBLAS), again by vectors where it can. fused_moe_quantized's body
-// reuses the word-wise row dot product.
+// reuses the row dot products.
 // Raw pointers only, no torch headers; the launcher checks shapes and dtypes.
 
 #include <cuda_bf16.h>
@@ -220,26 +220,21 @@ __device__ inline void load_inputs(const X* x, float* out) {
   }
 }
 
-/// Grid ceil(n / warps per block), block a multiple of 32 threads; where vector_gemv_applies.
-/// out [m, n] = input [m, k] @ dequant(q)^T + bias for m <= kTokens: a warp per output row, each
-/// lane loading a 16-byte vector of it at a time (32 x 16 bytes a warp), dequantizing in
-/// registers and taking the vector's dot product with every token's inputs before the group's
-/// zero and scale (w = (q - z) s, so x . w = s (x . q - z sum(x)); kZeros: zeros is not null).
-template <typename T, QuantFormat F, int kTokens, bool kZeros>
-__global__ void quantized_gemv_vector_kernel(const T* input, int64_t input_stride, int m,
-                                             const uint8_t* q, const float* scales,
-                                             const float* zeros, const T* bias, T* out,
-                                             int64_t n, int64_t k, int64_t group_size) {
+/// quantized_row_dot by 16-byte vectors, where vector_gemv_applies to q and x: lane l takes the
+/// vectors l, l + 32, ... of row o (32 x 16 bytes a warp at a time), dequantizes each in
+/// registers and takes its dot product with every token's inputs before the group's zero and
+/// scale (w = (q - z) s, so x . w = s (x . q - z sum(x)); kZeros: zeros is not null).
+template <QuantFormat F, int kTokens, bool kZeros, typename X>
+__device__ inline void quantized_row_dot_vectors(const X* x, int64_t x_stride, int m,
+                                                 const uint8_t* q, const float* scales,
+                                                 const float* zeros, int64_t o, int64_t k,
+                                                 int64_t group_size, int lane, float* acc) {
   constexpr int kInputs = kVectorInputs<F>;
-  const int lane = threadIdx.x % 32;
-  const int64_t o = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  if (o >= n) return;  // whole warps leave together
   const int vectors = static_cast<int>(k / kInputs);
   const int vectors_per_group = static_cast<int>(group_size / kInputs);
   const int64_t groups = k / group_size;
   const uint4* row = reinterpret_cast<const uint4*>(q + o * quantized_row_bytes<F>(k));
   const float* s = scales + o * groups;
-  float acc[kTokens] = {};
 #pragma unroll 2
   for (int v = lane; v < vectors; v += 32) {
     float w[kInputs];
@@ -249,20 +244,51 @@ __global__ void quantized_gemv_vector_kernel(const T* input, int64_t input_strid
 #pragma unroll
     for (int t = 0; t < kTokens; ++t) {
       if (t >= m) break;
-      float x[kInputs];
-      load_inputs<T, kInputs>(input + t * input_stride + static_cast<int64_t>(v) * kInputs, x);
+      float in[kInputs];
+      load_inputs<X, kInputs>(x + t * x_stride + static_cast<int64_t>(v) * kInputs, in);
       float dot = 0.0f;
 #pragma unroll
-      for (int j = 0; j < kInputs; ++j) dot += x[j] * w[j];
+      for (int j = 0; j < kInputs; ++j) dot += in[j] * w[j];
       if constexpr (kZeros) {
         float sum = 0.0f;
 #pragma unroll
-        for (int j = 0; j < kInputs; ++j) sum += x[j];
+        for (int j = 0; j < kInputs; ++j) sum += in[j];
         dot -= zeros[o * groups + g] * sum;
       }
       acc[t] += scale * dot;
     }
   }
+}
+
+/// quantized_row_dot_vectors with a zeros pointer that may be null, and kTokens = 1: for
+/// callers (fused_moe_quantized) whose zeros differ per expert.
+template <QuantFormat F, typename X>
+__device__ inline void quantized_row_dot_vectors(const X* x, const uint8_t* q,
+                                                 const float* scales, const float* zeros,
+                                                 int64_t o, int64_t k, int64_t group_size,
+                                                 int lane, float* acc) {
+  if (zeros != nullptr) {
+    quantized_row_dot_vectors<F, 1, true>(x, 0, 1, q, scales, zeros, o, k, group_size, lane, acc);
+  } else {
+    quantized_row_dot_vectors<F, 1, false>(x, 0, 1, q, scales, zeros, o, k, group_size, lane,
+                                           acc);
+  }
+}
+
+/// Grid ceil(n / warps per block), block a multiple of 32 threads; where vector_gemv_applies.
+/// out [m, n] = input [m, k] @ dequant(q)^T + bias for m <= kTokens: a warp per output row
+/// (quantized_row_dot_vectors), reduced by shuffles.
+template <typename T, QuantFormat F, int kTokens, bool kZeros>
+__global__ void quantized_gemv_vector_kernel(const T* input, int64_t input_stride, int m,
+                                             const uint8_t* q, const float* scales,
+                                             const float* zeros, const T* bias, T* out,
+                                             int64_t n, int64_t k, int64_t group_size) {
+  const int lane = threadIdx.x % 32;
+  const int64_t o = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (o >= n) return;  // whole warps leave together
+  float acc[kTokens] = {};
+  quantized_row_dot_vectors<F, kTokens, kZeros>(input, input_stride, m, q, scales, zeros, o, k,
+                                                group_size, lane, acc);
 #pragma unroll
   for (int t = 0; t < kTokens; ++t) {
     if (t >= m) break;

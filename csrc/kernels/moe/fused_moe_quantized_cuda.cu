@@ -26,7 +26,17 @@ struct Projection {
   cpu::QuantFormat format;
   int64_t offset = 0;   // q pointers at table[offset], scales after, zeros after those
   bool aligned = true;   // every q starts at a multiple of 4 and its rows are whole words
+  bool aligned16 = true;  // every q starts at a multiple of 16
 };
+
+// Whether the body reads p's rows (k inputs) by 16-byte vectors, with inputs x rows of
+// x_stride_bytes.
+template <cuda::QuantFormat F>
+bool vectors(const Projection& p, const void* x, int64_t x_stride_bytes, int64_t k) {
+  constexpr int kInputs = cuda::kVectorInputs<F>;
+  return p.aligned16 && k % kInputs == 0 && p.group_size % kInputs == 0 &&
+         reinterpret_cast<uintptr_t>(x) % 16 == 0 && x_stride_bytes % 16 == 0;
+}
 
 // The pointers of both projections (zeros: null when the list is empty) on `device`: written to
 // pinned memory and copied without synchronising (the caching host allocator keeps the buffer
@@ -40,7 +50,9 @@ at::Tensor device_pointers(Projection& p13, Projection& p2, int64_t num_experts,
       table[p->offset + e] = p->q[e].data_ptr();
       table[p->offset + num_experts + e] = p->scales[e].data_ptr();
       table[p->offset + 2 * num_experts + e] = p->zeros.empty() ? nullptr : p->zeros[e].data_ptr();
-      p->aligned = p->aligned && reinterpret_cast<uintptr_t>(p->q[e].data_ptr()) % 4 == 0;
+      const auto address = reinterpret_cast<uintptr_t>(p->q[e].data_ptr());
+      p->aligned = p->aligned && address % 4 == 0;
+      p->aligned16 = p->aligned16 && address % 16 == 0;
     }
     p->aligned = p->aligned && p->q[0].size(1) % 4 == 0;  // row bytes
   }
@@ -59,6 +71,7 @@ void gate_up(const at::Tensor& hidden, const int64_t* table, const Projection& p
       reinterpret_cast<const uint8_t* const*>(t),
       reinterpret_cast<const float* const*>(t + num_experts),
       reinterpret_cast<const float* const*>(t + 2 * num_experts), p.aligned,
+      vectors<F>(p, hidden.data_ptr(), hidden.stride(0) * hidden.element_size(), hidden.size(1)),
       topk_ids.data_ptr<int64_t>(), k, num_experts, hidden.size(1), inter, p.group_size,
       act.data_ptr<float>());
   KVSERVE_CUDA_CHECK_LAUNCH();
@@ -76,6 +89,7 @@ void down_combine(const at::Tensor& act, const int64_t* table, const Projection&
       act.data_ptr<float>(), reinterpret_cast<const uint8_t* const*>(t),
       reinterpret_cast<const float* const*>(t + num_experts),
       reinterpret_cast<const float* const*>(t + 2 * num_experts), p.aligned,
+      vectors<F>(p, act.data_ptr(), act.stride(0) * act.element_size(), act.size(1)),
       topk_ids.data_ptr<int64_t>(), topk_weights.data_ptr<float>(), topk_ids.size(1),
       num_experts, hidden_size, act.size(1), p.group_size, static_cast<T*>(out.data_ptr()));
   KVSERVE_CUDA_CHECK_LAUNCH();

@@ -5,9 +5,9 @@
 // q2[e] [hidden_size, row bytes of inter] with scales2[e] / zeros2[e] [hidden_size, inter /
 // group]; a zeros entry may be null (none). The two passes of fused_moe's body (SwiGLU per
 // (pair, intermediate unit), then down rows and the weighted sum per (token, output unit)), one
-// warp per output reading its weight row in 4-byte words and dequantizing in registers as
-// quantized_linear's GEMV does. fp32 accumulation. A plain baseline, like fused_moe's: no
-// grouping by expert and no tiling yet. An expert id outside [0, num_experts) contributes nothing
+// warp per output reading its weight row by 16-byte vectors (4-byte words where the data is not
+// aligned for them) and dequantizing in registers as quantized_linear's GEMV does. fp32
+// accumulation. A plain baseline, like fused_moe's: no grouping by expert and no tiling yet. An expert id outside [0, num_experts) contributes nothing
 // (the launcher cannot check ids on the device without synchronising). Raw pointers only, no
 // torch headers; the launcher checks shapes, dtypes and formats.
 
@@ -27,12 +27,14 @@ namespace kvserve::cuda {
 /// x = hidden[t], gate / up rows i and inter + i of expert e's dequantized w13; 0 for a bad id.
 /// Grid (num_pairs, ceil(inter / warps per block)), block a multiple of 32 threads. act: fp32
 /// [num_pairs, inter]. aligned13: every q13[e] starts at a multiple of 4 and its rows are whole
-/// words.
+/// words; vector13: the rows are read by 16-byte vectors (vector_gemv_applies to every q13[e]
+/// and to hidden's rows).
 template <typename T, QuantFormat F>
 __global__ void moe_quantized_gate_up_kernel(const T* hidden, int64_t hidden_stride,
                                              const uint8_t* const* q13,
                                              const float* const* scales13,
                                              const float* const* zeros13, bool aligned13,
+                                             bool vector13,
                                              const int64_t* topk_ids, int64_t k,
                                              int64_t num_experts, int64_t hidden_size,
                                              int64_t inter, int64_t group_size, float* act) {
@@ -47,10 +49,17 @@ __global__ void moe_quantized_gate_up_kernel(const T* hidden, int64_t hidden_str
   }
   const T* x = hidden + (pair / k) * hidden_stride;
   float gate = 0.0f, up = 0.0f;
-  quantized_row_dot<F, 1>(x, 0, 1, q13[e], scales13[e], zeros13[e], i, hidden_size, group_size,
-                          aligned13, lane, &gate);
-  quantized_row_dot<F, 1>(x, 0, 1, q13[e], scales13[e], zeros13[e], inter + i, hidden_size,
-                          group_size, aligned13, lane, &up);
+  if (vector13) {
+    quantized_row_dot_vectors<F>(x, q13[e], scales13[e], zeros13[e], i, hidden_size, group_size,
+                                 lane, &gate);
+    quantized_row_dot_vectors<F>(x, q13[e], scales13[e], zeros13[e], inter + i, hidden_size,
+                                 group_size, lane, &up);
+  } else {
+    quantized_row_dot<F, 1>(x, 0, 1, q13[e], scales13[e], zeros13[e], i, hidden_size,
+                            group_size, aligned13, lane, &gate);
+    quantized_row_dot<F, 1>(x, 0, 1, q13[e], scales13[e], zeros13[e], inter + i, hidden_size,
+                            group_size, aligned13, lane, &up);
+  }
   gate = warp_sum(gate);
   up = warp_sum(up);
   if (lane == 0) act[pair * inter + i] = gate / (1.0f + __expf(-gate)) * up;
@@ -59,11 +68,12 @@ __global__ void moe_quantized_gate_up_kernel(const T* hidden, int64_t hidden_str
 /// out[t, c] = sum_j topk_weights[t, j] * (act[t * k + j] . down_e[c]), e = topk_ids[t * k + j],
 /// down_e expert e's dequantized w2, in slot order j, skipping bad ids. Grid (num_tokens,
 /// ceil(hidden_size / warps per block)), block a multiple of 32 threads. out: [num_tokens,
-/// hidden_size] contiguous. aligned2 as aligned13 for q2.
+/// hidden_size] contiguous. aligned2 and vector2 as aligned13 and vector13, for q2 and act.
 template <typename T, QuantFormat F>
 __global__ void moe_quantized_down_combine_kernel(const float* act, const uint8_t* const* q2,
                                                   const float* const* scales2,
                                                   const float* const* zeros2, bool aligned2,
+                                                  bool vector2,
                                                   const int64_t* topk_ids,
                                                   const float* topk_weights, int64_t k,
                                                   int64_t num_experts, int64_t hidden_size,
@@ -77,8 +87,13 @@ __global__ void moe_quantized_down_combine_kernel(const float* act, const uint8_
     const int64_t pair = t * k + j, e = topk_ids[pair];
     if (e < 0 || e >= num_experts) continue;  // the same for every lane
     float dot = 0.0f;
-    quantized_row_dot<F, 1>(act + pair * inter, 0, 1, q2[e], scales2[e], zeros2[e], c, inter,
-                            group_size, aligned2, lane, &dot);
+    if (vector2) {
+      quantized_row_dot_vectors<F>(act + pair * inter, q2[e], scales2[e], zeros2[e], c, inter,
+                                   group_size, lane, &dot);
+    } else {
+      quantized_row_dot<F, 1>(act + pair * inter, 0, 1, q2[e], scales2[e], zeros2[e], c, inter,
+                              group_size, aligned2, lane, &dot);
+    }
     acc += topk_weights[pair] * warp_sum(dot);
   }
   if (lane == 0) out[t * hidden_size + c] = from_float<T>(acc);
