@@ -311,6 +311,23 @@ def test_contiguous_query_and_out():
     assert torch.equal(out, batch.run())
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scratch_left_by_a_nan_prefill_does_not_reach_a_later_decode(dtype):
+    """The CPU kernel keeps its scratch between calls: a prefill whose keys are NaN (a model gone
+    bad) leaves NaN rows there, laid out for the tiled path; a later decode of other sequences,
+    on the same thread, with a head size whose rows the dot-product path pads (72 -> 80), must
+    not see them."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one worker, so both calls use the same thread's scratch
+    try:
+        poisoned = Batch([(70, 70)], 72, 8, 2, 16, dtype, seed=3)
+        poisoned.key_cache.fill_(float("nan"))
+        assert poisoned.run().isnan().all()
+        check(Batch([(100, 1), (19, 1), (64, 1)], 72, 8, 2, 16, dtype, seed=4), dtype)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_empty_batch():
     batch = Batch([(5, 0)], 64, 4, 2, 8, torch.float32)
     out = torch.empty(0, 4, 64)

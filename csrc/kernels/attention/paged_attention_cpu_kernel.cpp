@@ -79,7 +79,7 @@ void paged_attention_impl(const PagedAttentionArgs& a) {
   std::atomic<int64_t> next{0};
   KVSERVE_DISPATCH_FLOATING(a.dtype, [&] {
     at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-      Scratch scratch;
+      thread_local Scratch scratch;
       scratch.reserve(max_rows, a.head_dim, a.value_head_dim, a.num_kv_heads);
       for (int64_t i = next++; i < num_items; i = next++) {
         const Item& it = items[i];

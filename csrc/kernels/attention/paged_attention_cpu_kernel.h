@@ -140,7 +140,10 @@ inline void load_value(const PagedAttentionArgs& a, int64_t offset, float* dst, 
   load_cache_row<T>(a, a.value_cache, a.value_scale, offset, a.value_row, dst, n);
 }
 
-/// Scratch of one thread, reused across its items.
+/// Scratch of one thread, reused across its items and across calls (thread-local): reserve()
+/// only grows it, so a call neither allocates nor clears half a MiB per thread. Entries hold
+/// whatever an earlier item wrote; every path writes what it reads (the dot-product path zeroes
+/// its rows' padding columns itself).
 struct Scratch {
   std::vector<float> q, acc, max, sum, corr, lo, hi, scores, key_rows, value_rows;
   std::vector<const float*> keys, values;
@@ -157,13 +160,18 @@ struct Scratch {
     for (auto* v : {&max, &sum, &corr, &lo, &hi}) v->resize(mp);
     scores.resize(mp * (kKeyTile + Vec::size()));
     // The tiled path keeps [kKeyTile, head_dim] / [kKeyTile, dp] rows of one head; the dot-product
-    // path [num_kv_heads, kKeyTile, dp] (zero padding).
-    key_rows.assign(kKeyTile * num_kv_heads * dp, 0.0f);
-    value_rows.assign(kKeyTile * num_kv_heads * dvp, 0.0f);
+    // path [num_kv_heads, kKeyTile, dp].
+    grow(key_rows, kKeyTile * num_kv_heads * dp);
+    grow(value_rows, kKeyTile * num_kv_heads * dvp);
     keys.resize(kKeyTile + Vec::size());  // the dot-product path pads a tile to whole passes
     values.resize(kKeyTile);
     slots.resize(kKeyTile);
     value_slots.resize(kKeyTile);
+  }
+
+ private:
+  static void grow(std::vector<float>& v, int64_t n) {
+    if (static_cast<int64_t>(v.size()) < n) v.resize(n);
   }
 };
 

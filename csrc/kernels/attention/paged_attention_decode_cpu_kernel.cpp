@@ -36,7 +36,8 @@ void for_block_runs(const PagedAttentionArgs& a, int64_t first, int64_t last, F&
 
 // Copies the rows of KV heads [kv_head, kv_head_end) at positions [first, last) to key_rows /
 // value_rows as fp32 [head, kKeyTile, dp] / [head, kKeyTile, dvp] (columns past head_dim and
-// value_head_dim stay 0; a value inside its key is read from the key's copy). The heads of a position
+// value_head_dim set to 0: the scratch is reused, and garbage there, NaN say, times the query's
+// zero padding would not be 0; a value inside its key is read from the key's copy). The heads of a position
 // are adjacent in the cache and the positions of a block too, so this reads whole runs of memory
 // in address order, which the hardware prefetchers follow; reading one head's rows in place
 // instead touches a few lines of every slot and runs at a fraction of the memory bandwidth.
@@ -52,11 +53,13 @@ void gather_tile(const PagedAttentionArgs& a, const int32_t* block_table, int64_
     for (int64_t c = 0; c < count; ++c) {
       const int64_t j = j0 + c;
       for (int64_t h = 0; h < kv_head_end - kv_head; ++h) {
-        load_key<T>(a, key0 + c * key_slot + h * d,
-                    s.key_rows.data() + (h * kKeyTile + j - first) * dp, d);
+        float* key_row = s.key_rows.data() + (h * kKeyTile + j - first) * dp;
+        load_key<T>(a, key0 + c * key_slot + h * d, key_row, d);
+        std::fill(key_row + d, key_row + dp, 0.0f);
         if (!a.value_in_key) {
-          load_value<T>(a, value0 + c * value_slot + h * a.value_row,
-                        s.value_rows.data() + (h * kKeyTile + j - first) * dvp, dv);
+          float* value_row = s.value_rows.data() + (h * kKeyTile + j - first) * dvp;
+          load_value<T>(a, value0 + c * value_slot + h * a.value_row, value_row, dv);
+          std::fill(value_row + dv, value_row + dvp, 0.0f);
         }
       }
     }
