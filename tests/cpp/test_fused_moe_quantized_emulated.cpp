@@ -7,7 +7,6 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/rand.h>
-#include <ATen/ops/randint.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/zeros.h>
 #include <gtest/gtest.h>
@@ -20,6 +19,8 @@
 
 #include "kernels/moe/fused_moe_quantized.h"
 #include "kernels/moe/fused_moe_quantized_kernel.cuh"
+#include "quantized_test_weights.h"
+#include "tensor_values.h"
 
 namespace kvserve {
 namespace {
@@ -39,13 +40,7 @@ template <QuantFormat F>
 Experts experts(int64_t num_experts, int64_t rows, int64_t k, int64_t g, bool zeros) {
   Experts e;
   for (int64_t x = 0; x < num_experts; ++x) {
-    if constexpr (F == QuantFormat::kInt8) {
-      e.q.push_back(at::randint(-128, 128, {rows, k}, at::kChar));
-    } else if constexpr (F == QuantFormat::kInt4) {
-      e.q.push_back(at::randint(0, 256, {rows, k / 2}, at::kByte));
-    } else {
-      e.q.push_back(at::randn({rows, k}).mul(8).to(at::kFloat8_e4m3fn));
-    }
+    e.q.push_back(test_util::random_packed<F>(rows, k));
     // Dequantized weights of about unit variance over sqrt(k), as a trained layer's: outputs
     // of order one, where a bf16 rounding of the activations is within tolerance.
     const double spread = F == QuantFormat::kInt8 ? 64.0 : F == QuantFormat::kInt4 ? 4.0 : 8.0;
@@ -57,17 +52,6 @@ Experts experts(int64_t num_experts, int64_t rows, int64_t k, int64_t g, bool ze
     e.zero_ptr.push_back(zeros ? e.zeros.back().data_ptr<float>() : nullptr);
   }
   return e;
-}
-
-double worst_error(const at::Tensor& expected, const at::Tensor& actual) {
-  const at::Tensor e = expected.to(at::kFloat).contiguous(), a = actual.to(at::kFloat).contiguous();
-  double worst = 0.0;
-  for (int64_t i = 0; i < e.numel(); ++i) {
-    const double ev = e.data_ptr<float>()[i], av = a.data_ptr<float>()[i];
-    const double error = std::abs(ev - av) / (1.0 + std::abs(ev));
-    worst = std::isnan(error) ? INFINITY : std::max(worst, error);
-  }
-  return worst;
 }
 
 template <typename T, QuantFormat F>
@@ -114,14 +98,14 @@ void run_case(at::ScalarType dtype, int64_t hidden_size, int64_t inter, int64_t 
                 used.data_ptr<int64_t>(), static_cast<const float*>(weights.data_ptr<float>()),
                 k, num_experts, hidden_size, inter, group, static_cast<T*>(out.data_ptr()));
     if (!bad) {
-      EXPECT_LE(worst_error(expected, out), tolerance);
+      EXPECT_LE(test_util::worst_relative_error(expected, out), tolerance);
     } else {
       // Token 0 without its second expert: the CPU op with that slot's weight at 0.
       bad_weights.data_ptr<float>()[1] = 0.0f;
       const at::Tensor without =
           ops::fused_moe_quantized(hidden, w13.q, w13.scales, w13.zeros, group, w2.q,
                                    w2.scales, w2.zeros, group, bad_weights, ids);
-      EXPECT_LE(worst_error(without, out), tolerance);
+      EXPECT_LE(test_util::worst_relative_error(without, out), tolerance);
     }
   }
 }

@@ -15,6 +15,7 @@
 
 #include "kernels/linear/lora_add.h"
 #include "kernels/linear/lora_add_kernel.cuh"
+#include "tensor_values.h"
 
 namespace kvserve {
 namespace {
@@ -48,14 +49,7 @@ void run_case(at::ScalarType dtype, int64_t in_features, int64_t out_features, i
               slots.data_ptr<int32_t>(), scales.data_ptr<float>(), num_slots, in_features,
               out_features, rank);
   // The whole base: columns outside out's view must be untouched.
-  const at::Tensor e = expected_base.to(at::kFloat), a = actual_base.to(at::kFloat);
-  double worst = 0.0;
-  for (int64_t i = 0; i < e.numel(); ++i) {
-    const double ev = e.data_ptr<float>()[i], av = a.data_ptr<float>()[i];
-    const double error = std::abs(ev - av) / (1.0 + std::abs(ev));
-    worst = std::isnan(error) ? INFINITY : std::max(worst, error);
-  }
-  EXPECT_LE(worst, tolerance);
+  EXPECT_LE(test_util::worst_relative_error(expected_base, actual_base), tolerance);
 }
 
 TEST(LoraAddEmulated, MatchesTheCpuOpInEveryDtype) {

@@ -6,7 +6,6 @@
 #include "cuda_emulator.h"
 
 #include <ATen/ops/empty.h>
-#include <ATen/ops/randint.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/rand.h>
 #include <gtest/gtest.h>
@@ -19,6 +18,8 @@
 
 #include "kernels/linear/quantized_linear.h"
 #include "kernels/linear/quantized_linear_kernel.cuh"
+#include "quantized_test_weights.h"
+#include "tensor_values.h"
 
 namespace kvserve {
 namespace {
@@ -34,28 +35,11 @@ struct Weight {
 template <QuantFormat F>
 Weight random_weight(int64_t n, int64_t k, int64_t group_size, bool zeros) {
   Weight w;
-  if constexpr (F == QuantFormat::kInt8) {
-    w.q = at::randint(-128, 128, {n, k}, at::kChar);
-  } else if constexpr (F == QuantFormat::kInt4) {
-    w.q = at::randint(0, 256, {n, k / 2}, at::kByte);
-  } else {
-    w.q = at::randn({n, k}).mul(8).to(at::kFloat8_e4m3fn);
-  }
+  w.q = test_util::random_packed<F>(n, k);
   w.scales = at::rand({n, k / group_size}).mul(0.02).add(0.005);
   if (zeros) w.zeros = at::rand({n, k / group_size}).mul(8);
   w.group_size = group_size;
   return w;
-}
-
-double worst_error(const at::Tensor& expected, const at::Tensor& actual) {
-  const at::Tensor e = expected.to(at::kFloat).contiguous(), a = actual.to(at::kFloat).contiguous();
-  double worst = 0.0;
-  for (int64_t i = 0; i < e.numel(); ++i) {
-    const double ev = e.data_ptr<float>()[i], av = a.data_ptr<float>()[i];
-    const double error = std::abs(ev - av) / (1.0 + std::abs(ev));
-    worst = std::isnan(error) ? INFINITY : std::max(worst, error);
-  }
-  return worst;
 }
 
 // out [m, n] from the vector GEMV compiled for P >= m tokens.
@@ -132,7 +116,7 @@ void run_case(at::ScalarType dtype, int64_t n, int64_t k, int64_t group_size, bo
     } else {
       actual = vector_gemv<T, F, 8>(x, w, b);
     }
-    EXPECT_LE(worst_error(expected, actual), tolerance);
+    EXPECT_LE(test_util::worst_relative_error(expected, actual), tolerance);
     if (m == 3) {  // more tokens compiled for than run: the same values
       EXPECT_TRUE((vector_gemv<T, F, 8>(x, w, b).equal(actual)));
     }

@@ -14,20 +14,10 @@
 
 #include "kernels/norm/rms_norm.h"
 #include "kernels/norm/rms_norm_kernel.cuh"
+#include "tensor_values.h"
 
 namespace kvserve {
 namespace {
-
-double worst_error(const at::Tensor& expected, const at::Tensor& actual) {
-  const at::Tensor e = expected.to(at::kFloat).contiguous(), a = actual.to(at::kFloat).contiguous();
-  double worst = 0.0;
-  for (int64_t i = 0; i < e.numel(); ++i) {
-    const double ev = e.data_ptr<float>()[i], av = a.data_ptr<float>()[i];
-    const double error = std::abs(ev - av) / (1.0 + std::abs(ev));
-    worst = std::isnan(error) ? INFINITY : std::max(worst, error);
-  }
-  return worst;
-}
 
 template <typename T, typename W>
 void run_case(at::ScalarType dtype, at::ScalarType weight_type, int64_t hidden,
@@ -59,7 +49,7 @@ void run_case(at::ScalarType dtype, at::ScalarType weight_type, int64_t hidden,
                 static_cast<T*>(actual.data_ptr()), actual.stride(0),
                 static_cast<const T*>(input.data_ptr()), input.stride(0), w, hidden, 1e-6f);
   });
-  EXPECT_LE(worst_error(expected, actual), tolerance) << "rms_norm";
+  EXPECT_LE(test_util::worst_relative_error(expected, actual), tolerance) << "rms_norm";
 
   at::Tensor expected_x = input.clone(), expected_r = residual.clone();
   at::Tensor actual_x = input.clone(), actual_r = residual.clone();
@@ -71,7 +61,7 @@ void run_case(at::ScalarType dtype, at::ScalarType weight_type, int64_t hidden,
                 static_cast<T*>(actual_r.data_ptr()), actual_r.stride(0), w, hidden, 1e-6f);
   });
   EXPECT_TRUE(actual_r.equal(expected_r)) << "the residual sum is one rounding of x + r";
-  EXPECT_LE(worst_error(expected_x, actual_x), tolerance) << "fused_add_rms_norm";
+  EXPECT_LE(test_util::worst_relative_error(expected_x, actual_x), tolerance) << "fused_add_rms_norm";
 }
 
 template <typename T>

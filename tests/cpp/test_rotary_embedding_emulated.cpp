@@ -19,6 +19,7 @@
 
 #include "kernels/rotary/rotary_embedding.h"
 #include "kernels/rotary/rotary_embedding_kernel.cuh"
+#include "tensor_values.h"
 
 namespace kvserve {
 namespace {
@@ -45,17 +46,6 @@ at::Tensor norm_weight(int64_t head_dim, at::ScalarType dtype) {
   float* v = w.data_ptr<float>();
   for (int64_t i = 0; i < head_dim; ++i) v[i] = 1.0f + 0.5f * v[i];
   return w.to(dtype);
-}
-
-double worst_error(const at::Tensor& expected, const at::Tensor& actual) {
-  const at::Tensor e = expected.to(at::kFloat).contiguous(), a = actual.to(at::kFloat).contiguous();
-  double worst = 0.0;
-  for (int64_t i = 0; i < e.numel(); ++i) {
-    const double ev = e.data_ptr<float>()[i], av = a.data_ptr<float>()[i];
-    const double error = std::abs(ev - av) / (1.0 + std::abs(ev));
-    worst = std::isnan(error) ? INFINITY : std::max(worst, error);
-  }
-  return worst;
 }
 
 struct Case {
@@ -131,7 +121,7 @@ void run_case(at::ScalarType dtype, const Case& c, double tolerance) {
         launch(static_cast<T*>(nullptr));
       }
     }
-    EXPECT_LE(worst_error(expected, actual), tolerance);
+    EXPECT_LE(test_util::worst_relative_error(expected, actual), tolerance);
     // v's columns exactly as they were.
     EXPECT_TRUE(actual.narrow(1, q_width + k_width, k_width)
                     .equal(qkv.narrow(1, q_width + k_width, k_width)));
