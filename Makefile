@@ -34,14 +34,14 @@ build-tests: test-deps
 	$(PIP) install -q --no-build-isolation -e . --config-settings=cmake.define.KVSERVE_BUILD_TESTS=ON
 
 test-cpp: build-tests
-	ctest --test-dir build/py --output-on-failure
+	ctest --test-dir build/py --output-on-failure -j2
 
 test-python: build-tests
 	$(PYTHON) -m pytest -q
 
 test: build-tests
 	@date +"%T built"
-	ctest --test-dir build/py --output-on-failure
+	ctest --test-dir build/py --output-on-failure -j2
 	$(PYTHON) -m pytest -q
 
 # The C++ tests and the Python suite once more under AddressSanitizer + UndefinedBehaviorSanitizer:
@@ -50,8 +50,10 @@ test: build-tests
 ASAN_BUILD := build/asan
 ASAN_ENV := ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:detect_odr_violation=0 \
 	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
-# To keep CI short, the instrumented build is -O1 with line tables only and holds just the CPU
-# kernel variant this machine runs (the only one the sanitized process uses), and the Python
+# To keep CI short, the instrumented build is -O1 with line tables only, holds just the CPU
+# kernel variant this machine runs (the only one the sanitized process uses) and no emulated
+# CUDA kernel tests (make test runs them; tests/cpp/CMakeLists.txt), ctest runs two at a time,
+# and the Python
 # suite leaves out the tests whose work happens in subprocesses, which import the installed,
 # uninstrumented build anyway: the command line (and `serve`), the notebooks and the
 # per-capability variants;
@@ -80,7 +82,7 @@ test-asan: build-tests
 		-DKVSERVE_BUILD_TESTS=ON -DPython_EXECUTABLE=$$($(PYTHON) -c "import sys; print(sys.executable)")
 	cmake --build $(ASAN_BUILD)
 	@date +"%T asan built"
-	$(ASAN_ENV) ctest --test-dir $(ASAN_BUILD) --output-on-failure
+	$(ASAN_ENV) ctest --test-dir $(ASAN_BUILD) --output-on-failure -j2
 	$(ASAN_ENV) LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 		$(PYTHON) scripts/asan_pytest.py $(ASAN_BUILD) -q -p no:cacheprovider $(ASAN_SKIP)
 

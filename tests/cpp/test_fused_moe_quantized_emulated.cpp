@@ -110,13 +110,13 @@ void run_case(at::ScalarType dtype, int64_t hidden_size, int64_t inter, int64_t 
   }
 }
 
+// Every format by vectors; by words (the path that ran on a GPU first) in one case a dtype.
 template <typename T>
 void run_all(at::ScalarType dtype, double tolerance) {
-  for (const bool vector : {true, false}) {
-    run_case<T, QuantFormat::kInt8>(dtype, 64, 48, 16, false, vector, tolerance);
-    run_case<T, QuantFormat::kInt4>(dtype, 128, 96, 32, true, vector, tolerance);
-    run_case<T, QuantFormat::kFp8E4M3>(dtype, 48, 80, 16, false, vector, tolerance);
-  }
+  run_case<T, QuantFormat::kInt8>(dtype, 64, 48, 16, false, true, tolerance);
+  run_case<T, QuantFormat::kInt4>(dtype, 128, 96, 32, true, true, tolerance);
+  run_case<T, QuantFormat::kFp8E4M3>(dtype, 48, 80, 16, false, true, tolerance);
+  run_case<T, QuantFormat::kInt4>(dtype, 64, 32, 32, true, false, tolerance);
 }
 
 TEST(FusedMoeQuantizedEmulated, MatchesTheCpuOpByVectorsAndWords) {
