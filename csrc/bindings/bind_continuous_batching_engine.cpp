@@ -181,13 +181,24 @@ void bind_continuous_batching_engine(py::module_& m) {
                        bool enable_prefix_caching, std::vector<int64_t> eos_token_ids,
                        int64_t max_logprobs, SpeculativeConfig speculative,
                        std::optional<at::ScalarType> kv_cache_dtype,
-                       int64_t cuda_graph_max_batch) {
+                       int64_t cuda_graph_max_batch, int64_t max_stop_strings,
+                       int64_t max_stop_string_length, int64_t max_waiting_requests) {
+             for (const auto& [name, value] :
+                  {std::pair<const char*, int64_t>{"max_stop_strings", max_stop_strings},
+                   {"max_stop_string_length", max_stop_string_length},
+                   {"max_waiting_requests", max_waiting_requests}}) {
+               if (value < 0) {
+                 throw std::invalid_argument(std::string(name) + " must be >= 0 (0: no limit), "
+                                             "got " + std::to_string(value));
+               }
+             }
              EngineConfig c{max_num_seqs,          max_num_batched_tokens,
                             max_model_len,         block_size,
                             num_blocks,            kv_cache_dtype,
                             enable_prefix_caching, std::move(eos_token_ids),
                             max_logprobs,          std::move(speculative),
-                            cuda_graph_max_batch};
+                            cuda_graph_max_batch,  max_stop_strings,
+                            max_stop_string_length, max_waiting_requests};
              return c;
            }),
            py::kw_only(), py::arg("max_num_seqs") = 256, py::arg("max_num_batched_tokens") = 2048,
@@ -195,7 +206,10 @@ void bind_continuous_batching_engine(py::module_& m) {
            py::arg("enable_prefix_caching") = true,
            py::arg("eos_token_ids") = std::vector<int64_t>{}, py::arg("max_logprobs") = 20,
            py::arg("speculative") = SpeculativeConfig{}, py::arg("kv_cache_dtype") = py::none(),
-           py::arg("cuda_graph_max_batch") = 0)
+           py::arg("cuda_graph_max_batch") = 0,
+           py::arg("max_stop_strings") = EngineConfig{}.max_stop_strings,
+           py::arg("max_stop_string_length") = EngineConfig{}.max_stop_string_length,
+           py::arg("max_waiting_requests") = EngineConfig{}.max_waiting_requests)
       .def_readonly("max_num_seqs", &EngineConfig::max_num_seqs)
       .def_readonly("max_num_batched_tokens", &EngineConfig::max_num_batched_tokens)
       .def_readonly("max_model_len", &EngineConfig::max_model_len)
@@ -206,7 +220,12 @@ void bind_continuous_batching_engine(py::module_& m) {
       .def_readonly("eos_token_ids", &EngineConfig::eos_token_ids)
       .def_readonly("max_logprobs", &EngineConfig::max_logprobs)
       .def_readonly("speculative", &EngineConfig::speculative)
-      .def_readonly("cuda_graph_max_batch", &EngineConfig::cuda_graph_max_batch);
+      .def_readonly("cuda_graph_max_batch", &EngineConfig::cuda_graph_max_batch)
+      .def_readonly("max_stop_strings", &EngineConfig::max_stop_strings)
+      .def_readonly("max_stop_string_length", &EngineConfig::max_stop_string_length)
+      .def_readonly("max_waiting_requests", &EngineConfig::max_waiting_requests);
+
+  py::register_exception<EngineOverloaded>(m, "EngineOverloadedError", PyExc_RuntimeError);
 
   py::class_<Scheduler>(m, "Scheduler", "The engine's scheduler (read-only from Python).")
       .def_property_readonly("has_pending_work", &Scheduler::has_pending_work)
@@ -242,6 +261,8 @@ void bind_continuous_batching_engine(py::module_& m) {
       .def("finish_completion", &ContinuousBatchingEngine::finish_completion,
            py::arg("request_id"), py::arg("index"), py::arg("reason"),
            py::call_guard<py::gil_scoped_release>())
+      .def("inject_step_failures", &ContinuousBatchingEngine::inject_step_failures,
+           py::arg("count"), "Fault injection: the next `count` forward steps fail.")
       .def("get_stats", &ContinuousBatchingEngine::get_stats)
       .def_property_readonly("scheduler", &ContinuousBatchingEngine::scheduler,
                              py::return_value_policy::reference_internal)

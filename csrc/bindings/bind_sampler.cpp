@@ -12,13 +12,32 @@
 namespace py = pybind11;
 
 namespace kvserve::bindings {
+namespace {
+
+/// A seed from Python: None, or an int in [0, 2**64). Anything else is a ValueError / TypeError
+/// naming the field (pybind's own conversion error would print the whole signature).
+std::optional<uint64_t> seed_from_python(const py::handle& seed) {
+  if (seed.is_none()) return std::nullopt;
+  if (!PyLong_Check(seed.ptr()) || PyBool_Check(seed.ptr())) {
+    throw py::type_error("seed must be None or an integer, got " +
+                         std::string(py::str(py::type::of(seed).attr("__name__"))));
+  }
+  const unsigned long long value = PyLong_AsUnsignedLongLong(seed.ptr());
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    throw py::value_error("seed must be in [0, 2**64), got " + std::string(py::str(seed)));
+  }
+  return static_cast<uint64_t>(value);
+}
+
+}  // namespace
 
 void bind_sampler(py::module_& m) {
   py::class_<SamplingParams>(m, "SamplingParams",
                              "How a request samples and when it stops; temperature=0 is greedy.")
       .def(py::init([](int64_t n, double temperature, int64_t top_k, double top_p, double min_p,
                        double repetition_penalty, double presence_penalty,
-                       double frequency_penalty, std::optional<uint64_t> seed, int64_t max_tokens,
+                       double frequency_penalty, const py::object& seed, int64_t max_tokens,
                        int64_t min_tokens, bool ignore_eos,
                        std::optional<std::vector<int64_t>> stop_token_ids,
                        std::optional<std::variant<std::string, std::vector<std::string>>> stop,
@@ -32,7 +51,7 @@ void bind_sampler(py::module_& m) {
              p.repetition_penalty = repetition_penalty;
              p.presence_penalty = presence_penalty;
              p.frequency_penalty = frequency_penalty;
-             p.seed = seed;
+             p.seed = seed_from_python(seed);
              p.max_tokens = max_tokens;
              p.min_tokens = min_tokens;
              p.ignore_eos = ignore_eos;
@@ -62,7 +81,9 @@ void bind_sampler(py::module_& m) {
       .def_readwrite("repetition_penalty", &SamplingParams::repetition_penalty)
       .def_readwrite("presence_penalty", &SamplingParams::presence_penalty)
       .def_readwrite("frequency_penalty", &SamplingParams::frequency_penalty)
-      .def_readwrite("seed", &SamplingParams::seed)
+      .def_property(
+          "seed", [](const SamplingParams& p) { return p.seed; },
+          [](SamplingParams& p, const py::object& seed) { p.seed = seed_from_python(seed); })
       .def_readwrite("max_tokens", &SamplingParams::max_tokens)
       .def_readwrite("min_tokens", &SamplingParams::min_tokens)
       .def_readwrite("ignore_eos", &SamplingParams::ignore_eos)

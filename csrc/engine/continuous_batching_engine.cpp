@@ -2,6 +2,10 @@
 // what ends requests inside it. The request side is in continuous_batching_engine_requests.cpp.
 #include "kvserve/continuous_batching_engine.h"
 
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <exception>
 #include <stdexcept>
 
 #include "engine/engine_helpers.h"
@@ -33,6 +37,19 @@ EngineConfig resolved(const CausalLM& model, EngineConfig config) {
   SchedulerConfig{config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len}
       .validate();
   return config;
+}
+
+/// What an exception says, without a c10::Error's C++ backtrace.
+std::string message_of(std::exception_ptr error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "an unknown exception";
+  }
 }
 
 const char* kNoDistribution =
@@ -94,7 +111,10 @@ std::vector<RequestOutput> ContinuousBatchingEngine::take_aborted_outputs() {
   for (auto& request : aborted_) outputs.push_back(make_output(*request));
   {
     std::lock_guard<std::mutex> lock(inbox_mutex_);
-    num_unreported_ -= static_cast<int64_t>(aborted_.size());
+    for (auto& request : aborted_) {
+      unreported_ids_.erase(request->id);
+      live_ids_.erase(request->id);
+    }
   }
   aborted_.clear();
   return outputs;
@@ -151,15 +171,22 @@ ContinuousBatchingEngine::StepSamples ContinuousBatchingEngine::plan_samples(
 ModelRunnerOutput ContinuousBatchingEngine::execute(const SchedulerOutput& work,
                                                     const StepSamples& samples) {
   try {
+    if (num_injected_failures_.load() > 0) {
+      --num_injected_failures_;
+      throw std::runtime_error("an injected step failure (inject_step_failures)");
+    }
     return runner_.execute(work, samples.targets);
   } catch (...) {
-    // The step's K/V may be partial: end its requests and drop any cache entry it created.
+    // The step's K/V may be partial: end its requests with an error (their clients must not
+    // take a truncated output for a finished one) and drop any cache entry the step created.
     std::vector<std::string> failed;
     for (const ScheduledSequence& s : work.scheduled) {
       const std::string& id = where_.at(s.seq_id).request->id;
       if (std::find(failed.begin(), failed.end(), id) == failed.end()) failed.push_back(id);
     }
-    for (const std::string& id : failed) abort_now(id);
+    const std::string error = "the engine step running this request failed: " +
+                              message_of(std::current_exception());
+    for (const std::string& id : failed) end_request(id, "error", error);
     block_manager_.reset_prefix_cache();
     publish_stats();
     throw;

@@ -13,6 +13,37 @@ namespace kvserve {
 using engine_helpers::ceil_div;
 using engine_helpers::now;
 
+namespace {
+
+int64_t num_code_points(const std::string& s) {
+  int64_t n = 0;
+  for (unsigned char c : s) n += (c & 0xC0) != 0x80;  // continuation bytes start 10xxxxxx
+  return n;
+}
+
+/// The engine's bounds on a request's stop conditions: its stop strings are matched against
+/// every sample's new text at every step, so their number and length bound that step's work.
+void check_stop_limits(const SamplingParams& params, const EngineConfig& config) {
+  const int64_t max_count = config.max_stop_strings;
+  if (max_count > 0 && static_cast<int64_t>(params.stop.size()) > max_count) {
+    throw std::invalid_argument("at most " + std::to_string(max_count) +
+                                " stop strings are allowed (max_stop_strings), got " +
+                                std::to_string(params.stop.size()));
+  }
+  const int64_t max_length = config.max_stop_string_length;
+  if (max_length <= 0) return;
+  for (const std::string& stop : params.stop) {
+    // A byte count bounds the code points from above: only long strings are counted.
+    if (static_cast<int64_t>(stop.size()) > max_length && num_code_points(stop) > max_length) {
+      throw std::invalid_argument("a stop string may have at most " + std::to_string(max_length) +
+                                  " characters (max_stop_string_length), got one of " +
+                                  std::to_string(num_code_points(stop)));
+    }
+  }
+}
+
+}  // namespace
+
 // ------------------------------------------------------------------------------- requests in
 
 void ContinuousBatchingEngine::validate(const std::string& request_id,
@@ -29,6 +60,20 @@ void ContinuousBatchingEngine::validate(const std::string& request_id,
     }
   }
   params.validate();
+  check_stop_limits(params, config_);
+  // Each stop token id is compared with every sampled token: at most one per vocabulary entry,
+  // so that costs no more than the sampling itself.
+  if (static_cast<int64_t>(params.stop_token_ids.size()) > vocab) {
+    throw std::invalid_argument("at most " + std::to_string(vocab) +
+                                " stop token ids (the vocabulary size), got " +
+                                std::to_string(params.stop_token_ids.size()));
+  }
+  for (int64_t id : params.stop_token_ids) {
+    if (id >= vocab) {
+      throw std::invalid_argument("stop token id " + std::to_string(id) +
+                                  " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
+    }
+  }
   const int64_t max_logprobs = std::min(config_.max_logprobs, vocab);
   if (params.logprobs && *params.logprobs > max_logprobs) {
     throw std::invalid_argument("logprobs must be at most " + std::to_string(max_logprobs) +
@@ -84,9 +129,17 @@ void ContinuousBatchingEngine::add_request(const std::string& request_id,
   request->metrics.arrival_time = arrival_time.value_or(now());
   {
     std::lock_guard<std::mutex> lock(inbox_mutex_);
-    if (!live_ids_.insert(request_id).second) {
+    if (live_ids_.count(request_id)) {
       throw std::invalid_argument("request id '" + request_id + "' is already in use");
     }
+    // Waiting: unfinished, not running, and not an abort whose output is still to come.
+    const int64_t waiting = static_cast<int64_t>(live_ids_.size() - unreported_ids_.size()) -
+                            published_stats_.num_running_requests;
+    if (config_.max_waiting_requests > 0 && waiting >= config_.max_waiting_requests) {
+      throw EngineOverloaded("the engine is at capacity: " + std::to_string(waiting) +
+                             " requests wait to run (max_waiting_requests); retry later");
+    }
+    live_ids_.insert(request_id);
     inbox_.push_back(Command{std::move(request), {}});
   }
   try_apply_commands();
@@ -108,7 +161,7 @@ void ContinuousBatchingEngine::set_lora(int64_t slot, const LoraFactors& factors
 bool ContinuousBatchingEngine::abort_request(const std::string& request_id) {
   {
     std::lock_guard<std::mutex> lock(inbox_mutex_);
-    if (!live_ids_.count(request_id)) return false;
+    if (!live_ids_.count(request_id) || unreported_ids_.count(request_id)) return false;
     inbox_.push_back(Command{nullptr, request_id});
   }
   try_apply_commands();
@@ -150,26 +203,36 @@ void ContinuousBatchingEngine::admit(std::unique_ptr<Request> request) {
 }
 
 void ContinuousBatchingEngine::abort_now(const std::string& request_id) {
+  end_request(request_id, "abort", "");
+}
+
+void ContinuousBatchingEngine::end_request(const std::string& request_id,
+                                           const std::string& reason, const std::string& error) {
   auto it = requests_.find(request_id);
   if (it == requests_.end()) return;  // it finished before the abort was applied
   Request& request = *it->second;
+  if (!error.empty()) request.error = error;
   for (Completion& completion : request.completions) {
-    if (!completion.output.finished()) end_completion(completion, "abort");
+    if (!completion.output.finished()) end_completion(completion, reason);
   }
-  // Samples of n > 1 that were never forked are aborted too.
+  // Samples of n > 1 that were never forked end too.
   for (int64_t i = static_cast<int64_t>(request.completions.size()); i < request.params.n; ++i) {
     CompletionOutput output;
     output.index = i;
-    output.finish_reason = "abort";
+    output.finish_reason = reason;
     request.completions.push_back({-1, output, 0, RequestRandom(0), true});
   }
-  ++stats_.num_aborted_requests;
+  if (reason == "abort") ++stats_.num_aborted_requests;
   std::unique_ptr<Request> owned = std::move(it->second);
   requests_.erase(it);
-  retire(*owned, now());
+  // The id stays in use until the output is reported: a caller that finished the request itself
+  // in the meantime (finish_completion) must not see a new request of the same id take it.
+  retire(*owned, now(), /*release_id=*/false);
+  {
+    std::lock_guard<std::mutex> lock(inbox_mutex_);
+    unreported_ids_.insert(owned->id);
+  }
   aborted_.push_back(std::move(owned));
-  std::lock_guard<std::mutex> lock(inbox_mutex_);
-  ++num_unreported_;
 }
 
 RequestOutput ContinuousBatchingEngine::make_output(Request& request) const {
@@ -180,14 +243,16 @@ RequestOutput ContinuousBatchingEngine::make_output(Request& request) const {
     const CompletionOutput& state = completion.output;
     CompletionOutput o;
     o.index = state.index;
-    o.token_ids = state.token_ids;
     o.finish_reason = state.finish_reason;
     const size_t from = completion.num_reported;
     o.new_token_ids.assign(state.token_ids.begin() + from, state.token_ids.end());
     if (from < state.logprobs.size()) {
       o.new_logprobs.assign(state.logprobs.begin() + from, state.logprobs.end());
     }
-    if (state.finished()) o.logprobs = state.logprobs;  // the whole list once, at the end
+    if (state.finished()) {  // the whole lists once, at the end
+      o.token_ids = state.token_ids;
+      o.logprobs = state.logprobs;
+    }
     completion.num_reported = state.token_ids.size();
     out.outputs.push_back(std::move(o));
   }
@@ -203,7 +268,12 @@ RequestMetrics ContinuousBatchingEngine::finish_completion(const std::string& re
                                                            const std::string& reason) {
   std::lock_guard<std::mutex> owner(step_mutex_);
   auto it = requests_.find(request_id);
-  if (it == requests_.end()) throw std::out_of_range("unknown request id '" + request_id + "'");
+  if (it == requests_.end()) {
+    for (const auto& aborted : aborted_) {
+      if (aborted->id == request_id) return aborted->metrics;
+    }
+    throw std::out_of_range("unknown request id '" + request_id + "'");
+  }
   Request& request = *it->second;
   if (index < 0 || index >= static_cast<int64_t>(request.completions.size())) {
     throw std::out_of_range("request '" + request_id + "' has no running sample " +
@@ -222,22 +292,28 @@ RequestMetrics ContinuousBatchingEngine::finish_completion(const std::string& re
   return final_metrics;
 }
 
-void ContinuousBatchingEngine::retire(Request& request, double finished_time) {
+void ContinuousBatchingEngine::retire(Request& request, double finished_time, bool release_id) {
   RequestMetrics& m = request.metrics;
   m.finished_time = finished_time;
   ++stats_.num_finished_requests;
   if (!request.error.empty()) ++stats_.num_failed_requests;
   stats_.e2e_latency.observe(m.e2e_latency());
   if (m.num_generated_tokens > 1) stats_.time_per_output_token.observe(m.time_per_output_token());
+  if (!release_id) return;
   std::lock_guard<std::mutex> lock(inbox_mutex_);
   live_ids_.erase(request.id);
+}
+
+void ContinuousBatchingEngine::inject_step_failures(int64_t count) {
+  if (count < 0) throw std::invalid_argument("count must be >= 0, got " + std::to_string(count));
+  num_injected_failures_ = count;
 }
 
 // ------------------------------------------------------------------------------------ stats
 
 bool ContinuousBatchingEngine::has_unfinished_requests() const {
   std::lock_guard<std::mutex> lock(inbox_mutex_);
-  return !live_ids_.empty() || num_unreported_ > 0;
+  return !live_ids_.empty();
 }
 
 void ContinuousBatchingEngine::publish_stats() {
@@ -258,7 +334,8 @@ void ContinuousBatchingEngine::publish_stats() {
   stats_.prefix_cache_hits = block_manager_.prefix_cache_hits();
   stats_.num_preemptions = scheduler_.num_preemptions();
   std::lock_guard<std::mutex> lock(inbox_mutex_);
-  stats_.num_waiting_requests = static_cast<int64_t>(live_ids_.size()) - running;
+  stats_.num_waiting_requests =
+      static_cast<int64_t>(live_ids_.size() - unreported_ids_.size()) - running;
   published_stats_ = stats_;
 }
 

@@ -114,6 +114,14 @@ void Linear::enable_lora(int64_t slots, int64_t rank, at::ScalarType dtype, at::
 }
 
 void Linear::set_lora(int64_t slot, const at::Tensor& a, const at::Tensor& b) {
+  check_lora(slot, a, b);
+  clear_lora(slot);
+  const int64_t r = a.size(0);
+  lora_a_[slot].narrow(0, 0, r).copy_(a);
+  lora_b_[slot].narrow(0, 0, r).copy_(b);
+}
+
+void Linear::check_lora(int64_t slot, const at::Tensor& a, const at::Tensor& b) const {
   TORCH_CHECK(lora_a_.defined(), "Linear: LoRA is not enabled");
   TORCH_CHECK(slot >= 0 && slot < lora_a_.size(0), "Linear: LoRA slot ", slot, " outside [0, ",
               lora_a_.size(0), ")");
@@ -122,10 +130,9 @@ void Linear::set_lora(int64_t slot, const at::Tensor& a, const at::Tensor& b) {
                   b.size(1) == out_features_,
               "Linear: LoRA factors must be a [r, ", in_features_, "] and b [r, ", out_features_,
               "] with r <= ", lora_a_.size(1), ", got ", a.sizes(), " and ", b.sizes());
-  clear_lora(slot);
-  const int64_t r = a.size(0);
-  lora_a_[slot].narrow(0, 0, r).copy_(a);
-  lora_b_[slot].narrow(0, 0, r).copy_(b);
+  TORCH_CHECK(a.is_floating_point() && b.is_floating_point(),
+              "Linear: LoRA factors must be floating point, got ", a.scalar_type(), " and ",
+              b.scalar_type());
 }
 
 void Linear::clear_lora(int64_t slot) {

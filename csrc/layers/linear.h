@@ -67,6 +67,9 @@ class Linear {
   /// Slot `slot`'s factors, scaling included: a [r, in_features] and b [r, out_features] (B
   /// transposed), r <= the rank; the update is x a^T b. Throws c10::Error on a bad shape.
   void set_lora(int64_t slot, const at::Tensor& a, const at::Tensor& b);
+  /// The checks of set_lora, writing nothing (a model validates every projection's factors
+  /// before it writes any).
+  void check_lora(int64_t slot, const at::Tensor& a, const at::Tensor& b) const;
   /// Slot `slot` adds nothing.
   void clear_lora(int64_t slot);
   bool lora_enabled() const { return lora_a_.defined(); }

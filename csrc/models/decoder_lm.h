@@ -70,6 +70,11 @@ class DecoderLM : public CausalLM {
                                      [&](const LoraLinear& l) { return l.name == name; });
       if (!known) throw std::invalid_argument("no LoRA target named " + name);
     }
+    // Every factor checked before any is written: a bad one leaves the slot as it was.
+    for (const LoraLinear& l : linears) {
+      auto it = factors.find(l.name);
+      if (it != factors.end()) l.linear->check_lora(slot, it->second.first, it->second.second);
+    }
     for (const LoraLinear& l : linears) {
       auto it = factors.find(l.name);
       if (it == factors.end()) {

@@ -18,6 +18,9 @@ from kvserve.lora_serving import AdapterRef, LoRARequest
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.serving import ContinuousBatchingEngine, GenerationRequest
 
+# add_request's refusal when the engine's waiting queue is full (a server's 429): retry later.
+EngineOverloadedError = _C.EngineOverloadedError
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -27,6 +30,7 @@ __all__ = [
     "ContinuousBatchingEngine",
     "GenerationRequest",
     "SamplingParams",
+    "EngineOverloadedError",
     "KVCache",
     "reset_all_caches",
     "RequestOutput",

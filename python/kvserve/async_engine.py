@@ -6,98 +6,223 @@ their outputs (vLLM's EngineCore / AsyncLLM shape).
         print(out.outputs[0].delta_text, end="")
 
 Cancelling the task that iterates generate() (or closing the generator early) aborts the request
-and frees its KV blocks. Any number of event loops and threads may submit at once: the C++
-engine validates a request in the caller's thread (bad input raises there) and queues it for the
-owner thread's next step.
+and frees its KV blocks. Any number of event loops and threads may submit at once: tokenizing,
+validating and queueing a request (and loading its LoRA adapter) run in a worker thread, so an
+event loop never waits on them; bad input raises there.
+
+Backpressure: a request's outputs go through a channel that holds at most one pending update.
+A step's output merges into the unread one (deltas concatenated, the rest the latest), so a
+consumer that reads slowly costs memory for the text it has not read, not a copy of its output
+per step; one that leaves an update unread for more than max_stream_lag seconds is aborted.
+
+Failures: a step that raises ends its requests with finish_reason "error" (RequestOutput.error
+says why); `healthy` turns False after max_consecutive_failures failed steps in a row, or when the
+owner thread has died, whose requests then end with an error too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import sys
 import threading
+import time
 import traceback
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 from kvserve.engine import LLMEngine, SamplingParams
 from kvserve.lora_serving import LoRARequest
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import CompletionOutput, RequestOutput
+
+# Seconds a stream's update may wait unread before its request is aborted (a client that stopped
+# reading, or reads far slower than the engine writes).
+DEFAULT_MAX_STREAM_LAG = 30.0
+# Failed steps in a row after which the engine reports itself unhealthy.
+DEFAULT_MAX_CONSECUTIVE_FAILURES = 3
 
 
-@dataclass
-class _Stream:
-    """Where one request's outputs go: a queue owned by the event loop that awaits them."""
+def merge_outputs(pending: RequestOutput, new: RequestOutput, delta: bool) -> RequestOutput:
+    """One update for a consumer that has not read `pending` yet: the deltas of both, and the
+    rest as of `new` (delta: text, token_ids and logprobs are deltas too)."""
+    by_index = {c.index: c for c in pending.outputs}
+    merged = []
+    for c in new.outputs:
+        old = by_index.pop(c.index, None)
+        if old is None:
+            merged.append(c)
+            continue
+        logprobs = c.logprobs
+        if delta and old.logprobs is not None:
+            logprobs = old.logprobs + (c.logprobs or [])
+        merged.append(CompletionOutput(
+            c.index, old.text + c.text if delta else c.text,
+            old.token_ids + c.token_ids if delta else c.token_ids, c.finish_reason,
+            old.delta_text + c.delta_text, old.new_token_ids + c.new_token_ids, logprobs))
+    merged.extend(by_index.values())  # samples this step did not touch
+    merged.sort(key=lambda c: c.index)
+    return RequestOutput(new.request_id, new.prompt, new.prompt_token_ids, merged, new.finished,
+                         new.metrics, new.num_cached_tokens, new.error or pending.error)
 
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+
+class _Channel:
+    """One request's pending update. The owner thread writes it under the engine's lock; the
+    event loop that awaits it is woken through `ready`, which only that loop touches."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, delta: bool, n: int):
+        self.loop = loop
+        self.delta = delta
+        self.n = n  # samples of the request
+        self.ready = asyncio.Event()
+        self.pending: RequestOutput | None = None
+        self.since = 0.0  # time.monotonic() when `pending` appeared unread
+        self.lagging = False  # aborted for falling behind
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for queue, out in items:
-        queue.put_nowait(out)
+def _wake(channels: list[_Channel]) -> None:
+    for channel in channels:
+        channel.ready.set()
+
+
+class RequestStream:
+    """The outputs of one submitted request (AsyncLLMEngine.add_request): iterate it, or close it
+    to abort the request."""
+
+    def __init__(self, engine: "AsyncLLMEngine", request_id: str, channel: _Channel):
+        self.engine, self.request_id, self._channel = engine, request_id, channel
+        self.finished = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            out = await self.engine._next_output(self.request_id, self._channel)
+        except BaseException:  # cancelled: the consumer is gone
+            await self.aclose()
+            raise
+        if out.finished:
+            self.finished = True
+            self.engine._forget(self.request_id)
+        return out
+
+    async def aclose(self) -> None:
+        """Aborts the request if it has not finished (its blocks are freed by the next step)."""
+        if not self.finished:
+            self.finished = True
+            self.engine._forget(self.request_id)
+            self.engine.engine.abort_request(self.request_id)
+            self.engine._wakeup.set()
 
 
 class AsyncLLMEngine:
     """An LLMEngine served by a background thread.
 
-    Args: model (a checkpoint directory) or an LLMEngine, and LLMEngine's keyword arguments.
+    Args: model (a checkpoint directory) or an LLMEngine; max_stream_lag (seconds an update may
+    wait unread before its request is aborted; 0: never); max_consecutive_failures (failed steps
+    in a row that make `healthy` False); and LLMEngine's keyword arguments.
     """
 
-    def __init__(self, model: str | Path | LLMEngine, **engine_kwargs):
+    def __init__(self, model: str | Path | LLMEngine, *,
+                 max_stream_lag: float = DEFAULT_MAX_STREAM_LAG,
+                 max_consecutive_failures: int = DEFAULT_MAX_CONSECUTIVE_FAILURES,
+                 **engine_kwargs):
+        if not max_stream_lag >= 0:
+            raise ValueError(f"max_stream_lag must be >= 0 seconds, got {max_stream_lag!r}")
+        if not isinstance(max_consecutive_failures, int) or max_consecutive_failures < 1:
+            raise ValueError("max_consecutive_failures must be a positive integer, got "
+                             f"{max_consecutive_failures!r}")
         if isinstance(model, LLMEngine):
             self.engine = model
         else:
             engine_kwargs.setdefault("log_memory_plan", False)
             self.engine = LLMEngine(model, **engine_kwargs)
-        self._streams: dict[str, _Stream] = {}  # under _lock
+        self.max_stream_lag = max_stream_lag
+        self.max_consecutive_failures = max_consecutive_failures
+        self._channels: dict[str, _Channel] = {}  # under _lock
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._stopped = False
         self._ids = itertools.count()
-        self.errors: list[BaseException] = []  # steps that raised (their requests were aborted)
+        # The last failed steps, as (time.monotonic(), "Type: message"): bounded, and holding no
+        # traceback (whose frames would keep a step's tensors alive).
+        self.errors: collections.deque[tuple[float, str]] = collections.deque(maxlen=32)
+        self.num_failed_steps = 0
+        self.num_consecutive_failures = 0
+        self.num_lagging_aborts = 0  # requests aborted because their consumer fell behind
         self._thread = threading.Thread(target=self._serve, name="kvserve-engine", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------------------ clients
+    async def add_request(self, prompt: str | list[int],
+                          sampling_params: SamplingParams | None = None,
+                          request_id: str | None = None, priority: int = 0,
+                          lora: LoRARequest | None = None,
+                          output_kind: str = "cumulative") -> RequestStream:
+        """Submits a request and returns the stream of its outputs. Tokenizing, validating and
+        (for a LoRA adapter's first request) loading the adapter run in a worker thread. Raises
+        ValueError / TypeError for bad input, kvserve.EngineOverloadedError when the engine's
+        waiting queue is full, RuntimeError when the engine is shut down or has died."""
+        if self._stopped or not self._thread.is_alive():
+            raise RuntimeError("the engine is shut down" if self._stopped else
+                               "the engine thread has died")
+        request_id = f"async-{next(self._ids)}" if request_id is None else request_id
+        channel = _Channel(asyncio.get_running_loop(), output_kind == "delta",
+                           sampling_params.n if isinstance(sampling_params, SamplingParams) else 1)
+        with self._lock:
+            if request_id in self._channels:
+                raise ValueError(f"request id '{request_id}' is already in use")
+            self._channels[request_id] = channel
+        withdrawn = threading.Event()
+
+        def submit() -> None:
+            self.engine.add_request(request_id, prompt, sampling_params, priority=priority,
+                                    lora=lora, output_kind=output_kind)
+            if withdrawn.is_set():  # the caller gave up while this ran: take it back
+                self.engine.abort_request(request_id)
+
+        try:
+            await asyncio.to_thread(submit)
+        except BaseException:
+            self._forget(request_id)
+            # Cancelled while the worker may still add it: whichever of the two sees the request
+            # in the engine second aborts it (an abort of an unknown id is a no-op).
+            withdrawn.set()
+            self.engine.abort_request(request_id)
+            raise
+        self._wakeup.set()
+        return RequestStream(self, request_id, channel)
+
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0,
-                       lora: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
-        """Streams the request's outputs, one per step that produced text, the last with
-        finished=True. Raises ValueError / TypeError for bad input before yielding anything.
-        lora: the LoRA adapter it runs with (an engine made with enable_lora); its first use
-        loads it, which waits for the running step."""
-        if self._stopped:
-            raise RuntimeError("the engine is shut down")
-        request_id = f"async-{next(self._ids)}" if request_id is None else request_id
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        with self._lock:
-            if request_id in self._streams:
-                raise ValueError(f"request id '{request_id}' is already in use")
-            self._streams[request_id] = stream
-        finished = False
+                       lora: LoRARequest | None = None,
+                       output_kind: str = "cumulative") -> AsyncIterator[RequestOutput]:
+        """Streams the request's outputs, one per update that produced text, the last with
+        finished=True (updates the consumer was too slow to read apart are merged). Raises
+        as add_request before yielding anything."""
+        stream = await self.add_request(prompt, sampling_params, request_id, priority, lora,
+                                        output_kind)
         try:
-            self.engine.add_request(request_id, prompt, sampling_params, priority=priority,
-                                    lora=lora)
-            self._wakeup.set()
-            while not finished:
-                out = await stream.queue.get()
-                finished = out.finished
+            async for out in stream:
                 yield out
         finally:
-            with self._lock:
-                self._streams.pop(request_id, None)
-            if not finished:  # cancelled, closed early, or add_request raised
-                self.engine.abort_request(request_id)
-                self._wakeup.set()
+            await stream.aclose()
 
     async def abort(self, request_id: str) -> bool:
         """Stops a request; its stream ends with finish_reason "abort"."""
         aborted = self.engine.abort_request(request_id)
         self._wakeup.set()
         return aborted
+
+    @property
+    def healthy(self) -> bool:
+        """False when the owner thread has died or the last max_consecutive_failures steps all
+        failed (a step that succeeds makes it True again)."""
+        return (self._thread.is_alive() and
+                self.num_consecutive_failures < self.max_consecutive_failures)
 
     def get_stats(self):
         return self.engine.get_stats()
@@ -108,7 +233,7 @@ class AsyncLLMEngine:
         self._wakeup.set()
         self._thread.join()
         with self._lock:
-            ids = list(self._streams)
+            ids = list(self._channels)
         for request_id in ids:
             self.engine.abort_request(request_id)
         while self.engine.has_unfinished_requests():
@@ -120,33 +245,94 @@ class AsyncLLMEngine:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
+    # ------------------------------------------------------------------------------ channels
+    async def _next_output(self, request_id: str, channel: _Channel) -> RequestOutput:
+        while True:
+            await channel.ready.wait()
+            with self._lock:
+                out, channel.pending = channel.pending, None
+            channel.ready.clear()  # only this loop sets it, in a callback: no wake-up is lost
+            if out is not None:
+                return out
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._channels.pop(request_id, None)
+
     # ------------------------------------------------------------------------------ owner thread
     def _serve(self) -> None:
-        while not self._stopped:
-            if not self.engine.has_unfinished_requests():
-                self._wakeup.wait(timeout=0.5)
-                self._wakeup.clear()  # a submit after this sees has_unfinished_requests() true
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception as error:  # the step's requests were aborted; keep serving
-                self.errors.append(error)
-                traceback.print_exc(file=sys.stderr)
-                continue
-            self._deliver(outputs)
+        try:
+            while not self._stopped:
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait(timeout=0.5)
+                    self._wakeup.clear()  # a submit after this sees has_unfinished_requests()
+                    continue
+                try:
+                    outputs = self.engine.step()
+                except Exception as error:  # its requests end with an error at the next step
+                    self.num_failed_steps += 1
+                    self.num_consecutive_failures += 1
+                    self.errors.append((time.monotonic(), f"{type(error).__name__}: {error}"))
+                    traceback.print_exc(file=sys.stderr)
+                    del error
+                    continue
+                self.num_consecutive_failures = 0
+                self._deliver(outputs)
+        except BaseException as error:  # the thread dies: nobody would ever answer its streams
+            self._fail_all(f"the engine thread died: {type(error).__name__}: {error}")
+            raise
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hands a step's outputs to their event loops: one wake-up per loop per step, not per
-        output (a server's step carries hundreds)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        """Merges a step's outputs into their channels and wakes each event loop once for the
+        channels that became readable (a server's step carries hundreds of outputs)."""
+        now = time.monotonic()
+        wake: dict[asyncio.AbstractEventLoop, list[_Channel]] = {}
+        lagging = []
         with self._lock:
             for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    by_loop.setdefault(stream.loop, []).append((stream.queue, out))
-        for loop, items in by_loop.items():
+                channel = self._channels.get(out.request_id)
+                if channel is None:
+                    continue
+                if channel.pending is None:
+                    channel.pending, channel.since = out, now
+                    wake.setdefault(channel.loop, []).append(channel)
+                    continue
+                channel.pending = merge_outputs(channel.pending, out, channel.delta)
+                if (not out.finished and not channel.lagging and self.max_stream_lag > 0
+                        and now - channel.since > self.max_stream_lag):
+                    channel.lagging = True
+                    lagging.append(out.request_id)
+        for loop, channels in wake.items():
             try:
-                loop.call_soon_threadsafe(_put_all, items)
+                loop.call_soon_threadsafe(_wake, channels)
             except RuntimeError:  # that event loop is closed: nobody awaits these requests
-                for _, out in items:
-                    self.engine.abort_request(out.request_id)
+                for channel in channels:
+                    lagging.append(channel.pending.request_id)
+        for request_id in lagging:
+            self.num_lagging_aborts += 1
+            self.engine.abort_request(request_id)
+
+    def _fail_all(self, message: str) -> None:
+        """Ends every stream with an error (the owner thread is gone)."""
+        with self._lock:
+            channels = list(self._channels.items())
+        outputs = []
+        for request_id, channel in channels:
+            self.engine.abort_request(request_id)
+            outputs.append(RequestOutput(
+                request_id, None, [],
+                [CompletionOutput(i, "", [], "error") for i in range(channel.n)],
+                True, None, 0, message))
+        with self._lock:
+            for out in outputs:
+                channel = self._channels.get(out.request_id)
+                if channel is not None:  # replaces whatever was unread: the stream ends now
+                    channel.pending, channel.since = out, time.monotonic()
+        by_loop: dict[asyncio.AbstractEventLoop, list[_Channel]] = {}
+        for _, channel in channels:
+            by_loop.setdefault(channel.loop, []).append(channel)
+        for loop, group in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_wake, group)
+            except RuntimeError:
+                pass

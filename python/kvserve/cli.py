@@ -169,6 +169,7 @@ def _distill(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     try:
+        from kvserve.server.limits import ServerLimits
         from kvserve.server.serve import serve
     except ImportError as e:
         raise ValueError(f"serve needs the server's packages ({e.name} is missing): "
@@ -188,8 +189,44 @@ def _serve(args: argparse.Namespace) -> int:
           num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching,
           device=args.device, enforce_eager=args.enforce_eager,
           lora_modules=_lora_modules(args.lora_modules), max_loras=args.max_loras,
-          max_lora_rank=args.max_lora_rank, **speculation)
+          max_lora_rank=args.max_lora_rank,
+          limits=ServerLimits(**_given(args, "max_body_bytes", "max_prompts_per_request",
+                                       "max_prompt_chars")),
+          enable_docs=args.enable_docs, **speculation,
+          **_given(args, "max_waiting_requests", "max_stop_strings", "max_stop_string_length",
+                   "max_stream_lag"))
     return 0
+
+
+def _given(args: argparse.Namespace, *names: str) -> dict:
+    """The options among `names` given on the command line (the others keep their defaults)."""
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+
+
+def _add_serve_limits(v: argparse.ArgumentParser) -> None:
+    """What one client may cost the server; the defaults are ServerLimits', the engine's and
+    AsyncLLMEngine's (docs/serving.md lists them)."""
+    g = v.add_argument_group("limits", "what one client may cost the server (0: no limit "
+                             "where noted)")
+    g.add_argument("--max-body-bytes", type=int,
+                   help="a request body at most; 413 past it (default 16 MiB)")
+    g.add_argument("--max-prompts-per-request", type=int,
+                   help="prompts in one completions call (default 128)")
+    g.add_argument("--max-prompt-chars", type=int,
+                   help="characters of a call's prompts or messages before tokenizing "
+                   "(default 1,000,000)")
+    g.add_argument("--max-waiting-requests", type=int,
+                   help="requests waiting to run; past it 429 with Retry-After (default 1024; "
+                   "0: no limit)")
+    g.add_argument("--max-stop-strings", type=int,
+                   help="stop strings of a request (default 64; 0: no limit)")
+    g.add_argument("--max-stop-string-length", type=int,
+                   help="characters of one stop string (default 1024; 0: no limit)")
+    g.add_argument("--max-stream-lag", type=float,
+                   help="seconds a client may leave an update unread before its request is "
+                   "aborted (default 30; 0: never)")
+    g.add_argument("--enable-docs", action="store_true",
+                   help="serve /docs and /openapi.json (behind --api-key)")
 
 
 def _lora_modules(specs: list[str] | None) -> dict[str, str]:
@@ -347,6 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     vspec.add_argument("--speculative-model", metavar="DIR")
     vspec.add_argument("--ngram", action="store_true")
     v.add_argument("--num-speculative-tokens", type=int, default=None)
+    _add_serve_limits(v)
     v.set_defaults(func=_serve)
     c = sub.add_parser("convert", help="write another format's checkpoint as a Hugging Face dir")
     add_llama2c_parser(c.add_subparsers(dest="format", required=True))

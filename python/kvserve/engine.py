@@ -58,9 +58,22 @@ class _Request:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    # params.stop, read once: every read of the C++ field copies its strings.
+    stop: tuple[str, ...] = ()
+    delta: bool = False  # output_kind "delta": outputs carry only what is new
     samples: dict[int, _Sample] = field(default_factory=dict)
     final_metrics: object = None  # set when stop strings finished it (the engine forgot it)
     lora: str | None = None  # the adapter's name (LoRAManager), released when it finishes
+
+    @property
+    def stop_holdback(self) -> int:
+        """Characters of a running sample's text held back: they could start a stop string."""
+        if not self.stop or self.params.include_stop_str_in_output:
+            return 0
+        return max(len(s) for s in self.stop) - 1
+
+
+OUTPUT_KINDS = ("cumulative", "delta")
 
 
 def check_device(device: str | torch.device) -> torch.device:
@@ -139,6 +152,10 @@ class LLMEngine:
         enable_lora: serve LoRA adapters per request without merging them
             (kvserve.lora_serving): up to max_loras adapters in the model at once, each of rank
             up to max_lora_rank per projection; add_request(..., lora=LoRARequest(name, path)).
+        max_stop_strings, max_stop_string_length: a request's stop strings at most, and a stop
+            string's characters at most (0: no limit); max_waiting_requests:
+            requests waiting to run at most, add_request past it raises
+            kvserve.EngineOverloadedError (0, the default: no limit).
     """
 
     def __init__(self, model: str | Path, dtype: str | torch.dtype = "auto",
@@ -153,7 +170,9 @@ class LLMEngine:
                  prompt_lookup_max: int = 4, speculative_disable_batch_size: int | None = None,
                  speculative_max_verify_tokens: int | None = None,
                  log_memory_plan: bool = True, enforce_eager: bool = False,
-                 enable_lora: bool = False, max_loras: int = 4, max_lora_rank: int = 16):
+                 enable_lora: bool = False, max_loras: int = 4, max_lora_rank: int = 16,
+                 max_stop_strings: int = 64, max_stop_string_length: int = 1024,
+                 max_waiting_requests: int = 0):
         device = check_device(device)
         info = load_checkpoint_info(model)
         self.model_dir = Path(model)
@@ -204,7 +223,9 @@ class LLMEngine:
             max_logprobs=max_logprobs, speculative=speculative,
             kv_cache_dtype=self.kv_cache_dtype,
             cuda_graph_max_batch=(0 if enforce_eager or device.type != "cuda"
-                                  else min(max_num_seqs, CUDA_GRAPH_MAX_BATCH)))
+                                  else min(max_num_seqs, CUDA_GRAPH_MAX_BATCH)),
+            max_stop_strings=max_stop_strings, max_stop_string_length=max_stop_string_length,
+            max_waiting_requests=max_waiting_requests)
         self.engine = _C.ContinuousBatchingEngine(self.model, config, self.draft_model)
         self.lora_manager = (LoRAManager(self.engine, self.model, info.config, max_loras,
                                          max_lora_rank) if enable_lora else None)
@@ -292,10 +313,16 @@ class LLMEngine:
     # ------------------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, arrival_time: float | None = None,
-                    priority: int = 0, lora: LoRARequest | None = None) -> None:
+                    priority: int = 0, lora: LoRARequest | None = None,
+                    output_kind: str = "cumulative") -> None:
         """Queues a prompt (text, or token ids), with a LoRA adapter if given (an engine made
-        with enable_lora). Raises ValueError / TypeError for bad input; the engine keeps serving
-        the other requests."""
+        with enable_lora). output_kind "cumulative": each output's text, token_ids and logprobs
+        are everything so far; "delta": only what the step added (a server streaming a long
+        output copies nothing per step). Raises ValueError / TypeError for bad input, and
+        kvserve.EngineOverloadedError when max_waiting_requests requests already wait; the
+        engine keeps serving the other requests."""
+        if output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {output_kind!r}")
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
         if request_id in self._requests:
@@ -315,8 +342,9 @@ class LLMEngine:
                 if lora is not None:
                     self.lora_manager.release(lora.name)
                 raise ValueError(f"request id '{request_id}' is already in use")
-            self._requests[request_id] = _Request(text, ids, params,
-                                                  lora=lora.name if lora is not None else None)
+            self._requests[request_id] = _Request(
+                text, ids, params, tuple(params.stop), output_kind == "delta",
+                lora=lora.name if lora is not None else None)
         try:
             self.engine.add_request(request_id, ids, params, arrival_time, priority,
                                     lora_slot=slot, lora_key=key)
@@ -379,26 +407,55 @@ class LLMEngine:
         # the others' tokens arrive at once in their final output.
         for raw in self.engine.step(final_only):
             with self._lock:
-                request = self._requests[raw.request_id]
-            if final_only:
-                for o in raw.outputs:
-                    self._record_tokens(raw.request_id, request, o)
-                if len(raw.outputs) < request.params.n or any(
-                        self._sample(request, o.index).finish_reason is None for o in raw.outputs):
-                    continue
-            completions = [self._update_sample(raw.request_id, request, o, recorded=final_only)
-                           for o in raw.outputs]
-            finished = all(c.finished for c in completions) and len(completions) == request.params.n
-            metrics = request.final_metrics if request.final_metrics is not None else raw.metrics
-            outputs.append(RequestOutput(raw.request_id, request.prompt, request.prompt_token_ids,
-                                         completions, finished, metrics, raw.num_cached_tokens,
-                                         raw.error))
-            if finished:
-                with self._lock:
-                    del self._requests[raw.request_id]
-                if request.lora is not None:
-                    self.lora_manager.release(request.lora)
+                request = self._requests.get(raw.request_id)
+            if request is None:  # a stop string finished it before this abort's output came
+                continue
+            try:
+                out = self._output(raw, request, final_only)
+            except Exception as error:  # one bad output never discards the step's others
+                out = self._fail(raw.request_id, request, error)
+            if out is not None:
+                outputs.append(out)
         return outputs
+
+    def _output(self, raw, request: _Request, final_only: bool) -> RequestOutput | None:
+        """The RequestOutput of one request's raw step output (None: nothing to report yet)."""
+        if final_only:
+            for o in raw.outputs:
+                self._record_tokens(raw.request_id, request, o)
+            if len(raw.outputs) < request.params.n or any(
+                    self._sample(request, o.index).finish_reason is None for o in raw.outputs):
+                return None
+        completions = [self._update_sample(raw.request_id, request, o, recorded=final_only)
+                       for o in raw.outputs]
+        finished = all(c.finished for c in completions) and len(completions) == request.params.n
+        metrics = request.final_metrics if request.final_metrics is not None else raw.metrics
+        out = RequestOutput(raw.request_id, request.prompt, request.prompt_token_ids,
+                            completions, finished, metrics, raw.num_cached_tokens, raw.error)
+        if finished:
+            self._forget(raw.request_id, request)
+        return out
+
+    def _fail(self, request_id: str, request: _Request, error: Exception) -> RequestOutput:
+        """Ends a request whose output could not be built with finish_reason "error" (the engine
+        aborts it; that abort's output, when it comes, finds the request gone)."""
+        self.engine.abort_request(request_id)
+        completions = []
+        for index in range(request.params.n):
+            sample = self._sample(request, index)
+            sample.finish_reason = "error"
+            completions.append(CompletionOutput(index, "", [], "error"))
+        self._forget(request_id, request)
+        return RequestOutput(request_id, request.prompt, request.prompt_token_ids, completions,
+                             True, request.final_metrics, 0,
+                             f"building this request's output failed: "
+                             f"{type(error).__name__}: {error}")
+
+    def _forget(self, request_id: str, request: _Request) -> None:
+        with self._lock:
+            self._requests.pop(request_id, None)
+        if request.lora is not None:
+            self.lora_manager.release(request.lora)
 
     def _sample(self, request: _Request, index: int) -> _Sample:
         sample = request.samples.get(index)
@@ -417,7 +474,7 @@ class LLMEngine:
         sample.token_ids.extend(raw.new_token_ids)
         sample.logprobs.extend(raw.new_logprobs)
         sample.finish_reason = raw.finish_reason
-        if request.params.stop:
+        if request.stop:
             self._detokenize(request_id, request, sample, raw.index)
 
     def _detokenize(self, request_id: str, request: _Request, sample: _Sample, index: int,
@@ -432,6 +489,9 @@ class LLMEngine:
             sample.detokenizer.add_all(new_ids)
         else:
             sample.detokenizer.add(new_ids)
+        if sample.finish_reason is not None:  # the engine ended it: nothing more to wait for
+            step_delta = sample.detokenizer.last_delta
+            sample.detokenizer.last_delta = step_delta + sample.detokenizer.flush()
         self._match_stop_strings(request_id, request, sample, index)
 
     def _update_sample(self, request_id: str, request: _Request, raw,
@@ -446,32 +506,31 @@ class LLMEngine:
         text = sample.detokenizer.text if sample.detokenizer is not None else ""
         # While running, hold back what could be the start of a stop string.
         visible = len(text) if sample.finish_reason else max(
-            sample.emitted, len(text) - self._stop_holdback(request.params))
+            sample.emitted, len(text) - request.stop_holdback)
         delta = text[sample.emitted:visible]
         sample.emitted = visible
-        logprobs = (sample.logprobs[:len(sample.token_ids)]
-                    if request.params.logprobs is not None else None)
+        want_logprobs = request.params.logprobs is not None
+        if request.delta:
+            logprobs = (sample.logprobs[len(sample.token_ids) - len(new_ids):len(sample.token_ids)]
+                        if want_logprobs else None)
+            return CompletionOutput(raw.index, delta, new_ids, sample.finish_reason, delta,
+                                    new_ids, logprobs)
+        logprobs = sample.logprobs[:len(sample.token_ids)] if want_logprobs else None
         return CompletionOutput(raw.index, text[:visible] if not sample.finish_reason else text,
                                 list(sample.token_ids), sample.finish_reason, delta, new_ids,
                                 logprobs)
-
-    @staticmethod
-    def _stop_holdback(params: SamplingParams) -> int:
-        if not params.stop or params.include_stop_str_in_output:
-            return 0
-        return max(len(s) for s in params.stop) - 1
 
     def _match_stop_strings(self, request_id, request: _Request, sample: _Sample,
                             index: int) -> None:
         """Ends the sample at the first stop string in its text (searching only where new text
         could complete one); the stop string is cut unless include_stop_str_in_output."""
         params = request.params
-        if not params.stop:
+        if not request.stop:
             return
         detok = sample.detokenizer
-        longest = max(len(s) for s in params.stop)
+        longest = max(len(s) for s in request.stop)
         start = max(0, len(detok.text) - len(detok.last_delta) - longest + 1)
-        found = [(detok.text.find(s, start), s) for s in params.stop]
+        found = [(detok.text.find(s, start), s) for s in request.stop]
         found = [(pos, s) for pos, s in found if pos >= 0]
         if not found:
             return

@@ -10,6 +10,10 @@ from tokenizers import Tokenizer as _HFTokenizer
 # Prompt tokens decoded along with a continuation; enough to settle spaces and multi-byte
 # characters at the boundary (vLLM's detokenizer uses 5).
 _CONTEXT_TOKENS = 6
+# Tokens a running output may hold back while its text ends in U+FFFD (an incomplete UTF-8
+# character, or a literal replacement character): a character spans at most 4 byte tokens, so
+# past this the window stops growing (each step decodes it: unbounded, a step would cost O(L)).
+_MAX_HELD_TOKENS = 8
 
 
 class Tokenizer:
@@ -61,7 +65,8 @@ class IncrementalDetokenizer:
 
     Decodes a short window (a few tokens already shown + the new ones) rather than the whole
     output, and holds back text that ends in an incomplete UTF-8 character (U+FFFD) until the
-    next token completes it (the scheme of vLLM's detokenizer)."""
+    next token completes it (the scheme of vLLM's detokenizer), for at most _MAX_HELD_TOKENS
+    tokens; flush() releases what is held when the output ends."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
         self._tok = tokenizer
@@ -74,13 +79,34 @@ class IncrementalDetokenizer:
         """Appends generated tokens; returns the text they complete (possibly "")."""
         self._ids.extend(token_ids)
         self.last_delta = ""
+        held = len(self._ids) - self._read_offset
         shown = self._tok.decode(self._ids[self._prefix_offset:self._read_offset])
         full = self._tok.decode(self._ids[self._prefix_offset:])
-        if len(full) <= len(shown) or full.endswith("\ufffd") or not full.startswith(shown):
+        if held <= _MAX_HELD_TOKENS and (len(full) <= len(shown) or full.endswith("\ufffd")
+                                         or not full.startswith(shown)):
             return ""
-        delta = full[len(shown):]
+        return self._emit(shown, full)
+
+    def flush(self) -> str:
+        """The output ended: returns (and adds to text) whatever is still held back, as a
+        decode of the whole output would show it (U+FFFD for an incomplete character)."""
+        self.last_delta = ""
+        if self._read_offset == len(self._ids):
+            return ""
+        shown = self._tok.decode(self._ids[self._prefix_offset:self._read_offset])
+        full = self._tok.decode(self._ids[self._prefix_offset:])
+        return self._emit(shown, full)
+
+    def _emit(self, shown: str, full: str) -> str:
+        """Takes the window's text past `shown` as shown (where the boundary changed the text
+        before it, what follows the common prefix)."""
+        delta = full[len(_common_prefix(shown, full)):]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
+        if self._prefix_offset > 4 * _CONTEXT_TOKENS:  # the ids list as short as the window
+            del self._ids[:self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
         self.text += delta
         self.last_delta = delta
         return delta
@@ -99,11 +125,16 @@ class IncrementalDetokenizer:
                 self.add([t])
             self.last_delta = self.text[start:]
             return self.last_delta
-        delta = full[len(shown):]
         self._ids.extend(token_ids)
         # As after add() of the last token: the window restarts at the last few tokens.
-        self._prefix_offset = max(self._read_offset, len(self._ids) - _CONTEXT_TOKENS)
-        self._read_offset = len(self._ids)
-        self.text += delta
-        self.last_delta = delta
-        return delta
+        self._read_offset = max(self._read_offset, len(self._ids) - _CONTEXT_TOKENS)
+        return self._emit(shown, full)
+
+
+def _common_prefix(a: str, b: str) -> str:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return a[:n]

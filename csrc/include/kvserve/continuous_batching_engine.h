@@ -46,7 +46,11 @@ class ContinuousBatchingEngine {
   /// or duplicate id (of an unfinished request), an empty prompt, a token id outside the
   /// vocabulary, invalid params (n, logprobs beyond max_logprobs or the vocabulary), an
   /// arrival_time that is not finite or lies in the future, or a request that could never fit:
-  /// prompt + max_tokens beyond max_model_len, or its n samples at full length beyond the pool.
+  /// prompt + max_tokens beyond max_model_len, or its n samples at full length beyond the pool,
+  /// more stop strings than config.max_stop_strings, a stop token id outside the vocabulary or
+  /// more of them than it has entries, or a stop string longer
+  /// than config.max_stop_string_length characters. Throws EngineOverloaded when
+  /// config.max_waiting_requests requests already wait (the request itself is valid).
   /// lora_slot: the LoRA adapter its tokens run with (a slot of set_lora; -1: the base model);
   /// lora_key: salts its prefix-cache hashes, so that requests share cached blocks only with
   /// requests of the same adapter (0: the base model's; one key per adapter ever loaded, not per
@@ -68,7 +72,8 @@ class ContinuousBatchingEngine {
 
   /// Runs one iteration: schedule -> execute -> update_from_output. Returns every request that
   /// produced tokens or finished in it, aborted ones included. If the forward throws, the step's
-  /// requests are aborted and the exception propagates; the engine keeps serving the others.
+  /// requests end with finish_reason "error" (RequestOutput::error says why; reported by the
+  /// next step) and the exception propagates; the engine keeps serving the others.
   /// Requests that can never be scheduled (nothing runs for two steps in a row while they wait)
   /// finish with finish_reason "error" instead of waiting forever.
   /// finished_only: report only the requests that finished, aborted ones included, and those
@@ -83,10 +88,17 @@ class ContinuousBatchingEngine {
   /// Ends one sample of a running request with `reason` (e.g. "stop" when the caller matched a
   /// stop string in its text) and frees its blocks; the request finishes with its last sample,
   /// silently (the caller already knows). Returns the request's metrics, with finished_time set
-  /// when this finished it. Owner thread only. Throws std::out_of_range for an unknown request
-  /// or index; a no-op for a sample that already finished.
+  /// when this finished it. Owner thread only. A no-op returning the metrics for a sample that
+  /// already finished, and for a request aborted since the last step (another thread's abort
+  /// may land between step() and the caller's post-processing; its abort output still comes
+  /// from the next step). Throws std::out_of_range for an unknown request or index.
   RequestMetrics finish_completion(const std::string& request_id, int64_t index,
                                    const std::string& reason);
+
+  /// Fault injection (the serving chaos tests): the next `count` steps that run a forward fail
+  /// as if the forward threw, through the same path (their requests end with an error, the
+  /// exception propagates). Thread-safe; 0 clears it. Throws std::invalid_argument for count < 0.
+  void inject_step_failures(int64_t count);
 
   /// Counters, gauges and latency histograms (thread-safe, O(1): nothing per request).
   EngineStats get_stats() const;
@@ -142,12 +154,18 @@ class ContinuousBatchingEngine {
   void apply_commands();  ///< owner: under step_mutex_
   void admit(std::unique_ptr<Request> request);
   void abort_now(const std::string& request_id);
-  /// The final outputs of requests aborted since the last step (each reported once).
+  /// Ends every unfinished sample of `request` with `reason` (`error`: why), counts it and moves
+  /// it to aborted_, whose outputs the next step reports; its id stays in use until then.
+  void end_request(const std::string& request_id, const std::string& reason,
+                   const std::string& error);
+  /// The final outputs of requests aborted since the last step (each reported once); their ids
+  /// are free again.
   std::vector<RequestOutput> take_aborted_outputs();
   /// Records first-scheduled times and builds the step's sampling targets; a prompt whose n > 1
   /// samples start now gets its samples' completions (forked in the scheduler after the step).
   StepSamples plan_samples(const SchedulerOutput& work);
-  /// runner_.execute; if it throws, aborts the step's requests and drops the prefix cache.
+  /// runner_.execute; if it throws, ends the step's requests with an error and drops the prefix
+  /// cache.
   ModelRunnerOutput execute(const SchedulerOutput& work, const StepSamples& samples);
   void update_from_output(const SchedulerOutput& work, const StepSamples& samples,
                           const ModelRunnerOutput& result, std::vector<RequestOutput>& outputs,
@@ -163,8 +181,8 @@ class ContinuousBatchingEngine {
   void count_speculation(Request& request, const SampledTokens& sampled);
   bool all_finished(const Request& request) const;
   RequestOutput make_output(Request& request) const;
-  /// Stamps finished_time, counts the request in the stats and forgets it.
-  void retire(Request& request, double finished_time);
+  /// Stamps finished_time, counts the request in the stats and (release_id) frees its id.
+  void retire(Request& request, double finished_time, bool release_id = true);
   void publish_stats();
 
   std::shared_ptr<CausalLM> model_;
@@ -183,12 +201,15 @@ class ContinuousBatchingEngine {
   uint64_t next_mark_ = 0;
   int64_t num_idle_steps_ = 0;
   EngineStats stats_;
+  std::atomic<int64_t> num_injected_failures_{0};
 
   // Shared with other threads, under inbox_mutex_.
   mutable std::mutex inbox_mutex_;
   std::deque<Command> inbox_;
-  std::unordered_set<std::string> live_ids_;  ///< queued or unfinished requests
-  int64_t num_unreported_ = 0;                ///< aborted requests whose output is not out yet
+  /// Queued or unfinished requests, and ended ones whose output is not reported yet (an id
+  /// stays in use until then).
+  std::unordered_set<std::string> live_ids_;
+  std::unordered_set<std::string> unreported_ids_;  ///< ended in end_request, not reported
   EngineStats published_stats_;
 };
 

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <stdexcept>
 #include <vector>
 
 #include "kvserve/speculative_decoder.h"
@@ -29,6 +30,21 @@ struct EngineConfig {
   /// A model on a CUDA device replays CUDA graphs for decode steps of up to this many
   /// sequences (CudaGraphRunner); 0: every step launches its kernels one by one.
   int64_t cuda_graph_max_batch = 0;
+  /// Per request at most this many stop strings (each is matched against every sample's new
+  /// text at every step). 0: no limit. (Stop token ids are bounded by the vocabulary.)
+  int64_t max_stop_strings = 64;
+  /// A stop string's length at most, in characters (Unicode code points). 0: no limit.
+  int64_t max_stop_string_length = 1024;
+  /// Requests queued or waiting to run at most; add_request beyond it throws EngineOverloaded
+  /// (a server's 429). 0: no limit (LLM.generate submits every prompt at once).
+  int64_t max_waiting_requests = 0;
+};
+
+/// add_request's refusal when max_waiting_requests requests already wait: the request is fine,
+/// the engine is busy (kvserve.EngineOverloadedError in Python; retry later).
+class EngineOverloaded : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
 };
 
 }  // namespace kvserve

@@ -40,7 +40,10 @@ struct RequestMetrics {
 /// One sample of a request (index < SamplingParams::n).
 struct CompletionOutput {
   int64_t index = 0;
-  std::vector<int64_t> token_ids;      ///< everything generated so far
+  /// Everything generated, in the output that reports the sample finished; a running sample's
+  /// step outputs leave it empty and carry new_token_ids (a copy of the whole history every
+  /// step made a stream's cost quadratic in its length), as logprobs below.
+  std::vector<int64_t> token_ids;
   std::vector<int64_t> new_token_ids;  ///< generated since the previous step() output
   /// "" while running; "length", "stop", "abort", or "error" (see RequestOutput::error).
   std::string finish_reason;

@@ -4,9 +4,11 @@
     GET /v1/models, GET /health, GET /metrics
 
 Every request runs as engine requests (one per prompt; n samples share it); a client that
-disconnects, streaming or not, aborts them and frees their blocks. Errors use OpenAI's JSON error
-shape: 400 bad parameters or prompts, 401 a wrong or missing API key, 404 an unknown model, 503
-while the model loads.
+disconnects, streaming or not, at any moment after it was accepted, aborts them and frees their
+blocks. Every error is in OpenAI's JSON shape: 400 bad parameters or prompts, 401 a wrong or
+missing API key (checked before the body is read), 404 an unknown model or route, 413 a body
+over the limit, 429 (with Retry-After) when too many requests wait, 500 when the engine failed a
+request (an error event in a stream), 503 while the model loads or when the engine is down.
 """
 
 from __future__ import annotations
@@ -18,12 +20,16 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
+from kvserve import _C
 from kvserve.server.chat_template import ChatTemplate, ChatTemplateError
+from kvserve.server.guard import RequestGuard
+from kvserve.server.limits import ServerLimits
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from kvserve.server.responses import Choices
@@ -37,6 +43,8 @@ class ServerState:
     api_key: str | None = None
     # LoRA adapters served by name (the request's "model"), on an engine made with enable_lora.
     lora_modules: dict = field(default_factory=dict)  # name -> LoRARequest
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    enable_docs: bool = False  # /docs and /openapi.json (behind the API key)
     engine: object = None  # AsyncLLMEngine
     chat_template: ChatTemplate | None = None
     load_error: BaseException | None = None
@@ -53,33 +61,51 @@ class ServerState:
 
 
 def build_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="kvserve", docs_url=None, redoc_url=None)
+    docs = state.enable_docs
+    app = FastAPI(title="kvserve", docs_url="/docs" if docs else None, redoc_url=None,
+                  openapi_url="/openapi.json" if docs else None)
     app.state.kvserve = state
+    app.add_middleware(RequestGuard, api_key=state.api_key,
+                       max_body_bytes=state.limits.max_body_bytes)
+
+    def error_response(e: APIError) -> JSONResponse:
+        state.metrics.rejected(e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return error_response(e)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
         where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
-        return JSONResponse(APIError(400, f"{where}: {first.get('msg', 'invalid request')}",
-                                     param=where).body(), status_code=400)
+        message = first.get("msg", "invalid request")
+        return error_response(APIError(400, f"{where}: {message}" if where else message,
+                                       param=where))
 
-    async def authorize(request: Request) -> None:
-        """The /v1 routes need `Authorization: Bearer KEY` when the server has a key."""
-        if state.api_key is not None and (
-                request.headers.get("authorization") != f"Bearer {state.api_key}"):
-            raise APIError(401, "invalid or missing API key", code="invalid_api_key")
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, e: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+        return error_response(APIError(e.status_code, str(e.detail), code=code.get(e.status_code),
+                                       headers=e.headers))
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, e: Exception):
+        return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}",
+                                       type="internal_error"))
+
+    v1 = APIRouter(prefix="/v1")
 
     @app.get("/health")
     async def health():
-        if state.engine is None:
+        engine = state.engine
+        if engine is None:
             return JSONResponse({"status": "loading" if state.load_error is None else "failed"},
                                 status_code=503)
+        if not engine.healthy:
+            last = engine.errors[-1][1] if engine.errors else "the engine thread has died"
+            return JSONResponse({"status": "unhealthy", "reason": last}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -99,8 +125,9 @@ def build_app(state: ServerState) -> FastAPI:
         _engine(state)
         lora = _check_model(state, body.model)
         body.check_supported()
-        params = _params(body, body.max_tokens, body.logprobs)
         prompts = body.prompts()
+        state.limits.check_prompts(prompts)
+        params = _params(body, body.max_tokens, body.logprobs)
         return await _serve(state, request, "cmpl", "text_completion", body, params, prompts,
                             chat=False, lora=lora)
 
@@ -114,14 +141,13 @@ def build_app(state: ServerState) -> FastAPI:
                                 "tokenizer_config.json; start the server with --chat-template)"
                            if state.chat_template is None else
                            f"model {state.model_name} has no tokenizer to encode messages with")
-        try:
-            text = state.chat_template.render([m.as_template_input() for m in body.messages],
-                                              body.add_generation_prompt)
-        except ChatTemplateError as e:
-            raise APIError(400, str(e), param="messages") from e
-        # The template writes any special tokens itself.
-        prompt = engine.engine.tokenizer.encode(text, add_special_tokens=False)
-        max_tokens = body.max_completion_tokens or body.max_tokens
+        messages = [m.as_template_input() for m in body.messages]
+        state.limits.check_prompts([m["content"] or "" for m in messages
+                                    if isinstance(m["content"], str)], param="messages")
+        # Rendering and tokenizing a long conversation take time: off the event loop.
+        prompt = await asyncio.to_thread(_chat_prompt, state, messages,
+                                         body.add_generation_prompt)
+        max_tokens = body.requested_max_tokens()
         if max_tokens is None:  # the rest of the context
             max_tokens = max(1, engine.engine.max_model_len - len(prompt))
         params = _params(body, max_tokens, body.requested_logprobs())
@@ -133,11 +159,15 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 def _engine(state: ServerState):
-    if state.engine is None:
+    engine = state.engine
+    if engine is None:
         message = ("the model is still loading" if state.load_error is None
                    else f"the model failed to load: {state.load_error}")
         raise APIError(503, message, type="service_unavailable")
-    return state.engine
+    if not engine.healthy:
+        raise APIError(503, "the engine is unhealthy (see /health); retry later",
+                       type="service_unavailable", headers={"Retry-After": "5"})
+    return engine
 
 
 def _check_model(state: ServerState, model: str | None):
@@ -151,6 +181,17 @@ def _check_model(state: ServerState, model: str | None):
                    param="model", code="model_not_found")
 
 
+def _chat_prompt(state: ServerState, messages: list[dict], add_generation_prompt: bool
+                 ) -> list[int]:
+    try:
+        text = state.chat_template.render(messages, add_generation_prompt)
+    except ChatTemplateError as e:
+        raise APIError(400, str(e), param="messages") from e
+    state.limits.check_prompts([text], param="messages")
+    # The template writes any special tokens itself.
+    return state.engine.engine.tokenizer.encode(text, add_special_tokens=False)
+
+
 def _params(body, max_tokens, logprobs):
     try:
         return body.sampling_params(max_tokens, logprobs)
@@ -158,66 +199,67 @@ def _params(body, max_tokens, logprobs):
         raise APIError(400, str(e)) from e
 
 
+async def _submit(state: ServerState, prompts: list, params, request_id: str, chat: bool, lora):
+    """Submits one engine request per prompt (delta outputs); all or none: a refusal aborts
+    the ones already in."""
+    engine = state.engine
+    streams = []
+    try:
+        for i, prompt in enumerate(prompts):
+            streams.append(await engine.add_request(prompt, params, f"{request_id}-{i}",
+                                                    lora=lora, output_kind="delta"))
+    except BaseException as error:
+        for stream in streams:
+            await stream.aclose()
+        if isinstance(error, _C.EngineOverloadedError):
+            retry = str(state.limits.retry_after_seconds)
+            raise APIError(429, str(error), type="rate_limit_error", code="engine_overloaded",
+                           headers={"Retry-After": retry}) from error
+        if isinstance(error, (ValueError, TypeError)):
+            raise APIError(400, str(error), param="messages" if chat else "prompt") from error
+        if isinstance(error, OSError) and lora is not None:
+            raise APIError(500, f"LoRA adapter {lora.name!r} failed to load: {error}",
+                           type="internal_error") from error
+        if isinstance(error, RuntimeError) and not engine.healthy:
+            raise APIError(503, str(error), type="service_unavailable") from error
+        raise
+    return streams
+
+
 async def _serve(state: ServerState, request: Request, prefix: str, object_name: str, body,
                  params, prompts: list, chat: bool, lora=None):
     """Runs the prompts (n samples each) and answers, streamed or whole. Bad prompts are a 400
     before any byte is sent; a disconnect aborts every request of the call."""
-    engine = state.engine
     request_id = f"{prefix}-{uuid.uuid4().hex}"
-    streams = [engine.generate(p, params, f"{request_id}-{i}", lora=lora)
-               for i, p in enumerate(prompts)]
-    # Each stream submits its request at its first step, so all start together; a bad prompt
-    # raises there, and the call's other requests are aborted.
-    try:
-        first = await asyncio.gather(*(stream.__anext__() for stream in streams),
-                                     return_exceptions=True)
-    except BaseException:  # cancelled (the server stops)
-        await _close(streams)
-        raise
-    failed = next((e for e in first if isinstance(e, BaseException)), None)
-    if failed is not None:
-        await _close(streams)
-        if isinstance(failed, (ValueError, TypeError)):
-            raise APIError(400, str(failed), param="messages" if chat else "prompt") from failed
-        raise failed
-    choices = Choices(engine.engine.tokenizer, params.n, len(prompts), chat)
+    streams = await _submit(state, prompts, params, request_id, chat, lora)
+    choices = Choices(state.engine.engine.tokenizer, params.n, len(prompts), chat, body.stream)
     header = dict(id=request_id, object=object_name, created=int(time.time()),
                   model=lora.name if lora is not None else state.model_name)
+    outputs = _merged(streams, request)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _stream_events(state, streams, first, choices, header, include_usage)
-        return StreamingResponse(events, media_type="text/event-stream")
-    collect = asyncio.ensure_future(_collect(state, streams, first, choices))
-    disconnect = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({collect, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        disconnect.cancel()
-        if not collect.done():  # the client left: abort its requests
-            collect.cancel()
-            await asyncio.gather(collect, return_exceptions=True)
-    if not collect.done() or collect.cancelled():
-        return Response(status_code=499)
-    collect.result()
-    return {**header, "choices": choices.final(), "usage": choices.usage()}
-
-
-async def _collect(state, streams, first, choices) -> None:
-    async for i, out in _merged(streams, first):
+        return StreamingResponse(_stream_events(state, outputs, choices, header, include_usage),
+                                 media_type="text/event-stream")
+    async for i, out in outputs:
         choices.add(i, out)
         if out.finished:
             state.metrics.observe(out)
+    if not all(c.finish_reason is not None for c in choices.choices):
+        return Response(status_code=499)  # the client left: its requests were aborted
     choices.raise_errors()
+    return {**header, "choices": choices.final(), "usage": choices.usage()}
 
 
-async def _stream_events(state, streams, first, choices, header, include_usage
-                         ) -> AsyncIterator[str]:
-    async for i, out in _merged(streams, first):
+async def _stream_events(state, outputs, choices, header, include_usage) -> AsyncIterator[str]:
+    async for i, out in outputs:
         deltas = choices.add(i, out)
         if out.finished:
             state.metrics.observe(out)
         for delta in deltas:
             yield _event({**header, "object": _chunk_object(header), "choices": [delta]})
+    error = choices.error()
+    if error is not None:  # the choices that failed ended with finish_reason "error"
+        yield _event(APIError(500, error, type="internal_error").body())
     if include_usage:
         yield _event({**header, "object": _chunk_object(header), "choices": [],
                       "usage": choices.usage()})
@@ -232,51 +274,31 @@ def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def _merged(streams, first) -> AsyncIterator[tuple[int, object]]:
-    """(prompt index, output) from every stream as they come, each stream's first output (already
-    read) first. Closing or cancelling this closes every stream (aborting its request)."""
-    if len(streams) == 1:  # one prompt (most calls): no pump task or second queue
-        try:
-            yield 0, first[0]
-            if not first[0].finished:
-                async for out in streams[0]:
-                    yield 0, out
-        finally:
-            await _close(streams)
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i, stream):
-        try:
-            async for out in stream:
-                await queue.put((i, out))
-        finally:
-            await queue.put((i, done))
-
-    tasks = []
+async def _merged(streams, request: Request) -> AsyncIterator[tuple[int, object]]:
+    """(prompt index, output) from every stream as they come, until all finished or the client
+    disconnects (watched from the start, also before the first token). One read is outstanding
+    per stream, so a slow consumer leaves updates to coalesce in the engine's channels. Ending
+    or closing this closes every stream (aborting its request if unfinished)."""
+    reads = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
+    watcher = asyncio.ensure_future(_disconnected(request))
     try:
-        for i, out in enumerate(first):
-            yield i, out
-        live = sum(1 for out in first if not out.finished)
-        tasks = [asyncio.ensure_future(pump(i, s)) for i, (s, out) in
-                 enumerate(zip(streams, first)) if not out.finished]
-        while live:
-            i, out = await queue.get()
-            if out is done:
-                live -= 1
-            else:
+        while reads:
+            done, _ = await asyncio.wait([*reads, watcher], return_when=asyncio.FIRST_COMPLETED)
+            if watcher in done:
+                return
+            for read in done:
+                i = reads.pop(read)
+                out = read.result()
+                if not out.finished:
+                    reads[asyncio.ensure_future(streams[i].__anext__())] = i
                 yield i, out
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await _close(streams)
-
-
-async def _close(streams) -> None:
-    for stream in streams:
-        await stream.aclose()
+        watcher.cancel()
+        for read in reads:
+            read.cancel()
+        await asyncio.gather(watcher, *reads, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
 
 
 async def _disconnected(request: Request) -> None:

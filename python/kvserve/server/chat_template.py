@@ -52,16 +52,23 @@ class ChatTemplate:
     @classmethod
     def from_model_dir(cls, model_dir: str | Path,
                        override: str | Path | None = None) -> "ChatTemplate | None":
-        """The model's template, or `override` (a file or the template text) instead; None when
-        neither has one."""
+        """The model's template, or `override` instead: template text when it holds Jinja
+        delimiters ({{, {% or {#), else a file, which must exist (FileNotFoundError: a mistyped
+        path never becomes the template). None when neither has one."""
         model_dir = Path(model_dir)
         config_path = model_dir / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         tokens = {name: _token_text(config.get(name))
                   for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
         if override is not None:
+            text = str(override)
+            if any(d in text for d in ("{{", "{%", "{#")):
+                return cls(text, tokens)
             path = Path(override)
-            return cls(path.read_text() if path.is_file() else str(override), tokens)
+            if not path.is_file():
+                raise FileNotFoundError(f"--chat-template {text!r}: no such file (template text "
+                                        "holds {{ }} or {% %})")
+            return cls(path.read_text(), tokens)
         source = config.get("chat_template")
         if isinstance(source, list):  # named templates: the default one
             named = {t.get("name"): t.get("template") for t in source}
@@ -80,5 +87,7 @@ class ChatTemplate:
                                         **self.special_tokens, **kwargs)
         except ChatTemplateError:
             raise
-        except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"the chat template failed on these messages: {e}") from e
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError,
+                IndexError, RecursionError) as e:  # what messages can make a template do
+            raise ChatTemplateError(f"the chat template failed on these messages: "
+                                    f"{type(e).__name__}: {e}") from e

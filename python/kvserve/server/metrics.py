@@ -75,6 +75,13 @@ class ServerMetrics:
                               buckets=TPOT_BUCKETS, registry=self.registry)
         self.e2e = Histogram("kvserve:e2e_request_latency_seconds", "Arrival to finish.",
                              labels, buckets=E2E_BUCKETS, registry=self.registry)
+        self.errors = Counter("kvserve:http_errors", "HTTP requests answered with an error, by "
+                              "status (400, 413, 429, 500, 503, ...).", labels + ["status"],
+                              registry=self.registry)
+
+    def rejected(self, status: int) -> None:
+        """Counts one error answer."""
+        self.errors.labels(self.model_name, str(status)).inc()
 
     def attach(self, engine) -> None:
         """Starts reading the engine's counters (once it has loaded)."""

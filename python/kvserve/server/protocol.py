@@ -8,21 +8,30 @@ silently ignored."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvserve.engine import SamplingParams
 
 
+# Integers as the engine takes them (C++ int64): a larger JSON number is a 400 naming the field,
+# not a conversion error. A seed is any 64-bit pattern.
+Int64 = Annotated[int, Field(ge=-2**63, le=2**63 - 1)]
+Seed = Annotated[int, Field(ge=0, le=2**64 - 1)]
+MaxTokens = Annotated[int, Field(ge=1, le=2**63 - 1)]
+
+
 class APIError(Exception):
-    """An error the server answers in OpenAI's shape with `status`."""
+    """An error the server answers in OpenAI's shape with `status` (and `headers`)."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
             status, message, type, param, code)
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -41,11 +50,11 @@ class _Sampling(BaseModel):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
-    n: int = 1
+    n: Int64 = 1
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -79,9 +88,9 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | list[str] | list[Int64] | list[list[Int64]]
+    max_tokens: MaxTokens | None = 16
+    logprobs: Int64 | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -101,6 +110,8 @@ class CompletionRequest(_Sampling):
                 raise APIError(400, f"{name} is not supported", param=name)
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(400, "best_of other than n is not supported", param="best_of")
+        check_text(self.prompt, "prompt")
+        check_text(self.stop, "stop")
 
 
 class ChatMessage(BaseModel):
@@ -127,10 +138,10 @@ class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     tools: list[dict] | None = None
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
@@ -143,6 +154,34 @@ class ChatCompletionRequest(_Sampling):
                            param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        check_text([m.model_dump() for m in self.messages], "messages")
+        check_text(self.stop, "stop")
+
+    def requested_max_tokens(self) -> int | None:
+        """max_completion_tokens, else the older max_tokens; None: the rest of the context."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
 
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def check_text(value, param: str) -> None:
+    """APIError(400) when a string in `value` (strings, lists and dicts of them) is not valid
+    Unicode: JSON can spell a lone surrogate (\\ud800), which no tokenizer can encode."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(400, f"{param} holds a lone surrogate (\\u{ord(value[e.start]):04x}) at "
+                           f"character {e.start}: not valid Unicode text", param=param) from None
+    elif isinstance(value, (list, tuple)):
+        if value and isinstance(value[0], int):  # token ids (the schema keeps lists uniform)
+            return
+        for item in value:
+            check_text(item, param)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_text(key, param)
+            check_text(item, param)

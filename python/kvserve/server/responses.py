@@ -11,26 +11,28 @@ from kvserve.server.protocol import APIError
 
 @dataclass
 class _Choice:
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
+    text_parts: list[str] = field(default_factory=list)  # a whole response's, not a stream's
+    num_tokens: int = 0
     finish_reason: str | None = None
-    logprobs: list = field(default_factory=list)  # _C.TokenLogprobs per token
+    logprobs: list = field(default_factory=list)  # _C.TokenLogprobs per token (whole response)
     error: str | None = None
     started: bool = False  # a delta has been streamed (chat: the role went out)
 
 
 class Choices:
-    """Choice i * n + j is sample j of prompt i."""
+    """Choice i * n + j is sample j of prompt i. Takes the engine's delta outputs
+    (output_kind "delta"): a stream turns each into its events and keeps only counts; a whole
+    response keeps the text pieces and logprobs for final(). Nothing is copied per step."""
 
-    def __init__(self, tokenizer, n: int, num_prompts: int, chat: bool):
-        self.tokenizer, self.n, self.chat = tokenizer, n, chat
+    def __init__(self, tokenizer, n: int, num_prompts: int, chat: bool, stream: bool):
+        self.tokenizer, self.n, self.chat, self.stream = tokenizer, n, chat, stream
         self.choices = [_Choice() for _ in range(n * num_prompts)]
         self.prompt_tokens = [0] * num_prompts
         self.want_logprobs = False
 
     def add(self, prompt: int, out) -> list[dict]:
-        """Takes one RequestOutput of prompt `prompt`; returns the stream deltas it makes, one per
-        choice that gained text or finished."""
+        """Takes one delta RequestOutput of prompt `prompt`; returns the stream deltas it makes
+        (streams only), one per choice that gained text or finished."""
         self.prompt_tokens[prompt] = len(out.prompt_token_ids)
         deltas = []
         for sample in out.outputs:
@@ -38,20 +40,27 @@ class Choices:
             c = self.choices[index]
             if c.finish_reason is not None:
                 continue
-            new = list(sample.new_token_ids)
-            c.text, c.token_ids = sample.text, list(sample.token_ids)
+            c.num_tokens += len(sample.new_token_ids)
             c.finish_reason = sample.finish_reason
             if sample.logprobs is not None:
                 self.want_logprobs = True
-                c.logprobs = list(sample.logprobs)
             if sample.finish_reason == "error":
                 c.error = out.error or "the engine failed on this request"
-            if not (sample.delta_text or new or sample.finish_reason):
+            if not self.stream:
+                c.text_parts.append(sample.delta_text)
+                if sample.logprobs:
+                    c.logprobs.extend(sample.logprobs)
                 continue
-            new_logprobs = c.logprobs[len(c.logprobs) - len(new):] if self.want_logprobs else None
-            deltas.append(self._delta(index, c, sample.delta_text, new_logprobs))
+            if not (sample.delta_text or sample.new_token_ids or sample.finish_reason):
+                continue
+            deltas.append(self._delta(index, c, sample.delta_text,
+                                      (sample.logprobs or []) if self.want_logprobs else None))
             c.started = True
         return deltas
+
+    def error(self) -> str | None:
+        """Why the engine failed a sample (its other requests went on), or None."""
+        return next((c.error for c in self.choices if c.error is not None), None)
 
     def _delta(self, index: int, c: _Choice, text: str, logprobs) -> dict:
         finish = c.finish_reason
@@ -70,26 +79,27 @@ class Choices:
         for index, c in enumerate(self.choices):
             logprobs = c.logprobs if self.want_logprobs else None
             finish = c.finish_reason
+            text = "".join(c.text_parts)
             if self.chat:
-                out.append({"index": index, "message": {"role": "assistant", "content": c.text},
+                out.append({"index": index, "message": {"role": "assistant", "content": text},
                             "logprobs": self._chat_logprobs(logprobs), "finish_reason": finish})
             else:
-                out.append({"index": index, "text": c.text,
+                out.append({"index": index, "text": text,
                             "logprobs": self._completion_logprobs(logprobs),
                             "finish_reason": finish})
         return out
 
     def usage(self) -> dict:
         prompt = sum(self.prompt_tokens)
-        completion = sum(len(c.token_ids) for c in self.choices)
+        completion = sum(c.num_tokens for c in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
 
     def raise_errors(self) -> None:
         """An APIError(500) when the engine failed a sample (its other requests went on)."""
-        failed = next((c for c in self.choices if c.error is not None), None)
-        if failed is not None:
-            raise APIError(500, failed.error, type="internal_error")
+        error = self.error()
+        if error is not None:
+            raise APIError(500, error, type="internal_error")
 
     # -------------------------------------------------------------------------- logprobs
     def _token(self, token_id: int) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kvserve.server.app import ServerState, build_app
 from kvserve.server.chat_template import ChatTemplate
+from kvserve.server.limits import DEFAULT_MAX_WAITING_REQUESTS, ServerLimits
 
 
 def load_into(state: ServerState, model: str | Path, chat_template: str | Path | None,
@@ -21,6 +22,7 @@ def load_into(state: ServerState, model: str | Path, chat_template: str | Path |
 
     try:
         template = ChatTemplate.from_model_dir(model, chat_template)
+        engine_kwargs.setdefault("max_waiting_requests", DEFAULT_MAX_WAITING_REQUESTS)
         state.ready(AsyncLLMEngine(model, **engine_kwargs), template)
     except BaseException as e:  # reported on every request instead
         state.load_error = e
@@ -42,15 +44,22 @@ def lora_requests(modules: dict[str, str | Path]) -> dict:
 def serve(model: str | Path, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, served_model_name: str | None = None,
           chat_template: str | Path | None = None, log_level: str = "info",
-          lora_modules: dict[str, str | Path] | None = None, **engine_kwargs) -> None:
+          lora_modules: dict[str, str | Path] | None = None, limits: ServerLimits | None = None,
+          enable_docs: bool = False, **engine_kwargs) -> None:
     """Serves until interrupted; the engine shuts down (aborting what runs) on exit.
     lora_modules: {name: PEFT adapter directory}, served as models of their own name (LoRA on,
-    adapters loaded at first use). Raises FileNotFoundError for an adapter directory without
-    adapter_config.json."""
+    adapters loaded at first use). limits: what one HTTP request may cost (ServerLimits);
+    enable_docs: serve /docs and /openapi.json (behind the API key). engine_kwargs go to
+    AsyncLLMEngine (max_waiting_requests defaults to DEFAULT_MAX_WAITING_REQUESTS here). Raises
+    FileNotFoundError for an adapter directory without adapter_config.json or a chat template
+    file that does not exist."""
     import uvicorn
 
+    if chat_template is not None:  # a mistyped path fails now, not after the model loads
+        ChatTemplate.from_model_dir(model, chat_template)
     state = ServerState(served_model_name or str(model), api_key,
-                        lora_modules=lora_requests(lora_modules or {}))
+                        lora_modules=lora_requests(lora_modules or {}),
+                        limits=limits or ServerLimits(), enable_docs=enable_docs)
     if state.lora_modules:
         engine_kwargs.setdefault("enable_lora", True)
     loader = threading.Thread(target=load_into, args=(state, model, chat_template, engine_kwargs),
