@@ -146,6 +146,7 @@ class AsyncLLMEngine:
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._stopped = False
+        self._dead = False  # the owner thread ended by an exception
         self._ids = itertools.count()
         # The last failed steps, as (time.monotonic(), "Type: message"): bounded, and holding no
         # traceback (whose frames would keep a step's tensors alive).
@@ -166,7 +167,7 @@ class AsyncLLMEngine:
         (for a LoRA adapter's first request) loading the adapter run in a worker thread. Raises
         ValueError / TypeError for bad input, kvserve.EngineOverloadedError when the engine's
         waiting queue is full, RuntimeError when the engine is shut down or has died."""
-        if self._stopped or not self._thread.is_alive():
+        if self._stopped or self._dead:
             raise RuntimeError("the engine is shut down" if self._stopped else
                                "the engine thread has died")
         request_id = f"async-{next(self._ids)}" if request_id is None else request_id
@@ -221,7 +222,7 @@ class AsyncLLMEngine:
     def healthy(self) -> bool:
         """False when the owner thread has died or the last max_consecutive_failures steps all
         failed (a step that succeeds makes it True again)."""
-        return (self._thread.is_alive() and
+        return (not self._dead and self._thread.is_alive() and
                 self.num_consecutive_failures < self.max_consecutive_failures)
 
     def get_stats(self):
@@ -261,6 +262,7 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------------------ owner thread
     def _serve(self) -> None:
+        forwards = self.engine.get_stats().num_steps
         try:
             while not self._stopped:
                 if not self.engine.has_unfinished_requests():
@@ -276,9 +278,15 @@ class AsyncLLMEngine:
                     traceback.print_exc(file=sys.stderr)
                     del error
                     continue
-                self.num_consecutive_failures = 0
+                # Only a forward that ran clears the failures (a step that just reports the
+                # failed requests does not show the model works again).
+                done = self.engine.get_stats().num_steps
+                if done > forwards:
+                    self.num_consecutive_failures = 0
+                forwards = done
                 self._deliver(outputs)
         except BaseException as error:  # the thread dies: nobody would ever answer its streams
+            self._dead = True
             self._fail_all(f"the engine thread died: {type(error).__name__}: {error}")
             raise
 

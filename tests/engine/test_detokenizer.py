@@ -105,3 +105,36 @@ def test_generate_text_equals_streamed_text():
         for c in out.outputs:
             assert c.text == final[str(i), c.index] == streamed[str(i), c.index]
             assert len(c.token_ids) == 48
+
+
+def incomplete_byte_token(tok: Tokenizer) -> int:
+    """A token that decodes to U+FFFD alone: one byte of a multi-byte UTF-8 character."""
+    for t in range(tok.vocab_size):
+        if tok.decode([t]) == "\ufffd":
+            return t
+    pytest.skip("this tokenizer has no lone byte token")
+
+
+def test_flush_releases_held_back_text_at_the_end(tokenizer):
+    """A sample that ends inside a multi-byte character (or on a literal U+FFFD) keeps that
+    text, as a decode of the whole output shows it; before, it was held back and dropped."""
+    byte = incomplete_byte_token(tokenizer)
+    clean = tokenizer.encode("Romeo", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [1])
+    for t in clean + [byte]:
+        detok.add([t])
+    assert not detok.text.endswith("\ufffd")  # held: the next token may complete it
+    assert detok.flush() == detok.last_delta and detok.text.endswith("\ufffd")
+    assert detok.text == tokenizer.decode_continuation([1], clean + [byte])
+    assert detok.flush() == ""  # nothing more
+
+
+def test_a_run_of_incomplete_bytes_is_not_held_forever(tokenizer):
+    """Each held token widens the window every step decodes: past a few it is released."""
+    byte = incomplete_byte_token(tokenizer)
+    detok = IncrementalDetokenizer(tokenizer, [1])
+    for i in range(40):
+        detok.add([byte])
+        assert len(detok._ids) - detok._read_offset <= 9, i
+    assert detok.text.count("\ufffd") >= 30
+    assert len(detok._ids) <= 4 * 6 + 10  # the ids list stays as short as the window

@@ -1,0 +1,204 @@
+"""Every bad input to the HTTP server, as an attacker would send it, gets a 4xx in OpenAI's error
+shape ({"error": {"message", "type", "param", "code"}}) within a second, and the server goes on
+serving: bodies that do not parse or are not UTF-8, lone surrogates, unknown routes and methods,
+numbers past 64 bits, oversized bodies (announced or chunked), too many prompts or stop strings,
+a full waiting queue (429 with Retry-After); the API key is checked before the body is read."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from kvserve.async_engine import AsyncLLMEngine  # noqa: E402
+from kvserve.server import ServerState  # noqa: E402
+from kvserve.server.chat_template import ChatTemplate  # noqa: E402
+from kvserve.server.guard import bearer_token_matches  # noqa: E402
+from kvserve.server.limits import ServerLimits  # noqa: E402
+from kvserve.server.serve import BackgroundServer  # noqa: E402
+
+MODEL = Path(__file__).resolve().parents[2] / "models" / "shakespeare-target"
+NAME = "shakespeare"
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+LIMITS = ServerLimits(max_body_bytes=4096, max_prompts_per_request=3, max_prompt_chars=500)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with AsyncLLMEngine(MODEL, dtype="float32", max_model_len=256, num_blocks=64,
+                        max_stop_strings=4, max_stop_string_length=16) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    state = ServerState(NAME, api_key="secret", limits=LIMITS)
+    state.ready(engine, ChatTemplate(TEMPLATE))
+    with BackgroundServer(state) as s:
+        yield s
+
+
+AUTH = {"authorization": "Bearer secret"}
+
+
+def post(server, path, body=None, content=None, headers=None, timeout=5.0):
+    started = time.monotonic()
+    if body is not None:  # json.dumps escapes lone surrogates (httpx would refuse them)
+        content = json.dumps(body).encode()
+        headers = {"content-type": "application/json", **(headers or {})}
+    r = httpx.post(server.url + path, content=content, headers={**AUTH, **(headers or {})},
+                   timeout=timeout)
+    assert time.monotonic() - started < 1.0 or r.status_code < 400, "a rejection took > 1 s"
+    return r
+
+
+def assert_openai_error(r, status: int, match: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    if match is not None:
+        assert match in error["message"], error["message"]
+    return error
+
+
+def completion(**extra):
+    return {"model": NAME, "prompt": "ROMEO:", "max_tokens": 4, **extra}
+
+
+def chat(content, **extra):
+    return {"model": NAME, "messages": [{"role": "user", "content": content}], "max_tokens": 4,
+            **extra}
+
+
+@pytest.mark.parametrize("body, match", [
+    (completion(seed=-1), "seed"),
+    (completion(seed=2**64), "seed"),
+    (completion(max_tokens=0), "max_tokens"),
+    (completion(max_tokens=2**70), "max_tokens"),
+    (completion(n=2**64), "n"),
+    (completion(top_k=-2**70), "top_k"),
+    (completion(prompt=[[1, 2], [2**80]]), "prompt"),
+    (completion(prompt=["a", "b", "c", "d"]), "at most 3 prompts"),
+    (completion(prompt="x" * 501), "more than 500"),
+    (completion(stop=["a", "b", "c", "d", "e"]), "at most 4 stop strings"),
+    (completion(stop=["x" * 17]), "at most 16 characters"),
+    (completion(prompt="\ud800ROMEO"), "lone surrogate"),
+    (completion(stop=["\udfff"]), "lone surrogate"),
+    (chat("\ud83d"), "lone surrogate"),
+    (chat([{"type": "image_url", "image_url": {"url": "x"}}]), "only text content parts"),
+    (chat("hi", max_completion_tokens=0), "max_completion_tokens"),
+    (chat("y" * 600), "more than 500"),
+    (completion(temperature=float("nan")), "temperature"),
+])
+def test_bad_values_are_400s(server, engine, body, match):
+    assert_openai_error(post(server, body=body, path="/v1/chat/completions" if "messages" in body
+                             else "/v1/completions"), 400, match)
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"\xff\xfe\x00garbage", b"[1, 2]", b"",
+                                     b'{"prompt": "\\ud800"', b"null"])
+def test_bodies_that_do_not_parse_are_400s(server, content):
+    r = post(server, "/v1/completions", content=content,
+             headers={"content-type": "application/json"})
+    assert_openai_error(r, 400)
+
+
+def test_unknown_routes_and_methods_are_openai_errors(server):
+    error = assert_openai_error(httpx.get(server.url + "/v1/nothing", headers=AUTH), 404)
+    assert error["code"] == "not_found"
+    assert_openai_error(httpx.get(server.url + "/v1/completions", headers=AUTH), 405)
+    # Without the key a client learns nothing, not even which routes exist.
+    assert_openai_error(httpx.get(server.url + "/v1/nothing"), 401)
+
+
+def test_the_key_is_checked_before_the_body(server):
+    r = httpx.post(server.url + "/v1/completions", content=b"{not json",
+                   headers={"content-type": "application/json"})
+    assert_openai_error(r, 401)
+    assert r.headers["www-authenticate"] == "Bearer"
+    r = httpx.post(server.url + "/v1/completions", content=b"x" * 100_000)
+    assert_openai_error(r, 401)  # not 413: nothing about the server before the key
+    for header in ("bearer secret", "BEARER secret", "Bearer  secret"):
+        r = httpx.post(server.url + "/v1/completions", json=completion(),
+                       headers={"authorization": header})
+        assert r.status_code == 200, header
+    for header in ("Basic secret", "Bearer secre", "Bearer secret2", "secret", "Bearer"):
+        assert_openai_error(httpx.post(server.url + "/v1/completions", json=completion(),
+                                       headers={"authorization": header}), 401)
+
+
+def test_bearer_tokens_compare_in_constant_time_and_any_case():
+    assert bearer_token_matches("bEaReR k", "k")
+    assert not bearer_token_matches(None, "k")
+    assert not bearer_token_matches("Bearer \u00e9", "k")
+
+
+def test_docs_and_openapi_are_off_by_default(server):
+    for path in ("/docs", "/openapi.json", "/redoc"):
+        assert_openai_error(httpx.get(server.url + path, headers=AUTH), 404)
+
+
+def test_docs_when_enabled_sit_behind_the_key(engine):
+    state = ServerState(NAME, api_key="secret", enable_docs=True)
+    state.ready(engine, None)
+    with BackgroundServer(state) as s:
+        assert_openai_error(httpx.get(s.url + "/openapi.json"), 401)
+        assert httpx.get(s.url + "/openapi.json", headers=AUTH).json()["info"]["title"]
+        assert httpx.get(s.url + "/health").status_code == 200
+
+
+def test_oversized_bodies_are_413s(server):
+    big = completion(prompt="z" * 5000)
+    assert_openai_error(post(server, "/v1/completions", body=big), 413, "4096 bytes")
+
+    def chunks():  # no Content-Length: counted as it arrives
+        for _ in range(10):
+            yield b"z" * 1000
+
+    r = httpx.post(server.url + "/v1/completions", content=chunks(),
+                   headers={**AUTH, "content-type": "application/json"})
+    assert_openai_error(r, 413)
+
+
+def test_a_full_waiting_queue_is_a_429_with_retry_after(engine):
+    with AsyncLLMEngine(MODEL, dtype="float32", max_model_len=256, num_blocks=64,
+                        max_waiting_requests=1, max_num_seqs=1) as small:
+        state = ServerState(NAME)
+        state.ready(small, None)
+        with BackgroundServer(state) as s:
+            # Two prompts of one call: the second finds the first waiting.
+            r = httpx.post(s.url + "/v1/completions", json=completion(prompt=["a", "b"]))
+            error = assert_openai_error(r, 429, "max_waiting_requests")
+            assert error["type"] == "rate_limit_error" and r.headers["retry-after"] == "1"
+            assert httpx.post(s.url + "/v1/completions", json=completion()).status_code == 200
+            deadline = time.monotonic() + 10
+            while small.engine.has_unfinished_requests():  # the refused call's first prompt
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+
+
+def test_a_missing_chat_template_file_is_an_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        ChatTemplate.from_model_dir(MODEL, tmp_path / "tmeplate.jinja")
+    (tmp_path / "t.jinja").write_text(TEMPLATE)
+    assert ChatTemplate.from_model_dir(MODEL, tmp_path / "t.jinja").render(
+        [{"role": "user", "content": "hi"}]) == "user: hi\n"
+    assert ChatTemplate.from_model_dir(MODEL, "{{ messages[0]['content'] }}").render(
+        [{"role": "user", "content": "hi"}]) == "hi"
+
+
+def test_the_server_still_serves_after_all_that(server, engine):
+    r = post(server, "/v1/completions", body=completion(max_tokens=3))
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    deadline = time.monotonic() + 10
+    while engine.engine.has_unfinished_requests():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    blocks = engine.engine.block_manager
+    assert blocks.num_free_blocks() == blocks.num_usable_blocks()
