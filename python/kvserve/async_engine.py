@@ -219,6 +219,12 @@ class AsyncLLMEngine:
         return aborted
 
     @property
+    def alive(self) -> bool:
+        """False once the owner thread has died (or the engine was shut down): nothing will
+        run any more."""
+        return not self._dead and not self._stopped and self._thread.is_alive()
+
+    @property
     def healthy(self) -> bool:
         """False when the owner thread has died or the last max_consecutive_failures steps all
         failed (a step that succeeds makes it True again)."""

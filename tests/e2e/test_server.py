@@ -313,18 +313,25 @@ def test_concurrent_streams_with_cancellations_lose_nothing(server, engine, offl
 # --------------------------------------------------------------------------- command line
 
 def test_the_serve_command(tmp_path):
-    """`python -m kvserve serve`: 503 while loading, then the API, with its API key."""
+    """`python -m kvserve serve`: 503 while loading, then the API, with its API key (from
+    KVSERVE_API_KEY) and its limits; a chat template path that does not exist fails at once."""
     import os
     import subprocess
     import sys
 
     from kvserve.server.serve import free_port
 
+    missing = subprocess.run(
+        [sys.executable, "-m", "kvserve", "serve", "--model", str(MODEL), "--chat-template",
+         str(tmp_path / "no-such-template.jinja")], capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "no such file" in missing.stderr
     port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "kvserve", "serve", "--model", str(MODEL), "--port", str(port),
-         "--api-key", "k", "--served-model-name", NAME, "--chat-template", TEMPLATE,
-         "--max-model-len", "128", "--threads", "1"], env={**os.environ, "PYTHONUNBUFFERED": "1"},
+         "--served-model-name", NAME, "--chat-template", TEMPLATE,
+         "--max-model-len", "128", "--threads", "1", "--max-prompts-per-request", "2",
+         "--max-stop-strings", "2"],
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "KVSERVE_API_KEY": "k"},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -341,6 +348,11 @@ def test_the_serve_command(tmp_path):
                                                                   "content": "Speak."}],
                                            max_tokens=5, temperature=0)
         assert r.usage.completion_tokens == 5
+        with pytest.raises(openai.BadRequestError, match="at most 2 prompts"):
+            client.completions.create(model=NAME, prompt=["a", "b", "c"], max_tokens=2)
+        with pytest.raises(openai.BadRequestError, match="at most 2 stop strings"):
+            client.completions.create(model=NAME, prompt="a", stop=["x", "y", "z"], max_tokens=2)
+        assert httpx.get(url + "/v1/models").status_code == 401
     finally:
         server.terminate()
         server.wait(timeout=30)

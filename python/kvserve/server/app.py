@@ -164,9 +164,8 @@ def _engine(state: ServerState):
         message = ("the model is still loading" if state.load_error is None
                    else f"the model failed to load: {state.load_error}")
         raise APIError(503, message, type="service_unavailable")
-    if not engine.healthy:
-        raise APIError(503, "the engine is unhealthy (see /health); retry later",
-                       type="service_unavailable", headers={"Retry-After": "5"})
+    if not engine.alive:  # failing steps still take requests: one that succeeds ends the fault
+        raise APIError(503, "the engine has stopped (see /health)", type="service_unavailable")
     return engine
 
 
@@ -220,7 +219,7 @@ async def _submit(state: ServerState, prompts: list, params, request_id: str, ch
         if isinstance(error, OSError) and lora is not None:
             raise APIError(500, f"LoRA adapter {lora.name!r} failed to load: {error}",
                            type="internal_error") from error
-        if isinstance(error, RuntimeError) and not engine.healthy:
+        if isinstance(error, RuntimeError) and not engine.alive:
             raise APIError(503, str(error), type="service_unavailable") from error
         raise
     return streams

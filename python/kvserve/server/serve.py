@@ -74,17 +74,26 @@ def serve(model: str | Path, host: str = "127.0.0.1", port: int = 8000,
 
 
 class BackgroundServer:
-    """The app on a loopback port in a thread of this process (tests and benchmarks)."""
+    """The app on a loopback port in a thread of this process (tests and benchmarks).
+    send_buffer_bytes: the kernel send buffer of every connection (accepted sockets inherit the
+    listening socket's), so that a client that stops reading blocks the server's writes after a
+    few KiB instead of the kernel's default megabytes (the chaos tests' slow readers)."""
 
-    def __init__(self, state: ServerState, port: int | None = None):
+    def __init__(self, state: ServerState, port: int | None = None,
+                 send_buffer_bytes: int | None = None):
         import uvicorn
 
-        self.port = port or free_port()
         self.state = state
-        config = uvicorn.Config(build_app(state), host="127.0.0.1", port=self.port,
-                                log_level="warning", lifespan="off")
+        self.socket = socket.socket()
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if send_buffer_bytes is not None:
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
+        self.socket.bind(("127.0.0.1", port or 0))
+        self.port = self.socket.getsockname()[1]
+        config = uvicorn.Config(build_app(state), log_level="warning", lifespan="off")
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name="kvserve-http", daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]},
+                                       name="kvserve-http", daemon=True)
 
     @property
     def url(self) -> str:
@@ -102,6 +111,7 @@ class BackgroundServer:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join()
+        self.socket.close()
 
 
 def free_port() -> int:
