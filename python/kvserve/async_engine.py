@@ -16,8 +16,9 @@ consumer that reads slowly costs memory for the text it has not read, not a copy
 per step; one that leaves an update unread for more than max_stream_lag seconds is aborted.
 
 Failures: a step that raises ends its requests with finish_reason "error" (RequestOutput.error
-says why); `healthy` turns False after max_consecutive_failures failed steps in a row, or when the
-owner thread has died, whose requests then end with an error too.
+says why); `healthy` turns False after max_consecutive_failures failed steps in a row, while one
+step has run longer than max_step_seconds (a wedged device), or when the owner thread has died,
+whose requests then end with an error too.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ from kvserve.outputs import CompletionOutput, RequestOutput
 DEFAULT_MAX_STREAM_LAG = 30.0
 # Failed steps in a row after which the engine reports itself unhealthy.
 DEFAULT_MAX_CONSECUTIVE_FAILURES = 3
+# Seconds one step may run before the engine reports itself unhealthy (a wedged device): far
+# above any step's time (a 2,048-token prefill chunk of an 8B model on a CPU takes seconds).
+DEFAULT_MAX_STEP_SECONDS = 120.0
 
 
 def merge_outputs(pending: RequestOutput, new: RequestOutput, delta: bool) -> RequestOutput:
@@ -123,15 +127,18 @@ class AsyncLLMEngine:
 
     Args: model (a checkpoint directory) or an LLMEngine; max_stream_lag (seconds an update may
     wait unread before its request is aborted; 0: never); max_consecutive_failures (failed steps
-    in a row that make `healthy` False); and LLMEngine's keyword arguments.
+    in a row that make `healthy` False); max_step_seconds (a step running longer makes `healthy`
+    False); and LLMEngine's keyword arguments.
     """
 
     def __init__(self, model: str | Path | LLMEngine, *,
                  max_stream_lag: float = DEFAULT_MAX_STREAM_LAG,
                  max_consecutive_failures: int = DEFAULT_MAX_CONSECUTIVE_FAILURES,
-                 **engine_kwargs):
+                 max_step_seconds: float = DEFAULT_MAX_STEP_SECONDS, **engine_kwargs):
         if not max_stream_lag >= 0:
             raise ValueError(f"max_stream_lag must be >= 0 seconds, got {max_stream_lag!r}")
+        if not max_step_seconds > 0:
+            raise ValueError(f"max_step_seconds must be > 0, got {max_step_seconds!r}")
         if not isinstance(max_consecutive_failures, int) or max_consecutive_failures < 1:
             raise ValueError("max_consecutive_failures must be a positive integer, got "
                              f"{max_consecutive_failures!r}")
@@ -142,6 +149,8 @@ class AsyncLLMEngine:
             self.engine = LLMEngine(model, **engine_kwargs)
         self.max_stream_lag = max_stream_lag
         self.max_consecutive_failures = max_consecutive_failures
+        self.max_step_seconds = max_step_seconds
+        self._step_started: float | None = None  # time.monotonic() of the running step
         self._channels: dict[str, _Channel] = {}  # under _lock
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
@@ -226,10 +235,27 @@ class AsyncLLMEngine:
 
     @property
     def healthy(self) -> bool:
-        """False when the owner thread has died or the last max_consecutive_failures steps all
-        failed (a step that succeeds makes it True again)."""
+        """False when the owner thread has died, the last max_consecutive_failures steps all
+        failed (a step that succeeds makes it True again), or the running step has taken more
+        than max_step_seconds."""
+        started = self._step_started
         return (not self._dead and self._thread.is_alive() and
-                self.num_consecutive_failures < self.max_consecutive_failures)
+                self.num_consecutive_failures < self.max_consecutive_failures and
+                (started is None or time.monotonic() - started <= self.max_step_seconds))
+
+    def unhealthy_reason(self) -> str | None:
+        """Why `healthy` is False (None when it is True)."""
+        started = self._step_started
+        if self._dead or not self._thread.is_alive():
+            return "the engine thread has died" + (f" ({self.errors[-1][1]})" if self.errors
+                                                   else "")
+        if started is not None and time.monotonic() - started > self.max_step_seconds:
+            return (f"a step has run for {time.monotonic() - started:.0f} s (max_step_seconds "
+                    f"{self.max_step_seconds:g}): the device may be wedged")
+        if self.num_consecutive_failures >= self.max_consecutive_failures:
+            return (f"the last {self.num_consecutive_failures} steps failed: "
+                    f"{self.errors[-1][1] if self.errors else 'unknown error'}")
+        return None
 
     def get_stats(self):
         return self.engine.get_stats()
@@ -275,15 +301,18 @@ class AsyncLLMEngine:
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()  # a submit after this sees has_unfinished_requests()
                     continue
+                self._step_started = time.monotonic()
                 try:
                     outputs = self.engine.step()
                 except Exception as error:  # its requests end with an error at the next step
+                    self._step_started = None
                     self.num_failed_steps += 1
                     self.num_consecutive_failures += 1
                     self.errors.append((time.monotonic(), f"{type(error).__name__}: {error}"))
                     traceback.print_exc(file=sys.stderr)
                     del error
                     continue
+                self._step_started = None
                 # Only a forward that ran clears the failures (a step that just reports the
                 # failed requests does not show the model works again).
                 done = self.engine.get_stats().num_steps
@@ -293,6 +322,7 @@ class AsyncLLMEngine:
                 self._deliver(outputs)
         except BaseException as error:  # the thread dies: nobody would ever answer its streams
             self._dead = True
+            self.errors.append((time.monotonic(), f"{type(error).__name__}: {error}"))
             self._fail_all(f"the engine thread died: {type(error).__name__}: {error}")
             raise
 

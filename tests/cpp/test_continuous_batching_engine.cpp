@@ -87,6 +87,93 @@ TEST(ContinuousBatchingEngine, MetricsAreOrderedForEveryRequest) {
   EXPECT_EQ(stats.e2e_latency.count, 6);
 }
 
+TEST(ContinuousBatchingEngine, AnAbortBetweenTheStepAndItsFinishIsReportedOnce) {
+  // Another thread's abort lands after step() returned, while its caller matches stop strings
+  // (the hang of a disconnect during post-processing): finishing it is a no-op that returns
+  // its metrics, its id stays in use until the next step reports the abort, and only then is
+  // it free again.
+  auto engine = make_engine();
+  engine->add_request("a", {1, 2, 3}, greedy(8));
+  engine->step();
+  EXPECT_TRUE(engine->abort_request("a"));
+  EXPECT_FALSE(engine->abort_request("a"));  // already ended: one abort
+  const RequestMetrics m = engine->finish_completion("a", 0, "stop");
+  EXPECT_GT(m.finished_time, 0.0);
+  EXPECT_THROW(engine->add_request("a", {1, 2}, greedy(2)), std::invalid_argument);
+  EXPECT_TRUE(engine->has_unfinished_requests());
+  auto outs = engine->step();
+  ASSERT_EQ(outs.size(), 1u);
+  EXPECT_EQ(outs[0].outputs.at(0).finish_reason, "abort");
+  EXPECT_EQ(outs[0].outputs.at(0).token_ids.size(), 1u);  // the whole list, at the end
+  EXPECT_FALSE(engine->has_unfinished_requests());
+  EXPECT_THROW(engine->finish_completion("a", 0, "stop"), std::out_of_range);
+  engine->add_request("a", {1, 2}, greedy(2));
+  EXPECT_EQ(drain(*engine)["a"].outputs.at(0).finish_reason, "length");
+}
+
+TEST(ContinuousBatchingEngine, AFailedStepEndsItsRequestsWithAnError) {
+  auto engine = make_engine();
+  engine->add_request("a", {1, 2, 3}, greedy(4));
+  engine->add_request("b", {1, 2}, greedy(4));
+  engine->inject_step_failures(1);
+  EXPECT_THROW(engine->step(), std::runtime_error);
+  auto final = drain(*engine);
+  for (const char* id : {"a", "b"}) {
+    EXPECT_EQ(final[id].outputs.at(0).finish_reason, "error") << id;
+    EXPECT_NE(final[id].error.find("injected step failure"), std::string::npos) << id;
+  }
+  EXPECT_EQ(engine->get_stats().num_failed_requests, 2);
+  EXPECT_EQ(engine->block_manager().num_free_blocks(),
+            engine->block_manager().num_usable_blocks());
+  engine->add_request("c", {1, 2}, greedy(3));
+  EXPECT_EQ(drain(*engine)["c"].outputs.at(0).token_ids.size(), 3u);
+}
+
+TEST(ContinuousBatchingEngine, RunningOutputsCarryOnlyTheNewTokens) {
+  auto engine = make_engine();
+  engine->add_request("a", {1, 2, 3}, greedy(4));
+  std::vector<int64_t> seen;
+  while (engine->has_unfinished_requests()) {
+    for (const RequestOutput& out : engine->step()) {
+      const CompletionOutput& c = out.outputs.at(0);
+      seen.insert(seen.end(), c.new_token_ids.begin(), c.new_token_ids.end());
+      EXPECT_EQ(c.token_ids, c.finished() ? seen : std::vector<int64_t>{});
+    }
+  }
+  EXPECT_EQ(seen.size(), 4u);
+}
+
+TEST(ContinuousBatchingEngine, TheWaitingQueueIsBounded) {
+  EngineConfig config = small_pool();
+  config.max_waiting_requests = 2;
+  config.max_num_seqs = 1;
+  auto engine = make_engine(config);
+  engine->add_request("a", {1, 2}, greedy(4));
+  engine->add_request("b", {1, 2}, greedy(4));
+  EXPECT_THROW(engine->add_request("c", {1, 2}, greedy(4)), EngineOverloaded);
+  engine->step();  // "a" runs: one waits
+  engine->add_request("c", {1, 2}, greedy(4));
+  EXPECT_EQ(drain(*engine).size(), 3u);
+}
+
+TEST(ContinuousBatchingEngine, StopStringsAreBounded) {
+  EngineConfig config = small_pool();
+  config.max_stop_strings = 2;
+  config.max_stop_string_length = 3;
+  auto engine = make_engine(config);
+  SamplingParams p = greedy(2);
+  p.stop = {"a", "b", "c"};
+  EXPECT_THROW(engine->add_request("x", {1, 2}, p), std::invalid_argument);
+  p.stop = {"abcd"};
+  EXPECT_THROW(engine->add_request("x", {1, 2}, p), std::invalid_argument);
+  p.stop = {"\xc3\xa9\xc3\xa9\xc3\xa9"};  // three characters in six bytes
+  engine->add_request("x", {1, 2}, p);
+  p.stop = {};
+  p.stop_token_ids = {1 << 20};
+  EXPECT_THROW(engine->add_request("y", {1, 2}, p), std::invalid_argument);
+  EXPECT_EQ(drain(*engine).size(), 1u);
+}
+
 TEST(ContinuousBatchingEngine, ProducersOnOtherThreadsWhileOneThreadSteps) {
   auto engine = make_engine();
   constexpr int kProducers = 16, kEach = 8;

@@ -210,3 +210,30 @@ def test_injected_step_failures_are_errors_and_health_recovers(roomy):
 
 def sse_lines(response) -> list[str]:
     return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_a_queued_stream_that_leaves_before_its_first_token_is_never_prefilled():
+    engine, server = serve(max_num_seqs=1, max_waiting_requests=8, max_stream_lag=60.0)
+
+    def until(condition, what):
+        deadline = time.monotonic() + 10
+        while not condition(engine.get_stats()):
+            assert time.monotonic() < deadline, what
+            time.sleep(0.01)
+
+    with server:
+        busy = stalled_stream(server.port, body(PROMPTS[0], max_tokens=900, stream=True))
+        until(lambda s: s.num_running_requests == 1, "the first stream did not start")
+        queued = stalled_stream(server.port, body(PROMPTS[1], max_tokens=8, stream=True))
+        until(lambda s: s.num_waiting_requests == 1, "the second stream did not queue")
+        queued.close()  # before its first token: it only waited
+        until(lambda s: s.num_waiting_requests == 0, "the waiting request was not aborted")
+        stats = engine.get_stats()
+        assert stats.num_aborted_requests == 1 and stats.num_running_requests == 1
+        busy.close()
+        wait_idle(engine)
+        # Only the stream that ran had its prompt prefilled.
+        assert engine.get_stats().prefix_cache_queries == len(
+            engine.engine.tokenizer.encode(PROMPTS[0]))
+        assert engine.get_stats().num_aborted_requests == 2
+    engine.shutdown()

@@ -202,3 +202,30 @@ def test_the_server_still_serves_after_all_that(server, engine):
         time.sleep(0.02)
     blocks = engine.engine.block_manager
     assert blocks.num_free_blocks() == blocks.num_usable_blocks()
+
+
+def test_lora_adapters_that_fail_to_load_are_openai_errors(tmp_path, checkpoint_factory):
+    """A missing weights file is the server's fault (500), an adapter that does not fit the
+    model the client's choice (400); both in OpenAI's shape, and the server goes on."""
+    import shutil
+
+    from kvserve.lora_serving import LoRARequest
+    from tests.models.test_lora import make_adapter
+
+    base = checkpoint_factory("LlamaForCausalLM")
+    make_adapter(base, tmp_path / "good", r=4, lora_alpha=8, target_modules=["q_proj"])
+    (tmp_path / "no-weights").mkdir()
+    shutil.copy(tmp_path / "good" / "adapter_config.json", tmp_path / "no-weights")
+    make_adapter(base, tmp_path / "big", r=32, lora_alpha=8, target_modules=["q_proj"])
+    with AsyncLLMEngine(base, dtype="float32", max_model_len=64, num_blocks=32,
+                        enable_lora=True, max_loras=2, max_lora_rank=8) as engine:
+        state = ServerState(NAME, lora_modules={
+            name: LoRARequest(name, tmp_path / name) for name in ("good", "no-weights", "big")})
+        state.ready(engine, None)
+        with BackgroundServer(state) as s:
+            def ask(model):
+                return httpx.post(s.url + "/v1/completions", timeout=30, json={
+                    "model": model, "prompt": [1, 5, 9], "max_tokens": 2})
+            assert_openai_error(ask("no-weights"), 500, "failed to load")
+            assert_openai_error(ask("big"), 400, "max_lora_rank")
+            assert ask("good").status_code == 200

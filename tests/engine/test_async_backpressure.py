@@ -174,3 +174,36 @@ def test_merging_keeps_deltas_whole():
                       False), delta=False)
     c = cumulative.outputs[0]
     assert (c.text, c.token_ids, c.delta_text, c.new_token_ids) == ("abc", [1, 2, 3], "bc", [2, 3])
+
+
+def test_a_step_that_never_ends_makes_the_engine_unhealthy():
+    """A wedged device: the step does not return; /health must say so."""
+    import threading
+
+    e = async_engine(max_step_seconds=0.2)
+    release = threading.Event()
+    real = e.engine.step
+
+    def stuck(*args, **kwargs):
+        release.wait(10)
+        return real(*args, **kwargs)
+
+    e.engine.step = stuck
+
+    async def main():
+        stream = await e.add_request(PROMPT, SamplingParams(max_tokens=4), "w")
+        deadline = time.monotonic() + 5
+        while e.healthy:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        assert "wedged" in e.unhealthy_reason()
+        release.set()
+        return [o async for o in stream]
+
+    try:
+        outs = asyncio.run(main())
+        assert outs[-1].outputs[0].finish_reason == "length"
+        assert e.healthy and e.unhealthy_reason() is None
+    finally:
+        release.set()
+        e.shutdown()

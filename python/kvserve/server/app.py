@@ -103,9 +103,9 @@ def build_app(state: ServerState) -> FastAPI:
         if engine is None:
             return JSONResponse({"status": "loading" if state.load_error is None else "failed"},
                                 status_code=503)
-        if not engine.healthy:
-            last = engine.errors[-1][1] if engine.errors else "the engine thread has died"
-            return JSONResponse({"status": "unhealthy", "reason": last}, status_code=503)
+        reason = engine.unhealthy_reason()
+        if reason is not None:
+            return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
