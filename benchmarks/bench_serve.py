@@ -10,6 +10,7 @@ and TPOT percentiles as the client sees them, against LLM.generate of the same r
 this process (its TTFT / TPOT from the engine's request metrics).
 
     python benchmarks/bench_serve.py [--requests 1000] [--cancel 0.1] [--model DIR]
+    python benchmarks/bench_serve.py --chaos [--requests 200]   # the hostile mixes (serve_chaos.py)
 """
 
 from __future__ import annotations
@@ -90,13 +91,14 @@ async def load(url: str, name: str, requests: list[tuple[str, int]], cancel: dic
         return results, started
 
 
-def start_server(model: Path, port: int, args) -> subprocess.Popen:
+def start_server(model: Path, port: int, args, extra: list[str] = (),
+                 env: dict[str, str] | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "kvserve", "serve", "--model", str(model), "--port", str(port),
            "--served-model-name", "bench", "--dtype", args.dtype, "--max-num-seqs",
-           str(args.max_num_seqs), "--log-level", "warning"]
+           str(args.max_num_seqs), "--log-level", "warning", *extra]
     if args.server_threads:
         cmd += ["--threads", str(args.server_threads)]
-    server = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    server = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     deadline = time.monotonic() + 300
     while True:
         try:
@@ -137,6 +139,8 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--server-threads", type=int, default=None,
                    help="the server's compute threads (serve --threads; default: all cores)")
+    p.add_argument("--chaos", action="store_true",
+                   help="run the hostile mixes of serve_chaos.py beside the clean load")
     args = p.parse_args()
     requests = workload(args.requests)
     rng = random.Random(1)
@@ -150,6 +154,8 @@ def main() -> None:
     offline = llm.generate([p for p, _ in requests], params, use_tqdm=False)
     offline_seconds = time.perf_counter() - started
     del llm
+    if args.chaos:
+        return chaos(args, requests, [o.outputs[0].text for o in offline])
 
     port = free_port()
     server = start_server(args.model, port, args)
@@ -207,6 +213,63 @@ def main() -> None:
                                     served_seconds=served_seconds)))
     print(f"wrote {path}")
     if errors or wrong or bad_prefix or running or waiting or usage:
+        sys.exit(1)
+
+
+def wait_idle(url: str, timeout: float = 60.0) -> bool:
+    """Until the server runs and waits for nothing, holds no KV block and is healthy."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (metric(url, "kvserve:num_requests_running") == 0
+                and metric(url, "kvserve:num_requests_waiting") == 0
+                and metric(url, "kvserve:kv_cache_usage_perc") == 0
+                and httpx.get(url + "/health").status_code == 200):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def chaos(args, requests, offline_texts: list[str]) -> None:
+    from serve_chaos import HEADERS, MIXES, PeakRSS, run_mix, summarize
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    # The clean load and a mix's own streams fit the waiting bound; the flood does not. Stalled
+    # readers are aborted after 2 s.
+    server = start_server(args.model, port, args, ["--max-waiting-requests",
+                                                   str(2 * args.requests),
+                                                   "--max-stream-lag", "2"],
+                          env={"KVSERVE_FAULT_INJECTION": "1"})
+    rows, checks, rng = [], {}, random.Random(2)
+    try:
+        for mix in MIXES:
+            with PeakRSS(server.pid) as rss:
+                result = asyncio.run(run_mix(mix, url, port, "bench", requests, rng))
+            row, check = summarize(mix, result, offline_texts, rss.peak)
+            check["idle_and_healthy_after"] = wait_idle(url)
+            rows.append(row)
+            checks[mix] = check
+            print(mix, check, flush=True)
+        lag_aborts = metric(url, "kvserve:stream_lag_aborts_total")
+        failed_steps = metric(url, "kvserve:failed_steps_total")
+    finally:
+        server.terminate()
+        server.wait()
+    print(f"\n{args.requests} clean streaming requests beside each mix, {args.model.name}, "
+          f"{args.dtype} (server: --max-waiting-requests {2 * args.requests}, "
+          f"--max-stream-lag 2, --threads {args.server_threads or 'all'}):")
+    print(markdown_table(HEADERS, rows))
+    print(f"stalled readers aborted for lag: {lag_aborts:.0f}; failed steps: {failed_steps:.0f}")
+    path = write_json(HERE / "results" / "serve_chaos.json",
+                      dict(args={k: str(v) for k, v in vars(args).items()}, machine=machine_info(),
+                           headers=HEADERS, rows=rows, checks=checks,
+                           lag_aborts=lag_aborts, failed_steps=failed_steps))
+    print(f"wrote {path}")
+    bad = {mix: c for mix, c in checks.items()
+           if c["wrong_text"] or c["clean_not_200"] or c["hostile_5xx"] or c["clean_failed"]
+           or not c["idle_and_healthy_after"]}
+    if bad:
+        print("FAILED checks:", bad)
         sys.exit(1)
 
 

@@ -229,3 +229,17 @@ def test_lora_adapters_that_fail_to_load_are_openai_errors(tmp_path, checkpoint_
             assert_openai_error(ask("no-weights"), 500, "failed to load")
             assert_openai_error(ask("big"), 400, "max_lora_rank")
             assert ask("good").status_code == 200
+
+
+def test_the_fault_injection_route_exists_only_when_asked(server, engine):
+    assert_openai_error(post(server, "/fault/step_failures", body={"count": 1}), 404)
+    state = ServerState(NAME, fault_injection=True)
+    state.ready(engine, None)
+    with BackgroundServer(state) as s:
+        assert httpx.post(s.url + "/fault/step_failures", json={"count": 1}).json() == {
+            "count": 1}
+        assert_openai_error(httpx.post(s.url + "/fault/step_failures", json={}), 400)
+        r = httpx.post(s.url + "/v1/completions", json=completion(), timeout=30)
+        assert_openai_error(r, 500, "injected step failure")
+        assert httpx.post(s.url + "/v1/completions", json=completion(),
+                          timeout=30).status_code == 200

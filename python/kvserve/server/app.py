@@ -45,6 +45,9 @@ class ServerState:
     lora_modules: dict = field(default_factory=dict)  # name -> LoRARequest
     limits: ServerLimits = field(default_factory=ServerLimits)
     enable_docs: bool = False  # /docs and /openapi.json (behind the API key)
+    # POST /fault/step_failures {"count": N}: the next N engine steps fail (chaos testing only;
+    # `kvserve serve` turns it on with KVSERVE_FAULT_INJECTION=1).
+    fault_injection: bool = False
     engine: object = None  # AsyncLLMEngine
     chat_template: ChatTemplate | None = None
     load_error: BaseException | None = None
@@ -56,7 +59,7 @@ class ServerState:
     def ready(self, engine, chat_template: ChatTemplate | None) -> None:
         """The model has loaded: start serving it."""
         self.chat_template = chat_template
-        self.metrics.attach(engine.engine)
+        self.metrics.attach(engine.engine, engine)
         self.engine = engine
 
 
@@ -155,6 +158,15 @@ def build_app(state: ServerState) -> FastAPI:
                             [prompt], chat=True, lora=lora)
 
     app.include_router(v1)
+    if state.fault_injection:
+        @app.post("/fault/step_failures")
+        async def step_failures(request: Request):
+            try:
+                count = int((await request.json())["count"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise APIError(400, 'expected {"count": N}') from e
+            _engine(state).engine.engine.inject_step_failures(count)
+            return {"count": count}
     return app
 
 
@@ -202,6 +214,14 @@ async def _submit(state: ServerState, prompts: list, params, request_id: str, ch
     """Submits one engine request per prompt (delta outputs); all or none: a refusal aborts
     the ones already in."""
     engine = state.engine
+    bound = engine.engine.engine.config.max_waiting_requests
+    if bound and engine.get_stats().num_waiting_requests >= bound:
+        # Refused before tokenizing (the engine's own check, at submission, is the exact one):
+        # a flood costs the server as little as possible.
+        raise APIError(429, f"the engine is at capacity: {bound} requests wait to run "
+                       "(max_waiting_requests); retry later", type="rate_limit_error",
+                       code="engine_overloaded",
+                       headers={"Retry-After": str(state.limits.retry_after_seconds)})
     streams = []
     try:
         for i, prompt in enumerate(prompts):

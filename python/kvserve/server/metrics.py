@@ -19,8 +19,8 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 class _EngineCollector:
     """Gauges and counters the engine keeps, read at scrape time."""
 
-    def __init__(self, engine, model_name: str):
-        self.engine, self.model_name = engine, model_name
+    def __init__(self, engine, model_name: str, serving=None):
+        self.engine, self.model_name, self.serving = engine, model_name, serving
 
     def collect(self):
         s = self.engine.get_stats()
@@ -46,6 +46,18 @@ class _EngineCollector:
                 ("num_preemptions", "Sequences preempted (their KV recomputed later).",
                  s.num_preemptions)]:
             yield family(CounterMetricFamily, f"kvserve:{name}", help_text, value)
+        if self.serving is not None:  # the AsyncLLMEngine that serves it
+            a = self.serving
+            yield family(GaugeMetricFamily, "kvserve:engine_healthy",
+                         "1 while the engine steps normally (/health 200).", float(a.healthy))
+            for name, help_text, value in [
+                    ("failed_steps", "Engine steps that raised (their requests ended with an "
+                     "error).", a.num_failed_steps),
+                    ("stream_lag_aborts", "Requests aborted because their client fell more than "
+                     "max_stream_lag seconds behind.", a.num_lagging_aborts),
+                    ("request_failed", "Requests that ended with finish_reason error.",
+                     s.num_failed_requests)]:
+                yield family(CounterMetricFamily, f"kvserve:{name}", help_text, value)
         if self.engine.engine.config.speculative.enabled:
             for name, help_text, value in [
                     ("spec_decode_num_drafts", "Speculative drafts verified.", s.num_drafts),
@@ -83,9 +95,10 @@ class ServerMetrics:
         """Counts one error answer."""
         self.errors.labels(self.model_name, str(status)).inc()
 
-    def attach(self, engine) -> None:
-        """Starts reading the engine's counters (once it has loaded)."""
-        self.registry.register(_EngineCollector(engine, self.model_name))
+    def attach(self, engine, serving=None) -> None:
+        """Starts reading the counters of `engine` (an LLMEngine, once it has loaded) and of the
+        AsyncLLMEngine `serving` it, if given."""
+        self.registry.register(_EngineCollector(engine, self.model_name, serving))
 
     def observe(self, output) -> None:
         """A finished RequestOutput: its prompt tokens, finish reasons and latencies."""

@@ -3,6 +3,7 @@ while the model loads in a background thread."""
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import threading
@@ -59,7 +60,8 @@ def serve(model: str | Path, host: str = "127.0.0.1", port: int = 8000,
         ChatTemplate.from_model_dir(model, chat_template)
     state = ServerState(served_model_name or str(model), api_key,
                         lora_modules=lora_requests(lora_modules or {}),
-                        limits=limits or ServerLimits(), enable_docs=enable_docs)
+                        limits=limits or ServerLimits(), enable_docs=enable_docs,
+                        fault_injection=os.environ.get("KVSERVE_FAULT_INJECTION") == "1")
     if state.lora_modules:
         engine_kwargs.setdefault("enable_lora", True)
     loader = threading.Thread(target=load_into, args=(state, model, chat_template, engine_kwargs),
