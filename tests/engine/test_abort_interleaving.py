@@ -251,3 +251,25 @@ def test_delta_outputs_add_up_to_the_cumulative_ones(params):
             assert got == [lp.token_id for lp in c.logprobs]
     with pytest.raises(ValueError, match="output_kind"):
         engine().add_request("x", "a", output_kind="whole")
+
+
+def test_lora_users_are_released_whatever_ends_the_request(tmp_path, greedy_texts):
+    """Requests on an adapter finish by stop strings, by length, by aborts landing before and
+    after the step: the adapter has no user left afterwards (else its slot could never be
+    reused)."""
+    from tests.models.test_lora import make_adapter
+
+    make_adapter(MODEL, tmp_path / "adapter", r=2, lora_alpha=4, target_modules=["q_proj"])
+    lora = kvserve.LoRARequest("a", tmp_path / "adapter")
+    e = engine(enable_lora=True, max_loras=1, max_lora_rank=2)
+    stops = [early_stop(t) for t in greedy_texts]
+    for i in range(24):
+        p = i % len(PROMPTS)
+        e.add_request(str(i), PROMPTS[p], SamplingParams(
+            temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stops[p]] if i % 2 else None),
+            lora=lora)
+    e.engine = AbortAfterStep(e.engine, "1", at=2)
+    e.abort_request("0")
+    drain(e)
+    assert e.lora_manager._loaded["a"].users == 0
+    assert_nothing_leaked(e)

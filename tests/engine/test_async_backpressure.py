@@ -50,8 +50,10 @@ def test_a_slow_reader_gets_merged_updates_that_add_up(reference, kind):
         outs = []
         async for out in e.generate(PROMPT, LONG, "slow", output_kind=kind):
             outs.append(out)
-            while len(outs) == 1 and e.engine.has_unfinished_requests():
-                await asyncio.sleep(0.01)  # the engine runs to the end meanwhile
+            if len(outs) == 1:  # the engine runs to the end meanwhile
+                channel = e._channels["slow"]
+                while not (channel.pending and channel.pending.finished):
+                    await asyncio.sleep(0.01)
         return outs
 
     try:
