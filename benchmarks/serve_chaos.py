@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import statistics
 import threading
 import time

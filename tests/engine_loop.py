@@ -4,6 +4,8 @@ requests at their arrival steps."""
 
 from __future__ import annotations
 
+import time
+
 from kvserve import LLMEngine, SamplingParams
 
 
@@ -47,3 +49,15 @@ def run_arrivals(e: LLMEngine, requests, params: SamplingParams | None = None) -
     blocks = e.block_manager
     assert blocks.num_free_blocks() == blocks.num_usable_blocks() and blocks.num_sequences() == 0
     return results
+
+
+def wait_idle(async_engine, timeout: float = 20.0) -> None:
+    """Until the LLMEngine that `async_engine` (an AsyncLLMEngine) steps has no request left,
+    in C++ or in Python, and every block is free; fails after `timeout` seconds."""
+    e = async_engine.engine
+    deadline = time.monotonic() + timeout
+    blocks = e.block_manager
+    while e.has_unfinished_requests() or e._requests or (
+            blocks.num_free_blocks() != blocks.num_usable_blocks()):
+        assert time.monotonic() < deadline, "requests or blocks were not freed"
+        time.sleep(0.02)

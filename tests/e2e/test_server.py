@@ -25,6 +25,7 @@ from kvserve.async_engine import AsyncLLMEngine  # noqa: E402
 from kvserve.server import ServerState  # noqa: E402
 from kvserve.server.chat_template import ChatTemplate  # noqa: E402
 from kvserve.server.serve import BackgroundServer  # noqa: E402
+from tests.engine_loop import wait_idle  # noqa: E402
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "shakespeare-target"
 NAME = "shakespeare"
@@ -59,16 +60,6 @@ def offline():
 
 def greedy(**extra):
     return dict(temperature=0, max_tokens=24, **extra)
-
-
-def wait_idle(engine, timeout=10.0) -> None:
-    """Until the engine has no request left and every block is free (fails after timeout)."""
-    deadline = time.monotonic() + timeout
-    blocks = engine.engine.block_manager
-    while engine.engine.has_unfinished_requests() or (
-            blocks.num_free_blocks() != blocks.num_usable_blocks()):
-        assert time.monotonic() < deadline, "requests or blocks were not freed"
-        time.sleep(0.02)
 
 
 # ------------------------------------------------------------------------------ completions

@@ -24,6 +24,7 @@ from kvserve.server import ServerState  # noqa: E402
 from kvserve.server.limits import ServerLimits  # noqa: E402
 from kvserve.server.serve import BackgroundServer  # noqa: E402
 from kvserve.testing.chaos import rss_bytes, sse_events, stalled_stream  # noqa: E402
+from tests.engine_loop import wait_idle  # noqa: E402
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "shakespeare-target"
 NAME = "shakespeare"
@@ -46,16 +47,6 @@ def roomy():
     with server:
         yield engine, server
     engine.shutdown()
-
-
-def wait_idle(engine, timeout=20.0) -> None:
-    deadline = time.monotonic() + timeout
-    blocks = engine.engine.block_manager
-    while engine.engine.has_unfinished_requests() or (
-            blocks.num_free_blocks() != blocks.num_usable_blocks()):
-        assert time.monotonic() < deadline, "requests or blocks were not freed"
-        time.sleep(0.02)
-    assert not engine.engine._requests
 
 
 def body(prompt, **extra):
@@ -146,7 +137,7 @@ def test_a_flood_past_the_waiting_bound_gets_429s_and_nothing_hangs():
 
     with server:
         asyncio.run(main())
-        assert statuses.count(429) > 0 and statuses.count(200) >= 6
+        assert statuses.count(429) > 0 and statuses.count(200) >= 4  # at least the bound
         assert set(statuses) <= {200, 429}
         wait_idle(engine)
         assert httpx.get(server.url + "/health").status_code == 200

@@ -16,6 +16,7 @@ import kvserve
 from kvserve import AsyncLLMEngine, SamplingParams
 from kvserve.async_engine import merge_outputs
 from kvserve.outputs import CompletionOutput, RequestOutput
+from tests.engine_loop import wait_idle
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "shakespeare-target"
 PROMPT = "JULIET:\nO Romeo, Romeo!"
@@ -24,15 +25,6 @@ LONG = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True, logprobs
 
 def async_engine(**kwargs) -> AsyncLLMEngine:
     return AsyncLLMEngine(MODEL, dtype="float32", max_model_len=256, num_blocks=64, **kwargs)
-
-
-def wait_idle(e: AsyncLLMEngine, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    blocks = e.engine.block_manager
-    while e.engine.has_unfinished_requests() or (
-            blocks.num_free_blocks() != blocks.num_usable_blocks()):
-        assert time.monotonic() < deadline, "requests or blocks were not freed"
-        time.sleep(0.01)
 
 
 @pytest.fixture(scope="module")
