@@ -183,15 +183,6 @@ void bind_continuous_batching_engine(py::module_& m) {
                        std::optional<at::ScalarType> kv_cache_dtype,
                        int64_t cuda_graph_max_batch, int64_t max_stop_strings,
                        int64_t max_stop_string_length, int64_t max_waiting_requests) {
-             for (const auto& [name, value] :
-                  {std::pair<const char*, int64_t>{"max_stop_strings", max_stop_strings},
-                   {"max_stop_string_length", max_stop_string_length},
-                   {"max_waiting_requests", max_waiting_requests}}) {
-               if (value < 0) {
-                 throw std::invalid_argument(std::string(name) + " must be >= 0 (0: no limit), "
-                                             "got " + std::to_string(value));
-               }
-             }
              EngineConfig c{max_num_seqs,          max_num_batched_tokens,
                             max_model_len,         block_size,
                             num_blocks,            kv_cache_dtype,

@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <exception>
 #include <stdexcept>
+#include <string>
+#include <utility>
 
 #include "engine/engine_helpers.h"
 
@@ -28,6 +30,15 @@ EngineConfig resolved(const CausalLM& model, EngineConfig config) {
     throw std::invalid_argument("num_blocks must be >= 2 (block 0 is the null block)");
   }
   if (config.max_logprobs < 0) throw std::invalid_argument("max_logprobs must be >= 0");
+  for (const auto& [name, value] :
+       {std::pair<const char*, int64_t>{"max_stop_strings", config.max_stop_strings},
+        {"max_stop_string_length", config.max_stop_string_length},
+        {"max_waiting_requests", config.max_waiting_requests}}) {
+    if (value < 0) {
+      throw std::invalid_argument(std::string(name) + " must be >= 0 (0: no limit), got " +
+                                  std::to_string(value));
+    }
+  }
   if (config.kv_cache_dtype && *config.kv_cache_dtype != model.dtype() &&
       !is_quantized_kv_dtype(*config.kv_cache_dtype)) {
     throw std::invalid_argument("kv_cache_dtype must be the model's dtype, int8 or "

@@ -243,3 +243,10 @@ def test_the_fault_injection_route_exists_only_when_asked(server, engine):
         assert_openai_error(r, 500, "injected step failure")
         assert httpx.post(s.url + "/v1/completions", json=completion(),
                           timeout=30).status_code == 200
+
+
+def test_a_long_conversation_is_not_a_list_of_prompts(server):
+    messages = [{"role": "user", "content": "hi"}] * 10  # more messages than prompts allowed
+    r = post(server, "/v1/chat/completions", body={"model": NAME, "messages": messages,
+                                                    "max_tokens": 2})
+    assert r.status_code == 200, r.text

@@ -145,8 +145,7 @@ def build_app(state: ServerState) -> FastAPI:
                            if state.chat_template is None else
                            f"model {state.model_name} has no tokenizer to encode messages with")
         messages = [m.as_template_input() for m in body.messages]
-        state.limits.check_prompts([m["content"] or "" for m in messages
-                                    if isinstance(m["content"], str)], param="messages")
+        state.limits.check_chars([m["content"] for m in messages], param="messages")
         # Rendering and tokenizing a long conversation take time: off the event loop.
         prompt = await asyncio.to_thread(_chat_prompt, state, messages,
                                          body.add_generation_prompt)
@@ -198,7 +197,7 @@ def _chat_prompt(state: ServerState, messages: list[dict], add_generation_prompt
         text = state.chat_template.render(messages, add_generation_prompt)
     except ChatTemplateError as e:
         raise APIError(400, str(e), param="messages") from e
-    state.limits.check_prompts([text], param="messages")
+    state.limits.check_chars([text], param="messages")
     # The template writes any special tokens itself.
     return state.engine.engine.tokenizer.encode(text, add_special_tokens=False)
 

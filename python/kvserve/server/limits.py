@@ -42,7 +42,12 @@ class ServerLimits:
         if len(prompts) > self.max_prompts_per_request:
             raise APIError(400, f"at most {self.max_prompts_per_request} prompts per request "
                            f"(--max-prompts-per-request), got {len(prompts)}", param=param)
-        chars = sum(len(p) for p in prompts if isinstance(p, str))
+        self.check_chars(prompts, param)
+
+    def check_chars(self, texts: list, param: str) -> None:
+        """APIError(400) when the strings among `texts` have more than max_prompt_chars
+        characters in all."""
+        chars = sum(len(p) for p in texts if isinstance(p, str))
         if chars > self.max_prompt_chars:
             raise APIError(400, f"the prompt text has {chars} characters, more than "
                            f"{self.max_prompt_chars} (--max-prompt-chars)", param=param)
