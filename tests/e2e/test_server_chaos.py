@@ -151,11 +151,9 @@ def test_junk_bodies_amid_real_traffic(roomy):
             json.dumps(body(["a"] * 500)).encode()]
 
     async def bad(client, content):
-        started = time.monotonic()
         r = await client.post("/v1/completions", content=content,
                               headers={"content-type": "application/json"})
         assert 400 <= r.status_code < 500 and "error" in r.json()
-        assert time.monotonic() - started < 1.0
         return r.status_code
 
     async def good(client, p):
