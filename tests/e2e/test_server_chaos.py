@@ -219,10 +219,10 @@ def test_a_queued_stream_that_leaves_before_its_first_token_is_never_prefilled()
         until(lambda s: s.num_waiting_requests == 0, "the waiting request was not aborted")
         stats = engine.get_stats()
         assert stats.num_aborted_requests == 1 and stats.num_running_requests == 1
-        busy.close()
+        busy.close()  # aborts it, unless its 900 tokens were done by now (a fast machine)
         wait_idle(engine)
-        # Only the stream that ran had its prompt prefilled.
-        assert engine.get_stats().prefix_cache_queries == len(
-            engine.engine.tokenizer.encode(PROMPTS[0]))
-        assert engine.get_stats().num_aborted_requests == 2
+        # Only the stream that ran had its prompt prefilled; both ended, nothing else ran.
+        stats = engine.get_stats()
+        assert stats.prefix_cache_queries == len(engine.engine.tokenizer.encode(PROMPTS[0]))
+        assert stats.num_finished_requests == 2 and stats.num_aborted_requests in (1, 2)
     engine.shutdown()
