@@ -175,32 +175,50 @@ void bind_continuous_batching_engine(py::module_& m) {
       .def_readonly("max_verify_tokens", &SpeculativeConfig::max_verify_tokens)
       .def_property_readonly("enabled", &SpeculativeConfig::enabled);
 
-  py::class_<EngineConfig>(m, "EngineConfig")
+  const EngineConfig defaults;
+  py::class_<EngineConfig>(m, "EngineConfig",
+                           "An engine's limits and KV pool (kvserve.EngineArgs fills it).")
       .def(py::init([](int64_t max_num_seqs, int64_t max_num_batched_tokens,
                        int64_t max_model_len, int64_t block_size, int64_t num_blocks,
-                       bool enable_prefix_caching, std::vector<int64_t> eos_token_ids,
-                       int64_t max_logprobs, SpeculativeConfig speculative,
+                       int64_t kv_cache_memory, bool enable_prefix_caching,
+                       std::vector<int64_t> eos_token_ids, int64_t max_logprobs,
+                       SpeculativeConfig speculative,
                        std::optional<at::ScalarType> kv_cache_dtype,
                        int64_t cuda_graph_max_batch, int64_t max_stop_strings,
                        int64_t max_stop_string_length, int64_t max_waiting_requests) {
-             EngineConfig c{max_num_seqs,          max_num_batched_tokens,
-                            max_model_len,         block_size,
-                            num_blocks,            kv_cache_dtype,
-                            enable_prefix_caching, std::move(eos_token_ids),
-                            max_logprobs,          std::move(speculative),
-                            cuda_graph_max_batch,  max_stop_strings,
-                            max_stop_string_length, max_waiting_requests};
+             EngineConfig c;
+             c.max_num_seqs = max_num_seqs;
+             c.max_num_batched_tokens = max_num_batched_tokens;
+             c.max_model_len = max_model_len;
+             c.block_size = block_size;
+             c.num_blocks = num_blocks;
+             c.kv_cache_memory = kv_cache_memory;
+             c.kv_cache_dtype = kv_cache_dtype;
+             c.enable_prefix_caching = enable_prefix_caching;
+             c.eos_token_ids = std::move(eos_token_ids);
+             c.max_logprobs = max_logprobs;
+             c.speculative = std::move(speculative);
+             c.cuda_graph_max_batch = cuda_graph_max_batch;
+             c.max_stop_strings = max_stop_strings;
+             c.max_stop_string_length = max_stop_string_length;
+             c.max_waiting_requests = max_waiting_requests;
              return c;
            }),
-           py::kw_only(), py::arg("max_num_seqs") = 256, py::arg("max_num_batched_tokens") = 2048,
-           py::arg("max_model_len") = 0, py::arg("block_size") = 16, py::arg("num_blocks"),
-           py::arg("enable_prefix_caching") = true,
-           py::arg("eos_token_ids") = std::vector<int64_t>{}, py::arg("max_logprobs") = 20,
+           py::kw_only(), py::arg("max_num_seqs") = defaults.max_num_seqs,
+           py::arg("max_num_batched_tokens") = defaults.max_num_batched_tokens,
+           py::arg("max_model_len") = defaults.max_model_len,
+           py::arg("block_size") = defaults.block_size,
+           py::arg("num_blocks") = defaults.num_blocks,
+           py::arg("kv_cache_memory") = defaults.kv_cache_memory,
+           py::arg("enable_prefix_caching") = defaults.enable_prefix_caching,
+           py::arg("eos_token_ids") = std::vector<int64_t>{},
+           py::arg("max_logprobs") = defaults.max_logprobs,
            py::arg("speculative") = SpeculativeConfig{}, py::arg("kv_cache_dtype") = py::none(),
-           py::arg("cuda_graph_max_batch") = 0,
-           py::arg("max_stop_strings") = EngineConfig{}.max_stop_strings,
-           py::arg("max_stop_string_length") = EngineConfig{}.max_stop_string_length,
-           py::arg("max_waiting_requests") = EngineConfig{}.max_waiting_requests)
+           py::arg("cuda_graph_max_batch") = defaults.cuda_graph_max_batch,
+           py::arg("max_stop_strings") = defaults.max_stop_strings,
+           py::arg("max_stop_string_length") = defaults.max_stop_string_length,
+           py::arg("max_waiting_requests") = defaults.max_waiting_requests)
+      .def_readonly("kv_cache_memory", &EngineConfig::kv_cache_memory)
       .def_readonly("max_num_seqs", &EngineConfig::max_num_seqs)
       .def_readonly("max_num_batched_tokens", &EngineConfig::max_num_batched_tokens)
       .def_readonly("max_model_len", &EngineConfig::max_model_len)
@@ -215,6 +233,13 @@ void bind_continuous_batching_engine(py::module_& m) {
       .def_readonly("max_stop_strings", &EngineConfig::max_stop_strings)
       .def_readonly("max_stop_string_length", &EngineConfig::max_stop_string_length)
       .def_readonly("max_waiting_requests", &EngineConfig::max_waiting_requests);
+
+  m.def("resolve_engine_config", &resolve_engine_config, py::arg("config"), py::arg("model"),
+        py::arg("dtype"), py::arg("draft") = nullptr,
+        "The config checked against the model (its ModelConfig and dtype) and an optional draft "
+        "model's config, with max_model_len and num_blocks derived where 0; ValueError names "
+        "the first bad option.");
+  m.attr("DEFAULT_KV_CACHE_MEMORY") = kDefaultKVCacheMemory;
 
   py::register_exception<EngineOverloaded>(m, "EngineOverloadedError", PyExc_RuntimeError);
 

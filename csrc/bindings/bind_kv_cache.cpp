@@ -1,4 +1,4 @@
-// Python bindings of the caches: the contiguous KVCache of the notes and the PagedKVCache.
+// Python bindings of the caches: the contiguous KVCache (kvserve.compat) and the PagedKVCache.
 #include <torch/csrc/utils/pybind.h>
 #include <pybind11/stl.h>
 

@@ -158,7 +158,7 @@ void bind_causal_lm(py::module_& m) {
             return forward_with_kv_cache(model, input_ids, caches);
           },
           py::arg("input_ids"), py::arg("kv_caches"), py::call_guard<py::gil_scoped_release>(),
-          "The notes' loop: input_ids [B, S] appended to the caches; returns logits [B, S, V].")
+          "The simple loop (kvserve.compat): input_ids [B, S] appended to the caches; returns logits [B, S, V].")
       .def_property_readonly("config", &CausalLM::config, py::return_value_policy::reference_internal)
       .def_property_readonly("dtype", &CausalLM::dtype)
       .def_property_readonly("device", &CausalLM::device)

@@ -69,6 +69,17 @@ void bind_paged_block_manager(py::module_& m) {
       .def("num_live_blocks", &M::num_live_blocks, py::arg("seq_id"), py::arg("group"))
       .def("num_groups", &M::num_groups)
       .def("group_window", &M::group_window, py::arg("group"))
+      .def("max_blocks_held",
+           py::overload_cast<int64_t, int64_t, int64_t>(&M::max_blocks_held, py::const_),
+           py::arg("num_prompt"), py::arg("num_tokens"), py::arg("max_chunk"),
+           "Blocks (all groups) a sequence of num_prompt prompt tokens, prefilled in chunks of at "
+           "most max_chunk, holds at most until it has num_tokens.")
+      .def_static("max_blocks_held_for",
+                  py::overload_cast<const std::vector<int64_t>&, int64_t, int64_t, int64_t,
+                                    int64_t>(&M::max_blocks_held),
+                  py::arg("group_windows"), py::arg("block_size"), py::arg("num_prompt"),
+                  py::arg("num_tokens"), py::arg("max_chunk"),
+                  "max_blocks_held of a manager with these groups and block size.")
       .def("num_tokens", &M::num_tokens, py::arg("seq_id"))
       .def("num_lookahead", &M::num_lookahead, py::arg("seq_id"))
       .def("num_computed_tokens", &M::num_computed_tokens, py::arg("seq_id"))

@@ -18,38 +18,6 @@ namespace {
 using engine_helpers::contains;
 using engine_helpers::now;
 
-EngineConfig resolved(const CausalLM& model, EngineConfig config) {
-  const int64_t limit = model.config().max_position_embeddings;
-  if (config.max_model_len == 0) config.max_model_len = limit;
-  if (config.max_model_len < 2 || config.max_model_len > limit) {
-    throw std::invalid_argument("max_model_len must be in [2, " + std::to_string(limit) +
-                                "], got " + std::to_string(config.max_model_len));
-  }
-  if (config.block_size < 1) throw std::invalid_argument("block_size must be >= 1");
-  if (config.num_blocks < 2) {
-    throw std::invalid_argument("num_blocks must be >= 2 (block 0 is the null block)");
-  }
-  if (config.max_logprobs < 0) throw std::invalid_argument("max_logprobs must be >= 0");
-  for (const auto& [name, value] :
-       {std::pair<const char*, int64_t>{"max_stop_strings", config.max_stop_strings},
-        {"max_stop_string_length", config.max_stop_string_length},
-        {"max_waiting_requests", config.max_waiting_requests}}) {
-    if (value < 0) {
-      throw std::invalid_argument(std::string(name) + " must be >= 0 (0: no limit), got " +
-                                  std::to_string(value));
-    }
-  }
-  if (config.kv_cache_dtype && *config.kv_cache_dtype != model.dtype() &&
-      !is_quantized_kv_dtype(*config.kv_cache_dtype)) {
-    throw std::invalid_argument("kv_cache_dtype must be the model's dtype, int8 or "
-                                "float8_e4m3fn, got " +
-                                std::string(c10::toString(*config.kv_cache_dtype)));
-  }
-  SchedulerConfig{config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len}
-      .validate();
-  return config;
-}
-
 /// What an exception says, without a c10::Error's C++ backtrace.
 std::string message_of(std::exception_ptr error) {
   try {
@@ -75,7 +43,8 @@ ContinuousBatchingEngine::ContinuousBatchingEngine(std::shared_ptr<CausalLM> mod
                                                    EngineConfig config,
                                                    std::shared_ptr<CausalLM> draft_model)
     : model_(std::move(model)),
-      config_(resolved(*model_, std::move(config))),
+      config_(resolve_engine_config(std::move(config), model_->config(), model_->dtype(),
+                                    draft_model ? &draft_model->config() : nullptr)),
       // A draft model keeps its own pool on the same block tables: it needs every layer's blocks
       // (no sliding-window groups) until the draft's pool is grouped too.
       block_manager_(config_.num_blocks, config_.block_size, config_.enable_prefix_caching, 0.01,

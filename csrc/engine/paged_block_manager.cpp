@@ -138,13 +138,19 @@ int64_t PagedBlockManager::num_live_blocks(int64_t seq_id, int64_t group) const 
 
 int64_t PagedBlockManager::max_blocks_held(int64_t num_prompt, int64_t num_tokens,
                                            int64_t max_chunk) const {
+  return max_blocks_held(windows_, block_size_, num_prompt, num_tokens, max_chunk);
+}
+
+int64_t PagedBlockManager::max_blocks_held(const std::vector<int64_t>& group_windows,
+                                           int64_t block_size, int64_t num_prompt,
+                                           int64_t num_tokens, int64_t max_chunk) {
   // A step computing [c, c + chunk) holds a sliding group's blocks from (c - W + 1) / bs to
   // (c + chunk) / bs.
   auto held = [&](int64_t length, int64_t chunk) {
     int64_t blocks = 0;
-    for (int64_t g = 0; g < num_groups(); ++g) {
-      const int64_t all = blocks_for(length);
-      blocks += sliding(g) ? std::min(all, (windows_[g] + chunk - 1) / block_size_ + 2) : all;
+    for (const int64_t window : group_windows) {
+      const int64_t all = (length + block_size - 1) / block_size;
+      blocks += window > 0 ? std::min(all, (window + chunk - 1) / block_size + 2) : all;
     }
     return blocks;
   };

@@ -3,15 +3,20 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 
 namespace kvserve {
 
 void SchedulerConfig::validate() const {
-  if (max_num_seqs < 1) throw std::invalid_argument("max_num_seqs must be >= 1");
-  if (max_num_batched_tokens < 1) {
-    throw std::invalid_argument("max_num_batched_tokens must be >= 1");
+  for (const auto& [name, value, least] :
+       {std::tuple<const char*, int64_t, int64_t>{"max_num_seqs", max_num_seqs, 1},
+        {"max_num_batched_tokens", max_num_batched_tokens, 1},
+        {"max_model_len", max_model_len, 2}}) {
+    if (value < least) {
+      throw std::invalid_argument(std::string(name) + " must be >= " + std::to_string(least) +
+                                  ", got " + std::to_string(value));
+    }
   }
-  if (max_model_len < 2) throw std::invalid_argument("max_model_len must be >= 2");
 }
 
 Scheduler::Scheduler(SchedulerConfig config, PagedBlockManager& blocks)

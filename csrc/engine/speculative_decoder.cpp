@@ -32,7 +32,7 @@ void require(bool ok, const std::string& message) {
 
 void SpeculativeConfig::validate() const {
   require(method.empty() || method == "draft_model" || method == "ngram",
-          "method must be \"draft_model\" or \"ngram\", got \"" + method + "\"");
+          "speculative_method must be \"draft_model\" or \"ngram\", got \"" + method + "\"");
   if (!enabled()) return;
   require(num_speculative_tokens >= 1 && num_speculative_tokens <= kMaxSpeculativeTokens,
           "num_speculative_tokens must be in [1, " + std::to_string(kMaxSpeculativeTokens) +
@@ -41,9 +41,11 @@ void SpeculativeConfig::validate() const {
           "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, got " +
               std::to_string(prompt_lookup_min) + " and " + std::to_string(prompt_lookup_max));
   require(disable_batch_size >= 0,
-          "disable_batch_size must be >= 0, got " + std::to_string(disable_batch_size));
+          "speculative_disable_batch_size must be >= 0, got " +
+              std::to_string(disable_batch_size));
   require(max_verify_tokens >= 0,
-          "max_verify_tokens must be >= 0, got " + std::to_string(max_verify_tokens));
+          "speculative_max_verify_tokens must be >= 0, got " +
+              std::to_string(max_verify_tokens));
 }
 
 int64_t Proposals::num_tokens() const {

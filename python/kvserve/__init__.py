@@ -11,12 +11,13 @@ import torch  # noqa: F401  (loads libtorch before the extension that links it)
 from kvserve import _C
 from kvserve.async_engine import AsyncLLMEngine
 from kvserve.engine import LLMEngine
-from kvserve.kv_cache import KVCache, reset_all_caches
+from kvserve.engine_args import AsyncEngineArgs, EngineArgs
 from kvserve.llm import LLM, SamplingParams
 from kvserve.lora import merge_lora
 from kvserve.lora_serving import AdapterRef, LoRARequest
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvserve.serving import ContinuousBatchingEngine, GenerationRequest
+# The original minimal API (kvserve.compat), kept for compatibility.
+from kvserve.compat import ContinuousBatchingEngine, GenerationRequest, KVCache, reset_all_caches
 
 # add_request's refusal when the engine's waiting queue is full (a server's 429): retry later.
 EngineOverloadedError = _C.EngineOverloadedError
@@ -27,6 +28,8 @@ __all__ = [
     "LLM",
     "LLMEngine",
     "AsyncLLMEngine",
+    "EngineArgs",
+    "AsyncEngineArgs",
     "ContinuousBatchingEngine",
     "GenerationRequest",
     "SamplingParams",

@@ -34,18 +34,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from kvserve.engine import LLMEngine, SamplingParams
+from kvserve.engine_args import ASYNC_OPTIONS, AsyncEngineArgs
 from kvserve.lora_serving import LoRARequest
 from kvserve.outputs import CompletionOutput, RequestOutput
-
-# Seconds a stream's update may wait unread before its request is aborted (a client that stopped
-# reading, or reads far slower than the engine writes).
-DEFAULT_MAX_STREAM_LAG = 30.0
-# Failed steps in a row after which the engine reports itself unhealthy.
-DEFAULT_MAX_CONSECUTIVE_FAILURES = 3
-# Seconds one step may run before the engine reports itself unhealthy (a wedged device): far
-# above any step's time (a 2,048-token prefill chunk of an 8B model on a CPU takes seconds).
-DEFAULT_MAX_STEP_SECONDS = 120.0
-
 
 def merge_outputs(pending: RequestOutput, new: RequestOutput, delta: bool) -> RequestOutput:
     """One update for a consumer that has not read `pending` yet: the deltas of both, and the
@@ -125,31 +116,35 @@ class RequestStream:
 class AsyncLLMEngine:
     """An LLMEngine served by a background thread.
 
-    Args: model (a checkpoint directory) or an LLMEngine; max_stream_lag (seconds an update may
-    wait unread before its request is aborted; 0: never); max_consecutive_failures (failed steps
-    in a row that make `healthy` False); max_step_seconds (a step running longer makes `healthy`
-    False); and LLMEngine's keyword arguments.
+    AsyncLLMEngine(model, **options): the options of kvserve.AsyncEngineArgs (EngineArgs' and
+    max_stream_lag, max_consecutive_failures, max_step_seconds); or AsyncLLMEngine(engine,
+    **async_options) around an LLMEngine already made; or from_engine_args(args).
     """
 
-    def __init__(self, model: str | Path | LLMEngine, *,
-                 max_stream_lag: float = DEFAULT_MAX_STREAM_LAG,
-                 max_consecutive_failures: int = DEFAULT_MAX_CONSECUTIVE_FAILURES,
-                 max_step_seconds: float = DEFAULT_MAX_STEP_SECONDS, **engine_kwargs):
-        if not max_stream_lag >= 0:
-            raise ValueError(f"max_stream_lag must be >= 0 seconds, got {max_stream_lag!r}")
-        if not max_step_seconds > 0:
-            raise ValueError(f"max_step_seconds must be > 0, got {max_step_seconds!r}")
-        if not isinstance(max_consecutive_failures, int) or max_consecutive_failures < 1:
-            raise ValueError("max_consecutive_failures must be a positive integer, got "
-                             f"{max_consecutive_failures!r}")
+    def __init__(self, model: str | Path | LLMEngine, **options):
         if isinstance(model, LLMEngine):
-            self.engine = model
+            engine_only = set(options) - ASYNC_OPTIONS
+            if engine_only:
+                raise TypeError(f"AsyncLLMEngine over an LLMEngine takes only "
+                                f"{sorted(ASYNC_OPTIONS)}; the engine's own options "
+                                f"({', '.join(sorted(engine_only))}) were set when it was made")
+            self._start(model, AsyncEngineArgs(**(vars(model.args) | options)))
         else:
-            engine_kwargs.setdefault("log_memory_plan", False)
-            self.engine = LLMEngine(model, **engine_kwargs)
-        self.max_stream_lag = max_stream_lag
-        self.max_consecutive_failures = max_consecutive_failures
-        self.max_step_seconds = max_step_seconds
+            options.setdefault("log_memory_plan", False)
+            args = AsyncEngineArgs(model, **options)
+            self._start(LLMEngine.from_engine_args(args.engine_args()), args)
+
+    @classmethod
+    def from_engine_args(cls, args: AsyncEngineArgs) -> "AsyncLLMEngine":
+        engine = cls.__new__(cls)
+        engine._start(LLMEngine.from_engine_args(args.engine_args()), args)
+        return engine
+
+    def _start(self, engine: LLMEngine, args: AsyncEngineArgs) -> None:
+        self.engine = engine
+        self.max_stream_lag = args.max_stream_lag
+        self.max_consecutive_failures = args.max_consecutive_failures
+        self.max_step_seconds = args.max_step_seconds
         self._step_started: float | None = None  # time.monotonic() of the running step
         self._channels: dict[str, _Channel] = {}  # under _lock
         self._lock = threading.Lock()

@@ -23,6 +23,10 @@ import sys
 from pathlib import Path
 
 from kvserve.convert.llama2c import add_llama2c_parser
+from kvserve.engine_args import AsyncEngineArgs, EngineArgs
+from kvserve.server.limits import DEFAULT_MAX_WAITING_REQUESTS, ServerLimits
+
+_MODEL_HELP = "Hugging Face checkpoint directory"
 
 # generate's model when --model is not given: $KVSERVE_MODEL, else the trained model that ships in
 # models/ of the source checkout this package runs from (an editable install). An installed wheel
@@ -49,24 +53,11 @@ def _default_model() -> Path:
         f"not contain them")
 
 
-def _speculation(args: argparse.Namespace) -> dict:
-    """The engine's speculative-decoding options from --speculative-model / --ngram."""
-    if args.speculative_model is not None or args.ngram:
-        return dict(speculative_model=args.speculative_model,
-                    speculative_method="ngram" if args.ngram else None,
-                    num_speculative_tokens=args.num_speculative_tokens)
-    if args.num_speculative_tokens is not None:
-        raise ValueError("--num-speculative-tokens needs --speculative-model DIR or --ngram")
-    return {}
-
-
 def _generate(args: argparse.Namespace) -> int:
     from kvserve import LLM, SamplingParams
 
-    speculation = _speculation(args)
-    llm = LLM(args.model or _default_model(), dtype=args.dtype, max_model_len=args.max_model_len,
-              kv_cache_dtype=args.kv_cache_dtype, device=args.device,
-              enforce_eager=args.enforce_eager, **speculation)
+    llm = LLM.from_engine_args(EngineArgs.from_cli_args(
+        args, model=args.model or _default_model(), log_memory_plan=False))
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
                             ignore_eos=args.ignore_eos)
@@ -169,64 +160,23 @@ def _distill(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     try:
-        from kvserve.server.limits import ServerLimits
         from kvserve.server.serve import serve
     except ImportError as e:
         raise ValueError(f"serve needs the server's packages ({e.name} is missing): "
                          f"pip install 'kvserve[serve]' (fastapi, uvicorn, prometheus-client)"
                          ) from e
-    speculation = _speculation(args)
     if args.threads is not None:
         import torch
 
         if args.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    serve(args.model, args.host, args.port, args.api_key or os.environ.get("KVSERVE_API_KEY"),
-          args.served_model_name, args.chat_template, args.log_level, dtype=args.dtype,
-          max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
-          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-          num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching,
-          device=args.device, enforce_eager=args.enforce_eager,
-          lora_modules=_lora_modules(args.lora_modules), max_loras=args.max_loras,
-          max_lora_rank=args.max_lora_rank,
-          limits=ServerLimits(**_given(args, "max_body_bytes", "max_prompts_per_request",
-                                       "max_prompt_chars")),
-          enable_docs=args.enable_docs, **speculation,
-          **_given(args, "max_waiting_requests", "max_stop_strings", "max_stop_string_length",
-                   "max_stream_lag"))
+    engine_args = AsyncEngineArgs.from_cli_args(args, log_memory_plan=False)
+    serve(engine_args, args.host, args.port, args.api_key or os.environ.get("KVSERVE_API_KEY"),
+          args.served_model_name, args.chat_template, args.log_level,
+          lora_modules=_lora_modules(args.lora_modules),
+          limits=ServerLimits.from_cli_args(args), enable_docs=args.enable_docs)
     return 0
-
-
-def _given(args: argparse.Namespace, *names: str) -> dict:
-    """The options among `names` given on the command line (the others keep their defaults)."""
-    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
-
-
-def _add_serve_limits(v: argparse.ArgumentParser) -> None:
-    """What one client may cost the server; the defaults are ServerLimits', the engine's and
-    AsyncLLMEngine's (docs/serving.md lists them)."""
-    g = v.add_argument_group("limits", "what one client may cost the server (0: no limit "
-                             "where noted)")
-    g.add_argument("--max-body-bytes", type=int,
-                   help="a request body at most; 413 past it (default 16 MiB)")
-    g.add_argument("--max-prompts-per-request", type=int,
-                   help="prompts in one completions call (default 128)")
-    g.add_argument("--max-prompt-chars", type=int,
-                   help="characters of a call's prompts or messages before tokenizing "
-                   "(default 1,000,000)")
-    g.add_argument("--max-waiting-requests", type=int,
-                   help="requests waiting to run; past it 429 with Retry-After (default 1024; "
-                   "0: no limit)")
-    g.add_argument("--max-stop-strings", type=int,
-                   help="stop strings of a request (default 64; 0: no limit)")
-    g.add_argument("--max-stop-string-length", type=int,
-                   help="characters of one stop string (default 1024; 0: no limit)")
-    g.add_argument("--max-stream-lag", type=float,
-                   help="seconds a client may leave an update unread before its request is "
-                   "aborted (default 30; 0: never)")
-    g.add_argument("--enable-docs", action="store_true",
-                   help="serve /docs and /openapi.json (behind --api-key)")
 
 
 def _lora_modules(specs: list[str] | None) -> dict[str, str]:
@@ -256,21 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"])
-    g.add_argument("--device", default="cpu",
-                   help="cpu, or cuda[:N] (a build with the CUDA kernels and a GPU)")
-    g.add_argument("--enforce-eager", action="store_true",
-                   help="on a GPU, launch every decode step's kernels instead of replaying CUDA "
-                   "graphs")
-    spec = g.add_mutually_exclusive_group()
-    spec.add_argument("--speculative-model", metavar="DIR",
-                      help="speculative decoding with this draft model (the target's tokenizer)")
-    spec.add_argument("--ngram", action="store_true",
-                      help="speculative decoding with n-gram prompt lookup")
-    g.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="draft tokens per step at most (default 2)")
+    EngineArgs.add_cli_args(g, exclude={"model"})
     g.set_defaults(func=_generate)
     e = sub.add_parser("eval-ppl", help="perplexity of a text file under a model")
     e.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
@@ -347,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--device", default="cpu", help="cpu, or cuda[:N] for teacher and student")
     d.set_defaults(func=_distill)
     v = sub.add_parser("serve", help="serve the OpenAI API over HTTP")
-    v.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    v.add_argument("--model", required=True, help=_MODEL_HELP)
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=int, default=8000)
     v.add_argument("--api-key", default=None,
@@ -362,29 +298,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="uvicorn's log level (info logs every request)")
     v.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (file or text) instead of the checkpoint's")
-    v.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    v.add_argument("--max-model-len", type=int, default=None)
-    v.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"])
-    v.add_argument("--device", default="cpu",
-                   help="cpu, or cuda[:N] (a build with the CUDA kernels and a GPU)")
-    v.add_argument("--enforce-eager", action="store_true",
-                   help="on a GPU, launch every decode step's kernels instead of replaying CUDA "
-                   "graphs")
     v.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", default=None,
-                   help="LoRA adapters (PEFT directories) served as models named NAME")
-    v.add_argument("--max-loras", type=int, default=4,
-                   help="adapters in the model at once (with --lora-modules)")
-    v.add_argument("--max-lora-rank", type=int, default=16)
-    v.add_argument("--max-num-seqs", type=int, default=256)
-    v.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    v.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: sized "
-                   "from the memory budget)")
-    v.add_argument("--no-prefix-caching", action="store_true")
-    vspec = v.add_mutually_exclusive_group()
-    vspec.add_argument("--speculative-model", metavar="DIR")
-    vspec.add_argument("--ngram", action="store_true")
-    v.add_argument("--num-speculative-tokens", type=int, default=None)
-    _add_serve_limits(v)
+                   help="LoRA adapters (PEFT directories) served as models named NAME "
+                   "(turns --enable-lora on)")
+    v.add_argument("--enable-docs", action="store_true",
+                   help="serve /docs and /openapi.json (behind --api-key)")
+    AsyncEngineArgs.add_cli_args(v, exclude={"model"},
+                                 defaults={"max_waiting_requests": DEFAULT_MAX_WAITING_REQUESTS})
+    ServerLimits.add_cli_args(v)
     v.set_defaults(func=_serve)
     c = sub.add_parser("convert", help="write another format's checkpoint as a Hugging Face dir")
     add_llama2c_parser(c.add_subparsers(dest="format", required=True))

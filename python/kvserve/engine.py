@@ -29,16 +29,11 @@ from kvserve.config import load_checkpoint_info, resolve_dtype, resolve_kv_cache
 from kvserve.loader import load_weights
 from kvserve.lora_serving import LoRAManager, LoRARequest
 from kvserve.outputs import CompletionOutput, RequestOutput
-from kvserve.speculative import load_draft_info, speculative_config
+from kvserve.engine_args import EngineArgs
+from kvserve.speculative import load_draft_info
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 SamplingParams = _C.SamplingParams
-
-# Upper bound of the default KV pool (vLLM's CPU backend defaults to 4 GiB too). Pages of the
-# pool are only committed when first written.
-DEFAULT_KV_CACHE_MEMORY = 4 << 30
-# Decode steps of up to this many sequences replay CUDA graphs on a GPU (vLLM captures up to 512).
-CUDA_GRAPH_MAX_BATCH = 256
 
 
 @dataclass
@@ -112,162 +107,79 @@ def _release_freed_memory() -> None:
 
 def blocks_per_sequence(layout, length: int, block_size: int, max_chunk: int) -> int:
     """Block ids a sequence of `length` tokens (all of them prompt, prefilled in chunks of at
-    most max_chunk tokens) holds at most in a pool of this layout: a block per block_size tokens
-    in every full-attention group, and in a local group those of its window and a step's tokens
-    (the bound of PagedBlockManager.max_blocks_held)."""
-    full = -(-length // block_size)
-    if not layout.groups:
-        return full
-    chunk = min(max_chunk, length)
-    return sum(min(full, (g.sliding_window + chunk - 1) // block_size + 2) if g.sliding_window
-               else full for g in layout.groups)
+    most max_chunk tokens) holds at most in a pool of this layout (PagedBlockManager's bound)."""
+    return _C.PagedBlockManager.max_blocks_held_for(layout.group_windows(), block_size, length,
+                                                    length, max_chunk)
 
 
 class LLMEngine:
     """A model loaded for serving: add requests at any time, call step() to advance all of them.
 
-    Args (as for kvserve.LLM):
-        model: a Hugging Face checkpoint directory.
-        dtype: "float32", "bfloat16", "float16" or "auto".
-        max_model_len: longest prompt + output (default: the config's max_position_embeddings).
-        block_size, num_blocks | kv_cache_memory: the paged KV pool (default: room for
-            max_num_seqs full-length sequences, at most DEFAULT_KV_CACHE_MEMORY bytes).
-        kv_cache_dtype: "auto" (the model's dtype), "int8" or "fp8" (E4M3): the pool's entries,
-            quantized as they are written with an fp32 scale per token and KV head (about 2x
-            the tokens of a bf16 pool in the same memory, 4x fp32's). A draft model's pool
-            keeps the model's dtype.
-        max_num_seqs: running sequences at most; max_num_batched_tokens: tokens per step.
-        enable_prefix_caching: reuse the KV of identical prompt prefixes.
-        speculative_model: a draft checkpoint directory (same tokenizer) for speculative
-            decoding; or speculative_method="ngram" (prompt lookup of prompt_lookup_min..max
-            tokens). num_speculative_tokens: drafts per step at most (default 2);
-            speculative_disable_batch_size: no speculation while this many sequences run
-            (default 0: never); speculative_max_verify_tokens: per step k shrinks to this / running
-            sequences - 1 (default kvserve.speculative.DEFAULT_MAX_VERIFY_TOKENS; 0: no limit).
-        log_memory_plan: print weights, KV capacity and concurrency at start-up (stderr).
-        enforce_eager: on a CUDA device, False replays CUDA graphs for decode steps of up to
-            min(max_num_seqs, 256) sequences (csrc/include/kvserve/cuda_graph_runner.h;
-            not for latent attention forced to its expanded form), the default; True launches every
-            step's kernels one by one. No effect on the CPU.
-        enable_lora: serve LoRA adapters per request without merging them
-            (kvserve.lora_serving): up to max_loras adapters in the model at once, each of rank
-            up to max_lora_rank per projection; add_request(..., lora=LoRARequest(name, path)).
-        max_stop_strings, max_stop_string_length: a request's stop strings at most, and a stop
-            string's characters at most (0: no limit); max_waiting_requests:
-            requests waiting to run at most, add_request past it raises
-            kvserve.EngineOverloadedError (0, the default: no limit).
+    LLMEngine(model, **options) takes the options of kvserve.EngineArgs (their types, defaults
+    and meaning are listed there, and in `python -m kvserve serve --help`);
+    LLMEngine.from_engine_args(args) takes an EngineArgs. Raises ValueError naming a bad option,
+    FileNotFoundError for a checkpoint that is not there.
     """
 
-    def __init__(self, model: str | Path, dtype: str | torch.dtype = "auto",
-                 max_model_len: int | None = None, *, block_size: int = 16,
-                 num_blocks: int | None = None, kv_cache_memory: int | None = None,
-                 kv_cache_dtype: str | torch.dtype = "auto",
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 enable_prefix_caching: bool = True, device: str | torch.device = "cpu",
-                 max_logprobs: int = 20, speculative_model: str | Path | None = None,
-                 speculative_method: str | None = None,
-                 num_speculative_tokens: int | None = None, prompt_lookup_min: int = 1,
-                 prompt_lookup_max: int = 4, speculative_disable_batch_size: int | None = None,
-                 speculative_max_verify_tokens: int | None = None,
-                 log_memory_plan: bool = True, enforce_eager: bool = False,
-                 enable_lora: bool = False, max_loras: int = 4, max_lora_rank: int = 16,
-                 max_stop_strings: int = 64, max_stop_string_length: int = 1024,
-                 max_waiting_requests: int = 0):
-        device = check_device(device)
-        info = load_checkpoint_info(model)
-        self.model_dir = Path(model)
+    def __init__(self, model: str | Path, **options):
+        self._build(EngineArgs(model, **options))
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        engine = cls.__new__(cls)
+        engine._build(args)
+        return engine
+
+    def _build(self, args: EngineArgs) -> None:
+        self.args = args
+        device = check_device(args.device)
+        info = load_checkpoint_info(args.model)
+        self.model_dir = Path(args.model)
         self.config = info.config
         self.hf_config = info.hf_config
-        self.dtype = resolve_dtype(dtype, info.checkpoint_dtype)
-        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
-        limit = info.config.max_position_embeddings
-        if max_model_len is None:
-            max_model_len = limit
-        if not isinstance(max_model_len, int) or not 2 <= max_model_len <= limit:
-            raise ValueError(f"max_model_len must be an integer in [2, {limit}], "
-                             f"got {max_model_len!r}")
-        for name, value in [("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens)]:
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        self.max_model_len = max_model_len
+        self.dtype = resolve_dtype(args.dtype, info.checkpoint_dtype)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         self.eos_token_ids = info.eos_token_ids
-        self.tokenizer = Tokenizer.from_model_dir(model)
-        speculative = speculative_config(speculative_model, speculative_method,
-                                         num_speculative_tokens, prompt_lookup_min,
-                                         prompt_lookup_max, speculative_disable_batch_size,
-                                         speculative_max_verify_tokens)
-        draft_info = (load_draft_info(speculative_model, info.config, self.tokenizer, max_model_len)
-                      if speculative_model is not None else None)
+        self.tokenizer = Tokenizer.from_model_dir(args.model)
+        draft_info = (load_draft_info(args.speculative_model, info.config, self.tokenizer)
+                      if args.speculative_model is not None else None)
         self.draft_config = draft_info.config if draft_info is not None else None
-        self._max_num_batched_tokens = max_num_batched_tokens
-        pool_blocks = self._kv_blocks(block_size, num_blocks, kv_cache_memory, max_num_seqs)
+        # Every option checked (C++) before the weights load.
+        config = args.engine_config(info.config, self.dtype, self.kv_cache_dtype,
+                                    info.eos_token_ids, self.draft_config)
+        self.max_model_len = config.max_model_len
+        if args.enable_lora:
+            for name in ("max_loras", "max_lora_rank"):
+                if getattr(args, name) < 1:
+                    raise ValueError(f"{name} must be a positive integer, got "
+                                     f"{getattr(args, name)!r}")
         weights = load_weights(self.model_dir, info.config, self.dtype, device)
-        self.model = _C.create_causal_lm(info.config, weights, max_model_len)
+        self.model = _C.create_causal_lm(info.config, weights, self.max_model_len)
         del weights  # the model packed or copied what it keeps
-        if enable_lora:
-            for name, value in [("max_loras", max_loras), ("max_lora_rank", max_lora_rank)]:
-                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                    raise ValueError(f"{name} must be a positive integer, got {value!r}")
-            self.model.enable_lora(max_loras, max_lora_rank)
+        if args.enable_lora:
+            self.model.enable_lora(args.max_loras, args.max_lora_rank)
         self.draft_model = None
         if draft_info is not None:  # in the target's dtype
-            weights = load_weights(Path(speculative_model), draft_info.config, self.dtype, device)
-            self.draft_model = _C.create_causal_lm(draft_info.config, weights, max_model_len)
+            weights = load_weights(Path(args.speculative_model), draft_info.config, self.dtype,
+                                   device)
+            self.draft_model = _C.create_causal_lm(draft_info.config, weights,
+                                                   self.max_model_len)
             del weights
         _release_freed_memory()
-        config = _C.EngineConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, block_size=block_size, num_blocks=pool_blocks,
-            enable_prefix_caching=bool(enable_prefix_caching), eos_token_ids=info.eos_token_ids,
-            max_logprobs=max_logprobs, speculative=speculative,
-            kv_cache_dtype=self.kv_cache_dtype,
-            cuda_graph_max_batch=(0 if enforce_eager or device.type != "cuda"
-                                  else min(max_num_seqs, CUDA_GRAPH_MAX_BATCH)),
-            max_stop_strings=max_stop_strings, max_stop_string_length=max_stop_string_length,
-            max_waiting_requests=max_waiting_requests)
         self.engine = _C.ContinuousBatchingEngine(self.model, config, self.draft_model)
-        self.lora_manager = (LoRAManager(self.engine, self.model, info.config, max_loras,
-                                         max_lora_rank) if enable_lora else None)
+        self.lora_manager = (LoRAManager(self.engine, self.model, info.config, args.max_loras,
+                                         args.max_lora_rank) if args.enable_lora else None)
         self._requests: dict[str, _Request] = {}  # under _lock
         self._lock = threading.Lock()
         self._step_lock = threading.Lock()
-        if log_memory_plan:
+        if args.log_memory_plan:
             print(self.memory_plan(), file=sys.stderr)
-
-    # ------------------------------------------------------------------------------ set-up
-    def _kv_blocks(self, block_size, num_blocks, kv_cache_memory, max_num_seqs) -> int:
-        """Blocks of the paged KV pool, from an explicit count, a byte budget or the default."""
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
-        if num_blocks is not None and kv_cache_memory is not None:
-            raise ValueError("give num_blocks or kv_cache_memory, not both")
-        # A draft model's pool has as many blocks (same ids): a block costs both. Without one, the
-        # pool groups the layers by sliding window (the engine does the same).
-        layouts = [_C.KVCacheLayout.for_model(self.config, self.draft_config is None)]
-        if self.draft_config is not None:
-            layouts.append(_C.KVCacheLayout.for_model(self.draft_config))
-        per_block = sum(_C.PagedKVCache.bytes_per_block(layout, block_size, dtype)
-                        for layout, dtype in zip(layouts, [self.kv_cache_dtype, self.dtype]))
-        if num_blocks is not None:
-            if not isinstance(num_blocks, int) or num_blocks < 2:
-                raise ValueError(f"num_blocks must be an integer >= 2 (block 0 is reserved), "
-                                 f"got {num_blocks!r}")
-            return num_blocks
-        if kv_cache_memory is None:
-            full = max_num_seqs * blocks_per_sequence(layouts[0], self.max_model_len, block_size,
-                                                      self._max_num_batched_tokens) + 1
-            return max(2, min(full, DEFAULT_KV_CACHE_MEMORY // per_block))
-        if not isinstance(kv_cache_memory, int) or kv_cache_memory < 2 * per_block:
-            raise ValueError(f"kv_cache_memory must be at least 2 blocks ({2 * per_block} bytes), "
-                             f"got {kv_cache_memory!r}")
-        return kv_cache_memory // per_block
 
     def memory_plan(self) -> str:
         kv = self.engine.kv_cache
         full_len = self.max_model_len
-        per_sequence = blocks_per_sequence(kv.layout, full_len, kv.block_size,
-                                           self.engine.config.max_num_batched_tokens)
+        per_sequence = self.engine.block_manager.max_blocks_held(
+            full_len, full_len, self.engine.config.max_num_batched_tokens)
         concurrent = (kv.num_blocks - 1) // per_sequence
         plan = (f"kvserve: weights {self.model.weight_bytes / 2**20:.1f} MiB ({self.dtype}); "
                 f"KV cache {kv.nbytes / 2**20:.1f} MiB = {kv.num_blocks - 1} blocks x "

@@ -8,10 +8,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
 from kvserve import _C
 from kvserve.engine import LLMEngine
+from kvserve.engine_args import EngineArgs
 from kvserve.lora_serving import LoRARequest
 from kvserve.outputs import RequestOutput
 
@@ -23,71 +22,29 @@ PromptType = str | Sequence[str] | Sequence[Sequence[int]]
 class LLM:
     """A model loaded for offline generation.
 
-    Args:
-        model: a Hugging Face directory with config.json, *.safetensors (single or sharded) and,
-            for text prompts, tokenizer.json.
-        dtype: "float32", "bfloat16", "float16", or "auto" (the checkpoint's dtype).
-        max_model_len: longest prompt + generation; defaults to the config's
-            max_position_embeddings.
-        max_num_seqs: sequences running at once; max_num_batched_tokens: tokens per engine step
-            (decodes + prefill chunks; longer prompts are prefilled in chunks).
-        device: "cpu", or "cuda[:N]" when this build holds the CUDA kernels and torch sees a
-            GPU: weights, KV pool and per-step metadata then live on that GPU.
-        block_size: tokens per KV-cache block.
-        num_blocks: blocks in the paged KV pool (block 0, the null block, included); or
-        kv_cache_memory: bytes for the pool. Default: enough for max_num_seqs sequences of
-            max_model_len tokens, at most kvserve.engine.DEFAULT_KV_CACHE_MEMORY.
-        kv_cache_dtype: "auto" (the model's dtype), "int8" or "fp8" (E4M3): the pool stores
-            keys and values quantized, one fp32 scale per token and KV head, so it holds about
-            twice the tokens of a bf16 pool (4x fp32) in the same memory.
-        enable_prefix_caching: reuse the KV of identical prompt prefixes (full blocks) across
-            requests and generate() calls.
-        speculative_model: a draft checkpoint directory with the target's tokenizer, for
-            speculative decoding; or speculative_method="ngram" for prompt lookup (suffixes of
-            prompt_lookup_min..prompt_lookup_max tokens). num_speculative_tokens: draft tokens per
-            step at most (default 2). speculative_max_verify_tokens: per step k shrinks to this / running
-            sequences - 1, so verification stays cheap (default 8; 0: no limit);
-            speculative_disable_batch_size: speculation pauses while this many sequences run
-            (default 0: never).
-            Outputs keep the target's distribution exactly.
-        log_memory_plan: print the weights / KV-cache plan at start-up.
-        enforce_eager: on a GPU, False (the default) replays CUDA graphs for decode steps of
-            up to 256 sequences (see kvserve.engine.LLMEngine); True launches every step's
-            kernels one by one.
-        enable_lora: serve LoRA adapters per request (generate(..., lora=LoRARequest(name,
-            path))), up to max_loras at once of rank up to max_lora_rank (see
-            kvserve.lora_serving).
+    LLM(model, **options): a Hugging Face directory with config.json, *.safetensors (single or
+    sharded) and, for text prompts, tokenizer.json; the options are kvserve.EngineArgs' (dtype,
+    max_model_len, device, the KV pool, batching, speculative decoding, LoRA, limits; listed there
+    with their defaults). LLM does not print the memory plan unless log_memory_plan=True.
+    LLM.from_engine_args(args) takes an EngineArgs.
     """
 
-    def __init__(self, model: str | Path, dtype: str | torch.dtype = "auto",
-                 max_model_len: int | None = None, max_num_seqs: int = 256,
-                 device: str | torch.device = "cpu", *, block_size: int = 16,
-                 num_blocks: int | None = None, kv_cache_memory: int | None = None,
-                 kv_cache_dtype: str | torch.dtype = "auto",
-                 max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
-                 speculative_model: str | Path | None = None,
-                 speculative_method: str | None = None,
-                 num_speculative_tokens: int | None = None, prompt_lookup_min: int = 1,
-                 prompt_lookup_max: int = 4, speculative_disable_batch_size: int | None = None,
-                 speculative_max_verify_tokens: int | None = None,
-                 log_memory_plan: bool = False, enforce_eager: bool = False,
-                 enable_lora: bool = False, max_loras: int = 4, max_lora_rank: int = 16):
-        self.llm_engine = LLMEngine(
-            model, dtype, max_model_len, block_size=block_size, num_blocks=num_blocks,
-            kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching, device=device,
-            speculative_model=speculative_model, speculative_method=speculative_method,
-            num_speculative_tokens=num_speculative_tokens, prompt_lookup_min=prompt_lookup_min,
-            prompt_lookup_max=prompt_lookup_max,
-            speculative_disable_batch_size=speculative_disable_batch_size,
-            speculative_max_verify_tokens=speculative_max_verify_tokens,
-            log_memory_plan=log_memory_plan, enforce_eager=enforce_eager,
-            enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank)
-        e = self.llm_engine
+    def __init__(self, model: str | Path, **options):
+        options.setdefault("log_memory_plan", False)
+        self._attach(LLMEngine(model, **options))
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLM":
+        llm = cls.__new__(cls)
+        llm._attach(LLMEngine.from_engine_args(args))
+        return llm
+
+    def _attach(self, engine: LLMEngine) -> None:
+        self.llm_engine = engine
+        e = engine
         self.model_dir, self.config, self.hf_config = e.model_dir, e.config, e.hf_config
-        self.dtype, self.max_model_len, self.eos_token_ids = e.dtype, e.max_model_len, e.eos_token_ids
+        self.dtype, self.max_model_len = e.dtype, e.max_model_len
+        self.eos_token_ids = e.eos_token_ids
         self.tokenizer, self.model = e.tokenizer, e.model
         self._next_request_id = 0
 

@@ -1,8 +1,8 @@
-"""Speculative decoding options of ``LLM`` / ``LLMEngine``: a draft model directory or n-gram
-prompt lookup, checked at start-up against the target (vocabulary, tokenizer, context length).
+"""Speculative decoding options of ``EngineArgs``: a draft model directory or n-gram prompt
+lookup, checked at start-up against the target (vocabulary, tokenizer, context length).
 
 The drafting and the rejection sampling run in C++ (``_C.SpeculativeDecoder`` inside the engine
-step); this module only turns the keyword arguments into a ``_C.SpeculativeConfig`` and loads the
+step); this module only turns the options into a ``_C.SpeculativeConfig`` and loads the
 draft checkpoint."""
 
 from __future__ import annotations
@@ -24,49 +24,40 @@ DEFAULT_MAX_VERIFY_TOKENS = 8
 DEFAULT_DISABLE_BATCH_SIZE = 0
 
 
-def speculative_config(speculative_model, speculative_method, num_speculative_tokens,
-                       prompt_lookup_min, prompt_lookup_max, disable_batch_size,
-                       max_verify_tokens=None) -> _C.SpeculativeConfig:
-    """The engine's SpeculativeConfig; method "" (off) when neither option is given.
-    Raises ValueError for contradictory or out-of-range options."""
-    if speculative_method is not None and speculative_method not in ("ngram", "draft_model"):
-        raise ValueError(f'speculative_method must be "ngram" or "draft_model", '
-                         f"got {speculative_method!r}")
-    if speculative_model is not None:
-        if speculative_method not in (None, "draft_model"):
+def speculative_config(args) -> _C.SpeculativeConfig:
+    """The engine's SpeculativeConfig from an EngineArgs; method "" (off) when neither
+    speculative_model nor speculative_method is given. Raises ValueError for contradictory
+    options (the C++ SpeculativeDecoder checks the ranges)."""
+    method = args.speculative_method
+    if args.speculative_model is not None:
+        if method not in (None, "draft_model"):
             raise ValueError(f"speculative_model is a draft model: it cannot be used with "
-                             f'speculative_method="{speculative_method}"')
-        speculative_method = "draft_model"
-    elif speculative_method == "draft_model":
+                             f'speculative_method="{method}"')
+        method = "draft_model"
+    elif method == "draft_model":
         raise ValueError('speculative_method="draft_model" needs speculative_model=DIR')
-    if speculative_method is None:
-        if num_speculative_tokens is not None:
+    if method is None:
+        if args.num_speculative_tokens is not None:
             raise ValueError("num_speculative_tokens needs speculative_model or "
                              'speculative_method="ngram"')
         return _C.SpeculativeConfig()
-    k = DEFAULT_NUM_SPECULATIVE_TOKENS if num_speculative_tokens is None else num_speculative_tokens
-    if disable_batch_size is None:
-        disable_batch_size = DEFAULT_DISABLE_BATCH_SIZE
-    if max_verify_tokens is None:
-        max_verify_tokens = DEFAULT_MAX_VERIFY_TOKENS
-    for name, value in [("num_speculative_tokens", k), ("prompt_lookup_min", prompt_lookup_min),
-                        ("prompt_lookup_max", prompt_lookup_max),
-                        ("speculative_disable_batch_size", disable_batch_size),
-                        ("speculative_max_verify_tokens", max_verify_tokens)]:
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ValueError(f"{name} must be an integer, got {value!r}")
-    return _C.SpeculativeConfig(method=speculative_method, num_speculative_tokens=k,
-                                prompt_lookup_min=prompt_lookup_min,
-                                prompt_lookup_max=prompt_lookup_max,
-                                disable_batch_size=disable_batch_size,
-                                max_verify_tokens=max_verify_tokens)
+
+    def given(value, default):
+        return default if value is None else value
+
+    return _C.SpeculativeConfig(
+        method=method,
+        num_speculative_tokens=given(args.num_speculative_tokens, DEFAULT_NUM_SPECULATIVE_TOKENS),
+        prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
+        disable_batch_size=given(args.speculative_disable_batch_size, DEFAULT_DISABLE_BATCH_SIZE),
+        max_verify_tokens=given(args.speculative_max_verify_tokens, DEFAULT_MAX_VERIFY_TOKENS))
 
 
-def load_draft_info(draft_dir: str | Path, target_config, target_tokenizer: Tokenizer | None,
-                    max_model_len: int):
+def load_draft_info(draft_dir: str | Path, target_config, target_tokenizer: Tokenizer | None):
     """The draft checkpoint's CheckpointInfo, after checking that it can draft for the target:
-    the same vocabulary size, the same tokenizer (token strings and ids), and at least
-    max_model_len positions. Raises ValueError / FileNotFoundError naming the mismatch."""
+    the same vocabulary size and the same tokenizer (token strings and ids); its positions are
+    checked with the engine's other options (resolve_engine_config). Raises ValueError /
+    FileNotFoundError naming the mismatch."""
     info = load_checkpoint_info(draft_dir)
     if info.config.vocab_size != target_config.vocab_size:
         raise ValueError(f"the draft model {draft_dir} has a vocabulary of "
@@ -83,8 +74,4 @@ def load_draft_info(draft_dir: str | Path, target_config, target_tokenizer: Toke
         raise ValueError(f"the draft model {draft_dir} has another tokenizer than the target "
                          f"({len(differ)} token/id pairs differ, e.g. {differ[0]!r}): a draft "
                          "must share the target's tokenizer")
-    if info.config.max_position_embeddings < max_model_len:
-        raise ValueError(f"the draft model {draft_dir} handles "
-                         f"{info.config.max_position_embeddings} positions, fewer than "
-                         f"max_model_len {max_model_len}")
     return info

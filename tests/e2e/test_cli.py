@@ -48,7 +48,7 @@ def test_generate_with_speculation_prints_the_same_text_and_the_acceptance(specu
     assert result.stdout == plain.stdout
     assert "[speculative:" in result.stderr and "mean acceptance length" in result.stderr
     bad = run_cli(*common, "--num-speculative-tokens", "2")
-    assert bad.returncode == 2 and "needs --speculative-model DIR or --ngram" in bad.stderr
+    assert bad.returncode == 2 and "num_speculative_tokens needs speculative_model" in bad.stderr
 
 
 def test_errors_are_one_clear_line(tmp_path):

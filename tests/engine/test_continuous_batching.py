@@ -344,7 +344,7 @@ def test_randomized_arrivals_aborts_and_parameters(path):
     assert e.block_manager.num_free_blocks() == e.block_manager.num_usable_blocks()
 
 
-def test_the_notes_api(path):
+def test_the_compat_api(path):
     engine_ = kvserve.ContinuousBatchingEngine(model=path, tokenizer=None, device="cpu",
                                                max_batch_size=16, max_seq_len=128)
     first = engine_.add_request(kvserve.GenerationRequest(prompt="Hello", max_new_tokens=12,

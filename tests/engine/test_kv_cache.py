@@ -1,4 +1,4 @@
-"""The contiguous KVCache and the notes' simple generation loop that uses it."""
+"""The contiguous KVCache and its simple generation loop that uses it."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_rejects_non_positive_sizes(args):
 
 
 def test_simple_loop_matches_generate(checkpoint_factory):
-    """The notes' loop: prefill the prompt, then feed one token at a time."""
+    """The simple loop: prefill the prompt, then feed one token at a time."""
     llm = kvserve.LLM(checkpoint_factory("Qwen3ForCausalLM"))
     prompt = [1, 17, 18, 19, 99, 120]
     caches = caches_for(llm, batch=1, length=64)

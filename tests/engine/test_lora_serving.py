@@ -110,7 +110,7 @@ def test_prefix_cache_is_keyed_by_adapter(adapters):
 
 def test_busy_slots_and_bad_adapters_are_clear_errors(adapters, tmp_path, checkpoint_factory):
     base, made = adapters["LlamaForCausalLM"]
-    engine = kvserve.LLMEngine(base, torch.float32, enable_lora=True, max_loras=1,
+    engine = kvserve.LLMEngine(base, dtype=torch.float32, enable_lora=True, max_loras=1,
                                max_lora_rank=4, log_memory_plan=False)
     engine.add_request("a", PROMPTS[0], GREEDY, lora=LoRARequest("qv", made["qv"][0]))
     with pytest.raises(ValueError, match="all 1 LoRA slots"):

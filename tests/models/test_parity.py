@@ -87,7 +87,7 @@ def hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
 
 
 def kvserve_prompt_logits(llm: kvserve.LLM, prompt: list[int]) -> torch.Tensor:
-    """Logits of every prompt position through the notes' KVCache loop (on the CPU)."""
+    """Logits of every prompt position through the contiguous KVCache loop (on the CPU)."""
     device = llm.model.device
     caches = kvserve.KVCache.for_model(1, len(prompt), llm.config, llm.dtype, device=device)
     return llm.model(torch.tensor([prompt], device=device), caches)[0].cpu()

@@ -8,17 +8,30 @@
 #include <stdexcept>
 #include <vector>
 
+#include "kvserve/model_config.h"
+#include "kvserve/scheduler.h"
 #include "kvserve/speculative_decoder.h"
 
 namespace kvserve {
 
-/// Limits and KV-pool size of one engine.
+/// The KV pool's byte budget when neither num_blocks nor kv_cache_memory is given (vLLM's CPU
+/// backend defaults to 4 GiB too); pages are committed only when first written.
+constexpr int64_t kDefaultKVCacheMemory = int64_t{4} << 30;
+
+/// Limits and KV-pool size of one engine. Python's kvserve.EngineArgs fills it (one field per
+/// option, the same names); resolve_engine_config() checks it and derives what was left 0.
 struct EngineConfig {
-  int64_t max_num_seqs = 256;            ///< running sequences at most
-  int64_t max_num_batched_tokens = 2048;  ///< tokens per step (decodes + prefill chunks)
+  int64_t max_num_seqs = SchedulerConfig{}.max_num_seqs;  ///< running sequences at most
+  /// Tokens per step (decodes + prefill chunks).
+  int64_t max_num_batched_tokens = SchedulerConfig{}.max_num_batched_tokens;
   int64_t max_model_len = 0;  ///< prompt + output tokens at most; 0: max_position_embeddings
   int64_t block_size = 16;    ///< tokens per KV block
-  int64_t num_blocks = 0;     ///< KV pool size, null block included; required (>= 2)
+  /// KV pool size in blocks, null block included (>= 2); 0: sized from kv_cache_memory.
+  int64_t num_blocks = 0;
+  /// Bytes of the KV pool (with a draft model's pool) when num_blocks is 0; 0: room for
+  /// max_num_seqs sequences of max_model_len tokens, at most kDefaultKVCacheMemory. A resolved
+  /// config has num_blocks set and this 0.
+  int64_t kv_cache_memory = 0;
   /// The pool's entries: the model's dtype when unset, or int8 / float8_e4m3fn with an fp32
   /// scale per token and KV head (kernels/cache/kv_cache_write.h). A draft model's pool keeps
   /// the draft's dtype.
@@ -39,6 +52,12 @@ struct EngineConfig {
   /// (a server's 429). 0: no limit (LLM.generate submits every prompt at once).
   int64_t max_waiting_requests = 0;
 };
+
+/// `config` checked against the model that will run it (its config and weight dtype) and an
+/// optional draft model, with max_model_len and num_blocks derived where 0. Throws
+/// std::invalid_argument naming the first bad option. Idempotent: the engine calls it again.
+EngineConfig resolve_engine_config(EngineConfig config, const ModelConfig& model,
+                                   at::ScalarType dtype, const ModelConfig* draft = nullptr);
 
 /// add_request's refusal when max_waiting_requests requests already wait: the request is fine,
 /// the engine is busy (kvserve.EngineOverloadedError in Python; retry later).

@@ -1,5 +1,5 @@
 #pragma once
-// The contiguous, pre-allocated KV cache of the source notes: one fixed buffer per layer, one row
+// The contiguous, pre-allocated KV cache of the original minimal API (kvserve.compat): one fixed buffer per layer, one row
 // per sequence, filled left to right. The paged cache (PagedKVCache) is its general sibling; a
 // contiguous cache is the paged layout with one block per row, so the same kernels serve both.
 
@@ -77,7 +77,7 @@ class KVCache {
   std::vector<int64_t> seq_lens_;
 };
 
-/// The notes' simple loop in one call: appends input_ids [B, S] (int64) to rows 0..B-1 of the
+/// The simple generation loop in one call: appends input_ids [B, S] (int64) to rows 0..B-1 of the
 /// caches (one per layer, all at the same lengths), runs the model and returns fp32 logits
 /// [B, S, vocab]. Throws if a row would exceed max_seq_len or B > max_batch_size.
 at::Tensor forward_with_kv_cache(CausalLM& model, const at::Tensor& input_ids,

@@ -158,6 +158,10 @@ class PagedBlockManager {
   /// num_tokens: a block per block_size tokens in a full-attention group, its window and the
   /// step's tokens in a sliding one (at the end of the prefill, or at the end of the decode).
   int64_t max_blocks_held(int64_t num_prompt, int64_t num_tokens, int64_t max_chunk) const;
+  /// The same bound for a manager of these groups and block size, before there is one (the
+  /// engine sizes its pool with it).
+  static int64_t max_blocks_held(const std::vector<int64_t>& group_windows, int64_t block_size,
+                                 int64_t num_prompt, int64_t num_tokens, int64_t max_chunk);
   /// Blocks of `seq_id` in `group` other than the null block.
   int64_t num_live_blocks(int64_t seq_id, int64_t group) const;
   /// Groups of layers, each with its own block tables.

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.server.protocol import APIError
+from kvserve.engine_args import add_options, check_types, option
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 128
@@ -24,21 +24,35 @@ class ServerLimits:
     tokenizing;
     retry_after_seconds: the Retry-After of a 429."""
 
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
-    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS
-    retry_after_seconds: int = 1
+    max_body_bytes: int = option(DEFAULT_MAX_BODY_BYTES,
+                                 "a request body at most in bytes; 413 past it")
+    max_prompts_per_request: int = option(DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                                          "prompts in one completions call")
+    max_prompt_chars: int = option(
+        DEFAULT_MAX_PROMPT_CHARS, "characters of a call's prompts or messages before tokenizing")
+    retry_after_seconds: int = option(1, "the Retry-After of a 429", cli=False)
 
     def __post_init__(self):
+        check_types(self)
         for name in ("max_body_bytes", "max_prompts_per_request", "max_prompt_chars",
                      "retry_after_seconds"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    @classmethod
+    def add_cli_args(cls, parser):
+        return add_options(cls, parser, title="limits of one HTTP request")
+
+    @classmethod
+    def from_cli_args(cls, args):
+        return cls(**{n: getattr(args, n) for n in cls.__dataclass_fields__ if hasattr(args, n)})
 
     def check_prompts(self, prompts: list, param: str = "prompt") -> None:
         """APIError(400) for more prompts than max_prompts_per_request, or a text prompt longer
         than max_prompt_chars (token-id prompts are bounded by max_model_len in the engine)."""
+        from kvserve.server.protocol import APIError
+
         if len(prompts) > self.max_prompts_per_request:
             raise APIError(400, f"at most {self.max_prompts_per_request} prompts per request "
                            f"(--max-prompts-per-request), got {len(prompts)}", param=param)
@@ -47,6 +61,8 @@ class ServerLimits:
     def check_chars(self, texts: list, param: str) -> None:
         """APIError(400) when the strings among `texts` have more than max_prompt_chars
         characters in all."""
+        from kvserve.server.protocol import APIError
+
         chars = sum(len(p) for p in texts if isinstance(p, str))
         if chars > self.max_prompt_chars:
             raise APIError(400, f"the prompt text has {chars} characters, more than "

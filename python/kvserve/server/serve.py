@@ -3,6 +3,7 @@ while the model loads in a background thread."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import sys
@@ -10,24 +11,34 @@ import threading
 import time
 from pathlib import Path
 
+from kvserve.engine_args import AsyncEngineArgs
 from kvserve.server.app import ServerState, build_app
 from kvserve.server.chat_template import ChatTemplate
 from kvserve.server.limits import DEFAULT_MAX_WAITING_REQUESTS, ServerLimits
 
 
-def load_into(state: ServerState, model: str | Path, chat_template: str | Path | None,
-              engine_kwargs: dict) -> None:
+def load_into(state: ServerState, args: AsyncEngineArgs, chat_template: str | Path | None) -> None:
     """Loads the engine and the chat template, then marks the server ready; a failure is kept in
     state.load_error (the server then answers 503 saying why)."""
     from kvserve.async_engine import AsyncLLMEngine
 
     try:
-        template = ChatTemplate.from_model_dir(model, chat_template)
-        engine_kwargs.setdefault("max_waiting_requests", DEFAULT_MAX_WAITING_REQUESTS)
-        state.ready(AsyncLLMEngine(model, **engine_kwargs), template)
+        template = ChatTemplate.from_model_dir(args.model, chat_template)
+        state.ready(AsyncLLMEngine.from_engine_args(args), template)
     except BaseException as e:  # reported on every request instead
         state.load_error = e
         print(f"kvserve serve: the model failed to load: {e}", file=sys.stderr)
+
+
+def server_engine_args(model: str | Path | AsyncEngineArgs, **options) -> AsyncEngineArgs:
+    """The engine options of a server: those given, and max_waiting_requests
+    DEFAULT_MAX_WAITING_REQUESTS unless given (a server bounds its queue; LLM.generate does
+    not)."""
+    if isinstance(model, AsyncEngineArgs):
+        return dataclasses.replace(model, **options)
+    options.setdefault("max_waiting_requests", DEFAULT_MAX_WAITING_REQUESTS)
+    options.setdefault("log_memory_plan", False)
+    return AsyncEngineArgs(model, **options)
 
 
 def lora_requests(modules: dict[str, str | Path]) -> dict:
@@ -42,29 +53,30 @@ def lora_requests(modules: dict[str, str | Path]) -> dict:
     return out
 
 
-def serve(model: str | Path, host: str = "127.0.0.1", port: int = 8000,
+def serve(model: str | Path | AsyncEngineArgs, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, served_model_name: str | None = None,
           chat_template: str | Path | None = None, log_level: str = "info",
           lora_modules: dict[str, str | Path] | None = None, limits: ServerLimits | None = None,
-          enable_docs: bool = False, **engine_kwargs) -> None:
+          enable_docs: bool = False, **engine_options) -> None:
     """Serves until interrupted; the engine shuts down (aborting what runs) on exit.
-    lora_modules: {name: PEFT adapter directory}, served as models of their own name (LoRA on,
-    adapters loaded at first use). limits: what one HTTP request may cost (ServerLimits);
-    enable_docs: serve /docs and /openapi.json (behind the API key). engine_kwargs go to
-    AsyncLLMEngine (max_waiting_requests defaults to DEFAULT_MAX_WAITING_REQUESTS here). Raises
-    FileNotFoundError for an adapter directory without adapter_config.json or a chat template
-    file that does not exist."""
+    model: a checkpoint directory (with AsyncEngineArgs' options as engine_options, see
+    server_engine_args) or an AsyncEngineArgs. lora_modules: {name: PEFT adapter directory},
+    served as models of their own name (LoRA on, adapters loaded at first use). limits: what one
+    HTTP request may cost (ServerLimits); enable_docs: serve /docs and /openapi.json (behind the
+    API key). Raises ValueError for a bad option, FileNotFoundError for an adapter directory
+    without adapter_config.json or a chat template file that does not exist."""
     import uvicorn
 
+    args = server_engine_args(model, **engine_options)
     if chat_template is not None:  # a mistyped path fails now, not after the model loads
-        ChatTemplate.from_model_dir(model, chat_template)
-    state = ServerState(served_model_name or str(model), api_key,
+        ChatTemplate.from_model_dir(args.model, chat_template)
+    state = ServerState(served_model_name or str(args.model), api_key,
                         lora_modules=lora_requests(lora_modules or {}),
                         limits=limits or ServerLimits(), enable_docs=enable_docs,
                         fault_injection=os.environ.get("KVSERVE_FAULT_INJECTION") == "1")
-    if state.lora_modules:
-        engine_kwargs.setdefault("enable_lora", True)
-    loader = threading.Thread(target=load_into, args=(state, model, chat_template, engine_kwargs),
+    if state.lora_modules and not args.enable_lora:
+        args = dataclasses.replace(args, enable_lora=True)
+    loader = threading.Thread(target=load_into, args=(state, args, chat_template),
                               name="kvserve-load", daemon=True)
     loader.start()
     try:

@@ -1,4 +1,7 @@
-"""The source notes' serving API, on kvserve's engine:
+"""The original minimal API, kept for compatibility: a `ContinuousBatchingEngine` with
+`GenerationRequest`s, and the contiguous per-layer `KVCache` with its simple generation loop.
+New code uses LLM / LLMEngine (the Python `ContinuousBatchingEngine` here is a thin shape over
+LLMEngine, unrelated to the C++ `_C.ContinuousBatchingEngine` that LLMEngine drives).
 
     engine = ContinuousBatchingEngine(model="models/shakespeare-target", tokenizer=None,
                                       device="cpu", max_batch_size=16, max_seq_len=512)
@@ -6,15 +9,16 @@
     while engine.scheduler.has_pending_work:
         engine.step()
     print(engine.results)
-
-It is a thin shape over LLMEngine (kvserve.engine), which is the fuller API.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvserve import _C
 
 from kvserve.engine import LLMEngine, SamplingParams
 from kvserve.outputs import RequestOutput
@@ -23,7 +27,7 @@ from kvserve.tokenizer import Tokenizer
 
 @dataclass
 class GenerationRequest:
-    """One prompt for ContinuousBatchingEngine.add_request (the notes' schema)."""
+    """One prompt for ContinuousBatchingEngine.add_request."""
 
     prompt: str | list[int]
     max_new_tokens: int = 16
@@ -96,3 +100,13 @@ class ContinuousBatchingEngine:
 
     def get_stats(self):
         return self.llm_engine.get_stats()
+
+
+# The contiguous, pre-allocated cache: one buffer per layer, one row per sequence (C++).
+KVCache = _C.KVCache
+
+
+def reset_all_caches(caches: Iterable[KVCache]) -> None:
+    """Empties every cache of a model (one per layer) for a new sequence."""
+    for cache in caches:
+        cache.reset()

@@ -1,0 +1,256 @@
+"""``EngineArgs``: every engine option once, with its type, default, help and checks.
+
+``LLM``, ``LLMEngine``, ``AsyncLLMEngine``, the command line (``add_cli_args`` /
+``from_cli_args``) and the server are all built from these dataclasses, so an option added here
+appears in each of them. The C++ ``EngineConfig`` is filled from it in one place
+(``engine_config``), and the range checks that need the model (context length, pool size,
+limits) happen once, in C++ (``_C.resolve_engine_config``), as a ValueError naming the option.
+
+    args = EngineArgs("models/shakespeare-target", max_num_seqs=8, kv_cache_dtype="int8")
+    engine = LLMEngine.from_engine_args(args)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvserve import _C
+
+_CONFIG = _C.EngineConfig()  # the C++ defaults
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# Decode steps of up to this many sequences replay CUDA graphs on a GPU (vLLM captures up to 512).
+CUDA_GRAPH_MAX_BATCH = 256
+
+
+def option(default, help: str, *, choices=None, cli: bool = True, flag: str | None = None,
+           aliases: tuple[str, ...] = ()):
+    """A field of EngineArgs: its default, help text, allowed values and command-line spelling
+    (--the-name by default; cli=False keeps it off the command line)."""
+    return field(default=default, metadata=dict(help=help, choices=choices, cli=cli, flag=flag,
+                                                aliases=aliases))
+
+
+@dataclass(kw_only=True)
+class EngineArgs:
+    """The options of an engine. Types are checked when it is made (ValueError naming the
+    option); ranges when the engine is (they depend on the model)."""
+
+    model: str | Path = field(kw_only=False, metadata=dict(
+        help="a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)",
+        cli=True, flag="--model", choices=None, aliases=()))
+    dtype: str | torch.dtype = option(
+        "auto", "weights and activations: the checkpoint's (auto), float32, bfloat16 or float16",
+        choices=DTYPES)
+    max_model_len: int | None = option(
+        None, "prompt + output tokens at most (default: the config's max_position_embeddings)")
+    device: str | torch.device = option(
+        "cpu", "cpu, or cuda[:N] (a build with the CUDA kernels and a GPU)")
+    block_size: int = option(_CONFIG.block_size, "tokens per KV-cache block")
+    num_blocks: int | None = option(
+        None, "blocks of the paged KV pool, the null block included (default: sized from "
+        "kv_cache_memory)")
+    kv_cache_memory: int | None = option(
+        None, "bytes of the KV pool (default: room for max_num_seqs sequences of max_model_len "
+        f"tokens, at most {_C.DEFAULT_KV_CACHE_MEMORY >> 30} GiB)")
+    kv_cache_dtype: str | torch.dtype = option(
+        "auto", "KV-cache entries: the model's dtype (auto), or int8 / fp8 (E4M3) with an fp32 "
+        "scale per token and KV head (about 2x the tokens of a bf16 pool)",
+        choices=KV_CACHE_DTYPES)
+    max_num_seqs: int = option(_CONFIG.max_num_seqs, "sequences running at once")
+    max_num_batched_tokens: int = option(
+        _CONFIG.max_num_batched_tokens,
+        "tokens per step (decodes + prefill chunks; longer prompts are prefilled in chunks)")
+    enable_prefix_caching: bool = option(
+        _CONFIG.enable_prefix_caching, "reuse the KV of identical prompt prefixes (full blocks)",
+        aliases=("--no-prefix-caching",))
+    max_logprobs: int = option(_CONFIG.max_logprobs, "logprobs a request may ask for at most")
+    speculative_model: str | Path | None = option(
+        None, "speculative decoding with this draft checkpoint (the target's tokenizer)")
+    speculative_method: str | None = option(
+        None, "ngram (prompt lookup) or draft_model (implied by --speculative-model)",
+        choices=SPECULATIVE_METHODS, aliases=("--ngram",))
+    num_speculative_tokens: int | None = option(
+        None, "draft tokens per step at most (default 2)")
+    prompt_lookup_min: int = option(1, "shortest suffix n-gram speculation looks up")
+    prompt_lookup_max: int = option(4, "longest suffix n-gram speculation looks up")
+    speculative_disable_batch_size: int | None = option(
+        None, "no speculation while this many sequences run (default 0: never)")
+    speculative_max_verify_tokens: int | None = option(
+        None, "per step the drafts shrink to this / running sequences - 1 (default 8; 0: no "
+        "limit)")
+    log_memory_plan: bool = option(
+        True, "print weights, KV capacity and concurrency at start-up (stderr)", cli=False)
+    enforce_eager: bool = option(
+        False, "on a GPU, launch every decode step's kernels instead of replaying CUDA graphs")
+    enable_lora: bool = option(
+        False, "serve LoRA adapters per request (LoRARequest), unmerged")
+    max_loras: int = option(4, "LoRA adapters in the model at once")
+    max_lora_rank: int = option(16, "LoRA rank at most per projection")
+    max_stop_strings: int = option(
+        _CONFIG.max_stop_strings, "stop strings of a request at most (0: no limit)")
+    max_stop_string_length: int = option(
+        _CONFIG.max_stop_string_length, "characters of one stop string at most (0: no limit)")
+    max_waiting_requests: int = option(
+        _CONFIG.max_waiting_requests,
+        "requests waiting to run at most; past it add_request raises EngineOverloadedError "
+        "(a server's 429) (0: no limit)")
+
+    def __post_init__(self):
+        check_types(self)
+
+    # ----------------------------------------------------------------------- command line
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, *, include: set[str] | None = None,
+                     exclude: set[str] = frozenset(), defaults: dict | None = None,
+                     title: str = "engine") -> argparse.ArgumentParser:
+        """Adds an option per field (those in `include`, all by default, less `exclude`) to
+        `parser`, in a group named `title`. `defaults` overrides a field's default for this
+        command (the server's max_waiting_requests)."""
+        return add_options(cls, parser, include=include, exclude=exclude, defaults=defaults,
+                           title=title)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **overrides):
+        """The fields parsed by add_cli_args (the others keep their defaults), then
+        `overrides`."""
+        given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                 if hasattr(args, f.name)}
+        return cls(**(given | overrides))
+
+    # -------------------------------------------------------------------------- the engine
+    def speculative_config(self) -> _C.SpeculativeConfig:
+        """The engine's SpeculativeConfig; method "" (off) when neither speculative_model nor
+        speculative_method is given."""
+        from kvserve.speculative import speculative_config
+
+        return speculative_config(self)
+
+    def engine_config(self, config, dtype: torch.dtype, kv_cache_dtype: torch.dtype,
+                      eos_token_ids: list[int], draft_config=None) -> _C.EngineConfig:
+        """The C++ EngineConfig of these options for a model of `config` (a ModelConfig) loaded
+        in `dtype`, checked and resolved (max_model_len, num_blocks) by C++. Raises ValueError
+        naming a bad option."""
+        on_gpu = torch.device(self.device).type == "cuda"
+        c = _C.EngineConfig(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len or 0, block_size=self.block_size,
+            num_blocks=self.num_blocks or 0, kv_cache_memory=self.kv_cache_memory or 0,
+            enable_prefix_caching=self.enable_prefix_caching, eos_token_ids=eos_token_ids,
+            max_logprobs=self.max_logprobs, speculative=self.speculative_config(),
+            kv_cache_dtype=kv_cache_dtype,
+            cuda_graph_max_batch=0 if self.enforce_eager or not on_gpu else CUDA_GRAPH_MAX_BATCH,
+            max_stop_strings=self.max_stop_strings,
+            max_stop_string_length=self.max_stop_string_length,
+            max_waiting_requests=self.max_waiting_requests)
+        return _C.resolve_engine_config(c, config, dtype, draft_config)
+
+
+@dataclass(kw_only=True)
+class AsyncEngineArgs(EngineArgs):
+    """EngineArgs and what a background-thread engine (AsyncLLMEngine, the server) adds."""
+
+    # A client that stopped reading, or reads far slower than the engine writes, is cut off.
+    max_stream_lag: float = option(
+        30.0, "seconds an update may wait unread before its request is aborted (0: never)")
+    max_consecutive_failures: int = option(
+        3, "failed steps in a row that make the engine unhealthy (/health 503)")
+    # Far above any step's time (a 2,048-token prefill chunk of an 8B model on a CPU takes
+    # seconds): a step this long means a wedged device.
+    max_step_seconds: float = option(
+        120.0, "seconds a step may run before the engine reports itself unhealthy")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.max_stream_lag >= 0:
+            raise ValueError(f"max_stream_lag must be >= 0 seconds, got {self.max_stream_lag!r}")
+        if not self.max_step_seconds > 0:
+            raise ValueError(f"max_step_seconds must be > 0, got {self.max_step_seconds!r}")
+        if self.max_consecutive_failures < 1:
+            raise ValueError("max_consecutive_failures must be a positive integer, got "
+                             f"{self.max_consecutive_failures!r}")
+
+    def engine_args(self) -> EngineArgs:
+        """The plain EngineArgs among these."""
+        names = {f.name for f in dataclasses.fields(EngineArgs)}
+        return EngineArgs(**{n: v for n, v in vars(self).items() if n in names})
+
+
+# The options AsyncEngineArgs adds to EngineArgs.
+ASYNC_OPTIONS = frozenset(f.name for f in dataclasses.fields(AsyncEngineArgs)) - frozenset(
+    f.name for f in dataclasses.fields(EngineArgs))
+
+
+# ------------------------------------------------------------------------------- helpers
+
+def _types(annotation) -> tuple[type, ...]:
+    """The runtime classes an annotation admits (None for Optional)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return tuple(t for a in typing.get_args(annotation) for t in _types(a))
+    return (type(None),) if annotation is None else (annotation,)
+
+
+def check_types(args) -> None:
+    """ValueError naming the first field whose value is not of its annotated type (bool is not
+    an int; an int is a float)."""
+    hints = typing.get_type_hints(type(args))
+    for f in dataclasses.fields(args):
+        value, allowed = getattr(args, f.name), _types(hints[f.name])
+        if isinstance(value, bool) and bool not in allowed:
+            ok = False
+        elif float in allowed and isinstance(value, int):
+            ok = True
+        else:
+            ok = isinstance(value, allowed)
+        if not ok:
+            names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
+            raise ValueError(f"{f.name} must be {names}, got {value!r}")
+        choices = f.metadata.get("choices")
+        if choices and isinstance(value, str) and value not in choices:
+            raise ValueError(f"{f.name} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def add_options(cls, parser: argparse.ArgumentParser, *, include: set[str] | None = None,
+                exclude: set[str] = frozenset(), defaults: dict | None = None,
+                title: str = "options") -> argparse.ArgumentParser:
+    """An argparse option per field of the dataclass `cls` made with option() (see
+    EngineArgs.add_cli_args): --the-name, typed by the field's annotation, a bool as
+    --name / --no-name."""
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(cls)
+    defaults = defaults or {}
+    for f in dataclasses.fields(cls):
+        if (not f.metadata.get("cli", True) or f.name in exclude
+                or (include is not None and f.name not in include)):
+            continue
+        _add_argument(group, f, hints[f.name], defaults.get(f.name, f.default))
+    return parser
+
+
+def _add_argument(group, f: dataclasses.Field, annotation, default) -> None:
+    meta = f.metadata
+    flag = meta.get("flag") or "--" + f.name.replace("_", "-")
+    kind = next((t for t in _types(annotation) if t in (bool, int, float)), str)
+    if kind is bool:
+        group.add_argument(flag, dest=f.name, default=default, help=meta["help"],
+                           action=argparse.BooleanOptionalAction)
+        for alias in meta.get("aliases", ()):  # --no-prefix-caching
+            group.add_argument(alias, dest=f.name, action="store_false", help=argparse.SUPPRESS)
+        return
+    if default is dataclasses.MISSING:
+        default = None  # the model: each command says what it does without one
+    group.add_argument(flag, dest=f.name, type=kind, default=default, help=meta["help"],
+                       choices=meta.get("choices"))
+    for alias in meta.get("aliases", ()):  # --ngram: --speculative-method ngram
+        value = alias.removeprefix("--")
+        group.add_argument(alias, dest=f.name, action="store_const", const=value,
+                           help=f"{flag} {value}")
