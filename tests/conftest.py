@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                 "MixtralForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM",
-                 "DeepseekV3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"]
+import kvserve.architectures
+
+ARCHITECTURES = list(kvserve.architectures.ARCHITECTURES)  # every supported one
 REPO = Path(__file__).resolve().parents[1]
 
 

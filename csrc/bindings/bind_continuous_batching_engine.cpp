@@ -153,6 +153,16 @@ void bind_outputs(py::module_& m) {
 void bind_continuous_batching_engine(py::module_& m) {
   bind_outputs(m);
 
+  m.def(
+      "speculative_methods",
+      [] {
+        std::vector<std::pair<std::string, bool>> methods;
+        for (const ProposerEntry& e : proposer_registry()) {
+          methods.emplace_back(e.method, e.needs_draft_model);
+        }
+        return methods;
+      },
+      "[(method, drafts with a second model)] of the proposer registry, in its order.");
   py::class_<SpeculativeConfig>(m, "SpeculativeConfig",
                                 "How the engine speculates: method \"draft_model\" or \"ngram\" "
                                 "(\"\": off).")

@@ -13,84 +13,41 @@ namespace py = pybind11;
 namespace kvserve::bindings {
 namespace {
 
+/// A Python attribute per field of a config struct's field list (kvserve/model_config.h).
+#define KVSERVE_BIND_FIELD(type, name, init) cls.def_readwrite(#name, &Config::name);
+
 void bind_config(py::module_& m) {
-  py::class_<RopeScaling>(m, "RopeScaling")
-      .def(py::init<>())
-      .def_readwrite("rope_type", &RopeScaling::rope_type)
-      .def_readwrite("factor", &RopeScaling::factor)
-      .def_readwrite("low_freq_factor", &RopeScaling::low_freq_factor)
-      .def_readwrite("high_freq_factor", &RopeScaling::high_freq_factor)
-      .def_readwrite("original_max_position_embeddings",
-                     &RopeScaling::original_max_position_embeddings)
-      .def_readwrite("beta_fast", &RopeScaling::beta_fast)
-      .def_readwrite("beta_slow", &RopeScaling::beta_slow)
-      .def_readwrite("attention_factor", &RopeScaling::attention_factor)
-      .def_readwrite("mscale", &RopeScaling::mscale)
-      .def_readwrite("mscale_all_dim", &RopeScaling::mscale_all_dim)
-      .def_readwrite("truncate", &RopeScaling::truncate);
-
-  py::class_<MLAConfig>(m, "MLAConfig")
-      .def(py::init<>())
-      .def_readwrite("q_lora_rank", &MLAConfig::q_lora_rank)
-      .def_readwrite("kv_lora_rank", &MLAConfig::kv_lora_rank)
-      .def_readwrite("qk_nope_head_dim", &MLAConfig::qk_nope_head_dim)
-      .def_readwrite("qk_rope_head_dim", &MLAConfig::qk_rope_head_dim)
-      .def_readwrite("v_head_dim", &MLAConfig::v_head_dim)
-      .def_readwrite("rope_interleave", &MLAConfig::rope_interleave)
-      .def_readwrite("attention_path", &MLAConfig::attention_path)
-      .def_property_readonly("qk_head_dim", &MLAConfig::qk_head_dim);
-
-  py::class_<MoEConfig>(m, "MoEConfig")
-      .def(py::init<>())
-      .def_readwrite("num_experts", &MoEConfig::num_experts)
-      .def_readwrite("num_experts_per_tok", &MoEConfig::num_experts_per_tok)
-      .def_readwrite("moe_intermediate_size", &MoEConfig::moe_intermediate_size)
-      .def_readwrite("shared_intermediate_size", &MoEConfig::shared_intermediate_size)
-      .def_readwrite("scoring_func", &MoEConfig::scoring_func)
-      .def_readwrite("n_group", &MoEConfig::n_group)
-      .def_readwrite("topk_group", &MoEConfig::topk_group)
-      .def_readwrite("norm_topk_prob", &MoEConfig::norm_topk_prob)
-      .def_readwrite("routed_scaling_factor", &MoEConfig::routed_scaling_factor)
-      .def_readwrite("fp32_router", &MoEConfig::fp32_router)
-      .def_readwrite("layers", &MoEConfig::layers);
-
-  py::class_<ModelConfig>(m, "ModelConfig")
-      .def(py::init<>())
-      .def_readwrite("architecture", &ModelConfig::architecture)
-      .def_readwrite("vocab_size", &ModelConfig::vocab_size)
-      .def_readwrite("hidden_size", &ModelConfig::hidden_size)
-      .def_readwrite("intermediate_size", &ModelConfig::intermediate_size)
-      .def_readwrite("num_layers", &ModelConfig::num_layers)
-      .def_readwrite("num_heads", &ModelConfig::num_heads)
-      .def_readwrite("num_kv_heads", &ModelConfig::num_kv_heads)
-      .def_readwrite("head_dim", &ModelConfig::head_dim)
-      .def_readwrite("max_position_embeddings", &ModelConfig::max_position_embeddings)
-      .def_readwrite("rms_norm_eps", &ModelConfig::rms_norm_eps)
-      .def_readwrite("rope_theta", &ModelConfig::rope_theta)
-      .def_readwrite("rope_scaling", &ModelConfig::rope_scaling)
-      .def_readwrite("tie_word_embeddings", &ModelConfig::tie_word_embeddings)
-      .def_readwrite("qkv_bias", &ModelConfig::qkv_bias)
-      .def_readwrite("o_proj_bias", &ModelConfig::o_proj_bias)
-      .def_readwrite("mlp_bias", &ModelConfig::mlp_bias)
-      .def_readwrite("qk_norm", &ModelConfig::qk_norm)
-      .def_readwrite("sliding_windows", &ModelConfig::sliding_windows)
-      .def_readwrite("kv_sources", &ModelConfig::kv_sources)
-      .def("kv_source", &ModelConfig::kv_source, py::arg("layer"))
+  {
+    using Config = RopeScaling;
+    py::class_<Config> cls(m, "RopeScaling");
+    cls.def(py::init<>());
+    KVSERVE_ROPE_SCALING_FIELDS(KVSERVE_BIND_FIELD)
+  }
+  {
+    using Config = MLAConfig;
+    py::class_<Config> cls(m, "MLAConfig");
+    cls.def(py::init<>());
+    KVSERVE_MLA_CONFIG_FIELDS(KVSERVE_BIND_FIELD)
+    cls.def_property_readonly("qk_head_dim", &MLAConfig::qk_head_dim);
+  }
+  {
+    using Config = MoEConfig;
+    py::class_<Config> cls(m, "MoEConfig");
+    cls.def(py::init<>());
+    KVSERVE_MOE_CONFIG_FIELDS(KVSERVE_BIND_FIELD)
+  }
+  using Config = ModelConfig;
+  py::class_<Config> cls(m, "ModelConfig");
+  cls.def(py::init<>());
+  KVSERVE_MODEL_CONFIG_FIELDS(KVSERVE_BIND_FIELD)
+  cls.def("kv_source", &ModelConfig::kv_source, py::arg("layer"))
       .def("num_kv_layers", &ModelConfig::num_kv_layers)
-      .def_readwrite("rope_local_theta", &ModelConfig::rope_local_theta)
-      .def_readwrite("hidden_act", &ModelConfig::hidden_act)
-      .def_readwrite("norm_weight_offset", &ModelConfig::norm_weight_offset)
-      .def_readwrite("embedding_multiplier", &ModelConfig::embedding_multiplier)
-      .def_readwrite("sandwich_norms", &ModelConfig::sandwich_norms)
-      .def_readwrite("query_pre_attn_scalar", &ModelConfig::query_pre_attn_scalar)
-      .def_readwrite("attn_logit_softcap", &ModelConfig::attn_logit_softcap)
-      .def_readwrite("final_logit_softcap", &ModelConfig::final_logit_softcap)
-      .def_readwrite("mla", &ModelConfig::mla)
-      .def_readwrite("moe", &ModelConfig::moe)
       .def("use_mla", &ModelConfig::use_mla)
       .def("is_moe_layer", &ModelConfig::is_moe_layer, py::arg("layer"))
       .def("validate", &ModelConfig::validate);
 }
+
+#undef KVSERVE_BIND_FIELD
 
 void bind_forward_batch(py::module_& m) {
   py::class_<ForwardBatch>(m, "ForwardBatch", "The flattened tensors of one forward pass.")
@@ -178,7 +135,7 @@ void bind_causal_lm(py::module_& m) {
            "Room for `slots` adapters of rank up to `rank` in every LoRA target (before serving).")
       .def_property_readonly("num_lora_slots", &CausalLM::num_lora_slots);
 
-  m.def("supported_architectures", &supported_architectures);
+  m.def("model_families", &model_families);
   m.def("create_causal_lm", &create_causal_lm, py::arg("config"), py::arg("weights"),
         py::arg("max_positions"));
 }

@@ -27,8 +27,11 @@ void bind_paged_block_manager(py::module_& m) {
                 "KV cache block ids, reference counts and prefix cache; block 0 is the null block.")
       .def(py::init([](int64_t num_blocks, int64_t block_size, bool enable_prefix_caching,
                        double watermark, std::vector<int64_t> group_windows) {
-             return M(num_blocks, block_size, enable_prefix_caching, watermark, nullptr,
-                      std::move(group_windows));
+             return M({.num_blocks = num_blocks,
+                       .block_size = block_size,
+                       .enable_prefix_caching = enable_prefix_caching,
+                       .watermark = watermark,
+                       .group_windows = std::move(group_windows)});
            }),
            py::arg("num_blocks"), py::arg("block_size") = 16,
            py::arg("enable_prefix_caching") = true, py::arg("watermark") = 0.01,

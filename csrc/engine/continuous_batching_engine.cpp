@@ -47,10 +47,12 @@ ContinuousBatchingEngine::ContinuousBatchingEngine(std::shared_ptr<CausalLM> mod
                                     draft_model ? &draft_model->config() : nullptr)),
       // A draft model keeps its own pool on the same block tables: it needs every layer's blocks
       // (no sliding-window groups) until the draft's pool is grouped too.
-      block_manager_(config_.num_blocks, config_.block_size, config_.enable_prefix_caching, 0.01,
-                     nullptr,
-                     KVCacheLayout::for_model(model_->config(), draft_model == nullptr)
-                         .group_windows()),
+      block_manager_({.num_blocks = config_.num_blocks,
+                      .block_size = config_.block_size,
+                      .enable_prefix_caching = config_.enable_prefix_caching,
+                      .group_windows =
+                          KVCacheLayout::for_model(model_->config(), draft_model == nullptr)
+                              .group_windows()}),
       scheduler_(SchedulerConfig{config_.max_num_seqs, config_.max_num_batched_tokens,
                                  config_.max_model_len},
                  block_manager_),

@@ -77,18 +77,18 @@ std::vector<int32_t> PagedBlockManager::FreeBlockQueue::to_vector() const {
   return ids;
 }
 
-PagedBlockManager::PagedBlockManager(int64_t num_blocks, int64_t block_size,
-                                     bool enable_prefix_caching, double watermark,
-                                     BlockHashFn hash_fn, std::vector<int64_t> group_windows)
-    : block_size_(block_size),
-      windows_(std::move(group_windows)),
-      enable_prefix_caching_(enable_prefix_caching),
-      hash_fn_(hash_fn ? std::move(hash_fn) : BlockHashFn(&default_block_hash)),
-      blocks_(checked_num_blocks(num_blocks)),
-      free_queue_(static_cast<int32_t>(num_blocks)) {
-  if (block_size < 1) {
+PagedBlockManager::PagedBlockManager(BlockManagerOptions options)
+    : block_size_(options.block_size),
+      windows_(std::move(options.group_windows)),
+      enable_prefix_caching_(options.enable_prefix_caching),
+      hash_fn_(options.hash_fn ? std::move(options.hash_fn) : BlockHashFn(&default_block_hash)),
+      blocks_(checked_num_blocks(options.num_blocks)),
+      free_queue_(static_cast<int32_t>(options.num_blocks)) {
+  const int64_t num_blocks = options.num_blocks;
+  const double watermark = options.watermark;
+  if (block_size_ < 1) {
     throw std::invalid_argument("PagedBlockManager: block_size must be >= 1, got " +
-                                std::to_string(block_size));
+                                std::to_string(block_size_));
   }
   if (windows_.empty() ||
       std::any_of(windows_.begin(), windows_.end(), [](int64_t w) { return w < 0; })) {

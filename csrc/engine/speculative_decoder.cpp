@@ -31,8 +31,12 @@ void require(bool ok, const std::string& message) {
 }  // namespace
 
 void SpeculativeConfig::validate() const {
-  require(method.empty() || method == "draft_model" || method == "ngram",
-          "speculative_method must be \"draft_model\" or \"ngram\", got \"" + method + "\"");
+  const std::vector<std::string> methods = speculative_methods();
+  if (!method.empty() && std::find(methods.begin(), methods.end(), method) == methods.end()) {
+    std::string list;
+    for (const std::string& m : methods) list += (list.empty() ? "\"" : ", \"") + m + "\"";
+    require(false, "speculative_method must be one of " + list + ", got \"" + method + "\"");
+  }
   if (!enabled()) return;
   require(num_speculative_tokens >= 1 && num_speculative_tokens <= kMaxSpeculativeTokens,
           "num_speculative_tokens must be in [1, " + std::to_string(kMaxSpeculativeTokens) +
@@ -70,6 +74,36 @@ SpeculativeDecoder::SpeculativeDecoder(SpeculativeConfig config, std::unique_ptr
   require(config_.enabled() && proposer_ != nullptr, "a method and a proposer are required");
 }
 
+const std::vector<ProposerEntry>& proposer_registry() {
+  static const std::vector<ProposerEntry> entries = {
+      {"ngram", false,
+       [](const ProposerContext& c) -> std::unique_ptr<Proposer> {
+         return std::make_unique<NgramProposer>(c.config.prompt_lookup_min,
+                                                c.config.prompt_lookup_max);
+       }},
+      {"draft_model", true,
+       [](const ProposerContext& c) -> std::unique_ptr<Proposer> {
+         const ModelConfig& t = c.target.config();
+         const ModelConfig& d = c.draft->config();
+         require(d.vocab_size == t.vocab_size,
+                 "the draft model's vocabulary (" + std::to_string(d.vocab_size) +
+                     " tokens) differs from the target's (" + std::to_string(t.vocab_size) + ")");
+         require(d.max_position_embeddings >= c.max_model_len,
+                 "the draft model handles " + std::to_string(d.max_position_embeddings) +
+                     " positions, fewer than max_model_len " + std::to_string(c.max_model_len));
+         require(c.draft->device() == c.target.device(), "the draft model is on another device");
+         return std::make_unique<DraftModelProposer>(c.draft, c.num_blocks, c.block_size);
+       }},
+  };
+  return entries;
+}
+
+std::vector<std::string> speculative_methods() {
+  std::vector<std::string> names;
+  for (const ProposerEntry& e : proposer_registry()) names.push_back(e.method);
+  return names;
+}
+
 std::unique_ptr<SpeculativeDecoder> SpeculativeDecoder::create(
     const SpeculativeConfig& config, const CausalLM& target, std::shared_ptr<CausalLM> draft,
     int64_t num_blocks, int64_t block_size, int64_t max_model_len) {
@@ -78,24 +112,16 @@ std::unique_ptr<SpeculativeDecoder> SpeculativeDecoder::create(
     require(draft == nullptr, "a draft model was given but method is off");
     return nullptr;
   }
-  std::unique_ptr<Proposer> proposer;
-  if (config.method == "ngram") {
-    require(draft == nullptr, "method \"ngram\" takes no draft model");
-    proposer = std::make_unique<NgramProposer>(config.prompt_lookup_min, config.prompt_lookup_max);
-  } else {
-    require(draft != nullptr, "method \"draft_model\" needs a draft model");
-    const ModelConfig& t = target.config();
-    const ModelConfig& d = draft->config();
-    require(d.vocab_size == t.vocab_size,
-            "the draft model's vocabulary (" + std::to_string(d.vocab_size) +
-                " tokens) differs from the target's (" + std::to_string(t.vocab_size) + ")");
-    require(d.max_position_embeddings >= max_model_len,
-            "the draft model handles " + std::to_string(d.max_position_embeddings) +
-                " positions, fewer than max_model_len " + std::to_string(max_model_len));
-    require(draft->device() == target.device(), "the draft model is on another device");
-    proposer = std::make_unique<DraftModelProposer>(std::move(draft), num_blocks, block_size);
+  for (const ProposerEntry& entry : proposer_registry()) {
+    if (entry.method != config.method) continue;
+    require(entry.needs_draft_model == (draft != nullptr),
+            "method \"" + entry.method + (entry.needs_draft_model ? "\" needs a draft model"
+                                                                  : "\" takes no draft model"));
+    const ProposerContext context{config, target, std::move(draft), num_blocks, block_size,
+                                  max_model_len};
+    return std::make_unique<SpeculativeDecoder>(config, entry.make(context));
   }
-  return std::make_unique<SpeculativeDecoder>(config, std::move(proposer));
+  throw std::logic_error("validate() let through speculative method " + config.method);
 }
 
 int64_t SpeculativeDecoder::num_speculative_tokens(int64_t num_running) const {

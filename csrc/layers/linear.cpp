@@ -4,6 +4,7 @@
 #include <ATen/ops/zeros.h>
 
 #include <stdexcept>
+#include <string>
 
 #include "kernels/linear/linear.h"
 #include "kernels/linear/llm_int8_linear.h"
@@ -33,20 +34,43 @@ Linear Linear::load(const WeightMap& w, const std::string& name) {
   return Linear(QuantizedLinearWeight::load(w, name), std::move(bias));
 }
 
+const char* quant_scheme_name(QuantScheme scheme) {
+  switch (scheme) {
+    case QuantScheme::kNone: return "none";
+    case QuantScheme::kInt8: return "int8";
+    case QuantScheme::kInt4: return "int4";
+    case QuantScheme::kFp8: return "fp8";
+    case QuantScheme::kLlmInt8: return "llm.int8";
+  }
+  return "?";
+}
+
 QuantizedLinearWeight QuantizedLinearWeight::load(const WeightMap& w, const std::string& name) {
-  QuantizedLinearWeight q{w.get(name + ".qweight"), w.get(name + ".scales"),
-                          w.get_optional(name + ".zeros"), 0};
-  const int64_t in = q.qweight.size(-1) * (q.qweight.scalar_type() == at::kByte ? 2 : 1);
+  QuantizedLinearWeight q;
+  q.qweight = w.get(name + ".qweight");
+  q.scales = w.get(name + ".scales");
+  q.zeros = w.get_optional(name + ".zeros");
+  switch (q.qweight.scalar_type()) {
+    case at::kChar: q.scheme = QuantScheme::kInt8; break;
+    case at::kByte: q.scheme = QuantScheme::kInt4; break;
+    case at::kFloat8_e4m3fn: q.scheme = QuantScheme::kFp8; break;
+    default:
+      throw std::invalid_argument("Linear: " + name + ".qweight must be int8, uint8 (packed "
+                                  "int4) or float8_e4m3fn, got " +
+                                  std::string(c10::toString(q.qweight.scalar_type())));
+  }
+  const int64_t in = q.qweight.size(-1) * (q.scheme == QuantScheme::kInt4 ? 2 : 1);
   TORCH_CHECK(q.scales.dim() == 2 && q.scales.size(1) > 0 && in % q.scales.size(1) == 0,
               "Linear: ", name, ".scales must be [out, groups] with groups dividing ", in,
               ", got ", q.scales.sizes());
   q.group_size = in / q.scales.size(1);
   const at::Tensor threshold = w.get_optional(name + ".outlier_threshold");
   if (threshold.defined()) {
-    TORCH_CHECK(threshold.numel() == 1 && q.qweight.scalar_type() == at::kChar &&
+    TORCH_CHECK(threshold.numel() == 1 && q.scheme == QuantScheme::kInt8 &&
                     q.scales.size(1) == 1 && !q.zeros.defined(),
                 "Linear: ", name, " runs LLM.int8(), which needs an int8 weight with one scale "
                 "per row and no zeros");
+    q.scheme = QuantScheme::kLlmInt8;
     q.outlier_threshold = threshold.item<double>();
     q.scales = q.scales.view({-1}).contiguous();
   }
@@ -75,25 +99,31 @@ Linear::Linear(at::Tensor weight, at::Tensor bias)
 
 Linear::Linear(QuantizedLinearWeight weight, at::Tensor bias)
     : quantized_(std::move(weight)), bias_(std::move(bias)) {
+  TORCH_CHECK(quantized_.scheme != QuantScheme::kNone,
+              "Linear: a quantized weight needs its scheme (QuantizedLinearWeight::load)");
   const at::Tensor& q = quantized_.qweight;
   TORCH_CHECK(q.dim() == 2, "Linear: qweight must be [out, packed in], got ", q.sizes());
   out_features_ = q.size(0);
-  in_features_ = q.size(1) * (q.scalar_type() == at::kByte ? 2 : 1);
+  in_features_ = q.size(1) * (quantized_.scheme == QuantScheme::kInt4 ? 2 : 1);
   TORCH_CHECK(!bias_.defined() || (bias_.dim() == 1 && bias_.size(0) == out_features_),
               "Linear: bias must be [", out_features_, "]");
 }
 
 at::Tensor Linear::forward(const at::Tensor& x) const {
   const auto bias = bias_.defined() ? std::optional<at::Tensor>(bias_) : std::nullopt;
-  if (quantized()) {
-    const auto& q = quantized_;
-    if (q.outlier_threshold >= 0) {
+  const QuantizedLinearWeight& q = quantized_;
+  switch (q.scheme) {
+    case QuantScheme::kNone: return ops::linear(x, weight_, bias);
+    case QuantScheme::kLlmInt8:
       return ops::llm_int8_linear(x, q.qweight, q.scales, q.outlier_threshold, bias);
+    case QuantScheme::kInt8:
+    case QuantScheme::kInt4:
+    case QuantScheme::kFp8: {
+      const auto zeros = q.zeros.defined() ? std::optional<at::Tensor>(q.zeros) : std::nullopt;
+      return ops::quantized_linear(x, q.qweight, q.scales, zeros, q.group_size, bias);
     }
-    const auto zeros = q.zeros.defined() ? std::optional<at::Tensor>(q.zeros) : std::nullopt;
-    return ops::quantized_linear(x, q.qweight, q.scales, zeros, q.group_size, bias);
   }
-  return ops::linear(x, weight_, bias);
+  TORCH_CHECK(false, "Linear: unknown quantization scheme");
 }
 
 at::Tensor Linear::forward(const at::Tensor& x, const at::Tensor& lora_slots) const {

@@ -9,18 +9,33 @@
 
 namespace kvserve {
 
-/// A weight-only quantized weight as ops::quantized_linear reads it (int8, packed int4 or fp8
-/// E4M3 q, fp32 scales and zeros per output row and group of group_size inputs); or, with an
-/// outlier_threshold >= 0, an int8 weight with one scale per row that runs LLM.int8()
-/// (ops::llm_int8_linear).
+/// How a Linear holds its weight, and so which op multiplies by it.
+enum class QuantScheme {
+  kNone,     ///< a plain (or oneDNN-packed) weight: ops::linear
+  kInt8,     ///< int8 with fp32 scales per row or group (int8, w8a8): ops::quantized_linear
+  kInt4,     ///< two int4 per byte, fp32 scales and zeros per group (int4, AWQ): the same op
+  kFp8,      ///< float8_e4m3fn with fp32 scales per row or group: the same op
+  kLlmInt8,  ///< int8 with one scale per row, outlier columns in float (LLM.int8()):
+             ///< ops::llm_int8_linear
+};
+
+/// "none", "int8", "int4", "fp8" or "llm.int8" (the quantize command's --method names).
+const char* quant_scheme_name(QuantScheme scheme);
+
+/// A quantized weight as its op reads it: q (int8, packed int4 or fp8 E4M3), fp32 scales and
+/// zeros per output row and group of group_size inputs; for kLlmInt8 one scale per row and the
+/// outlier threshold.
 struct QuantizedLinearWeight {
+  QuantScheme scheme = QuantScheme::kNone;
   at::Tensor qweight, scales, zeros;  // zeros may be undefined
   int64_t group_size = 0;
-  double outlier_threshold = -1.0;  // < 0: weight-only
+  double outlier_threshold = -1.0;  // kLlmInt8 only
 
   /// `<name>.qweight`, `<name>.scales` and optional `<name>.zeros` of a weight map (the group size
-  /// is in_features over the scales' columns), with a 0-dim `<name>.outlier_threshold` for
-  /// LLM.int8(). Throws std::invalid_argument on a missing tensor, c10::Error on a bad shape.
+  /// is in_features over the scales' columns); the scheme follows from qweight's dtype, and a
+  /// 0-dim `<name>.outlier_threshold` (the loader's mark of a bitsandbytes 8-bit weight) makes
+  /// an int8 one kLlmInt8. Throws std::invalid_argument on a missing tensor or another dtype,
+  /// c10::Error on a bad shape.
   static QuantizedLinearWeight load(const WeightMap& weights, const std::string& name);
   /// Bytes of qweight, scales and zeros.
   int64_t nbytes() const;
@@ -80,7 +95,8 @@ class Linear {
   int64_t in_features() const { return in_features_; }
   int64_t out_features() const { return out_features_; }
   bool packed() const { return weight_.defined() && weight_.is_mkldnn(); }
-  bool quantized() const { return quantized_.qweight.defined(); }
+  QuantScheme scheme() const { return quantized_.scheme; }
+  bool quantized() const { return quantized_.scheme != QuantScheme::kNone; }
   bool defined() const { return weight_.defined() || quantized(); }
   /// Bytes of the weight as held (a packed one pads its blocks) and the bias; 0 when undefined.
   int64_t weight_bytes() const;

@@ -50,7 +50,7 @@ SparseMoE::SparseMoE(const MoEConfig& c, const std::string& p, const WeightMap& 
       w13_quantized_.push_back(QuantizedLinearWeight::load(w, expert + "gate_up_proj"));
       w2_quantized_.push_back(QuantizedLinearWeight::load(w, expert + "down_proj"));
       for (const auto* q : {&w13_quantized_.back(), &w2_quantized_.back()}) {
-        if (q->outlier_threshold >= 0) {
+        if (q->scheme == QuantScheme::kLlmInt8) {
           throw std::invalid_argument(expert + ": routed experts run weight-only quantized "
                                       "weights, not LLM.int8() (the loader dequantizes those)");
         }

@@ -1,37 +1,52 @@
 #include "models/model_factory.h"
 
-#include <algorithm>
+#include <functional>
 #include <stdexcept>
+#include <utility>
 
 #include "models/deepseek_v2.h"
 #include "models/llama.h"
 
 namespace kvserve {
+namespace {
 
-std::vector<std::string> supported_architectures() {
-  return {"LlamaForCausalLM",   "MistralForCausalLM",  "Qwen2ForCausalLM",
-          "Qwen3ForCausalLM",   "MixtralForCausalLM",  "Qwen3MoeForCausalLM",
-          "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Gemma2ForCausalLM",
-          "Gemma3ForCausalLM"};
+using Factory = std::function<std::shared_ptr<CausalLM>(const ModelConfig&, const WeightMap&,
+                                                        int64_t)>;
+
+template <typename Model>
+Factory factory() {
+  return [](const ModelConfig& config, const WeightMap& weights, int64_t max_positions) {
+    return std::make_shared<Model>(config, weights, max_positions);
+  };
+}
+
+/// One entry per family, in the order model_families() lists them.
+const std::vector<std::pair<std::string, Factory>>& families() {
+  static const std::vector<std::pair<std::string, Factory>> table = {
+      {"llama", factory<LlamaForCausalLM>()},
+      {"deepseek_v2", factory<DeepseekV2ForCausalLM>()},
+  };
+  return table;
+}
+
+}  // namespace
+
+std::vector<std::string> model_families() {
+  std::vector<std::string> names;
+  for (const auto& [name, make] : families()) names.push_back(name);
+  return names;
 }
 
 std::shared_ptr<CausalLM> create_causal_lm(const ModelConfig& config,
                                            std::unordered_map<std::string, at::Tensor> weights,
                                            int64_t max_positions) {
-  const auto names = supported_architectures();
-  if (std::find(names.begin(), names.end(), config.architecture) == names.end()) {
-    std::string list;
-    for (const auto& name : names) list += (list.empty() ? "" : ", ") + name;
-    throw std::invalid_argument("unsupported architecture '" + config.architecture +
-                                "'; kvserve supports: " + list);
+  for (const auto& [name, make] : families()) {
+    if (name == config.family) return make(config, WeightMap(std::move(weights)), max_positions);
   }
-  WeightMap w(std::move(weights));
-  if (config.architecture == "DeepseekV2ForCausalLM" ||
-      config.architecture == "DeepseekV3ForCausalLM") {
-    return std::make_shared<DeepseekV2ForCausalLM>(config, w, max_positions);
-  }
-  // The other families share the Llama layer structure; ModelConfig flags carry the rest.
-  return std::make_shared<LlamaForCausalLM>(config, w, max_positions);
+  std::string list;
+  for (const auto& name : model_families()) list += (list.empty() ? "" : ", ") + name;
+  throw std::invalid_argument("unknown model family '" + config.family + "' (of " +
+                              config.architecture + "); kvserve's are: " + list);
 }
 
 }  // namespace kvserve

@@ -1,5 +1,6 @@
 #pragma once
-// Maps a config.json `architectures` entry to the C++ class that runs it.
+// Maps a ModelConfig's family to the C++ class that runs it. Which architectures (config.json
+// `architectures` entries) belong to which family is kvserve.architectures' table.
 
 #include <ATen/core/Tensor.h>
 
@@ -12,11 +13,13 @@
 
 namespace kvserve {
 
-/// The architectures kvserve can run, e.g. "LlamaForCausalLM".
-std::vector<std::string> supported_architectures();
+/// The model families kvserve has C++ classes for: "llama" (the Llama layer structure, adapted
+/// by ModelConfig's flags: Mistral, Qwen2/3, Mixtral, Qwen3-MoE, Gemma 2/3) and "deepseek_v2"
+/// (multi-head latent attention, DeepSeek-V2/V3).
+std::vector<std::string> model_families();
 
-/// Builds the model for config.architecture from loader-named weights. Throws
-/// std::invalid_argument naming the supported architectures when it is not one of them.
+/// Builds the model of config.family from loader-named weights. Throws std::invalid_argument
+/// naming the families when it is not one of them.
 std::shared_ptr<CausalLM> create_causal_lm(const ModelConfig& config,
                                            std::unordered_map<std::string, at::Tensor> weights,
                                            int64_t max_positions);

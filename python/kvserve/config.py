@@ -15,15 +15,8 @@ from pathlib import Path
 import torch
 
 from kvserve import _C
-from kvserve.config_families import (DEEPSEEK_ARCHITECTURES, GEMMA_ARCHITECTURES, read_gemma,
-                                     read_kv_sharing, read_mla, read_moe)
-
-# Families that differ from plain Llama only in these ModelConfig flags.
-_QKV_BIAS_ARCHITECTURES = {"Qwen2ForCausalLM"}
-_QK_NORM_ARCHITECTURES = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"}
-# Without layer_types these window only the layers from max_window_layers on (transformers' code;
-# its docstring says the opposite).
-_MAX_WINDOW_LAYERS_ARCHITECTURES = {"Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+from kvserve.architectures import ARCHITECTURES, Architecture
+from kvserve.config_families import read_kv_sharing
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -74,20 +67,22 @@ def read_json(path: Path) -> dict:
 
 
 def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype) -> torch.dtype:
-    """Maps "auto" / "float32" / "bfloat16" / "float16" / a torch.dtype to a torch.dtype."""
+    """Maps "auto" / "float32" / "bfloat16" / "float16" / a torch.dtype to a torch.dtype (the
+    names are DTYPE_NAMES, which EngineArgs checks)."""
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise ValueError(f"dtype {dtype} is not supported; use one of {sorted(_DTYPES)}")
         return dtype
-    if dtype == "auto":
-        return checkpoint_dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[dtype]
+    return checkpoint_dtype if dtype == "auto" else _DTYPES[dtype]  # a name EngineArgs checked
 
 
+# The names `dtype` and `kv_cache_dtype` take besides "auto" (EngineArgs' choices).
+DTYPE_NAMES = ("auto", *_DTYPES)
 _KV_CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn,
                     "fp8_e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn}
+
+
+KV_CACHE_DTYPE_NAMES = ("auto", *_KV_CACHE_DTYPES)
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype,
@@ -99,12 +94,7 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype,
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype} is not supported; use the model's "
                              f"dtype ({model_dtype}), torch.int8 or torch.float8_e4m3fn")
         return kv_cache_dtype
-    if kv_cache_dtype == "auto":
-        return model_dtype
-    if kv_cache_dtype not in _KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(_KV_CACHE_DTYPES)}, "
-                         f"got {kv_cache_dtype!r}")
-    return _KV_CACHE_DTYPES[kv_cache_dtype]
+    return model_dtype if kv_cache_dtype == "auto" else _KV_CACHE_DTYPES[kv_cache_dtype]
 
 
 def load_checkpoint_info(model_dir: str | Path) -> CheckpointInfo:
@@ -191,7 +181,8 @@ def _show(value) -> str:
 def _model_config(hf: dict, path: Path) -> _C.ModelConfig:
     f = _Fields(hf, path)
     c = _C.ModelConfig()
-    c.architecture = _architecture(hf, path)
+    arch = _architecture(hf, path)
+    c.architecture, c.family = arch.name, arch.family
     c.vocab_size = f.integer("vocab_size")
     c.hidden_size = f.integer("hidden_size")
     c.intermediate_size = f.integer("intermediate_size")
@@ -201,8 +192,8 @@ def _model_config(hf: dict, path: Path) -> _C.ModelConfig:
     if c.num_heads % c.num_kv_heads:
         raise f.error("num_key_value_heads", f"({c.num_kv_heads}) must divide "
                                              f"num_attention_heads ({c.num_heads})")
-    if c.architecture in GEMMA_ARCHITECTURES:
-        hf = read_gemma(c, f, hf)  # returns the file with transformers' Gemma defaults filled in
+    if arch.read_family is not None:
+        hf = arch.read_family(c, f, hf)  # the file with the family's defaults filled in
         f = _Fields(hf, path)
     else:
         act = hf.get("hidden_act", "silu")
@@ -213,15 +204,16 @@ def _model_config(hf: dict, path: Path) -> _C.ModelConfig:
     c.rms_norm_eps = f.number("rms_norm_eps", 1e-6)
     c.tie_word_embeddings = f.flag("tie_word_embeddings", False)
     attention_bias = f.flag("attention_bias", False)
-    c.qkv_bias = attention_bias or c.architecture in _QKV_BIAS_ARCHITECTURES
-    c.o_proj_bias = attention_bias and c.architecture not in _QKV_BIAS_ARCHITECTURES
+    c.qkv_bias = attention_bias or arch.qkv_bias
+    c.o_proj_bias = attention_bias and not arch.qkv_bias
     c.mlp_bias = f.flag("mlp_bias", False)
-    c.qk_norm = c.architecture in _QK_NORM_ARCHITECTURES
+    c.qk_norm = arch.qk_norm
     _rope(c, hf, path)
-    c.sliding_windows = _sliding_windows(f, c)
-    if c.architecture in DEEPSEEK_ARCHITECTURES:
-        read_mla(c, f)
-    read_moe(c, f)
+    c.sliding_windows = _sliding_windows(f, c, arch)
+    if arch.read_attention is not None:
+        arch.read_attention(c, f)
+    if arch.read_moe is not None:
+        arch.read_moe(c, f)
     read_kv_sharing(c, f)
     try:
         c.validate()  # the C++ side's own checks, a backstop behind the ones above
@@ -230,18 +222,19 @@ def _model_config(hf: dict, path: Path) -> _C.ModelConfig:
     return c
 
 
-def _architecture(hf: dict, path: Path) -> str:
+def _architecture(hf: dict, path: Path) -> Architecture:
     architectures = hf.get("architectures")
-    supported = ", ".join(_C.supported_architectures())
+    supported = ", ".join(ARCHITECTURES)
     if architectures is None:
         raise ValueError(f"{path}: missing 'architectures'; kvserve supports: {supported}")
     if not architectures or not isinstance(architectures, list):
         raise ValueError(f"{path}: 'architectures' must be a non-empty list of names, got "
                          f"{_show(architectures)}; kvserve supports: {supported}")
-    if architectures[0] not in _C.supported_architectures():
-        raise ValueError(f"{path}: unsupported architecture {_show(architectures[0])} in "
+    name = architectures[0]
+    if not isinstance(name, str) or name not in ARCHITECTURES:
+        raise ValueError(f"{path}: unsupported architecture {_show(name)} in "
                          f"'architectures'; kvserve supports: {supported}")
-    return architectures[0]
+    return ARCHITECTURES[name]
 
 
 def _head_dim(f: _Fields, c: _C.ModelConfig) -> int:
@@ -302,7 +295,7 @@ def _rope(c: _C.ModelConfig, hf: dict, path: Path) -> None:
     c.rope_scaling = s
 
 
-def _sliding_windows(f: _Fields, c: _C.ModelConfig) -> list[int]:
+def _sliding_windows(f: _Fields, c: _C.ModelConfig, arch: Architecture) -> list[int]:
     num_layers = c.num_layers
     window = f.integer("sliding_window", 0, minimum=0)
     if not f.flag("use_sliding_window", True):  # Qwen: no window at all, whatever layer_types say
@@ -319,7 +312,9 @@ def _sliding_windows(f: _Fields, c: _C.ModelConfig) -> list[int]:
         return [window if t == "sliding_attention" else 0 for t in layer_types]
     if window == 0:
         return [0] * num_layers
-    if c.architecture in _MAX_WINDOW_LAYERS_ARCHITECTURES:
+    # Without layer_types these window only the layers from max_window_layers on (transformers'
+    # code; its docstring says the opposite).
+    if arch.max_window_layers:
         first = f.integer("max_window_layers", 28, minimum=0)
         return [window if i >= first else 0 for i in range(num_layers)]
     return [window] * num_layers

@@ -12,8 +12,6 @@ import os
 
 from kvserve import _C
 
-DEEPSEEK_ARCHITECTURES = {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}
-GEMMA_ARCHITECTURES = {"Gemma2ForCausalLM", "Gemma3ForCausalLM"}
 # Which form MLA attends in (auto: per sequence by cost); tests and benchmarks force one.
 MLA_ATTENTION_ENV = "KVSERVE_MLA_ATTENTION"
 
@@ -40,57 +38,68 @@ def read_mla(c: _C.ModelConfig, f) -> None:
     c.head_dim = m.qk_rope_head_dim
 
 
-def read_moe(c: _C.ModelConfig, f) -> None:
-    """Mixture-of-experts layers: which layers, how many experts, how tokens are routed."""
+def read_deepseek_moe(c: _C.ModelConfig, f) -> None:
+    """DeepSeekMoE: routed experts from first_k_dense_replace on, shared experts, fp32 router;
+    V3 scores by sigmoid within groups."""
     m = _C.MoEConfig()
-    n = c.num_layers
-    if c.architecture in DEEPSEEK_ARCHITECTURES:
-        m.num_experts = f.integer("n_routed_experts", 0, minimum=0)
-        if m.num_experts == 0:
-            return
-        first_dense = f.integer("first_k_dense_replace", 0, minimum=0)
-        if f.integer("moe_layer_freq", 1) != 1:  # every released checkpoint has 1
-            raise f.error("moe_layer_freq", "must be 1: transformers (the reference) puts an MoE "
-                                            "in every layer from first_k_dense_replace on")
-        layers = [int(i >= first_dense) for i in range(n)]
-        m.shared_intermediate_size = (f.integer("n_shared_experts", 0, minimum=0)
-                                      * f.integer("moe_intermediate_size"))
-        m.routed_scaling_factor = f.number("routed_scaling_factor", 1.0)
-        m.fp32_router = True
-        if c.architecture == "DeepseekV3ForCausalLM":
-            m.scoring_func = "sigmoid"
-            m.norm_topk_prob = f.flag("norm_topk_prob", True)
-            m.n_group = f.integer("n_group", 1)
-            m.topk_group = f.integer("topk_group", 1)
-        else:  # transformers' V2 neither renormalises nor reads norm_topk_prob
-            method = f.values.get("topk_method") or "greedy"
-            if method not in ("greedy", "group_limited_greedy"):
-                raise f.error("topk_method", f"is {method!r}; DeepSeek-V2 routes by "
-                                             "'greedy' or 'group_limited_greedy'")
-            if method == "group_limited_greedy":
-                m.n_group = f.integer("n_group")
-                m.topk_group = f.integer("topk_group")
-    elif c.architecture == "MixtralForCausalLM":
-        m.num_experts = f.integer("num_local_experts", 0, minimum=0)
-        if m.num_experts == 0:
-            return
-        layers = [1] * n
-        m.moe_intermediate_size = c.intermediate_size
-        m.norm_topk_prob = True
-    elif c.architecture == "Qwen3MoeForCausalLM":
-        # Hub checkpoints say num_experts; transformers >= 5 writes num_local_experts.
-        key = "num_experts" if f.values.get("num_experts") is not None else "num_local_experts"
-        m.num_experts = f.integer(key, 0, minimum=0)
-        if m.num_experts == 0:
-            return
-        step = f.integer("decoder_sparse_step", 1)
-        dense = f.values.get("mlp_only_layers") or []
-        if not isinstance(dense, list) or any(not isinstance(i, int) for i in dense):
-            raise f.error("mlp_only_layers", f"must be a list of layer indices, got {dense!r}")
-        layers = [int(i not in dense and (i + 1) % step == 0) for i in range(n)]
-        m.norm_topk_prob = f.flag("norm_topk_prob", False)
-    else:
+    m.num_experts = f.integer("n_routed_experts", 0, minimum=0)
+    if m.num_experts == 0:
         return
+    first_dense = f.integer("first_k_dense_replace", 0, minimum=0)
+    if f.integer("moe_layer_freq", 1) != 1:  # every released checkpoint has 1
+        raise f.error("moe_layer_freq", "must be 1: transformers (the reference) puts an MoE "
+                                        "in every layer from first_k_dense_replace on")
+    layers = [int(i >= first_dense) for i in range(c.num_layers)]
+    m.shared_intermediate_size = (f.integer("n_shared_experts", 0, minimum=0)
+                                  * f.integer("moe_intermediate_size"))
+    m.routed_scaling_factor = f.number("routed_scaling_factor", 1.0)
+    m.fp32_router = True
+    if c.architecture == "DeepseekV3ForCausalLM":
+        m.scoring_func = "sigmoid"
+        m.norm_topk_prob = f.flag("norm_topk_prob", True)
+        m.n_group = f.integer("n_group", 1)
+        m.topk_group = f.integer("topk_group", 1)
+    else:  # transformers' V2 neither renormalises nor reads norm_topk_prob
+        method = f.values.get("topk_method") or "greedy"
+        if method not in ("greedy", "group_limited_greedy"):
+            raise f.error("topk_method", f"is {method!r}; DeepSeek-V2 routes by "
+                                         "'greedy' or 'group_limited_greedy'")
+        if method == "group_limited_greedy":
+            m.n_group = f.integer("n_group")
+            m.topk_group = f.integer("topk_group")
+    _finish_moe(c, f, m, layers)
+
+
+def read_mixtral_moe(c: _C.ModelConfig, f) -> None:
+    """Mixtral: every layer's MLP is num_local_experts experts of intermediate_size."""
+    m = _C.MoEConfig()
+    m.num_experts = f.integer("num_local_experts", 0, minimum=0)
+    if m.num_experts == 0:
+        return
+    m.moe_intermediate_size = c.intermediate_size
+    m.norm_topk_prob = True
+    _finish_moe(c, f, m, [1] * c.num_layers)
+
+
+def read_qwen3_moe(c: _C.ModelConfig, f) -> None:
+    """Qwen3-MoE: experts every decoder_sparse_step layers, except mlp_only_layers."""
+    m = _C.MoEConfig()
+    # Hub checkpoints say num_experts; transformers >= 5 writes num_local_experts.
+    key = "num_experts" if f.values.get("num_experts") is not None else "num_local_experts"
+    m.num_experts = f.integer(key, 0, minimum=0)
+    if m.num_experts == 0:
+        return
+    step = f.integer("decoder_sparse_step", 1)
+    dense = f.values.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or any(not isinstance(i, int) for i in dense):
+        raise f.error("mlp_only_layers", f"must be a list of layer indices, got {dense!r}")
+    layers = [int(i not in dense and (i + 1) % step == 0) for i in range(c.num_layers)]
+    m.norm_topk_prob = f.flag("norm_topk_prob", False)
+    _finish_moe(c, f, m, layers)
+
+
+def _finish_moe(c: _C.ModelConfig, f, m: _C.MoEConfig, layers: list[int]) -> None:
+    """The fields every MoE family shares, checked, then c.moe."""
     if m.moe_intermediate_size == 0:
         m.moe_intermediate_size = f.integer("moe_intermediate_size")
     m.num_experts_per_tok = f.integer("num_experts_per_tok")

@@ -22,12 +22,14 @@ from pathlib import Path
 import torch
 
 from kvserve import _C
+from kvserve.config import DTYPE_NAMES, KV_CACHE_DTYPE_NAMES
 
 _CONFIG = _C.EngineConfig()  # the C++ defaults
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+DTYPES = DTYPE_NAMES
+KV_CACHE_DTYPES = KV_CACHE_DTYPE_NAMES
+# The proposer registry's methods (C++): {name: whether it drafts with speculative_model}.
+SPECULATIVE_METHODS = dict(_C.speculative_methods())
 # Decode steps of up to this many sequences replay CUDA graphs on a GPU (vLLM captures up to 512).
 CUDA_GRAPH_MAX_BATCH = 256
 
@@ -78,7 +80,7 @@ class EngineArgs:
         None, "speculative decoding with this draft checkpoint (the target's tokenizer)")
     speculative_method: str | None = option(
         None, "ngram (prompt lookup) or draft_model (implied by --speculative-model)",
-        choices=SPECULATIVE_METHODS, aliases=("--ngram",))
+        choices=tuple(SPECULATIVE_METHODS), aliases=("--ngram",))
     num_speculative_tokens: int | None = option(
         None, "draft tokens per step at most (default 2)")
     prompt_lookup_min: int = option(1, "shortest suffix n-gram speculation looks up")

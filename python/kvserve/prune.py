@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from kvserve.architectures import ARCHITECTURES
 from kvserve.loader.checkpoint_writer import write_checkpoint
 
-# Families whose decoder layers are Llama's (q/k/v/o, gate/up/down, two RMSNorms per layer).
-ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                 "Qwen3ForCausalLM"}
+# Architectures whose decoder layers are Llama's (q/k/v/o, gate/up/down, two RMSNorms per layer).
+PRUNABLE = sorted(name for name, a in ARCHITECTURES.items() if a.prunable)
 
 
 def importance(model_dir: Path, calibration: str, max_tokens: int = 2048,
@@ -115,8 +115,8 @@ def prune_checkpoint(model_dir: str | Path, calibration_text: str, out_dir: str 
         raise ValueError("--out must be another directory than --model")
     config = json.loads((model_dir / "config.json").read_text())
     arch = (config.get("architectures") or ["?"])[0]
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"pruning supports {', '.join(sorted(ARCHITECTURES))}, not {arch}")
+    if arch not in PRUNABLE:
+        raise ValueError(f"pruning supports {', '.join(PRUNABLE)}, not {arch}")
     n_layers, n_heads = config["num_hidden_layers"], config["num_attention_heads"]
     n_kv, width, inter = config["num_key_value_heads"], config["hidden_size"], \
         config["intermediate_size"]

@@ -28,14 +28,17 @@ def speculative_config(args) -> _C.SpeculativeConfig:
     """The engine's SpeculativeConfig from an EngineArgs; method "" (off) when neither
     speculative_model nor speculative_method is given. Raises ValueError for contradictory
     options (the C++ SpeculativeDecoder checks the ranges)."""
+    from kvserve.engine_args import SPECULATIVE_METHODS
+
     method = args.speculative_method
     if args.speculative_model is not None:
-        if method not in (None, "draft_model"):
+        if method is None:
+            method = "draft_model"
+        elif not SPECULATIVE_METHODS[method]:
             raise ValueError(f"speculative_model is a draft model: it cannot be used with "
                              f'speculative_method="{method}"')
-        method = "draft_model"
-    elif method == "draft_model":
-        raise ValueError('speculative_method="draft_model" needs speculative_model=DIR')
+    elif method is not None and SPECULATIVE_METHODS[method]:
+        raise ValueError(f'speculative_method="{method}" needs speculative_model=DIR')
     if method is None:
         if args.num_speculative_tokens is not None:
             raise ValueError("num_speculative_tokens needs speculative_model or "

@@ -39,7 +39,7 @@ Ids ref_counts(const PagedBlockManager& m) {
 }
 
 TEST(PagedBlockManager, AllocatesFromTheHeadOfTheFreeQueueWithoutCache) {
-  PagedBlockManager m(/*num_blocks=*/8, /*block_size=*/4);
+  PagedBlockManager m({.num_blocks = 8, .block_size = 4});
   EXPECT_EQ(m.num_usable_blocks(), 7);
   EXPECT_EQ(m.free_block_ids(), (Ids{1, 2, 3, 4, 5, 6, 7}));
   EXPECT_EQ(m.allocate(1, iota_tokens(0, 10)), 0);
@@ -58,7 +58,7 @@ TEST(PagedBlockManager, AllocatesFromTheHeadOfTheFreeQueueWithoutCache) {
 }
 
 TEST(PagedBlockManager, IdenticalPromptHitsOnlyOnceItsBlocksAreComputed) {
-  PagedBlockManager m(12, 4);
+  PagedBlockManager m({.num_blocks = 12, .block_size = 4});
   const Tokens prompt = iota_tokens(0, 10);  // two full blocks and two tokens
   EXPECT_EQ(m.allocate(1, prompt), 0);
   EXPECT_EQ(m.allocate(2, prompt), 0) << "nothing is computed yet";
@@ -80,7 +80,7 @@ TEST(PagedBlockManager, IdenticalPromptHitsOnlyOnceItsBlocksAreComputed) {
 }
 
 TEST(PagedBlockManager, BlocksAfterADuplicateChainToTheCachedCopy) {
-  PagedBlockManager m(12, 4);
+  PagedBlockManager m({.num_blocks = 12, .block_size = 4});
   const Tokens prompt = iota_tokens(0, 10);
   m.allocate(1, prompt);
   m.allocate(2, prompt);
@@ -112,7 +112,7 @@ TEST(PagedBlockManager, HitsFullBlocksOfTheLongestPrefixButNeverTheLastToken) {
   };
   for (const HitCase& c : cases) {
     SCOPED_TRACE(c.name);
-    PagedBlockManager m(10, 4);
+    PagedBlockManager m({.num_blocks = 10, .block_size = 4});
     m.allocate(1, cached);
     m.mark_computed(1, 12);
     EXPECT_EQ(m.allocate(2, c.prompt), c.hit);
@@ -124,7 +124,7 @@ TEST(PagedBlockManager, HitsFullBlocksOfTheLongestPrefixButNeverTheLastToken) {
 }
 
 TEST(PagedBlockManager, ForkSharesBlocksAndAppendCopiesASharedPartialBlock) {
-  PagedBlockManager m(10, 4);
+  PagedBlockManager m({.num_blocks = 10, .block_size = 4});
   m.allocate(1, iota_tokens(0, 6));
   m.mark_computed(1, 6);
   m.fork(1, 2);
@@ -144,7 +144,7 @@ TEST(PagedBlockManager, ForkSharesBlocksAndAppendCopiesASharedPartialBlock) {
 }
 
 TEST(PagedBlockManager, SharedFullLastBlockIsNeverWrittenSoNeedsNoCopy) {
-  PagedBlockManager m(10, 4);
+  PagedBlockManager m({.num_blocks = 10, .block_size = 4});
   m.allocate(1, iota_tokens(0, 8));
   m.mark_computed(1, 8);
   m.fork(1, 2);
@@ -155,7 +155,7 @@ TEST(PagedBlockManager, SharedFullLastBlockIsNeverWrittenSoNeedsNoCopy) {
 }
 
 TEST(PagedBlockManager, FreeReturnsUncachedBlocksToTheHeadAndCachedOnesToTheTail) {
-  PagedBlockManager m(10, 4);
+  PagedBlockManager m({.num_blocks = 10, .block_size = 4});
   m.allocate(1, iota_tokens(0, 12));
   m.mark_computed(1, 12);  // blocks 1, 2, 3 cached
   m.allocate(2, iota_tokens(100, 9));
@@ -171,7 +171,7 @@ TEST(PagedBlockManager, FreeReturnsUncachedBlocksToTheHeadAndCachedOnesToTheTail
 }
 
 TEST(PagedBlockManager, EvictsLeastRecentlyUsedCachedBlocksWhenThePoolRunsOut) {
-  PagedBlockManager m(7, 4);
+  PagedBlockManager m({.num_blocks = 7, .block_size = 4});
   const Tokens a = iota_tokens(0, 8), b = iota_tokens(100, 8);
   m.allocate(1, a);
   m.mark_computed(1, 8);  // blocks 1, 2
@@ -196,7 +196,7 @@ TEST(PagedBlockManager, EvictsLeastRecentlyUsedCachedBlocksWhenThePoolRunsOut) {
 }
 
 TEST(PagedBlockManager, ExtraKeySeparatesIdenticalPrefixes) {
-  PagedBlockManager m(12, 4);
+  PagedBlockManager m({.num_blocks = 12, .block_size = 4});
   const Tokens prompt = iota_tokens(0, 9);
   m.allocate(1, prompt, /*extra_key=*/7);
   m.mark_computed(1, 9);
@@ -209,9 +209,11 @@ TEST(PagedBlockManager, ExtraKeySeparatesIdenticalPrefixes) {
 
 TEST(PagedBlockManager, HashCollisionsNeverServeAFalseHit) {
   // Every block hashes alike: only the stored content and parent can tell blocks apart.
-  PagedBlockManager m(14, 4, true, 0.0, [](uint64_t, const int32_t*, int64_t, uint64_t) {
-    return uint64_t{42};
-  });
+  PagedBlockManager m(
+      {.num_blocks = 14,
+       .block_size = 4,
+       .watermark = 0.0,
+       .hash_fn = [](uint64_t, const int32_t*, int64_t, uint64_t) { return uint64_t{42}; }});
   const Tokens repeated(9, 7);  // two identical full blocks: same tokens, different parents
   m.allocate(1, repeated);
   m.mark_computed(1, 9);
@@ -225,9 +227,12 @@ TEST(PagedBlockManager, HashCollisionsNeverServeAFalseHit) {
 
 TEST(PagedBlockManager, AParentBlockReusedForOtherTokensCannotLeadToItsOldChild) {
   // The hash ignores the parent: only the parent's id and generation tell the chains apart.
-  PagedBlockManager m(9, 2, true, 0.0, [](uint64_t, const int32_t* tokens, int64_t n, uint64_t) {
-    return PagedBlockManager::default_block_hash(0, tokens, n, 0);
-  });
+  PagedBlockManager m({.num_blocks = 9,
+                       .block_size = 2,
+                       .watermark = 0.0,
+                       .hash_fn = [](uint64_t, const int32_t* tokens, int64_t n, uint64_t) {
+                         return PagedBlockManager::default_block_hash(0, tokens, n, 0);
+                       }});
   const Tokens a = {10, 11, 20, 21, 30};
   m.allocate(1, a);             // blocks 1, 2, 3
   m.allocate(2, a);             // blocks 4, 5, 6
@@ -245,7 +250,8 @@ TEST(PagedBlockManager, AParentBlockReusedForOtherTokensCannotLeadToItsOldChild)
 }
 
 TEST(PagedBlockManager, CanAllocateKeepsTheWatermarkFreeAndCountsFreeHitsAsTaken) {
-  PagedBlockManager m(11, 4, true, /*watermark=*/0.2);  // 10 usable, 2 kept free
+  PagedBlockManager m(
+      {.num_blocks = 11, .block_size = 4, .watermark = 0.2});  // 10 usable, 2 kept free
   const Tokens prefix = iota_tokens(0, 16);
   m.allocate(1, concat(prefix, {1}));
   m.mark_computed(1, 17);
@@ -269,7 +275,7 @@ TEST(PagedBlockManager, CanAllocateKeepsTheWatermarkFreeAndCountsFreeHitsAsTaken
 }
 
 TEST(PagedBlockManager, CanAppendSlotsCountsTheCopyOnWriteBlock) {
-  PagedBlockManager m(4, 4, true, 0.0);
+  PagedBlockManager m({.num_blocks = 4, .block_size = 4, .watermark = 0.0});
   m.allocate(1, iota_tokens(0, 6));
   m.fork(1, 2);
   EXPECT_TRUE(m.can_append_slots(2, 2)) << "one copy of the shared partial block";
@@ -278,7 +284,7 @@ TEST(PagedBlockManager, CanAppendSlotsCountsTheCopyOnWriteBlock) {
 }
 
 TEST(PagedBlockManager, BlockSizeOneCachesEveryTokenAndNeverCopies) {
-  PagedBlockManager m(8, 1);
+  PagedBlockManager m({.num_blocks = 8, .block_size = 1});
   m.allocate(1, {5, 6, 7});
   m.mark_computed(1, 3);
   EXPECT_EQ(m.num_cached_blocks(), 3);
@@ -292,7 +298,7 @@ TEST(PagedBlockManager, BlockSizeOneCachesEveryTokenAndNeverCopies) {
 }
 
 TEST(PagedBlockManager, PrefixCachingOffNeverHitsNorCounts) {
-  PagedBlockManager m(10, 4, /*enable_prefix_caching=*/false);
+  PagedBlockManager m({.num_blocks = 10, .block_size = 4, .enable_prefix_caching = false});
   m.allocate(1, iota_tokens(0, 9));
   m.mark_computed(1, 9);
   EXPECT_EQ(m.allocate(2, iota_tokens(0, 9)), 0);
@@ -304,7 +310,7 @@ TEST(PagedBlockManager, PrefixCachingOffNeverHitsNorCounts) {
 }
 
 TEST(PagedBlockManager, ResetPrefixCacheDropsOnlyFreeCachedBlocks) {
-  PagedBlockManager m(10, 4);
+  PagedBlockManager m({.num_blocks = 10, .block_size = 4});
   m.allocate(1, iota_tokens(0, 9));
   m.allocate(2, iota_tokens(50, 9));
   m.mark_computed(1, 9);
@@ -346,7 +352,7 @@ TEST(PagedBlockManager, RejectsBadArgumentsAndFailedCallsChangeNothing) {
   auto run = [](const auto& cases, auto expect_throw) {
     for (const auto& [call, name] : cases) {
       SCOPED_TRACE(name);
-      PagedBlockManager m(4, 4);
+      PagedBlockManager m({.num_blocks = 4, .block_size = 4});
       m.allocate(1, iota_tokens(0, 5));
       m.mark_computed(1, 4);
       expect_throw(call, m);
@@ -361,10 +367,12 @@ TEST(PagedBlockManager, RejectsBadArgumentsAndFailedCallsChangeNothing) {
   run(invalid, [](const F& f, auto& m) { EXPECT_THROW(f(m), std::invalid_argument); });
   run(unknown, [](const F& f, auto& m) { EXPECT_THROW(f(m), std::out_of_range); });
   run(full, [](const F& f, auto& m) { EXPECT_THROW(f(m), std::runtime_error); });
-  EXPECT_THROW(PagedBlockManager(1), std::invalid_argument);
-  EXPECT_THROW(PagedBlockManager(4, 0), std::invalid_argument);
-  EXPECT_THROW(PagedBlockManager(4, 4, true, 1.0), std::invalid_argument);
-  EXPECT_THROW(PagedBlockManager(4, 4, true, -0.1), std::invalid_argument);
+  EXPECT_THROW(PagedBlockManager({.num_blocks = 1}), std::invalid_argument);
+  EXPECT_THROW(PagedBlockManager({.num_blocks = 4, .block_size = 0}), std::invalid_argument);
+  EXPECT_THROW(PagedBlockManager({.num_blocks = 4, .block_size = 4, .watermark = 1.0}),
+               std::invalid_argument);
+  EXPECT_THROW(PagedBlockManager({.num_blocks = 4, .block_size = 4, .watermark = -0.1}),
+               std::invalid_argument);
 }
 
 // Random operations against a simulated KV cache: every computed position that a group's next
@@ -375,8 +383,11 @@ class RandomTrace {
  public:
   RandomTrace(int64_t block_size, bool prefix_caching, uint32_t seed,
               std::vector<int64_t> windows = {0})
-      : m_(/*num_blocks=*/24 * static_cast<int64_t>(windows.size()), block_size, prefix_caching,
-           /*watermark=*/0.05, nullptr, windows),
+      : m_({.num_blocks = 24 * static_cast<int64_t>(windows.size()),
+            .block_size = block_size,
+            .enable_prefix_caching = prefix_caching,
+            .watermark = 0.05,
+            .group_windows = windows}),
         windows_(windows),
         kv_(24 * windows.size(), std::vector<uint64_t>(block_size, 0)),
         rng_(seed) {

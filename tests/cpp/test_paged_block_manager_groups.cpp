@@ -33,7 +33,8 @@ void decode(PagedBlockManager& m, int64_t seq, int64_t steps, int32_t first_toke
 
 TEST(PagedBlockManagerGroups, SlidingGroupGivesBackBlocksThatLeaveTheWindow) {
   // Block size 4, window 6: a query at position p sees positions p - 5 .. p.
-  PagedBlockManager m(32, 4, true, 0.0, nullptr, {kFull, 6});
+  PagedBlockManager m(
+      {.num_blocks = 32, .block_size = 4, .watermark = 0.0, .group_windows = {kFull, 6}});
   EXPECT_EQ(m.num_groups(), 2);
   EXPECT_EQ(m.allocate(1, iota_tokens(0, 5)), 0);
   EXPECT_EQ(m.block_table(1, 0), (Ids{1, 2}));
@@ -60,7 +61,10 @@ TEST(PagedBlockManagerGroups, SlidingGroupGivesBackBlocksThatLeaveTheWindow) {
 
 TEST(PagedBlockManagerGroups, LocalUsageStaysFlatOverTenThousandDecodedTokens) {
   const int64_t block_size = 16, window = 64;
-  PagedBlockManager m(800, block_size, true, 0.0, nullptr, {kFull, window});
+  PagedBlockManager m({.num_blocks = 800,
+                       .block_size = block_size,
+                       .watermark = 0.0,
+                       .group_windows = {kFull, window}});
   m.allocate(7, iota_tokens(0, 10));
   m.mark_computed(7, 10);
   int64_t most = 0;
@@ -76,7 +80,11 @@ TEST(PagedBlockManagerGroups, LocalUsageStaysFlatOverTenThousandDecodedTokens) {
 
 TEST(PagedBlockManagerGroups, ChunkedPrefillReservesLocalBlocksChunkByChunk) {
   const int64_t block_size = 16, window = 64, chunk = 256;
-  PagedBlockManager m(800, block_size, false, 0.0, nullptr, {window, kFull});
+  PagedBlockManager m({.num_blocks = 800,
+                       .block_size = block_size,
+                       .enable_prefix_caching = false,
+                       .watermark = 0.0,
+                       .group_windows = {window, kFull}});
   const Tokens prompt = iota_tokens(0, 5000);
   EXPECT_EQ(m.allocate(3, prompt, 0, chunk), 0);
   EXPECT_EQ(m.num_live_blocks(3, 0), chunk / block_size);
@@ -96,7 +104,11 @@ TEST(PagedBlockManagerGroups, ChunkedPrefillReservesLocalBlocksChunkByChunk) {
 }
 
 TEST(PagedBlockManagerGroups, MarkComputedNeedsReservedLocalSlots) {
-  PagedBlockManager m(64, 4, false, 0.0, nullptr, {kFull, 8});
+  PagedBlockManager m({.num_blocks = 64,
+                       .block_size = 4,
+                       .enable_prefix_caching = false,
+                       .watermark = 0.0,
+                       .group_windows = {kFull, 8}});
   m.allocate(1, iota_tokens(0, 40), 0, 8);
   m.mark_computed(1, 8);
   EXPECT_THROW(m.mark_computed(1, 12), std::invalid_argument);
@@ -108,7 +120,11 @@ TEST(PagedBlockManagerGroups, MarkComputedNeedsReservedLocalSlots) {
 TEST(PagedBlockManagerGroups, AdmissionCountsOnlyTheLocalWindowAndTheFirstChunk) {
   // 20 usable blocks of 4 tokens: a 48-token prompt takes 12 in the full group; its local group
   // needs only its first chunk of 8 tokens (2 blocks), not 12 more.
-  PagedBlockManager m(21, 4, false, 0.0, nullptr, {kFull, 6});
+  PagedBlockManager m({.num_blocks = 21,
+                       .block_size = 4,
+                       .enable_prefix_caching = false,
+                       .watermark = 0.0,
+                       .group_windows = {kFull, 6}});
   const Tokens prompt = iota_tokens(0, 48);
   EXPECT_FALSE(m.can_allocate(prompt));  // the whole prompt in both groups: 24 blocks
   EXPECT_TRUE(m.can_allocate(prompt, 0, 8));
@@ -120,7 +136,8 @@ TEST(PagedBlockManagerGroups, AdmissionCountsOnlyTheLocalWindowAndTheFirstChunk)
 TEST(PagedBlockManagerGroups, PrefixHitNeedsTheFullChainAndOnlyTheLocalWindow) {
   // 15 usable blocks: a 40-token prompt fills 10 in the full group, and its chunked prefill
   // recycles the local group's blocks, evicting the early ones that left the window.
-  PagedBlockManager m(16, 4, true, 0.0, nullptr, {kFull, 6});
+  PagedBlockManager m(
+      {.num_blocks = 16, .block_size = 4, .watermark = 0.0, .group_windows = {kFull, 6}});
   const Tokens prompt = iota_tokens(0, 40);
   m.allocate(1, prompt, 0, 8);
   for (int64_t done = 8; done <= 40; done += 8) {
@@ -145,7 +162,8 @@ TEST(PagedBlockManagerGroups, PrefixHitNeedsTheFullChainAndOnlyTheLocalWindow) {
 
 TEST(PagedBlockManagerGroups, GroupsNeverServeEachOthersBlocks) {
   // Two groups with the same window share every hash; each must still find its own blocks.
-  PagedBlockManager m(64, 4, true, 0.0, nullptr, {8, 8});
+  PagedBlockManager m(
+      {.num_blocks = 64, .block_size = 4, .watermark = 0.0, .group_windows = {8, 8}});
   const Tokens prompt = iota_tokens(0, 17);
   m.allocate(1, prompt);
   m.mark_computed(1, 17);
@@ -158,7 +176,8 @@ TEST(PagedBlockManagerGroups, GroupsNeverServeEachOthersBlocks) {
 }
 
 TEST(PagedBlockManagerGroups, ForkCopiesThePartialBlockInEveryGroup) {
-  PagedBlockManager m(64, 4, true, 0.0, nullptr, {kFull, 6});
+  PagedBlockManager m(
+      {.num_blocks = 64, .block_size = 4, .watermark = 0.0, .group_windows = {kFull, 6}});
   m.allocate(1, iota_tokens(0, 6));
   m.mark_computed(1, 6);
   m.fork(1, 2);
@@ -175,17 +194,22 @@ TEST(PagedBlockManagerGroups, ForkCopiesThePartialBlockInEveryGroup) {
 
 TEST(PagedBlockManagerGroups, MostBlocksASequenceHoldsAtOnce) {
   // Blocks of 4, window 6, a 100-token prompt in chunks of 16, decoded to 200 tokens.
-  const PagedBlockManager hybrid(64, 4, true, 0.0, nullptr, {kFull, 6});
+  const PagedBlockManager hybrid(
+      {.num_blocks = 64, .block_size = 4, .watermark = 0.0, .group_windows = {kFull, 6}});
   // End of prefill: 25 global + 7 local (window and chunk); end of decode: 50 + 3.
   EXPECT_EQ(hybrid.max_blocks_held(100, 200, 16), 53);
   EXPECT_EQ(hybrid.max_blocks_held(100, 100, 100), 25 + 25);
-  const PagedBlockManager full(64, 4);
+  const PagedBlockManager full({.num_blocks = 64, .block_size = 4});
   EXPECT_EQ(full.max_blocks_held(100, 200, 16), 50);
 }
 
 TEST(PagedBlockManagerGroups, RejectsBadWindows) {
-  EXPECT_THROW(PagedBlockManager(8, 4, true, 0.0, nullptr, {}), std::invalid_argument);
-  EXPECT_THROW(PagedBlockManager(8, 4, true, 0.0, nullptr, {0, -1}), std::invalid_argument);
+  EXPECT_THROW(
+      PagedBlockManager({.num_blocks = 8, .block_size = 4, .watermark = 0.0, .group_windows = {}}),
+      std::invalid_argument);
+  EXPECT_THROW(PagedBlockManager(
+                   {.num_blocks = 8, .block_size = 4, .watermark = 0.0, .group_windows = {0, -1}}),
+               std::invalid_argument);
 }
 
 }  // namespace

@@ -40,7 +40,7 @@ Trace step(Scheduler& scheduler, int32_t token = 7) {
 }
 
 TEST(Scheduler, ChunkedPrefillUnderTheTokenBudgetThenDecodesFirst) {
-  PagedBlockManager blocks(64, 4);
+  PagedBlockManager blocks({.num_blocks = 64, .block_size = 4});
   Scheduler scheduler({/*max_num_seqs=*/8, /*max_num_batched_tokens=*/10, /*max_model_len=*/64},
                       blocks);
   scheduler.add(0, prompt(100, 6));
@@ -59,7 +59,7 @@ TEST(Scheduler, ChunkedPrefillUnderTheTokenBudgetThenDecodesFirst) {
 }
 
 TEST(Scheduler, AdmitsByPriorityThenArrivalAndRespectsMaxNumSeqs) {
-  PagedBlockManager blocks(64, 4);
+  PagedBlockManager blocks({.num_blocks = 64, .block_size = 4});
   Scheduler scheduler({2, 100, 64}, blocks);
   scheduler.add(0, prompt(1, 3), /*priority=*/1);
   scheduler.add(1, prompt(10, 3), /*priority=*/0);
@@ -74,7 +74,8 @@ TEST(Scheduler, AdmitsByPriorityThenArrivalAndRespectsMaxNumSeqs) {
 
 TEST(Scheduler, PreemptsTheNewestWhenBlocksRunOutAndResumesItByRecompute) {
   // 6 usable blocks of 2 tokens; two sequences of 4-token prompts take 2 blocks each.
-  PagedBlockManager blocks(7, 2, /*enable_prefix_caching=*/false, /*watermark=*/0.0);
+  PagedBlockManager blocks(
+      {.num_blocks = 7, .block_size = 2, .enable_prefix_caching = false, .watermark = 0.0});
   Scheduler scheduler({4, 100, 32}, blocks);
   scheduler.add(0, prompt(1, 4));
   scheduler.add(1, prompt(50, 4));
@@ -101,7 +102,7 @@ TEST(Scheduler, PreemptsTheNewestWhenBlocksRunOutAndResumesItByRecompute) {
 }
 
 TEST(Scheduler, PrefixHitsStartTheFirstChunkAfterTheCachedTokens) {
-  PagedBlockManager blocks(32, 4);
+  PagedBlockManager blocks({.num_blocks = 32, .block_size = 4});
   Scheduler scheduler({8, 100, 64}, blocks);
   scheduler.add(0, prompt(1, 10));
   step(scheduler);
@@ -112,7 +113,7 @@ TEST(Scheduler, PrefixHitsStartTheFirstChunkAfterTheCachedTokens) {
 
 TEST(Scheduler, PrefixHitsOnlyUnderTheSameCacheKey) {
   // One key per LoRA adapter: the same prompt under another adapter has other K/V.
-  PagedBlockManager blocks(32, 4);
+  PagedBlockManager blocks({.num_blocks = 32, .block_size = 4});
   Scheduler scheduler({8, 100, 64}, blocks);
   scheduler.add(0, prompt(1, 10), 0, 100, /*lora_slot=*/1, /*cache_key=*/77);
   step(scheduler);
@@ -129,7 +130,7 @@ TEST(Scheduler, PrefixHitsOnlyUnderTheSameCacheKey) {
 }
 
 TEST(Scheduler, SequencesAdmittedInOneStepShareTheFirstOnesBlocks) {
-  PagedBlockManager blocks(32, 4);
+  PagedBlockManager blocks({.num_blocks = 32, .block_size = 4});
   Scheduler scheduler({8, 100, 64}, blocks);
   scheduler.add(0, prompt(1, 10));
   scheduler.add(1, prompt(1, 10));
@@ -140,7 +141,7 @@ TEST(Scheduler, SequencesAdmittedInOneStepShareTheFirstOnesBlocks) {
 }
 
 TEST(Scheduler, ForkedSequencesRunOnTheirOwn) {
-  PagedBlockManager blocks(32, 4);
+  PagedBlockManager blocks({.num_blocks = 32, .block_size = 4});
   Scheduler scheduler({8, 100, 64}, blocks);
   scheduler.add(0, prompt(1, 6));
   SchedulerOutput out = scheduler.schedule();
@@ -158,7 +159,7 @@ TEST(Scheduler, ForkedSequencesRunOnTheirOwn) {
 }
 
 TEST(Scheduler, RejectsSequencesThatCanNeverRun) {
-  PagedBlockManager blocks(4, 4);  // 12 tokens
+  PagedBlockManager blocks({.num_blocks = 4, .block_size = 4});  // 12 tokens
   Scheduler scheduler({8, 100, 16}, blocks);
   EXPECT_THROW(scheduler.add(0, {}), std::invalid_argument);
   EXPECT_THROW(scheduler.add(0, prompt(1, 17)), std::invalid_argument);  // > max_model_len
@@ -173,7 +174,8 @@ TEST(Scheduler, RejectsSequencesThatCanNeverRun) {
 TEST(Scheduler, RandomizedRunKeepsInvariantsAndFinishesEverything) {
   for (int seed = 0; seed < 3; ++seed) {
     std::mt19937 rng(seed);
-    PagedBlockManager blocks(24, 4, /*enable_prefix_caching=*/seed != 1);
+    PagedBlockManager blocks(
+        {.num_blocks = 24, .block_size = 4, .enable_prefix_caching = seed != 1});
     Scheduler scheduler({6, 16, 48}, blocks);
     std::map<int64_t, int64_t> target_len;  // seq id -> total tokens at which it finishes
     int64_t next_id = 0, finished = 0, steps = 0;

@@ -20,7 +20,7 @@ namespace {
 using Ids = std::vector<int32_t>;
 
 TEST(PagedBlockManagerLookahead, ReservesShrinksAndFreesDraftSlots) {
-  PagedBlockManager m(8, 4, /*enable_prefix_caching=*/true, /*watermark=*/0.0);
+  PagedBlockManager m({.num_blocks = 8, .block_size = 4, .watermark = 0.0});
   m.allocate(1, {1, 2, 3, 4, 5});  // blocks 1, 2
   EXPECT_TRUE(m.can_append_slots(1, 1, 5));
   EXPECT_TRUE(m.append_slots(1, {6}, 5).empty());  // 6 tokens + 5 slots = 11: blocks 1, 2, 3
@@ -44,7 +44,7 @@ TEST(PagedBlockManagerLookahead, ReservesShrinksAndFreesDraftSlots) {
 }
 
 TEST(PagedBlockManagerLookahead, SlotsInASharedPartialBlockCopyItFirst) {
-  PagedBlockManager m(8, 4, true, 0.0);
+  PagedBlockManager m({.num_blocks = 8, .block_size = 4, .watermark = 0.0});
   m.allocate(1, {1, 2, 3, 4, 5, 6});  // blocks 1, 2 (2 is partial)
   m.mark_computed(1, 6);
   m.fork(1, 2);
@@ -81,7 +81,7 @@ SchedulerOutput step(Scheduler& scheduler, int64_t k, int64_t accepted = 0) {
 }
 
 TEST(SchedulerDraftSlots, DecodesGetSlotsWithinBudgetAndLimits) {
-  PagedBlockManager blocks(64, 4, true, 0.0);
+  PagedBlockManager blocks({.num_blocks = 64, .block_size = 4, .watermark = 0.0});
   Scheduler scheduler(SchedulerConfig{8, 12, 64}, blocks);
   scheduler.add(0, {1, 2, 3, 4, 5}, 0, /*max_new_tokens=*/6);
   scheduler.add(1, {1, 9, 8}, 0, 100);
@@ -102,7 +102,8 @@ TEST(SchedulerDraftSlots, DecodesGetSlotsWithinBudgetAndLimits) {
 }
 
 TEST(SchedulerDraftSlots, SpeculationNeverPreempts) {
-  PagedBlockManager blocks(5, 4, true, 0.0);  // 4 usable blocks
+  PagedBlockManager blocks(
+      {.num_blocks = 5, .block_size = 4, .watermark = 0.0});  // 4 usable blocks
   Scheduler scheduler(SchedulerConfig{8, 64, 64}, blocks);
   scheduler.add(0, {1, 2, 3, 4, 5, 6, 7}, 0);
   scheduler.add(1, {1, 2, 9, 9, 9, 9, 9}, 0);
@@ -114,7 +115,7 @@ TEST(SchedulerDraftSlots, SpeculationNeverPreempts) {
 }
 
 TEST(SchedulerDraftSlots, AcceptedTokensNeedAReservedSlot) {
-  PagedBlockManager blocks(16, 4, true, 0.0);
+  PagedBlockManager blocks({.num_blocks = 16, .block_size = 4, .watermark = 0.0});
   Scheduler scheduler(SchedulerConfig{8, 64, 64}, blocks);
   scheduler.add(0, {1, 2, 3}, 0);
   step(scheduler, 2);

@@ -164,7 +164,7 @@ def test_quantized_pool_holds_more_tokens(checkpoint_factory):
 
 
 @pytest.mark.parametrize("value, message", [
-    ("int4", "kv_cache_dtype must be 'auto' or one of"),
+    ("int4", "kv_cache_dtype must be one of auto, int8, fp8"),
     (torch.float16, "kv_cache_dtype torch.float16 is not supported"),
 ])
 def test_bad_kv_cache_dtype(checkpoint_factory, value, message):

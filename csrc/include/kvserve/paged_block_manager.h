@@ -44,17 +44,24 @@ using BlockHashFn = std::function<uint64_t(uint64_t parent_hash, const int32_t* 
 ///
 /// Errors: unknown sequence ids throw std::out_of_range; invalid arguments std::invalid_argument;
 /// running out of blocks std::runtime_error. A call that throws changes nothing.
+/// How a PagedBlockManager is made; name the fields: PagedBlockManager({.num_blocks = 64}).
+struct BlockManagerOptions {
+  int64_t num_blocks = 0;  ///< >= 2, the null block included
+  int64_t block_size = 16;  ///< tokens per block, >= 1
+  bool enable_prefix_caching = true;
+  /// In [0, 1): the fraction of the usable blocks that new prompts must leave free.
+  double watermark = 0.01;
+  /// Replaces the default block hash (tests use it to force collisions).
+  BlockHashFn hash_fn = nullptr;
+  /// One entry per group of layers, its sliding window in tokens (0: full attention); the
+  /// default is one full-attention group.
+  std::vector<int64_t> group_windows = {0};
+};
+
 class PagedBlockManager {
  public:
-  /// num_blocks >= 2 (including the null block), block_size >= 1 tokens, watermark in [0, 1) as a
-  /// fraction of the usable blocks that new prompts must leave free. hash_fn replaces the default
-  /// block hash (tests use it to force collisions). Throws std::invalid_argument.
-  /// group_windows: one entry per group of layers, its sliding window in tokens (0: full
-  /// attention); the default is one full-attention group.
-  explicit PagedBlockManager(int64_t num_blocks, int64_t block_size = 16,
-                             bool enable_prefix_caching = true, double watermark = 0.01,
-                             BlockHashFn hash_fn = nullptr,
-                             std::vector<int64_t> group_windows = {0});
+  /// Throws std::invalid_argument naming a bad option.
+  explicit PagedBlockManager(BlockManagerOptions options);
 
   /// The default block hash: splitmix64 mixing, the same in every run.
   static uint64_t default_block_hash(uint64_t parent_hash, const int32_t* tokens,

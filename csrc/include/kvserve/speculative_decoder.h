@@ -11,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -69,6 +70,31 @@ class Proposer {
   /// Up to work.scheduled[i].num_speculative_tokens tokens for entry i (fewer, or none, is fine).
   virtual Proposals propose(const ProposalContext& context) = 0;
 };
+
+/// What a proposer is made from: the options, the target model, the draft model if the method
+/// takes one, and the KV pool's shape (a draft model keeps a pool of the target's block ids).
+struct ProposerContext {
+  const SpeculativeConfig& config;
+  const CausalLM& target;
+  std::shared_ptr<CausalLM> draft;
+  int64_t num_blocks = 0;
+  int64_t block_size = 0;
+  int64_t max_model_len = 0;
+};
+
+/// One speculative method: its SpeculativeConfig::method name, whether it drafts with a second
+/// model, and how its proposer is made (it may throw std::invalid_argument on a bad pairing).
+struct ProposerEntry {
+  std::string method;
+  bool needs_draft_model = false;
+  std::function<std::unique_ptr<Proposer>(const ProposerContext&)> make;
+};
+
+/// The methods kvserve speculates with ("ngram", "draft_model"): a new proposer is one entry
+/// here (speculative_decoder.cpp) plus its class (docs/contributing/adding-a-proposer.md).
+const std::vector<ProposerEntry>& proposer_registry();
+/// Their names, in registry order.
+std::vector<std::string> speculative_methods();
 
 /// What verify() returns for one speculating sequence.
 struct VerifiedTokens {

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from kvserve.architectures import ARCHITECTURES
+
 # Enough text for a byte-level BPE of a few hundred tokens.
 _TOKENIZER_TEXT = """\
 Once upon a time there was a little engine that served tokens all day long.
@@ -18,40 +20,9 @@ the slings and arrows of outrageous fortune, or to take arms against a sea of tr
 Attention is all you need, they said, and so the heads attended to every token before them.
 """ * 4
 
-# Small shapes per architecture; initializer_range is large so that logits are far from ties.
-TINY_CONFIGS = {
-    "LlamaForCausalLM": dict(model_type="llama"),
-    "MistralForCausalLM": dict(model_type="mistral", sliding_window=None),
-    "Qwen2ForCausalLM": dict(model_type="qwen2"),
-    "Qwen3ForCausalLM": dict(model_type="qwen3", head_dim=24),
-    # Mixtures of experts: 8 experts of which each token takes 2.
-    "MixtralForCausalLM": dict(model_type="mixtral", sliding_window=None, num_local_experts=4,
-                               num_experts_per_tok=2, intermediate_size=64),
-    "Qwen3MoeForCausalLM": dict(model_type="qwen3_moe", head_dim=24, num_experts=8,
-                                num_experts_per_tok=2, moe_intermediate_size=48,
-                                norm_topk_prob=True),
-    # MLA: every head attends over one latent of 32 + a shared rope key of 8 per token;
-    # transformers' MLA needs num_key_value_heads == num_attention_heads. Layer 0 is dense.
-    "DeepseekV2ForCausalLM": dict(model_type="deepseek_v2", num_key_value_heads=4,
-                                  kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16,
-                                  qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
-                                  num_experts_per_tok=2, moe_intermediate_size=32,
-                                  n_shared_experts=1, first_k_dense_replace=1),
-    "DeepseekV3ForCausalLM": dict(model_type="deepseek_v3", num_key_value_heads=4,
-                                  kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16,
-                                  qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
-                                  num_experts_per_tok=2, moe_intermediate_size=32,
-                                  n_shared_experts=1, first_k_dense_replace=1, n_group=4,
-                                  topk_group=2, routed_scaling_factor=2.5),
-    # Local/global hybrids whose windows (6) are shorter than the test sequences; soft-caps low
-    # enough to bend the logits of these random weights.
-    "Gemma2ForCausalLM": dict(model_type="gemma2", head_dim=24, sliding_window=6,
-                              query_pre_attn_scalar=20, attn_logit_softcapping=4.0,
-                              final_logit_softcapping=3.0, tie_word_embeddings=True),
-    "Gemma3ForCausalLM": dict(model_type="gemma3_text", head_dim=24, sliding_window=6,
-                              num_hidden_layers=3, sliding_window_pattern=3,
-                              query_pre_attn_scalar=32, tie_word_embeddings=True),
-}
+# Small shapes per architecture (kvserve.architectures); initializer_range is large so that logits
+# are far from ties.
+TINY_CONFIGS = {name: a.tiny for name, a in ARCHITECTURES.items()}
 
 
 def build_tokenizer(vocab_size: int = 320):

@@ -1,0 +1,85 @@
+"""The architectures kvserve runs: one entry each, read by the config parser (kvserve.config), the
+C++ model factory (through ModelConfig.family), pruning, and the tests' tiny checkpoints
+(kvserve.testing.checkpoints).
+
+A new architecture whose layers kvserve already has is one entry here; one that needs new layers
+adds them in C++ (csrc/layers/, csrc/models/) under a new family
+(docs/contributing/adding-a-model-family.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvserve import config_families as families
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """name: the config.json `architectures` entry. family: the C++ model class that runs it
+    (csrc/models/model_factory.cpp: "llama" is the Llama layer structure, which ModelConfig's
+    flags adapt; "deepseek_v2" adds multi-head latent attention). read_family: reads the
+    family's own config.json fields before the common ones (Gemma: fills in transformers'
+    defaults and returns the completed config). read_attention: after the common fields (MLA).
+    read_moe: the mixture-of-experts fields, when the architecture has them. qkv_bias: q/k/v
+    always carry a bias. qk_norm: q and k are RMS-normed per head. max_window_layers: without
+    layer_types, only the layers from max_window_layers on use the sliding window. prunable:
+    kvserve.prune can shrink it. tiny: transformers config overrides of a tiny random
+    checkpoint for the tests (model_type first)."""
+
+    name: str
+    family: str = "llama"
+    read_family: Callable | None = None
+    read_attention: Callable | None = None
+    read_moe: Callable | None = None
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    max_window_layers: bool = False
+    prunable: bool = False
+    tiny: dict = field(default_factory=dict)
+
+
+# Tiny shapes: initializer_range is large (kvserve.testing.checkpoints) so that logits are far
+# from ties; windows (6) are shorter than the test sequences, and soft-caps low enough to bend
+# the logits of random weights.
+_MLA_TINY = dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16,
+                 qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                 moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1)
+
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
+    Architecture("LlamaForCausalLM", prunable=True, tiny=dict(model_type="llama")),
+    Architecture("MistralForCausalLM", prunable=True,
+                 tiny=dict(model_type="mistral", sliding_window=None)),
+    Architecture("Qwen2ForCausalLM", qkv_bias=True, max_window_layers=True, prunable=True,
+                 tiny=dict(model_type="qwen2")),
+    Architecture("Qwen3ForCausalLM", qk_norm=True, max_window_layers=True, prunable=True,
+                 tiny=dict(model_type="qwen3", head_dim=24)),
+    Architecture("MixtralForCausalLM", read_moe=families.read_mixtral_moe,
+                 tiny=dict(model_type="mixtral", sliding_window=None, num_local_experts=4,
+                           num_experts_per_tok=2, intermediate_size=64)),
+    Architecture("Qwen3MoeForCausalLM", qk_norm=True, read_moe=families.read_qwen3_moe,
+                 tiny=dict(model_type="qwen3_moe", head_dim=24, num_experts=8,
+                           num_experts_per_tok=2, moe_intermediate_size=48,
+                           norm_topk_prob=True)),
+    # transformers' MLA needs num_key_value_heads == num_attention_heads; layer 0 is dense.
+    Architecture("DeepseekV2ForCausalLM", family="deepseek_v2", read_attention=families.read_mla,
+                 read_moe=families.read_deepseek_moe,
+                 tiny=dict(model_type="deepseek_v2", **_MLA_TINY)),
+    Architecture("DeepseekV3ForCausalLM", family="deepseek_v2", read_attention=families.read_mla,
+                 read_moe=families.read_deepseek_moe,
+                 tiny=dict(model_type="deepseek_v3", **_MLA_TINY, n_group=4, topk_group=2,
+                           routed_scaling_factor=2.5)),
+    Architecture("Gemma2ForCausalLM", read_family=families.read_gemma,
+                 tiny=dict(model_type="gemma2", head_dim=24, sliding_window=6,
+                           query_pre_attn_scalar=20, attn_logit_softcapping=4.0,
+                           final_logit_softcapping=3.0, tie_word_embeddings=True)),
+    Architecture("Gemma3ForCausalLM", read_family=families.read_gemma, qk_norm=True,
+                 tiny=dict(model_type="gemma3_text", head_dim=24, sliding_window=6,
+                           num_hidden_layers=3, sliding_window_pattern=3,
+                           query_pre_attn_scalar=32, tie_word_embeddings=True)),
+]}
+
+
+def supported_architectures() -> list[str]:
+    return list(ARCHITECTURES)

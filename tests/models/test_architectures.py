@@ -1,0 +1,33 @@
+"""The architecture table is the one list: each entry's config parses to its family and flags,
+every family it names has a C++ class, and anything else is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve import _C
+from kvserve.architectures import ARCHITECTURES
+from kvserve.config import load_checkpoint_info
+from tests.conftest import ARCHITECTURES as TESTED
+
+
+def test_every_entry_is_tested_and_has_a_cpp_family():
+    assert TESTED == list(ARCHITECTURES)
+    assert {a.family for a in ARCHITECTURES.values()} <= set(_C.model_families())
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_a_checkpoint_parses_to_its_entry(checkpoint_factory, name):
+    entry = ARCHITECTURES[name]
+    c = load_checkpoint_info(checkpoint_factory(name)).config
+    assert (c.architecture, c.family, c.qk_norm) == (name, entry.family, entry.qk_norm)
+    assert c.qkv_bias == entry.qkv_bias
+    assert c.use_mla() == (entry.read_attention is not None)
+    assert (c.moe.num_experts > 0) == (entry.read_moe is not None)
+
+
+def test_an_unknown_family_is_named_with_the_known_ones(checkpoint_factory):
+    info = load_checkpoint_info(checkpoint_factory("LlamaForCausalLM"))
+    info.config.family = "gpt2"
+    with pytest.raises(ValueError, match="unknown model family 'gpt2'.*llama, deepseek_v2"):
+        _C.create_causal_lm(info.config, {}, 32)
