@@ -91,8 +91,7 @@ void bind_sampler(py::module_& m) {
       .def_readwrite("stop", &SamplingParams::stop)
       .def_readwrite("include_stop_str_in_output", &SamplingParams::include_stop_str_in_output)
       .def_readwrite("logprobs", &SamplingParams::logprobs)
-      .def("validate", &SamplingParams::validate)
-      .def("__repr__", &SamplingParams::repr);
+      .def("validate", &SamplingParams::validate);  // __repr__: kvserve/sampling_params.py
 
   py::class_<TokenLogprobs>(m, "TokenLogprobs",
                             "Log-probabilities of one sampled token, from the raw logits.")

@@ -8,10 +8,8 @@
 #include <ATen/ops/zeros_like.h>
 
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <limits>
-#include <sstream>
 #include <stdexcept>
 #include <tuple>
 
@@ -21,115 +19,6 @@
 namespace kvserve {
 
 using engine_helpers::to_tensor;
-
-namespace {
-
-void require(bool ok, const std::string& message) {
-  if (!ok) throw std::invalid_argument("SamplingParams: " + message);
-}
-
-// The string as Python's repr() writes it (ASCII escapes; other bytes as they are).
-std::string python_repr(const std::string& s) {
-  const bool has_single = s.find('\'') != std::string::npos;
-  const char quote = has_single && s.find('"') == std::string::npos ? '"' : '\'';
-  std::string out(1, quote);
-  for (const char c : s) {
-    switch (c) {
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      default:
-        if (c == quote) {
-          out += '\\';
-          out += c;
-        } else if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) {
-          static const char* kHex = "0123456789abcdef";
-          out += "\\x";
-          out += kHex[(c >> 4) & 0xf];
-          out += kHex[c & 0xf];
-        } else {
-          out += c;
-        }
-    }
-  }
-  return out + quote;
-}
-
-// The number as Python's repr() writes a float: shortest round-trip digits, "1.0" not "1".
-std::string python_float(double value) {
-  if (std::isnan(value)) return "nan";
-  if (std::isinf(value)) return value > 0 ? "inf" : "-inf";
-  char buffer[32];
-  const auto end = std::to_chars(buffer, buffer + sizeof(buffer), value).ptr;
-  std::string out(buffer, end);
-  if (out.find_first_of(".e") == std::string::npos) out += ".0";
-  return out;
-}
-
-template <typename T, typename Format>
-void write_list(std::ostream& out, const std::vector<T>& values, Format format) {
-  out << '[';
-  for (size_t i = 0; i < values.size(); ++i) out << (i ? ", " : "") << format(values[i]);
-  out << ']';
-}
-
-}  // namespace
-
-void SamplingParams::validate() const {
-  require(n >= 1 && n <= kMaxN,
-          "n must be in [1, " + std::to_string(kMaxN) + "], got " + std::to_string(n));
-  require(std::isfinite(temperature) && temperature >= 0.0,
-          "temperature must be a finite number >= 0, got " + std::to_string(temperature));
-  require(top_k == -1 || (top_k >= 1 && top_k <= kMaxTopK),
-          "top_k must be -1 (off) or in [1, " + std::to_string(kMaxTopK) + "], got " +
-              std::to_string(top_k));
-  require(top_p > 0.0 && top_p <= 1.0, "top_p must be in (0, 1], got " + std::to_string(top_p));
-  require(min_p >= 0.0 && min_p <= 1.0, "min_p must be in [0, 1], got " + std::to_string(min_p));
-  require(std::isfinite(repetition_penalty) && repetition_penalty > 0.0,
-          "repetition_penalty must be a finite number > 0, got " +
-              std::to_string(repetition_penalty));
-  require(presence_penalty >= -2.0 && presence_penalty <= 2.0,
-          "presence_penalty must be in [-2, 2], got " + std::to_string(presence_penalty));
-  require(frequency_penalty >= -2.0 && frequency_penalty <= 2.0,
-          "frequency_penalty must be in [-2, 2], got " + std::to_string(frequency_penalty));
-  require(max_tokens >= 1, "max_tokens must be >= 1, got " + std::to_string(max_tokens));
-  require(min_tokens >= 0 && min_tokens <= max_tokens,
-          "min_tokens must be in [0, max_tokens=" + std::to_string(max_tokens) + "], got " +
-              std::to_string(min_tokens));
-  for (int64_t id : stop_token_ids) {
-    require(id >= 0, "stop_token_ids must be non-negative, got " + std::to_string(id));
-  }
-  for (const std::string& s : stop) require(!s.empty(), "stop strings must be non-empty");
-  require(!logprobs || *logprobs >= 0,
-          "logprobs must be None or >= 0, got " + std::to_string(logprobs.value_or(0)));
-}
-
-bool SamplingParams::needs_token_history() const {
-  return repetition_penalty != 1.0 || presence_penalty != 0.0 || frequency_penalty != 0.0 ||
-         min_tokens > 0;
-}
-
-std::string SamplingParams::repr() const {
-  const char* kBool[] = {"False", "True"};
-  std::ostringstream out;
-  out << "SamplingParams(n=" << n << ", temperature=" << python_float(temperature)
-      << ", top_k=" << top_k << ", top_p=" << python_float(top_p)
-      << ", min_p=" << python_float(min_p)
-      << ", repetition_penalty=" << python_float(repetition_penalty)
-      << ", presence_penalty=" << python_float(presence_penalty)
-      << ", frequency_penalty=" << python_float(frequency_penalty) << ", seed=";
-  if (seed) out << *seed; else out << "None";
-  out << ", max_tokens=" << max_tokens << ", min_tokens=" << min_tokens
-      << ", ignore_eos=" << kBool[ignore_eos] << ", stop=";
-  write_list(out, stop, python_repr);
-  out << ", stop_token_ids=";
-  write_list(out, stop_token_ids, [](int64_t id) { return id; });
-  out << ", include_stop_str_in_output=" << kBool[include_stop_str_in_output] << ", logprobs=";
-  if (logprobs) out << *logprobs; else out << "None";
-  out << ')';
-  return out.str();
-}
 
 namespace {
 

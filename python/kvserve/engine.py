@@ -26,14 +26,14 @@ import torch
 
 from kvserve import _C
 from kvserve.config import load_checkpoint_info, resolve_dtype, resolve_kv_cache_dtype
+from kvserve.engine_args import EngineArgs
 from kvserve.loader import load_weights
 from kvserve.lora_serving import LoRAManager, LoRARequest
 from kvserve.outputs import CompletionOutput, RequestOutput
-from kvserve.engine_args import EngineArgs
+from kvserve.sampling_params import SamplingParams
 from kvserve.speculative import load_draft_info
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
-SamplingParams = _C.SamplingParams
 
 
 @dataclass
@@ -304,41 +304,41 @@ class LLMEngine:
         return self.engine.kv_cache
 
     # ------------------------------------------------------------------------------ step
-    def step(self, final_only: bool = False) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One engine iteration: the requests that produced text or finished in it.
 
-        With final_only (what LLM.generate uses), only the requests that finished are returned,
+        With finished_only (what LLM.generate uses), only the requests that finished are returned,
         and a running request's text is not built step by step unless it has stop strings to
         match: its tokens are detokenized when it finishes, into the same text."""
         with self._step_lock:
-            return self._step(final_only)
+            return self._step(finished_only)
 
-    def _step(self, final_only: bool) -> list[RequestOutput]:
+    def _step(self, finished_only: bool) -> list[RequestOutput]:
         outputs = []
-        # final_only: the C++ engine reports only finished requests and those with stop strings;
+        # finished_only: the C++ engine reports only finished requests and those with stop strings;
         # the others' tokens arrive at once in their final output.
-        for raw in self.engine.step(final_only):
+        for raw in self.engine.step(finished_only):
             with self._lock:
                 request = self._requests.get(raw.request_id)
             if request is None:  # a stop string finished it before this abort's output came
                 continue
             try:
-                out = self._output(raw, request, final_only)
+                out = self._output(raw, request, finished_only)
             except Exception as error:  # one bad output never discards the step's others
                 out = self._fail(raw.request_id, request, error)
             if out is not None:
                 outputs.append(out)
         return outputs
 
-    def _output(self, raw, request: _Request, final_only: bool) -> RequestOutput | None:
+    def _output(self, raw, request: _Request, finished_only: bool) -> RequestOutput | None:
         """The RequestOutput of one request's raw step output (None: nothing to report yet)."""
-        if final_only:
+        if finished_only:
             for o in raw.outputs:
                 self._record_tokens(raw.request_id, request, o)
             if len(raw.outputs) < request.params.n or any(
                     self._sample(request, o.index).finish_reason is None for o in raw.outputs):
                 return None
-        completions = [self._update_sample(raw.request_id, request, o, recorded=final_only)
+        completions = [self._update_sample(raw.request_id, request, o, recorded=finished_only)
                        for o in raw.outputs]
         finished = all(c.finished for c in completions) and len(completions) == request.params.n
         metrics = request.final_metrics if request.final_metrics is not None else raw.metrics
@@ -379,7 +379,7 @@ class LLMEngine:
 
     def _record_tokens(self, request_id: str, request: _Request, raw) -> None:
         """Takes a step's new tokens of one completion; detokenizes them now only when stop
-        strings must be matched (final_only steps)."""
+        strings must be matched (finished_only steps)."""
         sample = self._sample(request, raw.index)
         if sample.finish_reason is not None:
             return
@@ -392,7 +392,7 @@ class LLMEngine:
     def _detokenize(self, request_id: str, request: _Request, sample: _Sample, index: int,
                     deferred: bool = False) -> None:
         """Feeds the detokenizer the tokens it has not seen: a step's worth, or all of a
-        completion's at once when they were deferred (final_only)."""
+        completion's at once when they were deferred (finished_only)."""
         if sample.detokenizer is None or sample.detokenized == len(sample.token_ids):
             return
         new_ids = sample.token_ids[sample.detokenized:]

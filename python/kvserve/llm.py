@@ -8,13 +8,12 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvserve import _C
 from kvserve.engine import LLMEngine
 from kvserve.engine_args import EngineArgs
 from kvserve.lora_serving import LoRARequest
 from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
 
-SamplingParams = _C.SamplingParams
 
 PromptType = str | Sequence[str] | Sequence[Sequence[int]]
 
@@ -107,7 +106,7 @@ class LLM:
         started, out_tokens = time.monotonic(), 0
         while len(finished) < len(ids):
             # Only finished requests come back, their text detokenized once (see LLMEngine.step).
-            for out in self.llm_engine.step(final_only=True):
+            for out in self.llm_engine.step(finished_only=True):
                 out_tokens += sum(len(c.token_ids) for c in out.outputs)
                 finished[out.request_id] = out
                 if bar is not None:

@@ -38,17 +38,6 @@ TEST(SamplingParams, ValidatesEachField) {
   invalid([](SamplingParams& p) { p.stop = {"ok", ""}; });
 }
 
-TEST(SamplingParams, ReprListsEveryField) {
-  SamplingParams p;
-  p.stop = {"\n\n", "it's"};
-  p.logprobs = 2;
-  EXPECT_EQ(p.repr(),
-            "SamplingParams(n=1, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, "
-            "repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=None, "
-            "max_tokens=16, min_tokens=0, ignore_eos=False, stop=['\\n\\n', \"it's\"], "
-            "stop_token_ids=[], include_stop_str_in_output=False, logprobs=2)");
-}
-
 TEST(RequestRandom, SeedFixesTheStreamAndValuesStayInUnitInterval) {
   RequestRandom a(std::optional<uint64_t>(42)), b(std::optional<uint64_t>(42));
   RequestRandom c(std::optional<uint64_t>(43));

@@ -301,6 +301,11 @@ def test_sampling_params_keywords_and_repr():
         "stop_token_ids=[7, 8], include_stop_str_in_output=True, logprobs=3)")
     assert SamplingParams(stop="###").stop == ["###"], "a single stop string, as in the OpenAI API"
     assert "logprobs=None" in repr(SamplingParams())
+    # The repr (Python's, kvserve.sampling_params) lists every field the C++ struct binds.
+    from kvserve.sampling_params import FIELDS
+
+    bound = {name for name, value in vars(SamplingParams).items() if isinstance(value, property)}
+    assert bound == set(FIELDS)
 
 
 # ------------------------------------------------------------------------ penalties and min_tokens

@@ -48,9 +48,6 @@ struct SamplingParams {
 
   /// True when the penalties or min_tokens need the request's token history.
   bool needs_token_history() const;
-
-  /// "SamplingParams(n=..., temperature=..., ...)" with every field.
-  std::string repr() const;
 };
 
 }  // namespace kvserve
