@@ -39,6 +39,14 @@ OPENINGS = ["ROMEO:\n", "JULIET:\n", "KING RICHARD III:\n", "First Citizen:\n", 
             "LADY MACBETH:\n", "MENENIUS:\nWhy, masters, my good friends,", "All:\nSpeak, speak."]
 
 
+
+def shown(value) -> str:
+    """An argument as results record it: a path inside the repository relative to it, so that
+    the published JSON names no machine's directories."""
+    if isinstance(value, Path) and value.resolve().is_relative_to(HERE.parent):
+        return str(value.resolve().relative_to(HERE.parent))
+    return str(value)
+
 def workload(count: int, seed: int = 0) -> list[tuple[str, int]]:
     """(prompt, max_tokens) pairs: distinct prompts (a shared opening and a varying tail)."""
     rng = random.Random(seed)
@@ -207,7 +215,7 @@ def main() -> None:
                   running_after=running, waiting_after=waiting, kv_cache_usage_after=usage)
     print("checks:", checks)
     path = write_json(HERE / "results" / "serve.json",
-                      dict(args={k: str(v) for k, v in vars(args).items()}, machine=machine_info(),
+                      dict(args={k: shown(v) for k, v in vars(args).items()}, machine=machine_info(),
                            rows=rows, checks=checks, errors=errors[:10],
                            cpu=dict(server=server_cpu, client=client_cpu,
                                     served_seconds=served_seconds)))
@@ -261,7 +269,7 @@ def chaos(args, requests, offline_texts: list[str]) -> None:
     print(markdown_table(HEADERS, rows))
     print(f"stalled readers aborted for lag: {lag_aborts:.0f}; failed steps: {failed_steps:.0f}")
     path = write_json(HERE / "results" / "serve_chaos.json",
-                      dict(args={k: str(v) for k, v in vars(args).items()}, machine=machine_info(),
+                      dict(args={k: shown(v) for k, v in vars(args).items()}, machine=machine_info(),
                            headers=HEADERS, rows=rows, checks=checks,
                            lag_aborts=lag_aborts, failed_steps=failed_steps))
     print(f"wrote {path}")
