@@ -55,12 +55,18 @@ ContinuousBatchingEngine::ContinuousBatchingEngine(std::shared_ptr<CausalLM> mod
                               .group_windows()}),
       scheduler_(SchedulerConfig{config_.max_num_seqs, config_.max_num_batched_tokens,
                                  config_.max_model_len},
-                 block_manager_),
+                 block_manager_, sequences_),
       speculator_(SpeculativeDecoder::create(config_.speculative, *model_, std::move(draft_model),
                                              config_.num_blocks, config_.block_size,
                                              config_.max_model_len)),
-      runner_(model_, config_.num_blocks, config_.block_size, scheduler_, speculator_.get(),
-              config_.kv_cache_dtype, config_.cuda_graph_max_batch, config_.max_model_len) {
+      runner_(model_, sequences_,
+              {.num_blocks = config_.num_blocks,
+               .block_size = config_.block_size,
+               .group_windows = block_manager_.group_windows(),
+               .speculator = speculator_.get(),
+               .kv_cache_dtype = config_.kv_cache_dtype,
+               .cuda_graph_max_batch = config_.cuda_graph_max_batch,
+               .max_model_len = config_.max_model_len}) {
   if (speculator_) {
     stats_.accepted_per_position.assign(config_.speculative.num_speculative_tokens, 0);
   }
@@ -112,7 +118,7 @@ ContinuousBatchingEngine::StepSamples ContinuousBatchingEngine::plan_samples(
     Request& request = *where_.at(s.seq_id).request;
     if (request.metrics.first_scheduled_time == 0.0) {
       request.metrics.first_scheduled_time = started;
-      request.num_cached_tokens = scheduler_.num_cached_tokens(s.seq_id);
+      request.num_cached_tokens = sequences_.at(s.seq_id).num_cached_tokens;
     }
     if (!s.samples || request.completions.size() == static_cast<size_t>(request.params.n)) {
       continue;

@@ -33,17 +33,18 @@ DraftModelProposer::DraftModelProposer(std::shared_ptr<CausalLM> draft, int64_t 
 
 Proposals DraftModelProposer::propose(const ProposalContext& context) {
   const SchedulerOutput& work = context.work;
-  const Scheduler& scheduler = context.scheduler;
-  const PagedBlockManager& blocks = scheduler.block_manager();
   Proposals out;
   out.tokens.resize(work.scheduled.size());
 
   std::vector<std::pair<int32_t, int32_t>> copies;
   for (const BlockCopy& c : work.block_copies) copies.emplace_back(c.src, c.dst);
   kv_cache_.copy_blocks(copies);
-  // A sequence that lost its blocks (finished, or preempted) starts over when it runs again.
-  for (auto it = num_computed_.begin(); it != num_computed_.end();) {
-    it = blocks.has_sequence(it->first) ? std::next(it) : num_computed_.erase(it);
+  // A sequence that lost its blocks (finished, or preempted and readmitted: other blocks)
+  // starts over when it runs again.
+  for (auto it = written_.begin(); it != written_.end();) {
+    const bool same = context.sequences.contains(it->first) &&
+                      context.sequences.at(it->first).num_admissions == it->second.num_admissions;
+    it = same ? std::next(it) : written_.erase(it);
   }
   bool any = false;
   for (size_t i = 0; i < work.scheduled.size(); ++i) {
@@ -61,14 +62,17 @@ Proposals DraftModelProposer::propose(const ProposalContext& context) {
   int64_t num_rows = 0;
   for (size_t i = 0; i < work.scheduled.size(); ++i) {
     const ScheduledSequence& s = work.scheduled[i];
-    const auto& tokens = scheduler.token_ids(s.seq_id);
+    const SequenceState& sequence = context.sequences.at(s.seq_id);
+    const auto& tokens = sequence.token_ids;
     const int64_t end = s.num_computed + s.num_new_tokens;
-    const auto known = num_computed_.find(s.seq_id);
-    const int64_t start = known == num_computed_.end() ? 0 : std::min(known->second, s.num_computed);
+    Written& written = written_[s.seq_id];
+    const int64_t start = written.num_admissions == sequence.num_admissions
+                              ? std::min(written.num_computed, s.num_computed)
+                              : 0;
     builder.add(std::vector<int64_t>(tokens.begin() + start, tokens.begin() + end), start,
-                blocks.block_table(s.seq_id));
+                s.block_tables.at(0));
     num_rows += end - start;
-    num_computed_[s.seq_id] = end;
+    written = {sequence.num_admissions, end};
     if (context.rows[i] && s.num_speculative_tokens > 0 && s.samples) {
       drafting.push_back({i, end - 1, s.num_speculative_tokens});
       hidden_rows.push_back(num_rows - 1);
@@ -113,8 +117,8 @@ Proposals DraftModelProposer::propose(const ProposalContext& context) {
       if (static_cast<int64_t>(so_far.size()) == d.wanted) continue;
       // Feed it: its KV goes to the next draft slot, its logits give the next draft.
       ++d.last;
-      next.add({token[a]}, d.last, blocks.block_table(work.scheduled[d.entry].seq_id));
-      num_computed_[work.scheduled[d.entry].seq_id] = d.last + 1;
+      next.add({token[a]}, d.last, work.scheduled[d.entry].block_tables.at(0));
+      written_[work.scheduled[d.entry].seq_id].num_computed = d.last + 1;
       still.push_back(&d);
     }
     rounds.push_back(std::move(round));

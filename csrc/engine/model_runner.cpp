@@ -24,34 +24,30 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 
 namespace {
 
-// Whether the block manager runs groups of layers with sliding windows (then the pool's layers
-// are grouped the same way).
-bool grouped(const PagedBlockManager& blocks) {
-  return blocks.num_groups() > 1 || blocks.group_window(0) > 0;
+// Whether the layers are grouped by sliding window (then the pool's layers are grouped the same
+// way).
+bool grouped(const std::vector<int64_t>& group_windows) {
+  return group_windows.size() > 1 || (!group_windows.empty() && group_windows[0] > 0);
 }
 
 }  // namespace
 
-ModelRunner::ModelRunner(std::shared_ptr<CausalLM> model, int64_t num_blocks, int64_t block_size,
-                         const Scheduler& scheduler, SpeculativeDecoder* speculator,
-                         std::optional<at::ScalarType> kv_cache_dtype,
-                         int64_t cuda_graph_max_batch, int64_t max_model_len)
+ModelRunner::ModelRunner(std::shared_ptr<CausalLM> model, const SequenceTable& sequences,
+                         ModelRunnerOptions options)
     : model_(std::move(model)),
-      kv_cache_(make_kv_cache(*model_, num_blocks, block_size, grouped(scheduler.block_manager()),
-                              kv_cache_dtype)),
-      scheduler_(scheduler),
-      speculator_(speculator) {
-  std::vector<int64_t> windows;
-  for (int64_t g = 0; g < scheduler.block_manager().num_groups(); ++g) {
-    windows.push_back(scheduler.block_manager().group_window(g));
-  }
-  if (windows != kv_cache_.layout().group_windows()) {
+      kv_cache_(make_kv_cache(*model_, options.num_blocks, options.block_size,
+                              grouped(options.group_windows), options.kv_cache_dtype)),
+      sequences_(sequences),
+      speculator_(options.speculator) {
+  if (options.group_windows != kv_cache_.layout().group_windows()) {
     throw std::invalid_argument("ModelRunner: the block manager's groups of layers do not match "
                                 "the model's sliding windows");
   }
-  if (cuda_graph_max_batch > 0 && max_model_len > 0 && CudaGraphRunner::supports(*model_)) {
-    graphs_ = std::make_unique<CudaGraphRunner>(*model_, cuda_graph_max_batch,
-                                                (max_model_len + block_size - 1) / block_size);
+  if (options.cuda_graph_max_batch > 0 && options.max_model_len > 0 &&
+      CudaGraphRunner::supports(*model_)) {
+    graphs_ = std::make_unique<CudaGraphRunner>(
+        *model_, options.cuda_graph_max_batch,
+        (options.max_model_len + options.block_size - 1) / options.block_size);
   }
 }
 
@@ -64,6 +60,18 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
   for (const BlockCopy& c : work.block_copies) copies.emplace_back(c.src, c.dst);
   kv_cache_.copy_blocks(copies);
 
+  const size_t num_groups = kv_cache_.layout().group_windows().size();
+  for (const ScheduledSequence& s : work.scheduled) {
+    if (static_cast<int64_t>(s.token_ids.size()) != s.num_new_tokens ||
+        s.block_tables.size() != num_groups) {
+      throw std::invalid_argument("scheduled sequence " + std::to_string(s.seq_id) +
+                                  " carries " + std::to_string(s.token_ids.size()) +
+                                  " tokens and " + std::to_string(s.block_tables.size()) +
+                                  " block tables; the step needs " +
+                                  std::to_string(s.num_new_tokens) + " and " +
+                                  std::to_string(num_groups));
+    }
+  }
   for (const SamplingTarget& t : targets) {
     const ScheduledSequence& s = work.scheduled.at(t.scheduled_index);
     if (t.position < 0 || t.position >= s.num_new_tokens) {
@@ -86,7 +94,7 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
       }
       rows[t.scheduled_index] = &t.row;
     }
-    proposals = speculator_->propose({work, scheduler_, rows});
+    proposals = speculator_->propose({work, sequences_, rows});
     for (size_t i = 0; i < work.scheduled.size(); ++i) {
       if (static_cast<int64_t>(proposals.tokens[i].size()) >
           work.scheduled[i].num_speculative_tokens) {
@@ -99,25 +107,17 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
   const auto forward_started = std::chrono::steady_clock::now();
 
   ForwardBatchBuilder builder(kv_cache_.block_size(), model_->lora_enabled());
-  const PagedBlockManager& blocks = scheduler_.block_manager();
   std::vector<int64_t> starts;  // first row of each scheduled sequence in the flattened batch
   int64_t num_rows = 0;
   bool decode_only = !verifies;
   for (size_t i = 0; i < work.scheduled.size(); ++i) {
     const ScheduledSequence& s = work.scheduled[i];
-    const auto& tokens = scheduler_.token_ids(s.seq_id);
-    std::vector<int64_t> fed(tokens.begin() + s.num_computed,
-                             tokens.begin() + s.num_computed + s.num_new_tokens);
+    std::vector<int64_t> fed(s.token_ids.begin(), s.token_ids.end());
     fed.insert(fed.end(), proposals.tokens[i].begin(), proposals.tokens[i].end());
-    if (blocks.num_groups() == 1) {
-      builder.add(fed, s.num_computed, blocks.block_table(s.seq_id),
-                  scheduler_.lora_slot(s.seq_id));
+    if (s.block_tables.size() == 1) {
+      builder.add(fed, s.num_computed, s.block_tables[0], s.lora_slot);
     } else {
-      std::vector<std::vector<int32_t>> tables;
-      for (int64_t g = 0; g < blocks.num_groups(); ++g) {
-        tables.push_back(blocks.block_table(s.seq_id, g));
-      }
-      builder.add_grouped(fed, s.num_computed, tables, scheduler_.lora_slot(s.seq_id));
+      builder.add_grouped(fed, s.num_computed, s.block_tables, s.lora_slot);
     }
     starts.push_back(num_rows);
     num_rows += static_cast<int64_t>(fed.size());

@@ -45,7 +45,7 @@ Proposals NgramProposer::propose(const ProposalContext& context) {
   for (size_t i = 0; i < context.work.scheduled.size(); ++i) {
     const ScheduledSequence& s = context.work.scheduled[i];
     if (!context.rows[i] || s.num_speculative_tokens == 0) continue;
-    out.tokens[i] = lookup(context.scheduler.token_ids(s.seq_id), s.num_speculative_tokens);
+    out.tokens[i] = lookup(context.sequences.at(s.seq_id).token_ids, s.num_speculative_tokens);
   }
   return out;
 }

@@ -19,32 +19,26 @@ void SchedulerConfig::validate() const {
   }
 }
 
-Scheduler::Scheduler(SchedulerConfig config, PagedBlockManager& blocks)
-    : config_(config), blocks_(blocks) {
+Scheduler::Scheduler(SchedulerConfig config, PagedBlockManager& blocks, SequenceTable& sequences)
+    : config_(config), blocks_(blocks), sequences_(sequences) {
   config_.validate();
 }
 
-Scheduler::Sequence& Scheduler::seq(int64_t seq_id) {
-  auto it = sequences_.find(seq_id);
-  if (it == sequences_.end()) {
+Scheduler::Entry& Scheduler::entry(int64_t seq_id) {
+  auto it = entries_.find(seq_id);
+  if (it == entries_.end()) {
     throw std::out_of_range("unknown sequence id " + std::to_string(seq_id));
   }
   return it->second;
 }
 
-const Scheduler::Sequence& Scheduler::seq(int64_t seq_id) const {
-  return const_cast<Scheduler*>(this)->seq(seq_id);
+const Scheduler::Entry& Scheduler::entry(int64_t seq_id) const {
+  return const_cast<Scheduler*>(this)->entry(seq_id);
 }
-
-const std::vector<int32_t>& Scheduler::token_ids(int64_t seq_id) const { return seq(seq_id).tokens; }
-int64_t Scheduler::num_computed_tokens(int64_t seq_id) const { return seq(seq_id).num_computed; }
-int64_t Scheduler::num_prompt_tokens(int64_t seq_id) const { return seq(seq_id).num_prompt_tokens; }
-int64_t Scheduler::num_cached_tokens(int64_t seq_id) const { return seq(seq_id).num_cached; }
-int32_t Scheduler::lora_slot(int64_t seq_id) const { return seq(seq_id).lora_slot; }
 
 void Scheduler::add(int64_t seq_id, std::vector<int32_t> prompt_token_ids, int64_t priority,
                     int64_t max_new_tokens, int32_t lora_slot, uint64_t cache_key) {
-  if (sequences_.count(seq_id)) {
+  if (entries_.count(seq_id) || sequences_.contains(seq_id)) {
     throw std::invalid_argument("sequence id " + std::to_string(seq_id) + " already exists");
   }
   const int64_t len = static_cast<int64_t>(prompt_token_ids.size());
@@ -64,30 +58,29 @@ void Scheduler::add(int64_t seq_id, std::vector<int32_t> prompt_token_ids, int64
                                 " KV blocks; the cache has " +
                                 std::to_string(blocks_.num_usable_blocks()));
   }
-  Sequence s;
-  s.tokens = std::move(prompt_token_ids);
-  s.num_prompt_tokens = len;
-  s.max_new_tokens = max_new_tokens;
-  s.priority = priority;
-  s.lora_slot = lora_slot;
-  s.cache_key = cache_key;
-  s.arrival = next_arrival_++;
-  sequences_.emplace(seq_id, std::move(s));
+  SequenceState& state = sequences_.add({.seq_id = seq_id,
+                                         .token_ids = std::move(prompt_token_ids),
+                                         .num_prompt_tokens = len,
+                                         .max_new_tokens = max_new_tokens,
+                                         .priority = priority,
+                                         .lora_slot = lora_slot,
+                                         .cache_key = cache_key});
+  entries_.emplace(seq_id, Entry{.state = &state, .arrival = next_arrival_++});
   enqueue_waiting(seq_id, /*preempted=*/false);
 }
 
 void Scheduler::enqueue_waiting(int64_t seq_id, bool preempted) {
-  Sequence& s = seq(seq_id);
+  Entry& e = entry(seq_id);
   // A preempted sequence goes back to the front, ahead of every new one, whatever its priority.
-  s.wait_key = preempted ? WaitKey{0, 0, -(next_preemption_order_++), seq_id}
-                         : WaitKey{1, s.priority, s.arrival, seq_id};
-  waiting_.insert(s.wait_key);
+  e.wait_key = preempted ? WaitKey{0, 0, -(next_preemption_order_++), seq_id}
+                         : WaitKey{1, e.state->priority, e.arrival, seq_id};
+  waiting_.insert(e.wait_key);
 }
 
 void Scheduler::start_running(int64_t seq_id) {
-  Sequence& s = seq(seq_id);
-  s.allocated = true;
-  s.running_pos = running_.insert(running_.end(), seq_id);
+  Entry& e = entry(seq_id);
+  e.allocated = true;
+  e.running_pos = running_.insert(running_.end(), seq_id);
 }
 
 std::vector<int64_t> Scheduler::waiting() const {
@@ -109,7 +102,21 @@ SchedulerOutput Scheduler::schedule(int64_t num_speculative_tokens) {
   for (const auto& s : out.scheduled) {
     out.num_batched_tokens += s.num_new_tokens + s.num_speculative_tokens;
   }
+  describe(out);
   return out;
+}
+
+void Scheduler::describe(SchedulerOutput& out) const {
+  for (ScheduledSequence& sched : out.scheduled) {
+    const SequenceState& s = sequence(sched.seq_id);
+    const auto first = s.token_ids.begin() + sched.num_computed;
+    sched.token_ids.assign(first, first + sched.num_new_tokens);
+    sched.block_tables.resize(blocks_.num_groups());
+    for (int64_t g = 0; g < blocks_.num_groups(); ++g) {
+      sched.block_tables[g] = blocks_.block_table(sched.seq_id, g);
+    }
+    sched.lora_slot = s.lora_slot;
+  }
 }
 
 void Scheduler::schedule_running(bool decodes, int64_t& budget, SchedulerOutput& out,
@@ -117,9 +124,9 @@ void Scheduler::schedule_running(bool decodes, int64_t& budget, SchedulerOutput&
   const std::vector<int64_t> snapshot(running_.begin(), running_.end());
   for (int64_t id : snapshot) {
     if (budget == 0) return;
-    const Sequence& s = seq(id);
-    if (!s.allocated) continue;  // preempted earlier in this step
-    const int64_t remaining = static_cast<int64_t>(s.tokens.size()) - s.num_computed;
+    if (!entry(id).allocated) continue;  // preempted earlier in this step
+    const SequenceState& s = sequence(id);
+    const int64_t remaining = s.num_tokens() - s.num_computed_tokens;
     if ((remaining == 1) != decodes) continue;
     const int64_t drafts = decodes ? reserve_draft_slots(id, num_speculative_tokens, budget, out)
                                    : 0;
@@ -133,28 +140,30 @@ void Scheduler::schedule_running(bool decodes, int64_t& budget, SchedulerOutput&
     if (chunk == 0) return;
     // Sliding-window groups reserve prefill chunks as they come (a no-op otherwise, and for a
     // decode whose slot append_slots reserved).
-    if (!reserve_prefill(id, s.num_computed + chunk, out)) continue;
-    out.scheduled.push_back({id, s.num_computed, chunk,
-                             s.num_computed + chunk == static_cast<int64_t>(s.tokens.size()),
-                             drafts});
+    if (!reserve_prefill(id, s.num_computed_tokens + chunk, out)) continue;
+    out.scheduled.push_back({.seq_id = id,
+                             .num_computed = s.num_computed_tokens,
+                             .num_new_tokens = chunk,
+                             .samples = s.num_computed_tokens + chunk == s.num_tokens(),
+                             .num_speculative_tokens = drafts});
     budget -= chunk + drafts;
   }
 }
 
 int64_t Scheduler::reserve_draft_slots(int64_t seq_id, int64_t wanted, int64_t budget,
                                        SchedulerOutput& out) {
-  const Sequence& s = seq(seq_id);
-  const int64_t len = static_cast<int64_t>(s.tokens.size());
+  const SequenceState& s = sequence(seq_id);
+  const int64_t len = s.num_tokens();
   // The prompt's first sample is never speculative (its n samples fork from those logits).
   if (wanted == 0 || len == s.num_prompt_tokens) return 0;
   // A step emits at most drafts + 1 tokens; none may pass the sequence's limits.
-  const int64_t room = std::min(config_.max_model_len - len,
-                                s.max_new_tokens - (len - s.num_prompt_tokens)) - 1;
+  const int64_t room =
+      std::min(config_.max_model_len - len, s.max_new_tokens - s.num_output_tokens()) - 1;
   int64_t drafts = std::min({wanted, room, budget - 1});
   if (drafts <= 0) return 0;
   const int64_t held = blocks_.num_tokens(seq_id);
   if (!blocks_.can_append_slots(seq_id, len - held, drafts)) return 0;
-  const std::vector<int32_t> tail(s.tokens.begin() + held, s.tokens.end());
+  const std::vector<int32_t> tail(s.token_ids.begin() + held, s.token_ids.end());
   for (const BlockCopy& copy : blocks_.append_slots(seq_id, tail, drafts)) {
     out.block_copies.push_back(copy);
   }
@@ -162,16 +171,16 @@ int64_t Scheduler::reserve_draft_slots(int64_t seq_id, int64_t wanted, int64_t b
 }
 
 bool Scheduler::reserve_slots(int64_t seq_id, SchedulerOutput& out) {
-  const Sequence& s = seq(seq_id);
+  const SequenceState& s = sequence(seq_id);
   const int64_t held = blocks_.num_tokens(seq_id);
-  const int64_t missing = static_cast<int64_t>(s.tokens.size()) - held;
+  const int64_t missing = s.num_tokens() - held;
   if (missing == 0 && blocks_.num_lookahead(seq_id) == 0) return true;
   while (!blocks_.can_append_slots(seq_id, missing)) {
     const bool self = running_.back() == seq_id;
     preempt_last(out);
     if (self) return false;
   }
-  const std::vector<int32_t> tail(s.tokens.begin() + held, s.tokens.end());
+  const std::vector<int32_t> tail(s.token_ids.begin() + held, s.token_ids.end());
   for (const BlockCopy& copy : blocks_.append_slots(seq_id, tail)) {
     out.block_copies.push_back(copy);
   }
@@ -210,9 +219,8 @@ void Scheduler::preempt_last(SchedulerOutput& out) {
                                      [&](const ScheduledSequence& s) { return s.seq_id == victim; }),
                       out.scheduled.end());
   blocks_.free(victim);
-  Sequence& s = seq(victim);
-  s.allocated = false;
-  s.num_computed = 0;
+  entry(victim).allocated = false;
+  entry(victim).state->num_computed_tokens = 0;
   enqueue_waiting(victim, /*preempted=*/true);
   out.preempted.push_back(victim);
   ++num_preemptions_;
@@ -222,24 +230,28 @@ void Scheduler::admit_waiting(int64_t& budget, SchedulerOutput& out) {
   while (!waiting_.empty() && budget > 0 &&
          static_cast<int64_t>(running_.size()) < config_.max_num_seqs) {
     const int64_t id = std::get<3>(*waiting_.begin());
-    Sequence& s = seq(id);
+    SequenceState& s = *entry(id).state;
     // The watermark keeps headroom for running sequences' growth; with nothing running there is
     // nothing to protect, so a sequence that fits the pool at all is admitted.
     // Sliding-window groups reserve the first chunk only (at most the budget after the hit).
-    if (!blocks_.can_allocate(s.tokens, s.cache_key, budget) && !running_.empty()) return;
+    if (!blocks_.can_allocate(s.token_ids, s.cache_key, budget) && !running_.empty()) return;
     int64_t cached = 0;
     try {
-      cached = blocks_.allocate(id, s.tokens, s.cache_key, budget);
+      cached = blocks_.allocate(id, s.token_ids, s.cache_key, budget);
     } catch (const std::runtime_error&) {
       return;  // not enough free blocks (only reachable with nothing running)
     }
     waiting_.erase(waiting_.begin());
     start_running(id);
-    s.num_computed = cached;
-    s.num_cached = cached;
-    const int64_t remaining = static_cast<int64_t>(s.tokens.size()) - cached;
+    s.num_computed_tokens = cached;
+    s.num_cached_tokens = cached;
+    ++s.num_admissions;
+    const int64_t remaining = s.num_tokens() - cached;
     const int64_t chunk = std::min(remaining, budget);
-    out.scheduled.push_back({id, cached, chunk, chunk == remaining});
+    out.scheduled.push_back({.seq_id = id,
+                             .num_computed = cached,
+                             .num_new_tokens = chunk,
+                             .samples = chunk == remaining});
     budget -= chunk;
     // This step's forward writes the chunk's K/V before any of its attention reads the cache, so
     // sequences admitted after this one in the same step may already reuse its full blocks. (No
@@ -250,79 +262,89 @@ void Scheduler::admit_waiting(int64_t& budget, SchedulerOutput& out) {
 
 void Scheduler::update_computed(const SchedulerOutput& output) {
   for (const ScheduledSequence& sched : output.scheduled) {
-    Sequence& s = seq(sched.seq_id);
-    if (s.num_computed != sched.num_computed) {
+    SequenceState& s = *entry(sched.seq_id).state;
+    if (s.num_computed_tokens != sched.num_computed) {
       throw std::logic_error("update_computed: sequence " + std::to_string(sched.seq_id) +
                              " changed since it was scheduled");
     }
-    s.num_computed += sched.num_new_tokens;
-    blocks_.mark_computed(sched.seq_id, s.num_computed);
+    s.num_computed_tokens += sched.num_new_tokens;
+    blocks_.mark_computed(sched.seq_id, s.num_computed_tokens);
   }
 }
 
 void Scheduler::append_token(int64_t seq_id, int32_t token, bool kv_written) {
-  Sequence& s = seq(seq_id);
-  const int64_t len = static_cast<int64_t>(s.tokens.size());
+  const Entry& e = entry(seq_id);
+  SequenceState& s = *e.state;
+  const int64_t len = s.num_tokens();
   if (len >= config_.max_model_len) {
     throw std::logic_error("sequence " + std::to_string(seq_id) + " is at max_model_len");
   }
   if (!kv_written) {
-    s.tokens.push_back(token);
+    s.token_ids.push_back(token);
     // Draft slots left over from the step (rejected drafts) go back until the next schedule.
-    if (s.allocated && blocks_.num_lookahead(seq_id) > 0) blocks_.append_slots(seq_id, {}, 0);
+    if (e.allocated && blocks_.num_lookahead(seq_id) > 0) blocks_.append_slots(seq_id, {}, 0);
     return;
   }
-  const int64_t lookahead = s.allocated ? blocks_.num_lookahead(seq_id) : 0;
-  if (s.num_computed != len || blocks_.num_tokens(seq_id) != len || lookahead == 0) {
+  const int64_t lookahead = e.allocated ? blocks_.num_lookahead(seq_id) : 0;
+  if (s.num_computed_tokens != len || blocks_.num_tokens(seq_id) != len || lookahead == 0) {
     throw std::logic_error("append_token: sequence " + std::to_string(seq_id) +
                            " has no computed draft slot for an accepted token");
   }
-  s.tokens.push_back(token);
+  s.token_ids.push_back(token);
   blocks_.append_slots(seq_id, {token}, lookahead - 1);
-  blocks_.mark_computed(seq_id, ++s.num_computed);
+  blocks_.mark_computed(seq_id, ++s.num_computed_tokens);
 }
 
 void Scheduler::fork(int64_t parent_id, int64_t child_id) {
-  const Sequence& parent = seq(parent_id);
+  const Entry& parent = entry(parent_id);
   if (!parent.allocated) throw std::invalid_argument("fork: the parent is not running");
-  if (sequences_.count(child_id)) {
+  if (entries_.count(child_id) || sequences_.contains(child_id)) {
     throw std::invalid_argument("sequence id " + std::to_string(child_id) + " already exists");
   }
   blocks_.fork(parent_id, child_id);
-  Sequence child = parent;
-  sequences_.emplace(child_id, std::move(child));
+  Entry child = parent;
+  child.state = &sequences_.fork(parent_id, child_id);
+  entries_.emplace(child_id, child);
   start_running(child_id);
 }
 
 void Scheduler::finish(int64_t seq_id) {
-  Sequence& s = seq(seq_id);
-  if (s.allocated) {
+  Entry& e = entry(seq_id);
+  if (e.allocated) {
     blocks_.free(seq_id);
-    running_.erase(s.running_pos);
+    running_.erase(e.running_pos);
   } else {
-    waiting_.erase(s.wait_key);
+    waiting_.erase(e.wait_key);
   }
+  entries_.erase(seq_id);
   sequences_.erase(seq_id);
 }
 
 void Scheduler::check_invariants() const {
   auto fail = [](const std::string& what) { throw std::logic_error("Scheduler: " + what); };
-  if (running_.size() + waiting_.size() != sequences_.size()) fail("queues and sequences differ");
+  if (running_.size() + waiting_.size() != entries_.size()) fail("queues and sequences differ");
+  for (const auto& [id, e] : entries_) {
+    if (!sequences_.contains(id) || &sequences_.at(id) != e.state) {
+      fail("sequence " + std::to_string(id) + " is not the table's");
+    }
+  }
   if (blocks_.num_sequences() != static_cast<int64_t>(running_.size())) {
     fail("the block manager holds other sequences than the running ones");
   }
   for (int64_t id : running_) {
-    const Sequence& s = seq(id);
-    if (!s.allocated || !blocks_.has_sequence(id)) fail("a running sequence holds no blocks");
+    const SequenceState& s = sequence(id);
+    if (!entry(id).allocated || !blocks_.has_sequence(id)) {
+      fail("a running sequence holds no blocks");
+    }
     const int64_t held = blocks_.num_tokens(id);
-    if (s.num_computed > held || held > static_cast<int64_t>(s.tokens.size())) {
+    if (s.num_computed_tokens > held || held > s.num_tokens()) {
       fail("computed <= reserved <= tokens does not hold for " + std::to_string(id));
     }
   }
   for (const WaitKey& key : waiting_) {
     const int64_t id = std::get<3>(key);
-    if (seq(id).allocated || blocks_.has_sequence(id)) fail("a waiting sequence holds blocks");
-    if (seq(id).wait_key != key) fail("a waiting sequence's key is stale");
+    if (entry(id).allocated || blocks_.has_sequence(id)) fail("a waiting sequence holds blocks");
+    if (entry(id).wait_key != key) fail("a waiting sequence's key is stale");
   }
   blocks_.check_invariants();
 }

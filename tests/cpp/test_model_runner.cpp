@@ -16,14 +16,15 @@
 namespace kvserve {
 namespace {
 
-// A scheduler over its own pool with one sequence per prompt, and a runner reading from it.
+// A scheduler over its own pool and sequences, one sequence per prompt, and a runner.
 struct Harness {
   explicit Harness(std::shared_ptr<CausalLM> model, int64_t budget = 64)
       : blocks({.num_blocks = 64, .block_size = 4, .enable_prefix_caching = false}),
-        scheduler(SchedulerConfig{8, budget, 32}, blocks),
-        runner(std::move(model), 64, 4, scheduler) {}
+        scheduler(SchedulerConfig{8, budget, 32}, blocks, sequences),
+        runner(std::move(model), sequences, {.num_blocks = 64, .block_size = 4}) {}
 
   PagedBlockManager blocks;
+  SequenceTable sequences;
   Scheduler scheduler;
   ModelRunner runner;
 };
@@ -94,6 +95,57 @@ TEST(ModelRunner, ChunkedPrefillAndBatchingDoNotChangeTheTokens) {
     if (!targets.empty()) got = out.samples[0].token_ids[0];
   }
   EXPECT_EQ(got, want);
+}
+
+TEST(ModelRunner, RunsAStepFromItsSchedulerOutputAlone) {
+  // The runner of another engine, whose sequence table never heard of the sequences, runs the
+  // step from what the SchedulerOutput carries and samples what the scheduler's own runner does.
+  const SamplingParams params = greedy();
+  RequestRandom random(0);
+  auto model = tiny_model();
+  Harness h(model, /*budget=*/5);
+  h.scheduler.add(0, {4, 8, 15, 16, 23, 42, 9});
+  h.scheduler.add(1, {5, 6});
+  SequenceTable empty;
+  ModelRunner stranger(model, empty, {.num_blocks = 64, .block_size = 4});
+  for (int step = 0; step < 3; ++step) {
+    const SchedulerOutput work = h.scheduler.schedule();
+    std::vector<SamplingTarget> targets;
+    for (size_t i = 0; i < work.scheduled.size(); ++i) {
+      const ScheduledSequence& s = work.scheduled[i];
+      const SequenceState& state = h.scheduler.sequence(s.seq_id);
+      EXPECT_EQ(s.token_ids, std::vector<int32_t>(state.token_ids.begin() + s.num_computed,
+                                                  state.token_ids.begin() + s.num_computed +
+                                                      s.num_new_tokens));
+      EXPECT_EQ(s.block_tables, std::vector<std::vector<int32_t>>{h.blocks.block_table(s.seq_id)});
+      if (s.samples) {
+        for (auto& t : targets_at(static_cast<int64_t>(i), {s.num_new_tokens - 1}, params, random)) {
+          targets.push_back(t);
+        }
+      }
+    }
+    const auto own = h.runner.execute(work, targets);
+    const auto other = stranger.execute(work, targets);
+    ASSERT_EQ(own.samples.size(), other.samples.size());
+    for (size_t t = 0; t < own.samples.size(); ++t) {
+      EXPECT_EQ(own.samples[t].token_ids, other.samples[t].token_ids) << "step " << step;
+    }
+    h.scheduler.update_computed(work);
+    for (const auto& s : work.scheduled) {
+      if (s.samples) h.scheduler.append_token(s.seq_id, 3);
+    }
+  }
+}
+
+TEST(ModelRunner, RejectsAScheduledSequenceWithoutItsTokensOrTables) {
+  Harness h(tiny_model());
+  h.scheduler.add(0, {1, 2, 3});
+  SchedulerOutput work = h.scheduler.schedule();
+  work.scheduled[0].token_ids.pop_back();
+  EXPECT_THROW(h.runner.execute(work, {}), std::invalid_argument);
+  work.scheduled[0].token_ids.push_back(3);
+  work.scheduled[0].block_tables.push_back(work.scheduled[0].block_tables[0]);
+  EXPECT_THROW(h.runner.execute(work, {}), std::invalid_argument);
 }
 
 TEST(ModelRunner, SamplesThatShareAPositionReadTheSameLogits) {

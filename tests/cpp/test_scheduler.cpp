@@ -41,8 +41,9 @@ Trace step(Scheduler& scheduler, int32_t token = 7) {
 
 TEST(Scheduler, ChunkedPrefillUnderTheTokenBudgetThenDecodesFirst) {
   PagedBlockManager blocks({.num_blocks = 64, .block_size = 4});
+  SequenceTable sequences;
   Scheduler scheduler({/*max_num_seqs=*/8, /*max_num_batched_tokens=*/10, /*max_model_len=*/64},
-                      blocks);
+                      blocks, sequences);
   scheduler.add(0, prompt(100, 6));
   scheduler.add(1, prompt(200, 13));
   // Step 1: seq 0's whole prompt (6), then 4 tokens of seq 1's prompt.
@@ -60,7 +61,8 @@ TEST(Scheduler, ChunkedPrefillUnderTheTokenBudgetThenDecodesFirst) {
 
 TEST(Scheduler, AdmitsByPriorityThenArrivalAndRespectsMaxNumSeqs) {
   PagedBlockManager blocks({.num_blocks = 64, .block_size = 4});
-  Scheduler scheduler({2, 100, 64}, blocks);
+  SequenceTable sequences;
+  Scheduler scheduler({2, 100, 64}, blocks, sequences);
   scheduler.add(0, prompt(1, 3), /*priority=*/1);
   scheduler.add(1, prompt(10, 3), /*priority=*/0);
   scheduler.add(2, prompt(20, 3), /*priority=*/1);
@@ -76,7 +78,8 @@ TEST(Scheduler, PreemptsTheNewestWhenBlocksRunOutAndResumesItByRecompute) {
   // 6 usable blocks of 2 tokens; two sequences of 4-token prompts take 2 blocks each.
   PagedBlockManager blocks(
       {.num_blocks = 7, .block_size = 2, .enable_prefix_caching = false, .watermark = 0.0});
-  Scheduler scheduler({4, 100, 32}, blocks);
+  SequenceTable sequences;
+  Scheduler scheduler({4, 100, 32}, blocks, sequences);
   scheduler.add(0, prompt(1, 4));
   scheduler.add(1, prompt(50, 4));
   EXPECT_EQ(step(scheduler, 90), (Trace{{0, 0, 4, true}, {1, 0, 4, true}}));
@@ -90,48 +93,93 @@ TEST(Scheduler, PreemptsTheNewestWhenBlocksRunOutAndResumesItByRecompute) {
   EXPECT_EQ(trace(out), (Trace{{0, 6, 1, true}}));
   EXPECT_EQ(out.preempted, (std::vector<int64_t>{1}));
   EXPECT_EQ(scheduler.num_preemptions(), 1);
-  EXPECT_EQ(scheduler.num_computed_tokens(1), 0);
-  EXPECT_EQ(scheduler.token_ids(1), (std::vector<int32_t>{50, 51, 52, 53, 90, 91, 92}));
+  EXPECT_EQ(scheduler.sequence(1).num_computed_tokens, 0);
+  EXPECT_EQ(scheduler.sequence(1).token_ids, (std::vector<int32_t>{50, 51, 52, 53, 90, 91, 92}));
   scheduler.update_computed(out);
   scheduler.append_token(0, 93);
   scheduler.check_invariants();
   // Once seq 0 finishes, seq 1 comes back and recomputes prompt + its 3 outputs in one prefill.
+  EXPECT_EQ(sequences.at(1).num_admissions, 1);
   scheduler.finish(0);
+  EXPECT_FALSE(sequences.contains(0));
   EXPECT_EQ(step(scheduler), (Trace{{1, 0, 7, true}}));
-  EXPECT_EQ(scheduler.token_ids(1).size(), 8u);
+  EXPECT_EQ(scheduler.sequence(1).token_ids.size(), 8u);
+  EXPECT_EQ(sequences.at(1).num_admissions, 2);  // readmitted: its KV is new
+}
+
+TEST(Scheduler, KeepsItsSequencesInTheSharedTable) {
+  PagedBlockManager blocks({.num_blocks = 32, .block_size = 4});
+  SequenceTable sequences;
+  Scheduler scheduler({8, 100, 64}, blocks, sequences);
+  scheduler.add(0, prompt(1, 6), /*priority=*/0, /*max_new_tokens=*/9, /*lora_slot=*/2, 5);
+  EXPECT_EQ(sequences.size(), 1);
+  EXPECT_EQ(&scheduler.sequence(0), &sequences.at(0));
+  const SequenceState& s = sequences.at(0);
+  EXPECT_EQ(s.token_ids, prompt(1, 6));
+  EXPECT_EQ(s.num_prompt_tokens, 6);
+  EXPECT_EQ(s.max_new_tokens, 9);
+  EXPECT_EQ(s.lora_slot, 2);
+  EXPECT_EQ(s.cache_key, 5u);
+  EXPECT_EQ(s.num_admissions, 0);
+  const SchedulerOutput out = scheduler.schedule();
+  ASSERT_EQ(out.scheduled.size(), 1u);
+  EXPECT_EQ(out.scheduled[0].token_ids, prompt(1, 6));
+  EXPECT_EQ(out.scheduled[0].block_tables,
+            (std::vector<std::vector<int32_t>>{blocks.block_table(0)}));
+  EXPECT_EQ(out.scheduled[0].lora_slot, 2);
+  scheduler.update_computed(out);
+  scheduler.append_token(0, 99);
+  EXPECT_EQ(s.num_computed_tokens, 6);
+  EXPECT_EQ(s.num_output_tokens(), 1);
+  scheduler.fork(0, 1);
+  EXPECT_EQ(sequences.at(1).token_ids, sequences.at(0).token_ids);
+  EXPECT_EQ(sequences.at(1).seq_id, 1);
+  // An id the table holds is taken, even if the scheduler never saw it.
+  sequences.add({.seq_id = 7, .token_ids = {1}});
+  EXPECT_THROW(scheduler.add(7, prompt(1, 3)), std::invalid_argument);
+  sequences.erase(7);
+  EXPECT_THROW(sequences.erase(7), std::out_of_range);
+  EXPECT_THROW(sequences.at(7), std::out_of_range);
+  scheduler.finish(0);
+  scheduler.finish(1);
+  EXPECT_EQ(sequences.size(), 0);
+  scheduler.check_invariants();
 }
 
 TEST(Scheduler, PrefixHitsStartTheFirstChunkAfterTheCachedTokens) {
   PagedBlockManager blocks({.num_blocks = 32, .block_size = 4});
-  Scheduler scheduler({8, 100, 64}, blocks);
+  SequenceTable sequences;
+  Scheduler scheduler({8, 100, 64}, blocks, sequences);
   scheduler.add(0, prompt(1, 10));
   step(scheduler);
   scheduler.add(1, prompt(1, 10));
   EXPECT_EQ(step(scheduler), (Trace{{0, 10, 1, true}, {1, 8, 2, true}}));
-  EXPECT_EQ(scheduler.num_cached_tokens(1), 8);
+  EXPECT_EQ(scheduler.sequence(1).num_cached_tokens, 8);
 }
 
 TEST(Scheduler, PrefixHitsOnlyUnderTheSameCacheKey) {
   // One key per LoRA adapter: the same prompt under another adapter has other K/V.
   PagedBlockManager blocks({.num_blocks = 32, .block_size = 4});
-  Scheduler scheduler({8, 100, 64}, blocks);
+  SequenceTable sequences;
+  Scheduler scheduler({8, 100, 64}, blocks, sequences);
   scheduler.add(0, prompt(1, 10), 0, 100, /*lora_slot=*/1, /*cache_key=*/77);
   step(scheduler);
   scheduler.add(1, prompt(1, 10));                        // the base model: no hit
   scheduler.add(2, prompt(1, 10), 0, 100, 0, /*cache_key=*/78);
   scheduler.add(3, prompt(1, 10), 0, 100, 1, /*cache_key=*/77);
   step(scheduler);
-  EXPECT_EQ(scheduler.num_cached_tokens(1), 0);
-  EXPECT_EQ(scheduler.num_cached_tokens(2), 0);
-  EXPECT_EQ(scheduler.num_cached_tokens(3), 8);
-  EXPECT_EQ(scheduler.lora_slot(0), 1);
-  EXPECT_EQ(scheduler.lora_slot(1), -1);
-  EXPECT_EQ(scheduler.lora_slot(2), 0);
+  EXPECT_EQ(scheduler.sequence(1).num_cached_tokens, 0);
+  EXPECT_EQ(scheduler.sequence(2).num_cached_tokens, 0);
+  EXPECT_EQ(scheduler.sequence(3).num_cached_tokens, 8);
+  EXPECT_EQ(scheduler.sequence(0).lora_slot, 1);
+  EXPECT_EQ(scheduler.sequence(1).lora_slot, -1);
+  EXPECT_EQ(scheduler.sequence(2).lora_slot, 0);
 }
 
 TEST(Scheduler, SequencesAdmittedInOneStepShareTheFirstOnesBlocks) {
   PagedBlockManager blocks({.num_blocks = 32, .block_size = 4});
-  Scheduler scheduler({8, 100, 64}, blocks);
+  SequenceTable sequences;
+  Scheduler scheduler({8, 100, 64}, blocks, sequences);
   scheduler.add(0, prompt(1, 10));
   scheduler.add(1, prompt(1, 10));
   scheduler.add(2, prompt(1, 3));  // shorter than a block: nothing to share
@@ -142,7 +190,8 @@ TEST(Scheduler, SequencesAdmittedInOneStepShareTheFirstOnesBlocks) {
 
 TEST(Scheduler, ForkedSequencesRunOnTheirOwn) {
   PagedBlockManager blocks({.num_blocks = 32, .block_size = 4});
-  Scheduler scheduler({8, 100, 64}, blocks);
+  SequenceTable sequences;
+  Scheduler scheduler({8, 100, 64}, blocks, sequences);
   scheduler.add(0, prompt(1, 6));
   SchedulerOutput out = scheduler.schedule();
   scheduler.update_computed(out);
@@ -160,14 +209,15 @@ TEST(Scheduler, ForkedSequencesRunOnTheirOwn) {
 
 TEST(Scheduler, RejectsSequencesThatCanNeverRun) {
   PagedBlockManager blocks({.num_blocks = 4, .block_size = 4});  // 12 tokens
-  Scheduler scheduler({8, 100, 16}, blocks);
+  SequenceTable sequences;
+  Scheduler scheduler({8, 100, 16}, blocks, sequences);
   EXPECT_THROW(scheduler.add(0, {}), std::invalid_argument);
   EXPECT_THROW(scheduler.add(0, prompt(1, 17)), std::invalid_argument);  // > max_model_len
   EXPECT_THROW(scheduler.add(0, prompt(1, 13)), std::invalid_argument);  // > the pool
   EXPECT_THROW(scheduler.add(0, {1, -2}), std::invalid_argument);
   scheduler.add(0, prompt(1, 12));
   EXPECT_THROW(scheduler.add(0, prompt(1, 2)), std::invalid_argument);  // duplicate id
-  EXPECT_THROW(Scheduler({0, 100, 16}, blocks), std::invalid_argument);
+  EXPECT_THROW(Scheduler({0, 100, 16}, blocks, sequences), std::invalid_argument);
   EXPECT_THROW(scheduler.finish(42), std::out_of_range);
 }
 
@@ -176,7 +226,8 @@ TEST(Scheduler, RandomizedRunKeepsInvariantsAndFinishesEverything) {
     std::mt19937 rng(seed);
     PagedBlockManager blocks(
         {.num_blocks = 24, .block_size = 4, .enable_prefix_caching = seed != 1});
-    Scheduler scheduler({6, 16, 48}, blocks);
+    SequenceTable sequences;
+    Scheduler scheduler({6, 16, 48}, blocks, sequences);
     std::map<int64_t, int64_t> target_len;  // seq id -> total tokens at which it finishes
     int64_t next_id = 0, finished = 0, steps = 0;
     while (next_id < 60 || scheduler.has_pending_work()) {
@@ -189,13 +240,19 @@ TEST(Scheduler, RandomizedRunKeepsInvariantsAndFinishesEverything) {
       }
       SchedulerOutput out = scheduler.schedule();
       int64_t tokens = 0;
-      for (const auto& s : out.scheduled) tokens += s.num_new_tokens;
+      for (const auto& s : out.scheduled) {
+        tokens += s.num_new_tokens;
+        const auto& all = scheduler.sequence(s.seq_id).token_ids;
+        ASSERT_EQ(s.token_ids, std::vector<int32_t>(all.begin() + s.num_computed,
+                                                    all.begin() + s.num_computed + s.num_new_tokens));
+        ASSERT_EQ(s.block_tables, (std::vector<std::vector<int32_t>>{blocks.block_table(s.seq_id)}));
+      }
       ASSERT_LE(tokens, 16);
       ASSERT_EQ(tokens, out.num_batched_tokens);
       scheduler.update_computed(out);
       for (const auto& s : out.scheduled) {
         if (!s.samples) continue;
-        const int64_t len = static_cast<int64_t>(scheduler.token_ids(s.seq_id).size());
+        const int64_t len = static_cast<int64_t>(scheduler.sequence(s.seq_id).token_ids.size());
         if (len >= target_len[s.seq_id] || rng() % 50 == 0) {  // done, or aborted
           scheduler.finish(s.seq_id);
           ++finished;

@@ -82,7 +82,8 @@ SchedulerOutput step(Scheduler& scheduler, int64_t k, int64_t accepted = 0) {
 
 TEST(SchedulerDraftSlots, DecodesGetSlotsWithinBudgetAndLimits) {
   PagedBlockManager blocks({.num_blocks = 64, .block_size = 4, .watermark = 0.0});
-  Scheduler scheduler(SchedulerConfig{8, 12, 64}, blocks);
+  SequenceTable sequences;
+  Scheduler scheduler(SchedulerConfig{8, 12, 64}, blocks, sequences);
   scheduler.add(0, {1, 2, 3, 4, 5}, 0, /*max_new_tokens=*/6);
   scheduler.add(1, {1, 9, 8}, 0, 100);
   SchedulerOutput out = step(scheduler, 4);  // prefills: no drafts for the prompts' first samples
@@ -98,13 +99,14 @@ TEST(SchedulerDraftSlots, DecodesGetSlotsWithinBudgetAndLimits) {
   EXPECT_EQ(out.scheduled[0].num_speculative_tokens, 1);
   EXPECT_EQ(out.scheduled[1].num_speculative_tokens, 4);
   // Prompt, the first sample, two accepted drafts, then the token sampled after them.
-  EXPECT_EQ(scheduler.num_computed_tokens(1), 3 + 1 + 2 + 1);
+  EXPECT_EQ(scheduler.sequence(1).num_computed_tokens, 3 + 1 + 2 + 1);
 }
 
 TEST(SchedulerDraftSlots, SpeculationNeverPreempts) {
   PagedBlockManager blocks(
       {.num_blocks = 5, .block_size = 4, .watermark = 0.0});  // 4 usable blocks
-  Scheduler scheduler(SchedulerConfig{8, 64, 64}, blocks);
+  SequenceTable sequences;
+  Scheduler scheduler(SchedulerConfig{8, 64, 64}, blocks, sequences);
   scheduler.add(0, {1, 2, 3, 4, 5, 6, 7}, 0);
   scheduler.add(1, {1, 2, 9, 9, 9, 9, 9}, 0);
   step(scheduler, 0);  // 2 + 2 blocks: the pool is full
@@ -116,7 +118,8 @@ TEST(SchedulerDraftSlots, SpeculationNeverPreempts) {
 
 TEST(SchedulerDraftSlots, AcceptedTokensNeedAReservedSlot) {
   PagedBlockManager blocks({.num_blocks = 16, .block_size = 4, .watermark = 0.0});
-  Scheduler scheduler(SchedulerConfig{8, 64, 64}, blocks);
+  SequenceTable sequences;
+  Scheduler scheduler(SchedulerConfig{8, 64, 64}, blocks, sequences);
   scheduler.add(0, {1, 2, 3}, 0);
   step(scheduler, 2);
   EXPECT_THROW(scheduler.append_token(0, 5, /*kv_written=*/true), std::logic_error);

@@ -30,6 +30,7 @@
 #include "kvserve/sampler.h"
 #include "kvserve/sampling_params.h"
 #include "kvserve/scheduler.h"
+#include "kvserve/sequence_state.h"
 #include "kvserve/speculative_decoder.h"
 
 namespace kvserve {
@@ -188,6 +189,7 @@ class ContinuousBatchingEngine {
   std::shared_ptr<CausalLM> model_;
   EngineConfig config_;
   PagedBlockManager block_manager_;
+  SequenceTable sequences_;  ///< every queued or running sequence's tokens and progress
   Scheduler scheduler_;
   std::unique_ptr<SpeculativeDecoder> speculator_;
   ModelRunner runner_;

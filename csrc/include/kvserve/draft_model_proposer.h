@@ -1,7 +1,7 @@
 #pragma once
 // Draft-model proposals: a second, smaller CausalLM of the target's vocabulary runs k steps per
 // speculating sequence, all in C++. Its paged KV pool has the target's shape in blocks: the same
-// block ids through the scheduler's block tables, so allocation, copy-on-write and freeing need
+// block ids through the step's block tables, so allocation, copy-on-write and freeing need
 // nothing of their own. In each step that speculates it first runs over the tokens of the step's
 // sequences that its KV lacks (the step's new tokens, or a whole sequence it has not seen since
 // the sequence got its blocks), then proposes.
@@ -33,9 +33,15 @@ class DraftModelProposer : public Proposer {
   std::shared_ptr<CausalLM> draft_;
   PagedKVCache kv_cache_;
   Sampler sampler_;
-  /// Per sequence holding blocks: the leading positions whose draft KV it wrote (it may run ahead
-  /// of the target's computed count by rejected drafts; the next run starts at the smaller).
-  std::unordered_map<int64_t, int64_t> num_computed_;
+  /// What the draft's KV holds of one sequence.
+  struct Written {
+    int64_t num_admissions = 0;  ///< the sequence's SequenceState::num_admissions then
+    /// Leading positions whose draft KV it wrote (it may run ahead of the target's computed
+    /// count by rejected drafts; the next run starts at the smaller).
+    int64_t num_computed = 0;
+  };
+  /// Per sequence the draft ran over; a sequence readmitted since (other blocks) starts over.
+  std::unordered_map<int64_t, Written> written_;
 };
 
 }  // namespace kvserve

@@ -15,6 +15,7 @@
 #include "kvserve/paged_kv_cache.h"
 #include "kvserve/sampler.h"
 #include "kvserve/scheduler.h"
+#include "kvserve/sequence_state.h"
 #include "kvserve/speculative_decoder.h"
 
 namespace kvserve {
@@ -49,20 +50,32 @@ struct ModelRunnerOutput {
   bool cuda_graph = false;       ///< the forward replayed a CUDA graph
 };
 
-/// Runs a CausalLM over scheduled steps on a paged KV cache that it owns.
+/// How a ModelRunner is made; name the fields: ModelRunner(model, sequences, {.num_blocks = 64}).
+struct ModelRunnerOptions {
+  int64_t num_blocks = 0;   ///< KV pool blocks of every layer, the null block included
+  int64_t block_size = 16;  ///< tokens per block
+  /// The block manager's groups of layers, each one's sliding window (0: full attention); they
+  /// must be the model's (KVCacheLayout::for_model).
+  std::vector<int64_t> group_windows = {0};
+  /// Borrowed, outliving the runner: the scheduled sequences that have draft slots get drafts,
+  /// and their targets are verified. Null: no speculation.
+  SpeculativeDecoder* speculator = nullptr;
+  std::optional<at::ScalarType> kv_cache_dtype;  ///< the model's dtype when unset
+  /// > 0, for a model that CudaGraphRunner supports: decode steps of up to that many sequences,
+  /// whose contexts fit max_model_len, replay CUDA graphs.
+  int64_t cuda_graph_max_batch = 0;
+  int64_t max_model_len = 0;
+};
+
+/// Runs a CausalLM over scheduled steps on a paged KV cache that it owns. What a step feeds the
+/// model comes in its SchedulerOutput alone; the SequenceTable (the engine's, outliving the
+/// runner) gives proposers the sequences' histories.
 class ModelRunner {
  public:
-  /// Allocates the KV pool: num_blocks blocks of block_size tokens for every layer of `model`.
-  /// Token ids and block tables of scheduled sequences are read from `scheduler`, which must
-  /// outlive the runner.
-  /// With a `speculator` (borrowed; outliving the runner), the scheduled sequences that have
-  /// draft slots get drafts, and their targets are verified. cuda_graph_max_batch > 0 (a model
-  /// that CudaGraphRunner supports): decode steps of up to that many sequences, whose contexts
-  /// fit max_model_len, replay CUDA graphs.
-  ModelRunner(std::shared_ptr<CausalLM> model, int64_t num_blocks, int64_t block_size,
-              const Scheduler& scheduler, SpeculativeDecoder* speculator = nullptr,
-              std::optional<at::ScalarType> kv_cache_dtype = std::nullopt,
-              int64_t cuda_graph_max_batch = 0, int64_t max_model_len = 0);
+  /// Allocates the KV pool: options.num_blocks blocks of options.block_size tokens for every
+  /// layer of `model`. Throws std::invalid_argument when the groups are not the model's.
+  ModelRunner(std::shared_ptr<CausalLM> model, const SequenceTable& sequences,
+              ModelRunnerOptions options);
   ~ModelRunner();
 
   /// Copies the step's copy-on-write blocks, asks the speculator for drafts, runs one forward
@@ -79,7 +92,7 @@ class ModelRunner {
  private:
   std::shared_ptr<CausalLM> model_;
   PagedKVCache kv_cache_;
-  const Scheduler& scheduler_;
+  const SequenceTable& sequences_;
   SpeculativeDecoder* speculator_;
   Sampler sampler_;
   std::unique_ptr<CudaGraphRunner> graphs_;  // null: eager steps only

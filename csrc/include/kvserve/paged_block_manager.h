@@ -175,6 +175,8 @@ class PagedBlockManager {
   int64_t num_groups() const { return static_cast<int64_t>(windows_.size()); }
   /// The sliding window of `group` in tokens; 0 for full attention.
   int64_t group_window(int64_t group) const { return windows_.at(group); }
+  /// Every group's sliding window, in group order.
+  const std::vector<int64_t>& group_windows() const { return windows_; }
   /// Tokens of `seq_id`: prompt plus appended.
   int64_t num_tokens(int64_t seq_id) const;
   /// Slots reserved after the tokens of `seq_id` (see append_slots).

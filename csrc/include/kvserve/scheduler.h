@@ -1,8 +1,8 @@
 #pragma once
 // Iteration-level scheduling: which sequences advance by how many tokens in the next engine step,
 // under a token budget, with chunked prefill, prefix caching and preemption by recomputation.
-// Plain C++ without torch: it moves sequence ids between queues and asks the PagedBlockManager for
-// blocks; the engine runs the model over what it schedules.
+// Plain C++ without torch: it moves sequence ids between queues, advances their SequenceState and
+// asks the PagedBlockManager for blocks; the engine runs the model over what it schedules.
 
 #include <cstdint>
 #include <limits>
@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kvserve/paged_block_manager.h"
+#include "kvserve/sequence_state.h"
 
 namespace kvserve {
 
@@ -29,12 +30,19 @@ struct SchedulerConfig {
 /// fed to the model; `samples` when they reach its last token, so its logits give the next one.
 /// A decoding sequence may also get `num_speculative_tokens` slots after its tokens, reserved and
 /// counted in the budget, for draft tokens that the step verifies (speculative decoding).
+/// The entry carries everything the model's forward needs of the sequence, so that whoever runs
+/// the step needs nothing else: the tokens it feeds, its block tables and its LoRA slot.
 struct ScheduledSequence {
   int64_t seq_id;
   int64_t num_computed;
   int64_t num_new_tokens;
   bool samples;
   int64_t num_speculative_tokens = 0;
+  /// Tokens [num_computed, num_computed + num_new_tokens) of the sequence.
+  std::vector<int32_t> token_ids;
+  /// Per group of layers, the block table the step reads and writes (its draft slots included).
+  std::vector<std::vector<int32_t>> block_tables;
+  int32_t lora_slot = -1;
 };
 
 /// What one step runs. Decodes come first, then prefill chunks (running, then newly admitted).
@@ -49,8 +57,9 @@ struct SchedulerOutput {
 
 class Scheduler {
  public:
-  /// The scheduler allocates from `blocks`, which must outlive it.
-  Scheduler(SchedulerConfig config, PagedBlockManager& blocks);
+  /// The scheduler allocates from `blocks` and keeps its sequences in `sequences` (it adds, forks
+  /// and erases their entries); both must outlive it.
+  Scheduler(SchedulerConfig config, PagedBlockManager& blocks, SequenceTable& sequences);
 
   /// Queues a new sequence. Waiting sequences are admitted by (priority, arrival): a lower
   /// priority value first, first come first served among equals. Throws std::invalid_argument
@@ -95,15 +104,9 @@ class Scheduler {
   int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
   int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
   int64_t num_preemptions() const { return num_preemptions_; }
-  bool has_sequence(int64_t seq_id) const { return sequences_.count(seq_id) > 0; }
-  /// Prompt + output tokens of a sequence; num_computed_tokens of them have KV in the cache.
-  const std::vector<int32_t>& token_ids(int64_t seq_id) const;
-  int64_t num_computed_tokens(int64_t seq_id) const;
-  /// The LoRA adapter slot the sequence's tokens run with (-1: none).
-  int32_t lora_slot(int64_t seq_id) const;
-  int64_t num_prompt_tokens(int64_t seq_id) const;
-  /// Prompt tokens the prefix cache supplied when the sequence was (last) admitted.
-  int64_t num_cached_tokens(int64_t seq_id) const;
+  bool has_sequence(int64_t seq_id) const { return entries_.count(seq_id) > 0; }
+  /// A queued or running sequence's state. Throws std::out_of_range for an unknown id.
+  const SequenceState& sequence(int64_t seq_id) const { return *entry(seq_id).state; }
   /// Running sequences in admission order (the last one is preempted first).
   const std::list<int64_t>& running() const { return running_; }
   /// Waiting sequences in admission order (O(waiting): for tests and introspection).
@@ -118,23 +121,17 @@ class Scheduler {
   /// Order of the waiting queue: preempted sequences first (the latest preempted first), then
   /// by (priority, arrival).
   using WaitKey = std::tuple<int, int64_t, int64_t, int64_t>;  // class, priority, order, seq id
-  struct Sequence {
-    std::vector<int32_t> tokens;
-    int64_t num_prompt_tokens = 0;
-    int64_t num_computed = 0;
-    int64_t num_cached = 0;
-    int64_t max_new_tokens = 0;
-    int64_t priority = 0;
+  /// Where a sequence is queued (its state is the SequenceTable's).
+  struct Entry {
+    SequenceState* state;
     int64_t arrival = 0;
-    int32_t lora_slot = -1;
-    uint64_t cache_key = 0;
     bool allocated = false;  ///< holds blocks (running)
     WaitKey wait_key;                          ///< while waiting
     std::list<int64_t>::iterator running_pos;  ///< while running
   };
 
-  Sequence& seq(int64_t seq_id);
-  const Sequence& seq(int64_t seq_id) const;
+  Entry& entry(int64_t seq_id);
+  const Entry& entry(int64_t seq_id) const;
   void enqueue_waiting(int64_t seq_id, bool preempted);
   void start_running(int64_t seq_id);
   /// Reserves slots for seq's unallocated tokens, preempting from the back of running_ while
@@ -150,10 +147,13 @@ class Scheduler {
   void schedule_running(bool decodes, int64_t& budget, SchedulerOutput& out,
                         int64_t num_speculative_tokens);
   void admit_waiting(int64_t& budget, SchedulerOutput& out);
+  /// Fills each scheduled entry's tokens, block tables and LoRA slot.
+  void describe(SchedulerOutput& out) const;
 
   SchedulerConfig config_;
   PagedBlockManager& blocks_;
-  std::unordered_map<int64_t, Sequence> sequences_;
+  SequenceTable& sequences_;
+  std::unordered_map<int64_t, Entry> entries_;
   std::list<int64_t> running_;  ///< in admission order; the back is preempted first
   std::set<WaitKey> waiting_;
   int64_t next_arrival_ = 0;

@@ -19,6 +19,7 @@
 
 #include "kvserve/sampler.h"
 #include "kvserve/scheduler.h"
+#include "kvserve/sequence_state.h"
 
 namespace kvserve {
 
@@ -56,7 +57,8 @@ struct Proposals {
 /// What a proposer sees of a step.
 struct ProposalContext {
   const SchedulerOutput& work;
-  const Scheduler& scheduler;
+  /// The scheduled sequences' whole histories (the step's entries carry only its new tokens).
+  const SequenceTable& sequences;
   /// Per scheduled entry: the sampling row of its sequence's next token, or null when the entry
   /// has no draft slots (num_speculative_tokens == 0) or samples nothing.
   const std::vector<const SamplingRow*>& rows;
