@@ -22,14 +22,6 @@ void check_tokens(const std::vector<int32_t>& tokens, const char* what) {
   }
 }
 
-int64_t checked_num_blocks(int64_t num_blocks) {
-  if (num_blocks < 2 || num_blocks >= std::numeric_limits<int32_t>::max()) {
-    throw std::invalid_argument("PagedBlockManager: num_blocks must be in [2, 2^31 - 1) (block 0 "
-                                "is the null block), got " + std::to_string(num_blocks));
-  }
-  return num_blocks;
-}
-
 void check_prompt(const std::vector<int32_t>& prompt_tokens, const char* what) {
   if (prompt_tokens.empty()) throw std::invalid_argument(std::string(what) + ": empty prompt");
   check_tokens(prompt_tokens, what);
@@ -37,70 +29,30 @@ void check_prompt(const std::vector<int32_t>& prompt_tokens, const char* what) {
 
 }  // namespace
 
-PagedBlockManager::FreeBlockQueue::FreeBlockQueue(int32_t num_blocks)
-    : sentinel_(num_blocks),
-      prev_(num_blocks + 1, num_blocks),
-      next_(num_blocks + 1, num_blocks),
-      contains_(num_blocks, false) {}
-
-void PagedBlockManager::FreeBlockQueue::insert_before(int32_t position, int32_t block_id) {
-  const int32_t before = prev_[position];
-  next_[before] = block_id;
-  prev_[block_id] = before;
-  next_[block_id] = position;
-  prev_[position] = block_id;
-  contains_[block_id] = true;
-  ++size_;
-}
-
-void PagedBlockManager::FreeBlockQueue::remove(int32_t block_id) {
-  next_[prev_[block_id]] = next_[block_id];
-  prev_[next_[block_id]] = prev_[block_id];
-  contains_[block_id] = false;
-  --size_;
-}
-
-int32_t PagedBlockManager::FreeBlockQueue::pop_front() {
-  const int32_t head = next_[sentinel_];
-  remove(head);
-  return head;
-}
-
-std::vector<int32_t> PagedBlockManager::FreeBlockQueue::to_vector() const {
-  std::vector<int32_t> ids;
-  for (int32_t b = next_[sentinel_]; b != sentinel_; b = next_[b]) {
-    if (static_cast<int64_t>(ids.size()) > size_ || prev_[next_[b]] != b) {
-      throw std::logic_error("free queue links are corrupt");
-    }
-    ids.push_back(b);
-  }
-  return ids;
-}
-
 PagedBlockManager::PagedBlockManager(BlockManagerOptions options)
     : block_size_(options.block_size),
-      windows_(std::move(options.group_windows)),
+
       enable_prefix_caching_(options.enable_prefix_caching),
       hash_fn_(options.hash_fn ? std::move(options.hash_fn) : BlockHashFn(&default_block_hash)),
-      blocks_(checked_num_blocks(options.num_blocks)),
-      free_queue_(static_cast<int32_t>(options.num_blocks)) {
+      pool_(options.num_blocks) {
   const int64_t num_blocks = options.num_blocks;
   const double watermark = options.watermark;
   if (block_size_ < 1) {
     throw std::invalid_argument("PagedBlockManager: block_size must be >= 1, got " +
                                 std::to_string(block_size_));
   }
-  if (windows_.empty() ||
-      std::any_of(windows_.begin(), windows_.end(), [](int64_t w) { return w < 0; })) {
+  const std::vector<int64_t>& windows = options.group_windows;
+  if (windows.empty() ||
+      std::any_of(windows.begin(), windows.end(), [](int64_t w) { return w < 0; })) {
     throw std::invalid_argument("PagedBlockManager: need one window >= 0 per group of layers");
   }
+  for (int64_t window : windows) groups_.emplace_back(window, block_size_);
   if (!(watermark >= 0.0 && watermark < 1.0)) {
     throw std::invalid_argument("PagedBlockManager: watermark must be in [0, 1), got " +
                                 std::to_string(watermark));
   }
   // Rounded down, as vLLM does: a tiny pool keeps no watermark.
   watermark_blocks_ = static_cast<int64_t>(watermark * static_cast<double>(num_blocks - 1));
-  for (int32_t b = 1; b < num_blocks; ++b) free_queue_.push_back(b);
 }
 
 uint64_t PagedBlockManager::default_block_hash(uint64_t parent_hash, const int32_t* tokens,
@@ -138,28 +90,26 @@ int64_t PagedBlockManager::num_live_blocks(int64_t seq_id, int64_t group) const 
 
 int64_t PagedBlockManager::max_blocks_held(int64_t num_prompt, int64_t num_tokens,
                                            int64_t max_chunk) const {
-  return max_blocks_held(windows_, block_size_, num_prompt, num_tokens, max_chunk);
+  return max_blocks_held(group_windows(), block_size_, num_prompt, num_tokens, max_chunk);
+}
+
+std::vector<int64_t> PagedBlockManager::group_windows() const {
+  std::vector<int64_t> windows;
+  for (const BlockTablePolicy& group : groups_) windows.push_back(group.window());
+  return windows;
 }
 
 int64_t PagedBlockManager::max_blocks_held(const std::vector<int64_t>& group_windows,
                                            int64_t block_size, int64_t num_prompt,
                                            int64_t num_tokens, int64_t max_chunk) {
-  // A step computing [c, c + chunk) holds a sliding group's blocks from (c - W + 1) / bs to
-  // (c + chunk) / bs.
   auto held = [&](int64_t length, int64_t chunk) {
     int64_t blocks = 0;
     for (const int64_t window : group_windows) {
-      const int64_t all = (length + block_size - 1) / block_size;
-      blocks += window > 0 ? std::min(all, (window + chunk - 1) / block_size + 2) : all;
+      blocks += BlockTablePolicy(window, block_size).max_blocks_held(length, chunk);
     }
     return blocks;
   };
   return std::max(held(num_prompt, std::min(max_chunk, num_prompt)), held(num_tokens, 1));
-}
-
-int64_t PagedBlockManager::window_first_block(int64_t group, int64_t num_computed) const {
-  const int64_t w = windows_[group];
-  return w > 0 ? std::max<int64_t>(0, num_computed - w + 1) / block_size_ : 0;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -180,8 +130,8 @@ int64_t PagedBlockManager::num_blocks_to_admit(const PrefixMatch& match, int64_t
                                                int64_t sliding_end) const {
   int64_t num_taken = 0;
   for (int64_t g = 0; g < num_groups(); ++g) {
-    const int64_t end = sliding(g) ? sliding_end : num_prompt;
-    num_taken += blocks_for(end) - match.num_blocks + num_free_among(match.blocks[g]);
+    num_taken += groups_[g].table_size(num_prompt, sliding_end) - match.num_blocks +
+                 num_free_among(match.blocks[g]);
   }
   return num_taken;
 }
@@ -227,13 +177,15 @@ int64_t PagedBlockManager::allocate(int64_t seq_id, const std::vector<int32_t>& 
     table.assign(match.first[g], kNullBlock);
     seq.live_from[g] = match.first[g];
     for (int32_t b : match.blocks[g]) {
-      acquire(b);
+      pool_.acquire(b);
       table.push_back(b);
     }
-    if (!sliding(g) && !match.blocks[g].empty()) seq.chain_refs[g] = ref(match.blocks[g].back());
+    if (groups_[g].chains_parents() && !match.blocks[g].empty()) {
+      seq.chain_refs[g] = pool_.ref(match.blocks[g].back());
+    }
   }
   for (int64_t g = 0; g < num_groups(); ++g) {
-    resize_table(seq.tables[g], blocks_for(sliding(g) ? sliding_end : num_prompt));
+    resize_table(seq.tables[g], groups_[g].table_size(num_prompt, sliding_end));
   }
   seq.num_computed = hit;
   seq.num_hashed = match.num_blocks;
@@ -255,7 +207,7 @@ bool PagedBlockManager::needs_copy_on_write(const Sequence& seq, int64_t group) 
   const std::vector<int32_t>& table = seq.tables[group];
   const int64_t index = num_tokens / block_size_;
   return num_tokens % block_size_ != 0 && index < static_cast<int64_t>(table.size()) &&
-         table[index] != kNullBlock && blocks_[table[index]].ref_count > 1;
+         table[index] != kNullBlock && pool_.ref_count(table[index]) > 1;
 }
 
 int64_t PagedBlockManager::num_blocks_to_take(const Sequence& seq, int64_t full_end,
@@ -264,11 +216,11 @@ int64_t PagedBlockManager::num_blocks_to_take(const Sequence& seq, int64_t full_
   for (int64_t g = 0; g < num_groups(); ++g) {
     const std::vector<int32_t>& table = seq.tables[g];
     const int64_t size = static_cast<int64_t>(table.size());
-    num_new += blocks_for(sliding(g) ? sliding_end : full_end) - size;
+    num_new += groups_[g].table_size(full_end, sliding_end) - size;
     // Blocks the window leaves behind and no other table holds come back to the pool first.
-    const int64_t first = std::min(window_first_block(g, seq.num_computed), size);
+    const int64_t first = std::min(groups_[g].first_visible_block(seq.num_computed), size);
     for (int64_t i = seq.live_from[g]; i < first; ++i) {
-      num_new -= table[i] != kNullBlock && blocks_[table[i]].ref_count == 1;
+      num_new -= table[i] != kNullBlock && pool_.ref_count(table[i]) == 1;
     }
   }
   return num_new;
@@ -278,23 +230,24 @@ void PagedBlockManager::drop_out_of_window(Sequence& seq) {
   for (int64_t g = 0; g < num_groups(); ++g) {
     std::vector<int32_t>& table = seq.tables[g];
     const int64_t first =
-        std::min(window_first_block(g, seq.num_computed), static_cast<int64_t>(table.size()));
+        std::min(groups_[g].first_visible_block(seq.num_computed),
+                 static_cast<int64_t>(table.size()));
     // Oldest first: they reach the cached end of the free queue first, so they are evicted
     // before the newer blocks of the window.
     for (; seq.live_from[g] < first; ++seq.live_from[g]) {
       int32_t& entry = table[seq.live_from[g]];
       if (entry == kNullBlock) continue;
-      release(entry);
+      pool_.release(entry);
       entry = kNullBlock;
     }
   }
 }
 
 void PagedBlockManager::resize_table(std::vector<int32_t>& table, int64_t size) {
-  while (static_cast<int64_t>(table.size()) < size) table.push_back(take_free_block());
+  while (static_cast<int64_t>(table.size()) < size) table.push_back(pool_.take());
   // Blocks beyond the new reservation hold only rejected drafts: back to the pool.
   while (static_cast<int64_t>(table.size()) > size) {
-    if (table.back() != kNullBlock) release(table.back());
+    if (table.back() != kNullBlock) pool_.release(table.back());
     table.pop_back();
   }
 }
@@ -336,9 +289,9 @@ std::vector<BlockCopy> PagedBlockManager::append_slots(int64_t seq_id,
       if (!needs_copy_on_write(seq, g)) continue;
       // Another table still needs the old block's filled slots; ours gets a private copy.
       int32_t& last = seq.tables[g][seq.tokens.size() / block_size_];
-      const int32_t copy = take_free_block();
+      const int32_t copy = pool_.take();
       copies.push_back({last, copy});
-      release(last);
+      pool_.release(last);
       last = copy;
     }
   }
@@ -370,16 +323,18 @@ void PagedBlockManager::reserve_prefill(int64_t seq_id, int64_t end) {
   Sequence& seq = sequence(seq_id);
   drop_out_of_window(seq);
   seq.sliding_end = std::max(end, seq.sliding_end);
+  // Full-attention tables hold every token's block already: only windows grow here.
+  const int64_t full_end = static_cast<int64_t>(seq.tokens.size()) + seq.num_lookahead;
   for (int64_t g = 0; g < num_groups(); ++g) {
-    if (sliding(g)) resize_table(seq.tables[g], blocks_for(seq.sliding_end));
+    resize_table(seq.tables[g], groups_[g].table_size(full_end, seq.sliding_end));
   }
 }
 
 void PagedBlockManager::mark_computed(int64_t seq_id, int64_t num_computed_tokens) {
   Sequence& seq = sequence(seq_id);
   const int64_t num_tokens = static_cast<int64_t>(seq.tokens.size());
-  const bool any_sliding =
-      std::any_of(windows_.begin(), windows_.end(), [](int64_t w) { return w > 0; });
+  const bool any_sliding = std::any_of(groups_.begin(), groups_.end(),
+                                       [](const BlockTablePolicy& g) { return g.sliding(); });
   if (num_computed_tokens < seq.num_computed || num_computed_tokens > num_tokens) {
     throw std::invalid_argument(
         "mark_computed: sequence " + std::to_string(seq_id) + " has " +
@@ -401,10 +356,10 @@ void PagedBlockManager::mark_computed(int64_t seq_id, int64_t num_computed_token
     const uint64_t hash = hash_fn_(seq.chain_hash, seq.tokens.data() + index * block_size_,
                                    block_size_, seq.extra_key);
     for (int64_t g = 0; g < num_groups(); ++g) {
-      if (sliding(g)) {
-        cache_window_block(seq, g, index, hash);
-      } else {
+      if (groups_[g].chains_parents()) {
         cache_full_block(seq, g, index, hash);
+      } else {
+        cache_window_block(seq, g, index, hash);
       }
     }
     seq.chain_hash = hash;
@@ -424,9 +379,9 @@ void PagedBlockManager::fork(int64_t parent_id, int64_t child_id) {
   for (int64_t g = 0; g < num_groups(); ++g) {
     std::vector<int32_t>& table = child.tables[g];
     table.resize(std::min<int64_t>(table.size(),
-                                   blocks_for(sliding(g) ? child.sliding_end : num_tokens)));
+                                   groups_[g].table_size(num_tokens, child.sliding_end)));
     for (int32_t b : table) {
-      if (b != kNullBlock) ++blocks_[b].ref_count;
+      if (b != kNullBlock) pool_.acquire(b);
     }
   }
   sequences_.emplace(child_id, std::move(child));
@@ -437,7 +392,7 @@ void PagedBlockManager::free(int64_t seq_id) {
   // Last blocks first: they are the least likely to be shared, so they end up evicted first.
   for (const std::vector<int32_t>& table : seq.tables) {
     for (auto it = table.rbegin(); it != table.rend(); ++it) {
-      if (*it != kNullBlock) release(*it);
+      if (*it != kNullBlock) pool_.release(*it);
     }
   }
   sequences_.erase(seq_id);
@@ -448,48 +403,7 @@ void PagedBlockManager::free(int64_t seq_id) {
 
 int64_t PagedBlockManager::num_free_among(const std::vector<int32_t>& block_ids) const {
   return std::count_if(block_ids.begin(), block_ids.end(),
-                       [this](int32_t b) { return blocks_[b].ref_count == 0; });
-}
-
-int32_t PagedBlockManager::take_free_block() {
-  const int32_t b = free_queue_.pop_front();
-  if (blocks_[b].cached) {
-    uncache(b);
-    ++num_evictions_;
-  }
-  ++blocks_[b].generation;
-  blocks_[b].ref_count = 1;
-  return b;
-}
-
-void PagedBlockManager::acquire(int32_t block_id) {
-  if (blocks_[block_id].ref_count++ == 0) free_queue_.remove(block_id);
-}
-
-void PagedBlockManager::release(int32_t block_id) {
-  Block& block = blocks_[block_id];
-  if (--block.ref_count > 0) return;
-  // Uncached blocks hold nothing reusable: hand them out before any cached block.
-  if (block.cached) {
-    free_queue_.push_back(block_id);
-  } else {
-    free_queue_.push_front(block_id);
-  }
-}
-
-double PagedBlockManager::usage() const {
-  return static_cast<double>(num_usable_blocks() - num_free_blocks()) /
-         static_cast<double>(num_usable_blocks());
-}
-
-std::vector<int32_t> PagedBlockManager::free_block_ids() const { return free_queue_.to_vector(); }
-
-int32_t PagedBlockManager::ref_count(int32_t block_id) const {
-  if (block_id < 0 || block_id >= num_blocks()) {
-    throw std::out_of_range("PagedBlockManager: block id " + std::to_string(block_id) +
-                            " is outside [0, " + std::to_string(num_blocks()) + ")");
-  }
-  return blocks_[block_id].ref_count;
+                       [this](int32_t b) { return pool_.ref_count(b) == 0; });
 }
 
 }  // namespace kvserve

@@ -20,7 +20,7 @@ namespace {
 }  // namespace
 
 void PagedBlockManager::check_invariants() const {
-  std::vector<int64_t> table_refs(blocks_.size(), 0);  // (sequence, position) entries per block
+  std::vector<int64_t> table_refs(num_blocks(), 0);  // (sequence, position) entries per block
   for (const auto& [id, seq] : sequences_) {
     const std::string name = "sequence " + std::to_string(id);
     const int64_t num_tokens = static_cast<int64_t>(seq.tokens.size());
@@ -36,14 +36,15 @@ void PagedBlockManager::check_invariants() const {
     for (int64_t g = 0; g < num_groups(); ++g) {
       const std::vector<int32_t>& table = seq.tables[g];
       const std::string where = name + " group " + std::to_string(g);
-      const int64_t size = blocks_for(sliding(g) ? seq.sliding_end : full_end);
+      const int64_t size = groups_[g].table_size(full_end, seq.sliding_end);
       if (static_cast<int64_t>(table.size()) != size) {
         fail(where + " has " + std::to_string(table.size()) + " blocks for " +
              std::to_string(num_tokens) + " tokens and " + std::to_string(seq.num_lookahead) +
              " lookahead slots");
       }
       // Null exactly before live_from, which the window has not passed.
-      if (seq.live_from[g] < 0 || seq.live_from[g] > window_first_block(g, seq.num_computed)) {
+      if (seq.live_from[g] < 0 ||
+          seq.live_from[g] > groups_[g].first_visible_block(seq.num_computed)) {
         fail(where + " frees blocks its window still sees");
       }
       for (int64_t i = 0; i < size; ++i) {
@@ -54,63 +55,38 @@ void PagedBlockManager::check_invariants() const {
         if (b == kNullBlock) continue;
         if (b < kNullBlock || b >= num_blocks()) fail(where + " holds block " + std::to_string(b));
         ++table_refs[b];
-        if (blocks_[b].cached && blocks_[b].group != g) fail(where + " holds another group's");
+        if (pool_.is_cached(b) && pool_.content(b).group != g) {
+          fail(where + " holds another group's");
+        }
         // Blocks holding only lookahead slots are the sequence's own and never cached.
-        if (i >= blocks_for(num_tokens) && (blocks_[b].ref_count != 1 || blocks_[b].cached)) {
+        if (i >= blocks_for(num_tokens) && (pool_.ref_count(b) != 1 || pool_.is_cached(b))) {
           fail(where + " shares or caches a lookahead block");
         }
       }
     }
   }
-  check_block_invariants(table_refs);
-}
-
-void PagedBlockManager::check_block_invariants(const std::vector<int64_t>& table_refs) const {
-  const std::vector<int32_t> queue = free_queue_.to_vector();
-  if (static_cast<int64_t>(queue.size()) != free_queue_.size()) fail("free queue size");
-  std::vector<bool> queued(blocks_.size(), false);
-  bool cached_seen = false;
-  auto name = [](int32_t b) { return "block " + std::to_string(b); };
-  for (int32_t b : queue) {
-    if (b <= kNullBlock || b >= num_blocks()) fail(name(b) + " in the free queue");
-    if (queued[b] || !free_queue_.contains(b)) fail(name(b) + " queued twice or not flagged");
-    queued[b] = true;
-    cached_seen |= blocks_[b].cached;
-    if (cached_seen && !blocks_[b].cached) fail(name(b) + " is uncached behind a cached one");
-  }
-  const Block& null_block = blocks_[kNullBlock];
-  if (null_block.ref_count != 0 || null_block.cached || null_block.generation != 0 ||
-      table_refs[kNullBlock] != 0 || free_queue_.contains(kNullBlock)) {
-    fail("the null block was used");
-  }
-  int64_t num_used = 0;
+  pool_.check_invariants(table_refs);
+  // The pool checks its own structure; the content of cached blocks is checked here, where the
+  // hash and the groups are known.
   for (int32_t b = 1; b < num_blocks(); ++b) {
-    const Block& block = blocks_[b];
-    if (block.ref_count != table_refs[b]) {
-      fail(name(b) + " has ref_count " + std::to_string(block.ref_count) + " but " +
-           std::to_string(table_refs[b]) + " table entries");
-    }
-    if (queued[b] == (block.ref_count > 0)) fail(name(b) + " is both free and used, or neither");
-    num_used += block.ref_count > 0;
-    if (!block.cached) continue;
-    const auto it = cached_.find(block.key);
-    if (it == cached_.end() || it->second != b || block.key != group_key(block.hash, block.group)) {
-      fail(name(b) + " is cached but not mapped");
+    if (!pool_.is_cached(b)) continue;
+    const CachedBlock& block = pool_.content(b);
+    const std::string name = "block " + std::to_string(b);
+    if (block.key != group_key(block.hash, block.group)) {
+      fail(name + " is cached under another key");
     }
     // Full-attention groups chain to a live parent block; sliding ones to their parent's hash.
-    const bool chained = !sliding(block.group) && is_live(block.parent);
-    if (chained || sliding(block.group)) {
-      const uint64_t parent_hash =
-          !chained ? block.parent_hash
-                   : block.parent.id == kNullBlock ? kRootHash : blocks_[block.parent.id].hash;
+    const bool chains = groups_[block.group].chains_parents();
+    const bool chained = chains && pool_.is_live(block.parent);
+    if (chained || !chains) {
+      const uint64_t parent_hash = !chained ? block.parent_hash
+                                   : block.parent.id == kNullBlock
+                                       ? kRootHash
+                                       : pool_.content(block.parent.id).hash;
       if (hash_fn_(parent_hash, block.tokens.data(), block_size_, block.extra_key) != block.hash) {
-        fail(name(b) + " is cached under a hash that its content does not give");
+        fail(name + " is cached under a hash that its content does not give");
       }
     }
-  }
-  if (num_used + static_cast<int64_t>(queue.size()) != num_usable_blocks()) fail("block count");
-  for (const auto& [key, b] : cached_) {
-    if (!blocks_[b].cached || blocks_[b].key != key) fail("stale hash map entry");
   }
 }
 

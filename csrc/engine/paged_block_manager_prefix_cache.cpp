@@ -34,7 +34,7 @@ PagedBlockManager::PrefixMatch PagedBlockManager::match_prefix(const std::vector
   int64_t num = (static_cast<int64_t>(tokens.size()) - 1) / block_size_;
   std::vector<uint64_t> hashes;
   for (int64_t g = 0; g < num_groups() && num > 0; ++g) {
-    if (sliding(g)) continue;
+    if (!groups_[g].chains_parents()) continue;
     match_full_group(tokens, extra_key, g, num, hashes, match.blocks[g]);
     num = static_cast<int64_t>(match.blocks[g].size());
   }
@@ -42,14 +42,15 @@ PagedBlockManager::PrefixMatch PagedBlockManager::match_prefix(const std::vector
   for (;; --num) {
     bool all = true;
     for (int64_t g = 0; g < num_groups() && all; ++g) {
-      if (sliding(g)) all = match_window(tokens, extra_key, g, num, hashes, match.blocks[g]);
+      if (!groups_[g].chains_parents())
+        all = match_window(tokens, extra_key, g, num, hashes, match.blocks[g]);
     }
     if (all || num == 0) break;
   }
   match.num_blocks = num;
   for (int64_t g = 0; g < num_groups(); ++g) {
-    if (sliding(g)) {
-      match.first[g] = window_first_block(g, num * block_size_);
+    if (!groups_[g].chains_parents()) {
+      match.first[g] = groups_[g].first_visible_block(num * block_size_);
     } else {
       match.blocks[g].resize(num);
     }
@@ -66,10 +67,10 @@ void PagedBlockManager::match_full_group(const std::vector<int32_t>& tokens, uin
   for (int64_t i = 0; i < limit; ++i) {
     extend_hashes(tokens, extra_key, hashes, i + 1);
     const int32_t* block_tokens = tokens.data() + i * block_size_;
-    const auto it = cached_.find(group_key(hashes[i], group));
-    if (it == cached_.end() || !holds(it->second, block_tokens, extra_key, parent)) break;
-    hits.push_back(it->second);
-    parent = ref(it->second);
+    const int32_t block = pool_.find(group_key(hashes[i], group));
+    if (block < 0 || !holds(block, block_tokens, extra_key, parent)) break;
+    hits.push_back(block);
+    parent = pool_.ref(block);
   }
 }
 
@@ -82,16 +83,17 @@ bool PagedBlockManager::match_window(const std::vector<int32_t>& tokens, uint64_
                                      std::vector<int32_t>& hits) const {
   hits.clear();
   extend_hashes(tokens, extra_key, hashes, num_blocks);
-  for (int64_t i = window_first_block(group, num_blocks * block_size_); i < num_blocks; ++i) {
-    const auto it = cached_.find(group_key(hashes[i], group));
-    if (it == cached_.end()) return false;
-    const Block& block = blocks_[it->second];
+  const int64_t first = groups_[group].first_visible_block(num_blocks * block_size_);
+  for (int64_t i = first; i < num_blocks; ++i) {
+    const int32_t id = pool_.find(group_key(hashes[i], group));
+    if (id < 0) return false;
+    const CachedBlock& block = pool_.content(id);
     const int32_t* block_tokens = tokens.data() + i * block_size_;
     if (block.extra_key != extra_key || block.parent_hash != (i == 0 ? kRootHash : hashes[i - 1]) ||
         !std::equal(block.tokens.begin(), block.tokens.end(), block_tokens)) {
       return false;
     }
-    hits.push_back(it->second);
+    hits.push_back(id);
   }
   return true;
 }
@@ -100,53 +102,44 @@ bool PagedBlockManager::match_window(const std::vector<int32_t>& tokens, uint64_
 // id, same allocation) that the previous position matched: a hash collision cannot serve wrong KV.
 bool PagedBlockManager::holds(int32_t block_id, const int32_t* tokens, uint64_t extra_key,
                               BlockRef parent) const {
-  const Block& block = blocks_[block_id];
+  const CachedBlock& block = pool_.content(block_id);
   return block.extra_key == extra_key && block.parent == parent &&
          std::equal(block.tokens.begin(), block.tokens.end(), tokens);
-}
-
-// Whether `ref` can still be the parent of a hit: the root, or a block still cached since then.
-bool PagedBlockManager::is_live(BlockRef ref) const {
-  if (ref.id == kNullBlock) return true;
-  if (ref.id == kBrokenChain) return false;
-  const Block& block = blocks_[ref.id];
-  return block.cached && block.generation == ref.generation;
 }
 
 void PagedBlockManager::cache_full_block(Sequence& seq, int64_t group, int64_t index,
                                          uint64_t hash) {
   BlockRef& chain_ref = seq.chain_refs[group];
-  if (!is_live(chain_ref)) {  // a block before this one is not cached: nothing can reach it
+  if (!pool_.is_live(chain_ref)) {  // a block before this one is not cached: nothing can reach it
     chain_ref = {kBrokenChain, 0};
     return;
   }
   const int32_t* tokens = seq.tokens.data() + index * block_size_;
   const int32_t own = seq.tables[group][index];
-  const auto it = cached_.find(group_key(hash, group));
-  if (it != cached_.end() && it->second != own) {
-    const int32_t other = it->second;
+  const int32_t other = pool_.find(group_key(hash, group));
+  if (other >= 0 && other != own) {
     if (holds(other, tokens, seq.extra_key, chain_ref)) {  // same content: keep one copy
-      chain_ref = ref(other);
+      chain_ref = pool_.ref(other);
       return;
     }
-    if (is_live(blocks_[other].parent)) {  // a true collision: the first block keeps the hash
+    if (pool_.is_live(pool_.content(other).parent)) {  // a true collision: the first keeps it
       chain_ref = {kBrokenChain, 0};
       return;
     }
-    uncache(other);  // its parent was evicted, so no prefix reaches it any more
+    pool_.uncache(other);  // its parent was evicted, so no prefix reaches it any more
   }
-  if (!blocks_[own].cached) {
+  if (!pool_.is_cached(own)) {
     cache(own, group, hash, tokens, seq.extra_key, chain_ref, seq.chain_hash);
   }
-  chain_ref = ref(own);
+  chain_ref = pool_.ref(own);
 }
 
 void PagedBlockManager::cache_window_block(Sequence& seq, int64_t group, int64_t index,
                                            uint64_t hash) {
   const int32_t own = seq.tables[group][index];
-  if (own == kNullBlock || blocks_[own].cached) return;
+  if (own == kNullBlock || pool_.is_cached(own)) return;
   // Taken by another block: the same content (keep one copy) or a collision (the first keeps it).
-  if (cached_.count(group_key(hash, group))) return;
+  if (pool_.find(group_key(hash, group)) >= 0) return;
   cache(own, group, hash, seq.tokens.data() + index * block_size_, seq.extra_key,
         BlockRef{kNullBlock, 0}, seq.chain_hash);
 }
@@ -154,33 +147,15 @@ void PagedBlockManager::cache_window_block(Sequence& seq, int64_t group, int64_t
 void PagedBlockManager::cache(int32_t block_id, int64_t group, uint64_t hash,
                               const int32_t* tokens, uint64_t extra_key, BlockRef parent,
                               uint64_t parent_hash) {
-  Block& block = blocks_[block_id];
-  block.cached = true;
-  block.hash = hash;
-  block.key = group_key(hash, group);
-  block.group = group;
-  block.parent_hash = parent_hash;
-  block.extra_key = extra_key;
-  block.parent = parent;
-  block.tokens.assign(tokens, tokens + block_size_);
-  cached_.emplace(block.key, block_id);
+  pool_.cache(block_id, {.hash = hash,
+                         .key = group_key(hash, group),
+                         .group = group,
+                         .parent_hash = parent_hash,
+                         .extra_key = extra_key,
+                         .parent = parent,
+                         .tokens = std::vector<int32_t>(tokens, tokens + block_size_)});
 }
 
-void PagedBlockManager::uncache(int32_t block_id) {
-  Block& block = blocks_[block_id];
-  cached_.erase(block.key);
-  block.cached = false;
-  block.tokens.clear();
-  if (free_queue_.contains(block_id)) {  // now worthless: reuse it before any cached block
-    free_queue_.remove(block_id);
-    free_queue_.push_front(block_id);
-  }
-}
-
-void PagedBlockManager::reset_prefix_cache() {
-  for (int32_t b : free_queue_.to_vector()) {
-    if (blocks_[b].cached) uncache(b);
-  }
-}
+void PagedBlockManager::reset_prefix_cache() { pool_.reset_prefix_cache(); }
 
 }  // namespace kvserve

@@ -31,6 +31,27 @@ void decode(PagedBlockManager& m, int64_t seq, int64_t steps, int32_t first_toke
   }
 }
 
+TEST(BlockTablePolicy, FullAttentionKeepsEveryBlockAWindowOnlyWhatItsQueriesSee) {
+  const BlockTablePolicy full(kFull, 4), local(6, 4);
+  EXPECT_FALSE(full.sliding());
+  EXPECT_TRUE(local.sliding());
+  EXPECT_TRUE(full.chains_parents());
+  EXPECT_FALSE(local.chains_parents());
+  // Tables cover all tokens and lookahead slots, or what the window's chunks reserved.
+  EXPECT_EQ(full.table_size(/*full_end=*/13, /*sliding_end=*/5), 4);
+  EXPECT_EQ(local.table_size(13, 5), 2);
+  // A query at position p sees p - 5 .. p: from position 9 on, block 1 (positions 4..7) and later.
+  for (int64_t computed : {0, 5, 9, 100}) EXPECT_EQ(full.first_visible_block(computed), 0);
+  EXPECT_EQ(local.first_visible_block(5), 0);
+  EXPECT_EQ(local.first_visible_block(9), 1);
+  EXPECT_EQ(local.first_visible_block(14), 2);
+  // Held at most: everything, or the window and the chunk's blocks plus the two partial ends.
+  EXPECT_EQ(full.max_blocks_held(1000, 1), 250);
+  EXPECT_EQ(local.max_blocks_held(1000, 1), 6 / 4 + 2);
+  EXPECT_EQ(local.max_blocks_held(1000, 64), (6 + 64 - 1) / 4 + 2);
+  EXPECT_EQ(local.max_blocks_held(5, 5), 2);  // never more than the sequence's blocks
+}
+
 TEST(PagedBlockManagerGroups, SlidingGroupGivesBackBlocksThatLeaveTheWindow) {
   // Block size 4, window 6: a query at position p sees positions p - 5 .. p.
   PagedBlockManager m(

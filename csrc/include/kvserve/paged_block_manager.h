@@ -9,6 +9,9 @@
 #include <unordered_map>
 #include <vector>
 
+#include "kvserve/block_pool.h"
+#include "kvserve/block_table_policy.h"
+
 namespace kvserve {
 
 /// Copy the whole of block `src` into block `dst` (every layer, key and value) before the step
@@ -24,7 +27,7 @@ struct BlockCopy {
 using BlockHashFn = std::function<uint64_t(uint64_t parent_hash, const int32_t* tokens,
                                            int64_t num_tokens, uint64_t extra_key)>;
 
-/// The pool of KV cache blocks, the block tables of every sequence and the prefix cache.
+/// The block tables of every sequence and the prefix cache's matching, over a BlockPool.
 ///
 /// Layers are grouped by how they attend (vLLM's hybrid KV cache manager): every group has one
 /// block table per sequence, and all groups take their blocks from the one pool. A full-attention
@@ -36,9 +39,8 @@ using BlockHashFn = std::function<uint64_t(uint64_t parent_hash, const int32_t* 
 /// prompt at admission. A local group's blocks thus stay bounded by its window, whatever the
 /// sequence length. One group of full attention is the plain paged cache.
 ///
-/// Block 0 is the null block (padding rows of block tables): never handed out, so blocks
-/// 1..num_blocks-1 are usable. A block is either free (in the free queue, reference count 0) or
-/// referenced by the tables holding it. A full block whose KV is written (mark_computed) enters the
+/// Block 0 is the null block (padding rows of block tables). A block's reference count is the
+/// number of table entries holding it. A full block whose KV is written (mark_computed) enters the
 /// prefix cache under a hash chained over its prefix; it stays reusable after it is freed, until it
 /// is evicted to serve an allocation (least recently used first).
 ///
@@ -115,7 +117,8 @@ class PagedBlockManager {
   void mark_computed(int64_t seq_id, int64_t num_computed_tokens);
 
   /// Registers `child_id` sharing all of `parent_id`'s blocks, tokens and computed count (not its
-  /// lookahead slots). Fork before appending the child's own tokens. Throws std::invalid_argument if the child id exists.
+  /// lookahead slots). Fork before appending the child's own tokens. Throws
+  /// std::invalid_argument if the child id exists.
   void fork(int64_t parent_id, int64_t child_id);
 
   /// Drops `seq_id`; blocks no longer referenced go back to the free queue (cached ones stay
@@ -129,26 +132,28 @@ class PagedBlockManager {
   void check_invariants() const;
 
   /// Blocks in the pool, the null block included.
-  int64_t num_blocks() const { return static_cast<int64_t>(blocks_.size()); }
+  int64_t num_blocks() const { return pool_.num_blocks(); }
   /// Tokens per block.
   int64_t block_size() const { return block_size_; }
   /// Blocks that can be handed out: num_blocks - 1.
   int64_t num_usable_blocks() const { return num_blocks() - 1; }
   /// Blocks in the free queue, cached ones included.
-  int64_t num_free_blocks() const { return free_queue_.size(); }
+  int64_t num_free_blocks() const { return pool_.num_free_blocks(); }
   /// Fraction of the usable blocks referenced by some sequence.
-  double usage() const;
+  double usage() const { return pool_.usage(); }
   /// Blocks in the prefix cache, free or in use.
-  int64_t num_cached_blocks() const { return static_cast<int64_t>(cached_.size()); }
+  int64_t num_cached_blocks() const { return pool_.num_cached_blocks(); }
   /// Prompt tokens looked up in the prefix cache, and those found (vLLM's queries and hits).
   int64_t prefix_cache_queries() const { return prefix_cache_queries_; }
   int64_t prefix_cache_hits() const { return prefix_cache_hits_; }
   /// Cached blocks whose hash was dropped to reuse them for other content.
-  int64_t num_evictions() const { return num_evictions_; }
+  int64_t num_evictions() const { return pool_.num_evictions(); }
   /// The free queue, next to be handed out first.
-  std::vector<int32_t> free_block_ids() const;
+  std::vector<int32_t> free_block_ids() const { return pool_.free_block_ids(); }
   /// Throws std::out_of_range for an id outside [0, num_blocks).
-  int32_t ref_count(int32_t block_id) const;
+  int32_t ref_count(int32_t block_id) const { return pool_.ref_count(block_id); }
+  /// The blocks themselves: reference counts, free queue, prefix-cache map.
+  const BlockPool& pool() const { return pool_; }
 
   /// Whether `seq_id` is allocated (and not freed).
   bool has_sequence(int64_t seq_id) const { return sequences_.count(seq_id) > 0; }
@@ -172,11 +177,11 @@ class PagedBlockManager {
   /// Blocks of `seq_id` in `group` other than the null block.
   int64_t num_live_blocks(int64_t seq_id, int64_t group) const;
   /// Groups of layers, each with its own block tables.
-  int64_t num_groups() const { return static_cast<int64_t>(windows_.size()); }
+  int64_t num_groups() const { return static_cast<int64_t>(groups_.size()); }
   /// The sliding window of `group` in tokens; 0 for full attention.
-  int64_t group_window(int64_t group) const { return windows_.at(group); }
+  int64_t group_window(int64_t group) const { return groups_.at(group).window(); }
   /// Every group's sliding window, in group order.
-  const std::vector<int64_t>& group_windows() const { return windows_; }
+  std::vector<int64_t> group_windows() const;
   /// Tokens of `seq_id`: prompt plus appended.
   int64_t num_tokens(int64_t seq_id) const;
   /// Slots reserved after the tokens of `seq_id` (see append_slots).
@@ -185,29 +190,6 @@ class PagedBlockManager {
   int64_t num_computed_tokens(int64_t seq_id) const { return sequence(seq_id).num_computed; }
 
  private:
-  /// A block at one allocation: generations tell a live parent from a reused block id.
-  struct BlockRef {
-    int32_t id;
-    uint64_t generation;
-    bool operator==(const BlockRef& other) const {
-      return id == other.id && generation == other.generation;
-    }
-  };
-
-  struct Block {
-    int32_t ref_count = 0;
-    uint64_t generation = 0;  ///< bumped each time the block is handed out
-    bool cached = false;      ///< in cached_ under `key`
-    // Valid while cached: what a prefix hit must match besides the hash.
-    uint64_t hash = 0;         ///< chained over the prefix's tokens, the same in every group
-    uint64_t key = 0;          ///< hash salted with the group: the key in cached_
-    int64_t group = 0;         ///< the group whose table it serves
-    uint64_t parent_hash = 0;  ///< the previous block's hash (sliding-window groups' check)
-    uint64_t extra_key = 0;
-    BlockRef parent{0, 0};     ///< the previous block itself (full-attention groups' check)
-    std::vector<int32_t> tokens;
-  };
-
   struct Sequence {
     std::vector<int32_t> tokens;
     /// Per group. Full attention: covers tokens + num_lookahead slots. Sliding window: covers
@@ -226,28 +208,6 @@ class PagedBlockManager {
     std::vector<BlockRef> chain_refs;
   };
 
-  /// Free blocks, head first: an intrusive doubly-linked list over block ids, so that a prefix hit
-  /// takes a free cached block out of the middle in O(1).
-  class FreeBlockQueue {
-   public:
-    explicit FreeBlockQueue(int32_t num_blocks);
-    void push_front(int32_t block_id) { insert_before(next_[sentinel_], block_id); }
-    void push_back(int32_t block_id) { insert_before(sentinel_, block_id); }
-    int32_t pop_front();
-    void remove(int32_t block_id);
-    bool contains(int32_t block_id) const { return contains_[block_id]; }
-    int64_t size() const { return size_; }
-    /// Head to tail; throws std::logic_error if the links are corrupt.
-    std::vector<int32_t> to_vector() const;
-
-   private:
-    void insert_before(int32_t position, int32_t block_id);
-    int32_t sentinel_;  ///< == num_blocks: list head and tail
-    std::vector<int32_t> prev_, next_;
-    std::vector<bool> contains_;
-    int64_t size_ = 0;
-  };
-
   /// Longest verified cached prefix of a prompt (full blocks within its first len-1 tokens):
   /// num_blocks blocks; per group the hit blocks (a sliding-window group's: those of its window
   /// before the hit, from index first[group] on).
@@ -263,9 +223,6 @@ class PagedBlockManager {
   int64_t blocks_for(int64_t num_tokens) const {
     return (num_tokens + block_size_ - 1) / block_size_;
   }
-  bool sliding(int64_t group) const { return windows_[group] > 0; }
-  /// The first block a sliding group's queries from position `num_computed` on can see.
-  int64_t window_first_block(int64_t group, int64_t num_computed) const;
   uint64_t group_key(uint64_t hash, int64_t group) const;
   int64_t num_free_among(const std::vector<int32_t>& block_ids) const;
   bool needs_copy_on_write(const Sequence& seq, int64_t group) const;
@@ -292,31 +249,21 @@ class PagedBlockManager {
                     int64_t num_blocks, std::vector<uint64_t>& hashes,
                     std::vector<int32_t>& hits) const;
   bool holds(int32_t block_id, const int32_t* tokens, uint64_t extra_key, BlockRef parent) const;
-  bool is_live(BlockRef ref) const;
-  BlockRef ref(int32_t block_id) const { return {block_id, blocks_[block_id].generation}; }
 
-  int32_t take_free_block();
-  void acquire(int32_t block_id);
-  void release(int32_t block_id);
   void cache_full_block(Sequence& seq, int64_t group, int64_t index, uint64_t hash);
   void cache_window_block(Sequence& seq, int64_t group, int64_t index, uint64_t hash);
   void cache(int32_t block_id, int64_t group, uint64_t hash, const int32_t* tokens,
              uint64_t extra_key, BlockRef parent, uint64_t parent_hash);
-  void uncache(int32_t block_id);
-  void check_block_invariants(const std::vector<int64_t>& table_refs) const;
 
   int64_t block_size_;
-  std::vector<int64_t> windows_;  ///< per group; 0 = full attention
+  std::vector<BlockTablePolicy> groups_;  ///< per group of layers
   bool enable_prefix_caching_;
   int64_t watermark_blocks_;
   BlockHashFn hash_fn_;
-  std::vector<Block> blocks_;
-  FreeBlockQueue free_queue_;
-  std::unordered_map<uint64_t, int32_t> cached_;  ///< group-salted block hash -> block id
+  BlockPool pool_;  ///< its map keys blocks by hash salted with the group (group_key)
   std::unordered_map<int64_t, Sequence> sequences_;
   int64_t prefix_cache_queries_ = 0;
   int64_t prefix_cache_hits_ = 0;
-  int64_t num_evictions_ = 0;
 };
 
 }  // namespace kvserve
