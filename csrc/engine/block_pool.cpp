@@ -14,8 +14,9 @@ namespace {
 
 int64_t checked_num_blocks(int64_t num_blocks) {
   if (num_blocks < 2 || num_blocks >= std::numeric_limits<int32_t>::max()) {
-    throw std::invalid_argument("PagedBlockManager: num_blocks must be in [2, 2^31 - 1) (block 0 "
-                                "is the null block), got " + std::to_string(num_blocks));
+    throw std::invalid_argument(
+        "PagedBlockManager: num_blocks must be in [2, 2^31 - 1) (block 0 is the null block), "
+        "got " + std::to_string(num_blocks));
   }
   return num_blocks;
 }
@@ -178,7 +179,7 @@ void BlockPool::check_invariants(const std::vector<int64_t>& table_refs) const {
     const Block& block = blocks_[b];
     if (block.ref_count != table_refs[b]) {
       broken(name(b) + " has ref_count " + std::to_string(block.ref_count) + " but " +
-           std::to_string(table_refs[b]) + " table entries");
+             std::to_string(table_refs[b]) + " table entries");
     }
     if (queued[b] == (block.ref_count > 0)) broken(name(b) + " is both free and used, or neither");
     num_used += block.ref_count > 0;

@@ -1,11 +1,11 @@
 // BlockPool on its own: hand-out order, reference counts, eviction order of cached blocks,
 // generations, the prefix-cache map and the self-check.
-#include "kvserve/block_pool.h"
-
 #include <gtest/gtest.h>
 
 #include <stdexcept>
 #include <vector>
+
+#include "kvserve/block_pool.h"
 
 namespace kvserve {
 namespace {
@@ -61,7 +61,7 @@ TEST(BlockPool, FreedUncachedBlocksComeFirstAndCachedOnesLeastRecentlyFreedFirst
   EXPECT_EQ(pool.find(11), -1);
   EXPECT_FALSE(pool.is_cached(b));
   EXPECT_FALSE(pool.is_live(old_b));
-  EXPECT_TRUE(pool.is_live({0, 0}));   // the root
+  EXPECT_TRUE(pool.is_live({0, 0}));    // the root
   EXPECT_FALSE(pool.is_live({-1, 0}));  // a broken chain
   EXPECT_EQ(pool.ref_count(d), 1);
   pool.check_invariants(refs_of(pool));

@@ -119,7 +119,8 @@ TEST(ModelRunner, RunsAStepFromItsSchedulerOutputAlone) {
                                                       s.num_new_tokens));
       EXPECT_EQ(s.block_tables, std::vector<std::vector<int32_t>>{h.blocks.block_table(s.seq_id)});
       if (s.samples) {
-        for (auto& t : targets_at(static_cast<int64_t>(i), {s.num_new_tokens - 1}, params, random)) {
+        for (auto& t :
+             targets_at(static_cast<int64_t>(i), {s.num_new_tokens - 1}, params, random)) {
           targets.push_back(t);
         }
       }

@@ -243,9 +243,11 @@ TEST(Scheduler, RandomizedRunKeepsInvariantsAndFinishesEverything) {
       for (const auto& s : out.scheduled) {
         tokens += s.num_new_tokens;
         const auto& all = scheduler.sequence(s.seq_id).token_ids;
-        ASSERT_EQ(s.token_ids, std::vector<int32_t>(all.begin() + s.num_computed,
-                                                    all.begin() + s.num_computed + s.num_new_tokens));
-        ASSERT_EQ(s.block_tables, (std::vector<std::vector<int32_t>>{blocks.block_table(s.seq_id)}));
+        ASSERT_EQ(s.token_ids,
+                  std::vector<int32_t>(all.begin() + s.num_computed,
+                                       all.begin() + s.num_computed + s.num_new_tokens));
+        ASSERT_EQ(s.block_tables,
+                  (std::vector<std::vector<int32_t>>{blocks.block_table(s.seq_id)}));
       }
       ASSERT_LE(tokens, 16);
       ASSERT_EQ(tokens, out.num_batched_tokens);

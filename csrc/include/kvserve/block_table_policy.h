@@ -49,9 +49,9 @@ class BlockTablePolicy {
   bool chains_parents() const { return !sliding(); }
 
  private:
-   int64_t blocks_for(int64_t positions) const {
-     return (positions + block_size_ - 1) / block_size_;
-   }
+  int64_t blocks_for(int64_t positions) const {
+    return (positions + block_size_ - 1) / block_size_;
+  }
 
   int64_t window_;
   int64_t block_size_;

@@ -21,9 +21,9 @@ struct SequenceState {
   int64_t num_cached_tokens = 0;
   /// Tokens it may hold after its prompt (caps the draft tokens scheduled for it).
   int64_t max_new_tokens = std::numeric_limits<int64_t>::max();
-  int64_t priority = 0;     ///< lower values are admitted first
-  int32_t lora_slot = -1;   ///< the LoRA adapter slot its tokens run with (-1: none)
-  uint64_t cache_key = 0;   ///< salts its prefix-cache hashes (0: none)
+  int64_t priority = 0;    ///< lower values are admitted first
+  int32_t lora_slot = -1;  ///< the LoRA adapter slot its tokens run with (-1: none)
+  uint64_t cache_key = 0;  ///< salts its prefix-cache hashes (0: none)
   /// Times it was given blocks (admitted, or readmitted after a preemption): KV that something
   /// else computed for it under an earlier count (a draft model's) is gone.
   int64_t num_admissions = 0;
