@@ -36,6 +36,12 @@ void bind_config(py::module_& m) {
     cls.def(py::init<>());
     KVSERVE_MOE_CONFIG_FIELDS(KVSERVE_BIND_FIELD)
   }
+  {
+    using Config = QuantizationConfig;
+    py::class_<Config> cls(m, "QuantizationConfig");
+    cls.def(py::init<>());
+    KVSERVE_QUANTIZATION_CONFIG_FIELDS(KVSERVE_BIND_FIELD)
+  }
   using Config = ModelConfig;
   py::class_<Config> cls(m, "ModelConfig");
   cls.def(py::init<>());

@@ -34,6 +34,22 @@ Linear Linear::load(const WeightMap& w, const std::string& name) {
   return Linear(QuantizedLinearWeight::load(w, name), std::move(bias));
 }
 
+namespace {
+
+constexpr QuantScheme kSchemes[] = {QuantScheme::kNone, QuantScheme::kInt8, QuantScheme::kInt4,
+                                    QuantScheme::kFp8, QuantScheme::kLlmInt8};
+
+// The qweight dtype a scheme stores.
+at::ScalarType storage_dtype(QuantScheme scheme) {
+  switch (scheme) {
+    case QuantScheme::kInt4: return at::kByte;  // two per byte
+    case QuantScheme::kFp8: return at::kFloat8_e4m3fn;
+    default: return at::kChar;
+  }
+}
+
+}  // namespace
+
 const char* quant_scheme_name(QuantScheme scheme) {
   switch (scheme) {
     case QuantScheme::kNone: return "none";
@@ -45,33 +61,43 @@ const char* quant_scheme_name(QuantScheme scheme) {
   return "?";
 }
 
-QuantizedLinearWeight QuantizedLinearWeight::load(const WeightMap& w, const std::string& name) {
+QuantScheme quant_scheme_from_name(const std::string& name) {
+  std::string names;
+  for (QuantScheme scheme : kSchemes) {
+    if (name == quant_scheme_name(scheme)) return scheme;
+    names += std::string(names.empty() ? "" : ", ") + quant_scheme_name(scheme);
+  }
+  throw std::invalid_argument("unknown quantization scheme '" + name + "' (kvserve runs " +
+                              names + ")");
+}
+
+QuantizedLinearWeight QuantizedLinearWeight::load(const WeightMap& w, const std::string& name,
+                                                  bool weight_only) {
   QuantizedLinearWeight q;
+  q.scheme = quant_scheme_from_name(w.quantization().scheme);
+  if (q.scheme == QuantScheme::kNone) {
+    throw std::invalid_argument("Linear: " + name + " is quantized (" + name + ".qweight), but "
+                                "the model's quantization config names no scheme");
+  }
+  if (weight_only && q.scheme == QuantScheme::kLlmInt8) q.scheme = QuantScheme::kInt8;
   q.qweight = w.get(name + ".qweight");
   q.scales = w.get(name + ".scales");
   q.zeros = w.get_optional(name + ".zeros");
-  switch (q.qweight.scalar_type()) {
-    case at::kChar: q.scheme = QuantScheme::kInt8; break;
-    case at::kByte: q.scheme = QuantScheme::kInt4; break;
-    case at::kFloat8_e4m3fn: q.scheme = QuantScheme::kFp8; break;
-    default:
-      throw std::invalid_argument("Linear: " + name + ".qweight must be int8, uint8 (packed "
-                                  "int4) or float8_e4m3fn, got " +
-                                  std::string(c10::toString(q.qweight.scalar_type())));
+  if (q.qweight.scalar_type() != storage_dtype(q.scheme)) {
+    throw std::invalid_argument(
+        "Linear: " + name + ".qweight is " + std::string(c10::toString(q.qweight.scalar_type())) +
+        "; the " + quant_scheme_name(q.scheme) + " scheme stores " +
+        std::string(c10::toString(storage_dtype(q.scheme))));
   }
   const int64_t in = q.qweight.size(-1) * (q.scheme == QuantScheme::kInt4 ? 2 : 1);
   TORCH_CHECK(q.scales.dim() == 2 && q.scales.size(1) > 0 && in % q.scales.size(1) == 0,
               "Linear: ", name, ".scales must be [out, groups] with groups dividing ", in,
               ", got ", q.scales.sizes());
   q.group_size = in / q.scales.size(1);
-  const at::Tensor threshold = w.get_optional(name + ".outlier_threshold");
-  if (threshold.defined()) {
-    TORCH_CHECK(threshold.numel() == 1 && q.scheme == QuantScheme::kInt8 &&
-                    q.scales.size(1) == 1 && !q.zeros.defined(),
-                "Linear: ", name, " runs LLM.int8(), which needs an int8 weight with one scale "
-                "per row and no zeros");
-    q.scheme = QuantScheme::kLlmInt8;
-    q.outlier_threshold = threshold.item<double>();
+  if (q.scheme == QuantScheme::kLlmInt8) {
+    TORCH_CHECK(q.scales.size(1) == 1 && !q.zeros.defined(), "Linear: ", name,
+                " runs LLM.int8(), which needs one scale per row and no zeros");
+    q.outlier_threshold = w.quantization().outlier_threshold;
     q.scales = q.scales.view({-1}).contiguous();
   }
   return q;

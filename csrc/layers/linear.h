@@ -19,8 +19,10 @@ enum class QuantScheme {
              ///< ops::llm_int8_linear
 };
 
-/// "none", "int8", "int4", "fp8" or "llm.int8" (the quantize command's --method names).
+/// "none", "int8", "int4", "fp8" or "llm.int8" (QuantizationConfig::scheme's names).
 const char* quant_scheme_name(QuantScheme scheme);
+/// The scheme of a QuantizationConfig::scheme name; throws std::invalid_argument listing them.
+QuantScheme quant_scheme_from_name(const std::string& name);
 
 /// A quantized weight as its op reads it: q (int8, packed int4 or fp8 E4M3), fp32 scales and
 /// zeros per output row and group of group_size inputs; for kLlmInt8 one scale per row and the
@@ -32,11 +34,12 @@ struct QuantizedLinearWeight {
   double outlier_threshold = -1.0;  // kLlmInt8 only
 
   /// `<name>.qweight`, `<name>.scales` and optional `<name>.zeros` of a weight map (the group size
-  /// is in_features over the scales' columns); the scheme follows from qweight's dtype, and a
-  /// 0-dim `<name>.outlier_threshold` (the loader's mark of a bitsandbytes 8-bit weight) makes
-  /// an int8 one kLlmInt8. Throws std::invalid_argument on a missing tensor or another dtype,
+  /// is in_features over the scales' columns), in the scheme the map's QuantizationConfig names;
+  /// weight_only (routed experts): kLlmInt8 runs as kInt8. Throws std::invalid_argument on a
+  /// missing tensor, a map that names no scheme, or a qweight dtype other than the scheme's;
   /// c10::Error on a bad shape.
-  static QuantizedLinearWeight load(const WeightMap& weights, const std::string& name);
+  static QuantizedLinearWeight load(const WeightMap& weights, const std::string& name,
+                                    bool weight_only = false);
   /// Bytes of qweight, scales and zeros.
   int64_t nbytes() const;
 };
@@ -59,8 +62,8 @@ class Linear {
   Linear() = default;
   /// The projection `name` of a weight map: `<name>.weight` (plain), or `<name>.qweight`,
   /// `<name>.scales` and optional `<name>.zeros` (quantized; the group size is in_features over
-  /// the scales' columns), with a 0-dim `<name>.outlier_threshold` for LLM.int8();
-  /// `<name>.bias` optional. Throws std::invalid_argument when neither is there.
+  /// the scales' columns; the scheme is the map's QuantizationConfig's); `<name>.bias`
+  /// optional. Throws std::invalid_argument when neither is there.
   static Linear load(const WeightMap& weights, const std::string& name);
 
   /// weight [out_features, in_features]; bias [out_features] or undefined. One copy of the weight

@@ -3,6 +3,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "layers/linear.h"
+
 namespace kvserve {
 namespace {
 
@@ -51,6 +53,12 @@ void ModelConfig::validate() const {
     require(mla.qk_rope_head_dim > 0 && mla.qk_rope_head_dim == head_dim,
             "qk_rope_head_dim must be positive and equal head_dim (the RoPE size)");
   }
+  try {
+    quant_scheme_from_name(quantization.scheme);
+  } catch (const std::invalid_argument& e) {
+    require(false, e.what());
+  }
+  require(quantization.outlier_threshold >= 0, "the quantization's outlier_threshold must be >= 0");
   if (moe.num_experts > 0) {
     require(moe.num_experts_per_tok >= 1 && moe.num_experts_per_tok <= moe.num_experts,
             "num_experts_per_tok must be in [1, num_experts]");

@@ -47,14 +47,11 @@ SparseMoE::SparseMoE(const MoEConfig& c, const std::string& p, const WeightMap& 
   for (int64_t e = 0; e < c.num_experts; ++e) {
     const std::string expert = p + "experts." + std::to_string(e) + ".";
     if (quantized) {
-      w13_quantized_.push_back(QuantizedLinearWeight::load(w, expert + "gate_up_proj"));
-      w2_quantized_.push_back(QuantizedLinearWeight::load(w, expert + "down_proj"));
-      for (const auto* q : {&w13_quantized_.back(), &w2_quantized_.back()}) {
-        if (q->scheme == QuantScheme::kLlmInt8) {
-          throw std::invalid_argument(expert + ": routed experts run weight-only quantized "
-                                      "weights, not LLM.int8() (the loader dequantizes those)");
-        }
-      }
+      // Routed experts run weight-only (fused_moe_quantized): LLM.int8() weights as int8.
+      w13_quantized_.push_back(
+          QuantizedLinearWeight::load(w, expert + "gate_up_proj", /*weight_only=*/true));
+      w2_quantized_.push_back(
+          QuantizedLinearWeight::load(w, expert + "down_proj", /*weight_only=*/true));
     } else {
       w13_.push_back(prepared(w.get(expert + "gate_up_proj.weight")));
       w2_.push_back(prepared(w.get(expert + "down_proj.weight")));

@@ -6,13 +6,17 @@
 #include <string>
 #include <unordered_map>
 
+#include "kvserve/model_config.h"
+
 namespace kvserve {
 
-/// Weights by name (loader names, e.g. "layers.3.qkv_proj.weight").
+/// Weights by name (loader names, e.g. "layers.3.qkv_proj.weight"), and the scheme that the
+/// quantized ones (`<name>.qweight`) are in.
 class WeightMap {
  public:
-  explicit WeightMap(std::unordered_map<std::string, at::Tensor> tensors)
-      : tensors_(std::move(tensors)) {}
+  explicit WeightMap(std::unordered_map<std::string, at::Tensor> tensors,
+                     QuantizationConfig quantization = {})
+      : tensors_(std::move(tensors)), quantization_(std::move(quantization)) {}
 
   /// The tensor called `name`; throws std::invalid_argument when absent.
   const at::Tensor& get(const std::string& name) const;
@@ -20,8 +24,11 @@ class WeightMap {
   /// The tensor called `name`, or an undefined tensor.
   at::Tensor get_optional(const std::string& name) const;
 
+  const QuantizationConfig& quantization() const { return quantization_; }
+
  private:
   std::unordered_map<std::string, at::Tensor> tensors_;
+  QuantizationConfig quantization_;
 };
 
 }  // namespace kvserve

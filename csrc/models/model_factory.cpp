@@ -41,7 +41,9 @@ std::shared_ptr<CausalLM> create_causal_lm(const ModelConfig& config,
                                            std::unordered_map<std::string, at::Tensor> weights,
                                            int64_t max_positions) {
   for (const auto& [name, make] : families()) {
-    if (name == config.family) return make(config, WeightMap(std::move(weights)), max_positions);
+    if (name == config.family) {
+      return make(config, WeightMap(std::move(weights), config.quantization), max_positions);
+    }
   }
   std::string list;
   for (const auto& name : model_families()) list += (list.empty() ? "" : ", ") + name;

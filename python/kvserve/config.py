@@ -17,6 +17,7 @@ import torch
 from kvserve import _C
 from kvserve.architectures import ARCHITECTURES, Architecture
 from kvserve.config_families import read_kv_sharing
+from kvserve.quantization.formats import parse_quantization_config
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -215,6 +216,11 @@ def _model_config(hf: dict, path: Path) -> _C.ModelConfig:
     if arch.read_moe is not None:
         arch.read_moe(c, f)
     read_kv_sharing(c, f)
+    quant = parse_quantization_config(hf)  # ValueError for a method kvserve does not load
+    if quant is not None:
+        q = _C.QuantizationConfig()
+        q.scheme, q.outlier_threshold = quant.scheme, quant.linear_outlier_threshold
+        c.quantization = q
     try:
         c.validate()  # the C++ side's own checks, a backstop behind the ones above
     except ValueError as e:

@@ -86,8 +86,9 @@ def test_llm_int8_experts_run_weight_only(tmp_path):
     loaded = load_weights(quantized, llm.model.config, torch.float32)
     expert = "layers.0.mlp.experts.0.gate_up_proj."
     assert loaded[expert + "qweight"].dtype == torch.int8
-    assert expert + "outlier_threshold" not in loaded
-    assert "layers.0.self_attn.qkv_proj.outlier_threshold" in loaded
+    quantization = llm.model.config.quantization  # named once, for the whole checkpoint
+    assert (quantization.scheme, quantization.outlier_threshold) == ("llm.int8", 6.0)
+    assert not any(name.endswith("outlier_threshold") for name in loaded)
 
     reference_dir, _ = dequantized_checkpoint(original, quantized, "llm.int8", tmp_path / "ref")
     assert_matches_reference(llm, llm_int8_reference(reference_dir, quantized, 6.0))

@@ -13,6 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 import kvserve
+from kvserve import _C
+from kvserve.config import load_checkpoint_info
 from kvserve.loader.safetensors_loader import load_weights
 from kvserve.quantization.quantize import quantize_checkpoint
 from tests.models.test_llm_int8 import (ReferenceInt8Linear, assert_matches_reference,
@@ -32,7 +34,9 @@ def test_matches_the_reference_w8a8_product(checkpoint_factory, tmp_path, archit
             activations["dynamic"]) == (8, "int", "token", True)
     llm = kvserve.LLM(tmp_path / "w8a8", dtype="float32")
     loaded = load_weights(tmp_path / "w8a8", llm.model.config, torch.float32)
-    assert loaded["layers.0.mlp.down_proj.outlier_threshold"].item() == 0.0
+    quantization = llm.model.config.quantization
+    assert (quantization.scheme, quantization.outlier_threshold) == ("llm.int8", 0.0)
+    assert loaded["layers.0.mlp.down_proj.qweight"].dtype == torch.int8
     # weight_scale [out, 1] per row; threshold 0: no outliers, every activation to int8.
     ref = reference_model(original, tmp_path / "w8a8", 0.0, "weight_scale",
                           lambda scale: scale.view(-1).float())
@@ -61,3 +65,22 @@ def test_activations_in_the_config_decide(checkpoint_factory, tmp_path):
                                           PROMPTS[2]) for name in ("int8", "w8a8", "static")}
     assert (logits["w8a8"] - logits["int8"]).abs().max() > 1e-4
     torch.testing.assert_close(logits["static"], logits["int8"])
+
+
+def test_the_weights_must_be_in_the_scheme_the_config_names(checkpoint_factory, tmp_path):
+    """The scheme is named by the checkpoint's config, not guessed from the tensors: int8
+    weights under another scheme, or under none, are refused by name."""
+    original = checkpoint_factory("LlamaForCausalLM")
+    quantize_checkpoint(original, tmp_path / "w8a8", "w8a8")
+    config = load_checkpoint_info(tmp_path / "w8a8").config
+    loaded = load_weights(tmp_path / "w8a8", config, torch.float32)
+    assert _C.create_causal_lm(config, loaded, 64) is not None
+    for scheme, message in [("fp8", "the fp8 scheme stores Float8_e4m3fn"),
+                            ("int4", "the int4 scheme stores Byte"),
+                            ("none", "names no scheme")]:
+        config.quantization.scheme = scheme
+        with pytest.raises(ValueError, match=message):
+            _C.create_causal_lm(config, loaded, 64)
+    config.quantization.scheme = "int3"
+    with pytest.raises(ValueError, match="unknown quantization scheme 'int3'"):
+        config.validate()

@@ -73,6 +73,19 @@ struct MoEConfig {
   KVSERVE_MOE_CONFIG_FIELDS(KVSERVE_DECLARE_FIELD)
 };
 
+/// How the checkpoint's quantized projections hold their weights, as the loader names it from
+/// the checkpoint's quantization_config (python/kvserve/quantization/formats.py). A projection
+/// with a plain `.weight` is plain whatever the scheme (modules a checkpoint leaves unquantized).
+#define KVSERVE_QUANTIZATION_CONFIG_FIELDS(X)                                               \
+  X(std::string, scheme, "none") /* none | int8 | int4 | fp8 | llm.int8 */                  \
+  /* llm.int8: activation columns with an |x| at or over this run in float, the rest in */  \
+  /* int8 per token; 0: none (W8A8). Routed experts run their int8 weights weight-only. */  \
+  X(double, outlier_threshold, 6.0)
+
+struct QuantizationConfig {
+  KVSERVE_QUANTIZATION_CONFIG_FIELDS(KVSERVE_DECLARE_FIELD)
+};
+
 /// Everything the runtime needs to know about a checkpoint. head_dim is qk_rope_head_dim (the
 /// RoPE size) when mla is in use. kv_sources: cross-layer KV sharing (CLA, kvserve's
 /// `kv_sharing` config extension), per layer the earlier layer whose cached K/V it attends over
@@ -108,7 +121,8 @@ struct MoEConfig {
   X(double, final_logit_softcap, 0.0)   /* LM-head logits likewise; 0 = none */             \
   X(std::vector<int64_t>, kv_sources, {})                                                   \
   X(MLAConfig, mla, {})                                                                     \
-  X(MoEConfig, moe, {})
+  X(MoEConfig, moe, {})                                                                     \
+  X(QuantizationConfig, quantization, {})
 
 struct ModelConfig {
   KVSERVE_MODEL_CONFIG_FIELDS(KVSERVE_DECLARE_FIELD)

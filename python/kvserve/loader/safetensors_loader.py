@@ -69,17 +69,15 @@ class _TensorReader:
         return self(module + ".weight")
 
     def put(self, w: dict[str, torch.Tensor], out: str, modules: list[str],
-            shapes: list[tuple[int, int]], weight_only: bool = False) -> None:
+            shapes: list[tuple[int, int]]) -> None:
         """The linear layers `modules` fused along the output dimension as `out` (a kvserve name
-        without .weight): plain, or quantized when the checkpoint quantized them. weight_only:
-        without the int8 activations of LLM.int8() / W8A8 (routed experts)."""
+        without .weight): plain, or quantized when the checkpoint quantized them (in the scheme
+        that ModelConfig.quantization names)."""
         if all(self.quantized(m) for m in modules):
             q = QuantizedWeight.concat([self.linear(m, s) for m, s in zip(modules, shapes)])
             w[out + ".qweight"], w[out + ".scales"] = q.qweight, q.scales
             if q.zeros is not None:
                 w[out + ".zeros"] = q.zeros
-            if q.outlier_threshold is not None and not weight_only:  # Linear: llm_int8_linear
-                w[out + ".outlier_threshold"] = torch.tensor(q.outlier_threshold)
         else:
             w[out + ".weight"] = torch.cat([self.weight(m, s) for m, s in zip(modules, shapes)])
 
@@ -180,9 +178,9 @@ def _mla_shape(c: _C.ModelConfig, name: str) -> tuple[int, int]:
 def _read_mlp(read: _TensorReader, mlp: str, out: str, bias: bool, w: dict[str, torch.Tensor],
               sizes: tuple[int, int],
               names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
-              plain: bool = False, expert: bool = False) -> None:
-    """sizes: (intermediate, hidden). plain: dequantize (routed experts fused_moe runs). expert:
-    a routed expert, quantized weight-only."""
+              plain: bool = False) -> None:
+    """sizes: (intermediate, hidden). plain: dequantize (routed experts fused_moe runs; routed
+    experts kept quantized run weight-only, by the C++ layer's rule)."""
     gate, up, down = names
     inter, hidden = sizes
     if plain:
@@ -190,8 +188,8 @@ def _read_mlp(read: _TensorReader, mlp: str, out: str, bias: bool, w: dict[str, 
                                                     read.weight(mlp + up, (inter, hidden))])
         w[out + "down_proj.weight"] = read.weight(mlp + down, (hidden, inter))
     else:
-        read.put(w, out + "gate_up_proj", [mlp + gate, mlp + up], [(inter, hidden)] * 2, expert)
-        read.put(w, out + "down_proj", [mlp + down], [(hidden, inter)], expert)
+        read.put(w, out + "gate_up_proj", [mlp + gate, mlp + up], [(inter, hidden)] * 2)
+        read.put(w, out + "down_proj", [mlp + down], [(hidden, inter)])
     if bias:
         w[out + "gate_up_proj.bias"] = torch.cat([read(f"{mlp}{gate}.bias"),
                                                   read(f"{mlp}{up}.bias")])
@@ -211,7 +209,7 @@ def _read_moe(read: _TensorReader, c: _C.ModelConfig, layer: str, out: str,
     plain = not all(read.quantized(expert + name) for expert in experts for name in names)
     for e, expert in enumerate(experts):
         _read_mlp(read, expert, f"{out}experts.{e}.", False, w,
-                  (c.moe.moe_intermediate_size, c.hidden_size), names, plain=plain, expert=True)
+                  (c.moe.moe_intermediate_size, c.hidden_size), names, plain=plain)
     if c.moe.shared_intermediate_size:
         _read_mlp(read, prefix + "shared_experts.", out + "shared_experts.", False, w,
                   (c.moe.shared_intermediate_size, c.hidden_size))

@@ -47,6 +47,20 @@ class CheckpointQuantization:
     outlier_threshold: float = 6.0  # bitsandbytes: llm_int8_threshold
     int8_activations: bool = False  # compressed-tensors W8A8: activations to int8 per token
 
+    @property
+    def scheme(self) -> str:
+        """The scheme its quantized projections run in (_C.QuantizationConfig.scheme's names)."""
+        if self.method == "bitsandbytes" or self.int8_activations:
+            return "llm.int8"  # W8A8: LLM.int8() with no outlier columns
+        if self.bits == 4:
+            return "int4"
+        return "fp8" if self.fmt == "float" else "int8"
+
+    @property
+    def linear_outlier_threshold(self) -> float:
+        """The llm.int8 scheme's threshold: bitsandbytes' own, or 0 (none) for W8A8."""
+        return 0.0 if self.int8_activations else self.outlier_threshold
+
     def covers(self, module: str) -> bool:
         """Whether the linear layer `module` (e.g. model.layers.0.mlp.down_proj) is quantized."""
         projection = re.search(r"\.(self_attn|mlp|block_sparse_moe)\.", module)
