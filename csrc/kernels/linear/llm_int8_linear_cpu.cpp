@@ -1,8 +1,12 @@
 // CPU launcher for llm_int8_linear: checks, the outliers and the per-token int8 rounding of the
 // rest (ATen, vectorized), the integer product (int8_gemm_stub, per CPU capability), then
 // scales, the outlier columns' fp32 product and the bias.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/ones_like.h>
+#include <ATen/ops/round.h>
+#include <ATen/ops/where.h>
 #include <torch/library.h>
 
 #include "kernels/cpu_kernels.h"
