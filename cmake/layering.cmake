@@ -4,6 +4,7 @@
 # under csrc/include/kvserve/ belong to the engine, except those listed here.
 set(KVSERVE_PUBLIC_HEADER_LAYERS
   attention_metadata.h=layers
+  communicator.h=layers
   model_config.h=layers
   causal_lm.h=models
 )

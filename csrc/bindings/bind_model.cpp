@@ -1,8 +1,11 @@
-// Python bindings of ModelConfig, the forward batch and the models (CausalLM).
+// Python bindings of ModelConfig, the forward batch, the models (CausalLM) and the communicator
+// their sharded layers use (here rather than in a file of its own: a binding file costs the
+// build ~8 s of compile time).
 #include <torch/csrc/utils/pybind.h>
 #include <pybind11/stl.h>
 
 #include "bindings/bindings.h"
+#include "kvserve/communicator.h"
 #include "kvserve/forward_batch.h"
 #include "kvserve/kv_cache.h"
 #include "kvserve/paged_kv_cache.h"
@@ -146,12 +149,49 @@ void bind_causal_lm(py::module_& m) {
         py::arg("max_positions"));
 }
 
+void bind_communicator(py::module_& m) {
+  // Collectives block until every rank takes part: they run without the GIL.
+  using release = py::call_guard<py::gil_scoped_release>;
+  py::class_<Communicator, std::shared_ptr<Communicator>>(
+      m, "Communicator",
+      "Collectives over a torch.distributed process group (kvserve.distributed), or local.")
+      .def_property_readonly("rank", &Communicator::rank)
+      .def_property_readonly("size", &Communicator::size)
+      .def(
+          "all_reduce_",
+          [](Communicator& c, at::Tensor tensor) {
+            c.all_reduce_(tensor);
+            return tensor;
+          },
+          py::arg("tensor"), release(), "Sums the tensor over the ranks in place; returns it.")
+      .def("all_gather", &Communicator::all_gather, py::arg("tensor"), py::arg("dim") = 0,
+           release())
+      .def("gather", &Communicator::gather, py::arg("tensor"), py::arg("dim") = 0,
+           py::arg("root") = 0, release(), "The concatenation on `root`; None elsewhere.")
+      .def(
+          "broadcast_",
+          [](Communicator& c, at::Tensor tensor, int64_t root) {
+            c.broadcast_(tensor, root);
+            return tensor;
+          },
+          py::arg("tensor"), py::arg("root") = 0, release())
+      .def("barrier", &Communicator::barrier, release())
+      .def("__repr__", [](const Communicator& c) {
+        return "<Communicator " + c.describe() + ", rank " + std::to_string(c.rank()) + " of " +
+               std::to_string(c.size()) + ">";
+      });
+  m.def("local_communicator", &local_communicator);
+  m.def("process_group_communicator", &process_group_communicator, py::arg("group_name"),
+        "The communicator over the torch.distributed group registered under this name.");
+}
+
 }  // namespace
 
 void bind_model(py::module_& m) {
   bind_config(m);
   bind_forward_batch(m);
   bind_causal_lm(m);
+  bind_communicator(m);
 }
 
 }  // namespace kvserve::bindings
