@@ -59,7 +59,7 @@ ASAN_ENV := ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:detect_odr_violation=0 
 # and the Python
 # suite leaves out the tests whose work happens in subprocesses, which import the installed,
 # uninstrumented build anyway: the command line (and `serve`), the notebooks and the
-# per-capability variants;
+# per-capability variants, the ranks of tests/distributed;
 # the quantized checkpoints end to end (their ops' kernel tests run the C++ sanitized) and other
 # tests whose time goes to Python or transformers, which the sanitizer does not see: llama2.c
 # conversion, perplexity against transformers, resident memory, detokenization, distillation
@@ -77,6 +77,7 @@ ASAN_SKIP := --ignore=tests/e2e/test_cli.py --ignore=tests/e2e/test_notebooks.py
 	--ignore=tests/models/test_perplexity.py --ignore=tests/models/test_weight_memory.py \
 	--ignore=tests/engine/test_detokenizer.py --ignore=tests/models/test_distill.py \
 	--ignore=tests/e2e/test_server_chaos.py --ignore=tests/e2e/test_server_errors.py \
+	--ignore=tests/distributed \
 	-k "not test_cpu_capability_variants and not test_train_tiny and not ten_thousand_tokens \
 	and not test_bf16_logits_within_tolerance and not follow_the_target_distribution \
 	and not test_greedy_single_requests_equal_plain_decoding and not self-draft \

@@ -48,6 +48,7 @@ void bind_config(py::module_& m) {
   using Config = ModelConfig;
   py::class_<Config> cls(m, "ModelConfig");
   cls.def(py::init<>());
+  cls.def(py::init<const ModelConfig&>(), py::arg("other"), "A copy of `other`.");
   KVSERVE_MODEL_CONFIG_FIELDS(KVSERVE_BIND_FIELD)
   cls.def("kv_source", &ModelConfig::kv_source, py::arg("layer"))
       .def("num_kv_layers", &ModelConfig::num_kv_layers)
@@ -146,7 +147,9 @@ void bind_causal_lm(py::module_& m) {
 
   m.def("model_families", &model_families);
   m.def("create_causal_lm", &create_causal_lm, py::arg("config"), py::arg("weights"),
-        py::arg("max_positions"));
+        py::arg("max_positions"), py::arg("communicator") = nullptr,
+        "The model of config.family; with a communicator of several ranks, config and weights "
+        "are this rank's share (kvserve.loader.shard_config / load_weights(shard=...)).");
 }
 
 void bind_communicator(py::module_& m) {

@@ -26,7 +26,7 @@ Attention::Attention(const ModelConfig& c, int64_t layer, const WeightMap& w,
   } else {
     qkv_proj_ = Linear::load(w, p + "qkv_proj");
   }
-  o_proj_ = Linear::load(w, p + "o_proj");
+  o_proj_ = Linear::load_row_parallel(w, p + "o_proj");
   if (c.qk_norm) {
     q_norm_ = RMSNorm(w.get(p + "q_norm.weight"), c.rms_norm_eps, c.norm_weight_offset);
     if (!shares_kv_) {

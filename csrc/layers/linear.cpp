@@ -135,7 +135,19 @@ Linear::Linear(QuantizedLinearWeight weight, at::Tensor bias)
               "Linear: bias must be [", out_features_, "]");
 }
 
+Linear Linear::load_row_parallel(const WeightMap& w, const std::string& name) {
+  Linear linear = load(w, name);
+  if (w.communicator()->size() > 1) linear.reduce_ = w.communicator();
+  return linear;
+}
+
 at::Tensor Linear::forward(const at::Tensor& x) const {
+  at::Tensor y = local_forward(x);
+  if (reduce_) reduce_->all_reduce_(y);
+  return y;
+}
+
+at::Tensor Linear::local_forward(const at::Tensor& x) const {
   const auto bias = bias_.defined() ? std::optional<at::Tensor>(bias_) : std::nullopt;
   const QuantizedLinearWeight& q = quantized_;
   switch (q.scheme) {
@@ -153,10 +165,11 @@ at::Tensor Linear::forward(const at::Tensor& x) const {
 }
 
 at::Tensor Linear::forward(const at::Tensor& x, const at::Tensor& lora_slots) const {
-  at::Tensor y = forward(x);
+  at::Tensor y = local_forward(x);
   if (lora_a_.defined() && lora_slots.defined()) {
     ops::lora_add(y, x, lora_a_, lora_b_, lora_slots, lora_scales_);
   }
+  if (reduce_) reduce_->all_reduce_(y);  // a row-parallel LoRA's partial update too
   return y;
 }
 

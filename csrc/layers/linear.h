@@ -3,8 +3,10 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <memory>
 #include <string>
 
+#include "kvserve/communicator.h"
 #include "layers/weights.h"
 
 namespace kvserve {
@@ -65,6 +67,10 @@ class Linear {
   /// the scales' columns; the scheme is the map's QuantizationConfig's); `<name>.bias`
   /// optional. Throws std::invalid_argument when neither is there.
   static Linear load(const WeightMap& weights, const std::string& name);
+  /// The same for a row-parallel projection (o_proj, down_proj): when the map's weights are
+  /// split over several ranks, each holds the columns of its share of the inputs (and rank 0
+  /// the bias), and forward sums the ranks' partial outputs (Communicator::all_reduce_).
+  static Linear load_row_parallel(const WeightMap& weights, const std::string& name);
 
   /// weight [out_features, in_features]; bias [out_features] or undefined. One copy of the weight
   /// is kept: packed by ops::linear_prepack where the device's GEMM has a packed layout that
@@ -73,7 +79,8 @@ class Linear {
   /// A quantized weight [out_features, in_features] and bias [out_features] or undefined.
   Linear(QuantizedLinearWeight weight, at::Tensor bias);
 
-  /// x [T, in_features] -> [T, out_features], in the weight dtype.
+  /// x [T, in_features] -> [T, out_features], in the weight dtype (summed over the ranks for a
+  /// row-parallel projection).
   at::Tensor forward(const at::Tensor& x) const;
   /// The same, plus each token's LoRA update (ops::lora_add) when LoRA is enabled and
   /// lora_slots (int32 [T], -1: none) is defined.
@@ -103,8 +110,12 @@ class Linear {
   bool defined() const { return weight_.defined() || quantized(); }
   /// Bytes of the weight as held (a packed one pads its blocks) and the bias; 0 when undefined.
   int64_t weight_bytes() const;
+  /// Whether forward sums partial outputs over several ranks.
+  bool row_parallel() const { return reduce_ != nullptr; }
 
  private:
+  at::Tensor local_forward(const at::Tensor& x) const;
+
   at::Tensor weight_;  // plain [out, in], or packed by ops::linear_prepack; or undefined
   QuantizedLinearWeight quantized_;  // or this
   at::Tensor bias_;
@@ -112,6 +123,7 @@ class Linear {
   // LoRA factors by slot (ops::lora_add): [slots, rank, in], [slots, rank, out], fp32 [slots]
   // of ones (the scaling is in b); undefined until enable_lora.
   at::Tensor lora_a_, lora_b_, lora_scales_;
+  std::shared_ptr<Communicator> reduce_;  // row-parallel over these ranks; null otherwise
 };
 
 }  // namespace kvserve

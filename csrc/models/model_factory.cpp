@@ -39,10 +39,13 @@ std::vector<std::string> model_families() {
 
 std::shared_ptr<CausalLM> create_causal_lm(const ModelConfig& config,
                                            std::unordered_map<std::string, at::Tensor> weights,
-                                           int64_t max_positions) {
+                                           int64_t max_positions,
+                                           std::shared_ptr<Communicator> communicator) {
   for (const auto& [name, make] : families()) {
     if (name == config.family) {
-      return make(config, WeightMap(std::move(weights), config.quantization), max_positions);
+      return make(config,
+                  WeightMap(std::move(weights), config.quantization, std::move(communicator)),
+                  max_positions);
     }
   }
   std::string list;

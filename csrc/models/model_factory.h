@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kvserve/causal_lm.h"
+#include "kvserve/communicator.h"
 
 namespace kvserve {
 
@@ -19,9 +20,13 @@ namespace kvserve {
 std::vector<std::string> model_families();
 
 /// Builds the model of config.family from loader-named weights. Throws std::invalid_argument
-/// naming the families when it is not one of them.
+/// naming the families when it is not one of them. With a `communicator` of several ranks (tensor
+/// parallelism), `config` and `weights` are this rank's share (kvserve.loader's sharded load:
+/// its heads and intermediate columns) and the row-parallel projections sum over the ranks; null:
+/// one rank.
 std::shared_ptr<CausalLM> create_causal_lm(const ModelConfig& config,
                                            std::unordered_map<std::string, at::Tensor> weights,
-                                           int64_t max_positions);
+                                           int64_t max_positions,
+                                           std::shared_ptr<Communicator> communicator = nullptr);
 
 }  // namespace kvserve

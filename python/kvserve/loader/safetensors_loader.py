@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 
 from kvserve import _C
+from kvserve.loader.sharding import Shard, check_shardable, local_heads, local_intermediate
 from kvserve.loader.weight_check import check_weights, moe_names
 from kvserve.loader.weight_index import WeightIndex
 from kvserve.quantization.formats import CheckpointQuantization, parse_quantization_config
@@ -42,13 +43,21 @@ class _TensorReader:
     def __call__(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         return self.raw(name, dtype or self.dtype)
 
-    def raw(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The tensor in `dtype` (default: as stored), a copy rather than a view of the file."""
+    def raw(self, name: str, dtype: torch.dtype | None = None,
+            part: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """The tensor in `dtype` (default: as stored), a copy rather than a view of the file.
+        part (dim, start, length): only those rows (dim 0) or columns (dim 1), read alone."""
         info = self.index.tensors[name]
         try:
             if info.file not in self.handles:
                 self.handles[info.file] = safe_open(str(info.file), framework="pt")
-            tensor = self.handles[info.file].get_tensor(name)
+            if part is None:
+                tensor = self.handles[info.file].get_tensor(name)
+            else:
+                dim, start, length = part
+                view = self.handles[info.file].get_slice(name)
+                tensor = (view[start:start + length] if dim == 0
+                          else view[:, start:start + length])
         except Exception as e:  # safetensors raises its own error types; its checks mirror ours
             raise ValueError(f"{info.file}: cannot read tensor '{name}': {e}") from e
         # A copy: a tensor that views the memory map would keep the whole file mapped (and its
@@ -69,11 +78,16 @@ class _TensorReader:
         return self(module + ".weight")
 
     def put(self, w: dict[str, torch.Tensor], out: str, modules: list[str],
-            shapes: list[tuple[int, int]]) -> None:
+            shapes: list[tuple[int, int]], parts: list[tuple[int, int, int]] | None = None
+            ) -> None:
         """The linear layers `modules` fused along the output dimension as `out` (a kvserve name
         without .weight): plain, or quantized when the checkpoint quantized them (in the scheme
-        that ModelConfig.quantization names)."""
-        if all(self.quantized(m) for m in modules):
+        that ModelConfig.quantization names). parts: per module, the (dim, start, length) a
+        tensor-parallel rank holds (plain weights only: sharding.check_shardable)."""
+        if parts is not None:
+            w[out + ".weight"] = torch.cat([self.raw(m + ".weight", self.dtype, part)
+                                            for m, part in zip(modules, parts)])
+        elif all(self.quantized(m) for m in modules):
             q = QuantizedWeight.concat([self.linear(m, s) for m, s in zip(modules, shapes)])
             w[out + ".qweight"], w[out + ".scales"] = q.qweight, q.scales
             if q.zeros is not None:
@@ -83,11 +97,18 @@ class _TensorReader:
 
 
 def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Reads, checks, converts and fuses every weight the model needs.
+                 device: torch.device | str = "cpu",
+                 shard: Shard | None = None) -> dict[str, torch.Tensor]:
+    """Reads, checks, converts and fuses every weight the model needs (config: the whole
+    model's). shard: only what this tensor-parallel rank holds (kvserve.loader.sharding), each
+    weight read in part, so that no rank ever holds the whole model's projections.
 
     Raises FileNotFoundError for a missing weight file and ValueError, naming the file and the
     tensor, for a malformed one or one that disagrees with the config."""
+    if shard is not None and shard.size == 1:
+        shard = None
+    if shard is not None:
+        check_shardable(config, shard.size)
     model_dir = Path(model_dir)
     index = WeightIndex.from_dir(model_dir)
     config_path = model_dir / "config.json"
@@ -111,26 +132,35 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
         if config.use_mla():
             _read_mla(read, config, p + "self_attn.", out + "self_attn.", w)
         else:
-            _read_attention(read, config, i, p + "self_attn.", out + "self_attn.", w)
+            _read_attention(read, config, i, p + "self_attn.", out + "self_attn.", w, shard)
         if config.is_moe_layer(i):
             _read_moe(read, config, p, out + "mlp.", w)
         else:
             _read_mlp(read, p + "mlp.", out + "mlp.", config.mlp_bias, w,
-                      (config.intermediate_size, config.hidden_size))
+                      (config.intermediate_size, config.hidden_size),
+                      shard=None if shard is None else (shard.rank,
+                                                        *local_intermediate(config, shard)))
     return {name: t.to(device).contiguous() for name, t in w.items()}
 
 
 def _read_attention(read: _TensorReader, c: _C.ModelConfig, layer: int, attn: str, out: str,
-                    w: dict[str, torch.Tensor]) -> None:
+                    w: dict[str, torch.Tensor], shard: Shard | None = None) -> None:
     # A layer that shares an earlier layer's KV (CLA) projects queries only.
     fused, names = ("q_proj", "q") if c.kv_source(layer) != layer else ("qkv_proj", "qkv")
     hidden, q_out, kv_out = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    rows = {"q": (0, q_out), "k": (0, kv_out), "v": (0, kv_out)}
+    if shard is not None:  # the rank's heads: q/k/v rows, o_proj columns
+        q0, nq, kv0, nkv = (n * c.head_dim for n in local_heads(c, shard))
+        rows = {"q": (q0, nq), "k": (kv0, nkv), "v": (kv0, nkv)}
     read.put(w, out + fused, [attn + f"{x}_proj" for x in names],
-             [(q_out if x == "q" else kv_out, hidden) for x in names])
+             [(q_out if x == "q" else kv_out, hidden) for x in names],
+             None if shard is None else [(0, *rows[x]) for x in names])
     if c.qkv_bias:
-        w[out + fused + ".bias"] = torch.cat([read(attn + f"{x}_proj.bias") for x in names])
-    read.put(w, out + "o_proj", [attn + "o_proj"], [(hidden, q_out)])
-    if c.o_proj_bias:
+        w[out + fused + ".bias"] = torch.cat([read.raw(attn + f"{x}_proj.bias", read.dtype,
+                                                       (0, *rows[x])) for x in names])
+    read.put(w, out + "o_proj", [attn + "o_proj"], [(hidden, q_out)],
+             None if shard is None else [(1, *rows["q"])])
+    if c.o_proj_bias and (shard is None or shard.rank == 0):  # added once to the sum
         w[out + "o_proj.bias"] = read(attn + "o_proj.bias")
     if c.qk_norm:
         w[out + "q_norm.weight"] = read(attn + "q_norm.weight")
@@ -178,11 +208,23 @@ def _mla_shape(c: _C.ModelConfig, name: str) -> tuple[int, int]:
 def _read_mlp(read: _TensorReader, mlp: str, out: str, bias: bool, w: dict[str, torch.Tensor],
               sizes: tuple[int, int],
               names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
-              plain: bool = False) -> None:
+              plain: bool = False, shard: tuple[int, int, int] | None = None) -> None:
     """sizes: (intermediate, hidden). plain: dequantize (routed experts fused_moe runs; routed
-    experts kept quantized run weight-only, by the C++ layer's rule)."""
+    experts kept quantized run weight-only, by the C++ layer's rule). shard: (rank, first
+    intermediate column, columns) of a tensor-parallel rank: gate/up rows, down columns."""
     gate, up, down = names
     inter, hidden = sizes
+    if shard is not None:
+        rank, first, n = shard
+        read.put(w, out + "gate_up_proj", [mlp + gate, mlp + up], [(inter, hidden)] * 2,
+                 [(0, first, n)] * 2)
+        read.put(w, out + "down_proj", [mlp + down], [(hidden, inter)], [(1, first, n)])
+        if bias:
+            w[out + "gate_up_proj.bias"] = torch.cat([
+                read.raw(f"{mlp}{x}.bias", read.dtype, (0, first, n)) for x in (gate, up)])
+            if rank == 0:  # added once to the sum
+                w[out + "down_proj.bias"] = read(f"{mlp}{down}.bias")
+        return
     if plain:
         w[out + "gate_up_proj.weight"] = torch.cat([read.weight(mlp + gate, (inter, hidden)),
                                                     read.weight(mlp + up, (inter, hidden))])

@@ -1,0 +1,89 @@
+"""Tensor-parallel shards (Megatron-LM's split, Shoeybi et al., 2019, "Megatron-LM: Training
+Multi-Billion Parameter Language Models Using Model Parallelism"): which part of each weight a
+rank holds, and the model config that rank's C++ model runs.
+
+- Attention: each rank holds num_heads / size query heads and their key/value heads (q/k/v are
+  column-parallel: rows by head); with fewer key/value heads than ranks, each key/value head is
+  replicated on the size / num_kv_heads ranks whose query heads read it. o_proj is row-parallel:
+  the columns of the rank's heads, the bias on rank 0 only, the ranks' outputs summed.
+- MLP: gate/up column-parallel (rows of the rank's share of the intermediate size), down_proj
+  row-parallel (those columns).
+- Embeddings, norms and the LM head are replicated.
+
+A rank's model is then the unsharded model class over a config whose num_heads, num_kv_heads and
+intermediate_size are the rank's (shard_config), plus one all-reduce after each row-parallel
+projection (the C++ Linear::load_row_parallel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvserve import _C
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This process's rank among `size` ranks that split one model."""
+
+    rank: int
+    size: int
+
+    def __post_init__(self):
+        if not (isinstance(self.size, int) and self.size >= 1 and isinstance(self.rank, int)
+                and 0 <= self.rank < self.size):
+            raise ValueError(f"a shard needs 0 <= rank < size, got rank {self.rank!r} of "
+                             f"{self.size!r}")
+
+
+def check_shardable(config: _C.ModelConfig, size: int) -> None:
+    """ValueError naming what keeps `config` from being split over `size` ranks."""
+    if size == 1:
+        return
+    name = config.architecture or "this model"
+    if config.use_mla():
+        raise ValueError(f"tensor parallelism does not split multi-head latent attention yet "
+                         f"({name})")
+    if config.moe.num_experts:
+        raise ValueError("tensor parallelism does not split mixture-of-experts layers yet "
+                         f"({name})")
+    if config.quantization.scheme != "none":
+        raise ValueError(f"tensor parallelism does not split quantized weights yet ({name}: "
+                         f"{config.quantization.scheme})")
+    if config.num_heads % size:
+        raise ValueError(f"tensor_parallel_size {size} must divide the {config.num_heads} "
+                         f"attention heads of {name}")
+    kv = config.num_kv_heads
+    if kv % size and size % kv:
+        raise ValueError(f"tensor_parallel_size {size} and the {kv} key/value heads of {name} "
+                         "must divide one another (each rank holds whole key/value heads)")
+    if config.intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size {size} must divide the intermediate size "
+                         f"{config.intermediate_size} of {name}")
+
+
+def local_heads(config: _C.ModelConfig, shard: Shard) -> tuple[int, int, int, int]:
+    """(first query head, query heads, first key/value head, key/value heads) of the rank."""
+    q = config.num_heads // shard.size
+    kv_total = config.num_kv_heads
+    if kv_total >= shard.size:
+        kv = kv_total // shard.size
+        return shard.rank * q, q, shard.rank * kv, kv
+    # Fewer key/value heads than ranks: the rank's query heads all read one of them.
+    return shard.rank * q, q, shard.rank * kv_total // shard.size, 1
+
+
+def local_intermediate(config: _C.ModelConfig, shard: Shard) -> tuple[int, int]:
+    """(first column, columns) of the rank's share of the MLP's intermediate size."""
+    n = config.intermediate_size // shard.size
+    return shard.rank * n, n
+
+
+def shard_config(config: _C.ModelConfig, shard: Shard) -> _C.ModelConfig:
+    """The config of the rank's model: its heads and intermediate size, the rest unchanged."""
+    check_shardable(config, shard.size)
+    local = _C.ModelConfig(config)
+    if shard.size > 1:
+        _, local.num_heads, _, local.num_kv_heads = local_heads(config, shard)
+        _, local.intermediate_size = local_intermediate(config, shard)
+    return local

@@ -1,0 +1,93 @@
+"""A model split over two ranks (kvserve.loader.sharding; Gloo, one thread per rank) gives the
+logits of the whole model at every position (fp32, tight tolerance): GQA, key/value heads
+replicated when there are fewer than ranks, biases (Qwen2), tied embeddings and sliding windows
+with soft-caps (Gemma 2), head norms (Qwen3), a vocabulary 2 does not divide. Each rank holds
+half of every projection; what cannot be split yet is a clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve import _C
+from kvserve.config import load_checkpoint_info
+from kvserve.distributed import ParallelGroups
+from kvserve.loader.safetensors_loader import load_weights
+from kvserve.loader.sharding import Shard, shard_config
+from kvserve.testing.checkpoints import make_checkpoint
+from kvserve.testing.ranks import run_ranks
+
+PROMPT = [1, 17, 5, 99, 42, 7, 300, 12, 8, 3, 250, 64]
+
+CASES = {
+    "llama-gqa": ("LlamaForCausalLM", {}),
+    "llama-one-kv-head": ("LlamaForCausalLM", dict(num_key_value_heads=1, vocab_size=383)),
+    "qwen2-biases": ("Qwen2ForCausalLM", {}),
+    "qwen3-head-norms": ("Qwen3ForCausalLM", {}),
+    "gemma2-tied-sliding": ("Gemma2ForCausalLM", {}),
+}
+
+
+def _logits(groups: ParallelGroups, path, shard: Shard | None) -> dict:
+    info = load_checkpoint_info(path)
+    config = info.config
+    local = config if shard is None else shard_config(config, shard)
+    weights = load_weights(path, config, torch.float32, shard=shard)
+    communicator = None if shard is None else groups.device_communicator()
+    model = _C.create_causal_lm(local, weights, 64, communicator)
+    caches = _C.KVCache.for_model(1, len(PROMPT), local)
+    logits = model(torch.tensor([PROMPT]), caches)[0]
+    projections = sum(t.numel() for name, t in weights.items() if "_proj" in name)
+    return dict(logits=logits, projections=projections, heads=local.num_heads,
+                kv_heads=local.num_kv_heads, intermediate=local.intermediate_size)
+
+
+def _sharded(groups: ParallelGroups, path) -> dict:
+    return _logits(groups, path, Shard(groups.rank, groups.world_size))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return {name: make_checkpoint(tmp_path_factory.mktemp(name), arch, **overrides)
+            for name, (arch, overrides) in CASES.items()}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_give_the_whole_models_logits(checkpoints, case):
+    path = checkpoints[case]
+    whole = _logits(ParallelGroups(0, 1, "gloo"), path, None)
+    ranks = run_ranks(_sharded, world_size=2, args=(path,))
+    config = load_checkpoint_info(path).config
+    for rank, part in enumerate(ranks):
+        torch.testing.assert_close(part["logits"], whole["logits"], rtol=1e-5, atol=1e-5,
+                                   msg=f"rank {rank}")
+        assert part["heads"] == config.num_heads // 2
+        assert part["kv_heads"] == max(1, config.num_kv_heads // 2)
+        assert part["intermediate"] == config.intermediate_size // 2
+        # Each rank holds half of every projection, plus its share of replicated K/V heads.
+        replicated = 1 if config.num_kv_heads < 2 else 0
+        extra = replicated * 2 * config.head_dim * config.hidden_size * config.num_layers // 2
+        assert part["projections"] == whole["projections"] // 2 + extra, rank
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=96), "must divide the 6"),
+    (dict(num_attention_heads=4, num_key_value_heads=4, intermediate_size=161),
+     "must divide the intermediate size 161"),
+])
+def test_what_cannot_be_split_is_a_clear_error(tmp_path, overrides, message):
+    path = make_checkpoint(tmp_path, "LlamaForCausalLM", **overrides)
+    config = load_checkpoint_info(path).config
+    with pytest.raises(ValueError, match=message):
+        shard_config(config, Shard(0, 4))
+    with pytest.raises(ValueError, match=message):
+        load_weights(path, config, torch.float32, shard=Shard(1, 4))
+
+
+def test_mixture_of_experts_is_refused_for_now(checkpoint_factory):
+    config = load_checkpoint_info(checkpoint_factory("MixtralForCausalLM")).config
+    with pytest.raises(ValueError, match="does not split mixture-of-experts layers yet"):
+        shard_config(config, Shard(0, 2))
+    assert shard_config(config, Shard(0, 1)).num_heads == config.num_heads
+    with pytest.raises(ValueError, match="0 <= rank < size"):
+        Shard(2, 2)
