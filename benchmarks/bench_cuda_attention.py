@@ -13,13 +13,16 @@ scaled_dot_product_attention (prefill), in one run.
     torch's scaled_dot_product_attention (the flash backend) on contiguous [B, H, T, D] tensors
     with the KV heads expanded (enable_gqa); time ratio SDPA / ours (>= 1: ours is faster).
 Each of --kernels (paged_attention's CUDA bodies: auto = the one the op picks, tensor cores for
-bf16; rows, the row kernel; general) runs every shape. Each figure is the median of --repeats
+bf16; mma64, tensor cores with the 64-row prefill tiles; rows, the row kernel; general) runs
+every shape. --parts leaves out decode or prefill; --prefill names the prompt lengths (batch 1,
+plus 8 prompts of 1,024). Each figure is the median of --repeats
 timings by CUDA events (a decode timing covers 20 calls back to back, so that launch overhead
 does not hide the kernel), the kernels of each shape interleaved. Prints markdown tables; writes
 JSON to --out.
 
     python benchmarks/bench_cuda_attention.py
     python benchmarks/bench_cuda_attention.py --quick
+    python benchmarks/bench_cuda_attention.py --parts prefill --kernels auto mma64
 """
 
 from __future__ import annotations
@@ -195,7 +198,12 @@ def main() -> None:
     parser.add_argument("--copy-gib", type=float, default=2.0)
     parser.add_argument("--max-kv-gib", type=float, default=24.0)
     parser.add_argument("--kernels", nargs="+", default=["auto", "rows"],
-                        choices=["auto", "mma", "rows", "general"])
+                        choices=["auto", "mma", "mma64", "rows", "general"])
+    parser.add_argument("--parts", nargs="+", default=["decode", "prefill"],
+                        choices=["decode", "prefill"])
+    parser.add_argument("--prefill", nargs="+", type=int,
+                        help="prompt lengths, batch 1 (default 512 to 32,768; --quick: 512 and "
+                        "2,048, without the batch of 8)")
     parser.add_argument("--variants", nargs="*", default=[], choices=["fp8", "mla"])
     parser.add_argument("--out", default="benchmarks/results/cuda_attention.json")
     args = parser.parse_args()
@@ -207,7 +215,7 @@ def main() -> None:
     bandwidth = copy_bandwidth(args.copy_gib, args.repeats)
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     decode = []
-    for batch in batches:
+    for batch in batches if "decode" in args.parts else []:
         for context in contexts:
             kv_gib = 2 * batch * context * KV_HEADS * HEAD_DIM * 2 / (1 << 30)
             if kv_gib <= args.max_kv_gib:
@@ -217,7 +225,7 @@ def main() -> None:
                 report("decode", row, args.kernels)
                 torch.cuda.empty_cache()
     variants = []
-    for variant in args.variants:
+    for variant in args.variants if "decode" in args.parts else []:
         for batch in [1, 16, 64]:
             for context in [2048, 8192]:
                 row = variant_decode_row(variant, batch, context, bandwidth, args.repeats, gen,
@@ -225,9 +233,18 @@ def main() -> None:
                 variants.append(row)
                 report(f"{variant} decode", row, args.kernels)
                 torch.cuda.empty_cache()
-    prefill = [prefill_row(b, n, dtype, args.repeats, gen, args.kernels)
-               for b, n in ([(1, 512), (1, 2048)] if args.quick else
-                            [(1, 512), (1, 2048), (1, 8192), (8, 1024)])]
+    if args.prefill:
+        shapes = [(1, n) for n in args.prefill] + [(8, 1024)]
+    else:
+        shapes = [(1, 512), (1, 2048)] if args.quick else [(1, n) for n in (512, 2048, 8192, 32768)]
+        shapes += [] if args.quick else [(8, 1024)]
+    prefill = []
+    for b, n in shapes if "prefill" in args.parts else []:
+        prefill.append(prefill_row(b, n, dtype, args.repeats, gen, args.kernels))
+        r = prefill[-1]
+        print(f"prefill batch {b} tokens {n}: sdpa {r['ms']['sdpa']:.3f} ms, " + ", ".join(
+            f"{k} {r['ms'][k]:.3f} ms ({r['speedup'][k]:.2f}x)" for k in args.kernels), flush=True)
+        torch.cuda.empty_cache()
     name = torch.cuda.get_device_name()
     out = Path(args.out)  # written first: a table that fails to print loses no figures
     out.parent.mkdir(parents=True, exist_ok=True)

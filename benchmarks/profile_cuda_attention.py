@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=8192, help="context (prefill: its length)")
     parser.add_argument("--calls", type=int, default=3)
-    parser.add_argument("--kernel", default="auto", choices=["auto", "mma", "rows", "general"])
+    parser.add_argument("--kernel", default="auto", choices=["auto", "mma", "mma64", "rows", "general"])
     args = parser.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -11,8 +11,9 @@
 #   bench-attention, bench-e2e, bench-quant   benchmarks/bench_cuda_attention.py,
 #             benchmarks/bench_cuda_e2e.py, benchmarks/bench_cuda_quant.py
 #   profile-attention   Nsight Compute over paged_attention's kernels (speed of light,
-#             occupancy, warp stalls): prefill of 8,192 tokens, decode of 1 x 160 and 64 x 8,192
-#             (benchmarks/profile_cuda_attention.py)
+#             occupancy, warp stalls): prefill of 8,192 tokens (128- and 64-row tiles), decode of
+#             1 x 160 and 64 x 8,192 (benchmarks/profile_cuda_attention.py); PROFILE_CASES
+#             ("case args;case args") replaces them
 #     bash scripts/cuda_session.sh test bench-attention
 # DEADLINE=S: every stage ends within S seconds of the start (cut short, or skipped when under
 # 20 s are left), so a lease's time limit still leaves the logs. TEST_TIMEOUT, BENCH_TIMEOUT:
@@ -128,10 +129,13 @@ print(pathlib.Path(kvserve._C.__file__).parent / 'libkvserve_runtime.so')")
         ${QUANT_ARGS:-} --out "$out/cuda_quant.json" \
         2>&1 | tee "$out/bench_quant.log" | tail -30 ;;
     profile-attention)
-      for case in "prefill --batch 1 --tokens 8192" "decode --batch 1 --tokens 160" \
-                  "decode --batch 64 --tokens 8192"; do
+      cases=("prefill --batch 1 --tokens 8192" "prefill --batch 1 --tokens 8192 --kernel mma64"
+             "decode --batch 1 --tokens 160" "decode --batch 64 --tokens 8192")
+      [ -n "${PROFILE_CASES:-}" ] && IFS=';' read -ra cases <<< "$PROFILE_CASES"
+      for case in "${cases[@]}"; do
         name=$(echo "$case" | tr -d '-' | tr ' ' '_')
-        timeout "$(limit 120)" ncu --section SpeedOfLight --section Occupancy \
+        timeout "$(limit 120)" ncu --clock-control none --section SpeedOfLight \
+          --section ComputeWorkloadAnalysis --section Occupancy \
           --section WarpStateStats --section LaunchStats --kernel-name regex:paged_attention \
           --launch-skip 2 --launch-count 2 \
           $python benchmarks/profile_cuda_attention.py --case $case > "$out/ncu-$name.log" 2>&1

@@ -36,9 +36,10 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "set_cuda_attention_kernel", &kvserve::ops::set_attention_kernel, pybind11::arg("name"),
       "Which CUDA body runs paged_attention from now on: auto (the fastest that applies), mma "
-      "(tensor cores), rows or general (KVSERVE_ATTENTION_KERNEL sets it at start-up).");
+      "(tensor cores), rows, general, or mma64 (tensor cores with the 64-row prefill tiles) "
+      "(KVSERVE_ATTENTION_KERNEL sets it at start-up).");
   m.def("cuda_attention_kernel", &kvserve::ops::attention_kernel_name,
-        "The CUDA attention kernel choice: auto, mma, rows or general.");
+        "The CUDA attention kernel choice: auto, mma, rows, general or mma64.");
   kvserve::bindings::bind_kv_cache(m);
   kvserve::bindings::bind_model(m);
   kvserve::bindings::bind_continuous_batching_engine(m);

@@ -26,6 +26,18 @@ __device__ inline uint32_t pack_pair(float low, float high) {
   return static_cast<uint32_t>(lb) | (static_cast<uint32_t>(hb) << 16);
 }
 
+/// 2^x by the special-function unit's approximation (2 ulp), subnormal results flushed to zero:
+/// an online softmax's exponentials, without exp2f's rescaling of subnormal inputs.
+__device__ inline float exp2_approx(float x) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return exp2f(x);
+#endif
+}
+
 #ifdef KVSERVE_CUDA_EMULATOR
 template <typename T>
 void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]);

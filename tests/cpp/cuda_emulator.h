@@ -123,6 +123,16 @@ T __shfl_sync(unsigned mask, T value, int source, int width = 32) {
       });
 }
 
+inline int __all_sync(unsigned mask, int predicate) {
+  if (mask != 0xffffffffu) ::kvserve::emu::fail("__all_sync: full warps only");
+  return ::kvserve::emu::warp_collective<int, int>("__all_sync", predicate,
+                                                   [](const int* in, int* out) {
+                                                     int all = 1;
+                                                     for (int l = 0; l < 32; ++l) all &= in[l] != 0;
+                                                     for (int l = 0; l < 32; ++l) out[l] = all;
+                                                   });
+}
+
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 
 // Byte j of the result is byte (selector's nibble j & 7) of the 8 bytes y:x (x the low four).

@@ -1,9 +1,10 @@
 // paged_attention's CUDA kernel bodies run by the CUDA emulator (cuda_emulator.h) through the
 // launcher's own host plan (paged_attention_cuda_launch.h), against the CPU op: the tensor-core
-// kernel in its decode (16-row) and prefill (64-row) tiles, the row kernel and the general one,
-// over awkward shapes, GQA groups, block sizes, sliding windows, soft-caps and context splits.
-// This tests the kernels' indexing, masking, pipelining and merging without a GPU; what the
-// emulator cannot show (speed, the hardware's own fragment layouts) the `cuda` tests do on one.
+// kernel in its decode (16-row) and prefill (128- and 64-row) tiles, the row kernel and the
+// general one, over awkward shapes, GQA groups, block sizes, sliding windows, soft-caps and
+// context splits. This tests the kernels' indexing, masking, pipelining and merging without a
+// GPU; what the emulator cannot show (speed, the hardware's own fragment layouts) the `cuda`
+// tests do on one.
 #include "cuda_emulator.h"
 
 #include <ATen/ops/empty.h>
@@ -176,6 +177,9 @@ std::vector<Case> prefill_cases() {
       {"prefill, group 3, soft-cap 20, 2 splits", 3, 1, 128, 16, {{30, 300}}, 0, 20.0, 2},
       {"prefill, group 32 over one KV head", 32, 1, 64, 16, {{6, 20}, {2, 2}}},
       {"prefill, head 256, MHA, 2 splits", 2, 2, 256, 8, {{40, 40}, {9, 300}}, 0, 0.0, 2},
+      // Whole stages below the diagonal, unmasked, then the diagonal's; a window over them.
+      {"long chunk, GQA 4, head 128", 8, 2, 128, 16, {{160, 290}, {33, 33}}},
+      {"long chunk, GQA 2, head 64, window 70, blocks of 7", 4, 2, 64, 7, {{150, 230}}, 70},
   };
 }
 
@@ -203,9 +207,15 @@ TEST(PagedAttentionEmulated, TensorCoreKernelPrefillsInBf16AndFp16) {
   }
 }
 
+TEST(PagedAttentionEmulated, TensorCoreKernelPrefillsInSmallTiles) {
+  for (const Case& c : prefill_cases()) {
+    run_case<__nv_bfloat16>(c, at::kBFloat16, Kernel::kMma64, 2e-2);
+  }
+}
+
 TEST(PagedAttentionEmulated, TensorCoreKernelReadsInt8AndFp8Caches) {
   const std::vector<Case> cases = {decode_cases()[0], decode_cases()[1], decode_cases()[2],
-                                   prefill_cases()[0], prefill_cases()[1]};
+                                   prefill_cases()[0], prefill_cases()[1], prefill_cases()[6]};
   for (const Case& c : cases) {
     run_case<__nv_bfloat16, cuda::KVFormat::kInt8>(c, at::kBFloat16, Kernel::kMma, 2e-2, at::kChar);
     run_case<__half, cuda::KVFormat::kFp8E4M3>(c, at::kHalf, Kernel::kMma, 4e-3,

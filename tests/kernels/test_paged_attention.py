@@ -280,11 +280,11 @@ def attention_kernel():
     kvserve._C.set_cuda_attention_kernel("auto")
 
 
-@pytest.mark.parametrize("kernel", ["mma", "rows", "general"])
+@pytest.mark.parametrize("kernel", ["mma", "mma64", "rows", "general"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_cuda_kernel(kernel, dtype, attention_kernel):
     """On CUDA each body that applies, forced: the tensor-core kernel (bf16 / fp16, head sizes
-    64 and 128), the row kernel (head sizes 64, 128, 256), the general one (any), over decode,
+    64 and 128; prefill tiles of 128 rows, or 64 with mma64), the row kernel (head sizes 64, 128, 256), the general one (any), over decode,
     prefill and split contexts, GQA groups that fill a tile, leave it part empty or need two."""
     attention_kernel(kernel)
     for head_dim, num_heads, num_kv_heads in [(128, 8, 2), (64, 6, 2), (64, 40, 2), (256, 4, 4)]:
@@ -297,7 +297,7 @@ def test_every_cuda_kernel(kernel, dtype, attention_kernel):
 def test_attention_kernel_choice_is_checked(attention_kernel):
     attention_kernel("rows")
     assert kvserve._C.cuda_attention_kernel() == "rows"
-    with pytest.raises(ValueError, match="auto, mma, rows or general"):
+    with pytest.raises(ValueError, match="auto, mma, rows, general or mma64"):
         attention_kernel("flash")
     assert kvserve._C.cuda_attention_kernel() == "rows"
 

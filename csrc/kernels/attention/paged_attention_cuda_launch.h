@@ -130,12 +130,14 @@ void launch_split(void (*kernel)(cuda::PagedAttentionParams), cuda::PagedAttenti
 /// keys and values of one size, 64, 128 or 256, or over MLA's latent (576 entries, values the
 /// first 512), 16-byte aligned; false where it does not apply.
 /// Tiles of 16 rows (one query token's GQA group, four warps splitting the positions) when
-/// sequences bring few rows, as decode does; tiles of 64 rows (four warps of 16 rows, flash-
-/// attention style) otherwise. Head size 256 takes 32-position stages (shared memory), so its
-/// decode tiles are 32 rows, two warps per 16 rows splitting the positions.
+/// sequences bring few rows, as decode does; tiles of 128 rows otherwise (four warps of 32 rows,
+/// FlashAttention-2's shape: each key and value fragment feeds two row tiles), or of 64 rows
+/// (16 a warp) where `small_tiles` asks, for head size 256 and over quantized caches. Head size
+/// 256 takes 32-position stages (shared memory), so its decode tiles are 32 rows, two warps per
+/// 16 rows splitting the positions.
 template <typename T, cuda::KVFormat F, typename Launch>
 bool launch_mma(cuda::PagedAttentionParams& p, int64_t num_tokens, int sms,
-                const at::Tensor& query, Launch& launch) {
+                const at::Tensor& query, bool small_tiles, Launch& launch) {
   if constexpr (std::is_same_v<T, float>) {
     return false;
   } else {
@@ -158,11 +160,12 @@ bool launch_mma(cuda::PagedAttentionParams& p, int64_t num_tokens, int sms,
     const int group = p.num_heads / p.num_kv_heads;
     const int64_t rows_per_sequence =
         (num_tokens + p.num_seqs - 1) / std::max(p.num_seqs, 1) * group;
-    const auto with_shape = [&](auto head_dim, auto warps_m, auto positions, auto latent_dim) {
+    const auto with_shape = [&](auto head_dim, auto warps_m, auto positions, auto latent_dim,
+                                auto row_tiles) {
       constexpr int D = decltype(head_dim)::value, WM = decltype(warps_m)::value;
       constexpr int N = decltype(positions)::value, WN = cuda::kAttentionWarps / WM;
-      constexpr int L = decltype(latent_dim)::value;
-      using Shape = cuda::MmaAttentionShape<D, WM, WN, N, F != cuda::KVFormat::kPlain, L>;
+      constexpr int L = decltype(latent_dim)::value, MT = decltype(row_tiles)::value;
+      using Shape = cuda::MmaAttentionShape<D, WM, WN, N, F != cuda::KVFormat::kPlain, L, MT>;
       const int tile_heads = cuda::mma_tile_heads(group, Shape::kRows);
       const int64_t tile_tokens = Shape::kRows / tile_heads;
       // Every sequence with a query takes a tile of its own: a decode step of B sequences
@@ -170,7 +173,7 @@ bool launch_mma(cuda::PagedAttentionParams& p, int64_t num_tokens, int sms,
       const int64_t useful_tiles =
           std::max<int64_t>((num_tokens + tile_tokens - 1) / tile_tokens,
                             std::min<int64_t>(p.num_seqs, num_tokens));
-      launch_split<T>(cuda::paged_attention_mma_kernel<T, F, D, WM, WN, N, L>, p,
+      launch_split<T>(cuda::paged_attention_mma_kernel<T, F, D, WM, WN, N, L, MT>, p,
                       num_tokens / tile_tokens + p.num_seqs, useful_tiles, tile_heads, sms, N,
                       Shape::kSharedBytes, query, launch);
     };
@@ -181,23 +184,30 @@ bool launch_mma(cuda::PagedAttentionParams& p, int64_t num_tokens, int sms,
     using N64 = std::integral_constant<int, 64>;
     using Plain = std::integral_constant<int, 0>;
     const bool decode_tiles = rows_per_sequence <= 16;
+    // Prefill tiles of 128 rows when they would be at least half full, over 16-bit caches (a
+    // quantized stage's dequantizing leaves registers for one row tile).
+    const bool wide_tiles = !small_tiles && rows_per_sequence > 64;
+    const auto prefill_tiles = [&](auto head_dim) {
+      if constexpr (F == cuda::KVFormat::kPlain) {
+        if (wide_tiles) return with_shape(head_dim, IV{}, N64{}, Plain{}, II{});
+      }
+      with_shape(head_dim, IV{}, N64{}, Plain{}, I{});
+    };
     if (latent) {
       // 16 heads a block, the warps splitting the positions for scores and the value entries
       // for outputs: 32 positions a stage (72 KiB of latent rows in two stages).
       with_shape(std::integral_constant<int, 576>{}, I{}, N32{},
-                 std::integral_constant<int, 512>{});
+                 std::integral_constant<int, 512>{}, I{});
     } else if (d == 64) {
       using D64 = std::integral_constant<int, 64>;
-      decode_tiles ? with_shape(D64{}, I{}, N64{}, Plain{})
-                   : with_shape(D64{}, IV{}, N64{}, Plain{});
+      decode_tiles ? with_shape(D64{}, I{}, N64{}, Plain{}, I{}) : prefill_tiles(D64{});
     } else if (d == 128) {
       using D128 = std::integral_constant<int, 128>;
-      decode_tiles ? with_shape(D128{}, I{}, N64{}, Plain{})
-                   : with_shape(D128{}, IV{}, N64{}, Plain{});
+      decode_tiles ? with_shape(D128{}, I{}, N64{}, Plain{}, I{}) : prefill_tiles(D128{});
     } else {
       using D256 = std::integral_constant<int, 256>;
-      decode_tiles ? with_shape(D256{}, II{}, N32{}, Plain{})
-                   : with_shape(D256{}, IV{}, N32{}, Plain{});
+      decode_tiles ? with_shape(D256{}, II{}, N32{}, Plain{}, I{})
+                   : with_shape(D256{}, IV{}, N32{}, Plain{}, I{});
     }
     return true;
   }
@@ -251,8 +261,8 @@ bool launch_rows(cuda::PagedAttentionParams& p, int64_t num_tokens, int sms,
 template <typename T, cuda::KVFormat F, typename Launch>
 void launch_kernel(cuda::PagedAttentionParams& p, int64_t num_tokens, int sms,
                    const at::Tensor& query, Kernel kernel, Launch& launch) {
-  if (kernel == Kernel::kAuto || kernel == Kernel::kMma) {
-    if (launch_mma<T, F>(p, num_tokens, sms, query, launch)) return;
+  if (kernel == Kernel::kAuto || kernel == Kernel::kMma || kernel == Kernel::kMma64) {
+    if (launch_mma<T, F>(p, num_tokens, sms, query, kernel == Kernel::kMma64, launch)) return;
   }
   if (kernel != Kernel::kGeneral) {
     if (launch_rows<T, F>(p, num_tokens, sms, query, launch)) return;

@@ -9,13 +9,13 @@
 namespace kvserve::ops {
 namespace {
 
-constexpr std::array<const char*, 4> kNames = {"auto", "mma", "rows", "general"};
+constexpr std::array<const char*, 5> kNames = {"auto", "mma", "rows", "general", "mma64"};
 
 AttentionKernel parse(const std::string& name) {
   for (size_t i = 0; i < kNames.size(); ++i) {
     if (name == kNames[i]) return static_cast<AttentionKernel>(i);
   }
-  throw std::invalid_argument("attention kernel must be auto, mma, rows or general, got '" +
+  throw std::invalid_argument("attention kernel must be auto, mma, rows, general or mma64, got '" +
                               name + "'");
 }
 

@@ -8,13 +8,15 @@
 namespace kvserve::ops {
 
 /// auto: tensor cores where they apply, else the row kernel, else the general one; mma: the
-/// same; rows: the row kernel where it applies, else the general one; general: always that.
-enum class AttentionKernel { kAuto, kMma, kRows, kGeneral };
+/// same; rows: the row kernel where it applies, else the general one; general: always that;
+/// mma64: tensor cores with prefill tiles of 64 query rows (16 a warp) instead of 128, the
+/// earlier shape, for comparing the two.
+enum class AttentionKernel { kAuto, kMma, kRows, kGeneral, kMma64 };
 
 /// The current choice (KVSERVE_ATTENTION_KERNEL at first use, then the last set_attention_kernel).
 AttentionKernel attention_kernel();
 
-/// Sets the choice by name (auto, mma, rows, general); throws std::invalid_argument otherwise.
+/// Sets the choice by name (auto, mma, rows, general, mma64); throws std::invalid_argument otherwise.
 void set_attention_kernel(const std::string& name);
 
 /// The current choice's name.

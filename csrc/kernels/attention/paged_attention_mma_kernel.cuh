@@ -10,10 +10,12 @@
 // memory while the warps compute on this one (two stages); rows are stored XOR-swizzled in
 // 16-byte chunks so ldmatrix reads them without bank conflicts. Quantized rows are copied raw
 // with their scales and dequantized into the 16-bit tiles in shared memory when their stage
-// comes up. The 4 warps are WM (rows) x WN (positions): each computes S = Q K^T for its 16 rows
-// and N / WN positions with mma.m16n8k16, masks (causal, sliding window, outside the pool),
-// soft-caps, keeps a base-2 online softmax per row in registers, and accumulates P V with P
-// taken straight from S's accumulators. The WN streams of a row merge in shared memory
+// comes up. The 4 warps are WM (rows) x WN (positions): each computes S = Q K^T for its 16 * MT
+// rows and N / WN positions with mma.m16n8k16 (each key and value fragment read from shared
+// memory feeds MT row tiles: FlashAttention-2's 128-row tiles are MT = 2), masks (causal,
+// sliding window, outside the pool) unless every position of its stage is visible to all its
+// rows, soft-caps, keeps a base-2 online softmax per row in registers, and accumulates P V with
+// P taken straight from S's accumulators. The WN streams of a row merge in shared memory
 // (store_merged_rows), as do splits in paged_attention_merge_kernel.
 
 #include <cfloat>
@@ -27,8 +29,10 @@ namespace kvserve::cuda {
 /// The shape of one instantiation: HEAD_DIM 64, 128 or 256; WM x WN warps (4 in all); N
 /// positions a stage, N / WN (8 or a multiple of 16) per warp; QUANTIZED: int8 / fp8 cache
 /// entries; LATENT_VALUE_DIM > 0: MLA's latent cache, one for keys and values, a value being the
-/// first LATENT_VALUE_DIM entries of its key row (HEAD_DIM any multiple of 64; WM = 1).
-template <int HEAD_DIM, int WM, int WN, int N, bool QUANTIZED = false, int LATENT_VALUE_DIM = 0>
+/// first LATENT_VALUE_DIM entries of its key row (HEAD_DIM any multiple of 64; WM = 1); MT
+/// 16-row tiles of queries per warp (1 or 2; 1 over a latent).
+template <int HEAD_DIM, int WM, int WN, int N, bool QUANTIZED = false, int LATENT_VALUE_DIM = 0,
+          int MT = 1>
 struct MmaAttentionShape {
   static constexpr bool kLatent = LATENT_VALUE_DIM > 0;
   static_assert(WM * WN == kAttentionWarps, "the block's 4 warps are WM x WN");
@@ -39,7 +43,9 @@ struct MmaAttentionShape {
                 "head sizes 64 to 256, or a latent of a multiple of 64");
   static_assert(N % (16 * WN) == 0 || (kLatent && N == 8 * WN),
                 "each warp takes a multiple of 16 positions (8 over a latent)");
-  static constexpr int kRows = 16 * WM;            // query rows of a block
+  static_assert(MT == 1 || (MT == 2 && !kLatent), "one or two row tiles a warp");
+  static constexpr int kRowTiles = MT;             // 16-row tiles of a warp
+  static constexpr int kRows = 16 * WM * MT;       // query rows of a block
   static constexpr int kChunks = HEAD_DIM / 8;     // 16-byte chunks of a 16-bit row
   static constexpr int kWarpPositions = N / WN;    // positions per warp and stage
   static constexpr int kStages = 2;
@@ -53,8 +59,9 @@ struct MmaAttentionShape {
   // copied as they are. Quantized: K and V [N][HEAD_DIM] of 16-bit entries (dequantized from
   // this stage), then raw K and V [kStages][N][HEAD_DIM] bytes. A latent has no V of its own.
   // The epilogue reuses Q and the region for the streams' maxima, sums and values per row.
-  // Queries of up to 128 entries are held in registers for the whole walk; wider ones are read
-  // from shared memory at each use.
+  // A warp's queries are held in registers for the whole walk when they are 16 rows of up to 128
+  // entries; others (two row tiles, whose scores and outputs fill the registers) are read from
+  // shared memory at each use.
   static constexpr int kQueryEntries = kRows * HEAD_DIM;
   static constexpr int kStageEntries = N * HEAD_DIM;
   static constexpr int kCaches = kLatent ? 1 : 2;
@@ -66,7 +73,7 @@ struct MmaAttentionShape {
   static constexpr int kStreams = kLatent ? 1 : WN;  // online softmaxes per row
   static_assert(4 * kStreams * kRows * (kValueDim + 2) <= 2 * kQueryEntries + kRegionBytes,
                 "the epilogue fits in the query, key and value region");
-  static constexpr bool kQueryInRegisters = HEAD_DIM <= 128;
+  static constexpr bool kQueryInRegisters = MT == 1 && HEAD_DIM <= 128;
 };
 
 /// Entry offset of chunk `chunk` of row `row` in a swizzled tile of HEAD_DIM-entry rows.
@@ -122,12 +129,13 @@ __device__ inline int mma_sequence_of(const PagedAttentionParams& p, int tile, i
 /// value_cache, one KV head) head_dim == value_row == HEAD_DIM, value_head_dim ==
 /// LATENT_VALUE_DIM; the caches', query's and query rows' addresses are 16-byte aligned (the
 /// launcher checks).
-template <typename T, KVFormat F, int HEAD_DIM, int WM, int WN, int N, int LATENT_VALUE_DIM = 0>
+template <typename T, KVFormat F, int HEAD_DIM, int WM, int WN, int N, int LATENT_VALUE_DIM = 0,
+          int MT = 1>
 __global__ void __launch_bounds__(kAttentionThreads)
     paged_attention_mma_kernel(const PagedAttentionParams p) {
   using Entry = typename KVEntry<T, F>::type;
   constexpr bool kQuantized = F != KVFormat::kPlain;
-  using Shape = MmaAttentionShape<HEAD_DIM, WM, WN, N, kQuantized, LATENT_VALUE_DIM>;
+  using Shape = MmaAttentionShape<HEAD_DIM, WM, WN, N, kQuantized, LATENT_VALUE_DIM, MT>;
   constexpr bool kLatent = Shape::kLatent;
   constexpr int kRows = Shape::kRows, kChunks = Shape::kChunks;
   constexpr int kWarpPositions = Shape::kWarpPositions;
@@ -253,28 +261,37 @@ __global__ void __launch_bounds__(kAttentionThreads)
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int wm = warp / WN, wn = warp % WN;
   const int g = lane / 4, c = lane % 4;
-  // This lane's two rows (g and g + 8 of the warp's 16): the positions they attend to.
-  int lowest[2], highest[2];
+  // This lane's two rows of each of the warp's row tiles (g and g + 8 of its 16 rows): the
+  // positions they attend to (none for a row of no token or head).
+  int lowest[MT][2], highest[MT][2];
+  float out[MT][kValueTiles][4] = {}, running_max[MT][2], running_sum[MT][2] = {};
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int r = 16 * wm + g + 8 * i;
-    const bool used = row_of(r).x >= 0;
-    const int position = first_position + r / tile_heads;
-    highest[i] = used ? position : -1;
-    lowest[i] = p.sliding_window > 0 ? position + 1 - p.sliding_window : 0;
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = 16 * (MT * wm + mt) + g + 8 * i;
+      const bool used = row_of(r).x >= 0;
+      const int position = first_position + r / tile_heads;
+      highest[mt][i] = used ? position : -1;
+      lowest[mt][i] = p.sliding_window > 0 ? position + 1 - p.sliding_window : 0;
+      running_max[mt][i] = -INFINITY;
+    }
   }
-  float out[kValueTiles][4] = {}, running_max[2] = {-INFINITY, -INFINITY}, running_sum[2] = {};
-  // The A fragment of the warp's 16 query rows, entries [16 kk, 16 kk + 16).
-  const auto load_query = [&](int kk, uint32_t(&frag)[4]) {
-    const int row = 16 * wm + lane % 16;
+  // The A fragment of row tile mt's 16 query rows, entries [16 kk, 16 kk + 16).
+  const auto load_query = [&](int kk, int mt, uint32_t(&frag)[4]) {
+    const int row = 16 * (MT * wm + mt) + lane % 16;
     ldmatrix_x4<false>(frag, s_query + swizzled<HEAD_DIM>(row, 2 * kk + lane / 16));
   };
-  uint32_t q_frag[Shape::kQueryInRegisters ? HEAD_DIM / 16 : 1][4];
+  constexpr int kHeldTiles = Shape::kQueryInRegisters ? MT : 1;
+  uint32_t q_frag[kHeldTiles][Shape::kQueryInRegisters ? HEAD_DIM / 16 : 1][4];
   cp_async_wait<1>();  // the queries
   __syncthreads();
   if constexpr (Shape::kQueryInRegisters) {
 #pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) load_query(kk, q_frag[kk]);
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int kk = 0; kk < HEAD_DIM / 16; ++kk) load_query(kk, mt, q_frag[mt][kk]);
+    }
   }
   const float score_scale = p.logit_softcap > 0.0f ? p.scale / p.logit_softcap : p.scale * kLog2e;
 
@@ -293,17 +310,21 @@ __global__ void __launch_bounds__(kAttentionThreads)
     const int first = wn * kWarpPositions;  // this warp's first row of the stage
     const int base = kv_begin + it * N + first;
 
-    // S = Q K^T: each ldmatrix gives the B fragments of two 8-position tiles.
-    float score[kScoreTiles][4] = {};
+    // S = Q K^T: each ldmatrix gives the B fragments of two 8-position tiles, for every row
+    // tile of the warp.
+    float score[MT][kScoreTiles][4] = {};
     uint32_t key_frag[4];
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-      uint32_t a[4];
-      if constexpr (Shape::kQueryInRegisters) {
+      uint32_t a[MT][4];
 #pragma unroll
-        for (int r = 0; r < 4; ++r) a[r] = q_frag[kk][r];
-      } else {
-        load_query(kk, a);
+      for (int mt = 0; mt < MT; ++mt) {
+        if constexpr (Shape::kQueryInRegisters) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) a[mt][r] = q_frag[mt][kk][r];
+        } else {
+          load_query(kk, mt, a[mt]);
+        }
       }
       if constexpr (kScoreTiles == 1) {
         // One 8-position tile: each ldmatrix gives its B fragments for two steps of 16 entries.
@@ -312,7 +333,8 @@ __global__ void __launch_bounds__(kAttentionThreads)
                                                                  2 * kk + lane / 8));
         }
         const uint32_t b[2] = {key_frag[2 * (kk % 2)], key_frag[2 * (kk % 2) + 1]};
-        mma_m16n8k16<T>(score[0], a, b);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) mma_m16n8k16<T>(score[mt][0], a[mt], b);
       } else {
 #pragma unroll
         for (int nt = 0; nt < kScoreTiles; nt += 2) {
@@ -320,94 +342,131 @@ __global__ void __launch_bounds__(kAttentionThreads)
           const int j = first + nt * 8 + (lane / 16) * 8 + lane % 8;
           ldmatrix_x4<false>(frag, keys + swizzled<HEAD_DIM>(j, 2 * kk + (lane / 8) % 2));
           const uint32_t b0[2] = {frag[0], frag[1]}, b1[2] = {frag[2], frag[3]};
-          mma_m16n8k16<T>(score[nt], a, b0);
-          mma_m16n8k16<T>(score[nt + 1], a, b1);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma_m16n8k16<T>(score[mt][nt], a[mt], b0);
+            mma_m16n8k16<T>(score[mt][nt + 1], a[mt], b1);
+          }
         }
       }
     }
-    // Scale (log2 units), soft-cap, mask; then the online softmax of each of the two rows.
+    // Scale (log2 units) and soft-cap; mask, unless every position of the warp's share of the
+    // stage holds a row and lies in every used row's causal span and window (a prefill's tiles
+    // below the diagonal), the warp deciding as one.
+    bool unmasked = true;
+    for (int j = lane; j < kWarpPositions; j += 32) unmasked &= s_valid[stage * N + first + j] != 0;
 #pragma unroll
-    for (int nt = 0; nt < kScoreTiles; ++nt) {
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int pos = base + nt * 8 + 2 * c + e % 2, i = e / 2;
-        float x = score[nt][e] * score_scale;
-        if (p.logit_softcap > 0.0f) x = p.logit_softcap * kLog2e * tanhf(x);
-        const bool valid = s_valid[stage * N + pos - (base - first)] && pos >= lowest[i] &&
-                           pos <= highest[i];
-        score[nt][e] = valid ? x : -INFINITY;
+      for (int i = 0; i < 2; ++i) {
+        unmasked &= highest[mt][i] < 0 ||
+                    (lowest[mt][i] <= base && base + kWarpPositions - 1 <= highest[mt][i]);
+      }
+    }
+    unmasked = __all_sync(0xffffffffu, unmasked);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int nt = 0; nt < kScoreTiles; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = score[mt][nt][e] * score_scale;
+          if (p.logit_softcap > 0.0f) x = p.logit_softcap * kLog2e * tanhf(x);
+          if (!unmasked) {
+            const int pos = base + nt * 8 + 2 * c + e % 2, i = e / 2;
+            const bool valid = s_valid[stage * N + pos - (base - first)] &&
+                               pos >= lowest[mt][i] && pos <= highest[mt][i];
+            x = valid ? x : -INFINITY;
+          }
+          score[mt][nt][e] = x;
+        }
       }
     }
     // The scores of the positions this warp multiplies by values (prob), and their first row.
-    float prob[kProbTiles][4];
+    float prob[MT][kProbTiles][4];
     int prob_first = first;
     if constexpr (kLatent) {
       // Every warp needs the whole stage's scores: it holds a quarter of each value row.
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        s_scores[(g + 8 * (e / 2)) * N + first + 2 * c + e % 2] = score[0][e];
+        s_scores[(g + 8 * (e / 2)) * N + first + 2 * c + e % 2] = score[0][0][e];
       }
       __syncthreads();
 #pragma unroll
       for (int nt = 0; nt < kProbTiles; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          prob[nt][e] = s_scores[(g + 8 * (e / 2)) * N + nt * 8 + 2 * c + e % 2];
+          prob[0][nt][e] = s_scores[(g + 8 * (e / 2)) * N + nt * 8 + 2 * c + e % 2];
         }
       }
       prob_first = 0;
     } else {
 #pragma unroll
-      for (int nt = 0; nt < kProbTiles; ++nt) {
+      for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) prob[nt][e] = score[nt][e];
+        for (int nt = 0; nt < kProbTiles; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) prob[mt][nt][e] = score[mt][nt][e];
+        }
       }
     }
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      float tile_max = -INFINITY;
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int nt = 0; nt < kProbTiles; ++nt) {
-        tile_max = fmaxf(tile_max, fmaxf(prob[nt][2 * i], prob[nt][2 * i + 1]));
-      }
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-      const float new_max = fmaxf(running_max[i], tile_max);
-      const float shift = new_max == -INFINITY ? 0.0f : new_max;  // a row with nothing yet
-      const float correction = exp2f(running_max[i] - shift);
-      running_sum[i] *= correction;
+      for (int i = 0; i < 2; ++i) {
+        float tile_max = -INFINITY;
 #pragma unroll
-      for (int dt = 0; dt < kValueTiles; ++dt) {
-        out[dt][2 * i] *= correction;
-        out[dt][2 * i + 1] *= correction;
-      }
-#pragma unroll
-      for (int nt = 0; nt < kProbTiles; ++nt) {
-#pragma unroll
-        for (int e = 2 * i; e < 2 * i + 2; ++e) {
-          prob[nt][e] = exp2f(prob[nt][e] - shift);
-          running_sum[i] += prob[nt][e];
+        for (int nt = 0; nt < kProbTiles; ++nt) {
+          tile_max = fmaxf(tile_max, fmaxf(prob[mt][nt][2 * i], prob[mt][nt][2 * i + 1]));
         }
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+        const float new_max = fmaxf(running_max[mt][i], tile_max);
+        const float shift = new_max == -INFINITY ? 0.0f : new_max;  // a row with nothing yet
+        const float correction = exp2_approx(running_max[mt][i] - shift);
+        running_sum[mt][i] *= correction;
+#pragma unroll
+        for (int dt = 0; dt < kValueTiles; ++dt) {
+          out[mt][dt][2 * i] *= correction;
+          out[mt][dt][2 * i + 1] *= correction;
+        }
+#pragma unroll
+        for (int nt = 0; nt < kProbTiles; ++nt) {
+#pragma unroll
+          for (int e = 2 * i; e < 2 * i + 2; ++e) {
+            prob[mt][nt][e] = exp2_approx(prob[mt][nt][e] - shift);
+            running_sum[mt][i] += prob[mt][nt][e];
+          }
+        }
+        running_max[mt][i] = new_max;
       }
-      running_max[i] = new_max;
     }
     // O += P V: P's A fragments are two probability tiles; a transposed ldmatrix gives V's B
     // fragments of two 8-entry output tiles (of this warp's quarter over a latent).
     const int first_chunk = kLatent ? wn * (Shape::kOutputDim / 8) : 0;
 #pragma unroll
     for (int kt = 0; kt < kProbTiles / 2; ++kt) {
-      const float(&s0)[4] = prob[2 * kt];
-      const float(&s1)[4] = prob[2 * kt + 1];
-      const uint32_t a[4] = {pack_pair<T>(s0[0], s0[1]), pack_pair<T>(s0[2], s0[3]),
-                             pack_pair<T>(s1[0], s1[1]), pack_pair<T>(s1[2], s1[3])};
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const float(&s0)[4] = prob[mt][2 * kt];
+        const float(&s1)[4] = prob[mt][2 * kt + 1];
+        a[mt][0] = pack_pair<T>(s0[0], s0[1]);
+        a[mt][1] = pack_pair<T>(s0[2], s0[3]);
+        a[mt][2] = pack_pair<T>(s1[0], s1[1]);
+        a[mt][3] = pack_pair<T>(s1[2], s1[3]);
+      }
       const int j = prob_first + 16 * kt + ((lane / 8) % 2) * 8 + lane % 8;
 #pragma unroll
       for (int dt = 0; dt < kValueTiles; dt += 2) {
         uint32_t frag[4];
         ldmatrix_x4<true>(frag, values + swizzled<HEAD_DIM>(j, first_chunk + dt + lane / 16));
         const uint32_t b0[2] = {frag[0], frag[1]}, b1[2] = {frag[2], frag[3]};
-        mma_m16n8k16<T>(out[dt], a, b0);
-        mma_m16n8k16<T>(out[dt + 1], a, b1);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_m16n8k16<T>(out[mt][dt], a[mt], b0);
+          mma_m16n8k16<T>(out[mt][dt + 1], a[mt], b1);
+        }
       }
     }
     __syncthreads();  // every warp is done with this stage before it is loaded again
@@ -416,9 +475,12 @@ __global__ void __launch_bounds__(kAttentionThreads)
 
   // The lanes of a quad hold parts of their rows' sums.
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    running_sum[i] += __shfl_xor_sync(0xffffffffu, running_sum[i], 1);
-    running_sum[i] += __shfl_xor_sync(0xffffffffu, running_sum[i], 2);
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      running_sum[mt][i] += __shfl_xor_sync(0xffffffffu, running_sum[mt][i], 1);
+      running_sum[mt][i] += __shfl_xor_sync(0xffffffffu, running_sum[mt][i], 2);
+    }
   }
   __syncthreads();  // the stages are free (a block with no iteration reaches here directly)
   float* e_max = reinterpret_cast<float*>(s_query);
@@ -429,17 +491,20 @@ __global__ void __launch_bounds__(kAttentionThreads)
   const int stream = kLatent ? 0 : wn;
   const int first_entry = kLatent ? wn * Shape::kOutputDim : 0;
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int slot = stream * kRows + 16 * wm + g + 8 * i;
-    if (c == 0 && (!kLatent || wn == 0)) {
-      e_max[slot] = running_max[i];
-      e_sum[slot] = running_sum[i];
-    }
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-    for (int dt = 0; dt < kValueTiles; ++dt) {
-      const int d = first_entry + 8 * dt + 2 * c;
-      e_acc[slot * kAccWidth + d] = out[dt][2 * i];
-      e_acc[slot * kAccWidth + d + 1] = out[dt][2 * i + 1];
+    for (int i = 0; i < 2; ++i) {
+      const int slot = stream * kRows + 16 * (MT * wm + mt) + g + 8 * i;
+      if (c == 0 && (!kLatent || wn == 0)) {
+        e_max[slot] = running_max[mt][i];
+        e_sum[slot] = running_sum[mt][i];
+      }
+#pragma unroll
+      for (int dt = 0; dt < kValueTiles; ++dt) {
+        const int d = first_entry + 8 * dt + 2 * c;
+        e_acc[slot * kAccWidth + d] = out[mt][dt][2 * i];
+        e_acc[slot * kAccWidth + d + 1] = out[mt][dt][2 * i + 1];
+      }
     }
   }
   __syncthreads();
