@@ -7,6 +7,7 @@
 // tests do on one.
 #include "cuda_emulator.h"
 
+#include <ATen/ops/allclose.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/rand.h>
 #include <ATen/ops/randn.h>
@@ -39,6 +40,7 @@ struct Case {
   double softcap = 0.0;
   int splits = 0;  // the context splits the plan must choose (0: any)
   int latent_value_dim = 0;  // > 0: MLA's latent, one cache for both, values its first entries
+  bool nan_keys = false;     // every key NaN (a model gone bad): NaN rows, as on the CPU
 };
 
 struct EmulatedLaunch {
@@ -89,6 +91,7 @@ void run_case(const Case& c, at::ScalarType dtype, Kernel kernel, double toleran
   const int d = c.head_dim;
   at::manual_seed(7);
   at::Tensor key = at::randn({num_blocks, c.block_size, c.kv_heads, d});
+  if (c.nan_keys) key.fill_(NAN);
   at::Tensor value =
       c.latent_value_dim > 0 ? key : at::randn({num_blocks, c.block_size, c.kv_heads, d});
   std::optional<at::Tensor> key_scale, value_scale;
@@ -134,7 +137,8 @@ void run_case(const Case& c, at::ScalarType dtype, Kernel kernel, double toleran
   emu::set_schedule(emu::Schedule::kWarpsAheadReversed);
   ops::paged_attention_launch::launch_kernel<T, F>(p, num_tokens, 132, query, kernel, launch);
   emu::set_schedule(emu::Schedule::kInterleaved);
-  EXPECT_TRUE(first_run.equal(actual)) << "the rows depend on the order of warps and copies";
+  EXPECT_TRUE(at::allclose(first_run, actual, 0.0, 0.0, /*equal_nan=*/true))
+      << "the rows depend on the order of warps and copies";
   if (c.splits > 0) EXPECT_EQ(p.num_splits, c.splits);
   const at::Tensor e = expected.to(at::kFloat), a = actual.to(at::kFloat);
   const float* ep = e.data_ptr<float>();
@@ -142,7 +146,10 @@ void run_case(const Case& c, at::ScalarType dtype, Kernel kernel, double toleran
   double worst = 0.0;
   int64_t worst_index = 0;
   for (int64_t i = 0; i < e.numel(); ++i) {
-    const double error = std::abs(ep[i] - ap[i]) / (1.0 + std::abs(ep[i]));
+    // NaN where the CPU has NaN matches; NaN elsewhere counts as worst.
+    const double error = std::isnan(ep[i]) && std::isnan(ap[i])
+                             ? 0.0
+                             : std::abs(ep[i] - ap[i]) / (1.0 + std::abs(ep[i]));
     if (!(error <= worst)) {  // NaN counts as worst
       worst = std::isnan(error) ? INFINITY : error;
       worst_index = i;
@@ -236,6 +243,19 @@ TEST(PagedAttentionEmulated, TensorCoreKernelReadsMlaLatents) {
     run_case<__nv_bfloat16>(c, at::kBFloat16, Kernel::kMma, 2e-2);
     run_case<__half, cuda::KVFormat::kFp8E4M3>(c, at::kHalf, Kernel::kMma, 4e-3,
                                                at::kFloat8_e4m3fn);
+  }
+}
+
+TEST(PagedAttentionEmulated, NanKeysGiveNanRowsInEveryKernel) {
+  // A prefill (128-row tiles, or 64 with mma64), and decode over split contexts (the merge).
+  const std::vector<Case> cases = {
+      {"prefill, GQA 4, NaN keys", 8, 2, 64, 16, {{24, 90}}, 0, 0.0, 0, 0, true},
+      {"decode, 3 splits, NaN keys", 4, 1, 64, 16, {{1, 700}, {1, 65}}, 0, 0.0, 3, 0, true}};
+  for (const Case& c : cases) {
+    run_case<__nv_bfloat16>(c, at::kBFloat16, Kernel::kMma, 2e-2);
+    run_case<__nv_bfloat16>(c, at::kBFloat16, Kernel::kMma64, 2e-2);
+    run_case<float>(c, at::kFloat, Kernel::kRows, 1e-5);
+    run_case<__nv_bfloat16>(c, at::kBFloat16, Kernel::kGeneral, 1e-2);
   }
 }
 

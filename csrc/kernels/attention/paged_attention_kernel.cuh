@@ -82,6 +82,33 @@ __device__ inline int sequence_of(const int32_t* query_start_loc, int num_seqs, 
   return lo;
 }
 
+/// One output entry of a row merged from its online-softmax streams (a block's warps, or the
+/// splits of a context): stream(s) gives float3{max (base-2 units when LOG2), sum of weights,
+/// value weighted as the sum is}. Streams that saw no position (sum 0) drop out; a NaN sum (NaN
+/// scores: a model gone bad) makes the row NaN, as on the CPU, rather than zeros. Returns the
+/// merged max, the total weight and the normalized value (0 for a row that saw no position).
+struct MergedSoftmax {
+  float max, total, value;
+};
+template <bool LOG2, typename Stream>
+__device__ inline MergedSoftmax merge_softmax_streams(int streams, Stream stream) {
+  MergedSoftmax m{-FLT_MAX, 0.0f, 0.0f};
+  for (int s = 0; s < streams; ++s) {
+    const float3 x = stream(s);
+    if (x.y != 0.0f) m.max = fmaxf(m.max, x.x);
+  }
+  float value = 0.0f;
+  for (int s = 0; s < streams; ++s) {
+    const float3 x = stream(s);
+    if (x.y == 0.0f) continue;
+    const float w = LOG2 ? exp2f(x.x - m.max) : expf(x.x - m.max);
+    m.total += x.y * w;
+    value += x.z * w;
+  }
+  m.value = m.total == 0.0f ? 0.0f : value / m.total;
+  return m;
+}
+
 /// The epilogue of the split-K kernels: each output row r (a query token and head, as row_of(r)
 /// gives them, {-1, -1} for none) has `streams` online-softmax streams in shared memory, stream
 /// s's running max at s_max[s * row_stride + r] (log2 units when LOG2, natural otherwise), its
@@ -100,28 +127,21 @@ __device__ inline void store_merged_rows(const PagedAttentionParams& p, int rows
     const int r = i / dv, d = i % dv;
     const int2 row = row_of(r);
     if (row.x < 0) continue;
-    float merged_max = -FLT_MAX;
-    for (int s = 0; s < streams; ++s) merged_max = fmaxf(merged_max, s_max[s * row_stride + r]);
-    float total = 0.0f, value = 0.0f;
-    for (int s = 0; s < streams; ++s) {
+    const MergedSoftmax m = merge_softmax_streams<LOG2>(streams, [&](int s) {
       const int slot = s * row_stride + r;
-      if (s_sum[slot] == 0.0f) continue;  // a stream that saw no position
-      const float shift = s_max[slot] - merged_max;
-      const float w = LOG2 ? exp2f(shift) : expf(shift);
-      total += s_sum[slot] * w;
-      value += s_acc[static_cast<int64_t>(slot) * acc_width + d] * w;
-    }
-    const float normalized = total > 0.0f ? value / total : 0.0f;
+      return make_float3(s_max[slot], s_sum[slot],
+                         s_acc[static_cast<int64_t>(slot) * acc_width + d]);
+    });
     if (p.num_splits == 1) {
       static_cast<T*>(p.out)[row.x * p.out_stride + static_cast<int64_t>(row.y) * dv + d] =
-          from_float<T>(normalized);
+          from_float<T>(m.value);
     } else {
       const int64_t index =
           (static_cast<int64_t>(row.x) * p.num_heads + row.y) * p.num_splits + blockIdx.z;
-      p.partial_out[index * dv + d] = normalized;
+      p.partial_out[index * dv + d] = m.value;
       if (d == 0) {
-        p.partial_max[index] = LOG2 ? merged_max / kLog2e : merged_max;
-        p.partial_sum[index] = total;
+        p.partial_max[index] = LOG2 ? m.max / kLog2e : m.max;
+        p.partial_sum[index] = m.total;
       }
     }
   }
@@ -236,28 +256,15 @@ template <typename T>
 __global__ void paged_attention_merge_kernel(const PagedAttentionParams p) {
   const int64_t index = (static_cast<int64_t>(blockIdx.x) * p.num_heads + blockIdx.y) *
                         p.num_splits;
-  float merged_max = -FLT_MAX;
-  for (int z = 0; z < p.num_splits; ++z) {
-    if (p.partial_sum[index + z] > 0.0f) merged_max = fmaxf(merged_max, p.partial_max[index + z]);
-  }
-  float total = 0.0f;
-  for (int z = 0; z < p.num_splits; ++z) {
-    const float sum = p.partial_sum[index + z];
-    if (sum > 0.0f) total += sum * expf(p.partial_max[index + z] - merged_max);
-  }
   const int dv = p.value_head_dim;
   T* out = static_cast<T*>(p.out) + blockIdx.x * p.out_stride +
            static_cast<int64_t>(blockIdx.y) * dv;
   for (int d = threadIdx.x; d < dv; d += blockDim.x) {
-    float value = 0.0f;
-    for (int z = 0; z < p.num_splits; ++z) {
+    const MergedSoftmax m = merge_softmax_streams<false>(p.num_splits, [&](int z) {
       const float sum = p.partial_sum[index + z];
-      if (sum > 0.0f) {
-        value += p.partial_out[(index + z) * dv + d] * sum *
-                 expf(p.partial_max[index + z] - merged_max);
-      }
-    }
-    out[d] = from_float<T>(total > 0.0f ? value / total : 0.0f);
+      return make_float3(p.partial_max[index + z], sum, p.partial_out[(index + z) * dv + d] * sum);
+    });
+    out[d] = from_float<T>(m.value);
   }
 }
 

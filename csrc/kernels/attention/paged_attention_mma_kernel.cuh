@@ -44,7 +44,6 @@ struct MmaAttentionShape {
   static_assert(N % (16 * WN) == 0 || (kLatent && N == 8 * WN),
                 "each warp takes a multiple of 16 positions (8 over a latent)");
   static_assert(MT == 1 || (MT == 2 && !kLatent), "one or two row tiles a warp");
-  static constexpr int kRowTiles = MT;             // 16-row tiles of a warp
   static constexpr int kRows = 16 * WM * MT;       // query rows of a block
   static constexpr int kChunks = HEAD_DIM / 8;     // 16-byte chunks of a 16-bit row
   static constexpr int kWarpPositions = N / WN;    // positions per warp and stage
@@ -372,13 +371,22 @@ __global__ void __launch_bounds__(kAttentionThreads)
         for (int e = 0; e < 4; ++e) {
           float x = score[mt][nt][e] * score_scale;
           if (p.logit_softcap > 0.0f) x = p.logit_softcap * kLog2e * tanhf(x);
-          if (!unmasked) {
+          score[mt][nt][e] = x;
+        }
+      }
+    }
+    if (!unmasked) {  // one uniform branch, not a predicated mask per score
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < kScoreTiles; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
             const int pos = base + nt * 8 + 2 * c + e % 2, i = e / 2;
             const bool valid = s_valid[stage * N + pos - (base - first)] &&
                                pos >= lowest[mt][i] && pos <= highest[mt][i];
-            x = valid ? x : -INFINITY;
+            if (!valid) score[mt][nt][e] = -INFINITY;
           }
-          score[mt][nt][e] = x;
         }
       }
     }
