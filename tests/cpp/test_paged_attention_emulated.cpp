@@ -41,6 +41,7 @@ struct Case {
   int splits = 0;  // the context splits the plan must choose (0: any)
   int latent_value_dim = 0;  // > 0: MLA's latent, one cache for both, values its first entries
   bool nan_keys = false;     // every key NaN (a model gone bad): NaN rows, as on the CPU
+  int sms = 132;             // the GPU's multiprocessors (fewer: a small prefill takes wide tiles)
 };
 
 struct EmulatedLaunch {
@@ -130,12 +131,12 @@ void run_case(const Case& c, at::ScalarType dtype, Kernel kernel, double toleran
   EmulatedLaunch launch;
   emu::set_copy_timing(emu::CopyTiming::kEarly);
   emu::set_schedule(emu::Schedule::kWarpsAhead);
-  ops::paged_attention_launch::launch_kernel<T, F>(p, num_tokens, 132, query, kernel, launch);
+  ops::paged_attention_launch::launch_kernel<T, F>(p, num_tokens, c.sms, query, kernel, launch);
   const at::Tensor first_run = actual.clone();
   actual.zero_();
   emu::set_copy_timing(emu::CopyTiming::kLate);
   emu::set_schedule(emu::Schedule::kWarpsAheadReversed);
-  ops::paged_attention_launch::launch_kernel<T, F>(p, num_tokens, 132, query, kernel, launch);
+  ops::paged_attention_launch::launch_kernel<T, F>(p, num_tokens, c.sms, query, kernel, launch);
   emu::set_schedule(emu::Schedule::kInterleaved);
   EXPECT_TRUE(at::allclose(first_run, actual, 0.0, 0.0, /*equal_nan=*/true))
       << "the rows depend on the order of warps and copies";
@@ -184,9 +185,12 @@ std::vector<Case> prefill_cases() {
       {"prefill, group 3, soft-cap 20, 2 splits", 3, 1, 128, 16, {{30, 300}}, 0, 20.0, 2},
       {"prefill, group 32 over one KV head", 32, 1, 64, 16, {{6, 20}, {2, 2}}},
       {"prefill, head 256, MHA, 2 splits", 2, 2, 256, 8, {{40, 40}, {9, 300}}, 0, 0.0, 2},
-      // Whole stages below the diagonal, unmasked, then the diagonal's; a window over them.
-      {"long chunk, GQA 4, head 128", 8, 2, 128, 16, {{160, 290}, {33, 33}}},
-      {"long chunk, GQA 2, head 64, window 70, blocks of 7", 4, 2, 64, 7, {{150, 230}}, 70},
+      // Whole stages below the diagonal, unmasked, then the diagonal's; a window over them. On
+      // a GPU of few multiprocessors, so that 128-row tiles fill it.
+      {"long chunk, GQA 4, head 128", 8, 2, 128, 16, {{160, 290}, {33, 33}}, 0, 0.0, 0, 0,
+       false, 4},
+      {"long chunk, GQA 2, head 64, window 70, blocks of 7", 4, 2, 64, 7, {{150, 230}}, 70, 0.0,
+       0, 0, false, 2},
   };
 }
 
@@ -249,7 +253,7 @@ TEST(PagedAttentionEmulated, TensorCoreKernelReadsMlaLatents) {
 TEST(PagedAttentionEmulated, NanKeysGiveNanRowsInEveryKernel) {
   // A prefill (128-row tiles, or 64 with mma64), and decode over split contexts (the merge).
   const std::vector<Case> cases = {
-      {"prefill, GQA 4, NaN keys", 8, 2, 64, 16, {{24, 90}}, 0, 0.0, 0, 0, true},
+      {"prefill, GQA 4, NaN keys", 8, 2, 64, 16, {{24, 90}}, 0, 0.0, 0, 0, true, 1},
       {"decode, 3 splits, NaN keys", 4, 1, 64, 16, {{1, 700}, {1, 65}}, 0, 0.0, 3, 0, true}};
   for (const Case& c : cases) {
     run_case<__nv_bfloat16>(c, at::kBFloat16, Kernel::kMma, 2e-2);

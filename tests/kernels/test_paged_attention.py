@@ -439,3 +439,38 @@ def capability_checks():
 @pytest.mark.parametrize("capability", CAPABILITIES)
 def test_cpu_capability_variants(capability, capability_processes):
     check_variant(capability, capability_processes, capability_checks)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernel", ["mma", "mma64"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window", [0, 700])
+def test_cuda_long_prefill_matches_sdpa(kernel, head_dim, dtype, window, attention_kernel):
+    """A prompt long enough for the 128-row prefill tiles on any GPU (mma; mma64 forces 64-row
+    tiles), 32 query / 8 KV heads over shuffled 16-token blocks, against torch's SDPA on the
+    same GPU, causal or in a sliding window (an explicit mask)."""
+    attention_kernel(kernel)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    tokens, heads, kv_heads, block = 2500, 32, 8, 16
+    num_blocks = math.ceil(tokens / block) + 3
+    key = torch.randn(num_blocks, block, kv_heads, head_dim, device="cuda", generator=gen,
+                      dtype=dtype)
+    value = torch.randn(key.shape, device="cuda", generator=gen, dtype=dtype)
+    table = torch.randperm(num_blocks, device="cuda", generator=gen)[:math.ceil(tokens / block)]
+    query = torch.randn(tokens, heads, head_dim, device="cuda", generator=gen, dtype=dtype)
+    out = torch.empty_like(query)
+    qsl = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([tokens], dtype=torch.int32, device="cuda")
+    ops.paged_attention(out, query, key, value, qsl, lens, table.int()[None], head_dim ** -0.5,
+                        window, 0.0)
+    k = key[table.long()].flatten(0, 1)[:tokens].transpose(0, 1)
+    v = value[table.long()].flatten(0, 1)[:tokens].transpose(0, 1)
+    pos = torch.arange(tokens, device="cuda")
+    mask = pos[None, :] <= pos[:, None]
+    if window:
+        mask &= pos[None, :] > pos[:, None] - window
+    want = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(0, 1).float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
+    error = (out.transpose(0, 1).float() - want).norm() / want.norm()
+    assert error < 1e-2
