@@ -251,13 +251,14 @@ def main() -> None:
     out.write_text(json.dumps(dict(device=name, copy_bandwidth=bandwidth, decode=decode,
                                    variants=variants, prefill=prefill), indent=1))
     print(f"{name}: device-to-device copy {bandwidth / 1e12:.2f} TB/s (read + write)\n")
-    print("Decode (one query per sequence), bf16, 32 query / 8 KV heads, head_dim 128:\n")
     ks = args.kernels
-    print(markdown_table(["batch", "context"] + [f"{k}: µs, of copy bandwidth" for k in ks]
-                         + ["max abs. difference"],
-                         [[r["batch"], r["context"]]
-                          + [f"{r['us'][k]:.1f}, {r['hbm_fraction'][k]:.0%}" for k in ks]
-                          + [f"{r['max_difference']:.1e}"] for r in decode]))
+    if decode:
+        print("Decode (one query per sequence), bf16, 32 query / 8 KV heads, head_dim 128:\n")
+        print(markdown_table(["batch", "context"] + [f"{k}: µs, of copy bandwidth" for k in ks]
+                             + ["max abs. difference"],
+                             [[r["batch"], r["context"]]
+                              + [f"{r['us'][k]:.1f}, {r['hbm_fraction'][k]:.0%}" for k in ks]
+                              + [f"{r['max_difference']:.1e}"] for r in decode]))
     if variants:
         print("\nDecode over an fp8 cache (32 / 8 heads, head_dim 128) and an MLA latent (16 "
               "heads, 576 / 512), bf16 queries:\n")
@@ -266,6 +267,8 @@ def main() -> None:
                              [[r["variant"], r["batch"], r["context"]]
                               + [f"{r['us'][k]:.1f}, {r['hbm_fraction'][k]:.0%}" for k in ks]
                               + [f"{r['max_difference']:.1e}"] for r in variants]))
+    if not prefill:
+        return
     print("\nPrefill (causal, queries = context), bf16, against SDPA's flash backend:\n")
     print(markdown_table(["batch", "tokens", "SDPA ms"]
                          + [f"{k}: ms, SDPA / ours, TFLOP/s, rel. error" for k in ks],

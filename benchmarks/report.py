@@ -35,6 +35,7 @@ COMMAND = "python benchmarks/report.py"
 
 # The sections of docs/benchmarks.md, in order (file names without .json).
 ORDER = [
+    "cuda_h200",
     "cuda_h100",
     "serving_engine",
     "serve",
