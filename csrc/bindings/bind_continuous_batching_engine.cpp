@@ -263,8 +263,12 @@ void bind_continuous_batching_engine(py::module_& m) {
   py::class_<ContinuousBatchingEngine>(
       m, "ContinuousBatchingEngine",
       "Iteration-level batching over a model and a paged KV cache; drive it with step().")
-      .def(py::init<std::shared_ptr<CausalLM>, EngineConfig, std::shared_ptr<CausalLM>>(),
-           py::arg("model"), py::arg("config"), py::arg("draft_model") = nullptr)
+      .def(py::init<std::shared_ptr<CausalLM>, EngineConfig, std::shared_ptr<CausalLM>,
+                    std::shared_ptr<Communicator>>(),
+           py::arg("model"), py::arg("config"), py::arg("draft_model") = nullptr,
+           py::arg("workers") = nullptr,
+           "workers: tensor parallelism's control group (kvserve.distributed), this engine "
+           "being rank 0's; the other ranks run TensorParallelWorker.serve().")
       // The GIL is released wherever a call may wait for the step lock or run the model, so
       // that other Python threads keep running (and a step never waits on the GIL).
       .def("add_request", &ContinuousBatchingEngine::add_request, py::arg("request_id"),

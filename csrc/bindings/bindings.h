@@ -10,5 +10,6 @@ void bind_continuous_batching_engine(pybind11::module_& m);
 void bind_model(pybind11::module_& m);
 void bind_paged_block_manager(pybind11::module_& m);
 void bind_sampler(pybind11::module_& m);
+void bind_tensor_parallel_worker(pybind11::module_& m);
 
 }  // namespace kvserve::bindings

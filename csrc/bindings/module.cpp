@@ -45,4 +45,5 @@ PYBIND11_MODULE(_C, m) {
   kvserve::bindings::bind_continuous_batching_engine(m);
   kvserve::bindings::bind_paged_block_manager(m);
   kvserve::bindings::bind_sampler(m);
+  kvserve::bindings::bind_tensor_parallel_worker(m);
 }

@@ -41,7 +41,8 @@ const char* kNeverScheduled =
 
 ContinuousBatchingEngine::ContinuousBatchingEngine(std::shared_ptr<CausalLM> model,
                                                    EngineConfig config,
-                                                   std::shared_ptr<CausalLM> draft_model)
+                                                   std::shared_ptr<CausalLM> draft_model,
+                                                   std::shared_ptr<Communicator> workers)
     : model_(std::move(model)),
       config_(resolve_engine_config(std::move(config), model_->config(), model_->dtype(),
                                     draft_model ? &draft_model->config() : nullptr)),
@@ -66,7 +67,8 @@ ContinuousBatchingEngine::ContinuousBatchingEngine(std::shared_ptr<CausalLM> mod
                .speculator = speculator_.get(),
                .kv_cache_dtype = config_.kv_cache_dtype,
                .cuda_graph_max_batch = config_.cuda_graph_max_batch,
-               .max_model_len = config_.max_model_len}) {
+               .max_model_len = config_.max_model_len,
+               .workers = std::move(workers)}) {
   if (speculator_) {
     stats_.accepted_per_position.assign(config_.speculative.num_speculative_tokens, 0);
   }

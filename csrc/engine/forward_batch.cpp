@@ -71,6 +71,78 @@ void ForwardBatchBuilder::add_padding() {
   logits_indices_.push_back(static_cast<int64_t>(ids_.size()) - 1);
 }
 
+// The message: block_size, lora, tokens T, sequences B, groups G; ids, positions, lora slots
+// [T]; query_start_loc [B + 1]; seq_lens, logits_indices [B]; per group its slots [T], then per
+// sequence its table's length and blocks.
+std::vector<int64_t> ForwardBatchBuilder::pack() const {
+  const size_t tokens = ids_.size(), sequences = seq_lens_.size();
+  std::vector<int64_t> m = {block_size_, lora_ ? 1 : 0, static_cast<int64_t>(tokens),
+                            static_cast<int64_t>(sequences), static_cast<int64_t>(slots_.size())};
+  m.insert(m.end(), ids_.begin(), ids_.end());
+  m.insert(m.end(), positions_.begin(), positions_.end());
+  m.insert(m.end(), lora_slots_.begin(), lora_slots_.end());
+  m.insert(m.end(), query_start_loc_.begin(), query_start_loc_.end());
+  m.insert(m.end(), seq_lens_.begin(), seq_lens_.end());
+  m.insert(m.end(), logits_indices_.begin(), logits_indices_.end());
+  for (size_t g = 0; g < slots_.size(); ++g) {
+    m.insert(m.end(), slots_[g].begin(), slots_[g].end());
+    for (const std::vector<int32_t>& table : block_tables_[g]) {
+      m.push_back(static_cast<int64_t>(table.size()));
+      m.insert(m.end(), table.begin(), table.end());
+    }
+  }
+  return m;
+}
+
+ForwardBatchBuilder ForwardBatchBuilder::unpack(const std::vector<int64_t>& message) {
+  size_t at = 0;
+  const auto take = [&](size_t count) {
+    if (count > message.size() - at) {
+      throw std::invalid_argument("ForwardBatchBuilder::unpack: a message of " +
+                                  std::to_string(message.size()) + " values ends early");
+    }
+    const auto first = message.begin() + static_cast<std::ptrdiff_t>(at);
+    at += count;
+    return std::make_pair(first, first + static_cast<std::ptrdiff_t>(count));
+  };
+  const auto [head, head_end] = take(5);
+  const int64_t tokens = head[2], sequences = head[3], groups = head[4];
+  if (head[0] < 1 || tokens < 0 || sequences < 0 || groups < 0 ||
+      tokens > static_cast<int64_t>(message.size()) ||
+      sequences > static_cast<int64_t>(message.size()) ||
+      groups > static_cast<int64_t>(message.size())) {
+    throw std::invalid_argument("ForwardBatchBuilder::unpack: not a packed batch");
+  }
+  ForwardBatchBuilder b(head[0], head[1] != 0);
+  const auto fill = [&](auto& out, size_t count) {
+    const auto [first, last] = take(count);
+    out.assign(first, last);
+  };
+  const auto t = static_cast<size_t>(tokens), n = static_cast<size_t>(sequences);
+  fill(b.ids_, t);
+  fill(b.positions_, t);
+  fill(b.lora_slots_, t);
+  fill(b.query_start_loc_, n + 1);
+  fill(b.seq_lens_, n);
+  fill(b.logits_indices_, n);
+  b.slots_.resize(static_cast<size_t>(groups));
+  b.block_tables_.resize(static_cast<size_t>(groups));
+  for (size_t g = 0; g < static_cast<size_t>(groups); ++g) {
+    fill(b.slots_[g], t);
+    b.block_tables_[g].resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      const auto [length, unused] = take(1);
+      if (*length < 0) throw std::invalid_argument("ForwardBatchBuilder::unpack: a bad table");
+      fill(b.block_tables_[g][i], static_cast<size_t>(*length));
+    }
+  }
+  if (at != message.size()) {
+    throw std::invalid_argument("ForwardBatchBuilder::unpack: " +
+                                std::to_string(message.size() - at) + " values left over");
+  }
+  return b;
+}
+
 int64_t ForwardBatchBuilder::max_table_blocks() const {
   size_t width = 0;
   for (const auto& group : block_tables_) {

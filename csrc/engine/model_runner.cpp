@@ -8,6 +8,7 @@
 
 #include "engine/engine_helpers.h"
 #include "kvserve/forward_batch.h"
+#include "kvserve/tensor_parallel_worker.h"
 
 namespace kvserve {
 
@@ -38,12 +39,16 @@ ModelRunner::ModelRunner(std::shared_ptr<CausalLM> model, const SequenceTable& s
       kv_cache_(make_kv_cache(*model_, options.num_blocks, options.block_size,
                               grouped(options.group_windows), options.kv_cache_dtype)),
       sequences_(sequences),
-      speculator_(options.speculator) {
+      speculator_(options.speculator),
+      workers_(options.workers && options.workers->size() > 1 ? options.workers : nullptr) {
+  if (workers_ && workers_->rank() != 0) {
+    throw std::invalid_argument("ModelRunner: the engine runs on rank 0 of its workers' group");
+  }
   if (options.group_windows != kv_cache_.layout().group_windows()) {
     throw std::invalid_argument("ModelRunner: the block manager's groups of layers do not match "
                                 "the model's sliding windows");
   }
-  if (options.cuda_graph_max_batch > 0 && options.max_model_len > 0 &&
+  if (options.cuda_graph_max_batch > 0 && options.max_model_len > 0 && !workers_ &&
       CudaGraphRunner::supports(*model_)) {
     graphs_ = std::make_unique<CudaGraphRunner>(
         *model_, options.cuda_graph_max_batch,
@@ -51,7 +56,14 @@ ModelRunner::ModelRunner(std::shared_ptr<CausalLM> model, const SequenceTable& s
   }
 }
 
-ModelRunner::~ModelRunner() = default;
+ModelRunner::~ModelRunner() {
+  if (!workers_) return;
+  try {
+    send_to_workers(*workers_, WorkerCommand::kStop);
+  } catch (const std::exception&) {
+    // A worker already gone: nothing left to stop.
+  }
+}
 
 ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
                                        const std::vector<SamplingTarget>& targets) {
@@ -133,6 +145,7 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
     hidden = graphs_->forward(builder, kv_cache_.layers());
     out.cuda_graph = true;
   } else {
+    if (workers_) send_to_workers(*workers_, WorkerCommand::kStep, pack_step(copies, builder));
     const ForwardBatch batch = builder.build(model_->device());
     hidden = model_->forward(batch.input_ids, batch.positions, batch.metadata, kv_cache_.layers());
   }

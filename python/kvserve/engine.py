@@ -32,6 +32,7 @@ from kvserve.lora_serving import LoRAManager, LoRARequest
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.speculative import load_draft_info
+from kvserve.tensor_parallel import TensorParallelRanks, load_rank_model
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -153,9 +154,17 @@ class LLMEngine:
                 if getattr(args, name) < 1:
                     raise ValueError(f"{name} must be a positive integer, got "
                                      f"{getattr(args, name)!r}")
-        weights = load_weights(self.model_dir, info.config, self.dtype, device)
-        self.model = _C.create_causal_lm(info.config, weights, self.max_model_len)
-        del weights  # the model packed or copied what it keeps
+        self.ranks = None
+        self._check_tensor_parallel(args)
+        if args.tensor_parallel_size > 1:
+            self.ranks = TensorParallelRanks(args)
+            rank_model = load_rank_model(args, self.ranks.groups, info.eos_token_ids,
+                                         self.draft_config)
+            self.model, config = rank_model.model, rank_model.engine_config
+        else:
+            weights = load_weights(self.model_dir, info.config, self.dtype, device)
+            self.model = _C.create_causal_lm(info.config, weights, self.max_model_len)
+            del weights  # the model packed or copied what it keeps
         if args.enable_lora:
             self.model.enable_lora(args.max_loras, args.max_lora_rank)
         self.draft_model = None
@@ -166,7 +175,9 @@ class LLMEngine:
                                                    self.max_model_len)
             del weights
         _release_freed_memory()
-        self.engine = _C.ContinuousBatchingEngine(self.model, config, self.draft_model)
+        self.engine = _C.ContinuousBatchingEngine(
+            self.model, config, self.draft_model,
+            self.ranks.groups.control_communicator() if self.ranks else None)
         self.lora_manager = (LoRAManager(self.engine, self.model, info.config, args.max_loras,
                                          args.max_lora_rank) if args.enable_lora else None)
         self._requests: dict[str, _Request] = {}  # under _lock
@@ -174,6 +185,31 @@ class LLMEngine:
         self._step_lock = threading.Lock()
         if args.log_memory_plan:
             print(self.memory_plan(), file=sys.stderr)
+
+    @staticmethod
+    def _check_tensor_parallel(args: EngineArgs) -> None:
+        if not isinstance(args.tensor_parallel_size, int) or args.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got "
+                             f"{args.tensor_parallel_size!r}")
+        if not args.distributed_timeout > 0:
+            raise ValueError(f"distributed_timeout must be > 0 seconds, got "
+                             f"{args.distributed_timeout!r}")
+        if args.tensor_parallel_size == 1:
+            return
+        if args.enable_lora:
+            raise ValueError("tensor parallelism does not serve LoRA adapters yet")
+        if args.distributed_backend == "nccl":
+            raise ValueError("the ranks share this machine's device; nccl needs one GPU per "
+                             "rank, which is not built yet: use distributed_backend='gloo'")
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel ranks this engine started (a no-op for one rank); the
+        engine cannot step afterwards."""
+        if self.ranks is None:
+            return
+        self.engine = None  # its runner tells the workers to stop
+        self.lora_manager = None
+        self.ranks.close()
 
     def memory_plan(self) -> str:
         kv = self.engine.kv_cache

@@ -102,6 +102,14 @@ class EngineArgs:
         _CONFIG.max_stop_strings, "stop strings of a request at most (0: no limit)")
     max_stop_string_length: int = option(
         _CONFIG.max_stop_string_length, "characters of one stop string at most (0: no limit)")
+    tensor_parallel_size: int = option(
+        1, "ranks that split the model's heads and MLP columns (Megatron-LM's tensor "
+        "parallelism); on one machine the engine starts ranks 1..N-1 itself")
+    distributed_backend: str | None = option(
+        None, "collectives between the ranks: gloo (CPUs) or nccl (GPUs) (default: by device)",
+        choices=("gloo", "nccl"))
+    distributed_timeout: float = option(
+        600.0, "seconds a collective waits for the other ranks before it fails")
     max_waiting_requests: int = option(
         _CONFIG.max_waiting_requests,
         "requests waiting to run at most; past it add_request raises EngineOverloadedError "

@@ -78,5 +78,38 @@ TEST(ForwardBatchBuilder, RejectsASequenceLongerThanItsBlocks) {
   EXPECT_NO_THROW(builder.add({1, 2}, 2, {0}));
 }
 
+TEST(ForwardBatchBuilder, PackedAndUnpackedBuildsTheSameBatch) {
+  // What rank 0 sends a tensor-parallel worker: grouped tables, LoRA slots, a decode row.
+  ForwardBatchBuilder builder(/*block_size=*/4, /*lora=*/true);
+  builder.add_grouped({11, 12, 13, 14, 15}, 0, {{7, 2}, {4, 1}}, /*lora_slot=*/1);
+  builder.add_grouped({21}, 6, {{3, 9}, {0, 8}});
+  const std::vector<int64_t> message = builder.pack();
+  const ForwardBatch want = builder.build(at::Device("cpu"));
+  const ForwardBatch got = ForwardBatchBuilder::unpack(message).build(at::Device("cpu"));
+  EXPECT_EQ(values<int64_t>(got.input_ids), values<int64_t>(want.input_ids));
+  EXPECT_EQ(values<int64_t>(got.positions), values<int64_t>(want.positions));
+  EXPECT_EQ(values<int64_t>(got.metadata.slot_mapping),
+            values<int64_t>(want.metadata.slot_mapping));
+  EXPECT_EQ(values<int64_t>(got.metadata.group_slot_mappings.at(0)),
+            values<int64_t>(want.metadata.group_slot_mappings.at(0)));
+  EXPECT_EQ(values<int32_t>(got.metadata.group_block_tables.at(0)),
+            values<int32_t>(want.metadata.group_block_tables.at(0)));
+  EXPECT_EQ(values<int32_t>(got.metadata.block_tables),
+            values<int32_t>(want.metadata.block_tables));
+  EXPECT_EQ(values<int32_t>(got.metadata.query_start_loc),
+            values<int32_t>(want.metadata.query_start_loc));
+  EXPECT_EQ(values<int32_t>(got.metadata.seq_lens), values<int32_t>(want.metadata.seq_lens));
+  EXPECT_EQ(values<int32_t>(got.metadata.lora_slots), values<int32_t>(want.metadata.lora_slots));
+  EXPECT_EQ(values<int64_t>(got.logits_indices), values<int64_t>(want.logits_indices));
+  // A message cut short, with a value too many, or with a bad header is refused.
+  std::vector<int64_t> cut(message.begin(), message.end() - 1), longer = message, bad = message;
+  longer.push_back(0);
+  bad[0] = 0;
+  EXPECT_THROW(ForwardBatchBuilder::unpack(cut), std::invalid_argument);
+  EXPECT_THROW(ForwardBatchBuilder::unpack(longer), std::invalid_argument);
+  EXPECT_THROW(ForwardBatchBuilder::unpack(bad), std::invalid_argument);
+  EXPECT_THROW(ForwardBatchBuilder::unpack({}), std::invalid_argument);
+}
+
 }  // namespace
 }  // namespace kvserve

@@ -40,8 +40,12 @@ class ContinuousBatchingEngine {
   /// Allocates the paged KV cache (config.num_blocks blocks) for `model`, and with
   /// config.speculative.method "draft_model" one of as many blocks for `draft_model` (same
   /// vocabulary). Throws std::invalid_argument on a bad config or draft model.
+  /// workers: with tensor parallelism, the control group of the model's ranks; this engine is
+  /// rank 0's and each step's forward also runs on the others (TensorParallelWorker, the same
+  /// config.num_blocks); the draft model, if any, runs on rank 0 alone.
   ContinuousBatchingEngine(std::shared_ptr<CausalLM> model, EngineConfig config,
-                           std::shared_ptr<CausalLM> draft_model = nullptr);
+                           std::shared_ptr<CausalLM> draft_model = nullptr,
+                           std::shared_ptr<Communicator> workers = nullptr);
 
   /// Queues a request (thread-safe). Throws std::invalid_argument, changing nothing, for an empty
   /// or duplicate id (of an unfinished request), an empty prompt, a token id outside the

@@ -51,6 +51,12 @@ class ForwardBatchBuilder {
   ForwardBatch build(at::Device device, int64_t table_width = 0,
                      const at::Tensor& storage = {}) const;
 
+  /// Everything added so far as one message of int64 values, and the builder back from one:
+  /// another rank of a tensor-parallel model builds the same batch (TensorParallelWorker).
+  /// unpack throws std::invalid_argument for a message that pack did not write.
+  std::vector<int64_t> pack() const;
+  static ForwardBatchBuilder unpack(const std::vector<int64_t>& message);
+
   int64_t num_sequences() const { return static_cast<int64_t>(seq_lens_.size()); }
   int64_t num_tokens() const { return static_cast<int64_t>(ids_.size()); }
   /// Blocks in the longest block table of any group.

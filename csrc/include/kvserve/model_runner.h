@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kvserve/causal_lm.h"
+#include "kvserve/communicator.h"
 #include "kvserve/cuda_graph_runner.h"
 #include "kvserve/paged_kv_cache.h"
 #include "kvserve/sampler.h"
@@ -65,6 +66,10 @@ struct ModelRunnerOptions {
   /// whose contexts fit max_model_len, replay CUDA graphs.
   int64_t cuda_graph_max_batch = 0;
   int64_t max_model_len = 0;
+  /// Tensor parallelism: the control group of the model's ranks, this runner being rank 0's.
+  /// Each step goes to the workers (TensorParallelWorker) before its forward, and the runner's
+  /// destruction stops them; steps run eagerly (no CUDA graphs). Null or one rank: alone.
+  std::shared_ptr<Communicator> workers;
 };
 
 /// Runs a CausalLM over scheduled steps on a paged KV cache that it owns. What a step feeds the
@@ -96,6 +101,7 @@ class ModelRunner {
   SpeculativeDecoder* speculator_;
   Sampler sampler_;
   std::unique_ptr<CudaGraphRunner> graphs_;  // null: eager steps only
+  std::shared_ptr<Communicator> workers_;    // null: no other ranks
 };
 
 }  // namespace kvserve

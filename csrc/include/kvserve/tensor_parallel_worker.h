@@ -1,0 +1,67 @@
+#pragma once
+// Tensor parallelism's one scheduler (as in vLLM and SGLang): rank 0 runs the whole engine
+// (scheduler, block manager, prefix cache, sampler) over its shard of the model, and each step
+// sends the other ranks what the forward needs: the copy-on-write block pairs and the packed
+// ForwardBatch, over the control group (Gloo, on the host: a few KiB a step). A worker rank
+// holds its shard and a KV pool of the same blocks, and runs the forward and nothing else; the
+// shards meet in the model's collectives (the device group). ModelRunner sends (its options'
+// `workers`); TensorParallelWorker receives.
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "kvserve/causal_lm.h"
+#include "kvserve/communicator.h"
+#include "kvserve/forward_batch.h"
+#include "kvserve/paged_kv_cache.h"
+
+namespace kvserve {
+
+/// What rank 0 tells the workers.
+enum class WorkerCommand : int64_t { kStep = 1, kStop = 2 };
+
+/// Rank 0: broadcasts `command` and `payload` over `control` (a header of two values, then the
+/// payload). Blocks until every rank has it; throws (c10::Error) when a rank is gone.
+void send_to_workers(Communicator& control, WorkerCommand command,
+                     const std::vector<int64_t>& payload = {});
+
+/// A worker: the next command and payload from rank 0.
+std::pair<WorkerCommand, std::vector<int64_t>> receive_from_rank0(Communicator& control);
+
+/// A step's message: the copy-on-write pairs, then the batch (ForwardBatchBuilder::pack).
+std::vector<int64_t> pack_step(const std::vector<std::pair<int32_t, int32_t>>& block_copies,
+                               const ForwardBatchBuilder& batch);
+
+/// How a worker's pool is made: the same as rank 0's ModelRunner.
+struct TensorParallelWorkerOptions {
+  int64_t num_blocks = 0;   ///< KV pool blocks, the null block included: rank 0's
+  int64_t block_size = 16;  ///< tokens per block
+  std::optional<at::ScalarType> kv_cache_dtype;  ///< the model's dtype when unset
+};
+
+/// A rank > 0 of a tensor-parallel model: its shard and its KV pool (grouped by sliding window
+/// as rank 0's block manager groups layers).
+class TensorParallelWorker {
+ public:
+  /// Throws std::invalid_argument when `control` is not a group of several ranks with this one
+  /// other than rank 0.
+  TensorParallelWorker(std::shared_ptr<CausalLM> model, std::shared_ptr<Communicator> control,
+                       TensorParallelWorkerOptions options);
+
+  /// Runs rank 0's steps until it stops the workers; returns how many ran. A forward that
+  /// throws is skipped (rank 0's, run on the same inputs, throws at the same point and fails the
+  /// step there); a control group that fails (rank 0 gone, its timeout) throws.
+  int64_t serve();
+
+  const PagedKVCache& kv_cache() const { return kv_cache_; }
+
+ private:
+  std::shared_ptr<CausalLM> model_;
+  std::shared_ptr<Communicator> control_;
+  PagedKVCache kv_cache_;
+};
+
+}  // namespace kvserve

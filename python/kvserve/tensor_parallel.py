@@ -1,0 +1,131 @@
+"""Tensor parallelism on one machine: the engine's process is rank 0 and spawns ranks 1..N-1.
+
+Each rank loads only its shard of the weights (kvserve.loader.sharding: Megatron-LM's split of
+attention heads and MLP columns), and its model sums partial results over the device group
+(Gloo on CPUs, NCCL between GPUs). Rank 0 runs the whole engine, scheduler and sampler included;
+each step it sends the batch over the control group (Gloo) to the workers
+(_C.TensorParallelWorker), which run the forward and nothing else (one scheduler, as vLLM and
+SGLang have it). Every rank's KV pool has the same number of blocks: the fewest any rank can hold.
+
+A worker exits when rank 0 stops it (the engine is closed or collected), when rank 0's process
+dies (its control group fails), or when the group's timeout passes without a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvserve import _C
+from kvserve.config import load_checkpoint_info, resolve_dtype, resolve_kv_cache_dtype
+from kvserve.distributed import (ParallelGroups, destroy_parallel_groups, free_port,
+                                 init_parallel_groups)
+from kvserve.loader import load_weights
+from kvserve.loader.sharding import Shard, check_shardable, shard_config
+
+
+
+@dataclass
+class RankModel:
+    """One rank's shard of the model, and the engine config it resolved for its pool."""
+
+    model: _C.CausalLM
+    config: _C.ModelConfig  # the shard's (heads and columns of this rank)
+    engine_config: _C.EngineConfig
+
+
+def load_rank_model(args, groups: ParallelGroups, eos_token_ids: list[int],
+                    draft_config=None) -> RankModel:
+    """This rank's shard of args.model and its engine config, the pool agreed with the other
+    ranks (the fewest blocks any of them can hold)."""
+    info = load_checkpoint_info(args.model)
+    dtype = resolve_dtype(args.dtype, info.checkpoint_dtype)
+    kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
+    shard = Shard(groups.rank, groups.world_size)
+    local = shard_config(info.config, shard)
+    config = args.engine_config(local, dtype, kv_cache_dtype, eos_token_ids, draft_config)
+    control = groups.control_communicator()
+    blocks = control.all_gather(torch.tensor([config.num_blocks], dtype=torch.int64))
+    agreed = int(blocks.min())
+    if agreed != config.num_blocks:
+        config = dataclasses.replace(args, num_blocks=agreed).engine_config(
+            local, dtype, kv_cache_dtype, eos_token_ids, draft_config)
+    weights = load_weights(Path(args.model), info.config, dtype, args.device, shard=shard)
+    model = _C.create_causal_lm(local, weights, config.max_model_len,
+                                groups.device_communicator())
+    return RankModel(model, local, config)
+
+
+def _worker_main(rank: int, world_size: int, init_method: str, args, threads: int) -> None:
+    """A worker rank's process: its shard, then every step rank 0 sends, until it stops."""
+    torch.set_num_threads(threads)
+    groups = init_parallel_groups(world_size, rank, init_method, "gloo", args.device,
+                                  args.distributed_timeout)
+    try:
+        info = load_checkpoint_info(args.model)
+        rank_model = load_rank_model(args, groups, info.eos_token_ids)
+        c = rank_model.engine_config
+        worker = _C.TensorParallelWorker(rank_model.model, groups.control_communicator(),
+                                         c.num_blocks, c.block_size, c.kv_cache_dtype)
+        worker.serve()
+    finally:
+        destroy_parallel_groups()
+
+
+class TensorParallelRanks:
+    """Rank 0's view of the ranks it started: their groups, processes and shutdown."""
+
+    def __init__(self, args):
+        size = args.tensor_parallel_size
+        info = load_checkpoint_info(args.model)
+        check_shardable(info.config, size)
+        port = free_port()
+        init_method = f"tcp://127.0.0.1:{port}"
+        threads = max(1, torch.get_num_threads() // size)
+        context = mp.get_context("spawn")
+        self.processes = [context.Process(target=_worker_main, daemon=True,
+                                          args=(rank, size, init_method, args, threads),
+                                          name=f"kvserve-tp-rank{rank}")
+                          for rank in range(1, size)]
+        for p in self.processes:
+            p.start()
+        try:
+            # Gloo for the device group too: the ranks share this machine's device.
+            self.groups = init_parallel_groups(size, 0, init_method, "gloo", args.device,
+                                               args.distributed_timeout)
+        except BaseException:
+            self._stop_processes()
+            raise
+        self.closed = False
+
+    def check_alive(self) -> None:
+        """RuntimeError naming a worker rank whose process has exited."""
+        for rank, p in enumerate(self.processes, start=1):
+            if not p.is_alive():
+                raise RuntimeError(f"tensor-parallel rank {rank} exited (code {p.exitcode})")
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """After the engine is gone (its runner stopped the workers): waits for them, then
+        leaves the groups."""
+        if self.closed:
+            return
+        self.closed = True
+        deadline = time.monotonic() + timeout_s
+        for p in self.processes:
+            p.join(max(0.0, deadline - time.monotonic()))
+        self._stop_processes()
+        destroy_parallel_groups()
+
+    def _stop_processes(self) -> None:
+        for p in self.processes:
+            if p.is_alive():
+                p.terminate()
+                p.join(5.0)
+            if p.is_alive() and p.pid is not None:
+                os.kill(p.pid, 9)

@@ -1,0 +1,91 @@
+"""LLM(model, tensor_parallel_size=2) on a CPU machine (Gloo, one thread per rank): the engine's
+process is rank 0 and starts rank 1 itself; its greedy tokens and log-probabilities equal one
+rank's (fp32) over mixed batches with chunked prefill and prefix caching, for GQA with one KV
+head and an odd vocabulary, biases (Qwen2), and tied embeddings with sliding windows (Gemma 2).
+A worker that dies gives the caller an error, not a hang; what cannot be split is refused before
+any process starts."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.testing.checkpoints import make_checkpoint
+
+PROMPTS = [[1, 17, 5, 99, 42, 7, 300, 12, 8, 3, 250, 64, 9, 10], [7, 300, 12],
+           [1, 17, 5, 99, 42, 7, 300, 12, 8, 3, 250, 64, 77]]  # shares a prefix with the first
+CASES = {
+    "llama-one-kv-head": ("LlamaForCausalLM", dict(num_key_value_heads=1, vocab_size=383)),
+    "qwen2-biases": ("Qwen2ForCausalLM", {}),
+    "gemma2-tied-sliding": ("Gemma2ForCausalLM", {}),
+}
+# Chunks of 8 tokens and 4-token blocks: prompts prefill over several steps beside decodes,
+# and the third prompt reuses the first one's cached blocks.
+OPTIONS = dict(dtype="float32", max_num_batched_tokens=8, block_size=4, max_model_len=64,
+               num_blocks=96, enable_prefix_caching=True)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _generate(llm: LLM) -> list:
+    params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2)
+    return [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_generate_what_one_does(tmp_path, case):
+    arch, overrides = CASES[case]
+    path = make_checkpoint(tmp_path, arch, **overrides)
+    want = _generate(LLM(path, **OPTIONS))
+    llm = LLM(path, tensor_parallel_size=2, distributed_timeout=60.0, **OPTIONS)
+    try:
+        got = _generate(llm)
+        # Both ranks' pools hold the blocks rank 0 agreed.
+        assert llm.kv_cache.num_blocks == 96
+        assert llm.llm_engine.block_manager.prefix_cache_hits() > 0
+    finally:
+        llm.llm_engine.shutdown()
+    assert [p.exitcode for p in llm.llm_engine.ranks.processes] == [0]
+    for a, b in zip(want, got):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logprobs, b.logprobs):  # the sampled token's, then the top 2
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+            assert [v for _, v in x.top] == pytest.approx([v for _, v in y.top], abs=1e-4)
+
+
+def test_a_worker_that_dies_is_an_error_not_a_hang(tmp_path):
+    path = make_checkpoint(tmp_path, "LlamaForCausalLM")
+    llm = LLM(path, tensor_parallel_size=2, distributed_timeout=30.0, **OPTIONS)
+    try:
+        worker = llm.llm_engine.ranks.processes[0]
+        worker.kill()
+        worker.join(10)
+        started = time.monotonic()
+        with pytest.raises(RuntimeError):
+            llm.generate(PROMPTS, SamplingParams(max_tokens=4), use_tqdm=False)
+        assert time.monotonic() - started < 30.0
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(tensor_parallel_size=0), "tensor_parallel_size"),
+    (dict(tensor_parallel_size=3), "divide"),
+    (dict(tensor_parallel_size=2, enable_lora=True), "LoRA"),
+    (dict(tensor_parallel_size=2, distributed_backend="nccl"), "nccl"),
+    (dict(tensor_parallel_size=2, distributed_timeout=0.0), "distributed_timeout"),
+])
+def test_what_cannot_run_is_refused_before_any_rank_starts(tmp_path, options, message):
+    path = make_checkpoint(tmp_path, "LlamaForCausalLM")
+    with pytest.raises(ValueError, match=message):
+        LLM(path, dtype="float32", **options)
