@@ -53,13 +53,22 @@ class LocalCommunicator final : public Communicator {
 class ProcessGroupCommunicator final : public Communicator {
  public:
   ProcessGroupCommunicator(c10::intrusive_ptr<c10d::ProcessGroup> group, std::string name)
-      : group_(std::move(group)), name_(std::move(name)) {}
+      : group_(std::move(group)),
+        name_(std::move(name)),
+        gather_small_sums_(group_->getBackendName() == "gloo") {}
 
   int64_t rank() const override { return group_->getRank(); }
   int64_t size() const override { return group_->getSize(); }
 
   void all_reduce_(at::Tensor& tensor) override {
     check_dense(tensor, "all_reduce_");
+    // Gloo's all-reduce takes several exchanges: 1.2 ms for 1 KiB between two processes of a
+    // 2-vCPU VM, where an all-gather takes 0.56 ms. A small tensor (a decode step's activations)
+    // is gathered and summed in rank order instead, which also gives every rank the same bits.
+    if (gather_small_sums_ && tensor.numel() * tensor.element_size() <= kGatherSumBytes) {
+      tensor.copy_(all_gather(tensor.unsqueeze(0), 0).sum(0));
+      return;
+    }
     std::vector<at::Tensor> tensors = {tensor};
     group_->allreduce(tensors)->wait();
   }
@@ -101,8 +110,11 @@ class ProcessGroupCommunicator final : public Communicator {
   }
 
  private:
+  // All-reduces of up to this many bytes go by all-gather on Gloo.
+  static constexpr int64_t kGatherSumBytes = 256 * 1024;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   std::string name_;
+  bool gather_small_sums_;
 };
 
 #endif  // USE_DISTRIBUTED
