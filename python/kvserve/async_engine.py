@@ -256,7 +256,8 @@ class AsyncLLMEngine:
         return self.engine.get_stats()
 
     def shutdown(self) -> None:
-        """Stops the owner thread after its current step; unfinished requests are aborted."""
+        """Stops the owner thread after its current step; unfinished requests are aborted;
+        then the tensor-parallel ranks the engine started stop too."""
         self._stopped = True
         self._wakeup.set()
         self._thread.join()
@@ -266,6 +267,7 @@ class AsyncLLMEngine:
             self.engine.abort_request(request_id)
         while self.engine.has_unfinished_requests():
             self._deliver(self.engine.step())
+        self.engine.shutdown()
 
     def __enter__(self):
         return self

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from kvserve.convert.llama2c import add_llama2c_parser
+from kvserve.distributed import torchrun_rank
 from kvserve.engine_args import AsyncEngineArgs, EngineArgs
 from kvserve.server.limits import DEFAULT_MAX_WAITING_REQUESTS, ServerLimits
 
@@ -315,6 +316,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
+        launched = torchrun_rank()
+        if launched is not None and launched[0] > 0:
+            # A torchrun rank > 0 of generate or serve: the engine's worker, not the command.
+            if not hasattr(args, "tensor_parallel_size"):
+                raise ValueError("under torchrun, only generate and serve run on several ranks")
+            from kvserve.tensor_parallel import run_torchrun_worker
+
+            sys.exit(run_torchrun_worker(EngineArgs.from_cli_args(
+                args, model=getattr(args, "model", None) or _default_model(),
+                log_memory_plan=False)))
         sys.exit(args.func(args))
     except (FileNotFoundError, ValueError, TypeError) as e:
         print(f"kvserve: error: {e}", file=sys.stderr)

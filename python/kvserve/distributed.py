@@ -22,6 +22,7 @@ checks it.
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -57,6 +58,19 @@ def communicator(group_name: str = "") -> _C.Communicator:
     """The communicator over the process group registered under `group_name`, or the local one
     for "" (a single rank). ValueError for a name no group of this process has."""
     return _C.process_group_communicator(group_name) if group_name else _C.local_communicator()
+
+
+def torchrun_rank() -> tuple[int, int] | None:
+    """(rank, world size) when torchrun (or another launcher of torch.distributed's env://
+    convention) started this process as one of several ranks; None otherwise."""
+    env = os.environ
+    if not all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return None
+    try:
+        rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+    except ValueError:
+        return None
+    return (rank, world_size) if world_size > 1 else None
 
 
 def default_backend(device: str | torch.device) -> str:

@@ -161,6 +161,7 @@ class LLMEngine:
             rank_model = load_rank_model(args, self.ranks.groups, info.eos_token_ids,
                                          self.draft_config)
             self.model, config = rank_model.model, rank_model.engine_config
+            self.rank_model = rank_model
         else:
             weights = load_weights(self.model_dir, info.config, self.dtype, device)
             self.model = _C.create_causal_lm(info.config, weights, self.max_model_len)
@@ -246,6 +247,17 @@ class LLMEngine:
             plan += (f" (KV sharing: {self.config.num_kv_layers()} of {self.config.num_layers} "
                      f"layers cache K/V; without sharing {plain:,} bytes/token, "
                      f"{plain / shared:.1f}x more)")
+        if self.ranks is not None:
+            r, size = self.rank_model, self.ranks.groups.world_size
+            local_kv, kv_heads = r.config.num_kv_heads, self.config.num_kv_heads
+            copies = local_kv * size // kv_heads
+            plan += (f"; tensor parallel, rank 0 of {size} (each rank the same): weights "
+                     f"{r.split_bytes / 2**20:.1f} MiB split (1/{size} of every projection) + "
+                     f"{r.replicated_bytes / 2**20:.1f} MiB replicated (embeddings, LM head, "
+                     f"norms); KV {local_kv} of {kv_heads} KV heads a layer"
+                     + (f" (each held by {copies} ranks)" if copies > 1 else "")
+                     + f", {kv.nbytes / kv.num_blocks / 2**10:.1f} KiB a block on each rank, "
+                     f"{kv.num_blocks - 1} blocks agreed")
         spec = self.engine.config.speculative
         if self.draft_model is not None:
             c = self.draft_config

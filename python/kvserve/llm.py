@@ -47,6 +47,11 @@ class LLM:
         self.tokenizer, self.model = e.tokenizer, e.model
         self._next_request_id = 0
 
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel ranks this LLM started (nothing for one rank); it cannot
+        generate afterwards."""
+        self.llm_engine.shutdown()
+
     @property
     def kv_cache(self):
         """The paged KV pool (PagedKVCache): blocks, capacity_tokens, bytes_per_token."""

@@ -8,7 +8,9 @@ each step it sends the batch over the control group (Gloo) to the workers
 SGLang have it). Every rank's KV pool has the same number of blocks: the fewest any rank can hold.
 
 A worker exits when rank 0 stops it (the engine is closed or collected), when rank 0's process
-dies (its control group fails), or when the group's timeout passes without a step.
+dies (its control group fails), or when the group's timeout passes without a step. Under torchrun
+(several machines, or one) the ranks exist already: rank 0 runs the command, the others
+(kvserve.cli) run run_torchrun_worker with the same options, all meeting through env://.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 from kvserve import _C
 from kvserve.config import load_checkpoint_info, resolve_dtype, resolve_kv_cache_dtype
 from kvserve.distributed import (ParallelGroups, destroy_parallel_groups, free_port,
-                                 init_parallel_groups)
+                                 init_parallel_groups, torchrun_rank)
 from kvserve.loader import load_weights
 from kvserve.loader.sharding import Shard, check_shardable, shard_config
 
@@ -38,6 +40,8 @@ class RankModel:
     model: _C.CausalLM
     config: _C.ModelConfig  # the shard's (heads and columns of this rank)
     engine_config: _C.EngineConfig
+    split_bytes: int = 0       # this rank's part of the projections (split over the ranks)
+    replicated_bytes: int = 0  # what every rank holds whole (embeddings, LM head, norms)
 
 
 def load_rank_model(args, groups: ParallelGroups, eos_token_ids: list[int],
@@ -57,9 +61,11 @@ def load_rank_model(args, groups: ParallelGroups, eos_token_ids: list[int],
         config = dataclasses.replace(args, num_blocks=agreed).engine_config(
             local, dtype, kv_cache_dtype, eos_token_ids, draft_config)
     weights = load_weights(Path(args.model), info.config, dtype, args.device, shard=shard)
+    split = sum(t.numel() * t.element_size() for name, t in weights.items() if "_proj" in name)
+    total = sum(t.numel() * t.element_size() for t in weights.values())
     model = _C.create_causal_lm(local, weights, config.max_model_len,
                                 groups.device_communicator())
-    return RankModel(model, local, config)
+    return RankModel(model, local, config, split, total - split)
 
 
 def _worker_main(rank: int, world_size: int, init_method: str, args, threads: int) -> None:
@@ -78,13 +84,37 @@ def _worker_main(rank: int, world_size: int, init_method: str, args, threads: in
         destroy_parallel_groups()
 
 
+def run_torchrun_worker(args) -> int:
+    """A rank > 0 that torchrun started (`torchrun --nproc-per-node N -m kvserve serve
+    --tensor-parallel-size N ...`): serves rank 0's engine until it stops. Returns 0."""
+    rank, world_size = torchrun_rank()
+    if args.tensor_parallel_size != world_size:
+        raise ValueError(f"torchrun started {world_size} ranks but --tensor-parallel-size is "
+                         f"{args.tensor_parallel_size}")
+    _worker_main(rank, world_size, "env://", args, torch.get_num_threads())
+    return 0
+
+
 class TensorParallelRanks:
-    """Rank 0's view of the ranks it started: their groups, processes and shutdown."""
+    """Rank 0's view of the other ranks: their groups, the processes it started (none under
+    torchrun, which started them), and shutdown."""
 
     def __init__(self, args):
         size = args.tensor_parallel_size
         info = load_checkpoint_info(args.model)
         check_shardable(info.config, size)
+        self.closed = False
+        launched = torchrun_rank()
+        if launched is not None:
+            rank, world_size = launched
+            if rank != 0 or world_size != size:
+                raise ValueError(f"torchrun started this process as rank {rank} of "
+                                 f"{world_size}; the engine runs on rank 0 of "
+                                 f"tensor_parallel_size ({size}) ranks")
+            self.processes = []
+            self.groups = init_parallel_groups(size, 0, "env://", "gloo", args.device,
+                                               args.distributed_timeout)
+            return
         port = free_port()
         init_method = f"tcp://127.0.0.1:{port}"
         threads = max(1, torch.get_num_threads() // size)
@@ -102,7 +132,6 @@ class TensorParallelRanks:
         except BaseException:
             self._stop_processes()
             raise
-        self.closed = False
 
     def check_alive(self) -> None:
         """RuntimeError naming a worker rank whose process has exited."""

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.config import load_checkpoint_info
+from kvserve.loader import load_weights
 from kvserve.testing.checkpoints import make_checkpoint
 
 PROMPTS = [[1, 17, 5, 99, 42, 7, 300, 12, 8, 3, 250, 64, 9, 10], [7, 300, 12],
@@ -52,6 +54,12 @@ def test_two_ranks_generate_what_one_does(tmp_path, case):
         # Both ranks' pools hold the blocks rank 0 agreed.
         assert llm.kv_cache.num_blocks == 96
         assert llm.llm_engine.block_manager.prefix_cache_hits() > 0
+        # Rank 0 holds about half of the projections (key / value heads may be replicated).
+        info = load_checkpoint_info(path)
+        whole = load_weights(path, info.config, torch.float32)
+        projections = sum(t.numel() * 4 for name, t in whole.items() if "_proj" in name)
+        assert llm.llm_engine.rank_model.split_bytes < 0.6 * projections
+        assert "rank 0 of 2" in llm.llm_engine.memory_plan()
     finally:
         llm.llm_engine.shutdown()
     assert [p.exitcode for p in llm.llm_engine.ranks.processes] == [0]
