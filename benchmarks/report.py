@@ -41,6 +41,7 @@ ORDER = [
     "serve",
     "serve_chaos",
     "speculative_decoding",
+    "tensor_parallel",
     "cpu_decode_prefill",
     "cpu_linear",
     "cpu_attention",

@@ -158,8 +158,12 @@ class LLMEngine:
         self._check_tensor_parallel(args)
         if args.tensor_parallel_size > 1:
             self.ranks = TensorParallelRanks(args)
-            rank_model = load_rank_model(args, self.ranks.groups, info.eos_token_ids,
-                                         self.draft_config)
+            try:
+                rank_model = load_rank_model(args, self.ranks.groups, info.eos_token_ids,
+                                             self.draft_config)
+            except BaseException:
+                self.ranks.close(timeout_s=0.0)  # the workers stop with the groups
+                raise
             self.model, config = rank_model.model, rank_model.engine_config
             self.rank_model = rank_model
         else:
