@@ -7,8 +7,9 @@ hidden size 768 unless --no-random-model), interleaved rounds of:
 at tp=1 (the process's threads: the machine's cores) and tp=2 (two ranks, one thread each, Gloo
 over loopback). Beside them, what a step pays to communicate, measured on two ranks: the
 latency of one all-reduce of a decode step's activations ([1, hidden], fp32) and of a step's
-broadcast to the workers, times the collectives a step makes (two all-reduces per layer, two
-broadcasts); and what each rank holds (the memory plan). On 2 shared cores no speed-up is
+broadcast to the workers, times the collectives a step makes (two all-reduces per layer, one
+after the embedding, the logits' all-gather, the step message); and what each rank holds (the
+memory plan). On 2 shared cores no speed-up is
 expected: the figures say what the parallel path's overhead is.
 
     python benchmarks/bench_tensor_parallel.py
@@ -89,7 +90,9 @@ def bench_model(name: str, path: Path, args, cores: int) -> dict:
         torch.set_num_threads(cores)
     config = one.model.config
     comm = run_ranks(_collective_us, 2, (config.hidden_size, args.repeats))[0]
-    per_step = 2 * config.num_layers * comm["all_reduce"] + comm["step_message"]
+    # Two all-reduces a layer, one after the embedding, the logits' all-gather (about an
+    # all-reduce: both are one exchange of a small tensor on Gloo), and the step message.
+    per_step = (2 * config.num_layers + 2) * comm["all_reduce"] + comm["step_message"]
     return dict(model=name, layers=config.num_layers, hidden=config.hidden_size,
                 weights_tp1_mib=one.model.weight_bytes / 2**20,
                 weights_rank_mib=two.model.weight_bytes / 2**20,

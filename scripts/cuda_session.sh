@@ -5,6 +5,7 @@
 #   test      the kernel tests on CUDA (every kernel test, rerun with ops on the GPU) and the
 #             tests marked cuda (the engine on the GPU against transformers and the CPU engine)
 #   test-attention, test-engine   only paged_attention's kernel tests / only the engine's
+#   test-distributed   tensor parallelism with two ranks sharing the GPU over Gloo
 #   errors    the bad-argument kernel tests alone, one process, with Python's fault handler; if
 #             one crashes, its native backtrace (cuda-gdb, which debugs host code too)
 #   sanitize  compute-sanitizer memcheck and racecheck over a subset of the CUDA kernel tests
@@ -79,6 +80,8 @@ for stage in "$@"; do
       cuda_tests test-attention tests/kernels/test_paged_attention.py \
         tests/kernels/test_paged_attention_quantized_kv.py || status=1 ;;
     test-engine) cuda_tests test-engine tests/e2e/test_cuda_engine.py || status=1 ;;
+    test-distributed)
+      cuda_tests test-distributed tests/distributed/test_tensor_parallel_engine.py || status=1 ;;
     errors)
       args=(-q -p no:cacheprovider -p no:xdist -o addopts="" -k "reject or bad"
             tests/kernels)

@@ -1,7 +1,7 @@
 // Tensor parallelism's worker ranks (tensor_parallel_worker.h) for Python: the process of a
 // rank > 0 makes its shard and its TensorParallelWorker, then serve()s until rank 0 stops it.
-#include <torch/csrc/utils/pybind.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "bindings/bindings.h"
 #include "kvserve/tensor_parallel_worker.h"

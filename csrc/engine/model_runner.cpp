@@ -1,6 +1,5 @@
 #include "kvserve/model_runner.h"
 
-
 #include <algorithm>
 #include <chrono>
 #include <stdexcept>
@@ -135,23 +134,6 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
     num_rows += static_cast<int64_t>(fed.size());
     decode_only = decode_only && fed.size() == 1;
   }
-  at::Tensor hidden;
-  const int64_t graph_size = graphs_ && decode_only && builder.max_table_blocks() <=
-                                                           graphs_->table_width()
-                                 ? graphs_->padded_size(builder.num_sequences())
-                                 : 0;
-  if (graph_size > 0) {
-    while (builder.num_sequences() < graph_size) builder.add_padding();
-    hidden = graphs_->forward(builder, kv_cache_.layers());
-    out.cuda_graph = true;
-  } else {
-    if (workers_) send_to_workers(*workers_, WorkerCommand::kStep, pack_step(copies, builder));
-    const ForwardBatch batch = builder.build(model_->device());
-    hidden = model_->forward(batch.input_ids, batch.positions, batch.metadata, kv_cache_.layers());
-  }
-  out.samples.resize(targets.size());
-  if (targets.empty()) return out;
-
   // Rows of `hidden` whose logits are needed: plain targets first, each row once (consecutive
   // targets at one row are the n samples of a prompt), then each verified target's k + 1 rows.
   std::vector<int64_t> hidden_rows, logit_row_of_target;
@@ -173,6 +155,24 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
     const int64_t k = static_cast<int64_t>(proposals.tokens[t.scheduled_index].size());
     for (int64_t j = 0; j <= k; ++j) hidden_rows.push_back(starts[t.scheduled_index] + t.position + j);
   }
+  at::Tensor hidden;
+  const int64_t graph_size =
+      graphs_ && decode_only && builder.max_table_blocks() <= graphs_->table_width()
+          ? graphs_->padded_size(builder.num_sequences())
+          : 0;
+  if (graph_size > 0) {
+    while (builder.num_sequences() < graph_size) builder.add_padding();
+    hidden = graphs_->forward(builder, kv_cache_.layers());
+    out.cuda_graph = true;
+  } else {
+    if (workers_) {
+      send_to_workers(*workers_, WorkerCommand::kStep, pack_step(copies, hidden_rows, builder));
+    }
+    const ForwardBatch batch = builder.build(model_->device());
+    hidden = model_->forward(batch.input_ids, batch.positions, batch.metadata, kv_cache_.layers());
+  }
+  out.samples.resize(targets.size());
+  if (targets.empty()) return out;
   at::Tensor logits =
       model_->compute_logits(hidden.index_select(0, to_tensor(hidden_rows, hidden.device())));
 

@@ -14,8 +14,8 @@ namespace kvserve {
 
 void send_to_workers(Communicator& control, WorkerCommand command,
                      const std::vector<int64_t>& payload) {
-  at::Tensor header = at::tensor(std::vector<int64_t>{static_cast<int64_t>(command),
-                                                      static_cast<int64_t>(payload.size())});
+  at::Tensor header = at::tensor(
+      std::vector<int64_t>{static_cast<int64_t>(command), static_cast<int64_t>(payload.size())});
   control.broadcast_(header, 0);
   if (payload.empty()) return;
   at::Tensor body = at::from_blob(const_cast<int64_t*>(payload.data()),
@@ -45,12 +45,15 @@ std::pair<WorkerCommand, std::vector<int64_t>> receive_from_rank0(Communicator& 
 }
 
 std::vector<int64_t> pack_step(const std::vector<std::pair<int32_t, int32_t>>& block_copies,
+                               const std::vector<int64_t>& logit_rows,
                                const ForwardBatchBuilder& batch) {
   std::vector<int64_t> m = {static_cast<int64_t>(block_copies.size())};
   for (const auto& [src, dst] : block_copies) {
     m.push_back(src);
     m.push_back(dst);
   }
+  m.push_back(static_cast<int64_t>(logit_rows.size()));
+  m.insert(m.end(), logit_rows.begin(), logit_rows.end());
   const std::vector<int64_t> packed = batch.pack();
   m.insert(m.end(), packed.begin(), packed.end());
   return m;
@@ -60,8 +63,9 @@ namespace {
 
 std::shared_ptr<Communicator> checked(std::shared_ptr<Communicator> control) {
   if (!control || control->size() < 2 || control->rank() == 0) {
-    throw std::invalid_argument("TensorParallelWorker: a worker is a rank > 0 of a group of "
-                                "several ranks");
+    throw std::invalid_argument(
+        "TensorParallelWorker: a worker is a rank > 0 of a group of "
+        "several ranks");
   }
   return control;
 }
@@ -85,22 +89,35 @@ int64_t TensorParallelWorker::serve() {
   while (true) {
     auto [command, message] = receive_from_rank0(*control_);
     if (command == WorkerCommand::kStop) return steps;
-    if (message.empty() || message[0] < 0 ||
-        static_cast<size_t>(1 + 2 * message[0]) > message.size()) {
-      throw std::runtime_error("tensor-parallel worker: a step message without its copies");
-    }
+    // The copies, then the logit rows, then the batch.
+    size_t pos = 0;
+    const auto count = [&](int64_t per_item) {
+      if (pos >= message.size() || message[pos] < 0 ||
+          static_cast<size_t>(message[pos] * per_item) > message.size() - pos - 1) {
+        throw std::runtime_error("tensor-parallel worker: a malformed step message");
+      }
+      return message[pos++];
+    };
     std::vector<std::pair<int32_t, int32_t>> copies;
-    for (int64_t i = 0; i < message[0]; ++i) {
-      copies.emplace_back(static_cast<int32_t>(message[1 + 2 * i]),
-                          static_cast<int32_t>(message[2 + 2 * i]));
+    for (int64_t i = 0, n = count(2); i < n; ++i, pos += 2) {
+      copies.emplace_back(static_cast<int32_t>(message[pos]),
+                          static_cast<int32_t>(message[pos + 1]));
     }
-    const std::vector<int64_t> packed(message.begin() + 1 + 2 * message[0], message.end());
+    const int64_t num_rows = count(1);
+    const std::vector<int64_t> rows(message.begin() + static_cast<std::ptrdiff_t>(pos),
+                                    message.begin() + static_cast<std::ptrdiff_t>(pos + num_rows));
+    const std::vector<int64_t> packed(message.begin() + static_cast<std::ptrdiff_t>(pos + num_rows),
+                                      message.end());
     ++steps;
     try {
       kv_cache_.copy_blocks(copies);
-      const ForwardBatch batch =
-          ForwardBatchBuilder::unpack(packed).build(model_->device());
-      model_->forward(batch.input_ids, batch.positions, batch.metadata, kv_cache_.layers());
+      const ForwardBatch batch = ForwardBatchBuilder::unpack(packed).build(model_->device());
+      const at::Tensor hidden =
+          model_->forward(batch.input_ids, batch.positions, batch.metadata, kv_cache_.layers());
+      if (!rows.empty()) {
+        model_->compute_logits(hidden.index_select(
+            0, at::tensor(rows, at::TensorOptions().dtype(at::kLong)).to(hidden.device())));
+      }
     } catch (const std::exception&) {
       // Rank 0 runs the same forward on the same inputs and reports the failure.
     }

@@ -17,9 +17,11 @@ constexpr int64_t kChunkBytes = 16 << 20;
 
 }  // namespace
 
-GatedMLP::GatedMLP(const std::string& p, const WeightMap& w, const std::string& hidden_act)
+GatedMLP::GatedMLP(const std::string& p, const WeightMap& w, const std::string& hidden_act,
+                   bool partial)
     : gate_up_proj_(Linear::load(w, p + "gate_up_proj")),
-      down_proj_(Linear::load_row_parallel(w, p + "down_proj")),
+      down_proj_(partial ? Linear::load(w, p + "down_proj")
+                         : Linear::load_row_parallel(w, p + "down_proj")),
       gelu_(hidden_act == "gelu_pytorch_tanh") {
   if (!gelu_ && hidden_act != "silu") {
     throw std::invalid_argument("GatedMLP: hidden_act must be silu or gelu_pytorch_tanh, got " +

@@ -18,8 +18,10 @@ namespace kvserve {
 class GatedMLP : public FeedForward {
  public:
   /// hidden_act: "silu" or "gelu_pytorch_tanh"; throws std::invalid_argument otherwise.
+  /// Split over tensor-parallel ranks (the weights' communicator), down_proj's outputs are
+  /// summed over them, unless `partial` (a mixture's shared expert, summed with the experts).
   GatedMLP(const std::string& prefix, const WeightMap& weights,
-           const std::string& hidden_act = "silu");
+           const std::string& hidden_act = "silu", bool partial = false);
 
   /// x [T, hidden] -> [T, hidden], with each token's LoRA update where lora_slots says.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& lora_slots) const override;

@@ -58,8 +58,9 @@ SparseMoE::SparseMoE(const MoEConfig& c, const std::string& p, const WeightMap& 
     }
   }
   if (c.shared_intermediate_size > 0) {
-    shared_ = std::make_unique<GatedMLP>(p + "shared_experts.", w);
+    shared_ = std::make_unique<GatedMLP>(p + "shared_experts.", w, "silu", /*partial=*/true);
   }
+  if (w.communicator()->size() > 1) reduce_ = w.communicator();
 }
 
 std::pair<at::Tensor, at::Tensor> SparseMoE::route(const at::Tensor& x) const {
@@ -94,6 +95,7 @@ at::Tensor SparseMoE::forward(const at::Tensor& x, const at::Tensor& /*lora_slot
                                    weights, ids);
   }
   if (shared_) out.add_(shared_->forward(x));
+  if (reduce_) reduce_->all_reduce_(out);  // the experts' and the shared expert's partial sums
   return out;
 }
 

@@ -24,7 +24,9 @@ namespace kvserve {
 /// experts.<e>.down_proj.weight [hidden, moe_intermediate] per expert, or, for weight-only
 /// quantized experts (every expert's projections or none), their .qweight / .scales / .zeros as
 /// Linear::load reads them (run by fused_moe_quantized), and shared_experts.* of a GatedMLP when
-/// the config has shared experts.
+/// the config has shared experts. Split over tensor-parallel ranks (the weights' communicator),
+/// every expert (and the shared one) holds this rank's columns of the intermediate size, the
+/// router is replicated, and the combined output is summed over the ranks once.
 class SparseMoE : public FeedForward {
  public:
   /// Throws std::invalid_argument on a missing weight.
@@ -48,6 +50,7 @@ class SparseMoE : public FeedForward {
   std::vector<at::Tensor> w13_, w2_;  // per expert, plain or packed (ops::linear_prepack)
   std::vector<QuantizedLinearWeight> w13_quantized_, w2_quantized_;  // or these
   std::unique_ptr<GatedMLP> shared_;
+  std::shared_ptr<Communicator> reduce_;  // null: one rank
 };
 
 }  // namespace kvserve

@@ -2,7 +2,10 @@
 // What the pre-norm decoder families share: the token embedding (or the rows of a tied, packed LM
 // head), the residual stream through each layer's RMSNorms (two, or four with Gemma's sandwich
 // norms), attention and MLP, the final norm and the LM head. A family supplies its attention
-// layer type and builds its layers.
+// layer type and builds its layers. Split over tensor-parallel ranks (the weights'
+// communicator), the embedding and the LM head are vocabulary-parallel: each rank holds
+// ceil(vocab / ranks) rows (the last rank's padded with zeros), looks up the ids it holds and
+// sums the ranks' rows, and its logits are gathered from every rank's columns.
 
 #include <ATen/ops/embedding.h>
 #include <ATen/ops/scalar_tensor.h>
@@ -33,8 +36,13 @@ namespace kvserve {
 template <typename AttentionLayer>
 class DecoderLM : public CausalLM {
  public:
+  /// Every rank of a tensor-parallel model calls this on the same rows: each computes its
+  /// vocabulary columns, and every rank gets all of them.
   at::Tensor compute_logits(const at::Tensor& hidden) override {
     at::Tensor logits = lm_head_.forward(hidden).to(at::kFloat);
+    if (vocab_parallel_) {
+      logits = vocab_parallel_->all_gather(logits, 1).narrow(1, 0, config_.vocab_size);
+    }
     if (config_.final_logit_softcap > 0) {  // c * tanh(logits / c), as Gemma 2 does
       logits.div_(config_.final_logit_softcap).tanh_().mul_(config_.final_logit_softcap);
     }
@@ -119,10 +127,19 @@ class DecoderLM : public CausalLM {
         dtype_(embed_tokens_.scalar_type()),
         device_(embed_tokens_.device()) {
     config_.validate();
-    TORCH_CHECK(embed_tokens_.dim() == 2 && embed_tokens_.size(0) == config_.vocab_size &&
+    const std::shared_ptr<Communicator>& ranks = w.communicator();
+    if (ranks->size() > 1) {
+      vocab_parallel_ = ranks;
+      vocab_rows_ = (config_.vocab_size + ranks->size() - 1) / ranks->size();
+      vocab_start_ = ranks->rank() * vocab_rows_;
+    } else {
+      vocab_rows_ = config_.vocab_size;
+    }
+    TORCH_CHECK(embed_tokens_.dim() == 2 && embed_tokens_.size(0) == vocab_rows_ &&
                     embed_tokens_.size(1) == config_.hidden_size,
-                "embed_tokens.weight must be [", config_.vocab_size, ", ", config_.hidden_size,
-                "], got ", embed_tokens_.sizes());
+                "embed_tokens.weight must be [", vocab_rows_, ", ", config_.hidden_size, "] (",
+                vocab_parallel_ ? "this rank's rows of " : "", "a vocabulary of ",
+                config_.vocab_size, "), got ", embed_tokens_.sizes());
     layers_.reserve(config_.num_layers);
     for (int64_t i = 0; i < config_.num_layers; ++i) {
       cache_index_.push_back(config_.kv_cache_index(i));
@@ -178,8 +195,7 @@ class DecoderLM : public CausalLM {
                 " layers that write K/V");
     TORCH_CHECK(input_ids.dim() == 1 && positions.sizes() == input_ids.sizes(),
                 "forward: input_ids and positions must both be [T]");
-    at::Tensor hidden = embed_tokens_.defined() ? at::embedding(embed_tokens_, input_ids)
-                                                : lm_head_.rows(input_ids);  // [T, hidden]
+    at::Tensor hidden = embed(input_ids);       // [T, hidden]
     if (config_.embedding_multiplier != 1.0) {  // the multiplier rounded to the dtype first
       hidden = hidden * at::scalar_tensor(config_.embedding_multiplier, hidden.options());
     }
@@ -203,6 +219,20 @@ class DecoderLM : public CausalLM {
     return hidden;
   }
 
+  /// The embedding rows of input_ids: looked up alone, or over vocabulary-parallel ranks each
+  /// rank's rows of the ids it holds (zeros for the others), summed over the ranks.
+  at::Tensor embed(const at::Tensor& input_ids) const {
+    const auto lookup = [&](const at::Tensor& ids) {
+      return embed_tokens_.defined() ? at::embedding(embed_tokens_, ids) : lm_head_.rows(ids);
+    };
+    if (!vocab_parallel_) return lookup(input_ids);
+    const at::Tensor local = input_ids - vocab_start_;
+    const at::Tensor held = local.ge(0).logical_and(local.lt(vocab_rows_));
+    at::Tensor rows = lookup(local.clamp(0, vocab_rows_ - 1)) * held.unsqueeze(1).to(dtype_);
+    vocab_parallel_->all_reduce_(rows);
+    return rows;
+  }
+
   /// Every projection that can serve LoRA adapters, named as the loader names its weight.
   std::vector<LoraLinear> lora_linears() {
     std::vector<LoraLinear> out;
@@ -223,7 +253,10 @@ class DecoderLM : public CausalLM {
   ModelConfig config_;
   int64_t lora_slots_ = 0;  // LoRA adapters each target projection holds
   int64_t lora_rank_ = 0;   // their rank per unfused projection
-  at::Tensor embed_tokens_;  // [vocab, hidden]; undefined when tied to a packed lm_head_
+  at::Tensor embed_tokens_;  // [vocab rows, hidden]; undefined when tied to a packed lm_head_
+  std::shared_ptr<Communicator> vocab_parallel_;  // null: the whole vocabulary on this rank
+  int64_t vocab_start_ = 0;                       // the first id of this rank's rows
+  int64_t vocab_rows_ = 0;  // rows of the embedding and the LM head on this rank
   at::ScalarType dtype_;
   at::Device device_;
   std::vector<Layer> layers_;

@@ -256,9 +256,10 @@ class LLMEngine:
             local_kv, kv_heads = r.config.num_kv_heads, self.config.num_kv_heads
             copies = local_kv * size // kv_heads
             plan += (f"; tensor parallel, rank 0 of {size} (each rank the same): weights "
-                     f"{r.split_bytes / 2**20:.1f} MiB split (1/{size} of every projection) + "
-                     f"{r.replicated_bytes / 2**20:.1f} MiB replicated (embeddings, LM head, "
-                     f"norms); KV {local_kv} of {kv_heads} KV heads a layer"
+                     f"{r.split_bytes / 2**20:.1f} MiB split (1/{size} of every projection, "
+                     f"of the embedding and of the LM head) + "
+                     f"{r.replicated_bytes / 2**20:.1f} MiB replicated (norms); KV {local_kv} "
+                     f"of {kv_heads} KV heads a layer"
                      + (f" (each held by {copies} ranks)" if copies > 1 else "")
                      + f", {kv.nbytes / kv.num_blocks / 2**10:.1f} KiB a block on each rank, "
                      f"{kv.num_blocks - 1} blocks agreed")

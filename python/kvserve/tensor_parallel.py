@@ -40,8 +40,8 @@ class RankModel:
     model: _C.CausalLM
     config: _C.ModelConfig  # the shard's (heads and columns of this rank)
     engine_config: _C.EngineConfig
-    split_bytes: int = 0       # this rank's part of the projections (split over the ranks)
-    replicated_bytes: int = 0  # what every rank holds whole (embeddings, LM head, norms)
+    split_bytes: int = 0       # this rank's part of the projections, embedding and LM head
+    replicated_bytes: int = 0  # what every rank holds whole (the norms)
 
 
 def load_rank_model(args, groups: ParallelGroups, eos_token_ids: list[int],
@@ -61,7 +61,8 @@ def load_rank_model(args, groups: ParallelGroups, eos_token_ids: list[int],
         config = dataclasses.replace(args, num_blocks=agreed).engine_config(
             local, dtype, kv_cache_dtype, eos_token_ids, draft_config)
     weights = load_weights(Path(args.model), info.config, dtype, args.device, shard=shard)
-    split = sum(t.numel() * t.element_size() for name, t in weights.items() if "_proj" in name)
+    split = sum(t.numel() * t.element_size() for name, t in weights.items()
+                if "_proj" in name or name in ("embed_tokens.weight", "lm_head.weight"))
     total = sum(t.numel() * t.element_size() for t in weights.values())
     model = _C.create_causal_lm(local, weights, config.max_model_len,
                                 groups.device_communicator())

@@ -1,7 +1,8 @@
 """LLM(model, tensor_parallel_size=2) on a CPU machine (Gloo, one thread per rank): the engine's
 process is rank 0 and starts rank 1 itself; its greedy tokens and log-probabilities equal one
 rank's (fp32) over mixed batches with chunked prefill and prefix caching, for GQA with one KV
-head and an odd vocabulary, biases (Qwen2), and tied embeddings with sliding windows (Gemma 2).
+head and an odd vocabulary, biases (Qwen2), tied embeddings with sliding windows (Gemma 2) and a
+mixture of experts (Qwen3-MoE).
 A worker that dies gives the caller an error, not a hang; what cannot be split is refused before
 any process starts."""
 
@@ -23,6 +24,7 @@ CASES = {
     "llama-one-kv-head": ("LlamaForCausalLM", dict(num_key_value_heads=1, vocab_size=383)),
     "qwen2-biases": ("Qwen2ForCausalLM", {}),
     "gemma2-tied-sliding": ("Gemma2ForCausalLM", {}),
+    "qwen3-moe": ("Qwen3MoeForCausalLM", {}),
 }
 # Chunks of 8 tokens and 4-token blocks: prompts prefill over several steps beside decodes,
 # and the third prompt reuses the first one's cached blocks.
@@ -54,11 +56,13 @@ def test_two_ranks_generate_what_one_does(tmp_path, case):
         # Both ranks' pools hold the blocks rank 0 agreed.
         assert llm.kv_cache.num_blocks == 96
         assert llm.llm_engine.block_manager.prefix_cache_hits() > 0
-        # Rank 0 holds about half of the projections (key / value heads may be replicated).
+        # Rank 0 holds about half of the projections, the embedding and the LM head (key /
+        # value heads may be replicated, the vocabulary padded).
         info = load_checkpoint_info(path)
         whole = load_weights(path, info.config, torch.float32)
-        projections = sum(t.numel() * 4 for name, t in whole.items() if "_proj" in name)
-        assert llm.llm_engine.rank_model.split_bytes < 0.6 * projections
+        split = sum(t.numel() * 4 for name, t in whole.items()
+                    if "_proj" in name or name in ("embed_tokens.weight", "lm_head.weight"))
+        assert llm.llm_engine.rank_model.split_bytes < 0.6 * split
         assert "rank 0 of 2" in llm.llm_engine.memory_plan()
     finally:
         llm.llm_engine.shutdown()
@@ -97,3 +101,19 @@ def test_what_cannot_run_is_refused_before_any_rank_starts(tmp_path, options, me
     path = make_checkpoint(tmp_path, "LlamaForCausalLM")
     with pytest.raises(ValueError, match=message):
         LLM(path, dtype="float32", **options)
+
+
+@pytest.mark.cuda
+def test_two_ranks_on_one_gpu_generate_what_one_does(tmp_path):
+    """Both ranks on one GPU over Gloo (NCCL refuses two ranks on one device): correctness only
+    (`scripts/cuda_session.sh test-distributed`)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    path = make_checkpoint(tmp_path, "LlamaForCausalLM", num_key_value_heads=1, vocab_size=383)
+    want = _generate(LLM(path, device="cuda", **OPTIONS))
+    llm = LLM(path, device="cuda", tensor_parallel_size=2, distributed_timeout=120.0, **OPTIONS)
+    try:
+        got = _generate(llm)
+    finally:
+        llm.shutdown()
+    assert [a.token_ids for a in want] == [b.token_ids for b in got]

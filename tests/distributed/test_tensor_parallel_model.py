@@ -1,8 +1,10 @@
 """A model split over two ranks (kvserve.loader.sharding; Gloo, one thread per rank) gives the
 logits of the whole model at every position (fp32, tight tolerance): GQA, key/value heads
 replicated when there are fewer than ranks, biases (Qwen2), tied embeddings and sliding windows
-with soft-caps (Gemma 2), head norms (Qwen3), a vocabulary 2 does not divide. Each rank holds
-half of every projection; what cannot be split yet is a clear error."""
+with soft-caps (Gemma 2), head norms (Qwen3), a vocabulary 2 does not divide, mixtures of
+experts (Mixtral, Qwen3-MoE: each expert split by intermediate column), a layer that reads an
+earlier layer's KV (CLA). Each rank holds half of every projection and of the vocabulary's rows;
+what cannot be split yet is a clear error."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from kvserve.distributed import ParallelGroups
 from kvserve.loader.safetensors_loader import load_weights
 from kvserve.loader.sharding import Shard, shard_config
 from kvserve.testing.checkpoints import make_checkpoint
+from kvserve.testing.cla import make_cla_checkpoint
 from kvserve.testing.ranks import run_ranks
 
 PROMPT = [1, 17, 5, 99, 42, 7, 300, 12, 8, 3, 250, 64]
@@ -25,6 +28,9 @@ CASES = {
     "qwen2-biases": ("Qwen2ForCausalLM", {}),
     "qwen3-head-norms": ("Qwen3ForCausalLM", {}),
     "gemma2-tied-sliding": ("Gemma2ForCausalLM", {}),
+    "mixtral-moe": ("MixtralForCausalLM", {}),
+    "qwen3-moe": ("Qwen3MoeForCausalLM", {}),
+    "cla-shared-kv": ("CLA", dict(kv_sharing={1: 0})),  # layer 1 reads layer 0's KV
 }
 
 
@@ -39,7 +45,10 @@ def _logits(groups: ParallelGroups, path, shard: Shard | None) -> dict:
     logits = model(torch.tensor([PROMPT]), caches)[0]
     projections = sum(t.numel() for name, t in weights.items() if "_proj" in name)
     return dict(logits=logits, projections=projections, heads=local.num_heads,
-                kv_heads=local.num_kv_heads, intermediate=local.intermediate_size)
+                kv_heads=local.num_kv_heads, intermediate=local.intermediate_size,
+                vocab_rows=weights["embed_tokens.weight"].shape[0],
+                embedding=weights["embed_tokens.weight"].clone(),
+                lm_head=weights["lm_head.weight"].clone() if "lm_head.weight" in weights else None)
 
 
 def _sharded(groups: ParallelGroups, path) -> dict:
@@ -48,7 +57,8 @@ def _sharded(groups: ParallelGroups, path) -> dict:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    return {name: make_checkpoint(tmp_path_factory.mktemp(name), arch, **overrides)
+    return {name: make_cla_checkpoint(tmp_path_factory.mktemp(name), **overrides)
+            if arch == "CLA" else make_checkpoint(tmp_path_factory.mktemp(name), arch, **overrides)
             for name, (arch, overrides) in CASES.items()}
 
 
@@ -68,6 +78,15 @@ def test_two_ranks_give_the_whole_models_logits(checkpoints, case):
         replicated = 1 if config.num_kv_heads < 2 else 0
         extra = replicated * 2 * config.head_dim * config.hidden_size * config.num_layers // 2
         assert part["projections"] == whole["projections"] // 2 + extra, rank
+        # The embedding and the LM head by vocabulary row: ceil(vocab / 2) rows, zero past it.
+        rows = -(-config.vocab_size // 2)
+        assert part["vocab_rows"] == rows
+        held = min(rows, config.vocab_size - rank * rows)
+        for name in ("embedding", "lm_head"):
+            if whole[name] is None:
+                continue
+            assert torch.equal(part[name][:held], whole[name][rank * rows:rank * rows + held])
+            assert not part[name][held:].any()
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -84,10 +103,20 @@ def test_what_cannot_be_split_is_a_clear_error(tmp_path, overrides, message):
         load_weights(path, config, torch.float32, shard=Shard(1, 4))
 
 
-def test_mixture_of_experts_is_refused_for_now(checkpoint_factory):
-    config = load_checkpoint_info(checkpoint_factory("MixtralForCausalLM")).config
-    with pytest.raises(ValueError, match="does not split mixture-of-experts layers yet"):
+def test_latent_attention_is_refused_for_now(checkpoint_factory):
+    config = load_checkpoint_info(checkpoint_factory("DeepseekV2ForCausalLM")).config
+    with pytest.raises(ValueError, match="does not split multi-head latent attention yet"):
         shard_config(config, Shard(0, 2))
     assert shard_config(config, Shard(0, 1)).num_heads == config.num_heads
     with pytest.raises(ValueError, match="0 <= rank < size"):
         Shard(2, 2)
+
+
+def test_experts_split_by_intermediate_column(checkpoint_factory):
+    config = load_checkpoint_info(checkpoint_factory("Qwen3MoeForCausalLM")).config
+    local = shard_config(config, Shard(1, 2))
+    assert local.moe.moe_intermediate_size == config.moe.moe_intermediate_size // 2
+    assert local.moe.num_experts == config.moe.num_experts
+    assert config.moe.moe_intermediate_size == 48  # the whole config is left as it was
+    with pytest.raises(ValueError, match="expert intermediate size 48"):
+        shard_config(config, Shard(0, 5))

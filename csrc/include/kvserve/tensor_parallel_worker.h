@@ -3,9 +3,9 @@
 // (scheduler, block manager, prefix cache, sampler) over its shard of the model, and each step
 // sends the other ranks what the forward needs: the copy-on-write block pairs and the packed
 // ForwardBatch, over the control group (Gloo, on the host: a few KiB a step). A worker rank
-// holds its shard and a KV pool of the same blocks, and runs the forward and nothing else; the
-// shards meet in the model's collectives (the device group). ModelRunner sends (its options'
-// `workers`); TensorParallelWorker receives.
+// holds its shard and a KV pool of the same blocks, and runs the forward and its share of the
+// logits, nothing else; the shards meet in the model's collectives (the device group). ModelRunner
+// sends (its options' `workers`); TensorParallelWorker receives.
 
 #include <cstdint>
 #include <memory>
@@ -31,8 +31,11 @@ void send_to_workers(Communicator& control, WorkerCommand command,
 /// A worker: the next command and payload from rank 0.
 std::pair<WorkerCommand, std::vector<int64_t>> receive_from_rank0(Communicator& control);
 
-/// A step's message: the copy-on-write pairs, then the batch (ForwardBatchBuilder::pack).
+/// A step's message: the copy-on-write pairs, the rows of the forward's output whose logits
+/// rank 0 computes (every rank computes its vocabulary's share of them), then the batch
+/// (ForwardBatchBuilder::pack).
 std::vector<int64_t> pack_step(const std::vector<std::pair<int32_t, int32_t>>& block_copies,
+                               const std::vector<int64_t>& logit_rows,
                                const ForwardBatchBuilder& batch);
 
 /// How a worker's pool is made: the same as rank 0's ModelRunner.

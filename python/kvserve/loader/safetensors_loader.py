@@ -26,7 +26,8 @@ import torch
 from safetensors import safe_open
 
 from kvserve import _C
-from kvserve.loader.sharding import Shard, check_shardable, local_heads, local_intermediate
+from kvserve.loader.sharding import (Shard, check_shardable, local_columns, local_heads,
+                                     local_intermediate, local_vocab)
 from kvserve.loader.weight_check import check_weights, moe_names
 from kvserve.loader.weight_index import WeightIndex
 from kvserve.quantization.formats import CheckpointQuantization, parse_quantization_config
@@ -116,11 +117,11 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
     check_weights(index, config, config_path, quant)
     read = _TensorReader(index, dtype, quant)
     w: dict[str, torch.Tensor] = {
-        "embed_tokens.weight": read("model.embed_tokens.weight"),
+        "embed_tokens.weight": _vocab_rows(read, "model.embed_tokens.weight", config, shard),
         "norm.weight": read("model.norm.weight"),
     }
     if not config.tie_word_embeddings:
-        w["lm_head.weight"] = read("lm_head.weight")
+        w["lm_head.weight"] = _vocab_rows(read, "lm_head.weight", config, shard)
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         out = f"layers.{i}."
@@ -134,13 +135,27 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
         else:
             _read_attention(read, config, i, p + "self_attn.", out + "self_attn.", w, shard)
         if config.is_moe_layer(i):
-            _read_moe(read, config, p, out + "mlp.", w)
+            _read_moe(read, config, p, out + "mlp.", w, shard)
         else:
             _read_mlp(read, p + "mlp.", out + "mlp.", config.mlp_bias, w,
                       (config.intermediate_size, config.hidden_size),
                       shard=None if shard is None else (shard.rank,
                                                         *local_intermediate(config, shard)))
     return {name: t.to(device).contiguous() for name, t in w.items()}
+
+
+def _vocab_rows(read: _TensorReader, name: str, config: _C.ModelConfig,
+                shard: Shard | None) -> torch.Tensor:
+    """An embedding or LM head: whole, or the rank's rows of the vocabulary (local_vocab),
+    zero rows past its end."""
+    if shard is None:
+        return read(name)
+    first, n = local_vocab(config, shard)
+    held = max(0, min(n, config.vocab_size - first))
+    if held == n:
+        return read.raw(name, read.dtype, (0, first, n))
+    rows = [read.raw(name, read.dtype, (0, first, held))] if held else []
+    return torch.cat(rows + [torch.zeros(n - held, config.hidden_size, dtype=read.dtype)])
 
 
 def _read_attention(read: _TensorReader, c: _C.ModelConfig, layer: int, attn: str, out: str,
@@ -239,9 +254,14 @@ def _read_mlp(read: _TensorReader, mlp: str, out: str, bias: bool, w: dict[str, 
 
 
 def _read_moe(read: _TensorReader, c: _C.ModelConfig, layer: str, out: str,
-              w: dict[str, torch.Tensor]) -> None:
-    """Router, per-expert fused gate_up and down, shared experts, under the kvserve names."""
+              w: dict[str, torch.Tensor], shard: Shard | None = None) -> None:
+    """Router, per-expert fused gate_up and down, shared experts, under the kvserve names.
+    shard: each expert's (and the shared expert's) columns of a tensor-parallel rank."""
     prefix, names = moe_names(c, layer)
+
+    def columns(size: int) -> tuple[int, int, int] | None:
+        return None if shard is None else (shard.rank, *local_columns(size, shard))
+
     w[out + "gate.weight"] = read(prefix + "gate.weight")
     if c.moe.scoring_func == "sigmoid":  # kept in fp32, as transformers does
         w[out + "gate.e_score_correction_bias"] = read(prefix + "gate.e_score_correction_bias",
@@ -251,7 +271,9 @@ def _read_moe(read: _TensorReader, c: _C.ModelConfig, layer: str, out: str,
     plain = not all(read.quantized(expert + name) for expert in experts for name in names)
     for e, expert in enumerate(experts):
         _read_mlp(read, expert, f"{out}experts.{e}.", False, w,
-                  (c.moe.moe_intermediate_size, c.hidden_size), names, plain=plain)
+                  (c.moe.moe_intermediate_size, c.hidden_size), names, plain=plain,
+                  shard=columns(c.moe.moe_intermediate_size))
     if c.moe.shared_intermediate_size:
         _read_mlp(read, prefix + "shared_experts.", out + "shared_experts.", False, w,
-                  (c.moe.shared_intermediate_size, c.hidden_size))
+                  (c.moe.shared_intermediate_size, c.hidden_size),
+                  shard=columns(c.moe.shared_intermediate_size))

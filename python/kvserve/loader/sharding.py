@@ -7,12 +7,15 @@ rank holds, and the model config that rank's C++ model runs.
   replicated on the size / num_kv_heads ranks whose query heads read it. o_proj is row-parallel:
   the columns of the rank's heads, the bias on rank 0 only, the ranks' outputs summed.
 - MLP: gate/up column-parallel (rows of the rank's share of the intermediate size), down_proj
-  row-parallel (those columns).
-- Embeddings, norms and the LM head are replicated.
+  row-parallel (those columns). Mixture of experts: every expert (and the shared expert) split
+  the same way, the router replicated, the combined output summed once.
+- Embedding and LM head: vocabulary-parallel, ceil(vocab / size) rows a rank (the last rank's
+  padded with zero rows); a tied head is the same rows. Norms are replicated.
 
 A rank's model is then the unsharded model class over a config whose num_heads, num_kv_heads and
 intermediate_size are the rank's (shard_config), plus one all-reduce after each row-parallel
-projection (the C++ Linear::load_row_parallel).
+projection (the C++ Linear::load_row_parallel), one after the embedding lookup, and an
+all-gather of the logits' columns (the C++ DecoderLM).
 """
 
 from __future__ import annotations
@@ -44,9 +47,12 @@ def check_shardable(config: _C.ModelConfig, size: int) -> None:
     if config.use_mla():
         raise ValueError(f"tensor parallelism does not split multi-head latent attention yet "
                          f"({name})")
-    if config.moe.num_experts:
-        raise ValueError("tensor parallelism does not split mixture-of-experts layers yet "
-                         f"({name})")
+    moe = config.moe
+    for label, size_of in (("expert intermediate size", moe.moe_intermediate_size),
+                           ("shared experts' intermediate size", moe.shared_intermediate_size)):
+        if moe.num_experts and size_of % size:
+            raise ValueError(f"tensor_parallel_size {size} must divide the {label} {size_of} "
+                             f"of {name}")
     if config.quantization.scheme != "none":
         raise ValueError(f"tensor parallelism does not split quantized weights yet ({name}: "
                          f"{config.quantization.scheme})")
@@ -73,9 +79,21 @@ def local_heads(config: _C.ModelConfig, shard: Shard) -> tuple[int, int, int, in
     return shard.rank * q, q, shard.rank * kv_total // shard.size, 1
 
 
+def local_columns(size: int, shard: Shard) -> tuple[int, int]:
+    """(first column, columns) of the rank's share of an intermediate size the ranks divide."""
+    n = size // shard.size
+    return shard.rank * n, n
+
+
 def local_intermediate(config: _C.ModelConfig, shard: Shard) -> tuple[int, int]:
     """(first column, columns) of the rank's share of the MLP's intermediate size."""
-    n = config.intermediate_size // shard.size
+    return local_columns(config.intermediate_size, shard)
+
+
+def local_vocab(config: _C.ModelConfig, shard: Shard) -> tuple[int, int]:
+    """(first id, rows) of the rank's share of the embedding and the LM head: ceil(vocab /
+    size) rows, some past the vocabulary on the last rank when size does not divide it."""
+    n = -(-config.vocab_size // shard.size)
     return shard.rank * n, n
 
 
@@ -86,4 +104,9 @@ def shard_config(config: _C.ModelConfig, shard: Shard) -> _C.ModelConfig:
     if shard.size > 1:
         _, local.num_heads, _, local.num_kv_heads = local_heads(config, shard)
         _, local.intermediate_size = local_intermediate(config, shard)
+        if config.moe.num_experts:
+            moe = local.moe
+            moe.moe_intermediate_size //= shard.size
+            moe.shared_intermediate_size //= shard.size
+            local.moe = moe
     return local
