@@ -3,6 +3,7 @@
 #include "bindings/bindings.h"
 #include "kernels/attention/paged_attention_kernel_choice.h"
 #include "kernels/cpu_dispatch.h"
+#include "kernels/linear/quantized_linear_kernel_choice.h"
 
 #include <algorithm>
 #include <cctype>
@@ -40,6 +41,13 @@ PYBIND11_MODULE(_C, m) {
       "(KVSERVE_ATTENTION_KERNEL sets it at start-up).");
   m.def("cuda_attention_kernel", &kvserve::ops::attention_kernel_name,
         "The CUDA attention kernel choice: auto, mma, rows, general or mma64.");
+  m.def("set_cuda_quantized_linear_kernel", &kvserve::ops::set_quantized_linear_kernel,
+        pybind11::arg("name"),
+        "Which CUDA body runs quantized_linear from now on: auto (the fastest that applies), mma "
+        "(tensor cores), gemv (the GEMV up to 8 tokens, then the dequantizing GEMM) or dequantize "
+        "(KVSERVE_QUANTIZED_LINEAR_KERNEL sets it at start-up).");
+  m.def("cuda_quantized_linear_kernel", &kvserve::ops::quantized_linear_kernel_name,
+        "The CUDA quantized linear kernel choice: auto, mma, gemv or dequantize.");
   kvserve::bindings::bind_kv_cache(m);
   kvserve::bindings::bind_model(m);
   kvserve::bindings::bind_continuous_batching_engine(m);

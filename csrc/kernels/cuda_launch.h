@@ -12,6 +12,9 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <algorithm>
+#include <array>
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -62,6 +65,30 @@ inline at::Tensor pointer_table(const std::vector<const void*>& addresses, at::D
     table[i] = reinterpret_cast<int64_t>(addresses[i]);
   }
   return tables.emplace(std::move(key), host.to(device, /*non_blocking=*/true)).first->second;
+}
+
+/// A device attribute (the multiprocessor count, the compute capability), read once per device
+/// and attribute: a call inside CUDA-graph capture must not query the driver.
+template <cudaDeviceAttr ATTRIBUTE>
+int device_attribute(int device) {
+  static std::array<std::atomic<int>, 64> values{};
+  std::atomic<int>& value = values.at(static_cast<size_t>(device));
+  if (value.load(std::memory_order_relaxed) == 0) {
+    int read = 0;
+    cudaDeviceGetAttribute(&read, ATTRIBUTE, device);
+    value.store(std::max(read, 1), std::memory_order_relaxed);
+  }
+  return value.load(std::memory_order_relaxed);
+}
+
+/// The device's multiprocessors.
+inline int multiprocessors(int device) {
+  return device_attribute<cudaDevAttrMultiProcessorCount>(device);
+}
+
+/// Whether the device runs mma.sync / ldmatrix / cp.async (compute capability 8.0 or later).
+inline bool tensor_cores(int device) {
+  return device_attribute<cudaDevAttrComputeCapabilityMajor>(device) >= 8;
 }
 
 /// Blocks of `threads` threads that cover n items.

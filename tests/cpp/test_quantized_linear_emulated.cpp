@@ -1,13 +1,12 @@
 // quantized_linear's CUDA bodies run by the CUDA emulator (cuda_emulator.h) with the launcher's
-// launch shapes, against the CPU op: the 16-byte-vector GEMV for 1-8 tokens and the vector
-// dequantization (int8, int4 with and without zeros, fp8 E4M3; per-row and grouped scales;
-// bias or none; each input dtype), and the word-wise kernels they stand beside, which the
-// vector ones must equal (the dequantization bit for bit).
-#include "cuda_emulator.h"
-
+// launch shapes, against the CPU op: the 16-byte-vector GEMV for 1-8 tokens, the tensor-core
+// GEMM for any number of tokens (bf16 / fp16) and the vector dequantization (int8, int4 with
+// and without zeros, fp8 E4M3; per-row and grouped scales; bias or none; each input dtype), and
+// the word-wise kernels they stand beside, which the vector ones must equal (the dequantization
+// bit for bit).
 #include <ATen/ops/empty.h>
-#include <ATen/ops/randn.h>
 #include <ATen/ops/rand.h>
+#include <ATen/ops/randn.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -16,8 +15,10 @@
 #include <optional>
 #include <string>
 
+#include "cuda_emulator.h"
 #include "kernels/linear/quantized_linear.h"
 #include "kernels/linear/quantized_linear_kernel.cuh"
+#include "kernels/linear/quantized_linear_mma_kernel.cuh"
 #include "quantized_test_weights.h"
 #include "tensor_values.h"
 
@@ -142,6 +143,98 @@ TEST(QuantizedLinearEmulated, VectorKernelsMatchTheCpuOpInEveryDtype) {
   run_all<float>(at::kFloat, 2e-5);
   run_all<__nv_bfloat16>(at::kBFloat16, 2e-2);
   run_all<__half>(at::kHalf, 3e-3);
+}
+
+// out [m, n] from the tensor-core GEMM compiled for `tiles` token tiles (enough or more).
+template <typename T, QuantFormat F>
+at::Tensor mma_gemm(const at::Tensor& x, const Weight& w, const std::optional<at::Tensor>& b,
+                    int tiles) {
+  const int64_t n = w.q.size(0), k = x.size(1), m = x.size(0);
+  EXPECT_TRUE((cuda::vector_gemv_applies<F>(w.q.data_ptr(), x.data_ptr(),
+                                            x.stride(0) * x.element_size(), k, w.group_size)));
+  at::Tensor out = at::empty({m, n}, x.options());
+  auto launch = [&](auto kernel, int kernel_tiles) {
+    emu::launch(kernel, dim3(static_cast<unsigned int>(cuda::mma_gemm_blocks(m, n, kernel_tiles))),
+                dim3(cuda::kMmaGemmThreads), cuda::mma_gemm_shared_bytes(kernel_tiles),
+                static_cast<const T*>(x.data_ptr()), x.stride(0), m,
+                static_cast<const uint8_t*>(w.q.data_ptr()), w.scales.data_ptr<float>(),
+                w.zeros ? w.zeros->data_ptr<float>() : nullptr,
+                b ? static_cast<const T*>(b->data_ptr()) : nullptr, static_cast<T*>(out.data_ptr()),
+                n, k, w.group_size);
+  };
+  auto with_tiles = [&](auto tiles_constant) {
+    constexpr int kTiles = decltype(tiles_constant)::value;
+    if (w.zeros) {
+      launch(cuda::quantized_gemm_mma_kernel<T, F, kTiles, true>, kTiles);
+    } else {
+      launch(cuda::quantized_gemm_mma_kernel<T, F, kTiles, false>, kTiles);
+    }
+  };
+  if (tiles == 1) {
+    with_tiles(std::integral_constant<int, 1>{});
+  } else if (tiles == 2) {
+    with_tiles(std::integral_constant<int, 2>{});
+  } else if (tiles == 4) {
+    with_tiles(std::integral_constant<int, 4>{});
+  } else {
+    with_tiles(std::integral_constant<int, 8>{});
+  }
+  return out;
+}
+
+template <typename T, QuantFormat F>
+void run_mma_case(at::ScalarType dtype, int64_t n, int64_t k, int64_t group_size, bool zeros,
+                  bool bias, std::initializer_list<int64_t> tokens, double tolerance) {
+  SCOPED_TRACE(std::string(c10::toString(dtype)) + " format " +
+               std::to_string(static_cast<int>(F)) + " n " + std::to_string(n) + " k " +
+               std::to_string(k) + " group " + std::to_string(group_size) +
+               (zeros ? " zeros" : "") + (bias ? " bias" : ""));
+  at::manual_seed(13);
+  const Weight w = random_weight<F>(n, k, group_size, zeros);
+  const std::optional<at::Tensor> b =
+      bias ? std::optional<at::Tensor>(at::randn({n}).to(dtype)) : std::nullopt;
+  const int64_t pad = 16 / at::elementSize(dtype);  // rows 16 bytes apart, strided
+  const int64_t most = std::max(tokens);
+  const at::Tensor wide = at::randn({most, k + pad}).to(dtype);
+  // The weights the kernel multiplies: dequantized to T exactly as the dequantizing path does.
+  const at::Tensor weight = dequantized<T, F>(w, k, dtype, true).to(at::kFloat);
+  for (const int64_t m : tokens) {
+    SCOPED_TRACE("tokens " + std::to_string(m));
+    const at::Tensor x = wide.narrow(0, 0, m).narrow(1, 0, k);
+    const int tiles = cuda::mma_gemm_tiles(m);
+    const at::Tensor actual = mma_gemm<T, F>(x, w, b, tiles);
+    // Against the CPU op, whose weights stay fp32: a norm-wise bound, as rounding the weights
+    // to T moves each output by up to ~sqrt(k) weight roundings.
+    const at::Tensor expected = ops::quantized_linear(x, w.q, w.scales, w.zeros, group_size, b);
+    EXPECT_LE(actual.to(at::kFloat).sub(expected.to(at::kFloat)).norm().item<double>(),
+              tolerance * expected.to(at::kFloat).norm().item<double>());
+    // Against fp32 sums of the same T weights: only the order of the sums and the output's
+    // rounding differ.
+    at::Tensor sums = x.to(at::kFloat).matmul(weight.t());
+    if (b) sums = sums.add(b->to(at::kFloat));
+    EXPECT_LE(test_util::worst_relative_error(sums.to(dtype), actual),
+              dtype == at::kBFloat16 ? 8e-3 : 1e-3);
+    if (tiles < cuda::kMmaGemmMaxTiles) {  // more token tiles compiled for: the same values
+      EXPECT_TRUE((mma_gemm<T, F>(x, w, b, cuda::kMmaGemmMaxTiles).equal(actual)));
+    }
+  }
+}
+
+// (n, k, group): rows that fill no 16-row block; inputs that leave warps idle, that end inside
+// a warp's block of 4 vectors, and that wrap the 4-stage pipeline (40 blocks: 5 for each of the
+// 8 warps); token counts in one tile, in part of one, and in several blocks.
+template <typename T>
+void run_mma_all(at::ScalarType dtype, double tolerance) {
+  run_mma_case<T, QuantFormat::kInt8>(dtype, 13, 96, 96, false, true, {1, 3, 8, 9}, tolerance);
+  run_mma_case<T, QuantFormat::kInt8>(dtype, 17, 2560, 32, true, false, {5, 17}, tolerance);
+  run_mma_case<T, QuantFormat::kInt4>(dtype, 9, 160, 32, true, true, {2, 33}, tolerance);
+  run_mma_case<T, QuantFormat::kInt4>(dtype, 16, 5120, 128, false, false, {4}, tolerance);
+  run_mma_case<T, QuantFormat::kFp8E4M3>(dtype, 20, 48, 48, false, true, {70}, tolerance);
+}
+
+TEST(QuantizedLinearEmulated, TensorCoreKernelMatchesTheCpuOp) {
+  run_mma_all<__nv_bfloat16>(at::kBFloat16, 1e-2);
+  run_mma_all<__half>(at::kHalf, 2e-3);
 }
 
 TEST(QuantizedLinearEmulated, VectorPathNeedsAlignedData) {

@@ -1,11 +1,12 @@
-"""quantized_linear (int8, int4 and fp8 E4M3 weights; the GEMV for a few tokens and the
-dequantize-then-GEMM path for more) against an fp64 matmul on the weight the contract defines,
-read by the reference's own unpacking; the packers against hand-made bytes."""
+"""quantized_linear (int8, int4 and fp8 E4M3 weights; the GEMV for a few tokens, on CUDA tensor
+cores on the packed weight for bf16 / fp16 inputs, and the dequantize-then-GEMM path for more)
+against an fp64 matmul on the weight the contract defines, read by the reference's own
+unpacking; the packers against hand-made bytes."""
 
 import pytest
 import torch
 
-import kvserve  # noqa: F401  (registers torch.ops.kvserve)
+import kvserve  # registers torch.ops.kvserve
 from kvserve.quantization import pack_int4, quantize_fp8, quantize_int4, quantize_int8, unpack_int4
 from kvserve.testing import reference
 from tests.kernels.capability import CAPABILITIES, check_variant
@@ -208,6 +209,63 @@ def test_cuda_weight_dequantized_in_several_blocks(dtype):
     n, k = 4200, 4096
     x, b = operands(40, k, n, dtype, True)
     check_cuda(quantized("int8", n, k, k), x, b, dtype)
+
+
+@pytest.fixture
+def quantized_linear_kernel():
+    """Sets the CUDA body for the test; auto again after it."""
+    yield kvserve._C.set_cuda_quantized_linear_kernel
+    kvserve._C.set_cuda_quantized_linear_kernel("auto")
+
+
+def test_quantized_linear_kernel_choice_is_checked(quantized_linear_kernel):
+    quantized_linear_kernel("mma")
+    assert kvserve._C.cuda_quantized_linear_kernel() == "mma"
+    with pytest.raises(ValueError, match="auto, mma, gemv or dequantize"):
+        quantized_linear_kernel("marlin")
+    assert kvserve._C.cuda_quantized_linear_kernel() == "mma"
+
+
+# Aligned for the 16-byte vectors (k and the groups whole vectors) that the tensor-core and
+# vector bodies need: rows that fill no 16-row block, inputs that end inside a warp's 4 vectors,
+# and inputs that wrap the tensor-core pipeline (int8 k 2560: 40 blocks of 64 over 8 warps).
+ALIGNED_CASES = [
+    ("int8", 33, 96, 48), ("int8", 130, 2560, 2560), ("int8", 64, 256, 32),
+    ("int4", 7, 96, 32), ("int4", 33, 128, 64), ("int4", 130, 5120, 128), ("int4", 17, 160, 160),
+    ("fp8", 33, 96, 96), ("fp8", 40, 2064, 2064),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernel", ["auto", "mma", "gemv", "dequantize"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt, n, k, group_size", ALIGNED_CASES)
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 17, 33, 64, 65, 130, 300])
+def test_cuda_every_kernel_on_aligned_inputs(kernel, fmt, n, k, group_size, m, dtype,
+                                             quantized_linear_kernel):
+    """Rows 16 bytes apart (strided): every body applies, each against the reference."""
+    quantized_linear_kernel(kernel)
+    x, b = operands(m, k, n, dtype, True, pad=8)
+    # Past the GEMV the weight is rounded to the input dtype: each output moves by up to
+    # ~sqrt(k) such roundings, so the bound is norm-wise for long rows.
+    q = quantized(fmt, n, k, group_size)
+    out = ops.quantized_linear(on_cuda(x), on_cuda(q.qweight), on_cuda(q.scales),
+                               on_cuda(q.zeros), q.group_size, on_cuda(b)).cpu().double()
+    expected = reference.quantized_linear(x, q.qweight, q.scales, q.zeros, q.group_size, b)
+    bound = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    assert (out - expected).norm() <= bound * expected.norm()
+    torch.testing.assert_close(out, expected, atol=bound * expected.abs().max().item(), rtol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernel", ["mma", "gemv"])
+def test_cuda_int4_symmetric_and_fractional_zeros_on_tensor_cores(kernel, quantized_linear_kernel):
+    quantized_linear_kernel(kernel)
+    x, b = operands(24, 256, 40, torch.bfloat16, True)
+    check_cuda(quantized("int4", 40, 256, 32, zeros=False), x, b, torch.bfloat16)
+    q = quantized("int4", 40, 256, 32)
+    q.zeros = q.zeros + 0.375
+    check_cuda(q, x, b, torch.bfloat16)
 
 
 @pytest.mark.cuda

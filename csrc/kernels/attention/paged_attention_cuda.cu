@@ -3,8 +3,6 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
-#include <array>
-#include <atomic>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -20,28 +18,6 @@ namespace {
 
 using paged_attention_checks::kOp;
 
-// A device attribute (the multiprocessor count, the compute capability), read once per device
-// and attribute: a call inside CUDA-graph capture must not query the driver.
-template <cudaDeviceAttr ATTRIBUTE>
-int device_attribute(int device) {
-  static std::array<std::atomic<int>, 64> values{};
-  std::atomic<int>& value = values.at(static_cast<size_t>(device));
-  if (value.load(std::memory_order_relaxed) == 0) {
-    int read = 0;
-    cudaDeviceGetAttribute(&read, ATTRIBUTE, device);
-    value.store(std::max(read, 1), std::memory_order_relaxed);
-  }
-  return value.load(std::memory_order_relaxed);
-}
-
-int multiprocessors(int device) {
-  return device_attribute<cudaDevAttrMultiProcessorCount>(device);
-}
-
-// Whether the device runs mma.sync / ldmatrix / cp.async (compute capability 8.0 or later).
-bool tensor_cores(int device) {
-  return device_attribute<cudaDevAttrComputeCapabilityMajor>(device) >= 8;
-}
 
 // Starts a kernel on the current stream; beyond 48 KiB of dynamic shared memory a kernel must
 // opt in (a function attribute: no stream work, allowed while a graph is captured).
@@ -57,7 +33,7 @@ struct StreamLaunch {
     }
   }
 
-  bool tensor_cores() const { return ::kvserve::ops::tensor_cores(device); }
+  bool tensor_cores() const { return cuda::tensor_cores(device); }
 
   void operator()(Kernel kernel, dim3 grid, int threads, size_t shared_bytes,
                   const cuda::PagedAttentionParams& p) const {
@@ -109,7 +85,7 @@ void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Te
     out.zero_();
     return;
   }
-  const int sms = multiprocessors(query.device().index());
+  const int sms = cuda::multiprocessors(query.device().index());
   const AttentionKernel kernel = attention_kernel();
   StreamLaunch launch{cuda::current_stream(), query.device().index()};
   cuda::dispatch_float(query.scalar_type(), kOp, [&](auto type) {

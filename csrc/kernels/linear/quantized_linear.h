@@ -21,7 +21,9 @@ namespace kvserve::ops {
 ///   - float8_e4m3fn [n, k]: the E4M3 number (no infinities; 0x7f / 0xff are NaN).
 /// scales: fp32 [n, k / g]; zeros: fp32 [n, k / g] or none (0). bias: [n] in the input dtype.
 /// A few tokens (decode) run a GEMV that streams the packed weight once and dequantizes in
-/// registers; more tokens dequantize blocks of rows and run the device's GEMM on them. Throws
+/// registers; on CUDA, bf16 / fp16 inputs of 2-64 tokens run tensor cores on the packed weight,
+/// dequantized in registers too; more tokens dequantize blocks of rows and run the device's GEMM
+/// on them (quantized_linear_kernel_choice.h picks a CUDA body by name). Throws
 /// c10::Error naming the argument for any shape, dtype or group size outside this contract.
 at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& qweight,
                             const at::Tensor& scales, const std::optional<at::Tensor>& zeros,

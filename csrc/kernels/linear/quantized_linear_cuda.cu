@@ -1,7 +1,8 @@
-// CUDA launcher for quantized_linear: the shared checks, then the quantized GEMV for a few
-// tokens (each weight row read once for all of them; by 16-byte vectors where the data is
-// aligned for them); for more, blocks of rows dequantized to the input dtype and
-// multiplied by cuBLAS through at::linear.
+// CUDA launcher for quantized_linear: the shared checks, then, by the number of tokens and the
+// kernel choice (quantized_linear_kernel_choice.h): the quantized GEMV (each weight row read once
+// for all of a few tokens; by 16-byte vectors where the data is aligned for them); tensor cores
+// on the packed weight for bf16 / fp16 inputs (quantized_linear_mma_kernel.cuh); or blocks of
+// rows dequantized to the input dtype and multiplied by cuBLAS through at::linear.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <torch/library.h>
@@ -14,6 +15,8 @@
 #include "kernels/linear/quantized_linear.h"
 #include "kernels/linear/quantized_linear_checks.h"
 #include "kernels/linear/quantized_linear_kernel.cuh"
+#include "kernels/linear/quantized_linear_kernel_choice.h"
+#include "kernels/linear/quantized_linear_mma_kernel.cuh"
 
 namespace kvserve::ops {
 namespace {
@@ -23,6 +26,13 @@ namespace {
 // (bench_cuda_quant.py, Llama-3-8B shapes): at 8 tokens the vector GEMV takes 0.5-0.9x the
 // time of the dequantizing path; at 16 (two launches) 1.0-1.3x, so 16 tokens dequantize.
 constexpr int64_t kMaxGemvTokens = cuda::kQuantizedGemvTokens;
+// auto: the GEMV for this many tokens, tensor cores from there up to kMaxMmaTokens, where the
+// dequantizing GEMM takes over. Measured on an H200 (bench_cuda_quant.py --kernels mma gemv
+// dequantize, Llama-3-8B shapes): the GEMV is 1.1-1.3x faster at one token, tensor cores
+// 1.1-3.5x faster than the GEMV at 2-8 tokens and than dequantizing at 16-32, even at 64, and
+// slower from 128.
+constexpr int64_t kMaxAutoGemvTokens = 1;
+constexpr int64_t kMaxMmaTokens = 64;
 // Rows dequantized per GEMM: large enough for cuBLAS to fill the GPU, small next to the weights.
 constexpr int64_t kDequantBlockBytes = 32 << 20;
 constexpr int kDequantThreads = 128;
@@ -125,16 +135,80 @@ at::Tensor dequantize_and_gemm(const at::Tensor& input, const Weight& w,
   return out;
 }
 
+// Calls f(integral_constant<int, tiles>{}) for tiles = 1, 2, 4 or 8 token tiles of the mma GEMM.
+template <typename F>
+void dispatch_tiles(int tiles, F&& f) {
+  switch (tiles) {
+    case 1:
+      f(std::integral_constant<int, 1>{});
+      break;
+    case 2:
+      f(std::integral_constant<int, 2>{});
+      break;
+    case 4:
+      f(std::integral_constant<int, 4>{});
+      break;
+    default:
+      f(std::integral_constant<int, cuda::kMmaGemmMaxTiles>{});
+      break;
+  }
+}
+
+// Whether the tensor-core GEMM applies: 16-bit inputs, aligned vectors of weight and input, a
+// GPU with mma.sync (sm_80 or later), and a grid that fits.
+template <typename T, cuda::QuantFormat F>
+bool mma_applies(const at::Tensor& input, const Weight& w) {
+  if constexpr (std::is_same_v<T, float>) {
+    return false;
+  } else {
+    const int64_t m = input.size(0);
+    return w.k > 0 &&
+           cuda::vector_gemv_applies<F>(
+               w.q, input.data_ptr(), input.stride(0) * input.element_size(), w.k, w.group_size) &&
+           cuda::mma_gemm_blocks(m, w.n, cuda::mma_gemm_tiles(m)) <= INT32_MAX &&
+           cuda::tensor_cores(input.device().index());
+  }
+}
+
+template <typename T, cuda::QuantFormat F>
+at::Tensor mma_gemm(const at::Tensor& input, const Weight& w,
+                    const std::optional<at::Tensor>& bias) {
+  at::Tensor out = at::empty({input.size(0), w.n}, input.options());
+  if constexpr (!std::is_same_v<T, float>) {
+    const int64_t m = input.size(0);
+    dispatch_tiles(cuda::mma_gemm_tiles(m), [&](auto tiles) {
+      constexpr int kTiles = decltype(tiles)::value;
+      auto* kernel = w.zeros != nullptr ? cuda::quantized_gemm_mma_kernel<T, F, kTiles, true>
+                                        : cuda::quantized_gemm_mma_kernel<T, F, kTiles, false>;
+      kernel<<<static_cast<unsigned int>(cuda::mma_gemm_blocks(m, w.n, kTiles)),
+               cuda::kMmaGemmThreads, cuda::mma_gemm_shared_bytes(kTiles),
+               cuda::current_stream()>>>(static_cast<const T*>(input.data_ptr()), input.stride(0),
+                                         m, w.q, w.scales, w.zeros,
+                                         bias ? static_cast<const T*>(bias->data_ptr()) : nullptr,
+                                         static_cast<T*>(out.data_ptr()), w.n, w.k, w.group_size);
+    });
+    KVSERVE_CUDA_CHECK_LAUNCH();
+  }
+  return out;
+}
+
 template <typename T, cuda::QuantFormat F>
 at::Tensor run(const at::Tensor& input, const at::Tensor& qweight, const at::Tensor& scales,
                const std::optional<at::Tensor>& zeros, int64_t group_size,
                const std::optional<at::Tensor>& bias) {
-  const int64_t k = input.size(1);
+  const int64_t k = input.size(1), m = input.size(0);
   const Weight w{static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr<float>(),
                  zeros ? zeros->data_ptr<float>() : nullptr, qweight.size(0), k, group_size,
                  rows_are_words<F>(qweight, k)};
-  // k == 0 takes the GEMV too: it writes the bias (or 0) where a 0-wide grid could not launch.
-  if (input.size(0) > kMaxGemvTokens && k > 0) return dequantize_and_gemm<T, F>(input, w, bias);
+  using Kernel = QuantizedLinearKernel;
+  const Kernel choice = quantized_linear_kernel();
+  const bool mma = (choice == Kernel::kMma ||
+                    (choice == Kernel::kAuto && m > kMaxAutoGemvTokens && m <= kMaxMmaTokens)) &&
+                   mma_applies<T, F>(input, w);
+  if (mma) return mma_gemm<T, F>(input, w, bias);
+  // k == 0 takes the GEMV: it writes the bias (or 0) where a 0-wide grid could not launch.
+  const bool dequantize = k > 0 && (m > kMaxGemvTokens || choice == Kernel::kDequantize);
+  if (dequantize) return dequantize_and_gemm<T, F>(input, w, bias);
   return gemv<T, F>(input, w, bias);
 }
 
