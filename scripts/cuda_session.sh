@@ -15,6 +15,9 @@
 #             occupancy, warp stalls): prefill of 8,192 tokens (128- and 64-row tiles), decode of
 #             1 x 160 and 64 x 8,192 (benchmarks/profile_cuda_attention.py); PROFILE_CASES
 #             ("case args;case args") replaces them
+#   profile-quant   the same over quantized_linear's tensor-core kernel (gate_up of Llama-3-8B,
+#             int8 and int4 at 8 and 64 tokens; benchmarks/profile_cuda_quant.py);
+#             PROFILE_QUANT_CASES replaces them
 #     bash scripts/cuda_session.sh test bench-attention
 # DEADLINE=S: every stage ends within S seconds of the start (cut short, or skipped when under
 # 20 s are left), so a lease's time limit still leaves the logs. TEST_TIMEOUT, BENCH_TIMEOUT:
@@ -145,6 +148,22 @@ print(pathlib.Path(kvserve._C.__file__).parent / 'libkvserve_runtime.so')")
         echo "ncu $case: exit $?"
         grep -E "paged_attention|Duration|Compute \(SM\) Throughput|Memory Throughput|\
 Achieved Occupancy|Registers Per|Stall" "$out/ncu-$name.log" | head -24
+      done ;;
+    profile-quant)
+      cases=("--format int8 --tokens 8" "--format int8 --tokens 64" "--format int4 --tokens 8"
+             "--format int4 --tokens 64")
+      [ -n "${PROFILE_QUANT_CASES:-}" ] && IFS=';' read -ra cases <<< "$PROFILE_QUANT_CASES"
+      for case in "${cases[@]}"; do
+        name=$(echo "$case" | tr -d '-' | tr ' ' '_')
+        timeout "$(limit 90)" ncu --clock-control none --section SpeedOfLight \
+          --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section Occupancy \
+          --section WarpStateStats --section LaunchStats --kernel-name regex:quantized_gemm_mma \
+          --launch-skip 2 --launch-count 1 \
+          $python benchmarks/profile_cuda_quant.py $case > "$out/ncu-quant-$name.log" 2>&1
+        echo "ncu quant $case: exit $?"
+        grep -E "quantized_gemm|Duration|Compute \(SM\) Throughput|Memory Throughput|\
+DRAM Throughput|L1/TEX Hit|L2 Hit|Achieved Occupancy|Registers Per|Issue Slots Busy|Executed Ipc A" \
+          "$out/ncu-quant-$name.log" | head -16
       done ;;
     *) echo "cuda_session: unknown stage $stage"; status=1 ;;
   esac

@@ -5,15 +5,19 @@
 // mma.m16n8k16 and tokens its 8-column side: eight tokens already use the tensor cores whole,
 // as Marlin (Frantar et al., 2024) arranges it for small batches.
 //
-// A block computes 16 weight rows for up to 8 * kTiles tokens; its 8 warps split the inputs
-// (warp w takes blocks of inputs w, w + 8, ...) and add their partial sums in shared memory at the
-// end. Within a warp, lane 4g + c reads one 16-byte vector of rows g and g + 8 (16 int8 / fp8 or
-// 32 int4 inputs), dequantizes it in registers to the input dtype ((q - zero) * scale in fp32,
-// rounded: the dequantizing path's weights exactly), and feeds it to kInputs / 4 k-steps. The
-// order of a dot product's terms is free, so the k-steps take the inputs in the order that
-// makes every lane's share of A and of B one contiguous vector: in k-step s, lane c's slots
-// 2c, 2c + 1, 2c + 8, 2c + 9 (PTX's fragment layout) hold inputs 4s .. 4s + 3 of its vector, in
-// A and in B alike, so the B fragments are the input row's own bytes, with no shuffling.
+// A block computes 8 * 16 weight rows, a warp's 16 each, for up to 8 * kTiles tokens, over one
+// split of the inputs: all its warps read the same inputs at about the same time, so each
+// token's row comes from L2 once a block and from L1 for the other warps (with 16 rows a block
+// the inputs read from L2 would outweigh the weight from 16 tokens on). Where the rows alone
+// make too few blocks to fill the GPU, the inputs are split across blocks (mma_gemm_plan), each
+// split's fp32 sums written apart and added up by quantized_gemm_reduce_kernel. Within a warp,
+// lane 4g + c reads one 16-byte vector of rows g and g + 8 (16 int8 / fp8 or 32 int4 inputs),
+// dequantizes it in registers to the input dtype ((q - zero) * scale in fp32, rounded: the
+// dequantizing path's weights exactly), and feeds it to kInputs / 4 k-steps. The order of a
+// dot product's terms is free, so the k-steps take the inputs in the order that makes every
+// lane's share of A and of B one contiguous vector: in k-step s, lane c's slots 2c, 2c + 1,
+// 2c + 8, 2c + 9 (PTX's fragment layout) hold inputs 4s .. 4s + 3 of its vector, in A and in B
+// alike, so the B fragments are the input row's own bytes, with no shuffling.
 // Each lane copies the vectors it will use into its own shared-memory slots with cp.async,
 // kMmaGemmStages - 1 blocks of inputs ahead, so a warp keeps kilobytes of weight in flight
 // without holding registers for them (and, the slots being the lane's own, without barriers).
@@ -28,17 +32,23 @@
 
 namespace kvserve::cuda {
 
-/// Weight rows a block computes: the mma's 16.
+/// Weight rows a warp computes: the mma's 16.
 constexpr int kMmaGemmRows = 16;
-/// Warps of a block, splitting its inputs.
+/// Warps of a block, each on its own rows.
 constexpr int kMmaGemmWarps = 8;
 constexpr int kMmaGemmThreads = 32 * kMmaGemmWarps;
+constexpr int kMmaGemmBlockRows = kMmaGemmRows * kMmaGemmWarps;
 /// Tiles of 8 tokens a block takes at most (more tokens: more blocks).
 constexpr int kMmaGemmMaxTiles = 8;
 
 /// Stages of a warp's pipeline: blocks of inputs in flight (cp.async into shared memory, which
 /// holds no registers while the copy runs) while one is used.
 constexpr int kMmaGemmStages = 4;
+/// Blocks a launch aims at per multiprocessor (two fit: 128 registers a thread), so that the
+/// weight streams from every multiprocessor with as many bytes in flight as it holds.
+constexpr int kMmaGemmBlocksPerSm = 2;
+/// Blocks of inputs a split keeps at least, so that its pipeline fills.
+constexpr int kMmaGemmMinSplitBlocks = 8;
 
 /// Token tiles (of 8) a launch for m tokens is compiled for: the fewest of 1, 2, 4, 8 that hold
 /// them, 8 beyond 64 tokens.
@@ -46,21 +56,38 @@ inline int mma_gemm_tiles(int64_t m) {
   return m <= 8 ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : kMmaGemmMaxTiles;
 }
 
-/// The grid for m tokens and n rows: one block per 16 rows and 8 * tiles tokens, the token tiles
-/// of a row block adjacent (they read the same weights, from L2 after the first).
-inline int64_t mma_gemm_blocks(int64_t m, int64_t n, int tiles) {
-  const int64_t token_tiles = (m + 8 * tiles - 1) / (8 * tiles);
-  return token_tiles * ((n + kMmaGemmRows - 1) / kMmaGemmRows);
+/// The grid of a launch: (row blocks * token tiles, splits), the token tiles of a row block
+/// adjacent (they read the same weights, from L2 after the first); each split takes
+/// split_blocks blocks of 4 vectors of the inputs (the last one what is left).
+struct MmaGemmPlan {
+  int64_t row_blocks, token_tiles, splits, split_blocks;
+  int64_t blocks() const { return row_blocks * token_tiles * splits; }
+};
+
+/// The plan for m tokens, n rows and k inputs (vectors of kVectorInputs<F>) on `sms`
+/// multiprocessors: splits of the inputs until the blocks fill the GPU, as long as each split
+/// keeps kMmaGemmMinSplitBlocks blocks of inputs.
+template <QuantFormat F>
+inline MmaGemmPlan mma_gemm_plan(int64_t m, int64_t n, int64_t k, int tiles, int sms) {
+  MmaGemmPlan plan{};
+  plan.row_blocks = (n + kMmaGemmBlockRows - 1) / kMmaGemmBlockRows;
+  plan.token_tiles = (m + 8 * tiles - 1) / (8 * tiles);
+  const int64_t input_blocks = (k / kVectorInputs<F> + 3) / 4;
+  const int64_t rows_and_tokens = plan.row_blocks * plan.token_tiles;
+  const int64_t wanted = (int64_t{kMmaGemmBlocksPerSm} * sms + rows_and_tokens - 1) /
+                         rows_and_tokens;
+  const int64_t most = input_blocks / kMmaGemmMinSplitBlocks;
+  const int64_t splits = wanted < most ? wanted : most;
+  plan.split_blocks = splits > 1 ? (input_blocks + splits - 1) / splits : input_blocks;
+  plan.splits = plan.split_blocks > 0 ? (input_blocks + plan.split_blocks - 1) / plan.split_blocks
+                                      : 1;
+  if (plan.splits < 1) plan.splits = 1;
+  return plan;
 }
 
 /// Dynamic shared memory of a block: the stages, each 16 bytes of two rows for every lane
-/// ([stages][warps][2][32] 16-byte vectors), which the warps' partial sums (fp32
-/// [warps][16 rows][8 * tiles]) replace at the end.
-inline size_t mma_gemm_shared_bytes(int tiles) {
-  const size_t stages = 16 * kMmaGemmStages * kMmaGemmWarps * 2 * 32;
-  const size_t partials = sizeof(float) * kMmaGemmWarps * kMmaGemmRows * 8 * tiles;
-  return stages > partials ? stages : partials;
-}
+/// ([stages][warps][2][32] 16-byte vectors).
+constexpr size_t kMmaGemmSharedBytes = 16 * kMmaGemmStages * kMmaGemmWarps * 2 * 32;
 
 /// Row `row`'s vector `v` of q dequantized to T and packed as the A fragments of its k-steps:
 /// a[s][h] holds inputs 4s, 4s + 1 and a[s][2 + h] inputs 4s + 2, 4s + 3 (h: 0 for row g, 1 for
@@ -88,24 +115,33 @@ __device__ inline void dequantize_fragments(const uint4& packed, bool live, cons
   }
 }
 
-/// Grid mma_gemm_blocks(m, n, kTiles), block kMmaGemmThreads, mma_gemm_shared_bytes(kTiles) of
-/// dynamic shared memory; where vector_gemv_applies. out [m, n] = input [m, k] (row stride
-/// input_stride) @ dequant(q)^T + bias (nullable). kZeros: zeros is not null.
+/// Grid (plan.row_blocks * plan.token_tiles, plan.splits), block kMmaGemmThreads,
+/// kMmaGemmSharedBytes of dynamic shared memory; where vector_gemv_applies. With one split:
+/// out [m, n] = input [m, k] (row stride input_stride) @ dequant(q)^T + bias (nullable); with
+/// more, partials [splits, m, n] (fp32) = each split's share, bias and out unused (see
+/// quantized_gemm_reduce_kernel). kZeros: zeros is not null.
 template <typename T, QuantFormat F, int kTiles, bool kZeros>
-__global__ void __launch_bounds__(kMmaGemmThreads, 2)
+__global__ void __launch_bounds__(kMmaGemmThreads, kMmaGemmBlocksPerSm)
     quantized_gemm_mma_kernel(const T* input, int64_t input_stride, int64_t m, const uint8_t* q,
                               const float* scales, const float* zeros, const T* bias, T* out,
-                              int64_t n, int64_t k, int64_t group_size) {
+                              float* partials, int64_t n, int64_t k, int64_t group_size,
+                              int64_t split_blocks) {
   constexpr int kInputs = kVectorInputs<F>;  // of one lane's vector
   constexpr int kSteps = kInputs / 4;        // k-steps a vector feeds
   constexpr int kTokens = 8 * kTiles;
   const int64_t token_tiles = (m + kTokens - 1) / kTokens;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x / token_tiles) * kMmaGemmRows;
-  const int64_t t0 = static_cast<int64_t>(blockIdx.x % token_tiles) * kTokens;
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int64_t row0 =
+      static_cast<int64_t>(blockIdx.x / token_tiles) * kMmaGemmBlockRows + warp * kMmaGemmRows;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x % token_tiles) * kTokens;
   const int g = lane / 4, c = lane % 4;
   const int64_t vectors = k / kInputs, groups = k / group_size;
-  const int64_t blocks = (vectors + 3) / 4;  // of 4 vectors: a warp's k-steps at a time
+  const int64_t input_blocks = (vectors + 3) / 4;  // of 4 vectors: a warp's k-steps at a time
+  const int64_t first = static_cast<int64_t>(blockIdx.y) * split_blocks;
+  const int count = static_cast<int>(
+      first < input_blocks ? (input_blocks - first < split_blocks ? input_blocks - first
+                                                                  : split_blocks)
+                           : 0);
   const int64_t row_bytes = quantized_row_bytes<F>(k);
 
   int64_t rows[2];
@@ -125,12 +161,10 @@ __global__ void __launch_bounds__(kMmaGemmThreads, 2)
   auto slot = [&](int i, int h) {
     return slots + ((i % kMmaGemmStages) * kMmaGemmWarps * 2 + h) * 32;
   };
-  // The warp's blocks of inputs: warp, warp + kMmaGemmWarps, ...; the i-th into stage i.
-  const int count =
-      blocks > warp ? static_cast<int>((blocks - warp + kMmaGemmWarps - 1) / kMmaGemmWarps) : 0;
+  // The i-th block of inputs of the split goes into stage i % kMmaGemmStages.
   auto issue = [&](int i) {
     if (i < count) {
-      const int64_t v = 4 * (warp + static_cast<int64_t>(kMmaGemmWarps) * i) + c;
+      const int64_t v = 4 * (first + i) + c;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const bool fill = v < vectors && row_live[h];
@@ -147,7 +181,7 @@ __global__ void __launch_bounds__(kMmaGemmThreads, 2)
     cp_async_wait<kMmaGemmStages - 2>();  // block i has landed
     const uint4 packed[2] = {*slot(i, 0), *slot(i, 1)};
     issue(i + kMmaGemmStages - 1);  // into the stage block i - 1 left
-    const int64_t v = 4 * (warp + static_cast<int64_t>(kMmaGemmWarps) * i) + c;
+    const int64_t v = 4 * (first + i) + c;
     const bool live = v < vectors;
     const int64_t group = live ? v * kInputs / group_size : 0;
     uint32_t a[kSteps][4];
@@ -183,30 +217,34 @@ __global__ void __launch_bounds__(kMmaGemmThreads, 2)
     }
   }
   cp_async_wait<0>();
-  __syncthreads();  // the partial sums below take the stages' place
 
-  // The warps' sums: partial[warp][row][token], then one thread per output adds them up.
-  float* partial = static_cast<float*>(dynamic_shared_memory());
+  // acc[j][i]: row g + 8 (i / 2), token 8j + 2c + i % 2.
 #pragma unroll
   for (int j = 0; j < kTiles; ++j) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int row = g + 8 * (i / 2), token = 8 * j + 2 * c + i % 2;
-      partial[(warp * kMmaGemmRows + row) * kTokens + token] = acc[j][i];
+      const int64_t t = t0 + 8 * j + 2 * c + i % 2, o = rows[i / 2];
+      if (t >= m || o >= n) continue;
+      if (partials != nullptr) {
+        partials[(blockIdx.y * m + t) * n + o] = acc[j][i];
+      } else {
+        out[t * n + o] =
+            from_float<T>(bias != nullptr ? acc[j][i] + to_float(bias[o]) : acc[j][i]);
+      }
     }
   }
-  __syncthreads();
-  for (int e = static_cast<int>(threadIdx.x); e < kMmaGemmRows * kTokens; e += kMmaGemmThreads) {
-    const int token = e / kMmaGemmRows, row = e % kMmaGemmRows;
-    const int64_t t = t0 + token, o = row0 + row;
-    if (t >= m || o >= n) continue;
-    float sum = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kMmaGemmWarps; ++w)
-      sum += partial[(w * kMmaGemmRows + row) * kTokens + token];
-    if (bias != nullptr) sum += to_float(bias[o]);
-    out[t * n + o] = from_float<T>(sum);
-  }
+}
+
+/// Grid ceil(m * n / blockDim.x): out [m, n] = the sum of partials [splits, m, n] + bias
+/// (nullable), in T.
+template <typename T>
+__global__ void quantized_gemm_reduce_kernel(const float* partials, int64_t splits, int64_t m,
+                                             int64_t n, const T* bias, T* out) {
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= m * n) return;
+  float sum = bias != nullptr ? to_float(bias[e % n]) : 0.0f;
+  for (int64_t s = 0; s < splits; ++s) sum += partials[s * m * n + e];
+  out[e] = from_float<T>(sum);
 }
 
 }  // namespace kvserve::cuda
