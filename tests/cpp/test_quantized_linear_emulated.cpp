@@ -157,20 +157,36 @@ at::Tensor mma_gemm(const at::Tensor& x, const Weight& w, const std::optional<at
   at::Tensor out = at::empty({m, n}, x.options());
   at::Tensor partials = at::empty({plan.splits, m, n}, at::kFloat);
   const T* bias = b ? static_cast<const T*>(b->data_ptr()) : nullptr;
+  const bool block_sums = cuda::mma_block_sums_apply<F>(w.group_size);
+  at::Tensor sums =
+      at::empty({m, (k + cuda::kInt4BlockInputs - 1) / cuda::kInt4BlockInputs}, at::kFloat);
+  if (block_sums) {
+    emu::launch(cuda::quantized_block_sums_kernel<T>, dim3(static_cast<unsigned int>(m)), dim3(64),
+                0, static_cast<const T*>(x.data_ptr()), x.stride(0), k, sums.data_ptr<float>());
+  }
   auto launch = [&](auto kernel) {
-    emu::launch(kernel,
-                dim3(static_cast<unsigned int>(plan.row_blocks * plan.token_tiles),
-                     static_cast<unsigned int>(plan.splits)),
-                dim3(cuda::kMmaGemmThreads), cuda::kMmaGemmSharedBytes,
-                static_cast<const T*>(x.data_ptr()), x.stride(0), m,
-                static_cast<const uint8_t*>(w.q.data_ptr()), w.scales.data_ptr<float>(),
-                w.zeros ? w.zeros->data_ptr<float>() : nullptr, bias,
-                static_cast<T*>(out.data_ptr()),
-                plan.splits > 1 ? partials.data_ptr<float>() : nullptr, n, k, w.group_size,
-                plan.split_blocks);
+    emu::launch(
+        kernel,
+        dim3(static_cast<unsigned int>(plan.row_blocks * plan.token_tiles),
+             static_cast<unsigned int>(plan.splits)),
+        dim3(cuda::kMmaGemmThreads), cuda::kMmaGemmSharedBytes, static_cast<const T*>(x.data_ptr()),
+        x.stride(0), m, static_cast<const uint8_t*>(w.q.data_ptr()), w.scales.data_ptr<float>(),
+        w.zeros ? w.zeros->data_ptr<float>() : nullptr, bias, static_cast<T*>(out.data_ptr()),
+        plan.splits > 1 ? partials.data_ptr<float>() : nullptr, n, k, w.group_size,
+        plan.split_blocks, block_sums ? sums.data_ptr<float>() : nullptr);
   };
   auto with_tiles = [&](auto tiles_constant) {
     constexpr int kTiles = decltype(tiles_constant)::value;
+    if constexpr (F == QuantFormat::kInt4 && kTiles <= cuda::kMmaGemmBlockSumsMaxTiles) {
+      if (block_sums) {
+        if (w.zeros) {
+          launch(cuda::quantized_gemm_mma_kernel<T, F, kTiles, true, true>);
+        } else {
+          launch(cuda::quantized_gemm_mma_kernel<T, F, kTiles, false, true>);
+        }
+        return;
+      }
+    }
     if (w.zeros) {
       launch(cuda::quantized_gemm_mma_kernel<T, F, kTiles, true>);
     } else {
@@ -215,21 +231,27 @@ void run_mma_case(at::ScalarType dtype, int64_t n, int64_t k, int64_t group_size
     for (const int sms : {1, 132}) {  // the inputs in one split, and in as many as they allow
       SCOPED_TRACE("tokens " + std::to_string(m) + " multiprocessors " + std::to_string(sms));
       const at::Tensor x = wide.narrow(0, 0, m).narrow(1, 0, k);
-      const int tiles = cuda::mma_gemm_tiles(m);
+      const int most = cuda::mma_block_sums_apply<F>(group_size) ? cuda::kMmaGemmBlockSumsMaxTiles
+                                                                 : cuda::kMmaGemmMaxTiles;
+      const int tiles = cuda::mma_gemm_tiles(m, most);
       const at::Tensor actual = mma_gemm<T, F>(x, w, b, tiles, sms);
       // Against the CPU op, whose weights stay fp32: a norm-wise bound, as rounding the weights
       // to T moves each output by up to ~sqrt(k) weight roundings.
       const at::Tensor expected = ops::quantized_linear(x, w.q, w.scales, w.zeros, group_size, b);
       EXPECT_LE(actual.to(at::kFloat).sub(expected.to(at::kFloat)).norm().item<double>(),
                 tolerance * expected.to(at::kFloat).norm().item<double>());
-      // Against fp32 sums of the same T weights: only the order of the sums and the output's
-      // rounding differ.
-      at::Tensor sums = x.to(at::kFloat).matmul(weight.t());
-      if (b) sums = sums.add(b->to(at::kFloat));
+      // Against fp32 sums of the same weights (int4 in whole 128-input blocks: exact, as the
+      // CPU op's; else rounded to T as the kernel rounds them): only the order of the sums and
+      // the output's rounding differ.
+      at::Tensor sums = expected;
+      if (!cuda::mma_block_sums_apply<F>(group_size)) {
+        sums = x.to(at::kFloat).matmul(weight.t());
+        if (b) sums = sums.add(b->to(at::kFloat));
+      }
       EXPECT_LE(test_util::worst_relative_error(sums.to(dtype), actual),
                 dtype == at::kBFloat16 ? 8e-3 : 1e-3);
-      if (tiles < cuda::kMmaGemmMaxTiles) {  // more token tiles compiled for: the same values
-        EXPECT_TRUE((mma_gemm<T, F>(x, w, b, cuda::kMmaGemmMaxTiles, sms).equal(actual)));
+      if (tiles < most) {  // more token tiles compiled for: the same values
+        EXPECT_TRUE((mma_gemm<T, F>(x, w, b, most, sms).equal(actual)));
       }
     }
   }
@@ -237,7 +259,9 @@ void run_mma_case(at::ScalarType dtype, int64_t n, int64_t k, int64_t group_size
 
 // (n, k, group): rows that fill no 16-row warp (and leave warps idle) or span two blocks of 128;
 // inputs that end inside a block of 4 vectors and that wrap the 4-stage pipeline (40 blocks,
-// in up to 5 splits); token counts in one tile, in part of one, and in several blocks.
+// in up to 5 splits); int4 groups of 32 (dequantized to T) and of whole 128-input blocks (the
+// raw values, zeros and scales folded in after the sums: per block, per two blocks, per row);
+// token counts in one tile, in part of one, and in several blocks.
 template <typename T>
 void run_mma_all(at::ScalarType dtype, double tolerance) {
   run_mma_case<T, QuantFormat::kInt8>(dtype, 13, 96, 96, false, true, {1, 3, 8, 9}, tolerance);
@@ -245,6 +269,8 @@ void run_mma_all(at::ScalarType dtype, double tolerance) {
   run_mma_case<T, QuantFormat::kInt8>(dtype, 140, 1024, 1024, false, true, {3}, tolerance);
   run_mma_case<T, QuantFormat::kInt4>(dtype, 9, 160, 32, true, true, {2, 33}, tolerance);
   run_mma_case<T, QuantFormat::kInt4>(dtype, 16, 5120, 128, false, false, {4}, tolerance);
+  run_mma_case<T, QuantFormat::kInt4>(dtype, 20, 1024, 256, true, true, {3, 40}, tolerance);
+  run_mma_case<T, QuantFormat::kInt4>(dtype, 130, 384, 384, true, false, {9}, tolerance);
   run_mma_case<T, QuantFormat::kFp8E4M3>(dtype, 20, 48, 48, false, true, {70}, tolerance);
 }
 

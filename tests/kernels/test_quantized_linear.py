@@ -227,11 +227,14 @@ def test_quantized_linear_kernel_choice_is_checked(quantized_linear_kernel):
 
 
 # Aligned for the 16-byte vectors (k and the groups whole vectors) that the tensor-core and
-# vector bodies need: rows that fill no 16-row block, inputs that end inside a warp's 4 vectors,
-# and inputs that wrap the tensor-core pipeline (int8 k 2560: 40 blocks of 64 over 8 warps).
+# vector bodies need: rows that fill no 16-row warp or 128-row block, inputs that end inside a
+# warp's 4 vectors, inputs that wrap the tensor-core pipeline and split across blocks (k 2560 /
+# 5120: 40 blocks of 4 vectors), int4 groups of whole 128-input blocks (raw values on the
+# tensor cores, zeros and scales after the sums) and of less (dequantized before).
 ALIGNED_CASES = [
     ("int8", 33, 96, 48), ("int8", 130, 2560, 2560), ("int8", 64, 256, 32),
     ("int4", 7, 96, 32), ("int4", 33, 128, 64), ("int4", 130, 5120, 128), ("int4", 17, 160, 160),
+    ("int4", 64, 768, 256), ("int4", 150, 384, 384),
     ("fp8", 33, 96, 96), ("fp8", 40, 2064, 2064),
 ]
 
@@ -259,11 +262,13 @@ def test_cuda_every_kernel_on_aligned_inputs(kernel, fmt, n, k, group_size, m, d
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("kernel", ["mma", "gemv"])
-def test_cuda_int4_symmetric_and_fractional_zeros_on_tensor_cores(kernel, quantized_linear_kernel):
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_cuda_int4_symmetric_and_fractional_zeros_on_tensor_cores(kernel, group_size,
+                                                                  quantized_linear_kernel):
     quantized_linear_kernel(kernel)
-    x, b = operands(24, 256, 40, torch.bfloat16, True)
-    check_cuda(quantized("int4", 40, 256, 32, zeros=False), x, b, torch.bfloat16)
-    q = quantized("int4", 40, 256, 32)
+    x, b = operands(24, 512, 40, torch.bfloat16, True)
+    check_cuda(quantized("int4", 40, 512, group_size, zeros=False), x, b, torch.bfloat16)
+    q = quantized("int4", 40, 512, group_size)
     q.zeros = q.zeros + 0.375
     check_cuda(q, x, b, torch.bfloat16)
 

@@ -26,6 +26,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels/cuda_mma.cuh"
 #include "kernels/linear/quantized_linear_kernel.cuh"
@@ -50,10 +51,14 @@ constexpr int kMmaGemmBlocksPerSm = 2;
 /// Blocks of inputs a split keeps at least, so that its pipeline fills.
 constexpr int kMmaGemmMinSplitBlocks = 8;
 
+/// Tiles of 8 tokens the int4 kernel with block sums takes at most: with 8 its registers spill.
+constexpr int kMmaGemmBlockSumsMaxTiles = 4;
+
 /// Token tiles (of 8) a launch for m tokens is compiled for: the fewest of 1, 2, 4, 8 that hold
-/// them, 8 beyond 64 tokens.
-inline int mma_gemm_tiles(int64_t m) {
-  return m <= 8 ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : kMmaGemmMaxTiles;
+/// them, at most `most` (a power of two up to kMmaGemmMaxTiles).
+inline int mma_gemm_tiles(int64_t m, int most = kMmaGemmMaxTiles) {
+  const int tiles = m <= 8 ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : kMmaGemmMaxTiles;
+  return tiles < most ? tiles : most;
 }
 
 /// The grid of a launch: (row blocks * token tiles, splits), the token tiles of a row block
@@ -74,13 +79,13 @@ inline MmaGemmPlan mma_gemm_plan(int64_t m, int64_t n, int64_t k, int tiles, int
   plan.token_tiles = (m + 8 * tiles - 1) / (8 * tiles);
   const int64_t input_blocks = (k / kVectorInputs<F> + 3) / 4;
   const int64_t rows_and_tokens = plan.row_blocks * plan.token_tiles;
-  const int64_t wanted = (int64_t{kMmaGemmBlocksPerSm} * sms + rows_and_tokens - 1) /
-                         rows_and_tokens;
+  const int64_t wanted =
+      (int64_t{kMmaGemmBlocksPerSm} * sms + rows_and_tokens - 1) / rows_and_tokens;
   const int64_t most = input_blocks / kMmaGemmMinSplitBlocks;
   const int64_t splits = wanted < most ? wanted : most;
   plan.split_blocks = splits > 1 ? (input_blocks + splits - 1) / splits : input_blocks;
-  plan.splits = plan.split_blocks > 0 ? (input_blocks + plan.split_blocks - 1) / plan.split_blocks
-                                      : 1;
+  plan.splits =
+      plan.split_blocks > 0 ? (input_blocks + plan.split_blocks - 1) / plan.split_blocks : 1;
   if (plan.splits < 1) plan.splits = 1;
   return plan;
 }
@@ -115,17 +120,79 @@ __device__ inline void dequantize_fragments(const uint4& packed, bool live, cons
   }
 }
 
+/// The 16-bit pattern whose low 4 mantissa bits an int4 value fills to make offset + q exactly
+/// in T (bf16: 128 + q, fp16: 1024 + q), and that offset.
+template <typename T>
+constexpr uint32_t kInt4Magic = std::is_same_v<T, __half> ? 0x64006400u : 0x43004300u;
+template <typename T>
+constexpr float kInt4Offset = std::is_same_v<T, __half> ? 1024.0f : 128.0f;
+
+/// A row's int4 vector (32 inputs; byte j: input j low, j + 16 high) as the A fragments of its 8
+/// k-steps, each entry offset + q exactly in T, two bit operations a pair: a[s][h] holds inputs
+/// 4s, 4s + 1 and a[s][2 + h] inputs 4s + 2, 4s + 3. `live`: else zeros.
+template <typename T>
+__device__ inline void int4_fragments(const uint4& packed, bool live, int h, uint32_t (&a)[8][4]) {
+  const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    // Bytes 0, 1 (then 2, 3) of the word in the two 16-bit halves.
+    const uint32_t low_pair = __byte_perm(words[i], 0u, 0x4140u);
+    const uint32_t high_pair = __byte_perm(words[i], 0u, 0x4342u);
+    // Inputs 4i .. 4i + 3 are the low nibbles (k-step i), 16 + 4i .. the high ones (step 4 + i).
+    a[i][h] = live ? (low_pair & 0x000f000fu) | kInt4Magic<T> : 0u;
+    a[i][2 + h] = live ? (high_pair & 0x000f000fu) | kInt4Magic<T> : 0u;
+    a[4 + i][h] = live ? ((low_pair >> 4) & 0x000f000fu) | kInt4Magic<T> : 0u;
+    a[4 + i][2 + h] = live ? ((high_pair >> 4) & 0x000f000fu) | kInt4Magic<T> : 0u;
+  }
+}
+
+/// Whether the int4 fragments apply: every block of 4 vectors (128 inputs) inside one group, so
+/// that a block's sums take one scale and zero per row.
+template <QuantFormat F>
+inline bool mma_block_sums_apply(int64_t group_size) {
+  return F == QuantFormat::kInt4 && group_size % (4 * kVectorInputs<F>) == 0;
+}
+
+/// Inputs in a block of 4 int4 vectors: what one k-block of a warp covers.
+constexpr int kInt4BlockInputs = 4 * kVectorInputs<QuantFormat::kInt4>;
+
+/// Grid m, block a multiple of 32 threads: sums [m, ceil(k / kInt4BlockInputs)] (fp32) = each
+/// token's sum of its inputs over each block of kInt4BlockInputs, a warp per block.
+template <typename T>
+__global__ void quantized_block_sums_kernel(const T* input, int64_t input_stride, int64_t k,
+                                            float* sums) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int64_t blocks = (k + kInt4BlockInputs - 1) / kInt4BlockInputs, t = blockIdx.x;
+  const T* row = input + t * input_stride;
+  for (int64_t b = threadIdx.x / 32; b < blocks; b += blockDim.x / 32) {
+    float sum = 0.0f;
+    for (int64_t i = b * kInt4BlockInputs + lane; i < k && i < (b + 1) * kInt4BlockInputs;
+         i += 32) {
+      sum += to_float(row[i]);
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) sums[t * blocks + b] = sum;
+  }
+}
+
 /// Grid (plan.row_blocks * plan.token_tiles, plan.splits), block kMmaGemmThreads,
 /// kMmaGemmSharedBytes of dynamic shared memory; where vector_gemv_applies. With one split:
 /// out [m, n] = input [m, k] (row stride input_stride) @ dequant(q)^T + bias (nullable); with
 /// more, partials [splits, m, n] (fp32) = each split's share, bias and out unused (see
-/// quantized_gemm_reduce_kernel). kZeros: zeros is not null.
-template <typename T, QuantFormat F, int kTiles, bool kZeros>
+/// quantized_gemm_reduce_kernel). kZeros: zeros is not null. kBlockSums (int4 where
+/// mma_block_sums_apply): A holds offset + q, each block of inputs sums into its own
+/// accumulators, and those fold into the result as s (sums - (zero + offset) * block_sums[t]),
+/// with block_sums [m, k / kInt4BlockInputs] from quantized_block_sums_kernel: the weights
+/// exactly, for a few bit operations a pair instead of a conversion, subtraction, product and
+/// rounding each (Marlin's trick for building the values; the zero and scale move after the
+/// sums).
+template <typename T, QuantFormat F, int kTiles, bool kZeros, bool kBlockSums = false>
 __global__ void __launch_bounds__(kMmaGemmThreads, kMmaGemmBlocksPerSm)
     quantized_gemm_mma_kernel(const T* input, int64_t input_stride, int64_t m, const uint8_t* q,
                               const float* scales, const float* zeros, const T* bias, T* out,
                               float* partials, int64_t n, int64_t k, int64_t group_size,
-                              int64_t split_blocks) {
+                              int64_t split_blocks, const float* block_sums) {
+  static_assert(!kBlockSums || F == QuantFormat::kInt4, "block sums are int4's");
   constexpr int kInputs = kVectorInputs<F>;  // of one lane's vector
   constexpr int kSteps = kInputs / 4;        // k-steps a vector feeds
   constexpr int kTokens = 8 * kTiles;
@@ -139,9 +206,9 @@ __global__ void __launch_bounds__(kMmaGemmThreads, kMmaGemmBlocksPerSm)
   const int64_t input_blocks = (vectors + 3) / 4;  // of 4 vectors: a warp's k-steps at a time
   const int64_t first = static_cast<int64_t>(blockIdx.y) * split_blocks;
   const int count = static_cast<int>(
-      first < input_blocks ? (input_blocks - first < split_blocks ? input_blocks - first
-                                                                  : split_blocks)
-                           : 0);
+      first < input_blocks
+          ? (input_blocks - first < split_blocks ? input_blocks - first : split_blocks)
+          : 0);
   const int64_t row_bytes = quantized_row_bytes<F>(k);
 
   int64_t rows[2];
@@ -185,10 +252,19 @@ __global__ void __launch_bounds__(kMmaGemmThreads, kMmaGemmBlocksPerSm)
     const bool live = v < vectors;
     const int64_t group = live ? v * kInputs / group_size : 0;
     uint32_t a[kSteps][4];
+    float scale[2], shift[2];  // kBlockSums: each row's scale, and zero + offset
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      dequantize_fragments<T, F, kZeros, kSteps>(packed[h], live && row_live[h], scales, zeros,
-                                                 rows[h] * groups + group, h, a);
+      if constexpr (kBlockSums) {
+        int4_fragments<T>(packed[h], live && row_live[h], h, a);
+        // The block's group: the same for all its lanes (mma_block_sums_apply).
+        const int64_t index = rows[h] * groups + 4 * (first + i) * kInputs / group_size;
+        scale[h] = row_live[h] ? scales[index] : 0.0f;
+        shift[h] = (kZeros && row_live[h] ? zeros[index] : 0.0f) + kInt4Offset<T>;
+      } else {
+        dequantize_fragments<T, F, kZeros, kSteps>(packed[h], live && row_live[h], scales, zeros,
+                                                   rows[h] * groups + group, h, a);
+      }
     }
 #pragma unroll
     for (int j = 0; j < kTiles; ++j) {
@@ -209,10 +285,28 @@ __global__ void __launch_bounds__(kMmaGemmThreads, kMmaGemmBlocksPerSm)
 #pragma unroll
         for (int e = 0; e < kInputs / 2; ++e) x[e] = 0;
       }
+      if constexpr (kBlockSums) {
+        float sums[4] = {};
 #pragma unroll
-      for (int step = 0; step < kSteps; ++step) {
-        const uint32_t b[2] = {x[2 * step], x[2 * step + 1]};
-        mma_m16n8k16<T>(acc[j], a[step], b);
+        for (int step = 0; step < kSteps; ++step) {
+          const uint32_t b[2] = {x[2 * step], x[2 * step + 1]};
+          mma_m16n8k16<T>(sums, a[step], b);
+        }
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int64_t t = t0 + 8 * j + 2 * c + e;
+          const float inputs = t < m ? block_sums[t * input_blocks + first + i] : 0.0f;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            acc[j][2 * h + e] += scale[h] * (sums[2 * h + e] - shift[h] * inputs);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int step = 0; step < kSteps; ++step) {
+          const uint32_t b[2] = {x[2 * step], x[2 * step + 1]};
+          mma_m16n8k16<T>(acc[j], a[step], b);
+        }
       }
     }
   }
@@ -228,8 +322,7 @@ __global__ void __launch_bounds__(kMmaGemmThreads, kMmaGemmBlocksPerSm)
       if (partials != nullptr) {
         partials[(blockIdx.y * m + t) * n + o] = acc[j][i];
       } else {
-        out[t * n + o] =
-            from_float<T>(bias != nullptr ? acc[j][i] + to_float(bias[o]) : acc[j][i]);
+        out[t * n + o] = from_float<T>(bias != nullptr ? acc[j][i] + to_float(bias[o]) : acc[j][i]);
       }
     }
   }
