@@ -145,52 +145,29 @@ TEST(QuantizedLinearEmulated, VectorKernelsMatchTheCpuOpInEveryDtype) {
   run_all<__half>(at::kHalf, 3e-3);
 }
 
-// out [m, n] from the tensor-core GEMM compiled for `tiles` token tiles (enough or more), with
-// the launcher's plan for `sms` multiprocessors (which splits the inputs when they are many).
+// out [m, n] from the tensor-core GEMM compiled for `tiles` token tiles (enough or more).
 template <typename T, QuantFormat F>
 at::Tensor mma_gemm(const at::Tensor& x, const Weight& w, const std::optional<at::Tensor>& b,
-                    int tiles, int sms) {
+                    int tiles) {
   const int64_t n = w.q.size(0), k = x.size(1), m = x.size(0);
   EXPECT_TRUE((cuda::vector_gemv_applies<F>(w.q.data_ptr(), x.data_ptr(),
-                                             x.stride(0) * x.element_size(), k, w.group_size)));
-  const cuda::MmaGemmPlan plan = cuda::mma_gemm_plan<F>(m, n, k, tiles, sms);
+                                            x.stride(0) * x.element_size(), k, w.group_size)));
   at::Tensor out = at::empty({m, n}, x.options());
-  at::Tensor partials = at::empty({plan.splits, m, n}, at::kFloat);
-  const T* bias = b ? static_cast<const T*>(b->data_ptr()) : nullptr;
-  const bool block_sums = cuda::mma_block_sums_apply<F>(w.group_size);
-  at::Tensor sums =
-      at::empty({m, (k + cuda::kInt4BlockInputs - 1) / cuda::kInt4BlockInputs}, at::kFloat);
-  if (block_sums) {
-    emu::launch(cuda::quantized_block_sums_kernel<T>, dim3(static_cast<unsigned int>(m)), dim3(64),
-                0, static_cast<const T*>(x.data_ptr()), x.stride(0), k, sums.data_ptr<float>());
-  }
-  auto launch = [&](auto kernel) {
-    emu::launch(
-        kernel,
-        dim3(static_cast<unsigned int>(plan.row_blocks * plan.token_tiles),
-             static_cast<unsigned int>(plan.splits)),
-        dim3(cuda::kMmaGemmThreads), cuda::kMmaGemmSharedBytes, static_cast<const T*>(x.data_ptr()),
-        x.stride(0), m, static_cast<const uint8_t*>(w.q.data_ptr()), w.scales.data_ptr<float>(),
-        w.zeros ? w.zeros->data_ptr<float>() : nullptr, bias, static_cast<T*>(out.data_ptr()),
-        plan.splits > 1 ? partials.data_ptr<float>() : nullptr, n, k, w.group_size,
-        plan.split_blocks, block_sums ? sums.data_ptr<float>() : nullptr);
+  auto launch = [&](auto kernel, int kernel_tiles) {
+    emu::launch(kernel, dim3(static_cast<unsigned int>(cuda::mma_gemm_blocks(m, n, kernel_tiles))),
+                dim3(cuda::kMmaGemmThreads), cuda::mma_gemm_shared_bytes(kernel_tiles),
+                static_cast<const T*>(x.data_ptr()), x.stride(0), m,
+                static_cast<const uint8_t*>(w.q.data_ptr()), w.scales.data_ptr<float>(),
+                w.zeros ? w.zeros->data_ptr<float>() : nullptr,
+                b ? static_cast<const T*>(b->data_ptr()) : nullptr, static_cast<T*>(out.data_ptr()),
+                n, k, w.group_size);
   };
   auto with_tiles = [&](auto tiles_constant) {
     constexpr int kTiles = decltype(tiles_constant)::value;
-    if constexpr (F == QuantFormat::kInt4 && kTiles <= cuda::kMmaGemmBlockSumsMaxTiles) {
-      if (block_sums) {
-        if (w.zeros) {
-          launch(cuda::quantized_gemm_mma_kernel<T, F, kTiles, true, true>);
-        } else {
-          launch(cuda::quantized_gemm_mma_kernel<T, F, kTiles, false, true>);
-        }
-        return;
-      }
-    }
     if (w.zeros) {
-      launch(cuda::quantized_gemm_mma_kernel<T, F, kTiles, true>);
+      launch(cuda::quantized_gemm_mma_kernel<T, F, kTiles, true>, kTiles);
     } else {
-      launch(cuda::quantized_gemm_mma_kernel<T, F, kTiles, false>);
+      launch(cuda::quantized_gemm_mma_kernel<T, F, kTiles, false>, kTiles);
     }
   };
   if (tiles == 1) {
@@ -201,12 +178,6 @@ at::Tensor mma_gemm(const at::Tensor& x, const Weight& w, const std::optional<at
     with_tiles(std::integral_constant<int, 4>{});
   } else {
     with_tiles(std::integral_constant<int, 8>{});
-  }
-  if (plan.splits > 1) {
-    emu::launch(cuda::quantized_gemm_reduce_kernel<T>,
-                dim3(static_cast<unsigned int>((m * n + 127) / 128)), dim3(128), 0,
-                static_cast<const float*>(partials.data_ptr<float>()), plan.splits, m, n, bias,
-                static_cast<T*>(out.data_ptr()));
   }
   return out;
 }
@@ -228,49 +199,38 @@ void run_mma_case(at::ScalarType dtype, int64_t n, int64_t k, int64_t group_size
   // The weights the kernel multiplies: dequantized to T exactly as the dequantizing path does.
   const at::Tensor weight = dequantized<T, F>(w, k, dtype, true).to(at::kFloat);
   for (const int64_t m : tokens) {
-    for (const int sms : {1, 132}) {  // the inputs in one split, and in as many as they allow
-      SCOPED_TRACE("tokens " + std::to_string(m) + " multiprocessors " + std::to_string(sms));
-      const at::Tensor x = wide.narrow(0, 0, m).narrow(1, 0, k);
-      const int most = cuda::mma_block_sums_apply<F>(group_size) ? cuda::kMmaGemmBlockSumsMaxTiles
-                                                                 : cuda::kMmaGemmMaxTiles;
-      const int tiles = cuda::mma_gemm_tiles(m, most);
-      const at::Tensor actual = mma_gemm<T, F>(x, w, b, tiles, sms);
-      // Against the CPU op, whose weights stay fp32: a norm-wise bound, as rounding the weights
-      // to T moves each output by up to ~sqrt(k) weight roundings.
-      const at::Tensor expected = ops::quantized_linear(x, w.q, w.scales, w.zeros, group_size, b);
-      EXPECT_LE(actual.to(at::kFloat).sub(expected.to(at::kFloat)).norm().item<double>(),
-                tolerance * expected.to(at::kFloat).norm().item<double>());
-      // Against fp32 sums of the same weights (int4 in whole 128-input blocks: exact, as the
-      // CPU op's; else rounded to T as the kernel rounds them): only the order of the sums and
-      // the output's rounding differ.
-      at::Tensor sums = expected;
-      if (!cuda::mma_block_sums_apply<F>(group_size)) {
-        sums = x.to(at::kFloat).matmul(weight.t());
-        if (b) sums = sums.add(b->to(at::kFloat));
-      }
-      EXPECT_LE(test_util::worst_relative_error(sums.to(dtype), actual),
-                dtype == at::kBFloat16 ? 8e-3 : 1e-3);
-      if (tiles < most) {  // more token tiles compiled for: the same values
-        EXPECT_TRUE((mma_gemm<T, F>(x, w, b, most, sms).equal(actual)));
-      }
+    SCOPED_TRACE("tokens " + std::to_string(m));
+    const at::Tensor x = wide.narrow(0, 0, m).narrow(1, 0, k);
+    const int tiles = cuda::mma_gemm_tiles(m);
+    const at::Tensor actual = mma_gemm<T, F>(x, w, b, tiles);
+    // Against the CPU op, whose weights stay fp32: a norm-wise bound, as rounding the weights
+    // to T moves each output by up to ~sqrt(k) weight roundings.
+    const at::Tensor expected = ops::quantized_linear(x, w.q, w.scales, w.zeros, group_size, b);
+    EXPECT_LE(actual.to(at::kFloat).sub(expected.to(at::kFloat)).norm().item<double>(),
+              tolerance * expected.to(at::kFloat).norm().item<double>());
+    // Against fp32 sums of the same T weights: only the order of the sums and the output's
+    // rounding differ.
+    at::Tensor sums = x.to(at::kFloat).matmul(weight.t());
+    if (b) sums = sums.add(b->to(at::kFloat));
+    EXPECT_LE(test_util::worst_relative_error(sums.to(dtype), actual),
+              dtype == at::kBFloat16 ? 8e-3 : 1e-3);
+    if (tiles < cuda::kMmaGemmMaxTiles) {  // more token tiles compiled for: the same values
+      EXPECT_TRUE((mma_gemm<T, F>(x, w, b, cuda::kMmaGemmMaxTiles).equal(actual)));
     }
   }
 }
 
-// (n, k, group): rows that fill no 16-row warp (and leave warps idle) or span two blocks of 128;
-// inputs that end inside a block of 4 vectors and that wrap the 4-stage pipeline (40 blocks,
-// in up to 5 splits); int4 groups of 32 (dequantized to T) and of whole 128-input blocks (the
-// raw values, zeros and scales folded in after the sums: per block, per two blocks, per row);
-// token counts in one tile, in part of one, and in several blocks.
+// (n, k, group): rows that fill no 16-row block; inputs that leave warps idle, that end inside
+// a warp's block of 4 vectors, and that wrap the 4-stage pipeline (40 blocks: 5 for each of the
+// 8 warps); token counts in one tile, in part of one, and in several blocks.
 template <typename T>
 void run_mma_all(at::ScalarType dtype, double tolerance) {
   run_mma_case<T, QuantFormat::kInt8>(dtype, 13, 96, 96, false, true, {1, 3, 8, 9}, tolerance);
   run_mma_case<T, QuantFormat::kInt8>(dtype, 17, 2560, 32, true, false, {5, 17}, tolerance);
-  run_mma_case<T, QuantFormat::kInt8>(dtype, 140, 1024, 1024, false, true, {3}, tolerance);
   run_mma_case<T, QuantFormat::kInt4>(dtype, 9, 160, 32, true, true, {2, 33}, tolerance);
   run_mma_case<T, QuantFormat::kInt4>(dtype, 16, 5120, 128, false, false, {4}, tolerance);
   run_mma_case<T, QuantFormat::kInt4>(dtype, 20, 1024, 256, true, true, {3, 40}, tolerance);
-  run_mma_case<T, QuantFormat::kInt4>(dtype, 130, 384, 384, true, false, {9}, tolerance);
+  run_mma_case<T, QuantFormat::kInt8>(dtype, 140, 1024, 1024, false, true, {3}, tolerance);
   run_mma_case<T, QuantFormat::kFp8E4M3>(dtype, 20, 48, 48, false, true, {70}, tolerance);
 }
 

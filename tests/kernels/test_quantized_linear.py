@@ -227,10 +227,9 @@ def test_quantized_linear_kernel_choice_is_checked(quantized_linear_kernel):
 
 
 # Aligned for the 16-byte vectors (k and the groups whole vectors) that the tensor-core and
-# vector bodies need: rows that fill no 16-row warp or 128-row block, inputs that end inside a
-# warp's 4 vectors, inputs that wrap the tensor-core pipeline and split across blocks (k 2560 /
-# 5120: 40 blocks of 4 vectors), int4 groups of whole 128-input blocks (raw values on the
-# tensor cores, zeros and scales after the sums) and of less (dequantized before).
+# vector bodies need: rows that fill no 16-row block, inputs that end inside a warp's 4 vectors,
+# inputs that wrap the tensor-core pipeline (k 2560 / 5120: 40 blocks of 4 vectors over 8
+# warps), groups smaller and larger than a warp's block of inputs.
 ALIGNED_CASES = [
     ("int8", 33, 96, 48), ("int8", 130, 2560, 2560), ("int8", 64, 256, 32),
     ("int4", 7, 96, 32), ("int4", 33, 128, 64), ("int4", 130, 5120, 128), ("int4", 17, 160, 160),

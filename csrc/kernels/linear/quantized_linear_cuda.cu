@@ -162,12 +162,10 @@ bool mma_applies(const at::Tensor& input, const Weight& w) {
     return false;
   } else {
     const int64_t m = input.size(0);
-    const int64_t row_blocks = (w.n + cuda::kMmaGemmBlockRows - 1) / cuda::kMmaGemmBlockRows;
     return w.k > 0 &&
-           cuda::vector_gemv_applies<F>(w.q, input.data_ptr(),
-                                        input.stride(0) * input.element_size(), w.k,
-                                        w.group_size) &&
-           row_blocks * ((m + 63) / 64) <= INT32_MAX &&
+           cuda::vector_gemv_applies<F>(
+               w.q, input.data_ptr(), input.stride(0) * input.element_size(), w.k, w.group_size) &&
+           cuda::mma_gemm_blocks(m, w.n, cuda::mma_gemm_tiles(m)) <= INT32_MAX &&
            cuda::tensor_cores(input.device().index());
   }
 }
@@ -178,52 +176,18 @@ at::Tensor mma_gemm(const at::Tensor& input, const Weight& w,
   at::Tensor out = at::empty({input.size(0), w.n}, input.options());
   if constexpr (!std::is_same_v<T, float>) {
     const int64_t m = input.size(0);
-    const bool exact_int4 = cuda::mma_block_sums_apply<F>(w.group_size);
-    const int tiles = cuda::mma_gemm_tiles(
-        m, exact_int4 ? cuda::kMmaGemmBlockSumsMaxTiles : cuda::kMmaGemmMaxTiles);
-    const cuda::MmaGemmPlan plan =
-        cuda::mma_gemm_plan<F>(m, w.n, w.k, tiles, cuda::multiprocessors(input.device().index()));
-    // Two or more splits: each one's fp32 sums apart, then added up with the bias.
-    at::Tensor partials;
-    if (plan.splits > 1) partials = at::empty({plan.splits, m, w.n}, input.options().dtype(at::kFloat));
-    const T* bias_data = bias ? static_cast<const T*>(bias->data_ptr()) : nullptr;
-    const T* x = static_cast<const T*>(input.data_ptr());
-    // int4 in groups of whole 128-input blocks: the raw values on the tensor cores, each
-    // token's block sums for folding in the zeros and scales after them.
-    at::Tensor block_sums;
-    if (exact_int4) {
-      block_sums = at::empty({m, (w.k + cuda::kInt4BlockInputs - 1) / cuda::kInt4BlockInputs},
-                             input.options().dtype(at::kFloat));
-      cuda::quantized_block_sums_kernel<T>
-          <<<static_cast<unsigned int>(m), kDequantThreads, 0, cuda::current_stream()>>>(
-              x, input.stride(0), w.k, block_sums.data_ptr<float>());
-      KVSERVE_CUDA_CHECK_LAUNCH();
-    }
-    dispatch_tiles(tiles, [&](auto tiles_constant) {
-      constexpr int kTiles = decltype(tiles_constant)::value;
+    dispatch_tiles(cuda::mma_gemm_tiles(m), [&](auto tiles) {
+      constexpr int kTiles = decltype(tiles)::value;
       auto* kernel = w.zeros != nullptr ? cuda::quantized_gemm_mma_kernel<T, F, kTiles, true>
                                         : cuda::quantized_gemm_mma_kernel<T, F, kTiles, false>;
-      if constexpr (F == cuda::QuantFormat::kInt4 && kTiles <= cuda::kMmaGemmBlockSumsMaxTiles) {
-        if (exact_int4) {
-          kernel = w.zeros != nullptr ? cuda::quantized_gemm_mma_kernel<T, F, kTiles, true, true>
-                                      : cuda::quantized_gemm_mma_kernel<T, F, kTiles, false, true>;
-        }
-      }
-      kernel<<<dim3(static_cast<unsigned int>(plan.row_blocks * plan.token_tiles),
-                    static_cast<unsigned int>(plan.splits)),
-               cuda::kMmaGemmThreads, cuda::kMmaGemmSharedBytes, cuda::current_stream()>>>(
-          x, input.stride(0), m, w.q, w.scales, w.zeros, bias_data, static_cast<T*>(out.data_ptr()),
-          plan.splits > 1 ? partials.data_ptr<float>() : nullptr, w.n, w.k, w.group_size,
-          plan.split_blocks, block_sums.defined() ? block_sums.data_ptr<float>() : nullptr);
+      kernel<<<static_cast<unsigned int>(cuda::mma_gemm_blocks(m, w.n, kTiles)),
+               cuda::kMmaGemmThreads, cuda::mma_gemm_shared_bytes(kTiles),
+               cuda::current_stream()>>>(static_cast<const T*>(input.data_ptr()), input.stride(0),
+                                         m, w.q, w.scales, w.zeros,
+                                         bias ? static_cast<const T*>(bias->data_ptr()) : nullptr,
+                                         static_cast<T*>(out.data_ptr()), w.n, w.k, w.group_size);
     });
     KVSERVE_CUDA_CHECK_LAUNCH();
-    if (plan.splits > 1) {
-      cuda::quantized_gemm_reduce_kernel<T>
-          <<<cuda::blocks_for(m * w.n, kDequantThreads), kDequantThreads, 0,
-             cuda::current_stream()>>>(partials.data_ptr<float>(), plan.splits, m, w.n,
-                                       bias_data, static_cast<T*>(out.data_ptr()));
-      KVSERVE_CUDA_CHECK_LAUNCH();
-    }
   }
   return out;
 }
