@@ -36,6 +36,7 @@ COMMAND = "python benchmarks/report.py"
 # The sections of docs/benchmarks.md, in order (file names without .json).
 ORDER = [
     "cuda_h200",
+    "cuda_h200_quant",
     "cuda_h100",
     "serving_engine",
     "serve",
