@@ -1,8 +1,8 @@
 """LLM(model, tensor_parallel_size=2) on a CPU machine (Gloo, one thread per rank): the engine's
 process is rank 0 and starts rank 1 itself; its greedy tokens and log-probabilities equal one
 rank's (fp32) over mixed batches with chunked prefill and prefix caching, for GQA with one KV
-head and an odd vocabulary, biases (Qwen2), tied embeddings with sliding windows (Gemma 2) and a
-mixture of experts (Qwen3-MoE).
+head and an odd vocabulary, biases (Qwen2), tied embeddings with sliding windows (Gemma 2), a
+mixture of experts (Qwen3-MoE) and an int8 checkpoint.
 A worker that dies gives the caller an error, not a hang; what cannot be split is refused before
 any process starts."""
 
@@ -16,6 +16,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.config import load_checkpoint_info
 from kvserve.loader import load_weights
+from kvserve.quantization.quantize import quantize_checkpoint
 from kvserve.testing.checkpoints import make_checkpoint
 
 PROMPTS = [[1, 17, 5, 99, 42, 7, 300, 12, 8, 3, 250, 64, 9, 10], [7, 300, 12],
@@ -25,6 +26,7 @@ CASES = {
     "qwen2-biases": ("Qwen2ForCausalLM", {}),
     "gemma2-tied-sliding": ("Gemma2ForCausalLM", {}),
     "qwen3-moe": ("Qwen3MoeForCausalLM", {}),
+    "llama-int8": ("LlamaForCausalLM", dict(quantize="int8")),  # quantize_checkpoint's method
 }
 # Chunks of 8 tokens and 4-token blocks: prompts prefill over several steps beside decodes,
 # and the third prompt reuses the first one's cached blocks.
@@ -48,7 +50,12 @@ def _generate(llm: LLM) -> list:
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_ranks_generate_what_one_does(tmp_path, case):
     arch, overrides = CASES[case]
-    path = make_checkpoint(tmp_path, arch, **overrides)
+    method = overrides.get("quantize")
+    path = make_checkpoint(tmp_path / "plain", arch,
+                           **{k: v for k, v in overrides.items() if k != "quantize"})
+    if method:
+        path = tmp_path / method
+        quantize_checkpoint(tmp_path / "plain", path, method)
     want = _generate(LLM(path, **OPTIONS))
     llm = LLM(path, tensor_parallel_size=2, distributed_timeout=60.0, **OPTIONS)
     try:
@@ -60,7 +67,7 @@ def test_two_ranks_generate_what_one_does(tmp_path, case):
         # value heads may be replicated, the vocabulary padded).
         info = load_checkpoint_info(path)
         whole = load_weights(path, info.config, torch.float32)
-        split = sum(t.numel() * 4 for name, t in whole.items()
+        split = sum(t.numel() * t.element_size() for name, t in whole.items()
                     if "_proj" in name or name in ("embed_tokens.weight", "lm_head.weight"))
         assert llm.llm_engine.rank_model.split_bytes < 0.6 * split
         assert "rank 0 of 2" in llm.llm_engine.memory_plan()

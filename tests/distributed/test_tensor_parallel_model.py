@@ -3,8 +3,9 @@ logits of the whole model at every position (fp32, tight tolerance): GQA, key/va
 replicated when there are fewer than ranks, biases (Qwen2), tied embeddings and sliding windows
 with soft-caps (Gemma 2), head norms (Qwen3), a vocabulary 2 does not divide, mixtures of
 experts (Mixtral, Qwen3-MoE: each expert split by intermediate column), a layer that reads an
-earlier layer's KV (CLA). Each rank holds half of every projection and of the vocabulary's rows;
-what cannot be split yet is a clear error."""
+earlier layer's KV (CLA), quantized checkpoints (int8, fp8, int4 in groups, quantized experts;
+LLM.int8() within its per-rank rounding). Each rank holds half of every projection and of the
+vocabulary's rows; what cannot be split yet is a clear error."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from kvserve.config import load_checkpoint_info
 from kvserve.distributed import ParallelGroups
 from kvserve.loader.safetensors_loader import load_weights
 from kvserve.loader.sharding import Shard, shard_config
+from kvserve.quantization.quantize import quantize_checkpoint
+from kvserve.quantization.weights import quantize_fp8, quantize_int4, quantize_int8
 from kvserve.testing.checkpoints import make_checkpoint
 from kvserve.testing.cla import make_cla_checkpoint
 from kvserve.testing.ranks import run_ranks
@@ -44,7 +47,9 @@ def _logits(groups: ParallelGroups, path, shard: Shard | None) -> dict:
     caches = _C.KVCache.for_model(1, len(PROMPT), local)
     logits = model(torch.tensor([PROMPT]), caches)[0]
     projections = sum(t.numel() for name, t in weights.items() if "_proj" in name)
-    return dict(logits=logits, projections=projections, heads=local.num_heads,
+    quantized = sum(t.numel() for name, t in weights.items() if name.endswith(".qweight"))
+    return dict(logits=logits, projections=projections, quantized=quantized,
+                heads=local.num_heads,
                 kv_heads=local.num_kv_heads, intermediate=local.intermediate_size,
                 vocab_rows=weights["embed_tokens.weight"].shape[0],
                 embedding=weights["embed_tokens.weight"].clone(),
@@ -120,3 +125,71 @@ def test_experts_split_by_intermediate_column(checkpoint_factory):
     assert config.moe.moe_intermediate_size == 48  # the whole config is left as it was
     with pytest.raises(ValueError, match="expert intermediate size 48"):
         shard_config(config, Shard(0, 5))
+
+
+# (architecture, method, group size): shapes whose row-parallel inputs split into whole groups.
+QUANTIZED = {
+    "int8": ("LlamaForCausalLM", "int8", 128),
+    "fp8": ("Qwen2ForCausalLM", "fp8", 128),
+    "int4-g32": ("LlamaForCausalLM", "int4", 32),
+    "int4-g64-experts": ("Qwen3MoeForCausalLM", "int4", 64),
+    "llm.int8": ("LlamaForCausalLM", "llm.int8", 128),
+}
+
+
+def _quantized_checkpoint(tmp_path, arch, method, group_size):
+    sizes = dict(hidden_size=128, intermediate_size=256)
+    if arch == "Qwen3MoeForCausalLM":
+        sizes.update(moe_intermediate_size=128)
+    plain = make_checkpoint(tmp_path / "plain", arch, **sizes)
+    quantize_checkpoint(plain, tmp_path / "quantized", method, group_size)
+    return tmp_path / "quantized"
+
+
+@pytest.mark.parametrize("case", list(QUANTIZED))
+def test_quantized_checkpoints_split_with_their_scales(tmp_path, case):
+    path = _quantized_checkpoint(tmp_path, *QUANTIZED[case])
+    whole = _logits(ParallelGroups(0, 1, "gloo"), path, None)
+    assert whole["quantized"] > 0
+    ranks = run_ranks(_sharded, world_size=2, args=(path,))
+    for rank, part in enumerate(ranks):
+        assert part["quantized"] == whole["quantized"] // 2, rank
+        if case == "llm.int8":  # activations rounded per token over each rank's inputs
+            error = (part["logits"] - whole["logits"]).abs().max()
+            assert error <= 0.05 * whole["logits"].abs().max(), rank
+        else:
+            torch.testing.assert_close(part["logits"], whole["logits"], rtol=1e-4, atol=1e-4,
+                                       msg=f"rank {rank}")
+
+
+def test_int4_groups_a_rank_would_cut_are_a_clear_error(tmp_path):
+    path = _quantized_checkpoint(tmp_path, "LlamaForCausalLM", "int4", 64)
+    config = load_checkpoint_info(path).config
+    with pytest.raises(ValueError, match="o_proj: a tensor-parallel rank's 32 inputs .* groups "
+                                         "of 64"):
+        load_weights(path, config, torch.float32, shard=Shard(1, 4))
+    # One group a row (per-channel int8) splits anywhere: each rank keeps the row's scale.
+    path = _quantized_checkpoint(tmp_path / "int8", "LlamaForCausalLM", "int8", 128)
+    held = load_weights(path, config, torch.float32, shard=Shard(1, 4))
+    assert held["layers.0.self_attn.o_proj.qweight"].shape == (128, 32)
+    assert held["layers.0.self_attn.o_proj.scales"].shape == (128, 1)
+
+
+@pytest.mark.parametrize("fmt, group_size", [("int8", None), ("int8", 32), ("int4", 32),
+                                             ("int4", 64), ("int4", 256), ("fp8", None)])
+def test_a_narrowed_quantized_weight_is_the_same_part_of_the_weight(fmt, group_size):
+    w = torch.randn(48, 256, generator=torch.Generator().manual_seed(0))
+    q = {"int8": lambda: quantize_int8(w, group_size or 256),
+         "int4": lambda: quantize_int4(w, group_size), "fp8": lambda: quantize_fp8(w)}[fmt]()
+    whole = q.dequantize()
+    for dim, start, length in [(0, 16, 16), (0, 0, 48), (1, 128, 128), (1, 0, 64)]:
+        part = q.narrow(dim, start, length)
+        expected = whole.narrow(dim, start, length)
+        assert part.shape == expected.shape
+        torch.testing.assert_close(part.dequantize(), expected, rtol=0, atol=0)
+    if fmt == "int4" or group_size:  # 16 inputs: half a group, or half an int4 chunk
+        with pytest.raises(ValueError, match="x.proj: a tensor-parallel rank's 16 inputs"):
+            q.narrow(1, 16, 16, name="x.proj")
+    else:  # one scale a row: any cut
+        torch.testing.assert_close(q.narrow(1, 16, 16).dequantize(), whole[:, 16:32], rtol=0,
+                                   atol=0)

@@ -84,17 +84,30 @@ class _TensorReader:
         """The linear layers `modules` fused along the output dimension as `out` (a kvserve name
         without .weight): plain, or quantized when the checkpoint quantized them (in the scheme
         that ModelConfig.quantization names). parts: per module, the (dim, start, length) a
-        tensor-parallel rank holds (plain weights only: sharding.check_shardable)."""
-        if parts is not None:
-            w[out + ".weight"] = torch.cat([self.raw(m + ".weight", self.dtype, part)
-                                            for m, part in zip(modules, parts)])
-        elif all(self.quantized(m) for m in modules):
-            q = QuantizedWeight.concat([self.linear(m, s) for m, s in zip(modules, shapes)])
+        tensor-parallel rank holds: plain rows or columns read alone; a quantized module is
+        unpacked whole (one module at a time) and narrowed with its scales and zeros."""
+        if all(self.quantized(m) for m in modules):
+            linears = [self.linear(m, s) for m, s in zip(modules, shapes)]
+            if parts is not None:
+                linears = [q.narrow(*part, name=m) for q, m, part in zip(linears, modules, parts)]
+            q = QuantizedWeight.concat(linears)
             w[out + ".qweight"], w[out + ".scales"] = q.qweight, q.scales
             if q.zeros is not None:
                 w[out + ".zeros"] = q.zeros
+        elif parts is not None:
+            w[out + ".weight"] = torch.cat([self.part(m, s, part)
+                                            for m, s, part in zip(modules, shapes, parts)])
         else:
             w[out + ".weight"] = torch.cat([self.weight(m, s) for m, s in zip(modules, shapes)])
+
+    def part(self, module: str, shape: tuple[int, int], part: tuple[int, int, int]
+             ) -> torch.Tensor:
+        """A tensor-parallel rank's rows or columns of a plain linear weight: read alone, or,
+        when the checkpoint quantized the layer, dequantized from the narrowed quantized one."""
+        if self.quantized(module):
+            return self.linear(module, shape).narrow(*part, name=module).dequantize().to(
+                self.dtype)
+        return self.raw(module + ".weight", self.dtype, part)
 
 
 def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
@@ -231,9 +244,14 @@ def _read_mlp(read: _TensorReader, mlp: str, out: str, bias: bool, w: dict[str, 
     inter, hidden = sizes
     if shard is not None:
         rank, first, n = shard
-        read.put(w, out + "gate_up_proj", [mlp + gate, mlp + up], [(inter, hidden)] * 2,
-                 [(0, first, n)] * 2)
-        read.put(w, out + "down_proj", [mlp + down], [(hidden, inter)], [(1, first, n)])
+        if plain:  # experts dequantized for fused_moe: the rank's part of each
+            w[out + "gate_up_proj.weight"] = torch.cat([
+                read.part(mlp + x, (inter, hidden), (0, first, n)) for x in (gate, up)])
+            w[out + "down_proj.weight"] = read.part(mlp + down, (hidden, inter), (1, first, n))
+        else:
+            read.put(w, out + "gate_up_proj", [mlp + gate, mlp + up], [(inter, hidden)] * 2,
+                     [(0, first, n)] * 2)
+            read.put(w, out + "down_proj", [mlp + down], [(hidden, inter)], [(1, first, n)])
         if bias:
             w[out + "gate_up_proj.bias"] = torch.cat([
                 read.raw(f"{mlp}{x}.bias", read.dtype, (0, first, n)) for x in (gate, up)])

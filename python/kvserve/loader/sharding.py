@@ -11,6 +11,11 @@ rank holds, and the model config that rank's C++ model runs.
   the same way, the router replicated, the combined output summed once.
 - Embedding and LM head: vocabulary-parallel, ceil(vocab / size) rows a rank (the last rank's
   padded with zero rows); a tied head is the same rows. Norms are replicated.
+- Quantized projections split along the same axis as plain ones, their scales and zeros with
+  them (QuantizedWeight.narrow): a row-parallel int4 layer needs each rank's inputs to be whole
+  groups (and chunks of 32), a clear error otherwise. LLM.int8() and W8A8 layers round their
+  activations per token over the inputs each rank holds, so a row-parallel one differs from the
+  unsplit layer by that rounding (weight-only int8 / int4 / fp8 give the same sums).
 
 A rank's model is then the unsharded model class over a config whose num_heads, num_kv_heads and
 intermediate_size are the rank's (shard_config), plus one all-reduce after each row-parallel
@@ -53,9 +58,6 @@ def check_shardable(config: _C.ModelConfig, size: int) -> None:
         if moe.num_experts and size_of % size:
             raise ValueError(f"tensor_parallel_size {size} must divide the {label} {size_of} "
                              f"of {name}")
-    if config.quantization.scheme != "none":
-        raise ValueError(f"tensor parallelism does not split quantized weights yet ({name}: "
-                         f"{config.quantization.scheme})")
     if config.num_heads % size:
         raise ValueError(f"tensor_parallel_size {size} must divide the {config.num_heads} "
                          f"attention heads of {name}")

@@ -20,6 +20,7 @@ Checkpoint formats (AWQ, GPTQ, compressed-tensors) are converted to and from thi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,41 @@ class QuantizedWeight:
         if self.zeros is not None:
             q = q - self.zeros.view(n, groups, 1)
         return (q * self.scales.view(n, groups, 1)).view(n, k)
+
+    def narrow(self, dim: int, start: int, length: int, name: str = "the weight"
+               ) -> QuantizedWeight:
+        """Output rows (dim 0) or input columns (dim 1) [start, start + length) of the weight,
+        with their scales and zeros: a tensor-parallel rank's part. Columns of an int4 weight
+        must be whole chunks of 32 and, with more than one group a row, whole groups; a weight
+        with one group a row keeps it (its group is then the part's columns). ValueError naming
+        `name` otherwise."""
+        n, k = self.shape
+        if dim == 0:
+            zeros = None if self.zeros is None else self.zeros[start:start + length]
+            return QuantizedWeight(self.qweight[start:start + length].contiguous(),
+                                   self.scales[start:start + length].contiguous(),
+                                   None if zeros is None else zeros.contiguous(), self.group_size,
+                                   self.outlier_threshold)
+        int4 = self.qweight.dtype == torch.uint8
+        whole_rows = self.group_size == k
+        unit = self.group_size if not whole_rows else 1
+        if int4:
+            unit = unit * 32 // math.gcd(unit, 32)
+        if start % unit or length % unit:
+            what = "chunks of 32" if int4 and whole_rows else f"groups of {self.group_size}"
+            if int4 and not whole_rows and self.group_size % 32:
+                what += " and chunks of 32"
+            raise ValueError(f"{name}: a tensor-parallel rank's {length} inputs (from {start}) "
+                             f"are not whole {what}; choose a tensor_parallel_size that splits "
+                             f"its {k} inputs into such parts")
+        columns = (slice(start // 2, (start + length) // 2) if int4
+                   else slice(start, start + length))
+        groups = (slice(None) if whole_rows
+                  else slice(start // self.group_size, (start + length) // self.group_size))
+        zeros = None if self.zeros is None else self.zeros[:, groups].contiguous()
+        return QuantizedWeight(self.qweight[:, columns].contiguous(),
+                               self.scales[:, groups].contiguous(), zeros,
+                               length if whole_rows else self.group_size, self.outlier_threshold)
 
     @staticmethod
     def concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
