@@ -181,7 +181,7 @@ MLAAttention::MLAAttention(const ModelConfig& c, int64_t layer, const WeightMap&
   const at::Tensor per_head = kv_b.view({H, N + V, L}).to(at::kFloat);
   w_uk_ = per_head.narrow(1, 0, N).contiguous();  // [H, N, L]
   w_uv_ = per_head.narrow(1, N, V).contiguous();  // [H, V, L]
-  o_proj_ = Linear::load(w, p + "o_proj");
+  o_proj_ = Linear::load_row_parallel(w, p + "o_proj");  // a rank's heads: summed over ranks
   TORCH_CHECK(o_proj_.in_features() == H * V, "layer ", layer, ": o_proj must read ", H * V,
               " features, got ", o_proj_.in_features());
 }

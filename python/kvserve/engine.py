@@ -255,13 +255,15 @@ class LLMEngine:
             r, size = self.rank_model, self.ranks.groups.world_size
             local_kv, kv_heads = r.config.num_kv_heads, self.config.num_kv_heads
             copies = local_kv * size // kv_heads
+            heads = ("KV: the latent, replicated on every rank" if kv.layout.latent else
+                     f"KV {local_kv} of {kv_heads} KV heads a layer"
+                     + (f" (each held by {copies} ranks)" if copies > 1 else ""))
             plan += (f"; tensor parallel, rank 0 of {size} (each rank the same): weights "
                      f"{r.split_bytes / 2**20:.1f} MiB split (1/{size} of every projection, "
                      f"of the embedding and of the LM head) + "
-                     f"{r.replicated_bytes / 2**20:.1f} MiB replicated (norms); KV {local_kv} "
-                     f"of {kv_heads} KV heads a layer"
-                     + (f" (each held by {copies} ranks)" if copies > 1 else "")
-                     + f", {kv.nbytes / kv.num_blocks / 2**10:.1f} KiB a block on each rank, "
+                     f"{r.replicated_bytes / 2**20:.1f} MiB replicated (norms, routers"
+                     + (", latent projections" if kv.layout.latent else "") + f"); {heads}"
+                     f", {kv.nbytes / kv.num_blocks / 2**10:.1f} KiB a block on each rank, "
                      f"{kv.num_blocks - 1} blocks agreed")
         spec = self.engine.config.speculative
         if self.draft_model is not None:

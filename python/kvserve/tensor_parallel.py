@@ -41,7 +41,7 @@ class RankModel:
     config: _C.ModelConfig  # the shard's (heads and columns of this rank)
     engine_config: _C.EngineConfig
     split_bytes: int = 0       # this rank's part of the projections, embedding and LM head
-    replicated_bytes: int = 0  # what every rank holds whole (the norms)
+    replicated_bytes: int = 0  # what every rank holds whole (norms, routers, MLA's latent part)
 
 
 def load_rank_model(args, groups: ParallelGroups, eos_token_ids: list[int],
@@ -62,11 +62,17 @@ def load_rank_model(args, groups: ParallelGroups, eos_token_ids: list[int],
             local, dtype, kv_cache_dtype, eos_token_ids, draft_config)
     weights = load_weights(Path(args.model), info.config, dtype, args.device, shard=shard)
     split = sum(t.numel() * t.element_size() for name, t in weights.items()
-                if "_proj" in name or name in ("embed_tokens.weight", "lm_head.weight"))
+                if ("_proj" in name and not _replicated(name))
+                or name in ("embed_tokens.weight", "lm_head.weight"))
     total = sum(t.numel() * t.element_size() for t in weights.values())
     model = _C.create_causal_lm(local, weights, config.max_model_len,
                                 groups.device_communicator())
     return RankModel(model, local, config, split, total - split)
+
+
+def _replicated(name: str) -> bool:
+    """Whether the projection `name` is every rank's whole: MLA's latent ones (kv_a, q_a)."""
+    return "kv_a_proj" in name or "q_a_proj" in name
 
 
 def _worker_main(rank: int, world_size: int, init_method: str, args, threads: int) -> None:

@@ -2,7 +2,8 @@
 process is rank 0 and starts rank 1 itself; its greedy tokens and log-probabilities equal one
 rank's (fp32) over mixed batches with chunked prefill and prefix caching, for GQA with one KV
 head and an odd vocabulary, biases (Qwen2), tied embeddings with sliding windows (Gemma 2), a
-mixture of experts (Qwen3-MoE) and an int8 checkpoint.
+mixture of experts (Qwen3-MoE), latent attention with experts (DeepSeek-V3: heads split, the
+latent cache replicated) and an int8 checkpoint.
 A worker that dies gives the caller an error, not a hang; what cannot be split is refused before
 any process starts."""
 
@@ -27,6 +28,7 @@ CASES = {
     "gemma2-tied-sliding": ("Gemma2ForCausalLM", {}),
     "qwen3-moe": ("Qwen3MoeForCausalLM", {}),
     "llama-int8": ("LlamaForCausalLM", dict(quantize="int8")),  # quantize_checkpoint's method
+    "deepseek-v3-mla-moe": ("DeepseekV3ForCausalLM", {}),
 }
 # Chunks of 8 tokens and 4-token blocks: prompts prefill over several steps beside decodes,
 # and the third prompt reuses the first one's cached blocks.

@@ -3,7 +3,8 @@ logits of the whole model at every position (fp32, tight tolerance): GQA, key/va
 replicated when there are fewer than ranks, biases (Qwen2), tied embeddings and sliding windows
 with soft-caps (Gemma 2), head norms (Qwen3), a vocabulary 2 does not divide, mixtures of
 experts (Mixtral, Qwen3-MoE: each expert split by intermediate column), a layer that reads an
-earlier layer's KV (CLA), quantized checkpoints (int8, fp8, int4 in groups, quantized experts;
+earlier layer's KV (CLA), multi-head latent attention with its experts (DeepSeek-V2 / V3: by
+head, the latent replicated), quantized checkpoints (int8, fp8, int4 in groups, quantized experts;
 LLM.int8() within its per-rank rounding). Each rank holds half of every projection and of the
 vocabulary's rows; what cannot be split yet is a clear error."""
 
@@ -34,6 +35,8 @@ CASES = {
     "mixtral-moe": ("MixtralForCausalLM", {}),
     "qwen3-moe": ("Qwen3MoeForCausalLM", {}),
     "cla-shared-kv": ("CLA", dict(kv_sharing={1: 0})),  # layer 1 reads layer 0's KV
+    "deepseek-v2-mla-moe": ("DeepseekV2ForCausalLM", {}),
+    "deepseek-v3-mla-moe": ("DeepseekV3ForCausalLM", {}),
 }
 
 
@@ -48,7 +51,9 @@ def _logits(groups: ParallelGroups, path, shard: Shard | None) -> dict:
     logits = model(torch.tensor([PROMPT]), caches)[0]
     projections = sum(t.numel() for name, t in weights.items() if "_proj" in name)
     quantized = sum(t.numel() for name, t in weights.items() if name.endswith(".qweight"))
-    return dict(logits=logits, projections=projections, quantized=quantized,
+    latent = sum(t.numel() for name, t in weights.items()  # MLA's, replicated
+                 if "kv_a_proj" in name or "q_a_proj" in name)
+    return dict(logits=logits, projections=projections, quantized=quantized, latent=latent,
                 heads=local.num_heads,
                 kv_heads=local.num_kv_heads, intermediate=local.intermediate_size,
                 vocab_rows=weights["embed_tokens.weight"].shape[0],
@@ -79,10 +84,13 @@ def test_two_ranks_give_the_whole_models_logits(checkpoints, case):
         assert part["heads"] == config.num_heads // 2
         assert part["kv_heads"] == max(1, config.num_kv_heads // 2)
         assert part["intermediate"] == config.intermediate_size // 2
-        # Each rank holds half of every projection, plus its share of replicated K/V heads.
+        # Each rank holds half of every projection, plus its share of replicated K/V heads
+        # (MLA: the whole of the latent projections).
         replicated = 1 if config.num_kv_heads < 2 else 0
         extra = replicated * 2 * config.head_dim * config.hidden_size * config.num_layers // 2
-        assert part["projections"] == whole["projections"] // 2 + extra, rank
+        assert part["latent"] == whole["latent"]
+        assert part["projections"] == ((whole["projections"] - whole["latent"]) // 2 + extra
+                                       + whole["latent"]), rank
         # The embedding and the LM head by vocabulary row: ceil(vocab / 2) rows, zero past it.
         rows = -(-config.vocab_size // 2)
         assert part["vocab_rows"] == rows
@@ -108,10 +116,9 @@ def test_what_cannot_be_split_is_a_clear_error(tmp_path, overrides, message):
         load_weights(path, config, torch.float32, shard=Shard(1, 4))
 
 
-def test_latent_attention_is_refused_for_now(checkpoint_factory):
+def test_latent_attention_splits_by_head(checkpoint_factory):
     config = load_checkpoint_info(checkpoint_factory("DeepseekV2ForCausalLM")).config
-    with pytest.raises(ValueError, match="does not split multi-head latent attention yet"):
-        shard_config(config, Shard(0, 2))
+    assert shard_config(config, Shard(0, 2)).num_heads == config.num_heads // 2
     assert shard_config(config, Shard(0, 1)).num_heads == config.num_heads
     with pytest.raises(ValueError, match="0 <= rank < size"):
         Shard(2, 2)

@@ -144,7 +144,7 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
             for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
                 w[out + norm + ".weight"] = read(p + norm + ".weight")
         if config.use_mla():
-            _read_mla(read, config, p + "self_attn.", out + "self_attn.", w)
+            _read_mla(read, config, p + "self_attn.", out + "self_attn.", w, shard)
         else:
             _read_attention(read, config, i, p + "self_attn.", out + "self_attn.", w, shard)
         if config.is_moe_layer(i):
@@ -203,22 +203,38 @@ MLA_PROJECTIONS = ("kv_a_proj_with_mqa.weight", "kv_b_proj.weight", "q_a_proj.we
 
 
 def _read_mla(read: _TensorReader, c: _C.ModelConfig, attn: str, out: str,
-              w: dict[str, torch.Tensor]) -> None:
-    """MLA's projections as they are: the C++ layer fuses and reorders them itself."""
+              w: dict[str, torch.Tensor], shard: Shard | None = None) -> None:
+    """MLA's projections as they are: the C++ layer fuses and reorders them itself. shard: the
+    rank's heads, rows of q_b_proj (q_proj) and kv_b_proj, columns of o_proj; the latent
+    projections (kv_a, q_a) and their norms are every rank's."""
     names = ["kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight",
              "o_proj.weight"]
     names += (["q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"]
               if c.mla.q_lora_rank else ["q_proj.weight"])
     if c.qkv_bias:
         names += ["kv_a_proj_with_mqa.bias"] + (["q_a_proj.bias"] if c.mla.q_lora_rank else [])
-    if c.o_proj_bias:
+    if c.o_proj_bias and (shard is None or shard.rank == 0):  # added once to the sum
         names.append("o_proj.bias")
+    m = c.mla
+    # Per head: rows of q_b_proj / q_proj, of kv_b_proj; columns of o_proj.
+    per_head = {"q_b_proj.weight": m.qk_nope_head_dim + m.qk_rope_head_dim,
+                "q_proj.weight": m.qk_nope_head_dim + m.qk_rope_head_dim,
+                "kv_b_proj.weight": m.qk_nope_head_dim + m.v_head_dim,
+                "o_proj.weight": m.v_head_dim}
+    first, heads = (0, c.num_heads) if shard is None else local_heads(c, shard)[:2]
     for name in names:
         module = attn + name.removesuffix(".weight")
-        if name in MLA_PROJECTIONS and read.quantized(module):
+        part = None
+        if shard is not None and name in per_head:
+            part = (1 if name == "o_proj.weight" else 0, first * per_head[name],
+                    heads * per_head[name])
+        if name == "o_proj.weight":
+            read.put(w, out + "o_proj", [module], [(c.hidden_size, c.num_heads * m.v_head_dim)],
+                     None if part is None else [part])
+        elif part is not None:
+            w[out + name] = read.part(module, _mla_shape(c, name), part)
+        elif name in MLA_PROJECTIONS and read.quantized(module):
             w[out + name] = read.weight(module, _mla_shape(c, name))
-        elif name == "o_proj.weight":
-            read.put(w, out + "o_proj", [module], [(c.hidden_size, c.num_heads * c.mla.v_head_dim)])
         else:
             w[out + name] = read(attn + name)
 

@@ -9,6 +9,9 @@ rank holds, and the model config that rank's C++ model runs.
 - MLP: gate/up column-parallel (rows of the rank's share of the intermediate size), down_proj
   row-parallel (those columns). Mixture of experts: every expert (and the shared expert) split
   the same way, the router replicated, the combined output summed once.
+- Multi-head latent attention (DeepSeek-V2 / V3): by head too, the rows of q_b_proj (or
+  q_proj) and kv_b_proj, o_proj's columns (row-parallel); the latent projections (kv_a, q_a),
+  their norms and so the latent KV cache are replicated on every rank.
 - Embedding and LM head: vocabulary-parallel, ceil(vocab / size) rows a rank (the last rank's
   padded with zero rows); a tied head is the same rows. Norms are replicated.
 - Quantized projections split along the same axis as plain ones, their scales and zeros with
@@ -49,9 +52,6 @@ def check_shardable(config: _C.ModelConfig, size: int) -> None:
     if size == 1:
         return
     name = config.architecture or "this model"
-    if config.use_mla():
-        raise ValueError(f"tensor parallelism does not split multi-head latent attention yet "
-                         f"({name})")
     moe = config.moe
     for label, size_of in (("expert intermediate size", moe.moe_intermediate_size),
                            ("shared experts' intermediate size", moe.shared_intermediate_size)):
