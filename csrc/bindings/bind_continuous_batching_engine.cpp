@@ -278,9 +278,11 @@ void bind_continuous_batching_engine(py::module_& m) {
            py::call_guard<py::gil_scoped_release>(),
            "Thread-safe: validates now, applied before the next step's work.")
       .def("set_lora", &ContinuousBatchingEngine::set_lora, py::arg("slot"), py::arg("factors"),
+           py::arg("worker_factors") = std::vector<LoraFactors>{},
            py::call_guard<py::gil_scoped_release>(),
            "Loads {target name: (a [r, in], b [r, out])} into a LoRA slot ({} clears it); waits "
-           "for a running step.")
+           "for a running step. With tensor parallelism: rank 0's shard, and worker_factors[i] "
+           "rank i + 1's, sent to the workers.")
       .def("step", &ContinuousBatchingEngine::step, py::arg("finished_only") = false,
            py::call_guard<py::gil_scoped_release>(),
            "One iteration; the requests that produced tokens or finished in it (finished_only: "

@@ -60,6 +60,7 @@ ContinuousBatchingEngine::ContinuousBatchingEngine(std::shared_ptr<CausalLM> mod
       speculator_(SpeculativeDecoder::create(config_.speculative, *model_, std::move(draft_model),
                                              config_.num_blocks, config_.block_size,
                                              config_.max_model_len)),
+      workers_(workers),
       runner_(model_, sequences_,
               {.num_blocks = config_.num_blocks,
                .block_size = config_.block_size,

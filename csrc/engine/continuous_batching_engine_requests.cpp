@@ -7,6 +7,7 @@
 
 #include "engine/engine_helpers.h"
 #include "kvserve/continuous_batching_engine.h"
+#include "kvserve/tensor_parallel_worker.h"
 
 namespace kvserve {
 
@@ -145,16 +146,26 @@ void ContinuousBatchingEngine::add_request(const std::string& request_id,
   try_apply_commands();
 }
 
-void ContinuousBatchingEngine::set_lora(int64_t slot, const LoraFactors& factors) {
+void ContinuousBatchingEngine::set_lora(int64_t slot, const LoraFactors& factors,
+                                        const std::vector<LoraFactors>& worker_factors) {
   if (slot < 0 || slot >= model_->num_lora_slots()) {
     throw std::invalid_argument("LoRA slot " + std::to_string(slot) + " is outside [0, " +
                                 std::to_string(model_->num_lora_slots()) + ")");
+  }
+  const size_t workers = workers_ ? static_cast<size_t>(workers_->size() - 1) : 0;
+  if (worker_factors.size() != workers) {
+    throw std::invalid_argument("set_lora: factors for " + std::to_string(worker_factors.size()) +
+                                " workers, and the model has " + std::to_string(workers));
   }
   std::lock_guard<std::mutex> owner(step_mutex_);
   if (factors.empty()) {
     model_->clear_lora(slot);
   } else {
     model_->set_lora(slot, factors);
+  }
+  // After rank 0's own, which checks them against the same targets; before any later step.
+  if (workers_) {
+    send_to_workers(*workers_, WorkerCommand::kSetLora, pack_lora(slot, worker_factors));
   }
 }
 

@@ -1,9 +1,11 @@
 #include "kvserve/tensor_parallel_worker.h"
 
+#include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -28,9 +30,8 @@ std::pair<WorkerCommand, std::vector<int64_t>> receive_from_rank0(Communicator& 
   at::Tensor header = at::zeros({2}, at::kLong);
   control.broadcast_(header, 0);
   const int64_t* h = header.data_ptr<int64_t>();
-  if ((h[0] != static_cast<int64_t>(WorkerCommand::kStep) &&
-       h[0] != static_cast<int64_t>(WorkerCommand::kStop)) ||
-      h[1] < 0) {
+  if (h[0] < static_cast<int64_t>(WorkerCommand::kStep) ||
+      h[0] > static_cast<int64_t>(WorkerCommand::kSetLora) || h[1] < 0) {
     throw std::runtime_error("tensor-parallel worker: a message that is no command (" +
                              std::to_string(h[0]) + ", " + std::to_string(h[1]) + ")");
   }
@@ -57,6 +58,82 @@ std::vector<int64_t> pack_step(const std::vector<std::pair<int32_t, int32_t>>& b
   const std::vector<int64_t> packed = batch.pack();
   m.insert(m.end(), packed.begin(), packed.end());
   return m;
+}
+
+std::vector<int64_t> pack_lora(int64_t slot, const std::vector<LoraFactors>& worker_factors) {
+  std::vector<int64_t> m = {slot, static_cast<int64_t>(worker_factors.size())};
+  auto put_values = [&](const at::Tensor& t) {
+    const at::Tensor values = t.to(at::kCPU, at::kFloat).contiguous();
+    const size_t n = static_cast<size_t>(values.numel());
+    const size_t offset = m.size();
+    m.resize(offset + (n + 1) / 2, 0);
+    std::memcpy(m.data() + offset, values.data_ptr<float>(), n * sizeof(float));
+  };
+  for (const LoraFactors& factors : worker_factors) {
+    m.push_back(static_cast<int64_t>(factors.size()));
+    for (const auto& [name, ab] : factors) {
+      const auto& [a, b] = ab;
+      TORCH_CHECK(a.dim() == 2 && b.dim() == 2, "pack_lora: ", name, "'s factors must be 2-D");
+      m.push_back(static_cast<int64_t>(name.size()));
+      for (const char c : name) m.push_back(static_cast<unsigned char>(c));
+      for (const at::Tensor* t : {&a, &b}) {
+        m.push_back(t->size(0));
+        m.push_back(t->size(1));
+      }
+      put_values(a);
+      put_values(b);
+    }
+  }
+  return m;
+}
+
+std::pair<int64_t, LoraFactors> unpack_lora(const std::vector<int64_t>& message, int64_t rank) {
+  size_t pos = 0;
+  auto next = [&]() {
+    if (pos >= message.size()) {
+      throw std::runtime_error("tensor-parallel worker: a short LoRA message");
+    }
+    return message[pos++];
+  };
+  auto small = [&](int64_t limit) {  // a count, length or size: 0..limit
+    const int64_t v = next();
+    if (v < 0 || v > limit) {
+      throw std::runtime_error("tensor-parallel worker: a malformed LoRA message");
+    }
+    return v;
+  };
+  const int64_t slot = next();
+  const int64_t workers = small(1 << 16);
+  LoraFactors mine;
+  for (int64_t w = 0; w < workers; ++w) {
+    const int64_t targets = small(1 << 20);
+    for (int64_t t = 0; t < targets; ++t) {
+      const int64_t length = small(1 << 12);
+      std::string name;
+      for (int64_t i = 0; i < length; ++i) name.push_back(static_cast<char>(small(255)));
+      at::Tensor ab[2];
+      int64_t shape[4];
+      for (int64_t& d : shape) d = small(int64_t{1} << 30);
+      for (int i = 0; i < 2; ++i) {
+        const int64_t n = shape[2 * i] * shape[2 * i + 1];
+        const size_t words = static_cast<size_t>((n + 1) / 2);
+        if (words > message.size() - pos) {
+          throw std::runtime_error("tensor-parallel worker: a short LoRA message");
+        }
+        if (w + 1 == rank) {
+          ab[i] = at::empty({shape[2 * i], shape[2 * i + 1]}, at::kFloat);
+          std::memcpy(ab[i].data_ptr<float>(), message.data() + pos,
+                      static_cast<size_t>(n) * sizeof(float));
+        }
+        pos += words;
+      }
+      if (w + 1 == rank) mine.emplace(std::move(name), std::make_pair(ab[0], ab[1]));
+    }
+  }
+  if (pos != message.size()) {
+    throw std::runtime_error("tensor-parallel worker: a malformed LoRA message");
+  }
+  return {slot, std::move(mine)};
 }
 
 namespace {
@@ -89,6 +166,19 @@ int64_t TensorParallelWorker::serve() {
   while (true) {
     auto [command, message] = receive_from_rank0(*control_);
     if (command == WorkerCommand::kStop) return steps;
+    if (command == WorkerCommand::kSetLora) {
+      auto [slot, factors] = unpack_lora(message, control_->rank());
+      try {
+        if (factors.empty()) {
+          model_->clear_lora(slot);
+        } else {
+          model_->set_lora(slot, factors);
+        }
+      } catch (const std::exception&) {
+        // Rank 0 applied the same adapter's shard to its own targets first and reported it.
+      }
+      continue;
+    }
     // The copies, then the logit rows, then the batch.
     size_t pos = 0;
     const auto count = [&](int64_t per_item) {

@@ -184,7 +184,8 @@ class LLMEngine:
             self.model, config, self.draft_model,
             self.ranks.groups.control_communicator() if self.ranks else None)
         self.lora_manager = (LoRAManager(self.engine, self.model, info.config, args.max_loras,
-                                         args.max_lora_rank) if args.enable_lora else None)
+                                         args.max_lora_rank, args.tensor_parallel_size)
+                             if args.enable_lora else None)
         self._requests: dict[str, _Request] = {}  # under _lock
         self._lock = threading.Lock()
         self._step_lock = threading.Lock()
@@ -201,8 +202,6 @@ class LLMEngine:
                              f"{args.distributed_timeout!r}")
         if args.tensor_parallel_size == 1:
             return
-        if args.enable_lora:
-            raise ValueError("tensor parallelism does not serve LoRA adapters yet")
         if args.distributed_backend == "nccl":
             raise ValueError("the ranks share this machine's device; nccl needs one GPU per "
                              "rank, which is not built yet: use distributed_backend='gloo'")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from kvserve.loader.sharding import Shard, local_heads, local_intermediate
 from kvserve.lora import lora_scaling, read_adapter
 
 # A checkpoint projection -> (the kvserve projection that holds it, its part of the fused output).
@@ -54,10 +55,15 @@ class _Loaded:
 class LoRAManager:
     """Which adapter is in which slot of an engine's model; thread-safe."""
 
-    def __init__(self, engine, model, config, max_loras: int, max_lora_rank: int):
+    def __init__(self, engine, model, config, max_loras: int, max_lora_rank: int,
+                 tensor_parallel_size: int = 1):
         self._engine = engine
-        self._targets = {name: (inp, out, rank) for name, inp, out, rank in model.lora_targets()}
         self._config = config  # kvserve's ModelConfig (head counts for the fused q/k/v split)
+        self._ranks = tensor_parallel_size
+        # Shapes of the whole model's projections: with several ranks, model (rank 0's) holds
+        # its shard of each, and every rank gets its part of the whole adapter (_shard).
+        self._targets = {name: (*self._whole(name, inp, out), rank)
+                         for name, inp, out, rank in model.lora_targets()}
         self._dtype = model.dtype
         self._device = model.device
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
@@ -100,7 +106,11 @@ class LoRAManager:
     def _load(self, name: str, path: Path) -> _Loaded:
         factors = self.factors(path)
         slot = self._free_slot()
-        self._engine.set_lora(slot, factors)
+        if self._ranks > 1:
+            parts = [self._shard(factors, rank) for rank in range(self._ranks)]
+            self._engine.set_lora(slot, parts[0], parts[1:])
+        else:
+            self._engine.set_lora(slot, factors)
         previous = self._slots[slot]
         if previous is not None:
             del self._loaded[previous]
@@ -163,6 +173,45 @@ class LoRAManager:
             b_all[row:row + r, offsets[part]:offsets[part] + widths[part]] = b
             row += r
         return (a_all.to(self._dtype).to(self._device), b_all.to(self._dtype).to(self._device))
+
+    def _whole(self, name: str, inp: int, out: int) -> tuple[int, int]:
+        """(in, out) of the whole model's projection `name`, of which rank 0 holds [inp, out]."""
+        if self._ranks == 1:
+            return inp, out
+        c = self._config
+        q, kv, hidden = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size
+        inter = c.intermediate_size
+        whole = {"qkv_proj": (hidden, q + 2 * kv), "q_proj": (hidden, q), "o_proj": (q, hidden),
+                 "gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden)}
+        kind = name.rpartition(".")[2]
+        if kind not in whole or c.use_mla():
+            raise ValueError(f"LoRA on {name} is not served with tensor parallelism")
+        return whole[kind]
+
+    def _shard(self, factors: dict, rank: int) -> dict:
+        """Rank `rank`'s part of whole factors (kvserve.loader.sharding's split): B's columns
+        of a column-parallel projection (the rank's heads, or its intermediate columns of gate
+        and of up), A's columns of a row-parallel one, whose partial updates the ranks sum."""
+        c, shard = self._config, Shard(rank, self._ranks)
+        q0, nq, kv0, nkv = (n * c.head_dim for n in local_heads(c, shard))
+        first, n = local_intermediate(c, shard)
+        q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+        out = {}
+        for name, (a, b) in factors.items():
+            kind = name.rpartition(".")[2]
+            if kind == "qkv_proj":
+                b = torch.cat([b[:, q0:q0 + nq], b[:, q + kv0:q + kv0 + nkv],
+                               b[:, q + kv + kv0:q + kv + kv0 + nkv]], dim=1)
+            elif kind == "q_proj":
+                b = b[:, q0:q0 + nq]
+            elif kind == "o_proj":
+                a = a[:, q0:q0 + nq]
+            elif kind == "gate_up_proj":
+                b = torch.cat([b[:, first:first + n], b[:, inter + first:inter + first + n]], dim=1)
+            else:  # down_proj
+                a = a[:, first:first + n]
+            out[name] = (a.contiguous(), b.contiguous())
+        return out
 
     def _part_widths(self, name: str, out: int) -> list[int]:
         """Output widths of the checkpoint projections fused into `name`."""

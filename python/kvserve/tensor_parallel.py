@@ -83,6 +83,8 @@ def _worker_main(rank: int, world_size: int, init_method: str, args, threads: in
     try:
         info = load_checkpoint_info(args.model)
         rank_model = load_rank_model(args, groups, info.eos_token_ids)
+        if args.enable_lora:  # rank 0 sends each adapter's shard (LoRAManager._shard)
+            rank_model.model.enable_lora(args.max_loras, args.max_lora_rank)
         c = rank_model.engine_config
         worker = _C.TensorParallelWorker(rank_model.model, groups.control_communicator(),
                                          c.num_blocks, c.block_size, c.kv_cache_dtype)

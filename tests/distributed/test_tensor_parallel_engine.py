@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, LoRARequest, SamplingParams
 from kvserve.config import load_checkpoint_info
 from kvserve.loader import load_weights
 from kvserve.quantization.quantize import quantize_checkpoint
@@ -84,6 +84,39 @@ def test_two_ranks_generate_what_one_does(tmp_path, case):
             assert [v for _, v in x.top] == pytest.approx([v for _, v in y.top], abs=1e-4)
 
 
+def test_lora_adapters_are_split_with_their_projections(tmp_path):
+    """Two adapters and the base model in one batch, at tp=2 and tp=1: every rank gets its part
+    of each adapter (B's columns of q/k/v and gate/up, A's columns of o and down), with one
+    key/value head replicated on both ranks."""
+    pytest.importorskip("peft")
+    from tests.models.test_lora import make_adapter
+
+    path = make_checkpoint(tmp_path / "base", "LlamaForCausalLM", num_key_value_heads=1)
+    make_adapter(path, tmp_path / "a", r=4, lora_alpha=8, target_modules="all-linear")
+    make_adapter(path, tmp_path / "b", seed=1, r=2, lora_alpha=4,
+                 target_modules=["k_proj", "o_proj", "up_proj"])
+    loras = [LoRARequest("a", tmp_path / "a"), None, LoRARequest("b", tmp_path / "b")]
+    options = dict(OPTIONS, enable_lora=True, max_loras=2, max_lora_rank=4)
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1)
+
+    def generate(llm):
+        return [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False, lora=loras)]
+
+    want = generate(LLM(path, **options))
+    llm = LLM(path, tensor_parallel_size=2, distributed_timeout=60.0, **options)
+    try:
+        got = generate(llm)
+        base = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    finally:
+        llm.llm_engine.shutdown()
+    for a, b in zip(want, got):
+        assert a.token_ids == b.token_ids
+        assert [x.logprob for x in a.logprobs] == pytest.approx(
+            [y.logprob for y in b.logprobs], abs=1e-4)
+    # The adapters change what the model says (else the test would prove nothing).
+    assert got[0].token_ids != base[0].token_ids or got[2].token_ids != base[2].token_ids
+
+
 def test_a_worker_that_dies_is_an_error_not_a_hang(tmp_path):
     path = make_checkpoint(tmp_path, "LlamaForCausalLM")
     llm = LLM(path, tensor_parallel_size=2, distributed_timeout=30.0, **OPTIONS)
@@ -102,7 +135,6 @@ def test_a_worker_that_dies_is_an_error_not_a_hang(tmp_path):
 @pytest.mark.parametrize("options, message", [
     (dict(tensor_parallel_size=0), "tensor_parallel_size"),
     (dict(tensor_parallel_size=3), "divide"),
-    (dict(tensor_parallel_size=2, enable_lora=True), "LoRA"),
     (dict(tensor_parallel_size=2, distributed_backend="nccl"), "nccl"),
     (dict(tensor_parallel_size=2, distributed_timeout=0.0), "distributed_timeout"),
 ])

@@ -136,6 +136,9 @@ def test_busy_slots_and_bad_adapters_are_clear_errors(adapters, tmp_path, checkp
         kvserve.LLM(base, enable_lora=True, max_loras=0)
     with pytest.raises(ValueError, match="lora_slot 3 is outside"):
         engine.engine.add_request("h", PROMPTS[0], GREEDY, lora_slot=3)
+    # One rank: factors for workers it does not have are refused, the slot left as it was.
+    with pytest.raises(ValueError, match="factors for 1 workers, and the model has 0"):
+        engine.engine.set_lora(0, {}, [{}])
     embedding = tmp_path / "embedding"
     make_adapter(base, embedding, r=2, lora_alpha=2, target_modules=["embed_tokens"])
     with pytest.raises(ValueError, match="embedding"):

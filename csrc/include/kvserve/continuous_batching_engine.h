@@ -66,9 +66,12 @@ class ContinuousBatchingEngine {
 
   /// Loads one LoRA adapter's factors into `slot` of the model (CausalLM::set_lora), or clears
   /// the slot when `factors` is empty; waits for a running step to end. The caller must not
-  /// load into a slot that unfinished requests use. Throws std::invalid_argument when the model
-  /// serves no adapters or the slot is out of range.
-  void set_lora(int64_t slot, const LoraFactors& factors);
+  /// load into a slot that unfinished requests use. With tensor parallelism, `factors` are
+  /// rank 0's shard and worker_factors[i] rank i + 1's, sent to the workers before the next
+  /// step. Throws std::invalid_argument when the model serves no adapters, the slot is out of
+  /// range or worker_factors does not name every worker (and only them).
+  void set_lora(int64_t slot, const LoraFactors& factors,
+                const std::vector<LoraFactors>& worker_factors = {});
 
   /// Stops a request and frees its blocks (thread-safe; applied before the next step's work).
   /// Its final output, finish_reason "abort", comes from that step. False if the id is unknown or
@@ -196,6 +199,7 @@ class ContinuousBatchingEngine {
   SequenceTable sequences_;  ///< every queued or running sequence's tokens and progress
   Scheduler scheduler_;
   std::unique_ptr<SpeculativeDecoder> speculator_;
+  std::shared_ptr<Communicator> workers_;  ///< the other ranks' control group; null: none
   ModelRunner runner_;
 
   // Owned by the thread holding step_mutex_.

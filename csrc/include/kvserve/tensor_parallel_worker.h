@@ -20,8 +20,8 @@
 
 namespace kvserve {
 
-/// What rank 0 tells the workers.
-enum class WorkerCommand : int64_t { kStep = 1, kStop = 2 };
+/// What rank 0 tells the workers: run a step, stop, load a LoRA adapter's factors.
+enum class WorkerCommand : int64_t { kStep = 1, kStop = 2, kSetLora = 3 };
 
 /// Rank 0: broadcasts `command` and `payload` over `control` (a header of two values, then the
 /// payload). Blocks until every rank has it; throws (c10::Error) when a rank is gone.
@@ -37,6 +37,14 @@ std::pair<WorkerCommand, std::vector<int64_t>> receive_from_rank0(Communicator& 
 std::vector<int64_t> pack_step(const std::vector<std::pair<int32_t, int32_t>>& block_copies,
                                const std::vector<int64_t>& logit_rows,
                                const ForwardBatchBuilder& batch);
+
+/// A LoRA message: the slot, then worker_factors[i], rank i + 1's shard of the adapter (each
+/// target's name, the shapes of a and b, their values in fp32, two to a value of the message).
+std::vector<int64_t> pack_lora(int64_t slot, const std::vector<LoraFactors>& worker_factors);
+
+/// The slot and rank `rank`'s factors (CPU, fp32) of a pack_lora message; throws
+/// std::runtime_error for a malformed one.
+std::pair<int64_t, LoraFactors> unpack_lora(const std::vector<int64_t>& message, int64_t rank);
 
 /// How a worker's pool is made: the same as rank 0's ModelRunner.
 struct TensorParallelWorkerOptions {
@@ -54,9 +62,11 @@ class TensorParallelWorker {
   TensorParallelWorker(std::shared_ptr<CausalLM> model, std::shared_ptr<Communicator> control,
                        TensorParallelWorkerOptions options);
 
-  /// Runs rank 0's steps until it stops the workers; returns how many ran. A forward that
-  /// throws is skipped (rank 0's, run on the same inputs, throws at the same point and fails the
-  /// step there); a control group that fails (rank 0 gone, its timeout) throws.
+  /// Runs rank 0's steps (and loads the LoRA factors it sends) until it stops the workers;
+  /// returns how many steps ran. A forward that throws is skipped (rank 0's, run on the same
+  /// inputs, throws at the same point and fails the step there), as are factors the model
+  /// refuses (rank 0 checked them against its own); a control group that fails (rank 0 gone, its
+  /// timeout) throws.
   int64_t serve();
 
   const PagedKVCache& kv_cache() const { return kv_cache_; }
