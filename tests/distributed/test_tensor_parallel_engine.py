@@ -1,14 +1,16 @@
 """LLM(model, tensor_parallel_size=2) on a CPU machine (Gloo, one thread per rank): the engine's
 process is rank 0 and starts rank 1 itself; its greedy tokens and log-probabilities equal one
-rank's (fp32) over mixed batches with chunked prefill and prefix caching, for GQA with one KV
-head and an odd vocabulary, biases (Qwen2), tied embeddings with sliding windows (Gemma 2), a
-mixture of experts (Qwen3-MoE), latent attention with experts (DeepSeek-V3: heads split, the
-latent cache replicated) and an int8 checkpoint.
-A worker that dies gives the caller an error, not a hang; what cannot be split is refused before
-any process starts."""
+rank's (fp32), and its tokens transformers' greedy ones, over mixed batches with chunked prefill
+and prefix caching, for GQA with one KV head and an odd vocabulary, biases (Qwen2), tied
+embeddings with sliding windows (Gemma 2), a mixture of experts (Qwen3-MoE), latent attention
+with experts (DeepSeek-V3: heads split, the latent cache replicated) and an int8 checkpoint; LoRA
+adapters split with their projections. Requests arriving over the steps and preempted get the
+tokens they get alone. A worker that dies gives the caller an error, not a hang; what cannot be
+split is refused before any process starts."""
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
@@ -19,6 +21,7 @@ from kvserve.config import load_checkpoint_info
 from kvserve.loader import load_weights
 from kvserve.quantization.quantize import quantize_checkpoint
 from kvserve.testing.checkpoints import make_checkpoint
+from kvserve.testing.hf_reference import load_hf_model
 
 PROMPTS = [[1, 17, 5, 99, 42, 7, 300, 12, 8, 3, 250, 64, 9, 10], [7, 300, 12],
            [1, 17, 5, 99, 42, 7, 300, 12, 8, 3, 250, 64, 77]]  # shares a prefix with the first
@@ -76,6 +79,12 @@ def test_two_ranks_generate_what_one_does(tmp_path, case):
     finally:
         llm.llm_engine.shutdown()
     assert [p.exitcode for p in llm.llm_engine.ranks.processes] == [0]
+    if not method:  # and transformers' greedy tokens (a quantized checkpoint: its own weights)
+        hf = load_hf_model(path)
+        for prompt, b in zip(PROMPTS, got):
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+            assert out[0, len(prompt):].tolist()[:len(b.token_ids)] == b.token_ids
     for a, b in zip(want, got):
         assert a.token_ids == b.token_ids
         for x, y in zip(a.logprobs, b.logprobs):  # the sampled token's, then the top 2
@@ -115,6 +124,27 @@ def test_lora_adapters_are_split_with_their_projections(tmp_path):
             [y.logprob for y in b.logprobs], abs=1e-4)
     # The adapters change what the model says (else the test would prove nothing).
     assert got[0].token_ids != base[0].token_ids or got[2].token_ids != base[2].token_ids
+
+
+def test_arrivals_and_preemption_at_two_ranks_give_each_requests_tokens_alone(tmp_path):
+    """The engine's invariance at tp=2: mixed requests arriving over the steps, in a pool small
+    enough to preempt some, each get the greedy tokens it gets alone on one rank."""
+    from tests.engine_loop import fp32_engine, run_arrivals
+
+    path = make_checkpoint(tmp_path, "LlamaForCausalLM")
+    rng = random.Random(0)
+    requests = [([1] + [rng.randrange(3, 384) for _ in range(rng.randrange(1, 40))],
+                 rng.randrange(1, 16), rng.randrange(0, 8)) for _ in range(12)]
+    one = fp32_engine(path)
+    alone = {str(i): run_arrivals(one, [(prompt, n, 0)])["0"]
+             for i, (prompt, n, _) in enumerate(requests)}
+    engine = fp32_engine(path, tensor_parallel_size=2, distributed_timeout=60.0, block_size=4,
+                         num_blocks=24, enable_prefix_caching=False)
+    try:
+        assert run_arrivals(engine, requests) == alone
+        assert engine.get_stats().num_preemptions > 0
+    finally:
+        engine.shutdown()
 
 
 def test_a_worker_that_dies_is_an_error_not_a_hang(tmp_path):
