@@ -63,7 +63,8 @@ ASAN_ENV := ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:detect_odr_violation=0 
 # the quantized checkpoints end to end (their ops' kernel tests run the C++ sanitized) and other
 # tests whose time goes to Python or transformers, which the sanitizer does not see: llama2.c
 # conversion, perplexity against transformers, resident memory, detokenization, distillation
-# (PyTorch training around a model forward the other tests cover), and the
+# and scripts/train_tiny.py (PyTorch training around a model forward the other tests cover), and
+# the
 # speculative sampler's statistical tests (the same C++ as its exact ones);
 # speculative greedy equality runs once per proposer, in the mixed-arrivals form (its single-request
 # form and the target-as-its-own-draft case run the same C++ paths with fewer requests); and the
@@ -77,6 +78,7 @@ ASAN_SKIP := --ignore=tests/e2e/test_cli.py --ignore=tests/e2e/test_notebooks.py
 	--ignore=tests/convert \
 	--ignore=tests/models/test_perplexity.py --ignore=tests/models/test_weight_memory.py \
 	--ignore=tests/engine/test_detokenizer.py --ignore=tests/models/test_distill.py \
+	--ignore=tests/models/test_train_tiny.py \
 	--ignore=tests/e2e/test_server_chaos.py --ignore=tests/e2e/test_server_errors.py \
 	--ignore=tests/e2e/test_server.py \
 	--ignore=tests/distributed \
