@@ -82,9 +82,9 @@ def kv_bytes_per_token(model_dir: Path) -> int:
 
 
 def perplexity(model_dir: Path, val_text: str) -> float:
-    llm = kvserve.LLM(model_dir, dtype=torch.float32, max_model_len=512, num_blocks=2)
+    llm = kvserve.LLM(model_dir, dtype=torch.float32, max_model_len=513, log_memory_plan=False)
     ids = llm.tokenizer.encode(val_text)
-    return evaluate_perplexity(llm.model, ids, 512, 256).perplexity
+    return evaluate_perplexity(llm, ids, 512, 256).perplexity
 
 
 def train_scratch(pruned: Path, out: Path, args, tokens: int) -> None:

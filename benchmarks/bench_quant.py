@@ -267,13 +267,14 @@ def text_splits(data: Path, cache: Path) -> dict[str, tuple[Path, Path, Path]]:
     }
 
 
-def perplexity(path: Path, text: Path, kv_cache_dtype: torch.dtype | None = None) -> float:
+def perplexity(path: Path, text: Path, kv_cache_dtype: str = "auto") -> float:
     from kvserve.perplexity import evaluate_perplexity
 
-    llm = kvserve.LLM(path, dtype="float32", max_model_len=512)
+    # 512-token windows, and room for the token each window's request samples.
+    llm = kvserve.LLM(path, dtype="float32", max_model_len=513, kv_cache_dtype=kv_cache_dtype,
+                      log_memory_plan=False)
     ids = llm.tokenizer.encode(text.read_text(encoding="utf-8"))
-    return evaluate_perplexity(llm.model, ids, max_length=512, stride=256,
-                               kv_cache_dtype=kv_cache_dtype).perplexity
+    return evaluate_perplexity(llm, ids, max_length=512, stride=256).perplexity
 
 
 def bench_perplexity(args) -> list[list]:
@@ -288,7 +289,7 @@ def bench_perplexity(args) -> list[list]:
                 quantize_checkpoint(path, out, method, 32,
                                     calibration if method == "awq" else None)
             results[method] = perplexity(out, evaluation)
-        for kv, dtype in (("kv int8", torch.int8), ("kv fp8", torch.float8_e4m3fn)):
+        for kv, dtype in (("kv int8", "int8"), ("kv fp8", "fp8")):
             results[kv] = perplexity(path, evaluation, dtype)  # fp32 weights
         rtn_gap = results["int4"] - base
         for method, ppl in results.items():

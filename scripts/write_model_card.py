@@ -64,7 +64,7 @@ def measure(model_dir: Path, target_dir: Path | None, corpus: Path, max_tokens: 
     ids = llm.tokenizer.encode(val_text)[:max_tokens]
     window = training["seq_len"]
     stride = window // 2
-    ours = evaluate_perplexity(llm.model, ids, max_length=window, stride=stride)
+    ours = evaluate_perplexity(llm, ids, max_length=window, stride=stride)
     # transformers has no cross-layer KV sharing: its Llama with kvserve's CLA layers instead.
     cla = bool(json.loads((model_dir / "config.json").read_text()).get("kv_sharing"))
     hf = load_cla_llama(model_dir) if cla else load_hf_model(model_dir)

@@ -65,6 +65,7 @@ void bind_outputs(py::module_& m) {
       .def_readonly("outputs", &RequestOutput::outputs)
       .def_readonly("finished", &RequestOutput::finished)
       .def_readonly("num_cached_tokens", &RequestOutput::num_cached_tokens)
+      .def_readonly("prompt_logprobs", &RequestOutput::prompt_logprobs)
       .def_readonly("metrics", &RequestOutput::metrics)
       .def_property_readonly("error", [](const RequestOutput& o) { return none_if_empty(o.error); })
       .def("__repr__", [](const RequestOutput& o) {

@@ -156,7 +156,29 @@ ContinuousBatchingEngine::StepSamples ContinuousBatchingEngine::plan_samples(
       samples.completions.push_back({&request, &completion});
     }
   }
+  plan_prompt_logprobs(work, samples);
   return samples;
+}
+
+void ContinuousBatchingEngine::plan_prompt_logprobs(const SchedulerOutput& work,
+                                                    StepSamples& samples) {
+  for (size_t i = 0; i < work.scheduled.size(); ++i) {
+    const ScheduledSequence& s = work.scheduled[i];
+    Request& request = *where_.at(s.seq_id).request;
+    if (!request.params.prompt_logprobs) continue;
+    // The logits at position p score prompt token p + 1; tokens 1..recorded have their entries
+    // (a sequence recomputed after a preemption scores nothing twice).
+    const int64_t last = static_cast<int64_t>(request.prompt.size()) - 1;
+    const int64_t recorded = static_cast<int64_t>(request.prompt_logprobs.size());
+    const int64_t begin = std::max(s.num_computed, recorded);
+    const int64_t end = std::min(s.num_computed + s.num_new_tokens, last);
+    if (begin >= end) continue;
+    samples.prompt_targets.push_back(
+        {static_cast<int64_t>(i), begin - s.num_computed,
+         std::vector<int64_t>(request.prompt.begin() + begin + 1, request.prompt.begin() + end + 1),
+         *request.params.prompt_logprobs});
+    samples.prompt_requests.push_back(&request);
+  }
 }
 
 ModelRunnerOutput ContinuousBatchingEngine::execute(const SchedulerOutput& work,
@@ -166,7 +188,7 @@ ModelRunnerOutput ContinuousBatchingEngine::execute(const SchedulerOutput& work,
       --num_injected_failures_;
       throw std::runtime_error("an injected step failure (inject_step_failures)");
     }
-    return runner_.execute(work, samples.targets);
+    return runner_.execute(work, samples.targets, samples.prompt_targets);
   } catch (...) {
     // The step's K/V may be partial: end its requests with an error (their clients must not
     // take a truncated output for a finished one) and drop any cache entry the step created.
@@ -200,6 +222,10 @@ void ContinuousBatchingEngine::update_from_output(const SchedulerOutput& work,
       where_[child.seq_id] = {request, c};
       child.forked = true;
     }
+  }
+  for (size_t k = 0; k < samples.prompt_requests.size(); ++k) {
+    std::vector<TokenLogprobs>& scored = samples.prompt_requests[k]->prompt_logprobs;
+    scored.insert(scored.end(), result.prompt_logprobs[k].begin(), result.prompt_logprobs[k].end());
   }
   const double t = now();
   const uint64_t mark = ++next_mark_;

@@ -76,10 +76,14 @@ void ContinuousBatchingEngine::validate(const std::string& request_id,
     }
   }
   const int64_t max_logprobs = std::min(config_.max_logprobs, vocab);
-  if (params.logprobs && *params.logprobs > max_logprobs) {
-    throw std::invalid_argument("logprobs must be at most " + std::to_string(max_logprobs) +
-                                " (max_logprobs, and the vocabulary size), got " +
-                                std::to_string(*params.logprobs));
+  for (const auto& [name, asked] : {std::pair{"logprobs", params.logprobs},
+                                     std::pair{"prompt_logprobs", params.prompt_logprobs}}) {
+    if (asked && *asked > max_logprobs) {
+      throw std::invalid_argument(std::string(name) + " must be at most " +
+                                  std::to_string(max_logprobs) +
+                                  " (max_logprobs, and the vocabulary size), got " +
+                                  std::to_string(*asked));
+    }
   }
   if (arrival_time && !(std::isfinite(*arrival_time) && *arrival_time <= now())) {
     throw std::invalid_argument("arrival_time must be a finite time.monotonic() value that is not "
@@ -203,9 +207,15 @@ void ContinuousBatchingEngine::apply_commands() {
 
 void ContinuousBatchingEngine::admit(std::unique_ptr<Request> request) {
   const int64_t seq_id = next_seq_id_++;
+  // A request that scores its prompt must compute all of it (as in vLLM): a salt of its own
+  // keeps its blocks' hashes apart from every other sequence's, so no cached prefix is read.
+  const uint64_t cache_key =
+      request->params.prompt_logprobs
+          ? PagedBlockManager::default_block_hash(request->lora_key, nullptr, 0,
+                                                  static_cast<uint64_t>(seq_id) + 1)
+          : request->lora_key;
   scheduler_.add(seq_id, std::vector<int32_t>(request->prompt.begin(), request->prompt.end()),
-                 request->priority, request->params.max_tokens, request->lora_slot,
-                 request->lora_key);
+                 request->priority, request->params.max_tokens, request->lora_slot, cache_key);
   request->completions.push_back(
       {seq_id, CompletionOutput{}, 0, RequestRandom(request->params.seed), true});
   where_[seq_id] = {request.get(), 0};
@@ -269,6 +279,13 @@ RequestOutput ContinuousBatchingEngine::make_output(Request& request) const {
   }
   out.finished = all_finished(request);
   out.num_cached_tokens = request.num_cached_tokens;
+  if (request.params.prompt_logprobs) {
+    const bool scored = request.prompt_logprobs.size() + 1 == request.prompt.size();
+    if ((scored && !request.prompt_logprobs_reported) || out.finished) {
+      out.prompt_logprobs = request.prompt_logprobs;
+      request.prompt_logprobs_reported = scored;
+    }
+  }
   out.metrics = request.metrics;
   out.error = request.error;
   return out;

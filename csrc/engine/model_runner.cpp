@@ -22,6 +22,16 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 
 }  // namespace
 
+std::vector<std::pair<int64_t, int64_t>> logits_slices(int64_t num_sampled_rows,
+                                                       int64_t num_rows) {
+  std::vector<std::pair<int64_t, int64_t>> slices;
+  if (num_sampled_rows > 0) slices.emplace_back(0, num_sampled_rows);
+  for (int64_t begin = num_sampled_rows; begin < num_rows; begin += kPromptLogitsRowsPerSlice) {
+    slices.emplace_back(begin, std::min(kPromptLogitsRowsPerSlice, num_rows - begin));
+  }
+  return slices;
+}
+
 namespace {
 
 // Whether the layers are grouped by sliding window (then the pool's layers are grouped the same
@@ -65,7 +75,8 @@ ModelRunner::~ModelRunner() {
 }
 
 ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
-                                       const std::vector<SamplingTarget>& targets) {
+                                       const std::vector<SamplingTarget>& targets,
+                                       const std::vector<PromptLogprobsTarget>& prompt_targets) {
   ModelRunnerOutput out;
   std::vector<std::pair<int32_t, int32_t>> copies;
   for (const BlockCopy& c : work.block_copies) copies.emplace_back(c.src, c.dst);
@@ -88,6 +99,16 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
     if (t.position < 0 || t.position >= s.num_new_tokens) {
       throw std::out_of_range("sampling position " + std::to_string(t.position) +
                               " is outside the step's " + std::to_string(s.num_new_tokens) +
+                              " tokens of sequence " + std::to_string(s.seq_id));
+    }
+  }
+  for (const PromptLogprobsTarget& t : prompt_targets) {
+    const ScheduledSequence& s = work.scheduled.at(t.scheduled_index);
+    if (t.position < 0 || t.token_ids.empty() ||
+        t.position + static_cast<int64_t>(t.token_ids.size()) > s.num_new_tokens) {
+      throw std::out_of_range("prompt logprobs of " + std::to_string(t.token_ids.size()) +
+                              " tokens from position " + std::to_string(t.position) +
+                              " are outside the step's " + std::to_string(s.num_new_tokens) +
                               " tokens of sequence " + std::to_string(s.seq_id));
     }
   }
@@ -120,7 +141,7 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
   ForwardBatchBuilder builder(kv_cache_.block_size(), model_->lora_enabled());
   std::vector<int64_t> starts;  // first row of each scheduled sequence in the flattened batch
   int64_t num_rows = 0;
-  bool decode_only = !verifies;
+  bool decode_only = !verifies && prompt_targets.empty();
   for (size_t i = 0; i < work.scheduled.size(); ++i) {
     const ScheduledSequence& s = work.scheduled[i];
     std::vector<int64_t> fed(s.token_ids.begin(), s.token_ids.end());
@@ -155,6 +176,15 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
     const int64_t k = static_cast<int64_t>(proposals.tokens[t.scheduled_index].size());
     for (int64_t j = 0; j <= k; ++j) hidden_rows.push_back(starts[t.scheduled_index] + t.position + j);
   }
+  const int64_t num_sampled_rows = static_cast<int64_t>(hidden_rows.size());
+  for (const PromptLogprobsTarget& t : prompt_targets) {
+    if (!proposals.tokens[t.scheduled_index].empty()) {
+      throw std::invalid_argument("prompt logprobs of a sequence that has drafts");
+    }
+    for (size_t j = 0; j < t.token_ids.size(); ++j) {
+      hidden_rows.push_back(starts[t.scheduled_index] + t.position + static_cast<int64_t>(j));
+    }
+  }
   at::Tensor hidden;
   const int64_t graph_size =
       graphs_ && decode_only && builder.max_table_blocks() <= graphs_->table_width()
@@ -166,15 +196,66 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
     out.cuda_graph = true;
   } else {
     if (workers_) {
-      send_to_workers(*workers_, WorkerCommand::kStep, pack_step(copies, hidden_rows, builder));
+      send_to_workers(*workers_, WorkerCommand::kStep,
+                      pack_step(copies, hidden_rows, num_sampled_rows, builder));
     }
     const ForwardBatch batch = builder.build(model_->device());
     hidden = model_->forward(batch.input_ids, batch.positions, batch.metadata, kv_cache_.layers());
   }
   out.samples.resize(targets.size());
-  if (targets.empty()) return out;
-  at::Tensor logits =
-      model_->compute_logits(hidden.index_select(0, to_tensor(hidden_rows, hidden.device())));
+  if (hidden_rows.empty()) return out;
+  const at::Tensor rows_index = to_tensor(hidden_rows, hidden.device());
+  const auto slices = logits_slices(num_sampled_rows, static_cast<int64_t>(hidden_rows.size()));
+  size_t next_slice = 0;
+  if (num_sampled_rows > 0) {
+    const auto [begin, count] = slices[next_slice++];
+    const at::Tensor rows = rows_index.narrow(0, begin, count);
+    sample_targets(model_->compute_logits(hidden.index_select(0, rows)), targets, plain, verified,
+                   logit_row_of_target, num_plain_rows, proposals, work, out);
+  }
+  if (prompt_targets.empty()) {
+    if (verifies) out.verify_seconds = seconds_since(forward_started);
+    return out;
+  }
+  // Each prompt row's target and the token it scores, in the order of the rows.
+  std::vector<SamplingParams> prompt_params(prompt_targets.size());
+  std::vector<SamplingRow> prompt_rows;
+  std::vector<int64_t> scored, target_of_row;
+  for (size_t k = 0; k < prompt_targets.size(); ++k) {
+    prompt_params[k].logprobs = prompt_targets[k].num_top;
+    for (const int64_t token : prompt_targets[k].token_ids) {
+      prompt_rows.push_back(SamplingRow{&prompt_params[k]});
+      scored.push_back(token);
+      target_of_row.push_back(static_cast<int64_t>(k));
+    }
+  }
+  out.prompt_logprobs.resize(prompt_targets.size());
+  for (; next_slice < slices.size(); ++next_slice) {
+    const auto [begin, count] = slices[next_slice];
+    const at::Tensor logits =
+        model_->compute_logits(hidden.index_select(0, rows_index.narrow(0, begin, count)));
+    const int64_t first = begin - num_sampled_rows;
+    const std::vector<SamplingRow> rows(prompt_rows.begin() + first,
+                                        prompt_rows.begin() + first + count);
+    PendingLogprobs pending = sampler_.begin_logprobs(logits, rows);
+    const at::Tensor tokens =
+        to_tensor(std::vector<int64_t>(scored.begin() + first, scored.begin() + first + count),
+                  logits.device());
+    std::vector<std::optional<TokenLogprobs>> entries = sampler_.finish_logprobs(pending, tokens, rows);
+    for (int64_t r = 0; r < count; ++r) {
+      out.prompt_logprobs[target_of_row[first + r]].push_back(std::move(*entries[r]));
+    }
+  }
+  if (verifies) out.verify_seconds = seconds_since(forward_started);
+  return out;
+}
+
+void ModelRunner::sample_targets(at::Tensor logits, const std::vector<SamplingTarget>& targets,
+                                 const std::vector<size_t>& plain,
+                                 const std::vector<size_t>& verified,
+                                 const std::vector<int64_t>& logit_row_of_target,
+                                 int64_t num_plain_rows, const Proposals& proposals,
+                                 const SchedulerOutput& work, ModelRunnerOutput& out) {
 
   if (!plain.empty()) {
     at::Tensor plain_logits = logits.narrow(0, 0, num_plain_rows);
@@ -224,8 +305,6 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
       sample.num_accepted = results[v].num_accepted;
     }
   }
-  if (verifies) out.verify_seconds = seconds_since(forward_started);
-  return out;
 }
 
 }  // namespace kvserve

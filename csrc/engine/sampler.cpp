@@ -247,13 +247,16 @@ at::Tensor distributions(const at::Tensor& filtered, const at::Tensor& tokens,
   return probs;
 }
 
-void check_rows(const at::Tensor& logits, const std::vector<SamplingRow>& rows) {
+// Logprobs alone need no random stream (need_random false).
+void check_rows(const at::Tensor& logits, const std::vector<SamplingRow>& rows,
+                bool need_random = true) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat,
               "Sampler: logits must be float32 [rows, vocab]");
   TORCH_CHECK(static_cast<int64_t>(rows.size()) == logits.size(0),
               "Sampler: need one SamplingParams and one random stream per row");
   for (const SamplingRow& row : rows) {
-    TORCH_CHECK(row.params && row.random, "Sampler: every row needs params and a random stream");
+    TORCH_CHECK(row.params && (row.random || !need_random),
+                "Sampler: every row needs params and a random stream");
   }
 }
 
@@ -281,7 +284,7 @@ at::Tensor Sampler::probabilities(at::Tensor& logits, const std::vector<Sampling
 
 PendingLogprobs Sampler::begin_logprobs(const at::Tensor& logits,
                                         const std::vector<SamplingRow>& rows) const {
-  check_rows(logits, rows);
+  check_rows(logits, rows, /*need_random=*/false);
   return raw_logprobs(logits, rows);
 }
 

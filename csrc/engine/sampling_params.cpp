@@ -41,6 +41,9 @@ void SamplingParams::validate() const {
   for (const std::string& s : stop) require(!s.empty(), "stop strings must be non-empty");
   require(!logprobs || *logprobs >= 0,
           "logprobs must be None or >= 0, got " + std::to_string(logprobs.value_or(0)));
+  require(!prompt_logprobs || *prompt_logprobs >= 0,
+          "prompt_logprobs must be None or >= 0, got " +
+              std::to_string(prompt_logprobs.value_or(0)));
 }
 
 bool SamplingParams::needs_token_history() const {

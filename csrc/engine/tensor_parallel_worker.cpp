@@ -11,6 +11,7 @@
 
 #include "engine/engine_helpers.h"
 #include "kvserve/kv_cache_layout.h"
+#include "kvserve/model_runner.h"
 
 namespace kvserve {
 
@@ -46,13 +47,14 @@ std::pair<WorkerCommand, std::vector<int64_t>> receive_from_rank0(Communicator& 
 }
 
 std::vector<int64_t> pack_step(const std::vector<std::pair<int32_t, int32_t>>& block_copies,
-                               const std::vector<int64_t>& logit_rows,
+                               const std::vector<int64_t>& logit_rows, int64_t num_sampled_rows,
                                const ForwardBatchBuilder& batch) {
   std::vector<int64_t> m = {static_cast<int64_t>(block_copies.size())};
   for (const auto& [src, dst] : block_copies) {
     m.push_back(src);
     m.push_back(dst);
   }
+  m.push_back(num_sampled_rows);
   m.push_back(static_cast<int64_t>(logit_rows.size()));
   m.insert(m.end(), logit_rows.begin(), logit_rows.end());
   const std::vector<int64_t> packed = batch.pack();
@@ -193,7 +195,14 @@ int64_t TensorParallelWorker::serve() {
       copies.emplace_back(static_cast<int32_t>(message[pos]),
                           static_cast<int32_t>(message[pos + 1]));
     }
+    if (pos >= message.size()) {
+      throw std::runtime_error("tensor-parallel worker: a malformed step message");
+    }
+    const int64_t num_sampled_rows = message[pos++];
     const int64_t num_rows = count(1);
+    if (num_sampled_rows < 0 || num_sampled_rows > num_rows) {
+      throw std::runtime_error("tensor-parallel worker: a malformed step message");
+    }
     const std::vector<int64_t> rows(message.begin() + static_cast<std::ptrdiff_t>(pos),
                                     message.begin() + static_cast<std::ptrdiff_t>(pos + num_rows));
     const std::vector<int64_t> packed(message.begin() + static_cast<std::ptrdiff_t>(pos + num_rows),
@@ -205,8 +214,11 @@ int64_t TensorParallelWorker::serve() {
       const at::Tensor hidden =
           model_->forward(batch.input_ids, batch.positions, batch.metadata, kv_cache_.layers());
       if (!rows.empty()) {
-        model_->compute_logits(hidden.index_select(
-            0, at::tensor(rows, at::TensorOptions().dtype(at::kLong)).to(hidden.device())));
+        const at::Tensor index =
+            at::tensor(rows, at::TensorOptions().dtype(at::kLong)).to(hidden.device());
+        for (const auto& [begin, length] : logits_slices(num_sampled_rows, num_rows)) {
+          model_->compute_logits(hidden.index_select(0, index.narrow(0, begin, length)));
+        }
       }
     } catch (const std::exception&) {
       // Rank 0 runs the same forward on the same inputs and reports the failure.

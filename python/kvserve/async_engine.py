@@ -58,7 +58,8 @@ def merge_outputs(pending: RequestOutput, new: RequestOutput, delta: bool) -> Re
     merged.extend(by_index.values())  # samples this step did not touch
     merged.sort(key=lambda c: c.index)
     return RequestOutput(new.request_id, new.prompt, new.prompt_token_ids, merged, new.finished,
-                         new.metrics, new.num_cached_tokens, new.error or pending.error)
+                         new.metrics, new.num_cached_tokens, new.error or pending.error,
+                         pending.prompt_logprobs or new.prompt_logprobs)
 
 
 class _Channel:

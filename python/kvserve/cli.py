@@ -2,7 +2,7 @@
 
     python -m kvserve generate [--model DIR] --prompt TEXT [--speculative-model DIR | --ngram]
                                [--kv-cache-dtype int8|fp8]
-    python -m kvserve eval-ppl --model DIR --text FILE [--max-tokens N] [--kv-cache-dtype int8|fp8]
+    python -m kvserve eval-ppl --model DIR --text FILE [--max-tokens N] [engine options]
     python -m kvserve serve --model DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY]
                             [engine options]
     python -m kvserve convert llama2c --checkpoint FILE.bin --tokenizer TOK.bin --out DIR
@@ -85,22 +85,22 @@ def _eval_ppl(args: argparse.Namespace) -> int:
 
     if not args.text.is_file():
         raise FileNotFoundError(f"--text {args.text} not found")
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_length,
-              kv_cache_dtype=args.kv_cache_dtype, device=args.device)
+    if args.max_tokens is not None and args.max_tokens < 2:
+        raise ValueError(f"--max-tokens must be at least 2, got {args.max_tokens}")
+    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args, log_memory_plan=False))
     if llm.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer.json to encode the text with")
     ids = llm.tokenizer.encode(args.text.read_text(encoding="utf-8"))
     if args.max_tokens is not None:
-        if args.max_tokens < 2:
-            raise ValueError(f"--max-tokens must be at least 2, got {args.max_tokens}")
         ids = ids[:args.max_tokens]
     kv_dtype = llm.llm_engine.kv_cache_dtype
-    r = evaluate_perplexity(llm.model, ids, max_length=llm.max_model_len, stride=args.stride,
-                            kv_cache_dtype=kv_dtype)
+    r = evaluate_perplexity(llm, ids, max_length=args.max_length, stride=args.stride)
     kv = "" if kv_dtype == llm.dtype else f", KV cache {str(kv_dtype).removeprefix('torch.')}"
+    tp = "" if args.tensor_parallel_size == 1 else f", {args.tensor_parallel_size} ranks"
     print(f"perplexity {r.perplexity:.4f} (mean NLL {r.nll:.4f} nats) over {r.num_tokens:,} "
           f"tokens of {args.text}; {r.num_windows} windows of up to {r.max_length} tokens, "
-          f"stride {r.stride}; {llm.dtype}{kv}; {r.seconds:.1f} s")
+          f"stride {r.stride}; {llm.dtype}{kv}{tp}; {r.seconds:.1f} s")
+    llm.shutdown()
     return 0
 
 
@@ -214,13 +214,18 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--text", required=True, type=Path, help="UTF-8 text file")
     e.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
     e.add_argument("--max-length", type=int, default=None,
-                   help="tokens per window (default: the model's context)")
+                   help="tokens per window (default and most: max_model_len - 1)")
     e.add_argument("--stride", type=int, default=None, help="window step (default: half a window)")
-    e.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
-                   help="score with the keys and values quantized as a server would cache them")
-    e.add_argument("--device", default="cpu",
-                   help="cpu, or cuda[:N] (a build with the CUDA kernels and a GPU)")
+    # The engine scores the text as it serves (--kv-cache-dtype int8: with the keys and values
+    # quantized as a server caches them; --tensor-parallel-size N: over N ranks). Speculation
+    # and LoRA do not apply to scoring.
+    EngineArgs.add_cli_args(e, exclude={"model", "speculative_model", "speculative_method",
+                                        "num_speculative_tokens", "prompt_lookup_min",
+                                        "prompt_lookup_max", "speculative_disable_batch_size",
+                                        "speculative_max_verify_tokens", "enable_lora",
+                                        "max_loras", "max_lora_rank", "log_memory_plan",
+                                        "max_stop_strings", "max_stop_string_length",
+                                        "max_waiting_requests", "max_logprobs"})
     e.set_defaults(func=_eval_ppl)
     q = sub.add_parser("quantize", help="write a quantized copy of a checkpoint")
     q.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
@@ -320,7 +325,8 @@ def main(argv: list[str] | None = None) -> None:
         if launched is not None and launched[0] > 0:
             # A torchrun rank > 0 of generate or serve: the engine's worker, not the command.
             if not hasattr(args, "tensor_parallel_size"):
-                raise ValueError("under torchrun, only generate and serve run on several ranks")
+                raise ValueError("under torchrun, only generate, serve and eval-ppl run on "
+                                 "several ranks")
             from kvserve.tensor_parallel import run_torchrun_worker
 
             sys.exit(run_torchrun_worker(EngineArgs.from_cli_args(

@@ -60,6 +60,7 @@ class _Request:
     samples: dict[int, _Sample] = field(default_factory=dict)
     final_metrics: object = None  # set when stop strings finished it (the engine forgot it)
     lora: str | None = None  # the adapter's name (LoRAManager), released when it finishes
+    prompt_logprobs: list | None = None  # [None, entries...] once the engine reported them
 
     @property
     def stop_holdback(self) -> int:
@@ -386,6 +387,7 @@ class LLMEngine:
 
     def _output(self, raw, request: _Request, finished_only: bool) -> RequestOutput | None:
         """The RequestOutput of one request's raw step output (None: nothing to report yet)."""
+        prompt_logprobs = self._prompt_logprobs(raw, request)
         if finished_only:
             for o in raw.outputs:
                 self._record_tokens(raw.request_id, request, o)
@@ -397,10 +399,23 @@ class LLMEngine:
         finished = all(c.finished for c in completions) and len(completions) == request.params.n
         metrics = request.final_metrics if request.final_metrics is not None else raw.metrics
         out = RequestOutput(raw.request_id, request.prompt, request.prompt_token_ids,
-                            completions, finished, metrics, raw.num_cached_tokens, raw.error)
+                            completions, finished, metrics, raw.num_cached_tokens, raw.error,
+                            prompt_logprobs)
         if finished:
             self._forget(raw.request_id, request)
         return out
+
+    @staticmethod
+    def _prompt_logprobs(raw, request: _Request) -> list | None:
+        """The prompt logprobs an output carries: every output's from the one that brings
+        them ("delta": that one only)."""
+        if request.params.prompt_logprobs is None:
+            return None
+        arrived = request.prompt_logprobs is None and (
+            raw.prompt_logprobs or len(request.prompt_token_ids) == 1)
+        if arrived:
+            request.prompt_logprobs = [None, *raw.prompt_logprobs]
+        return request.prompt_logprobs if arrived or not request.delta else None
 
     def _fail(self, request_id: str, request: _Request, error: Exception) -> RequestOutput:
         """Ends a request whose output could not be built with finish_reason "error" (the engine

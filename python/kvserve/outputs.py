@@ -49,3 +49,8 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     error: str | None = None  # why a sample ended with finish_reason "error"
+    # With SamplingParams(prompt_logprobs=N), as vLLM's: one entry per prompt token, None for the
+    # first (nothing precedes it), then kvserve._C.TokenLogprobs whose token_id is that prompt
+    # token. Set from the first output after the prompt was scored (in "delta" outputs, only
+    # there).
+    prompt_logprobs: list | None = None

@@ -10,7 +10,8 @@ SamplingParams = _C.SamplingParams
 # The fields in the order the constructor takes them.
 FIELDS = ("n", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
           "presence_penalty", "frequency_penalty", "seed", "max_tokens", "min_tokens",
-          "ignore_eos", "stop", "stop_token_ids", "include_stop_str_in_output", "logprobs")
+          "ignore_eos", "stop", "stop_token_ids", "include_stop_str_in_output", "logprobs",
+          "prompt_logprobs")
 
 
 def _repr(params: SamplingParams) -> str:

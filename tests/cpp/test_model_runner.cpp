@@ -175,6 +175,42 @@ TEST(ModelRunner, RejectsAPositionOutsideTheStep) {
   EXPECT_THROW(h.runner.execute(work, targets_at(0, {3}, params, random)), std::out_of_range);
 }
 
+TEST(ModelRunner, PromptLogprobsAreTheLogprobsSamplingSeesAtEachPosition) {
+  const std::vector<int32_t> prompt = {1, 5, 9, 11, 3, 7, 2};
+  SamplingParams params = greedy();
+  params.logprobs = 3;
+  RequestRandom random(0);
+  Harness h(tiny_model());
+  h.scheduler.add(0, prompt);
+  const SchedulerOutput work = h.scheduler.schedule();
+  // Positions 1..5 score tokens 2..6; the same positions are also sampled with logprobs.
+  const std::vector<PromptLogprobsTarget> scored = {{0, 1, {9, 11, 3, 7, 2}, 3}};
+  const auto out = h.runner.execute(work, targets_at(0, {1, 2, 3, 4, 5}, params, random), scored);
+  ASSERT_EQ(out.prompt_logprobs.size(), 1u);
+  ASSERT_EQ(out.prompt_logprobs[0].size(), 5u);
+  for (size_t j = 0; j < 5; ++j) {
+    const TokenLogprobs& entry = out.prompt_logprobs[0][j];
+    const TokenLogprobs& sampled = *out.samples[j].logprobs[0];
+    EXPECT_EQ(entry.token_id, prompt[j + 2]);
+    EXPECT_EQ(entry.top, sampled.top) << "position " << j + 1;
+    EXPECT_GE(entry.rank, 1);
+    EXPECT_LE(entry.logprob, sampled.top[0].second);
+    if (entry.rank == 1) EXPECT_FLOAT_EQ(entry.logprob, sampled.top[0].second);
+  }
+  // Outside the step's tokens: refused before the forward.
+  EXPECT_THROW(h.runner.execute(work, {}, {{0, 3, {1, 2, 3, 4, 5}, 0}}), std::out_of_range);
+  EXPECT_THROW(h.runner.execute(work, {}, {{0, 0, {}, 0}}), std::out_of_range);
+}
+
+TEST(ModelRunner, LogitsSlicesKeepTheSampledRowsWholeAndBoundThePromptRows) {
+  using Slices = std::vector<std::pair<int64_t, int64_t>>;
+  EXPECT_EQ(logits_slices(0, 0), Slices{});
+  EXPECT_EQ(logits_slices(5, 5), (Slices{{0, 5}}));
+  const int64_t n = kPromptLogitsRowsPerSlice;
+  EXPECT_EQ(logits_slices(3, 3 + 2 * n + 1), (Slices{{0, 3}, {3, n}, {3 + n, n}, {3 + 2 * n, 1}}));
+  EXPECT_EQ(logits_slices(0, n), (Slices{{0, n}}));
+}
+
 TEST(ModelRunner, NaNLogitsGiveMinusOneNotACrash) {
   auto weights = tiny_weights(tiny_config());
   weights["lm_head.weight"].fill_(std::numeric_limits<float>::quiet_NaN());

@@ -48,8 +48,12 @@ def one_thread():
 
 
 def _generate(llm: LLM) -> list:
+    """The samples, and the second prompt's scored tokens (prompt_logprobs: every rank computes
+    its share of the logits of each prompt position; the other two prompts share a prefix)."""
     params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2)
-    return [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    scored = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, prompt_logprobs=2)
+    outputs = llm.generate(PROMPTS, [params, scored, params], use_tqdm=False)
+    return [o.outputs[0] for o in outputs] + [outputs[1].prompt_logprobs[1:]]
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -85,6 +89,9 @@ def test_two_ranks_generate_what_one_does(tmp_path, case):
             out = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
                               eos_token_id=None, pad_token_id=0)
             assert out[0, len(prompt):].tolist()[:len(b.token_ids)] == b.token_ids
+    for x, y in zip(want.pop(), got.pop(), strict=True):  # the scored prompt
+        assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-4)
+        assert [t for t, _ in x.top] == [t for t, _ in y.top]
     for a, b in zip(want, got):
         assert a.token_ids == b.token_ids
         for x, y in zip(a.logprobs, b.logprobs):  # the sampled token's, then the top 2

@@ -69,9 +69,9 @@ def test_eval_ppl_prints_the_library_figure(checkpoint_factory, tmp_path):
     result = run_cli("eval-ppl", "--model", str(path), "--text", str(text), "--max-length", "64",
                      "--stride", "40", "--max-tokens", "150")
     assert result.returncode == 0, result.stderr
-    llm = kvserve.LLM(path, max_model_len=64)
+    llm = kvserve.LLM(path)
     ids = llm.tokenizer.encode(text.read_text())[:150]
-    expected = evaluate_perplexity(llm.model, ids, max_length=64, stride=40)
+    expected = evaluate_perplexity(llm, ids, max_length=64, stride=40)
     # The CLI prints four decimals; the in-process figure may round the other way in the last one.
     printed = re.match(r"perplexity (\S+) ", result.stdout)
     assert printed and float(printed.group(1)) == pytest.approx(expected.perplexity, rel=1e-6, abs=1e-4)

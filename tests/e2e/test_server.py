@@ -118,6 +118,45 @@ def test_stop_strings_and_logprobs(client, offline):
     assert r.choices[0].text == want.text[:want.text.index(stop)]
 
 
+def test_echo_puts_the_prompt_and_its_logprobs_first(client, offline):
+    """echo with logprobs, as lm-evaluation-harness scores a continuation: the prompt's text and
+    tokens lead each choice, the first token's logprob null, the others the prompt logprobs of
+    LLM.generate (transformers' in tests/engine/test_prompt_logprobs.py), streamed or not."""
+    prompt = PROMPTS[2]
+    want = offline.generate([prompt], kvserve.SamplingParams(
+        temperature=0, max_tokens=3, logprobs=1, prompt_logprobs=1), use_tqdm=False)[0]
+    ids = want.prompt_token_ids
+    r = client.completions.create(model=NAME, prompt=prompt, echo=True, logprobs=1,
+                                  temperature=0, max_tokens=3)
+    choice = r.choices[0]
+    assert choice.text == prompt + want.outputs[0].text
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) + 3 and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    expected = [e.logprob for e in want.prompt_logprobs[1:]] + \
+        [e.logprob for e in want.outputs[0].logprobs]
+    assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-5)
+    assert lp.tokens[:len(ids)] == [offline.tokenizer.decode([t], skip_special_tokens=False)
+                                    for t in ids]
+    assert all(len(top) == 1 for top in lp.top_logprobs[1:])
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, echo=True, logprobs=1,
+                                            temperature=0, max_tokens=3, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    streamed = [x for c in chunks for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:])
+    # Without logprobs, only the text; with n > 1, every choice starts with its prompt; a
+    # token-id prompt echoes its decoded text.
+    r = client.completions.create(model=NAME, prompt=[prompt, PROMPTS[0]], echo=True, n=2,
+                                  temperature=1.0, seed=3, max_tokens=2)
+    assert all(c.text.startswith(p)
+               for c, p in zip(r.choices, [prompt] * 2 + [PROMPTS[0]] * 2, strict=True))
+    assert all(c.logprobs is None for c in r.choices) and r.usage.completion_tokens == 4 * 2
+    r = client.completions.create(model=NAME, prompt=ids, echo=True, temperature=0,
+                                  max_tokens=3)
+    assert r.choices[0].text == offline.tokenizer.decode(ids, skip_special_tokens=False) + \
+        want.outputs[0].text
+
+
 # ------------------------------------------------------------------------------------ chat
 
 def test_chat_renders_the_template_and_streams(client, offline):
@@ -163,7 +202,8 @@ def test_chat_without_a_template_is_a_400(server, client):
     (dict(prompt=[10 ** 9]), "BadRequestError", "vocabulary"),
     (dict(prompt=[]), "BadRequestError", "empty"),
     (dict(prompt=[[1, 5, 9], [10 ** 9]], max_tokens=200), "BadRequestError", "vocabulary"),
-    (dict(echo=True), "BadRequestError", "echo"),
+    (dict(suffix="the end"), "BadRequestError", "suffix"),
+    (dict(echo=True, logprobs=10 ** 6), "BadRequestError", "logprobs must be at most"),
     (dict(logit_bias={"5": 1.0}), "BadRequestError", "logit_bias"),
     (dict(model="gpt-4"), "NotFoundError", "does not exist"),
 ])

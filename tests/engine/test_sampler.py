@@ -298,7 +298,7 @@ def test_sampling_params_keywords_and_repr():
         "SamplingParams(n=2, temperature=0.7, top_k=5, top_p=1.0, min_p=0.0, "
         "repetition_penalty=1.1, presence_penalty=-0.5, frequency_penalty=0.25, seed=9, "
         "max_tokens=30, min_tokens=4, ignore_eos=True, stop=['\\n\\n', \"it's\"], "
-        "stop_token_ids=[7, 8], include_stop_str_in_output=True, logprobs=3)")
+        "stop_token_ids=[7, 8], include_stop_str_in_output=True, logprobs=3, prompt_logprobs=None)")
     assert SamplingParams(stop="###").stop == ["###"], "a single stop string, as in the OpenAI API"
     assert "logprobs=None" in repr(SamplingParams())
     # The repr (Python's, kvserve.sampling_params) lists every field the C++ struct binds.

@@ -236,7 +236,7 @@ def test_model_card_states_the_method_and_perplexity(original, tmp_path):
     for name, path in (("quantized", tmp_path / "int8"), ("original", original)):
         llm = kvserve.LLM(path)
         ids = llm.tokenizer.encode(text.read_text())[:300]
-        ppl[name] = evaluate_perplexity(llm.model, ids, max_length=llm.max_model_len).perplexity
+        ppl[name] = evaluate_perplexity(llm, ids).perplexity
     assert f"{ppl['quantized']:.4f} quantized, {ppl['original']:.4f} original" in line
     quantize_checkpoint(original, tmp_path / "fp8", "fp8")
     assert "not measured" in (tmp_path / "fp8" / "README.md").read_text()

@@ -137,6 +137,10 @@ class ContinuousBatchingEngine {
     RequestMetrics metrics;
     std::vector<Completion> completions;  ///< one until the prompt's first sample, then n
     int64_t num_cached_tokens = 0;        ///< prefix-cache hit when first scheduled
+    /// Prompt tokens 1, 2, ... scored so far (SamplingParams::prompt_logprobs), and whether an
+    /// output has carried them all.
+    std::vector<TokenLogprobs> prompt_logprobs;
+    bool prompt_logprobs_reported = false;
     std::string error;
     uint64_t mark = 0;  ///< the last step or count that touched it (dedup without a set)
   };
@@ -153,6 +157,8 @@ class ContinuousBatchingEngine {
     std::vector<SamplingTarget> targets;
     std::vector<std::pair<Request*, Completion*>> completions;  ///< one per target
     std::vector<Request*> forking;
+    std::vector<PromptLogprobsTarget> prompt_targets;
+    std::vector<Request*> prompt_requests;  ///< one per prompt target
   };
 
   void validate(const std::string& request_id, const std::vector<int64_t>& prompt,
@@ -172,6 +178,8 @@ class ContinuousBatchingEngine {
   /// Records first-scheduled times and builds the step's sampling targets; a prompt whose n > 1
   /// samples start now gets its samples' completions (forked in the scheduler after the step).
   StepSamples plan_samples(const SchedulerOutput& work);
+  /// The prompt tokens the step scores (SamplingParams::prompt_logprobs), each once.
+  void plan_prompt_logprobs(const SchedulerOutput& work, StepSamples& samples);
   /// runner_.execute; if it throws, ends the step's requests with an error and drops the prefix
   /// cache.
   ModelRunnerOutput execute(const SchedulerOutput& work, const StepSamples& samples);

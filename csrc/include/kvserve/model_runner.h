@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "kvserve/causal_lm.h"
@@ -32,6 +33,28 @@ struct SamplingTarget {
   SamplingRow row;
 };
 
+/// Prompt tokens to score (SamplingParams::prompt_logprobs): the logits at positions `position`,
+/// `position` + 1, ... of the scheduled sequence `scheduled_index` (counted as a SamplingTarget's)
+/// give token_ids[0], token_ids[1], ... their log-probabilities, ranks and the num_top most
+/// likely tokens there.
+struct PromptLogprobsTarget {
+  int64_t scheduled_index = 0;
+  int64_t position = 0;
+  std::vector<int64_t> token_ids;
+  int64_t num_top = 0;
+};
+
+/// The logits of a step's rows are computed in slices: the sampled rows (and verified drafts) in
+/// one, then the rows of prompt logprobs at most this many at a time, so that a long prefill's
+/// scoring holds [this many, vocab] fp32 values at once, not [its tokens, vocab].
+constexpr int64_t kPromptLogitsRowsPerSlice = 256;
+
+/// (first row, rows) of each slice, in order, for `num_sampled_rows` rows to sample followed by
+/// prompt rows up to `num_rows`. Every rank of a tensor-parallel model computes the same slices:
+/// each gathers the vocabulary's shards across them.
+std::vector<std::pair<int64_t, int64_t>> logits_slices(int64_t num_sampled_rows,
+                                                       int64_t num_rows);
+
 /// What one SamplingTarget produced.
 struct SampledTokens {
   /// One sampled token; with speculation, the accepted drafts and then one token drawn from the
@@ -46,6 +69,8 @@ struct SampledTokens {
 /// What ModelRunner::execute produced.
 struct ModelRunnerOutput {
   std::vector<SampledTokens> samples;  ///< one per SamplingTarget
+  /// One per PromptLogprobsTarget: an entry per token it scores.
+  std::vector<std::vector<TokenLogprobs>> prompt_logprobs;
   double propose_seconds = 0.0;  ///< in the proposer (0 without speculation)
   double verify_seconds = 0.0;   ///< forward + sampling of a step that verified drafts
   bool cuda_graph = false;       ///< the forward replayed a CUDA graph
@@ -86,15 +111,25 @@ class ModelRunner {
   /// Copies the step's copy-on-write blocks, asks the speculator for drafts, runs one forward
   /// over every scheduled sequence's new tokens and drafts (writing their K/V), and samples
   /// `targets` (verifying the drafts of a target whose sequence has some: one target per such
-  /// sequence). Throws (c10::Error /
-  /// std::exception) when the forward fails; the cache may then hold partial K/V of the step.
-  ModelRunnerOutput execute(const SchedulerOutput& work, const std::vector<SamplingTarget>& targets);
+  /// sequence), and scores `prompt_targets` (whose sequences must have no drafts). Throws
+  /// (c10::Error / std::exception) when the forward fails, std::out_of_range for a target outside
+  /// the step's tokens; the cache may then hold partial K/V of the step.
+  ModelRunnerOutput execute(const SchedulerOutput& work, const std::vector<SamplingTarget>& targets,
+                            const std::vector<PromptLogprobsTarget>& prompt_targets = {});
 
   CausalLM& model() { return *model_; }
   const CausalLM& model() const { return *model_; }
   const PagedKVCache& kv_cache() const { return kv_cache_; }
 
  private:
+  // Samples `targets` from the logits of the step's sampled rows: the plain ones' rows first
+  // (logit_row_of_target), then each verified target's drafts + 1.
+  void sample_targets(at::Tensor logits, const std::vector<SamplingTarget>& targets,
+                      const std::vector<size_t>& plain, const std::vector<size_t>& verified,
+                      const std::vector<int64_t>& logit_row_of_target, int64_t num_plain_rows,
+                      const Proposals& proposals, const SchedulerOutput& work,
+                      ModelRunnerOutput& out);
+
   std::shared_ptr<CausalLM> model_;
   PagedKVCache kv_cache_;
   const SequenceTable& sequences_;

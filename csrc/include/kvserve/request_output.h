@@ -64,6 +64,10 @@ struct RequestOutput {
   std::vector<CompletionOutput> outputs;
   bool finished = false;
   int64_t num_cached_tokens = 0;  ///< prompt tokens whose KV came from the prefix cache
+  /// When SamplingParams::prompt_logprobs is set: one entry per prompt token after the first
+  /// (token_id is that prompt token), in the first output after the whole prompt was scored and
+  /// in the final output; empty in the others.
+  std::vector<TokenLogprobs> prompt_logprobs;
   RequestMetrics metrics;
   /// Why a sample ended with finish_reason "error" (e.g. its logits held NaN, or it could never
   /// be scheduled); "" otherwise.

@@ -70,7 +70,8 @@ class Sampler {
   at::Tensor probabilities(at::Tensor& logits, const std::vector<SamplingRow>& rows) const;
 
   /// Logprobs of the raw logits for the rows whose params ask (call before anything changes the
-  /// logits), then their entries once the tokens are known (int64 [rows]; -1: no entry).
+  /// logits), then their entries once the tokens are known (int64 [rows]; -1: no entry). The
+  /// rows need params only (no random stream); the tokens may be any (a prompt's, scored).
   PendingLogprobs begin_logprobs(const at::Tensor& logits,
                                  const std::vector<SamplingRow>& rows) const;
   std::vector<std::optional<TokenLogprobs>> finish_logprobs(

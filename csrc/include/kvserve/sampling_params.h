@@ -41,6 +41,11 @@ struct SamplingParams {
   /// from the raw logits (before penalties, temperature and filters). The engine bounds N by its
   /// max_logprobs.
   std::optional<int64_t> logprobs;
+  /// Unset: none. N >= 0: every prompt token after the first gets its log-probability under the
+  /// tokens before it, its rank and the N most likely tokens there (vLLM's prompt_logprobs; an
+  /// OpenAI completion's echo). Such a request reads no cached prefix: it computes its whole
+  /// prompt. The engine bounds N by its max_logprobs.
+  std::optional<int64_t> prompt_logprobs;
 
   /// Throws std::invalid_argument (Python ValueError) naming the first invalid field. Limits that
   /// depend on the model (max_tokens vs max_model_len, logprobs vs vocabulary) are the engine's.

@@ -32,10 +32,11 @@ void send_to_workers(Communicator& control, WorkerCommand command,
 std::pair<WorkerCommand, std::vector<int64_t>> receive_from_rank0(Communicator& control);
 
 /// A step's message: the copy-on-write pairs, the rows of the forward's output whose logits
-/// rank 0 computes (every rank computes its vocabulary's share of them), then the batch
-/// (ForwardBatchBuilder::pack).
+/// rank 0 computes (every rank computes its vocabulary's share of them, in the slices of
+/// logits_slices: the first num_sampled_rows are sampled, the rest score prompts), then the
+/// batch (ForwardBatchBuilder::pack).
 std::vector<int64_t> pack_step(const std::vector<std::pair<int32_t, int32_t>>& block_copies,
-                               const std::vector<int64_t>& logit_rows,
+                               const std::vector<int64_t>& logit_rows, int64_t num_sampled_rows,
                                const ForwardBatchBuilder& batch);
 
 /// A LoRA message: the slot, then worker_factors[i], rank i + 1's shard of the adapter (each

@@ -118,8 +118,8 @@ def _perplexities(model_dir: Path, out_dir: Path, text: Path,
         if llm.tokenizer is None:
             raise ValueError(f"{model_dir} has no tokenizer.json to encode --eval-text with")
         ids = llm.tokenizer.encode(Path(text).read_text(encoding="utf-8"))[:max_tokens]
-        results.append(evaluate_perplexity(llm.model, ids, max_length=llm.max_model_len))
-        del llm
+        results.append(evaluate_perplexity(llm, ids))
+        llm.shutdown()
     return results[0].perplexity, results[1].perplexity, results[0].num_tokens
 
 

@@ -130,7 +130,7 @@ def build_app(state: ServerState) -> FastAPI:
         body.check_supported()
         prompts = body.prompts()
         state.limits.check_prompts(prompts)
-        params = _params(body, body.max_tokens, body.logprobs)
+        params = _params(body, body.max_tokens, body.logprobs, body.requested_prompt_logprobs())
         return await _serve(state, request, "cmpl", "text_completion", body, params, prompts,
                             chat=False, lora=lora)
 
@@ -202,9 +202,9 @@ def _chat_prompt(state: ServerState, messages: list[dict], add_generation_prompt
     return state.engine.engine.tokenizer.encode(text, add_special_tokens=False)
 
 
-def _params(body, max_tokens, logprobs):
+def _params(body, max_tokens, logprobs, prompt_logprobs=None):
     try:
-        return body.sampling_params(max_tokens, logprobs)
+        return body.sampling_params(max_tokens, logprobs, prompt_logprobs)
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e)) from e
 
@@ -250,7 +250,9 @@ async def _serve(state: ServerState, request: Request, prefix: str, object_name:
     before any byte is sent; a disconnect aborts every request of the call."""
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     streams = await _submit(state, prompts, params, request_id, chat, lora)
-    choices = Choices(state.engine.engine.tokenizer, params.n, len(prompts), chat, body.stream)
+    echo = prompts if getattr(body, "echo", False) else None
+    choices = Choices(state.engine.engine.tokenizer, params.n, len(prompts), chat, body.stream,
+                      echo)
     header = dict(id=request_id, object=object_name, created=int(time.time()),
                   model=lora.name if lora is not None else state.model_name)
     outputs = _merged(streams, request)

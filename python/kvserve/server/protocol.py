@@ -3,8 +3,10 @@ translation into SamplingParams, and OpenAI's error shape.
 
 Fields outside the API that vLLM also takes: top_k, min_p, repetition_penalty, ignore_eos.
 Fields of the API that kvserve does not implement are a 400 when set to anything but their
-default (echo, suffix, best_of != n, logit_bias, tools, non-text response_format), never
-silently ignored."""
+default (suffix, best_of != n, logit_bias, tools, non-text response_format), never silently
+ignored. A completion's echo puts the prompt before each choice's text, and with logprobs its
+tokens' logprobs before the generated ones' (the first prompt token's are null): the engine's
+prompt_logprobs."""
 
 from __future__ import annotations
 
@@ -64,7 +66,8 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """The engine's parameters; raises APIError(400) for unsupported fields and ValueError
         (SamplingParams' own checks) for bad values."""
         if self.logit_bias:
@@ -73,7 +76,8 @@ class _Sampling(BaseModel):
             raise APIError(400, f"n must be at least 1, got {self.n}", param="n")
         values: dict[str, Any] = dict(
             n=self.n, stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
-            ignore_eos=self.ignore_eos, logprobs=logprobs, seed=self.seed)
+            ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            seed=self.seed)
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             if getattr(self, name) is not None:
@@ -104,10 +108,13 @@ class CompletionRequest(_Sampling):
             raise APIError(400, "prompt must not be empty", param="prompt")
         return list(p)
 
+    def requested_prompt_logprobs(self) -> int | None:
+        """The prompt's logprobs, wanted when the prompt is echoed with logprobs."""
+        return self.logprobs if self.echo else None
+
     def check_supported(self) -> None:
-        for name, default in (("echo", False), ("suffix", None)):
-            if getattr(self, name) != default:
-                raise APIError(400, f"{name} is not supported", param=name)
+        if self.suffix is not None:
+            raise APIError(400, "suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(400, "best_of other than n is not supported", param="best_of")
         check_text(self.prompt, "prompt")

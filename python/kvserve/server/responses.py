@@ -22,24 +22,37 @@ class _Choice:
 class Choices:
     """Choice i * n + j is sample j of prompt i. Takes the engine's delta outputs
     (output_kind "delta"): a stream turns each into its events and keeps only counts; a whole
-    response keeps the text pieces and logprobs for final(). Nothing is copied per step."""
+    response keeps the text pieces and logprobs for final(). Nothing is copied per step.
 
-    def __init__(self, tokenizer, n: int, num_prompts: int, chat: bool, stream: bool):
+    echo (completions): the prompts, whose text each of their choices starts with (a stream's
+    first delta), and whose tokens' logprobs (the engine's prompt_logprobs) come before the
+    generated tokens' when logprobs are asked for."""
+
+    def __init__(self, tokenizer, n: int, num_prompts: int, chat: bool, stream: bool,
+                 echo: list | None = None):
         self.tokenizer, self.n, self.chat, self.stream = tokenizer, n, chat, stream
         self.choices = [_Choice() for _ in range(n * num_prompts)]
         self.prompt_tokens = [0] * num_prompts
         self.want_logprobs = False
+        self.echo = echo
+        self.prompt_logprobs: list[list | None] = [None] * num_prompts
 
     def add(self, prompt: int, out) -> list[dict]:
         """Takes one delta RequestOutput of prompt `prompt`; returns the stream deltas it makes
         (streams only), one per choice that gained text or finished."""
         self.prompt_tokens[prompt] = len(out.prompt_token_ids)
+        if out.prompt_logprobs is not None and self.prompt_logprobs[prompt] is None:
+            self.prompt_logprobs[prompt] = self._prompt_entries(out)
         deltas = []
         for sample in out.outputs:
             index = prompt * self.n + sample.index
             c = self.choices[index]
             if c.finish_reason is not None:
                 continue
+            echo_text, echo_logprobs = "", []
+            if self.echo is not None and not c.started:
+                c.started = not self.stream  # a stream's first delta sets it below
+                echo_text, echo_logprobs = self._echo(prompt)
             c.num_tokens += len(sample.new_token_ids)
             c.finish_reason = sample.finish_reason
             if sample.logprobs is not None:
@@ -47,16 +60,32 @@ class Choices:
             if sample.finish_reason == "error":
                 c.error = out.error or "the engine failed on this request"
             if not self.stream:
-                c.text_parts.append(sample.delta_text)
+                c.text_parts.extend((echo_text, sample.delta_text))
+                c.logprobs.extend(echo_logprobs)
                 if sample.logprobs:
                     c.logprobs.extend(sample.logprobs)
                 continue
-            if not (sample.delta_text or sample.new_token_ids or sample.finish_reason):
+            if not (echo_text or sample.delta_text or sample.new_token_ids or
+                    sample.finish_reason):
                 continue
-            deltas.append(self._delta(index, c, sample.delta_text,
-                                      (sample.logprobs or []) if self.want_logprobs else None))
+            logprobs = echo_logprobs + (sample.logprobs or [])
+            deltas.append(self._delta(index, c, echo_text + sample.delta_text,
+                                      logprobs if self.want_logprobs else None))
             c.started = True
         return deltas
+
+    def _echo(self, prompt: int) -> tuple[str, list]:
+        """A choice's echo: its prompt's text and the logprobs of its tokens (known once the
+        engine scored the prompt: they come with the first generated token)."""
+        text = self.echo[prompt]
+        if not isinstance(text, str):
+            text = self.tokenizer.decode(text, skip_special_tokens=False)
+        return text, list(self.prompt_logprobs[prompt] or [])
+
+    def _prompt_entries(self, out) -> list:
+        """The prompt's tokens as logprobs entries: the first one's (token id, None, None)
+        (nothing precedes it), then the engine's."""
+        return [(out.prompt_token_ids[0], None, None), *out.prompt_logprobs[1:]]
 
     def error(self) -> str | None:
         """Why the engine failed a sample (its other requests went on), or None."""
@@ -109,13 +138,16 @@ class Choices:
         """The completions API's: tokens, token_logprobs, top_logprobs, text_offset."""
         if logprobs is None:
             return None
-        tokens = [self._token(lp.token_id) for lp in logprobs]
+        entries = [lp if isinstance(lp, tuple) else (lp.token_id, lp.logprob, lp.top)
+                   for lp in logprobs]
+        tokens = [self._token(token_id) for token_id, _, _ in entries]
         offsets, at = [], 0
         for token in tokens:
             offsets.append(at)
             at += len(token)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-                "top_logprobs": [{self._token(t): p for t, p in lp.top} for lp in logprobs],
+        return {"tokens": tokens, "token_logprobs": [logprob for _, logprob, _ in entries],
+                "top_logprobs": [None if top is None else {self._token(t): p for t, p in top}
+                                 for _, _, top in entries],
                 "text_offset": offsets}
 
     def _chat_logprobs(self, logprobs) -> dict | None:
