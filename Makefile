@@ -25,7 +25,7 @@ demo: install
 # Test dependencies: pytest etc. from PyPI, GoogleTest from Debian.
 test-deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==$(TORCH_VERSION)"
-	$(PIP) install -q pytest hypothesis "transformers>=4.45" "compressed-tensors>=0.12" scipy \
+	$(PIP) install -q pytest pytest-xdist hypothesis "transformers>=4.45" "compressed-tensors>=0.12" scipy \
 		nbclient nbformat ipykernel matplotlib fastapi uvicorn prometheus-client openai httpx peft \
 		"scikit-build-core>=0.10" ninja cmake
 	@dpkg -s libgtest-dev >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq libgtest-dev)
@@ -39,13 +39,17 @@ build-tests: test-deps
 test-cpp: build-tests
 	ctest --test-dir build/py --output-on-failure -j2
 
+# The Python suite: the tests that share the machine on every core (pytest-xdist), then those
+# that need it to themselves (the `serial` marker: tests/e2e, tests/distributed), one at a time.
+PYTEST_SUITE := $(PYTHON) -m pytest -q -m "not serial" -n $$(nproc) && $(PYTHON) -m pytest -q -m serial
+
 test-python: build-tests
-	$(PYTHON) -m pytest -q
+	$(PYTEST_SUITE)
 
 test: build-tests
 	@date +"%T built"
 	ctest --test-dir build/py --output-on-failure -j2
-	$(PYTHON) -m pytest -q
+	$(PYTEST_SUITE)
 
 # The C++ tests and the Python suite once more under AddressSanitizer + UndefinedBehaviorSanitizer:
 # an instrumented build in build/asan, loaded by an uninstrumented Python with the sanitizer

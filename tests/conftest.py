@@ -24,8 +24,21 @@ def shared_data_dir() -> Path:
 
 SHARED_DATA = shared_data_dir()
 
+# Under pytest-xdist (make test runs the suite on every core), a worker's kernels use one thread:
+# the workers share the cores, and oversubscribed thread pools would spin against each other.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
+# Tests that need the machine to themselves (make test runs them after the others, one at a
+# time): servers and clients racing over real time, notebooks that time what they show, ranks
+# that take a core each, and a watchdog that times the engine's steps.
+SERIAL = ("tests/e2e/", "tests/distributed/", "tests/engine/test_async_backpressure.py")
+
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(SERIAL):
+            item.add_marker(pytest.mark.serial)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; none is visible")

@@ -1,10 +1,12 @@
 """Tensor parallelism from the command line and over HTTP (Gloo, one thread per rank): torchrun
 starting two ranks of `kvserve generate --tensor-parallel-size 2` prints what one process
-prints, and the OpenAI server over an engine of two ranks answers as one of one rank does."""
+prints, `kvserve eval-ppl --tensor-parallel-size 2` the perplexity of one rank, and the OpenAI
+server over an engine of two ranks answers as one of one rank does."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,17 +27,66 @@ def _text(completed: subprocess.CompletedProcess) -> str:
     return completed.stdout.rsplit("\n[", 1)[0]  # the text, without the metrics line
 
 
-def test_torchrun_runs_the_ranks_of_one_command():
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    alone = subprocess.run([sys.executable, "-m", "kvserve", *GENERATE], env=env,
-                           capture_output=True, text=True, timeout=120)
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def alone() -> str:
+    text = _text(subprocess.run([sys.executable, "-m", "kvserve", *GENERATE], env=ENV,
+                                capture_output=True, text=True, timeout=120))
+    assert len(text) > 40
+    return text
+
+
+def test_torchrun_runs_the_ranks_of_one_command(alone):
     launched = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", str(free_port()), "-m", "kvserve", *GENERATE,
          "--tensor-parallel-size", "2", "--distributed-timeout", "60"],
-        env=env, capture_output=True, text=True, timeout=180)
-    assert _text(launched) == _text(alone)
-    assert len(_text(alone)) > 40
+        env=ENV, capture_output=True, text=True, timeout=180)
+    assert _text(launched) == alone
+
+
+def test_torchrun_as_two_nodes_runs_one_command(alone):
+    """Two torchrun launchers, one per node (--nnodes 2 --node-rank 0|1), meeting at node 0's
+    address, as on two machines: rank 0 prints the text, rank 1 is its worker. (Both nodes are
+    this machine: the rendezvous and the Gloo groups go over TCP as between machines.)"""
+    port = str(free_port())
+
+    def node(rank: int) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                "--nproc-per-node", "1", "--node-rank", str(rank), "--master-addr",
+                "127.0.0.1", "--master-port", port, "-m", "kvserve", *GENERATE,
+                "--tensor-parallel-size", "2", "--distributed-timeout", "60"]
+
+    worker = subprocess.Popen(node(1), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    try:
+        launched = subprocess.run(node(0), env=ENV, capture_output=True, text=True, timeout=180)
+        out, err = worker.communicate(timeout=60)
+    finally:
+        worker.kill()
+    assert worker.returncode == 0, err[-2000:]
+    assert _text(launched) == alone and out == ""
+
+
+def test_eval_ppl_at_two_ranks_prints_what_one_rank_prints(tmp_path):
+    """The engine scores every window's prompt over both ranks (it starts rank 1 itself)."""
+    text = tmp_path / "text.txt"
+    text.write_text("ROMEO:\nBut, soft! what light through yonder window breaks?\n"
+                    "It is the east, and Juliet is the sun.\n" * 8)
+    command = [sys.executable, "-m", "kvserve", "eval-ppl", "--model", str(MODEL), "--text",
+               str(text), "--max-length", "96", "--stride", "40", "--dtype", "float32",
+               "--max-model-len", "128"]
+    one, two = (subprocess.run(command + extra, env=ENV, capture_output=True, text=True,
+                               timeout=180)
+                for extra in ([], ["--tensor-parallel-size", "2", "--distributed-timeout", "60"]))
+    figures = []
+    for completed in (one, two):
+        assert completed.returncode == 0, completed.stderr[-2000:]
+        figures.append(re.match(r"perplexity (\S+) .* over (\S+) tokens", completed.stdout))
+    assert "2 ranks" in two.stdout and figures[0][2] == figures[1][2]
+    assert float(figures[1][1]) == pytest.approx(float(figures[0][1]), rel=1e-4)
 
 
 def test_torchrun_ranks_must_match_the_tensor_parallel_size():

@@ -171,13 +171,16 @@ def test_a_full_waiting_queue_is_a_429_with_retry_after(engine):
         state = ServerState(NAME)
         state.ready(small, None)
         with BackgroundServer(state) as s:
-            # Two prompts of one call: the second finds the first waiting.
-            r = httpx.post(s.url + "/v1/completions", json=completion(prompt=["a", "b"]))
+            # Three prompts of one call: with one sequence running (the first, or none yet), the
+            # third finds the second (or the first) waiting. Each takes 32 steps: none finishes
+            # while the call submits the next.
+            r = httpx.post(s.url + "/v1/completions",
+                           json=completion(prompt=["a", "b", "c"], max_tokens=32))
             error = assert_openai_error(r, 429, "max_waiting_requests")
             assert error["type"] == "rate_limit_error" and r.headers["retry-after"] == "1"
             assert httpx.post(s.url + "/v1/completions", json=completion()).status_code == 200
             deadline = time.monotonic() + 10
-            while small.engine.has_unfinished_requests():  # the refused call's first prompt
+            while small.engine.has_unfinished_requests():  # the refused call's first prompts
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
 

@@ -12,6 +12,7 @@ stopped: a test never hangs on a stuck collective.
 from __future__ import annotations
 
 import multiprocessing as mp
+import pickle
 import queue
 import time
 import traceback
@@ -28,7 +29,9 @@ def _rank_main(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
     try:
         groups = init_parallel_groups(world_size, rank, f"tcp://127.0.0.1:{port}",
                                       timeout_s=timeout_s)
-        value = fn(groups, *args)
+        # Pickled here, by value: the queue's own pickler would send tensors as shared-memory
+        # handles, which the parent can only open while this process lives (it may have exited).
+        value = pickle.dumps(fn(groups, *args))
         results.put((rank, True, value))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         results.put((rank, False, traceback.format_exc()))
@@ -67,7 +70,7 @@ def run_ranks(fn: Callable, world_size: int = 2, args: tuple = (),
                 continue
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            values[rank] = value
+            values[rank] = pickle.loads(value)
     finally:
         for p in processes:
             p.join(timeout=10)
