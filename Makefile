@@ -90,6 +90,11 @@ ASAN_SKIP := --ignore=tests/e2e/test_cli.py --ignore=tests/e2e/test_notebooks.py
 	and not test_bf16_logits_within_tolerance and not follow_the_target_distribution \
 	and not test_greedy_single_requests_equal_plain_decoding and not self-draft \
 	and not test_the_serve_command"
+# pytest on the sanitized build in two passes, as make test's (the workers too load that build).
+ASAN_PYTEST := $(ASAN_ENV) LD_PRELOAD="$$(gcc -print-file-name=libasan.so) \
+	$$(gcc -print-file-name=libubsan.so)" $(PYTHON) scripts/asan_pytest.py $(ASAN_BUILD) -q \
+	-p no:cacheprovider $(ASAN_SKIP)
+
 test-asan: build-tests
 	cmake -S . -B $(ASAN_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVSERVE_SANITIZE=ON \
 		-DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
@@ -98,8 +103,8 @@ test-asan: build-tests
 	cmake --build $(ASAN_BUILD)
 	@date +"%T asan built"
 	$(ASAN_ENV) ctest --test-dir $(ASAN_BUILD) --output-on-failure -j2
-	$(ASAN_ENV) LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
-		$(PYTHON) scripts/asan_pytest.py $(ASAN_BUILD) -q -p no:cacheprovider $(ASAN_SKIP)
+	$(ASAN_PYTEST) -m "not serial" -n $$(nproc)
+	$(ASAN_PYTEST) -m serial
 
 # Compile-checks every CUDA kernel body (nvcc alone) and launcher (against the installed torch).
 check-cuda:

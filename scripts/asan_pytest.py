@@ -1,8 +1,9 @@
 """Runs pytest against the sanitizer build (`make test-asan`): the kvserve package from this
 checkout with the AddressSanitizer + UndefinedBehaviorSanitizer build of its extension, instead of
 the installed one. Python itself is not instrumented, so the sanitizer runtimes must be preloaded
-(LD_PRELOAD, as the Makefile does). Subprocesses that the tests start (the per-CPU-capability
-kernel checks) import the installed build.
+(LD_PRELOAD, as the Makefile does). pytest-xdist's workers make the same swap
+(tests/conftest.py, from KVSERVE_ASAN_SITE, which this sets); other subprocesses that the tests
+start (the per-CPU-capability kernel checks) import the installed build.
 
     python scripts/asan_pytest.py BUILD_DIR [pytest arguments]
 """
@@ -12,6 +13,8 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+
+SITE_VARIABLE = "KVSERVE_ASAN_SITE"
 
 
 def package_dir(build: Path) -> Path:
@@ -30,12 +33,19 @@ def package_dir(build: Path) -> Path:
     return site
 
 
-def main() -> None:
-    build = Path(sys.argv[1]).resolve()
-    site = package_dir(build)
+def use_site(site: str) -> None:
+    """Imports kvserve from `site` (package_dir's) instead of the installed package."""
     # The editable install's import hook would load the installed extension; drop it.
     sys.meta_path[:] = [f for f in sys.meta_path if "ScikitBuild" not in type(f).__name__]
-    sys.path.insert(0, str(site))
+    if sys.path[:1] != [site]:
+        sys.path.insert(0, site)
+
+
+def main() -> None:
+    build = Path(sys.argv[1]).resolve()
+    site = str(package_dir(build))
+    os.environ[SITE_VARIABLE] = site  # for pytest-xdist's workers (tests/conftest.py)
+    use_site(site)
     import kvserve
 
     assert Path(kvserve._C.__file__).resolve().parent == build / "csrc", kvserve._C.__file__

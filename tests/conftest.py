@@ -9,7 +9,19 @@ from pathlib import Path
 import pytest
 import torch
 
-import kvserve.architectures
+if os.environ.get("KVSERVE_ASAN_SITE"):  # a pytest-xdist worker of make test-asan
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from asan_pytest import use_site
+
+    use_site(os.environ["KVSERVE_ASAN_SITE"])
+
+import kvserve.architectures  # noqa: E402
+
+if os.environ.get("KVSERVE_ASAN_SITE"):  # the sanitized build, not the installed one
+    _build = Path(os.environ["KVSERVE_ASAN_SITE"]).parent
+    assert Path(os.path.realpath(kvserve._C.__file__)).parent == _build / "csrc", kvserve._C.__file__
 
 ARCHITECTURES = list(kvserve.architectures.ARCHITECTURES)  # every supported one
 REPO = Path(__file__).resolve().parents[1]
