@@ -1,19 +1,23 @@
-"""Weight-only quantization: what fewer bytes buy in decode, against bf16 and the memory limit.
+"""Weight-only quantization: what fewer bytes buy in decode, against bf16, llama.cpp and the
+memory limit.
 
-1. Op: `quantized_linear` (int8, int4 groups of 128, fp8) against `linear` (fp32, bf16, on the
-   weights packed as the engine keeps them) on one [n, k] projection for 1, 2, 4 and 8 tokens:
-   milliseconds, speed-up over bf16, and weight GB/s against a `torch.sum` read of 1 GiB
-   (`memory_read_bandwidth`). Variants interleaved per repeat; medians. `--only prefill`: the
-   same for 32, 128 and 512 tokens with bf16 activations (as a bf16 model runs), where W8A8
-   (int8 activations per token) runs int8 x int8.
-2. Model: batch-1 greedy decode (TPOT over --decode-tokens tokens of an 8-token prompt, which the
-   GEMV handles for every format) of one random checkpoint quantized each way by `kvserve
-   quantize`: fp32, bf16, int8, fp8, int4 (g128); the quantized ones run in bf16 like the bf16
-   baseline (activations, embeddings, LM head). Weights in MB as the engine holds them, TPOT,
-   speed-up over bf16. In the same run, llama.cpp (llama-cpp-python) on the same weights as F32,
-   BF16, Q8_0 and Q4_0 GGUF files (benchmarks/llama_cpp_peer.py; its file size as MB). Variants
-   interleaved per repeat; medians. `--only throughput`: batched greedy decode of --batch
-   sequences, tokens per second, the same variants and llama.cpp's batched decoding.
+1. Op: `quantized_linear` (int8, int4 groups of 128 and of 32, fp8; int8 and int4 also with
+   quantize_input, "a8": inputs rounded to int8 blocks, integer dot products) against `linear`
+   (fp32, bf16, on the weights packed as the engine keeps them) on one [n, k] projection for 1,
+   2, 4 and 8 tokens: milliseconds, speed-up over bf16, and weight GB/s against a `torch.sum`
+   read of 1 GiB (`memory_read_bandwidth`). Variants interleaved per repeat; medians. `--only
+   prefill`: the same for 32, 128 and 512 tokens with bf16 activations (as a bf16 model runs),
+   where W8A8 (int8 activations per token) runs int8 x int8.
+2. Model: batch-1 greedy decode (TPOT over --decode-tokens tokens of an 8-token prompt) of one
+   random checkpoint quantized each way by `kvserve quantize`: fp32, bf16, int8, fp8, int4 (g128
+   and g32), int8 and int4 both "exact" and "a8" (quantized_activation); the quantized ones run
+   in bf16 like the bf16 baseline (activations, embeddings, LM head). Weights in MB as the engine
+   holds them, TPOT, speed-up over bf16, weight GB/s (bytes held / TPOT) and its share of the
+   bandwidth probe (taken before and after, averaged). In the same run, llama.cpp
+   (llama-cpp-python) on the same weights as F32, BF16, Q8_0, Q4_0 and Q4_K_M GGUF files
+   (benchmarks/llama_cpp_peer.py; its file size as MB). Variants interleaved per repeat; medians.
+   `--only throughput`: batched greedy decode of --batch sequences, tokens per second, the same
+   variants and llama.cpp's batched decoding.
 
 3. Quality: perplexity of the trained models (models/shakespeare-target on the held-out last 10%
    of Tiny Shakespeare; stories260K, converted from ../shared/data, on the second half of the
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import statistics
 import time
@@ -92,19 +97,22 @@ def op_variants(n: int, k: int, activations: torch.dtype) -> dict[str, tuple[obj
         plain[dtype] = (wd if packed is None else packed, wd.nbytes)
     q = {"int8": quantize_int8(w), "fp8": quantize_fp8(w), "int4": quantize_int4(w, 128)}
 
-    def quantized(qw):
+    def quantized(qw, int8_input=False):
         z = qw.zeros
         return lambda x: ops.quantized_linear(x.to(activations), qw.qweight, qw.scales, z,
-                                              qw.group_size, None)
+                                              qw.group_size, None, int8_input)
 
     int8 = q["int8"]
     int8_scales = int8.scales.view(-1).contiguous()
     fp32, bf16 = plain[torch.float32], plain[torch.bfloat16]
     out = {"fp32": (lambda x: ops.linear(x, fp32[0], None), fp32[1]),
            "bf16": (lambda x: ops.linear(x.bfloat16(), bf16[0], None), bf16[1])}
+    q["int4 g32"] = quantize_int4(w, 32)  # Q4_0's groups
     for name, qw in q.items():
         extra = qw.scales.nbytes + (qw.zeros.nbytes if qw.zeros is not None else 0)
         out[name] = (quantized(qw), qw.qweight.nbytes + extra)
+        if name != "fp8":  # inputs rounded to int8 blocks, integer dot products
+            out[name + " a8"] = (quantized(qw, True), qw.qweight.nbytes + extra)
     out["llm.int8"] = (
         lambda x: ops.llm_int8_linear(x.bfloat16(), int8.qweight, int8_scales, 6.0, None),
         int8.qweight.nbytes + int8.scales.nbytes)
@@ -144,24 +152,34 @@ def bench_prefill(args) -> list[list]:
     return bench_op(args, tokens=(32, 128, 512), activations=torch.bfloat16, calls=5)
 
 
-def checkpoints(args) -> dict[str, tuple[Path, str]]:
-    """variant -> (directory, dtype to run it in)."""
+def checkpoints(args) -> dict[str, tuple[Path, str, str]]:
+    """variant -> (directory, dtype to run it in, quantized_activation). int8 / int4 run both
+    ways: "exact" (the dequantizing GEMV) and "a8" (inputs rounded to int8 blocks, integer dot
+    products: the default on a CPU); int4 also at groups of 32, Q4_0's."""
     cfg = {**COMMON, **MODELS[args.model]}
     base = cached_checkpoint(args.cache_dir, "quant-" + args.model, "LlamaForCausalLM", cfg,
                              "float32")
-    out = {"fp32": (base, "float32"), "bf16": (base, "bfloat16")}
-    for method in METHODS:
-        path = base.with_name(base.name + "-" + method)
+    out = {"fp32": (base, "float32", "exact"), "bf16": (base, "bfloat16", "exact")}
+    for method, group in [*((m, 128) for m in METHODS), ("int4", 32)]:
+        suffix = method if group == 128 else f"{method}-g{group}"
+        path = base.with_name(base.name + "-" + suffix)
         if not (path / "config.json").is_file():
             print(f"quantizing {path.name} ...", flush=True)
-            quantize_checkpoint(base, path, method, group_size=128)
-        out[method] = (path, "bfloat16")  # activations, norms, embeddings and LM head as bf16
+            quantize_checkpoint(base, path, method, group_size=group)
+        # activations, norms, embeddings and LM head as bf16
+        if method in ("int8", "int4"):
+            out[suffix + " exact"] = (path, "bfloat16", "exact")
+            out[suffix + " a8"] = (path, "bfloat16", "int8")
+        else:
+            out[suffix] = (path, "bfloat16", "exact")
     return out
 
 
-def decode_tpot(path: Path, dtype: str, args, prompt: list[int]) -> tuple[float, int]:
+def decode_tpot(path: Path, dtype: str, args, prompt: list[int],
+                activation: str = "exact") -> tuple[float, int]:
     llm = kvserve.LLM(path, dtype=dtype, max_model_len=len(prompt) + args.decode_tokens,
-                      enable_prefix_caching=False, max_num_seqs=1)
+                      enable_prefix_caching=False, max_num_seqs=1,
+                      quantized_activation=activation)
     params = kvserve.SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
     llm.generate([prompt], kvserve.SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     out = llm.generate([prompt], params)[0]
@@ -182,25 +200,38 @@ def bench_model(args) -> list[list]:
     runs = {name: [] for name in [*paths, *(f"llama.cpp {f}" for f in gguf)]}
     weights = {f"llama.cpp {f}": path.stat().st_size for f, path in gguf.items()}
     threads = torch.get_num_threads()
+    bandwidth = [memory_read_bandwidth()]
     for _ in range(args.repeats):
-        for name, (path, dtype) in paths.items():
-            tpot, weights[name] = decode_tpot(path, dtype, args, prompt)
+        for name, (path, dtype, activation) in paths.items():
+            tpot, weights[name] = decode_tpot(path, dtype, args, prompt, activation)
             runs[name].append(tpot)
             print(name, f"{tpot * 1e3:.1f} ms", flush=True)
         for fmt, path in gguf.items():
             tpot = llama_cpp_peer.decode_tpot(path, prompt, args.decode_tokens, threads)
             runs[f"llama.cpp {fmt}"].append(tpot)
             print(f"llama.cpp {fmt}", f"{tpot * 1e3:.1f} ms", flush=True)
+    bandwidth.append(memory_read_bandwidth())
+    probe = statistics.mean(bandwidth)
     bf16 = statistics.median(runs["bf16"])
-    rows = [[name, f"{weights[name] / 1e6:.0f}", f"{statistics.median(r) * 1e3:.1f}",
-             f"{bf16 / statistics.median(r):.2f}x"] for name, r in runs.items()]
+    peer = {name: statistics.median(r) for name, r in runs.items() if name.startswith("llama")}
+    rows = []
+    for name, r in runs.items():
+        t = statistics.median(r)
+        rate = weights[name] / t  # every weight byte read once per token
+        rows.append([name, f"{weights[name] / 1e6:.0f}", f"{t * 1e3:.1f}", f"{bf16 / t:.2f}x",
+                     f"{rate / 1e9:.1f}", f"{rate / probe:.2f}"])
     print(f"\n{args.model}: batch-1 decode, {args.decode_tokens} tokens after an 8-token prompt, "
-          f"medians of {args.repeats}:")
-    print(markdown_table(["weights", "MB held", "TPOT ms", "vs bf16"], rows))
+          f"medians of {args.repeats}; torch.sum reads {bandwidth[0] / 1e9:.1f} GB/s before, "
+          f"{bandwidth[1] / 1e9:.1f} after; peers: "
+          + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in peer.items()))
+    print(markdown_table(["weights", "MB held", "TPOT ms", "vs bf16", "weight GB/s",
+                          "of probe"], rows))
     return rows
 
 
 PPL_METHODS = ("int8", "w8a8", "llm.int8", "fp8", "int4", "awq")
+# Weight-only methods whose projections can take int8 inputs (quantized_activation="int8").
+A8_METHODS = ("int8", "int4", "awq")
 
 
 def bench_throughput(args) -> list[list]:
@@ -216,10 +247,10 @@ def bench_throughput(args) -> list[list]:
     threads = torch.get_num_threads()
     params = kvserve.SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
     rates = {}
-    for name, (path, dtype) in paths.items():
+    for name, (path, dtype, activation) in paths.items():
         llm = kvserve.LLM(path, dtype=dtype, max_model_len=8 + args.decode_tokens,
                           enable_prefix_caching=False, max_num_seqs=args.batch,
-                          log_memory_plan=False)
+                          quantized_activation=activation, log_memory_plan=False)
         llm.generate(prompts, kvserve.SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
         runs = []
         for _ in range(args.repeats):
@@ -267,20 +298,27 @@ def text_splits(data: Path, cache: Path) -> dict[str, tuple[Path, Path, Path]]:
     }
 
 
-def perplexity(path: Path, text: Path, kv_cache_dtype: str = "auto") -> float:
+def perplexity(path: Path, text: Path, kv_cache_dtype: str = "auto",
+               activation: str = "exact") -> float:
     from kvserve.perplexity import evaluate_perplexity
 
-    # 512-token windows, and room for the token each window's request samples.
-    llm = kvserve.LLM(path, dtype="float32", max_model_len=513, kv_cache_dtype=kv_cache_dtype,
+    # 512-token windows (511 for stories260K, whose context is 512), and room for the token
+    # each window's request samples.
+    context = json.loads((path / "config.json").read_text())["max_position_embeddings"]
+    window = min(512, context - 1)
+    llm = kvserve.LLM(path, dtype="float32", max_model_len=window + 1,
+                      kv_cache_dtype=kv_cache_dtype, quantized_activation=activation,
                       log_memory_plan=False)
     ids = llm.tokenizer.encode(text.read_text(encoding="utf-8"))
-    return evaluate_perplexity(llm, ids, max_length=512, stride=256).perplexity
+    return evaluate_perplexity(llm, ids, max_length=window, stride=window // 2).perplexity
 
 
 def bench_perplexity(args) -> list[list]:
     data = Path(os.environ.get("KVSERVE_SHARED_DATA", HERE.parent.parent / "shared" / "data"))
     rows = []
     for name, (path, calibration, evaluation) in text_splits(data, args.cache_dir / "ppl").items():
+        if args.ppl_models and name not in args.ppl_models:
+            continue
         base = perplexity(path, evaluation)
         results = {"fp32": base}
         for method in PPL_METHODS:
@@ -289,17 +327,21 @@ def bench_perplexity(args) -> list[list]:
                 quantize_checkpoint(path, out, method, 32,
                                     calibration if method == "awq" else None)
             results[method] = perplexity(out, evaluation)
+            if method in A8_METHODS:  # the same weights, inputs rounded to int8 blocks
+                results[method + " a8"] = perplexity(out, evaluation, activation="int8")
         for kv, dtype in (("kv int8", "int8"), ("kv fp8", "fp8")):
             results[kv] = perplexity(path, evaluation, dtype)  # fp32 weights
         rtn_gap = results["int4"] - base
         for method, ppl in results.items():
             recovered = (f"{1 - (ppl - base) / rtn_gap:.0%}" if method == "awq" and rtn_gap > 0
                          else "")
-            rows.append([name, method, f"{ppl:.4f}", f"{ppl / base - 1:+.2%}", recovered])
+            weights = method.removesuffix(" a8")
+            a8 = (f"{ppl / results[weights] - 1:+.3%}" if method.endswith(" a8") else "")
+            rows.append([name, method, f"{ppl:.4f}", f"{ppl / base - 1:+.2%}", recovered, a8])
         print(name, results, flush=True)
     print("\nperplexity, fp32 compute, weights quantized at groups of 32 (int4, awq):")
     print(markdown_table(["model", "weights", "perplexity", "vs fp32",
-                          "of int4's loss AWQ wins back"], rows))
+                          "of int4's loss AWQ wins back", "int8 inputs vs exact"], rows))
     return rows
 
 
@@ -419,6 +461,8 @@ def main() -> None:
     p.add_argument("--moe-top-k", type=int, default=4)
     p.add_argument("--kv-batch", type=int, default=8)
     p.add_argument("--kv-context", type=int, default=4096)
+    p.add_argument("--ppl-models", nargs="*", default=None,
+                   help="--only perplexity: these models only (shakespeare-target, stories260K)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--llama-cpp-convert", default=None, metavar="convert_hf_to_gguf.py",
                    help="llama.cpp's converter: adds llama.cpp F32 / BF16 / Q8_0 / Q4_0 to the "

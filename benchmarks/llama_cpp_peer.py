@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 # llama_ftype values of llama.h.
-FTYPES = {"BF16": 32, "Q8_0": 7, "Q4_0": 2}
+FTYPES = {"BF16": 32, "Q8_0": 7, "Q4_0": 2, "Q4_K_M": 15}
 
 
 def convert_script(path: str | None) -> Path | None:
@@ -80,7 +80,8 @@ def placeholder_tokenizer_model(vocab_size: int, out: Path) -> None:
     out.write_bytes(model.SerializeToString())
 
 
-def gguf_files(checkpoint: Path, script: Path, formats=("F32", "BF16", "Q8_0", "Q4_0")
+def gguf_files(checkpoint: Path, script: Path,
+               formats=("F32", "BF16", "Q8_0", "Q4_0", "Q4_K_M")
                ) -> dict[str, Path]:
     """{format: GGUF path} for the fp32 checkpoint, built beside it on first use."""
     import llama_cpp

@@ -163,6 +163,11 @@ using QuantizedGemvFn = void (*)(c10::ScalarType dtype, const void* input, int64
                                  const QuantizedWeight& w, const void* bias, void* out, int64_t m);
 KVSERVE_CPU_STUB(quantized_gemv_stub, QuantizedGemvFn);
 
+/// The same product with the input rounded to int8 (quantized_linear.h's quantize_input), for
+/// int8 and int4 weights: each token's blocks rounded once, then integer dot products of a block
+/// of the weight with each token's block (maddubs on AVX2), scaled per block and group.
+KVSERVE_CPU_STUB(quantized_gemv_int8_input_stub, QuantizedGemvFn);
+
 /// The order in which this capability's kernels unpack a row of w's format: order[j] (j < k) is
 /// the input that position j holds. Within each 32-input chunk the vector code takes q in the
 /// lane order its shifts give (no shuffles); a dot product does not care, so the prefill path

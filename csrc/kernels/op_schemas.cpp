@@ -33,7 +33,7 @@ TORCH_LIBRARY(kvserve, m) {
       "Tensor scales) -> ()");
   m.def(
       "quantized_linear(Tensor input, Tensor qweight, Tensor scales, Tensor? zeros, int group_size, "
-      "Tensor? bias=None) -> Tensor");
+      "Tensor? bias=None, bool quantize_input=False) -> Tensor");
   m.def(
       "llm_int8_linear(Tensor input, Tensor weight, Tensor weight_scales, float threshold, "
       "Tensor? bias=None) -> Tensor");
@@ -153,12 +153,13 @@ at::Tensor llm_int8_linear(const at::Tensor& input, const at::Tensor& weight,
 
 at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& qweight,
                             const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
-                            int64_t group_size, const std::optional<at::Tensor>& bias) {
+                            int64_t group_size, const std::optional<at::Tensor>& bias,
+                            bool quantize_input) {
   static const auto op =
       handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                         const std::optional<at::Tensor>&, int64_t,
-                        const std::optional<at::Tensor>&)>("kvserve::quantized_linear");
-  return op.call(input, qweight, scales, zeros, group_size, bias);
+                        const std::optional<at::Tensor>&, bool)>("kvserve::quantized_linear");
+  return op.call(input, qweight, scales, zeros, group_size, bias, quantize_input);
 }
 
 void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,

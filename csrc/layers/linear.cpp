@@ -100,6 +100,8 @@ QuantizedLinearWeight QuantizedLinearWeight::load(const WeightMap& w, const std:
     q.outlier_threshold = w.quantization().outlier_threshold;
     q.scales = q.scales.view({-1}).contiguous();
   }
+  q.quantize_input = (q.scheme == QuantScheme::kInt8 || q.scheme == QuantScheme::kInt4) &&
+                     w.quantization().activation == "int8";
   return q;
 }
 
@@ -158,7 +160,8 @@ at::Tensor Linear::local_forward(const at::Tensor& x) const {
     case QuantScheme::kInt4:
     case QuantScheme::kFp8: {
       const auto zeros = q.zeros.defined() ? std::optional<at::Tensor>(q.zeros) : std::nullopt;
-      return ops::quantized_linear(x, q.qweight, q.scales, zeros, q.group_size, bias);
+      return ops::quantized_linear(x, q.qweight, q.scales, zeros, q.group_size, bias,
+                                   q.quantize_input);
     }
   }
   TORCH_CHECK(false, "Linear: unknown quantization scheme");

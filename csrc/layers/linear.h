@@ -34,6 +34,7 @@ struct QuantizedLinearWeight {
   at::Tensor qweight, scales, zeros;  // zeros may be undefined
   int64_t group_size = 0;
   double outlier_threshold = -1.0;  // kLlmInt8 only
+  bool quantize_input = false;      // kInt8 / kInt4: QuantizationConfig::activation "int8"
 
   /// `<name>.qweight`, `<name>.scales` and optional `<name>.zeros` of a weight map (the group size
   /// is in_features over the scales' columns), in the scheme the map's QuantizationConfig names;

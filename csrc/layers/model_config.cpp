@@ -59,6 +59,9 @@ void ModelConfig::validate() const {
     require(false, e.what());
   }
   require(quantization.outlier_threshold >= 0, "the quantization's outlier_threshold must be >= 0");
+  require(quantization.activation == "exact" || quantization.activation == "int8",
+          "the quantization's activation must be exact or int8, got '" + quantization.activation +
+              "'");
   if (moe.num_experts > 0) {
     require(moe.num_experts_per_tok >= 1 && moe.num_experts_per_tok <= moe.num_experts,
             "num_experts_per_tok must be in [1, num_experts]");

@@ -98,6 +98,26 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype,
     return model_dtype if kv_cache_dtype == "auto" else _KV_CACHE_DTYPES[kv_cache_dtype]
 
 
+QUANTIZED_ACTIVATIONS = ("auto", "int8", "exact")
+
+
+def set_quantized_activation(config: _C.ModelConfig, choice: str,
+                             device: str | torch.device) -> None:
+    """Sets how config's int8 / int4 projections take their input (EngineArgs'
+    quantized_activation): "int8" rounds it to int8 blocks of 32 and multiplies in integers
+    (quantized_linear's quantize_input, llama.cpp's Q8_0 activations); "exact" multiplies the
+    dequantized weight in floating point; "auto" is int8 on a CPU, exact on a GPU (which has no
+    integer kernel yet). The perplexity cost of int8 is measured in docs/quantization.md."""
+    if choice not in QUANTIZED_ACTIVATIONS:
+        raise ValueError(f"quantized_activation must be one of {', '.join(QUANTIZED_ACTIVATIONS)}, "
+                         f"got {_show(choice)}")
+    q = config.quantization
+    if choice == "auto":
+        choice = "int8" if torch.device(device).type == "cpu" else "exact"
+    q.activation = choice if q.scheme in ("int8", "int4") else "exact"
+    config.quantization = q
+
+
 def load_checkpoint_info(model_dir: str | Path) -> CheckpointInfo:
     """Reads config.json (and generation_config.json if present) of a Hugging Face directory."""
     model_dir = Path(model_dir)

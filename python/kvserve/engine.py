@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from kvserve import _C
-from kvserve.config import load_checkpoint_info, resolve_dtype, resolve_kv_cache_dtype
+from kvserve.config import (load_checkpoint_info, resolve_dtype, resolve_kv_cache_dtype,
+                            set_quantized_activation)
 from kvserve.engine_args import EngineArgs
 from kvserve.loader import load_weights
 from kvserve.lora_serving import LoRAManager, LoRARequest
@@ -136,6 +137,7 @@ class LLMEngine:
         self.args = args
         device = check_device(args.device)
         info = load_checkpoint_info(args.model)
+        set_quantized_activation(info.config, args.quantized_activation, device)
         self.model_dir = Path(args.model)
         self.config = info.config
         self.hf_config = info.hf_config
@@ -145,6 +147,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_model_dir(args.model)
         draft_info = (load_draft_info(args.speculative_model, info.config, self.tokenizer)
                       if args.speculative_model is not None else None)
+        if draft_info is not None:
+            set_quantized_activation(draft_info.config, args.quantized_activation, device)
         self.draft_config = draft_info.config if draft_info is not None else None
         # Every option checked (C++) before the weights load.
         config = args.engine_config(info.config, self.dtype, self.kv_cache_dtype,

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from kvserve import _C
-from kvserve.config import DTYPE_NAMES, KV_CACHE_DTYPE_NAMES
+from kvserve.config import DTYPE_NAMES, KV_CACHE_DTYPE_NAMES, QUANTIZED_ACTIVATIONS
 
 _CONFIG = _C.EngineConfig()  # the C++ defaults
 
@@ -68,6 +68,10 @@ class EngineArgs:
         "auto", "KV-cache entries: the model's dtype (auto), or int8 / fp8 (E4M3) with an fp32 "
         "scale per token and KV head (about 2x the tokens of a bf16 pool)",
         choices=KV_CACHE_DTYPES)
+    quantized_activation: str = option(
+        "auto", "int8 / int4 weights: round each projection's input to int8 blocks of 32 and "
+        "multiply in integers (int8, llama.cpp's scheme), or multiply the dequantized weight "
+        "exactly (exact); auto: int8 on a CPU, exact on a GPU", choices=QUANTIZED_ACTIVATIONS)
     max_num_seqs: int = option(_CONFIG.max_num_seqs, "sequences running at once")
     max_num_batched_tokens: int = option(
         _CONFIG.max_num_batched_tokens,

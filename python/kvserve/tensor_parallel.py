@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from kvserve import _C
-from kvserve.config import load_checkpoint_info, resolve_dtype, resolve_kv_cache_dtype
+from kvserve.config import (load_checkpoint_info, resolve_dtype, resolve_kv_cache_dtype,
+                            set_quantized_activation)
 from kvserve.distributed import (ParallelGroups, destroy_parallel_groups, free_port,
                                  init_parallel_groups, torchrun_rank)
 from kvserve.loader import load_weights
@@ -49,6 +50,7 @@ def load_rank_model(args, groups: ParallelGroups, eos_token_ids: list[int],
     """This rank's shard of args.model and its engine config, the pool agreed with the other
     ranks (the fewest blocks any of them can hold)."""
     info = load_checkpoint_info(args.model)
+    set_quantized_activation(info.config, args.quantized_activation, args.device)
     dtype = resolve_dtype(args.dtype, info.checkpoint_dtype)
     kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
     shard = Shard(groups.rank, groups.world_size)

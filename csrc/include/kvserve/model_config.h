@@ -80,7 +80,10 @@ struct MoEConfig {
   X(std::string, scheme, "none") /* none | int8 | int4 | fp8 | llm.int8 */                  \
   /* llm.int8: activation columns with an |x| at or over this run in float, the rest in */  \
   /* int8 per token; 0: none (W8A8). Routed experts run their int8 weights weight-only. */  \
-  X(double, outlier_threshold, 6.0)
+  X(double, outlier_threshold, 6.0)                                                         \
+  /* exact | int8: int8 / int4 projections round their input to int8 blocks and multiply */ \
+  /* in integers (quantized_linear's quantize_input) */                                     \
+  X(std::string, activation, "exact")
 
 struct QuantizationConfig {
   KVSERVE_QUANTIZATION_CONFIG_FIELDS(KVSERVE_DECLARE_FIELD)

@@ -20,13 +20,27 @@ namespace kvserve::ops {
 ///     k and g must be multiples of 32;
 ///   - float8_e4m3fn [n, k]: the E4M3 number (no infinities; 0x7f / 0xff are NaN).
 /// scales: fp32 [n, k / g]; zeros: fp32 [n, k / g] or none (0). bias: [n] in the input dtype.
-/// A few tokens (decode) run a GEMV that streams the packed weight once and dequantizes in
+///
+/// quantize_input (int8 and int4 weights only) rounds the input to int8 first and computes the
+/// same formula on the rounded input: per token, each group is cut into blocks of 32 inputs from
+/// its start (the last one shorter when g is not a multiple of 32), and a block with
+/// a = max |x| becomes x'[i] = d * q[i], d = a / 127, q[i] = round_half_even(x[i] * (127 / a))
+/// (q = 0 when a = 0), each step in fp32; a block holding a NaN or an infinity makes every output
+/// that reads it NaN. On the CPU, up to 32 tokens multiply the weight's q by q in integers
+/// (llama.cpp's Q8_0 activations); more tokens, and CUDA, run the paths below on x'.
+///
+/// Without it, a few tokens (decode) run a GEMV that streams the packed weight once and dequantizes in
 /// registers; on CUDA, bf16 / fp16 inputs of 2-64 tokens run tensor cores on the packed weight,
 /// dequantized in registers too; more tokens dequantize blocks of rows and run the device's GEMM
 /// on them (quantized_linear_kernel_choice.h picks a CUDA body by name). Throws
 /// c10::Error naming the argument for any shape, dtype or group size outside this contract.
 at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& qweight,
                             const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
-                            int64_t group_size, const std::optional<at::Tensor>& bias);
+                            int64_t group_size, const std::optional<at::Tensor>& bias,
+                            bool quantize_input = false);
+
+/// x' of quantize_input above, fp32 [T, k], for input [T, k] (any float dtype, any device): the
+/// rounding the CPU's integer kernels take, for the paths that multiply in floating point.
+at::Tensor round_input_to_int8_blocks(const at::Tensor& input, int64_t group_size);
 
 }  // namespace kvserve::ops

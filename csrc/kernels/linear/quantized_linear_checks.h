@@ -37,7 +37,8 @@ inline cpu::QuantFormat check_quantized_linear(const at::Tensor& input, const at
                                                const at::Tensor& scales,
                                                const std::optional<at::Tensor>& zeros,
                                                int64_t group_size,
-                                               const std::optional<at::Tensor>& bias) {
+                                               const std::optional<at::Tensor>& bias,
+                                               bool quantize_input = false) {
   constexpr const char* op = "quantized_linear";
   check_rows(op, "input", input, 2);
   const at::ScalarType dtype = input.scalar_type();
@@ -55,6 +56,8 @@ inline cpu::QuantFormat check_quantized_linear(const at::Tensor& input, const at
               " inputs, got ", group_size);
   TORCH_CHECK(!int4 || group_size % 32 == 0, op,
               ": int4 weights need a group_size that is a multiple of 32, got ", group_size);
+  TORCH_CHECK(!quantize_input || format != cpu::QuantFormat::kFp8E4M3, op,
+              ": quantize_input takes int8 or int4 weights, not fp8");
   const int64_t groups = k / group_size;
   check_quantized_params("scales", scales, n, groups);
   if (zeros) {

@@ -1,6 +1,6 @@
-// CPU launcher for quantized_linear: the quantized GEMV for a few tokens; for more, blocks of
-// weight rows dequantized and handed to ATen's GEMM (in the input dtype where the CPU multiplies
-// it natively, else in fp32).
+// CPU launcher for quantized_linear: the quantized GEMV for a few tokens (the integer one with
+// quantize_input); for more, blocks of weight rows dequantized and handed to ATen's GEMM (in the
+// input dtype where the CPU multiplies it natively, else in fp32).
 #include <ATen/ops/empty.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/linear.h>
@@ -23,21 +23,32 @@ constexpr int64_t kMaxGemvTokens = 8;
 // the input and the weight blocks, and the GEMV wins up to ~32 tokens (int8 [5632, 2048] on the
 // AVX2 VM: 6.6 against 16.0 ms at 16 tokens, 10.4 against 19.6 at 32).
 constexpr int64_t kMaxGemvTokensNoNativeGemm = 32;
+// With quantize_input, up to this many tokens run the integer kernels (which read the weight once
+// per four tokens and keep it in cache across them); more round the input and take the GEMM.
+constexpr int64_t kMaxInt8InputTokens = 32;
 // Rows dequantized per GEMM call: a few MiB of fp32 that stay in cache while the GEMM reads them.
 constexpr int64_t kDequantBlockBytes = 4 << 20;
 
 at::Tensor quantized_linear_cpu(const at::Tensor& input, const at::Tensor& qweight,
                                 const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
-                                int64_t group_size, const std::optional<at::Tensor>& bias) {
+                                int64_t group_size, const std::optional<at::Tensor>& bias,
+                                bool quantize_input) {
   const cpu::QuantFormat format =
-      check_quantized_linear(input, qweight, scales, zeros, group_size, bias);
+      check_quantized_linear(input, qweight, scales, zeros, group_size, bias, quantize_input);
   const at::ScalarType dtype = input.scalar_type();
   const int64_t m = input.size(0), k = input.size(1), n = qweight.size(0);
   at::Tensor out = at::empty({m, n}, input.options());
   if (m == 0 || n == 0) return out;
   const cpu::QuantizedWeight w{format, qweight.data_ptr(), scales.data_ptr<float>(),
                                zeros ? zeros->data_ptr<float>() : nullptr, n, k, group_size};
-  if (m <= (cpu::has_native_gemm(dtype) ? kMaxGemvTokens : kMaxGemvTokensNoNativeGemm)) {
+  if (quantize_input && m <= kMaxInt8InputTokens) {
+    cpu::quantized_gemv_int8_input_stub.get()(dtype, input.data_ptr(), input.stride(0), w,
+                                              bias ? bias->data_ptr() : nullptr, out.data_ptr(),
+                                              m);
+    return out;
+  }
+  if (!quantize_input &&
+      m <= (cpu::has_native_gemm(dtype) ? kMaxGemvTokens : kMaxGemvTokensNoNativeGemm)) {
     cpu::quantized_gemv_stub.get()(dtype, input.data_ptr(), input.stride(0), w,
                                    bias ? bias->data_ptr() : nullptr, out.data_ptr(), m);
     return out;
@@ -47,7 +58,8 @@ at::Tensor quantized_linear_cpu(const at::Tensor& input, const at::Tensor& qweig
   cpu::quantized_order_stub.get()(w, order.data_ptr<int64_t>());
   // The GEMM runs in the input's dtype where the CPU multiplies it natively, else in fp32.
   const at::ScalarType gemm = cpu::has_native_gemm(dtype) ? dtype : at::kFloat;
-  const at::Tensor x = input.index_select(1, order).to(gemm);
+  const at::Tensor source = quantize_input ? round_input_to_int8_blocks(input, group_size) : input;
+  const at::Tensor x = source.index_select(1, order).to(gemm);
   const int64_t rows = std::max<int64_t>(16, kDequantBlockBytes / (4 * k));
   at::Tensor block = at::empty({std::min(rows, n), k}, input.options().dtype(at::kFloat));
   for (int64_t r = 0; r < n; r += rows) {

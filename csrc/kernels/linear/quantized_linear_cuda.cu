@@ -214,22 +214,27 @@ at::Tensor run(const at::Tensor& input, const at::Tensor& qweight, const at::Ten
 
 at::Tensor quantized_linear_cuda(const at::Tensor& input, const at::Tensor& qweight,
                                  const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
-                                 int64_t group_size, const std::optional<at::Tensor>& bias) {
+                                 int64_t group_size, const std::optional<at::Tensor>& bias,
+                                 bool quantize_input) {
   const cpu::QuantFormat format =
-      check_quantized_linear(input, qweight, scales, zeros, group_size, bias);
+      check_quantized_linear(input, qweight, scales, zeros, group_size, bias, quantize_input);
   if (input.size(0) == 0 || qweight.size(0) == 0) {
     return at::empty({input.size(0), qweight.size(0)}, input.options());
   }
   const c10::cuda::CUDAGuard guard(input.device());
+  // quantize_input: no integer kernel here yet; the rounded input takes the exact paths.
+  const at::Tensor source =
+      quantize_input ? round_input_to_int8_blocks(input, group_size).to(input.scalar_type())
+                     : input;
   at::Tensor out;
   cuda::dispatch_float(input.scalar_type(), "quantized_linear", [&](auto type) {
     using T = typename decltype(type)::type;
     switch (format) {
       case cpu::QuantFormat::kInt8:
-        out = run<T, cuda::QuantFormat::kInt8>(input, qweight, scales, zeros, group_size, bias);
+        out = run<T, cuda::QuantFormat::kInt8>(source, qweight, scales, zeros, group_size, bias);
         break;
       case cpu::QuantFormat::kInt4:
-        out = run<T, cuda::QuantFormat::kInt4>(input, qweight, scales, zeros, group_size, bias);
+        out = run<T, cuda::QuantFormat::kInt4>(source, qweight, scales, zeros, group_size, bias);
         break;
       case cpu::QuantFormat::kFp8E4M3:
         out = run<T, cuda::QuantFormat::kFp8E4M3>(input, qweight, scales, zeros, group_size,

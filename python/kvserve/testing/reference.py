@@ -19,6 +19,7 @@ __all__ = [
     "linear",
     "quantized_weight",
     "quantized_linear",
+    "round_input_to_int8_blocks",
     "llm_int8_linear",
     "rotary_cos_sin_cache",
     "rotary_embedding",
@@ -113,10 +114,34 @@ def quantized_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     return (q - zero) * scales.double()[:, group]
 
 
+def round_input_to_int8_blocks(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """quantized_linear's quantize_input, written out: x [T, k] -> fp32 [T, k]. Each group of
+    group_size inputs is cut into blocks of 32 from its start; a block with a = max |x| becomes
+    d * q, d = a / 127 and q = round_half_even(x * (127 / a)) (0 when a = 0), in fp32 divisions
+    (not multiplications by a reciprocal); a block holding a NaN or an infinity becomes NaN."""
+    x = x.float()
+    out = torch.empty_like(x)
+    for start in range(0, x.shape[1], group_size):
+        for begin in range(start, start + group_size, 32):
+            end = min(begin + 32, start + group_size)
+            block = x[:, begin:end]
+            amax = block.abs().amax(dim=1, keepdim=True)
+            full = torch.full_like(amax, 127.0)
+            inverse = torch.where(amax > 0, full / amax, torch.zeros_like(amax))
+            q = torch.round(block * inverse).clamp(-127, 127)
+            rounded = q * (amax / full)
+            finite = torch.isfinite(block).all(dim=1, keepdim=True)
+            out[:, begin:end] = torch.where(finite, rounded, torch.nan)
+    return out
+
+
 def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                      zeros: torch.Tensor | None, group_size: int,
-                     bias: torch.Tensor | None) -> torch.Tensor:
-    """x [T, k] @ quantized_weight(...)^T + bias -> fp64 [T, n]."""
+                     bias: torch.Tensor | None, quantize_input: bool = False) -> torch.Tensor:
+    """x [T, k] @ quantized_weight(...)^T + bias -> fp64 [T, n]; with quantize_input, x rounded
+    by round_input_to_int8_blocks first (the block-quantized product, in fp64)."""
+    if quantize_input:
+        x = round_input_to_int8_blocks(x, group_size)
     return linear(x, quantized_weight(qweight, scales, zeros, group_size), bias)
 
 

@@ -1,0 +1,383 @@
+// The integer-dot body of quantized_linear (quantize_input, int8 and int4 weights), compiled once
+// per CPU capability.
+//
+// Each token's input is rounded to int8 once per call, per block of 32 inputs of a weight group
+// (quantized_linear.h), and every weight row multiplies it in integers, a block at a time: on
+// AVX2, maddubs (unsigned by signed bytes, pairs summed into int16) then madd by ones (into int32
+// lanes), the product llama.cpp takes between its Q8_0 activations and Q4_0 / Q8_0 weights. An
+// int4 block is 16 bytes whose nibbles are already the unsigned operand (0..15); an int8 block
+// moves the weight's sign onto the input (sign_epi8) so that |q| is the unsigned one (at most
+// 2 * 128 * 127 per int16 pair: no saturation). Each block's int32 sums turn to float once and
+// take the block's input scale; each group's sum takes the weight's scale; zeros come off as
+// zero * scale * (the rounded input's sum over the group). No weight is ever converted to float,
+// so decode is bound by reading the weight, not by unpacking it (the exact GEMV of
+// quantized_linear_cpu_kernel.cpp spends ~17 vector instructions per 32 int4 weights).
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#define KVSERVE_INT8_DOT_SIMD 1
+#else
+#define KVSERVE_INT8_DOT_SIMD 0
+#endif
+
+#include "kernels/cpu_kernels.h"
+#include "kernels/cpu_vec.h"
+
+namespace kvserve::cpu {
+inline namespace CPU_CAPABILITY {
+namespace {
+
+constexpr int64_t kBlock = 32;      // inputs per int8 block
+constexpr int64_t kTokenBlock = 4;  // tokens per pass over a tile of rows
+constexpr int64_t kRowGrain = 16;   // output rows per parallel task at least
+constexpr int64_t kRowTile = 16;    // rows taken through every token block before the next ones
+
+using F = QuantFormat;
+
+// The input of m tokens rounded to int8: q [m, k] in the input's order, the scale of each block
+// [m, blocks], and (weights with zeros) the rounded input's sum over each group [m, groups].
+struct RoundedInput {
+  std::vector<int8_t> q;
+  std::vector<float> scale, group_sum;
+  std::vector<int32_t> block_group;  // [blocks]: the group each block belongs to
+  int64_t k = 0, blocks = 0, groups = 0;
+};
+
+// Rounds one token's k inputs: per block, d = max|x| / 127 and q = round(x * (127 / max|x|))
+// (round half to even, in fp32, as quantized_linear.h states); a block holding a NaN or an
+// infinity gets q = 0 and d = NaN, so that the outputs that read it are NaN as the exact
+// product's would be.
+template <typename T>
+void round_token(const T* x, int64_t k, int64_t g, int8_t* q, float* scale, float* group_sum) {
+  int64_t b = 0;
+  for (int64_t begin = 0; begin < k; begin += g) {
+    float sum = 0.0f;
+    for (int64_t i = begin; i < begin + g; i += kBlock, ++b) {
+      const int64_t len = std::min(kBlock, begin + g - i);
+      float v[kBlock];
+      float amax = 0.0f;
+      bool finite = true;
+      for (int64_t j = 0; j < len; ++j) {
+        v[j] = static_cast<float>(x[i + j]);
+        finite = finite && std::isfinite(v[j]);
+        amax = std::max(amax, std::fabs(v[j]));
+      }
+      if (!finite) {
+        std::fill(q + i, q + i + len, int8_t{0});
+        scale[b] = std::numeric_limits<float>::quiet_NaN();
+        sum = scale[b];
+        continue;
+      }
+      const float d = amax / 127.0f;
+      const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int32_t block_sum = 0;
+      for (int64_t j = 0; j < len; ++j) {
+        const float r = std::clamp(std::nearbyint(v[j] * inverse), -127.0f, 127.0f);
+        q[i + j] = static_cast<int8_t>(r);
+        block_sum += q[i + j];
+      }
+      scale[b] = d;
+      sum += d * static_cast<float>(block_sum);
+    }
+    if (group_sum != nullptr) group_sum[begin / g] = sum;
+  }
+}
+
+#if KVSERVE_INT8_DOT_SIMD
+// For int4 weights, each pair of blocks (2p, 2p + 1) of a token's q is stored as the inputs that
+// one 32-byte load of the pair's packed weights unpacks to: the low nibbles (inputs 0-15 of
+// block 2p, then of block 2p + 1), then the high ones (inputs 16-31 of each). An odd last block
+// keeps its order.
+void interleave_pairs(int8_t* q, int64_t blocks) {
+  int8_t pair[2 * kBlock];
+  for (int64_t b = 0; b + 2 <= blocks; b += 2) {
+    int8_t* p = q + b * kBlock;
+    for (int64_t j = 0; j < 16; ++j) {
+      pair[j] = p[j];
+      pair[16 + j] = p[kBlock + j];
+      pair[32 + j] = p[16 + j];
+      pair[48 + j] = p[kBlock + 16 + j];
+    }
+    std::copy(pair, pair + 2 * kBlock, p);
+  }
+}
+#endif
+
+RoundedInput round_input(c10::ScalarType dtype, const void* input, int64_t stride, int64_t m,
+                         const QuantizedWeight& w) {
+  RoundedInput x;
+  x.k = w.k;
+  x.groups = w.k / w.group_size;
+  x.blocks = x.groups * ((w.group_size + kBlock - 1) / kBlock);
+  x.q.resize(m * w.k);
+  x.scale.resize(m * x.blocks);
+  if (w.zeros != nullptr) x.group_sum.resize(m * x.groups);
+  x.block_group.resize(x.blocks);
+  const int64_t per_group = x.blocks / x.groups;
+  for (int64_t b = 0; b < x.blocks; ++b) x.block_group[b] = static_cast<int32_t>(b / per_group);
+  KVSERVE_DISPATCH_FLOATING(dtype, [&] {
+    const auto* in = static_cast<const scalar_t*>(input);
+    for (int64_t t = 0; t < m; ++t) {
+      int8_t* q = x.q.data() + t * w.k;
+      round_token(in + t * stride, w.k, w.group_size, q, x.scale.data() + t * x.blocks,
+                  x.group_sum.empty() ? nullptr : x.group_sum.data() + t * x.groups);
+#if KVSERVE_INT8_DOT_SIMD
+      if (w.format == F::kInt4) interleave_pairs(q, x.blocks);
+#endif
+    }
+  });
+  return x;
+}
+
+// Bytes of a row before input i (i a multiple of 32 for int4).
+template <F f>
+int64_t byte_offset(int64_t i) {
+  return f == F::kInt4 ? i / 2 : i;
+}
+
+// q * x summed over a block's inputs [i, i + len) in exact integers (the block tails of int8
+// groups that are not a multiple of 32, and the capability without vector code).
+template <F f>
+int32_t dot_scalar(const uint8_t* row, const int8_t* x, int64_t i, int64_t len) {
+  int32_t sum = 0;
+  for (int64_t j = 0; j < len; ++j) {
+    int32_t qj;
+    if constexpr (f == F::kInt4) {
+      const uint8_t byte = row[i / 2 + j % 16];
+      qj = j < 16 ? byte & 0x0f : byte >> 4;
+    } else {
+      qj = static_cast<int8_t>(row[i + j]);
+    }
+    sum += qj * x[i + j];
+  }
+  return sum;
+}
+
+#if KVSERVE_INT8_DOT_SIMD
+// The 32 weights of the block at input i, ready for maddubs against any token's inputs: the
+// unsigned operand (int4: one byte per nibble in input order, low nibbles being inputs 0-15 and
+// high ones 16-31; int8: |q|) and, for int8, q itself, whose sign moves onto the input.
+struct WeightBlock {
+  __m256i magnitude, sign;
+};
+
+template <F f>
+WeightBlock load_block(const uint8_t* row, int64_t i) {
+  if constexpr (f == F::kInt4) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i / 2));
+    const __m128i low = _mm_set1_epi8(0x0f);
+    return {_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low),
+                             _mm_and_si128(bytes, low)),
+            _mm256_setzero_si256()};
+  } else {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i));
+    return {_mm256_sign_epi8(q, q), q};
+  }
+}
+
+// Eight int32 partial sums of weights * inputs over a block (x: the block's 32 int8 inputs).
+template <F f>
+__m256i dot_block(const WeightBlock& w, const int8_t* x) {
+  __m256i input = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  if constexpr (f == F::kInt8) input = _mm256_sign_epi8(input, w.sign);
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w.magnitude, input), _mm256_set1_epi16(1));
+}
+
+int32_t sum_lanes_int(__m256i v) {
+  const __m128i four = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  const __m128i two = _mm_add_epi32(four, _mm_unpackhi_epi64(four, four));
+  return _mm_cvtsi128_si32(_mm_add_epi32(two, _mm_shuffle_epi32(two, 1)));
+}
+
+float sum_lanes(__m256 v) {
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+#endif
+
+// sum over groups of zero * scale * (the token's rounded input summed over the group).
+float zero_part(const float* zeros, const float* scales, const float* sums, int64_t groups) {
+  int64_t gi = 0;
+  float part = 0.0f;
+#if KVSERVE_INT8_DOT_SIMD
+  __m256 acc = _mm256_setzero_ps();
+  for (; gi + 8 <= groups; gi += 8) {
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(zeros + gi), _mm256_loadu_ps(scales + gi)),
+                          _mm256_loadu_ps(sums + gi), acc);
+  }
+  part = sum_lanes(acc);
+#endif
+  for (; gi < groups; ++gi) part += zeros[gi] * scales[gi] * sums[gi];
+  return part;
+}
+
+// y[t * n + o] for TB tokens from t0 and rows [begin, end). A block's weights are loaded (and
+// int4 unpacked) once for all TB tokens. Groups that are multiples of 32 run as one flat loop over
+// the row's blocks, two at a time into two accumulators per token (so that FMA latency does not
+// bound the loop), each block's int32 sums taking the product of its input scale and its group's
+// weight scale in one FMA; int8 groups with a shorter last block go a group at a time, the short
+// block in scalar code.
+template <F f, bool kZero, int64_t TB>
+void rows_for_tokens(const RoundedInput& x, int64_t t0, const QuantizedWeight& w, int64_t begin,
+                     int64_t end, float* y) {
+  const int64_t k = w.k, g = w.group_size, groups = x.groups;
+  const int64_t per_group = (g + kBlock - 1) / kBlock;
+  const int64_t row_bytes = byte_offset<f>(k);
+  const bool aligned = g % kBlock == 0;
+  const auto* q = static_cast<const uint8_t*>(w.q);
+  const int8_t* xq[TB];
+  const float* xs[TB];
+  for (int64_t t = 0; t < TB; ++t) {
+    xq[t] = x.q.data() + (t0 + t) * k;
+    xs[t] = x.scale.data() + (t0 + t) * x.blocks;
+  }
+  for (int64_t o = begin; o < end; ++o) {
+    const uint8_t* row = q + o * row_bytes;
+    const float* scales = w.scales + o * groups;
+    float sum[TB] = {};
+#if KVSERVE_INT8_DOT_SIMD
+    if (aligned) {
+      // Blocks in pairs, each into its own accumulator; scales[group[b]]: the block's group.
+      const int64_t blocks = x.blocks;
+      const int32_t* group = x.block_group.data();
+      __m256 acc0[TB], acc1[TB];
+      for (int64_t t = 0; t < TB; ++t) acc0[t] = acc1[t] = _mm256_setzero_ps();
+      int64_t b = 0;
+      if constexpr (f == F::kInt4) {
+        // A pair of blocks per 32-byte load; q of the tokens interleaved to match
+        // (interleave_pairs): lanes 0-3 of the sums are block b's, lanes 4-7 block b + 1's.
+        const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+        for (; b + 2 <= blocks; b += 2) {
+          const __m256i bytes =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kBlock / 2));
+          const __m256i lo = _mm256_and_si256(bytes, low);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+          const float s0 = scales[group[b]], s1 = scales[group[b + 1]];
+          for (int64_t t = 0; t < TB; ++t) {
+            const int8_t* xp = xq[t] + b * kBlock;
+            const __m256i pairs = _mm256_add_epi16(
+                _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp))),
+                _mm256_maddubs_epi16(
+                    hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + kBlock))));
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+            const __m256 scale = _mm256_set_m128(_mm_set1_ps(xs[t][b + 1] * s1),
+                                                 _mm_set1_ps(xs[t][b] * s0));
+            acc0[t] = _mm256_fmadd_ps(dot, scale, acc0[t]);
+          }
+        }
+      }
+      for (; b + 2 <= blocks; b += 2) {
+        const WeightBlock w0 = load_block<f>(row, b * kBlock);
+        const WeightBlock w1 = load_block<f>(row, (b + 1) * kBlock);
+        const float s0 = scales[group[b]], s1 = scales[group[b + 1]];
+        for (int64_t t = 0; t < TB; ++t) {
+          const __m256 d0 = _mm256_cvtepi32_ps(dot_block<f>(w0, xq[t] + b * kBlock));
+          const __m256 d1 = _mm256_cvtepi32_ps(dot_block<f>(w1, xq[t] + (b + 1) * kBlock));
+          acc0[t] = _mm256_fmadd_ps(d0, _mm256_set1_ps(xs[t][b] * s0), acc0[t]);
+          acc1[t] = _mm256_fmadd_ps(d1, _mm256_set1_ps(xs[t][b + 1] * s1), acc1[t]);
+        }
+      }
+      if (b < blocks) {
+        const WeightBlock w0 = load_block<f>(row, b * kBlock);
+        const float s0 = scales[group[b]];
+        for (int64_t t = 0; t < TB; ++t) {
+          const __m256 d0 = _mm256_cvtepi32_ps(dot_block<f>(w0, xq[t] + b * kBlock));
+          acc0[t] = _mm256_fmadd_ps(d0, _mm256_set1_ps(xs[t][b] * s0), acc0[t]);
+        }
+      }
+      for (int64_t t = 0; t < TB; ++t) sum[t] = sum_lanes(_mm256_add_ps(acc0[t], acc1[t]));
+    }
+#endif
+    if (!KVSERVE_INT8_DOT_SIMD || !aligned) {
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        const int64_t group_end = (gi + 1) * g;
+        float part[TB] = {};
+        for (int64_t i = gi * g, b = gi * per_group; i < group_end; i += kBlock, ++b) {
+          const int64_t len = std::min(kBlock, group_end - i);
+#if KVSERVE_INT8_DOT_SIMD
+          if (len == kBlock) {
+            const WeightBlock weights = load_block<f>(row, i);
+            for (int64_t t = 0; t < TB; ++t) {
+              part[t] += xs[t][b] * static_cast<float>(sum_lanes_int(dot_block<f>(weights,
+                                                                                 xq[t] + i)));
+            }
+            continue;
+          }
+#endif
+          for (int64_t t = 0; t < TB; ++t) {
+            part[t] += xs[t][b] * static_cast<float>(dot_scalar<f>(row, xq[t], i, len));
+          }
+        }
+        for (int64_t t = 0; t < TB; ++t) sum[t] += part[t] * scales[gi];
+      }
+    }
+    for (int64_t t = 0; t < TB; ++t) {
+      if constexpr (kZero) {
+        sum[t] -= zero_part(w.zeros + o * groups, scales, x.group_sum.data() + (t0 + t) * groups,
+                            groups);
+      }
+      y[(t0 + t) * w.n + o] = sum[t];
+    }
+  }
+}
+
+template <F f, bool kZero>
+void gemv_format(const RoundedInput& x, const QuantizedWeight& w, int64_t m, float* y) {
+  at::parallel_for(0, w.n, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r0 = begin; r0 < end; r0 += kRowTile) {
+      const int64_t r1 = std::min(end, r0 + kRowTile);
+      for (int64_t t0 = 0; t0 < m; t0 += kTokenBlock) {
+        switch (std::min(kTokenBlock, m - t0)) {
+          case 1: rows_for_tokens<f, kZero, 1>(x, t0, w, r0, r1, y); break;
+          case 2: rows_for_tokens<f, kZero, 2>(x, t0, w, r0, r1, y); break;
+          case 3: rows_for_tokens<f, kZero, 3>(x, t0, w, r0, r1, y); break;
+          default: rows_for_tokens<f, kZero, 4>(x, t0, w, r0, r1, y); break;
+        }
+      }
+    }
+  });
+}
+
+void quantized_gemv_int8_input_impl(c10::ScalarType dtype, const void* input,
+                                    int64_t input_stride, const QuantizedWeight& w,
+                                    const void* bias, void* out, int64_t m) {
+  const RoundedInput x = round_input(dtype, input, input_stride, m, w);
+  std::vector<float> y(m * w.n);
+  const bool zero = w.zeros != nullptr;
+  switch (w.format) {
+    case F::kInt8:
+      zero ? gemv_format<F::kInt8, true>(x, w, m, y.data())
+           : gemv_format<F::kInt8, false>(x, w, m, y.data());
+      break;
+    case F::kInt4:
+      zero ? gemv_format<F::kInt4, true>(x, w, m, y.data())
+           : gemv_format<F::kInt4, false>(x, w, m, y.data());
+      break;
+    default: TORCH_CHECK(false, "quantized_linear: quantize_input takes int8 or int4 weights");
+  }
+  KVSERVE_DISPATCH_FLOATING(dtype, [&] {
+    auto* o = static_cast<scalar_t*>(out);
+    const auto* b = static_cast<const scalar_t*>(bias);
+    for (int64_t t = 0; t < m; ++t) {
+      float* row = y.data() + t * w.n;
+      if (b != nullptr) {
+        for (int64_t j = 0; j < w.n; ++j) row[j] += static_cast<float>(b[j]);
+      }
+      convert_from_float(row, o + t * w.n, w.n);
+    }
+  });
+}
+
+}  // namespace
+
+KVSERVE_REGISTER_CPU_KERNEL(quantized_gemv_int8_input_stub, &quantized_gemv_int8_input_impl);
+
+}  // namespace CPU_CAPABILITY
+}  // namespace kvserve::cpu

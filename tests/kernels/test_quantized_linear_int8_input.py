@@ -1,0 +1,156 @@
+"""quantized_linear with quantize_input (int8 and int4 weights, the input rounded to int8 blocks
+of 32 and multiplied in integers on the CPU, llama.cpp's Q8_0 activations) against the
+reference's block rounding written out and an fp64 product on the rounded input; the rounding
+itself exactly, ties, empty and non-finite blocks included."""
+
+import pytest
+import torch
+
+import kvserve  # registers torch.ops.kvserve
+from kvserve.quantization import quantize_int4, quantize_int8
+from kvserve.testing import reference
+from tests.kernels.capability import CAPABILITIES, check_variant
+
+ops = torch.ops.kvserve
+
+# The reference rounds the input exactly as the op does, so what is left is fp32 accumulation
+# (and one rounding of the output to bf16 / fp16).
+TOLERANCES = {
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.bfloat16: dict(atol=3e-2, rtol=2e-2),
+    torch.float16: dict(atol=3e-3, rtol=3e-3),
+}
+# Up to 32 tokens run the integer kernels (blocks of up to 4 tokens); 40 rounds the input and
+# takes the GEMM.
+TOKENS = [1, 3, 5, 32, 40]
+# (format, n, k, group_size): per row and grouped; int8 groups that are not multiples of 32 end
+# in a short block.
+CASES = [
+    ("int8", 1, 1, 1), ("int8", 7, 45, 45), ("int8", 33, 96, 48), ("int8", 130, 100, 100),
+    ("int8", 64, 256, 32), ("int8", 19, 2048, 2048),
+    ("int4", 1, 32, 32), ("int4", 7, 96, 32), ("int4", 33, 128, 64), ("int4", 130, 256, 128),
+    ("int4", 17, 160, 160),
+]
+
+
+def quantized(fmt, n, k, group_size, seed=0, zeros=True):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    if fmt == "int8":
+        return quantize_int8(w, group_size)
+    q = quantize_int4(w, group_size)
+    return q if zeros else type(q)(q.qweight, q.scales, None, group_size)
+
+
+def operands(m, k, n, dtype, bias, seed=0, pad=0):
+    g = torch.Generator().manual_seed(seed + 1)
+    x = (torch.randn(m, k + pad, generator=g) * torch.rand(m, k + pad, generator=g) * 4)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    return x.to(dtype)[:, :k], b
+
+
+def check(q, x, b, dtype):
+    out = ops.quantized_linear(x, q.qweight, q.scales, q.zeros, q.group_size, b, True)
+    assert out.dtype == dtype and out.shape == (x.shape[0], q.shape[0])
+    expected = reference.quantized_linear(x, q.qweight, q.scales, q.zeros, q.group_size, b,
+                                          quantize_input=True)
+    torch.testing.assert_close(out.double(), expected, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
+@pytest.mark.parametrize("fmt, n, k, group_size", CASES)
+@pytest.mark.parametrize("m", TOKENS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_input_matches_reference(fmt, n, k, group_size, m, dtype, bias):
+    x, b = operands(m, k, n, dtype, bias, pad=3)  # strided rows
+    check(quantized(fmt, n, k, group_size), x, b, dtype)
+
+
+@pytest.mark.parametrize("m", [1, 6, 40])
+def test_int4_without_zeros_and_with_fractional_zeros(m):
+    """Symmetric int4 (GPTQ's sym), and zeros that are not integers (Q4_1-style minimums)."""
+    q = quantized("int4", 40, 128, 32, zeros=False)
+    x, b = operands(m, 128, 40, torch.float32, True)
+    check(q, x, b, torch.float32)
+    q = quantized("int4", 40, 128, 32)
+    q.zeros = q.zeros + 0.375
+    check(q, x, b, torch.float32)
+
+
+def test_int8_extremes_do_not_saturate():
+    """Weights of -128 and 127 against inputs of +-127 (the largest int16 pair sums of
+    maddubs) give the exact integer products."""
+    k = 64
+    w = torch.full((4, k), 127, dtype=torch.int8)
+    w[1] = -128
+    w[2, ::2] = -128
+    w[3, 1::2] = -128
+    x = torch.full((2, k), 1.0)
+    x[1, ::2] = -1.0
+    scales = torch.ones(4, 1)
+    out = ops.quantized_linear(x, w, scales, None, k, None, True)
+    exact = (x.double() @ w.double().T)  # x rounds to +-127 with d = 1 / 127
+    torch.testing.assert_close(out.double(), exact, atol=1e-4, rtol=1e-6)
+
+
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("m", [1, 5, 40])
+@pytest.mark.parametrize("k, group_size", [(64, 32), (90, 45), (96, 96)])
+def test_rounding_is_exactly_the_contracts(m, k, group_size):
+    """An identity weight returns the rounded input itself: ties round half to even and an
+    all-zero block stays zero; a block with a NaN or an infinity makes the token's outputs NaN
+    (each reads every input, as in the exact product)."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(m, k, generator=g) * 3
+    x[0, :8] = torch.tensor([127.0, 2.5, 3.5, -2.5, -0.5, 0.5, 1.5, 126.5])  # max 127: d = 1
+    x[0, 8:group_size] = 0.25
+    if m > 1:
+        x[1, :group_size] = 0.0
+        x[-1, group_size:] = torch.tensor([float("nan"), float("inf")]).repeat(k)[:k - group_size]
+    eye = torch.eye(k, dtype=torch.int8)
+    out = ops.quantized_linear(x, eye, torch.ones(k, k // group_size), None, group_size, None,
+                               True)
+    expected = reference.round_input_to_int8_blocks(x, group_size)
+    finite = m - 1 if m > 1 and k > group_size else m
+    assert torch.equal(out[:finite], expected[:finite])
+    assert out[0, :8].tolist() == [127.0, 2.0, 4.0, -2.0, -0.0, 0.0, 2.0, 126.0]
+    if m > 1:
+        assert not out[1, :group_size].any()
+    if finite < m:
+        assert out[-1].isnan().all()
+        assert expected[-1, group_size:min(k, group_size + 32)].isnan().all()
+        assert not expected[-1, :group_size].isnan().any()
+
+
+def test_error_against_the_exact_product_is_the_rounding():
+    """The integer path differs from the exact one by about the input's rounding: well under
+    1% of the output's scale for Gaussian inputs, and it is not the exact product."""
+    q = quantized("int4", 256, 1024, 32)
+    x, _ = operands(4, 1024, 256, torch.float32, False)
+    exact = ops.quantized_linear(x, q.qweight, q.scales, q.zeros, 32, None)
+    rounded = ops.quantized_linear(x, q.qweight, q.scales, q.zeros, 32, None, True)
+    error = (rounded - exact).abs().max() / exact.abs().max()
+    assert 0 < error < 1e-2
+
+
+def test_bad_arguments():
+    f = torch.randn(8, 64).to(torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match="quantize_input takes int8 or int4"):
+        ops.quantized_linear(torch.randn(2, 64), f, torch.ones(8, 1), None, 64, None, True)
+
+
+def capability_checks():
+    for dtype in TOLERANCES:
+        for fmt, n, k, group_size in (("int8", 37, 100, 50), ("int8", 37, 128, 64),
+                                      ("int4", 37, 128, 32), ("int4", 37, 256, 128)):
+            for m in (1, 2, 3, 5, 9):
+                x, b = operands(m, k, n, dtype, True, seed=m)
+                check(quantized(fmt, n, k, group_size, seed=m), x, b, dtype)
+    test_int8_extremes_do_not_saturate()
+    for m in (1, 5):
+        test_rounding_is_exactly_the_contracts(m, 90, 45)
+
+
+@pytest.mark.parametrize("capability", CAPABILITIES)
+def test_cpu_capability_variants(capability, capability_processes):
+    check_variant(capability, capability_processes, capability_checks)
