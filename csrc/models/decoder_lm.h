@@ -26,7 +26,8 @@
 namespace kvserve {
 
 /// embed -> L x (norm, attention, residual, norm, MLP, residual) -> norm. Weights (loader names):
-/// embed_tokens.weight [vocab, hidden], norm.weight, lm_head.weight unless tied, and per layer
+/// embed_tokens.weight [vocab, hidden], norm.weight, lm_head.weight (or lm_head.qweight, .scales,
+/// .zeros: quantized) unless tied, and per layer
 /// input_layernorm.weight, post_attention_layernorm.weight, the attention's and the MLP's
 /// (GatedMLP under layers.<i>.mlp., or SparseMoE on the config's MoE layers). With the config's
 /// sandwich_norms (Gemma 2/3) a layer is norm, attention, norm (post_attention_layernorm),
@@ -175,8 +176,9 @@ class DecoderLM : public CausalLM {
   /// The final norm and the LM head, after the layers.
   void finish(const WeightMap& w) {
     norm_ = norm(w, "norm.weight");
-    lm_head_ = Linear(config_.tie_word_embeddings ? embed_tokens_ : w.get("lm_head.weight"),
-                      at::Tensor());
+    // An untied head may be quantized (lm_head.qweight: `kvserve quantize --lm-head`).
+    lm_head_ = config_.tie_word_embeddings ? Linear(embed_tokens_, at::Tensor())
+                                           : Linear::load(w, "lm_head");
     // A tied embedding reads its rows from the LM head's (packed) weight: one copy of the matrix.
     if (config_.tie_word_embeddings && lm_head_.packed()) embed_tokens_ = at::Tensor();
   }

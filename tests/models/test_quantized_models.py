@@ -240,3 +240,49 @@ def test_model_card_states_the_method_and_perplexity(original, tmp_path):
     assert f"{ppl['quantized']:.4f} quantized, {ppl['original']:.4f} original" in line
     quantize_checkpoint(original, tmp_path / "fp8", "fp8")
     assert "not measured" in (tmp_path / "fp8" / "README.md").read_text()
+
+
+def meaning_of(t: dict[str, torch.Tensor], method: str) -> dict[str, torch.Tensor]:
+    """The dequantized weight of every quantized module of a `quantize` output."""
+    if method == "int4":
+        return {m: awq_dequantize(t, m, 32) for m in linear_modules(t, ".qweight")}
+    return {m: t[m + ".weight"].float() * t[m + ".weight_scale"].float()
+            for m in linear_modules(t, ".weight_scale")}
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_lm_head_quantized_too_matches_transformers_on_the_meaning(original, tmp_path, method):
+    out = tmp_path / method
+    quantize_checkpoint(original, out, method, group_size=32, lm_head=True)
+    weights = meaning_of(load_file(out / "model.safetensors"), method)
+    assert "lm_head" in weights and len(weights) == 2 * 7 + 1
+    assert_same_generation(out, reference_model(original, weights))
+    head_plain = tmp_path / (method + "-head-plain")
+    quantize_checkpoint(original, head_plain, method, group_size=32)
+    held = {p: kvserve.LLM(p, dtype=torch.float32).model.weight_bytes for p in (out, head_plain)}
+    assert held[out] < held[head_plain]
+    assert "--lm-head" in (out / "README.md").read_text()
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc.get("lm_head") is True if method == "int4" else "lm_head" not in qc["ignore"]
+
+
+def test_lm_head_of_a_tied_model_is_untied(tmp_path):
+    tied = make_checkpoint(tmp_path / "tied", "LlamaForCausalLM", tie_word_embeddings=True)
+    out = tmp_path / "int8"
+    quantize_checkpoint(tied, out, "int8", lm_head=True)
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    t = load_file(out / "model.safetensors")
+    embedding = load_file(tied / "model.safetensors")["model.embed_tokens.weight"]
+    assert torch.equal(t["model.embed_tokens.weight"], embedding)  # the lookup stays exact
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tied, tie_word_embeddings=False).eval()
+    state = model.state_dict()
+    state.update({m + ".weight": w for m, w in meaning_of(t, "int8").items()})
+    state["model.embed_tokens.weight"] = embedding
+    model.load_state_dict(state)
+    assert_same_generation(out, model)
+
+
+def test_lm_head_takes_weight_only_methods(original, tmp_path):
+    with pytest.raises(ValueError, match="--lm-head takes --method int8, fp8, int4, awq"):
+        quantize_checkpoint(original, tmp_path / "w8a8", "w8a8", lm_head=True)

@@ -134,7 +134,7 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
         "norm.weight": read("model.norm.weight"),
     }
     if not config.tie_word_embeddings:
-        w["lm_head.weight"] = _vocab_rows(read, "lm_head.weight", config, shard)
+        _lm_head(read, config, shard, w)
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         out = f"layers.{i}."
@@ -169,6 +169,31 @@ def _vocab_rows(read: _TensorReader, name: str, config: _C.ModelConfig,
         return read.raw(name, read.dtype, (0, first, n))
     rows = [read.raw(name, read.dtype, (0, first, held))] if held else []
     return torch.cat(rows + [torch.zeros(n - held, config.hidden_size, dtype=read.dtype)])
+
+
+def _lm_head(read: _TensorReader, config: _C.ModelConfig, shard: Shard | None,
+             w: dict[str, torch.Tensor]) -> None:
+    """The untied LM head: plain, or quantized when the checkpoint quantized it (as
+    lm_head.qweight / .scales / .zeros); a tensor-parallel rank's rows of the vocabulary, zero
+    rows past its end."""
+    if not read.quantized("lm_head"):
+        w["lm_head.weight"] = _vocab_rows(read, "lm_head.weight", config, shard)
+        return
+    q = read.linear("lm_head", (config.vocab_size, config.hidden_size))
+    if shard is not None:
+        first, n = local_vocab(config, shard)
+        held = max(0, min(n, config.vocab_size - first))
+        parts = [q.narrow(0, first, held, name="lm_head")] if held else []
+        if held < n:
+            parts.append(QuantizedWeight(
+                torch.zeros(n - held, q.qweight.shape[1], dtype=q.qweight.dtype),
+                torch.zeros(n - held, q.scales.shape[1]),
+                None if q.zeros is None else torch.zeros(n - held, q.zeros.shape[1]),
+                q.group_size, q.outlier_threshold))
+        q = QuantizedWeight.concat(parts)
+    w["lm_head.qweight"], w["lm_head.scales"] = q.qweight, q.scales
+    if q.zeros is not None:
+        w["lm_head.zeros"] = q.zeros
 
 
 def _read_attention(read: _TensorReader, c: _C.ModelConfig, layer: int, attn: str, out: str,

@@ -46,6 +46,9 @@ class CheckpointQuantization:
     per_tensor: bool = False  # compressed-tensors 8-bit: one scale for the whole weight
     outlier_threshold: float = 6.0  # bitsandbytes: llm_int8_threshold
     int8_activations: bool = False  # compressed-tensors W8A8: activations to int8 per token
+    # The LM head quantized too: compressed-tensors when "lm_head" is not ignored; AWQ / GPTQ
+    # with "lm_head": true (the key vLLM reads; GPTQModel writes it).
+    lm_head: bool = False
 
     @property
     def scheme(self) -> str:
@@ -62,17 +65,24 @@ class CheckpointQuantization:
         return 0.0 if self.int8_activations else self.outlier_threshold
 
     def covers(self, module: str) -> bool:
-        """Whether the linear layer `module` (e.g. model.layers.0.mlp.down_proj) is quantized."""
+        """Whether the linear layer `module` (e.g. model.layers.0.mlp.down_proj, lm_head) is
+        quantized."""
+        if module == "lm_head":
+            return self.lm_head
         projection = re.search(r"\.(self_attn|mlp|block_sparse_moe)\.", module)
         if not projection or module.endswith(".gate"):
-            return False  # embeddings, LM head and routers stay plain
+            return False  # embeddings and routers stay plain
+        return not self.ignores(module)
+
+    def ignores(self, module: str) -> bool:
+        """Whether the ignore list (modules_to_not_convert) names `module`."""
         for pattern in self.ignore:
             if pattern.startswith("re:"):
                 if re.match(pattern[3:], module):
-                    return False
+                    return True
             elif module == pattern or module.endswith("." + pattern):
-                return False
-        return True
+                return True
+        return False
 
     def groups(self, in_features: int) -> int:
         return 1 if self.group_size in (-1, 0) else in_features // self.group_size
@@ -199,15 +209,20 @@ def bitsandbytes_config(threshold: float) -> dict:
             "llm_int8_has_fp16_weight": False}
 
 
-def awq_config(group_size: int, plain: list[str] | None = None) -> dict:
-    """plain: modules left unquantized (full names)."""
-    return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
-            "version": "gemm", "modules_to_not_convert": plain or None}
+def awq_config(group_size: int, plain: list[str] | None = None, lm_head: bool = False) -> dict:
+    """plain: modules left unquantized (full names); lm_head: the LM head quantized too."""
+    config = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
+              "version": "gemm", "modules_to_not_convert": plain or None}
+    if lm_head:
+        config["lm_head"] = True
+    return config
 
 
-def compressed_tensors_config(kind: str, int8_activations: bool = False) -> dict:
+def compressed_tensors_config(kind: str, int8_activations: bool = False,
+                              lm_head: bool = False) -> dict:
     """kind: "int" (int8) or "float" (fp8 E4M3); per-channel symmetric weights; activations in
-    the model's dtype, or (int8_activations) int8 with a dynamic scale per token (W8A8)."""
+    the model's dtype, or (int8_activations) int8 with a dynamic scale per token (W8A8);
+    lm_head: the LM head quantized too (not in "ignore")."""
     activations = {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True,
                    "dynamic": True, "group_size": None, "observer": None}
     return {
@@ -220,7 +235,7 @@ def compressed_tensors_config(kind: str, int8_activations: bool = False) -> dict
                         "dynamic": False, "group_size": None, "observer": "minmax"},
             "input_activations": activations if int8_activations else None,
             "output_activations": None}},
-        "ignore": ["lm_head"],
+        "ignore": [] if lm_head else ["lm_head"],
     }
 
 
@@ -243,14 +258,15 @@ def parse_quantization_config(config: dict) -> CheckpointQuantization | None:
                               f"zero_point {qc.get('zero_point')}")
         ignore = list(qc.get("modules_to_not_convert") or [])
         return CheckpointQuantization("awq", 4, int(qc.get("group_size", 128)), False,
-                                      ignore=ignore)
+                                      ignore=ignore, lm_head=bool(qc.get("lm_head", False)))
     if method == "gptq":
         if qc.get("bits", 4) != 4 or qc.get("desc_act", False) or str(
                 qc.get("checkpoint_format", "gptq")) != "gptq":
             raise unsupported(f"GPTQ with {qc.get('bits')} bits, desc_act {qc.get('desc_act')}, "
                               f"checkpoint_format {qc.get('checkpoint_format')!r}")
         return CheckpointQuantization("gptq", 4, int(qc.get("group_size", 128)),
-                                      bool(qc.get("sym", True)))
+                                      bool(qc.get("sym", True)),
+                                      lm_head=bool(qc.get("lm_head", False)))
     if method == "compressed-tensors":
         return _compressed_tensors(qc, unsupported)
     if method == "bitsandbytes":
@@ -276,7 +292,9 @@ def _compressed_tensors(qc: dict, unsupported) -> CheckpointQuantization:
     ignore = list(qc.get("ignore") or [])
     if fmt == "pack-quantized" and bits == 4 and kind == "int" and strategy in ("group", "channel"):
         group = int(weights.get("group_size") or -1) if strategy == "group" else -1
-        return CheckpointQuantization("compressed-tensors", 4, group, symmetric, fmt, ignore)
+        quant = CheckpointQuantization("compressed-tensors", 4, group, symmetric, fmt, ignore)
+        quant.lm_head = not quant.ignores("lm_head")
+        return quant
     if (fmt in ("float-quantized", "int-quantized", "naive-quantized") and bits == 8
             and kind in ("float", "int") and strategy in ("channel", "tensor") and symmetric):
         # Dynamic per-token int8 activations run as W8A8; static activation scales (and fp8
@@ -285,7 +303,9 @@ def _compressed_tensors(qc: dict, unsupported) -> CheckpointQuantization:
         int8_activations = kind == "int" and a.get("num_bits") == 8 and a.get("type") == "int" \
             and a.get("strategy") == "token" and bool(a.get("dynamic")) \
             and a.get("symmetric", True)
-        return CheckpointQuantization("compressed-tensors", 8, -1, True, kind, ignore,
-                                      strategy == "tensor", int8_activations=int8_activations)
+        quant = CheckpointQuantization("compressed-tensors", 8, -1, True, kind, ignore,
+                                       strategy == "tensor", int8_activations=int8_activations)
+        quant.lm_head = not quant.ignores("lm_head")
+        return quant
     raise unsupported(f"compressed-tensors format {fmt!r} with {bits}-bit {kind} weights "
                       f"({strategy}, symmetric {symmetric})")

@@ -19,7 +19,10 @@ of the quantized and of the original model on its first --eval-tokens tokens.
 Attention and MLP projections are quantized; embeddings, norms, the LM head and MoE routers are
 copied as they are, and so is a projection whose shape the int4 layout cannot hold (in_features
 not a multiple of the group size, out_features not of 8): it is listed in the config's
-`modules_to_not_convert`, as AutoAWQ does.
+`modules_to_not_convert`, as AutoAWQ does. With --lm-head (int8, fp8, int4, awq) the LM head is
+quantized too, round to nearest in the same format (llama.cpp keeps its output layer in 6 bits):
+a head tied to the embedding is untied first (the embedding stays as it was, the config gets
+tie_word_embeddings false), since the embedding's lookup reads plain rows.
 """
 
 from __future__ import annotations
@@ -43,12 +46,13 @@ from kvserve.quantization.formats import (
 from kvserve.quantization.weights import quantize_fp8, quantize_int4, quantize_int8
 
 METHODS = ("int8", "w8a8", "llm.int8", "fp8", "int4", "awq")
+LM_HEAD_METHODS = ("int8", "fp8", "int4", "awq")  # weight-only: the head's input is per token
 LLM_INT8_THRESHOLD = 6.0  # bitsandbytes' default: the paper's outlier magnitude
 
 
 def quantize_checkpoint(model_dir: Path, out_dir: Path, method: str, group_size: int = 128,
                         calibration: Path | None = None, eval_text: Path | None = None,
-                        eval_tokens: int = 4096) -> dict:
+                        eval_tokens: int = 4096, lm_head: bool = False) -> dict:
     """Writes the quantized checkpoint to out_dir (config.json with its quantization_config, one
     model.safetensors, the other files copied, the model card's Quantization section) and
     returns its quantization_config. Raises ValueError for an unknown method, an already
@@ -71,14 +75,19 @@ def quantize_checkpoint(model_dir: Path, out_dir: Path, method: str, group_size:
     if (method == "awq") != (calibration is not None):
         raise ValueError("--calibration FILE (text) is what --method awq calibrates on, and "
                          "only it")
+    if lm_head and method not in LM_HEAD_METHODS:
+        raise ValueError(f"--lm-head takes --method {', '.join(LM_HEAD_METHODS)}, got {method!r}")
     source: dict[str, torch.Tensor] = {}
     for file in files:
         source.update(load_file(file))
+    if lm_head and "lm_head.weight" not in source:  # tied: the head becomes its own matrix
+        source["lm_head.weight"] = source["model.embed_tokens.weight"].clone()
+        config["tie_word_embeddings"] = False
     if method == "awq":
         from kvserve.quantization.awq import awq_transform
 
         awq_transform(model_dir, source, Path(calibration), group_size)
-    covers = CheckpointQuantization(method, 8, -1).covers
+    covers = CheckpointQuantization(method, 8, -1, lm_head=lm_head).covers
     tensors: dict[str, torch.Tensor] = {}
     plain: list[str] = []
     for name, t in source.items():
@@ -90,17 +99,22 @@ def quantize_checkpoint(model_dir: Path, out_dir: Path, method: str, group_size:
             plain.append(module)
         else:
             tensors.update(_quantized(module, t, method, group_size))
+    if lm_head and "lm_head" in plain:
+        raise ValueError(f"--lm-head: the LM head [{source['lm_head.weight'].shape[0]}, "
+                         f"{source['lm_head.weight'].shape[1]}] does not fit int4 groups of "
+                         f"{group_size} (vocabulary a multiple of 8, hidden of the group)")
     if int4:
-        qc = awq_config(group_size, plain)
+        qc = awq_config(group_size, plain, lm_head)
     elif method == "llm.int8":
         qc = bitsandbytes_config(LLM_INT8_THRESHOLD)
     else:
-        qc = compressed_tensors_config("float" if method == "fp8" else "int", method == "w8a8")
+        qc = compressed_tensors_config("float" if method == "fp8" else "int", method == "w8a8",
+                                       lm_head)
     write_checkpoint(model_dir, out_dir, tensors, skip=("config.json",))
     config["quantization_config"] = qc
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     eval_text = eval_text if eval_text is not None else calibration
-    _write_card(model_dir, out_dir, method, group_size if int4 else None, qc, plain,
+    _write_card(model_dir, out_dir, method, group_size if int4 else None, qc, plain, lm_head,
                 _perplexities(model_dir, out_dir, eval_text, eval_tokens) if eval_text else None,
                 eval_text)
     return qc
@@ -124,16 +138,22 @@ def _perplexities(model_dir: Path, out_dir: Path, text: Path,
 
 
 def _write_card(model_dir: Path, out_dir: Path, method: str, group_size: int | None, qc: dict,
-                plain: list[str], ppl: tuple[float, float, int] | None,
+                plain: list[str], lm_head: bool, ppl: tuple[float, float, int] | None,
                 text: Path | None) -> None:
     card = model_dir / "README.md"
+    kept = "Embeddings, norms and MoE routers" if lm_head else \
+        "Embeddings, norms, the LM head and MoE routers"
     lines = [card.read_text().rstrip() + "\n" if card.is_file() else f"# {out_dir.name}\n",
              "## Quantization\n",
              f"- `python -m kvserve quantize --method {method}`"
-             f"{f' --group-size {group_size}' if group_size else ''} of `{model_dir.name}`, "
+             f"{f' --group-size {group_size}' if group_size else ''}"
+             f"{' --lm-head' if lm_head else ''} of `{model_dir.name}`, "
              f"written as `{qc['quant_method']}`.",
-             "- Embeddings, norms, the LM head and MoE routers are kept as they were"
+             f"- {kept} are kept as they were"
              f"{'; so are ' + ', '.join(plain) if plain else ''}."]
+    if lm_head:
+        lines.append("- The LM head is quantized too (untied from the embedding where it was "
+                     "tied).")
     if ppl is not None:
         quantized, original, tokens = ppl
         lines.append(f"- Perplexity on the first {tokens:,} tokens of `{Path(text).name}`: "
