@@ -10,8 +10,9 @@ memory limit.
    where W8A8 (int8 activations per token) runs int8 x int8.
 2. Model: batch-1 greedy decode (TPOT over --decode-tokens tokens of an 8-token prompt) of one
    random checkpoint quantized each way by `kvserve quantize`: fp32, bf16, int8, fp8, int4 (g128
-   and g32), int8 and int4 both "exact" and "a8" (quantized_activation); the quantized ones run
-   in bf16 like the bf16 baseline (activations, embeddings, LM head). Weights in MB as the engine
+   and g32), int8 and int4 both "exact" and "a8" (quantized_activation), and int8 / int4 with
+   the LM head quantized too ("+head", `--lm-head`, a8); the quantized ones run in bf16 like the
+   bf16 baseline (activations, embeddings, LM head unless quantized). Weights in MB as the engine
    holds them, TPOT, speed-up over bf16, weight GB/s (bytes held / TPOT) and its share of the
    bandwidth probe (taken before and after, averaged). In the same run, llama.cpp
    (llama-cpp-python) on the same weights as F32, BF16, Q8_0, Q4_0 and Q4_K_M GGUF files
@@ -160,14 +161,19 @@ def checkpoints(args) -> dict[str, tuple[Path, str, str]]:
     base = cached_checkpoint(args.cache_dir, "quant-" + args.model, "LlamaForCausalLM", cfg,
                              "float32")
     out = {"fp32": (base, "float32", "exact"), "bf16": (base, "bfloat16", "exact")}
-    for method, group in [*((m, 128) for m in METHODS), ("int4", 32)]:
-        suffix = method if group == 128 else f"{method}-g{group}"
+    specs = [*((m, 128, False) for m in METHODS), ("int4", 32, False),
+             ("int8", 128, True), ("int4", 128, True), ("int4", 32, True)]
+    for method, group, head in specs:
+        suffix = (method + (f"-g{group}" if group != 128 else "")
+                  + ("+head" if head else ""))
         path = base.with_name(base.name + "-" + suffix)
         if not (path / "config.json").is_file():
             print(f"quantizing {path.name} ...", flush=True)
-            quantize_checkpoint(base, path, method, group_size=group)
-        # activations, norms, embeddings and LM head as bf16
-        if method in ("int8", "int4"):
+            quantize_checkpoint(base, path, method, group_size=group, lm_head=head)
+        # activations, norms, embeddings (and the LM head but with --lm-head) as bf16
+        if head:
+            out[suffix + " a8"] = (path, "bfloat16", "int8")
+        elif method in ("int8", "int4"):
             out[suffix + " exact"] = (path, "bfloat16", "exact")
             out[suffix + " a8"] = (path, "bfloat16", "int8")
         else:
@@ -199,6 +205,12 @@ def bench_model(args) -> list[list]:
               "(see benchmarks/llama_cpp_peer.py)")
     runs = {name: [] for name in [*paths, *(f"llama.cpp {f}" for f in gguf)]}
     weights = {f"llama.cpp {f}": path.stat().st_size for f, path in gguf.items()}
+    # Bytes a decode step reads: what is held but the embedding, of which it reads one row.
+    cfg = MODELS[args.model]
+    embedding = {name: cfg["vocab_size"] * cfg["hidden_size"] * (4 if dtype == "float32" else 2)
+                 for name, (_, dtype, _) in paths.items()}
+    embedding.update({f"llama.cpp {f}": llama_cpp_peer.tensor_bytes(path, "token_embd.weight")
+                      for f, path in gguf.items()})
     threads = torch.get_num_threads()
     bandwidth = [memory_read_bandwidth()]
     for _ in range(args.repeats):
@@ -217,15 +229,16 @@ def bench_model(args) -> list[list]:
     rows = []
     for name, r in runs.items():
         t = statistics.median(r)
-        rate = weights[name] / t  # every weight byte read once per token
-        rows.append([name, f"{weights[name] / 1e6:.0f}", f"{t * 1e3:.1f}", f"{bf16 / t:.2f}x",
-                     f"{rate / 1e9:.1f}", f"{rate / probe:.2f}"])
+        read = weights[name] - embedding[name]
+        rate = read / t  # every weight byte but the embedding's read once per token
+        rows.append([name, f"{weights[name] / 1e6:.0f}", f"{read / 1e6:.0f}", f"{t * 1e3:.1f}",
+                     f"{bf16 / t:.2f}x", f"{rate / 1e9:.1f}", f"{rate / probe:.2f}"])
     print(f"\n{args.model}: batch-1 decode, {args.decode_tokens} tokens after an 8-token prompt, "
           f"medians of {args.repeats}; torch.sum reads {bandwidth[0] / 1e9:.1f} GB/s before, "
           f"{bandwidth[1] / 1e9:.1f} after; peers: "
           + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in peer.items()))
-    print(markdown_table(["weights", "MB held", "TPOT ms", "vs bf16", "weight GB/s",
-                          "of probe"], rows))
+    print(markdown_table(["weights", "MB held", "MB read a token", "TPOT ms", "vs bf16",
+                          "weight GB/s", "of probe"], rows))
     return rows
 
 

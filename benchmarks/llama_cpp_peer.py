@@ -118,6 +118,16 @@ def gguf_files(checkpoint: Path, script: Path,
     return files
 
 
+def tensor_bytes(path: Path, name: str) -> int:
+    """Bytes of tensor `name` in a GGUF file, as stored (read with the gguf package)."""
+    import gguf
+
+    for tensor in gguf.GGUFReader(str(path)).tensors:
+        if tensor.name == name:
+            return int(tensor.n_bytes)
+    raise KeyError(f"{path} has no tensor {name!r}")
+
+
 def decode_tpot(path: Path, prompt: list[int], num_tokens: int, threads: int) -> float:
     """Seconds per output token of batch-1 greedy decode (after the first token), as kvserve's
     time_per_output_token: from the first generated token to the last."""
