@@ -26,7 +26,7 @@ demo: install
 test-deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==$(TORCH_VERSION)"
 	$(PIP) install -q pytest pytest-xdist hypothesis "transformers>=4.45" "compressed-tensors>=0.12" scipy \
-		nbclient nbformat ipykernel matplotlib fastapi uvicorn prometheus-client openai httpx peft \
+		nbclient nbformat ipykernel matplotlib fastapi uvicorn prometheus-client openai httpx peft gguf \
 		"scikit-build-core>=0.10" ninja cmake
 	@dpkg -s libgtest-dev >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq libgtest-dev)
 

@@ -62,19 +62,27 @@ const char* quant_scheme_name(QuantScheme scheme) {
 }
 
 QuantScheme quant_scheme_from_name(const std::string& name) {
+  if (name == kMixedScheme) return QuantScheme::kNone;  // each weight's own (by its dtype)
   std::string names;
   for (QuantScheme scheme : kSchemes) {
     if (name == quant_scheme_name(scheme)) return scheme;
     names += std::string(names.empty() ? "" : ", ") + quant_scheme_name(scheme);
   }
   throw std::invalid_argument("unknown quantization scheme '" + name + "' (kvserve runs " +
-                              names + ")");
+                              names + ", " + kMixedScheme + ")");
 }
 
 QuantizedLinearWeight QuantizedLinearWeight::load(const WeightMap& w, const std::string& name,
                                                   bool weight_only) {
   QuantizedLinearWeight q;
-  q.scheme = quant_scheme_from_name(w.quantization().scheme);
+  const std::string& scheme = w.quantization().scheme;
+  q.scheme = quant_scheme_from_name(scheme);
+  if (scheme == kMixedScheme) {  // the scheme whose storage dtype the weight has
+    const at::ScalarType dtype = w.get(name + ".qweight").scalar_type();
+    for (QuantScheme s : {QuantScheme::kInt8, QuantScheme::kInt4, QuantScheme::kFp8}) {
+      if (storage_dtype(s) == dtype) q.scheme = s;
+    }
+  }
   if (q.scheme == QuantScheme::kNone) {
     throw std::invalid_argument("Linear: " + name + " is quantized (" + name + ".qweight), but "
                                 "the model's quantization config names no scheme");

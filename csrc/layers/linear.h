@@ -23,7 +23,11 @@ enum class QuantScheme {
 
 /// "none", "int8", "int4", "fp8" or "llm.int8" (QuantizationConfig::scheme's names).
 const char* quant_scheme_name(QuantScheme scheme);
-/// The scheme of a QuantizationConfig::scheme name; throws std::invalid_argument listing them.
+/// QuantizationConfig::scheme of a checkpoint whose projections differ (a GGUF file's block
+/// types): each quantized weight runs the scheme whose storage dtype its qweight has.
+inline constexpr const char* kMixedScheme = "mixed";
+/// The scheme of a QuantizationConfig::scheme name (kNone for "mixed": per weight); throws
+/// std::invalid_argument listing them.
 QuantScheme quant_scheme_from_name(const std::string& name);
 
 /// A quantized weight as its op reads it: q (int8, packed int4 or fp8 E4M3), fp32 scales and

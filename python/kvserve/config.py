@@ -114,13 +114,15 @@ def set_quantized_activation(config: _C.ModelConfig, choice: str,
     q = config.quantization
     if choice == "auto":
         choice = "int8" if torch.device(device).type == "cpu" else "exact"
-    q.activation = choice if q.scheme in ("int8", "int4") else "exact"
+    q.activation = choice if q.scheme in ("int8", "int4", "mixed") else "exact"
     config.quantization = q
 
 
 def load_checkpoint_info(model_dir: str | Path) -> CheckpointInfo:
     """Reads config.json (and generation_config.json if present) of a Hugging Face directory."""
     model_dir = Path(model_dir)
+    if model_dir.suffix == ".gguf" and model_dir.is_file():
+        return _gguf_checkpoint_info(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
     path = model_dir / "config.json"
@@ -136,6 +138,24 @@ def load_checkpoint_info(model_dir: str | Path) -> CheckpointInfo:
             eos = _token_ids(generation_fields, "eos_token_id", config.vocab_size)
     return CheckpointInfo(model_dir, config, hf, _checkpoint_dtype(hf, path), eos,
                           bos[0] if bos else None)
+
+
+def _gguf_checkpoint_info(path: Path) -> CheckpointInfo:
+    """A GGUF file's config (kvserve.loader.gguf_checkpoint): its metadata as config.json
+    fields; quantized projections in the "mixed" scheme (each by its block type's layout)."""
+    from kvserve.loader.gguf_checkpoint import GGUFCheckpoint
+
+    checkpoint = GGUFCheckpoint(path)
+    hf = checkpoint.hf_config
+    config = _model_config(hf, path)
+    if checkpoint.quantized:
+        q = config.quantization
+        q.scheme = "mixed"
+        config.quantization = q
+    fields = _Fields(hf, path)
+    bos = _token_ids(fields, "bos_token_id", config.vocab_size)
+    eos = _token_ids(fields, "eos_token_id", config.vocab_size)
+    return CheckpointInfo(path, config, hf, torch.float32, eos, bos[0] if bos else None)
 
 
 class _Fields:

@@ -48,7 +48,8 @@ class EngineArgs:
     option); ranges when the engine is (they depend on the model)."""
 
     model: str | Path = field(kw_only=False, metadata=dict(
-        help="a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)",
+        help="a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json), "
+        "or a llama.cpp GGUF file",
         cli=True, flag="--model", choices=None, aliases=()))
     dtype: str | torch.dtype = option(
         "auto", "weights and activations: the checkpoint's (auto), float32, bfloat16 or float16",

@@ -28,8 +28,16 @@ class Tokenizer:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> "Tokenizer | None":
-        """The directory's tokenizer, or None when it has no tokenizer.json."""
-        path = Path(model_dir) / "tokenizer.json"
+        """The directory's tokenizer, or None when it has no tokenizer.json; for a GGUF file,
+        the vocabulary in its metadata (kvserve.loader.gguf_tokenizer)."""
+        model_dir = Path(model_dir)
+        if model_dir.suffix == ".gguf" and model_dir.is_file():
+            from kvserve.loader.gguf_checkpoint import GGUFCheckpoint
+
+            tokenizer = cls.__new__(cls)
+            tokenizer._tok = GGUFCheckpoint(model_dir).tokenizer()
+            return tokenizer
+        path = model_dir / "tokenizer.json"
         return cls(path) if path.is_file() else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

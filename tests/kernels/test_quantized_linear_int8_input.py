@@ -24,10 +24,10 @@ TOLERANCES = {
 # takes the GEMM.
 TOKENS = [1, 3, 5, 32, 40]
 # (format, n, k, group_size): per row and grouped; int8 groups that are not multiples of 32 end
-# in a short block.
+# in a short block (groups of 16, GGUF's Q6_K, run two at a time; an odd count ends in one).
 CASES = [
     ("int8", 1, 1, 1), ("int8", 7, 45, 45), ("int8", 33, 96, 48), ("int8", 130, 100, 100),
-    ("int8", 64, 256, 32), ("int8", 19, 2048, 2048),
+    ("int8", 64, 256, 32), ("int8", 19, 2048, 2048), ("int8", 9, 48, 16), ("int8", 33, 256, 16),
     ("int4", 1, 32, 32), ("int4", 7, 96, 32), ("int4", 33, 128, 64), ("int4", 130, 256, 128),
     ("int4", 17, 160, 160),
 ]
@@ -142,6 +142,7 @@ def test_bad_arguments():
 def capability_checks():
     for dtype in TOLERANCES:
         for fmt, n, k, group_size in (("int8", 37, 100, 50), ("int8", 37, 128, 64),
+                                      ("int8", 37, 80, 16),
                                       ("int4", 37, 128, 32), ("int4", 37, 256, 128)):
             for m in (1, 2, 3, 5, 9):
                 x, b = operands(m, k, n, dtype, True, seed=m)

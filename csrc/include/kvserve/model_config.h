@@ -77,7 +77,7 @@ struct MoEConfig {
 /// the checkpoint's quantization_config (python/kvserve/quantization/formats.py). A projection
 /// with a plain `.weight` is plain whatever the scheme (modules a checkpoint leaves unquantized).
 #define KVSERVE_QUANTIZATION_CONFIG_FIELDS(X)                                               \
-  X(std::string, scheme, "none") /* none | int8 | int4 | fp8 | llm.int8 */                  \
+  X(std::string, scheme, "none") /* none | int8 | int4 | fp8 | llm.int8 | mixed (by dtype) */ \
   /* llm.int8: activation columns with an |x| at or over this run in float, the rest in */  \
   /* int8 per token; 0: none (W8A8). Routed experts run their int8 weights weight-only. */  \
   X(double, outlier_threshold, 6.0)                                                         \

@@ -222,8 +222,8 @@ float zero_part(const float* zeros, const float* scales, const float* sums, int6
 // int4 unpacked) once for all TB tokens. Groups that are multiples of 32 run as one flat loop over
 // the row's blocks, two at a time into two accumulators per token (so that FMA latency does not
 // bound the loop), each block's int32 sums taking the product of its input scale and its group's
-// weight scale in one FMA; int8 groups with a shorter last block go a group at a time, the short
-// block in scalar code.
+// weight scale in one FMA; int8 groups of 16 (GGUF's Q6_K) two at a time the same way; other
+// int8 groups with a shorter last block go a group at a time, the short block in scalar code.
 template <F f, bool kZero, int64_t TB>
 void rows_for_tokens(const RoundedInput& x, int64_t t0, const QuantizedWeight& w, int64_t begin,
                      int64_t end, float* y) {
@@ -231,6 +231,7 @@ void rows_for_tokens(const RoundedInput& x, int64_t t0, const QuantizedWeight& w
   const int64_t per_group = (g + kBlock - 1) / kBlock;
   const int64_t row_bytes = byte_offset<f>(k);
   const bool aligned = g % kBlock == 0;
+  const bool sixteens = f == F::kInt8 && g == kBlock / 2;  // Q6_K's sub-blocks
   const auto* q = static_cast<const uint8_t*>(w.q);
   const int8_t* xq[TB];
   const float* xs[TB];
@@ -243,7 +244,29 @@ void rows_for_tokens(const RoundedInput& x, int64_t t0, const QuantizedWeight& w
     const float* scales = w.scales + o * groups;
     float sum[TB] = {};
 #if KVSERVE_INT8_DOT_SIMD
-    if (aligned) {
+    if (sixteens) {
+      // int8 groups (and blocks) of 16: a pair per 32-byte load, lanes 0-3 of the sums block
+      // b's, lanes 4-7 block b + 1's; an odd last one in scalar code.
+      __m256 acc[TB];
+      for (int64_t t = 0; t < TB; ++t) acc[t] = _mm256_setzero_ps();
+      int64_t b = 0;
+      for (; b + 2 <= groups; b += 2) {
+        const WeightBlock pair = load_block<f>(row, b * 16);
+        for (int64_t t = 0; t < TB; ++t) {
+          const __m256 dot = _mm256_cvtepi32_ps(dot_block<f>(pair, xq[t] + b * 16));
+          const __m256 scale = _mm256_set_m128(_mm_set1_ps(xs[t][b + 1] * scales[b + 1]),
+                                               _mm_set1_ps(xs[t][b] * scales[b]));
+          acc[t] = _mm256_fmadd_ps(dot, scale, acc[t]);
+        }
+      }
+      for (int64_t t = 0; t < TB; ++t) {
+        sum[t] = sum_lanes(acc[t]);
+        if (b < groups) {
+          const int32_t dot = dot_scalar<f>(row, xq[t], b * 16, 16);
+          sum[t] += xs[t][b] * scales[b] * static_cast<float>(dot);
+        }
+      }
+    } else if (aligned) {
       // Blocks in pairs, each into its own accumulator; scales[group[b]]: the block's group.
       const int64_t blocks = x.blocks;
       const int32_t* group = x.block_group.data();
@@ -295,7 +318,7 @@ void rows_for_tokens(const RoundedInput& x, int64_t t0, const QuantizedWeight& w
       for (int64_t t = 0; t < TB; ++t) sum[t] = sum_lanes(_mm256_add_ps(acc0[t], acc1[t]));
     }
 #endif
-    if (!KVSERVE_INT8_DOT_SIMD || !aligned) {
+    if (!KVSERVE_INT8_DOT_SIMD || (!aligned && !sixteens)) {
       for (int64_t gi = 0; gi < groups; ++gi) {
         const int64_t group_end = (gi + 1) * g;
         float part[TB] = {};

@@ -90,7 +90,7 @@ class _TensorReader:
             linears = [self.linear(m, s) for m, s in zip(modules, shapes)]
             if parts is not None:
                 linears = [q.narrow(*part, name=m) for q, m, part in zip(linears, modules, parts)]
-            q = QuantizedWeight.concat(linears)
+            q = QuantizedWeight.concat(self.fusable(linears))
             w[out + ".qweight"], w[out + ".scales"] = q.qweight, q.scales
             if q.zeros is not None:
                 w[out + ".zeros"] = q.zeros
@@ -99,6 +99,11 @@ class _TensorReader:
                                             for m, s, part in zip(modules, shapes, parts)])
         else:
             w[out + ".weight"] = torch.cat([self.weight(m, s) for m, s in zip(modules, shapes)])
+
+    def fusable(self, parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
+        """Quantized parts of one fused projection, in one layout (a format whose parts may
+        differ converts them here)."""
+        return parts
 
     def part(self, module: str, shape: tuple[int, int], part: tuple[int, int, int]
              ) -> torch.Tensor:
@@ -124,11 +129,16 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
     if shard is not None:
         check_shardable(config, shard.size)
     model_dir = Path(model_dir)
-    index = WeightIndex.from_dir(model_dir)
-    config_path = model_dir / "config.json"
-    quant = parse_quantization_config(json.loads(config_path.read_text()))
-    check_weights(index, config, config_path, quant)
-    read = _TensorReader(index, dtype, quant)
+    if model_dir.suffix == ".gguf" and model_dir.is_file():  # a llama.cpp file, read as it is
+        from kvserve.loader.gguf_checkpoint import GGUFCheckpoint, GGUFTensorReader
+
+        read = GGUFTensorReader(GGUFCheckpoint(model_dir), dtype)
+    else:
+        index = WeightIndex.from_dir(model_dir)
+        config_path = model_dir / "config.json"
+        quant = parse_quantization_config(json.loads(config_path.read_text()))
+        check_weights(index, config, config_path, quant)
+        read = _TensorReader(index, dtype, quant)
     w: dict[str, torch.Tensor] = {
         "embed_tokens.weight": _vocab_rows(read, "model.embed_tokens.weight", config, shard),
         "norm.weight": read("model.norm.weight"),

@@ -58,6 +58,8 @@ class ChatTemplate:
         model_dir = Path(model_dir)
         config_path = model_dir / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        if model_dir.suffix == ".gguf" and model_dir.is_file():  # llama.cpp: in the metadata
+            config = _gguf_tokenizer_config(model_dir)
         tokens = {name: _token_text(config.get(name))
                   for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
         if override is not None:
@@ -91,3 +93,22 @@ class ChatTemplate:
                 IndexError, RecursionError) as e:  # what messages can make a template do
             raise ChatTemplateError(f"the chat template failed on these messages: "
                                     f"{type(e).__name__}: {e}") from e
+
+
+def _gguf_tokenizer_config(path: Path) -> dict:
+    """A GGUF file's chat template (tokenizer.chat_template) and special tokens, as the
+    tokenizer_config.json fields they stand for."""
+    from kvserve.loader.gguf_checkpoint import GGUFCheckpoint
+
+    checkpoint = GGUFCheckpoint(path)
+    tokens = checkpoint.field("tokenizer.ggml.tokens")
+    config = {}
+    template = checkpoint.reader.fields.get("tokenizer.chat_template")
+    if template is not None:
+        config["chat_template"] = template.contents()
+    for name in ("bos", "eos", "unknown", "padding"):
+        field = checkpoint.reader.fields.get(f"tokenizer.ggml.{name}_token_id")
+        if field is not None:
+            key = {"unknown": "unk", "padding": "pad"}.get(name, name) + "_token"
+            config[key] = tokens[int(field.contents())]
+    return config

@@ -1,0 +1,267 @@
+"""GGUF files load as they are: tiny Llama models written by the gguf package (llama.cpp's own
+writer, the converter's q/k row permutation applied) in F32, F16, BF16, Q8_0, Q4_0, Q4_1,
+Q4_K, Q5_K and Q6_K, against transformers reading the same file (`gguf_file=`, which dequantizes
+it with the gguf package): logits and greedy tokens, and the tokenizer's ids; each block type's
+conversion against the gguf package's own dequantization."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import kvserve
+from kvserve.quantization.gguf_blocks import BLOCKS, to_quantized
+from tests.models.test_parity import NUM_GREEDY_TOKENS, PROMPTS, hf_greedy, kvserve_prompt_logits
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+from kvserve.testing.checkpoints import make_checkpoint  # noqa: E402
+
+T = gguf.GGMLQuantizationType
+# K-quants need rows that are multiples of 256 inputs.
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=384)
+LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+         "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+         "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+         "mlp.down_proj": "ffn_down"}
+
+
+def random_blocks(kind: str, rows: int, k: int, seed: int) -> np.ndarray:
+    """Valid blocks of a type the gguf package cannot quantize to (K-quants): random bits, with
+    fp16 scales that keep the weights ~0.1."""
+    size, nbytes = BLOCKS[kind]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, k // size, nbytes), dtype=np.uint8)
+    scale_at = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}[kind]
+    for offset in scale_at:  # d (and dmin) as small positive fp16 numbers
+        values = rng.uniform(1e-4, 4e-4, size=(rows, k // size)).astype(np.float16)
+        raw[..., offset:offset + 2] = values.view(np.uint8).reshape(rows, k // size, 2)
+    return raw.reshape(rows, -1)
+
+
+def encode(weight: torch.Tensor, kind: str, seed: int) -> tuple[np.ndarray, object]:
+    """(data, raw dtype) of a weight [n, k] stored as `kind`."""
+    w = weight.float().numpy()
+    if kind == "F32":
+        return w, T.F32
+    if kind == "F16":
+        return w.astype(np.float16), T.F16
+    if kind in ("BF16", "Q8_0", "Q4_0", "Q4_1"):
+        return gguf.quants.quantize(w, T[kind]), T[kind]
+    return random_blocks(kind, w.shape[0], w.shape[1], seed), T[kind]
+
+
+def permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's convert_hf_to_gguf.py permutation of q / k rows (each head's halves
+    interleaved)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape)
+
+
+def vocabulary(size: int) -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece-style vocabulary of `size` pieces: <unk>, <s>, </s>, 256 byte pieces,
+    then letters and some of their pairs with a leading U+2581."""
+    tokens, types = ["<unk>", "<s>", "</s>"], [2, 3, 3]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [6] * 256
+    letters = "etaoinshrdlucmfwypvbgkqjxz"
+    pieces = ["\u2581", *letters] + [f"\u2581{c}" for c in letters] + [
+        a + b for a in "etaoinsh" for b in "etaoinsh"]
+    for piece in pieces:
+        if len(tokens) == size:
+            break
+        tokens.append(piece)
+        types.append(1)
+    while len(tokens) < size:
+        tokens.append(f"\u2581w{len(tokens)}")
+        types.append(1)
+    scores = [0.0] * 259 + [-float(i) for i in range(size - 259)]
+    return tokens, scores, types
+
+
+def write_gguf(plain, path, kinds: dict[str, str], tied: bool = False,
+               chat_template: str | None = None) -> None:
+    """plain's weights as a GGUF file; kinds: GGUF tensor type per HF module suffix
+    (q_proj, down_proj, embed_tokens, lm_head, ...), F32 otherwise."""
+    config = transformers.AutoConfig.from_pretrained(plain)
+    state = load_file(plain / "model.safetensors")
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(10000.0)
+    tokens, scores, types = vocabulary(config.vocab_size)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+    seed = 0
+    for name, t in state.items():
+        if tied and name == "lm_head.weight":
+            continue
+        module = name.removesuffix(".weight")
+        suffix = module.rpartition(".")[2]
+        if name.startswith("model.layers."):
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            out = f"blk.{layer}.{LAYER[rest.removesuffix('.weight')]}.weight"
+        else:
+            out = {"model.embed_tokens.weight": "token_embd.weight",
+                   "model.norm.weight": "output_norm.weight",
+                   "lm_head.weight": "output.weight"}[name]
+        if suffix == "q_proj":
+            t = permute(t, config.num_attention_heads)
+        elif suffix == "k_proj":
+            t = permute(t, config.num_key_value_heads)
+        seed += 1
+        if t.dim() == 1:
+            writer.add_tensor(out, t.float().numpy())
+            continue
+        data, raw = encode(t, kinds.get(suffix, "F32"), seed)
+        writer.add_tensor(out, data, raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("plain"), "LlamaForCausalLM", **SHAPE)
+
+
+def check_against_transformers(path, activation: str = "exact") -> None:
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, torch_dtype=torch.float32).eval()
+    llm = kvserve.LLM(path, dtype=torch.float32, quantized_activation=activation)
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            want = model(torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(kvserve_prompt_logits(llm, prompt), want, atol=3e-4,
+                                   rtol=3e-4)
+    params = kvserve.SamplingParams(temperature=0, max_tokens=NUM_GREEDY_TOKENS, ignore_eos=True)
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params)):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, NUM_GREEDY_TOKENS)
+
+
+# q/k/v of one layer in different types: the fused projection widens them to one layout.
+MIXES = {
+    "f32": {},
+    "f16-bf16": {"q_proj": "F16", "k_proj": "F16", "v_proj": "BF16", "o_proj": "BF16",
+                 "gate_proj": "F16", "up_proj": "F16", "down_proj": "BF16"},
+    "q8_0": {m: "Q8_0" for m in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                 "up_proj", "down_proj", "lm_head", "embed_tokens")},
+    "q4_0-q4_1": {"q_proj": "Q4_0", "k_proj": "Q4_0", "v_proj": "Q4_1", "o_proj": "Q4_1",
+                  "gate_proj": "Q4_0", "up_proj": "Q4_1", "down_proj": "Q4_0",
+                  "lm_head": "Q4_0"},
+    "q4_k_m": {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K", "o_proj": "Q4_K",
+               "gate_proj": "Q4_K", "up_proj": "Q4_K", "down_proj": "Q6_K", "lm_head": "Q6_K",
+               "embed_tokens": "Q4_K"},
+    "q5_k": {m: "Q5_K" for m in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                 "up_proj", "down_proj")},
+}
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_gguf_generates_as_transformers_reads_it(plain, tmp_path, mix):
+    path = tmp_path / f"model-{mix}.gguf"
+    write_gguf(plain, path, MIXES[mix])
+    check_against_transformers(path)
+    info = kvserve.LLM(path).config.quantization
+    assert info.scheme == ("none" if mix in ("f32", "f16-bf16") else "mixed")
+
+
+def test_gguf_with_int8_inputs_and_tied_head(plain, tmp_path):
+    path = tmp_path / "model-tied.gguf"
+    write_gguf(plain, path, MIXES["q4_0-q4_1"], tied=True)
+    llm = kvserve.LLM(path, dtype=torch.float32)
+    assert llm.config.tie_word_embeddings and llm.config.quantization.activation == "int8"
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model(torch.tensor([PROMPTS[0]])).logits[0]
+    got = kvserve_prompt_logits(llm, PROMPTS[0])
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()
+
+
+def test_gguf_tokenizer_encodes_as_transformers_does(plain, tmp_path):
+    path = tmp_path / "model.gguf"
+    write_gguf(plain, path, {})
+    ours = kvserve.LLM(path).tokenizer
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in ("the cat sat on a mat", "aeiou then shine", "tot, a tie\nsea 42 é"):
+        assert ours.encode(text) == theirs(text)["input_ids"], text
+        assert ours.decode(ours.encode(text)) == theirs.decode(theirs(text)["input_ids"],
+                                                                 skip_special_tokens=True)
+
+
+def test_gguf_chat_template_and_special_tokens(plain, tmp_path):
+    from kvserve.server.chat_template import ChatTemplate
+
+    path = tmp_path / "chat.gguf"
+    write_gguf(plain, path, {}, chat_template="{{ bos_token }}{% for m in messages %}"
+                                              "[{{ m['role'] }}] {{ m['content'] }}{% endfor %}")
+    template = ChatTemplate.from_model_dir(path)
+    assert template.render([{"role": "user", "content": "hi"}]) == "<s>[user] hi"
+    plain_file = tmp_path / "plain.gguf"
+    write_gguf(plain, plain_file, {})
+    assert ChatTemplate.from_model_dir(plain_file) is None
+
+
+@pytest.mark.parametrize("kind", list(BLOCKS))
+def test_block_types_mean_what_the_gguf_package_reads(kind):
+    rows, k = 6, 512
+    if kind in ("Q8_0", "Q4_0", "Q4_1"):
+        w = np.random.default_rng(1).normal(size=(rows, k)).astype(np.float32)
+        data = gguf.quants.quantize(w, T[kind])
+    else:
+        data = random_blocks(kind, rows, k, 2)
+    want = torch.from_numpy(gguf.quants.dequantize(data, T[kind]).reshape(rows, k))
+    got = to_quantized(data, kind, rows, k).dequantize()
+    torch.testing.assert_close(got, want, atol=1e-6 * want.abs().max().item(), rtol=1e-5)
+
+
+def test_flat_sub_blocks_keep_their_value():
+    """A K-quant sub-block with scale 0 and a minimum is one constant value."""
+    data = random_blocks("Q4_K", 1, 256, 3)
+    data[0, 4] &= 0xC0  # sub-block 0's 6-bit scale = 0 (its minimum stays)
+    want = torch.from_numpy(gguf.quants.dequantize(data, T.Q4_K).reshape(1, 256))
+    got = to_quantized(data, "Q4_K", 1, 256).dequantize()
+    assert want[0, :32].unique().numel() == 1
+    torch.testing.assert_close(got, want, atol=1e-6 * want.abs().max().item(), rtol=1e-5)
+
+
+def test_unsupported_gguf_is_a_clear_error(tmp_path):
+    odd = tmp_path / "odd.gguf"  # a tensor of a type kvserve does not read
+    writer = gguf.GGUFWriter(str(odd), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("blk.0.attn_q.weight",
+                      gguf.quants.quantize(np.ones((8, 32), np.float32), T.Q5_0), raw_dtype=T.Q5_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    from kvserve.loader.gguf_checkpoint import GGUFCheckpoint
+
+    checkpoint = GGUFCheckpoint(odd)
+    with pytest.raises(ValueError, match="is Q5_0; kvserve reads F32, F16, BF16, Q8_0"):
+        checkpoint.quantized_weight("model.layers.0.self_attn.q_proj.weight")
+    other = tmp_path / "gpt2.gguf"
+    writer = gguf.GGUFWriter(str(other), "gpt2")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="architecture 'gpt2' is not supported in GGUF"):
+        kvserve.LLM(other)
