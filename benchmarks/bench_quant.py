@@ -12,7 +12,8 @@ memory limit.
    random checkpoint quantized each way by `kvserve quantize`: fp32, bf16, int8, fp8, int4 (g128
    and g32), int8 and int4 both "exact" and "a8" (quantized_activation), and int8 / int4 with
    the LM head quantized too ("+head", `--lm-head`, a8); the quantized ones run in bf16 like the
-   bf16 baseline (activations, embeddings, LM head unless quantized). Weights in MB as the engine
+   bf16 baseline (activations, embeddings, LM head unless quantized); and kvserve loading
+   llama.cpp's Q8_0, Q4_0 and Q4_K_M files as they are ("GGUF a8"). Weights in MB as the engine
    holds them, TPOT, speed-up over bf16, weight GB/s (bytes held / TPOT) and its share of the
    bandwidth probe (taken before and after, averaged). In the same run, llama.cpp
    (llama-cpp-python) on the same weights as F32, BF16, Q8_0, Q4_0 and Q4_K_M GGUF files
@@ -203,6 +204,9 @@ def bench_model(args) -> list[list]:
     if not script:
         print("llama.cpp columns left out: needs llama-cpp-python and --llama-cpp-convert "
               "(see benchmarks/llama_cpp_peer.py)")
+    for fmt in ("Q8_0", "Q4_0", "Q4_K_M"):  # kvserve reading llama.cpp's own files
+        if fmt in gguf:
+            paths[f"{fmt} GGUF a8"] = (gguf[fmt], "bfloat16", "int8")
     runs = {name: [] for name in [*paths, *(f"llama.cpp {f}" for f in gguf)]}
     weights = {f"llama.cpp {f}": path.stat().st_size for f, path in gguf.items()}
     # Bytes a decode step reads: what is held but the embedding, of which it reads one row.
