@@ -81,6 +81,19 @@ inline void convert_from_float(const float* src, T* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
+/// dst [m, n] = y [m, n] (fp32, contiguous; the bias is added in place) + bias [n] (nullable),
+/// rounded to T: how a GEMV body that accumulates in fp32 writes its output.
+template <typename T>
+inline void add_bias_and_store(float* y, const T* bias, T* dst, int64_t m, int64_t n) {
+  for (int64_t t = 0; t < m; ++t) {
+    float* row = y + t * n;
+    if (bias != nullptr) {
+      for (int64_t j = 0; j < n; ++j) row[j] += static_cast<float>(bias[j]);
+    }
+    convert_from_float(row, dst + t * n, n);
+  }
+}
+
 /// dst[i] = scale * src[i] over n int8 elements.
 inline void dequantize_int8(const int8_t* src, float scale, float* dst, int64_t n) {
   int64_t i = 0;

@@ -292,15 +292,8 @@ void quantized_gemv_impl(c10::ScalarType dtype, const void* input, int64_t input
     dispatch_format(w, [&]<F f, bool kZero>() {
       gemv_format<f, kZero>(x.data(), xsum.data(), w, m, y.data());
     });
-    auto* o = static_cast<scalar_t*>(out);
-    const auto* b = static_cast<const scalar_t*>(bias);
-    for (int64_t t = 0; t < m; ++t) {
-      float* row = y.data() + t * w.n;
-      if (b != nullptr) {
-        for (int64_t j = 0; j < w.n; ++j) row[j] += static_cast<float>(b[j]);
-      }
-      convert_from_float(row, o + t * w.n, w.n);
-    }
+    add_bias_and_store(y.data(), static_cast<const scalar_t*>(bias),
+                       static_cast<scalar_t*>(out), m, w.n);
   });
 }
 
