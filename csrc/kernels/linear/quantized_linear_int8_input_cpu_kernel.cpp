@@ -45,8 +45,11 @@ using F = QuantFormat;
 struct RoundedInput {
   std::vector<int8_t> q;
   std::vector<float> scale, group_sum;
+  // int4 weights: each pair of blocks' scales where the pair's sums have them, four lanes each
+  // (int4_row), [m, pair_stride].
+  std::vector<float> pair_scale;
   std::vector<int32_t> block_group;  // [blocks]: the group each block belongs to
-  int64_t k = 0, blocks = 0, groups = 0;
+  int64_t k = 0, blocks = 0, groups = 0, pair_stride = 0;
 };
 
 // Rounds one token's k inputs: per block, d = max|x| / 127 and q = round(x * (127 / max|x|))
@@ -132,6 +135,16 @@ RoundedInput round_input(c10::ScalarType dtype, const void* input, int64_t strid
 #endif
     }
   });
+  if (w.format == F::kInt4) {
+    x.pair_stride = (x.blocks + 1) / 2 * 8;
+    x.pair_scale.assign(m * x.pair_stride, 0.0f);
+    for (int64_t t = 0; t < m; ++t) {
+      for (int64_t b = 0; b < x.blocks; ++b) {
+        std::fill_n(x.pair_scale.data() + t * x.pair_stride + b * 4, 4,
+                    x.scale[t * x.blocks + b]);
+      }
+    }
+  }
   return x;
 }
 
@@ -218,12 +231,142 @@ float zero_part(const float* zeros, const float* scales, const float* sums, int6
   return part;
 }
 
+#if KVSERVE_INT8_DOT_SIMD
+// The int32 sums of a pair of int4 blocks (lo, hi: the pair's unpacked nibbles) times one token's
+// interleaved inputs x, as floats: lanes 0-3 the first block's, lanes 4-7 the second's.
+__m256 int4_pair_dot(__m256i lo, __m256i hi, const int8_t* x) {
+  const __m256i pairs = _mm256_add_epi16(
+      _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
+      _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + kBlock))));
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+// The weight scales of the pair of blocks (b, b + 1) in the lanes of their sums: the groups of
+// 32 (llama.cpp's Q4_0 / Q4_1) load both with one 8-byte load.
+__m256 pair_weight_scales(const float* scales, const int32_t* group, int64_t b,
+                          int64_t per_group) {
+  if (per_group == 1) {
+    // (an unaligned 8-byte load: scales + b is 4-byte aligned)
+    const __m128 two =
+        _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + b)));
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two),
+                                    _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0));
+  }
+  return _mm256_set_m128(_mm_set1_ps(scales[group[b + 1]]), _mm_set1_ps(scales[group[b]]));
+}
+
+// The sums of one int4 row (groups a multiple of 32) times TB tokens. A pair of blocks comes
+// from one 32-byte load, the tokens' q interleaved to match (interleave_pairs), and its sums
+// take the pair's input scales (x.pair_scale, one load) in one FMA. Groups of an even number of
+// blocks (64, 128, ...) take their weight scale once per group; otherwise each pair's input
+// scales are multiplied by its blocks' weight scales first. Two accumulators per token, so that
+// FMA latency does not bound the loop.
+template <int64_t TB>
+void int4_row(const RoundedInput& x, const int8_t* const* xq, const float* const* xs,
+              const float* const* xp, const uint8_t* row, const float* scales, float* sum) {
+  const int64_t blocks = x.blocks, per_group = blocks / x.groups;
+  const int32_t* group = x.block_group.data();
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  __m256 acc0[TB], acc1[TB];
+  for (int64_t t = 0; t < TB; ++t) acc0[t] = acc1[t] = _mm256_setzero_ps();
+  // Adds the pair (b, b + 1) to acc, its input scales times `weight` (or not, weight == null).
+  const auto pair = [&](__m256* acc, int64_t b, const __m256* weight) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 16));
+    const __m256i lo = _mm256_and_si256(bytes, low);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+    for (int64_t t = 0; t < TB; ++t) {
+      __m256 scale = _mm256_loadu_ps(xp[t] + b * 4);
+      if (weight != nullptr) scale = _mm256_mul_ps(scale, *weight);
+      acc[t] = _mm256_fmadd_ps(int4_pair_dot(lo, hi, xq[t] + b * kBlock), scale, acc[t]);
+    }
+  };
+  int64_t b = 0;
+  if (per_group % 2 == 0) {
+    __m256 total[TB];
+    for (int64_t t = 0; t < TB; ++t) total[t] = _mm256_setzero_ps();
+    for (int64_t gi = 0; gi < x.groups; ++gi) {
+      const int64_t last = (gi + 1) * per_group;
+      for (; b + 4 <= last; b += 4) {
+        pair(acc0, b, nullptr);
+        pair(acc1, b + 2, nullptr);
+      }
+      if (b < last) pair(acc0, b, nullptr), b += 2;
+      const __m256 weight = _mm256_broadcast_ss(scales + gi);
+      for (int64_t t = 0; t < TB; ++t) {
+        total[t] = _mm256_fmadd_ps(_mm256_add_ps(acc0[t], acc1[t]), weight, total[t]);
+        acc0[t] = acc1[t] = _mm256_setzero_ps();
+      }
+    }
+    for (int64_t t = 0; t < TB; ++t) sum[t] = sum_lanes(total[t]);
+    return;
+  }
+  for (; b + 4 <= blocks; b += 4) {
+    const __m256 w0 = pair_weight_scales(scales, group, b, per_group);
+    const __m256 w1 = pair_weight_scales(scales, group, b + 2, per_group);
+    pair(acc0, b, &w0);
+    pair(acc1, b + 2, &w1);
+  }
+  if (b + 2 <= blocks) {
+    const __m256 w0 = pair_weight_scales(scales, group, b, per_group);
+    pair(acc0, b, &w0);
+    b += 2;
+  }
+  for (int64_t t = 0; t < TB; ++t) sum[t] = sum_lanes(_mm256_add_ps(acc0[t], acc1[t]));
+  if (b < blocks) {  // an odd last block, in its own order
+    const WeightBlock last = load_block<F::kInt4>(row, b * kBlock);
+    for (int64_t t = 0; t < TB; ++t) {
+      sum[t] += xs[t][b] * scales[group[b]] *
+                static_cast<float>(sum_lanes_int(dot_block<F::kInt4>(last, xq[t] + b * kBlock)));
+    }
+  }
+}
+
+// The sums of one int8 row (groups a multiple of 32) times TB tokens: blocks two at a time into
+// two accumulators per token, each block's sums times its input scale, then each group's sum
+// times its weight scale (once per row for per-channel weights).
+template <int64_t TB>
+void int8_row(const RoundedInput& x, const int8_t* const* xq, const float* const* xs,
+              const uint8_t* row, const float* scales, float* sum) {
+  const int64_t per_group = x.blocks / x.groups;
+  __m256 total[TB];
+  for (int64_t t = 0; t < TB; ++t) total[t] = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (int64_t gi = 0; gi < x.groups; ++gi) {
+    const int64_t last = (gi + 1) * per_group;
+    __m256 acc0[TB], acc1[TB];
+    for (int64_t t = 0; t < TB; ++t) acc0[t] = acc1[t] = _mm256_setzero_ps();
+    for (; b + 2 <= last; b += 2) {
+      const WeightBlock w0 = load_block<F::kInt8>(row, b * kBlock);
+      const WeightBlock w1 = load_block<F::kInt8>(row, (b + 1) * kBlock);
+      for (int64_t t = 0; t < TB; ++t) {
+        const __m256 d0 = _mm256_cvtepi32_ps(dot_block<F::kInt8>(w0, xq[t] + b * kBlock));
+        const __m256 d1 = _mm256_cvtepi32_ps(dot_block<F::kInt8>(w1, xq[t] + (b + 1) * kBlock));
+        acc0[t] = _mm256_fmadd_ps(d0, _mm256_broadcast_ss(xs[t] + b), acc0[t]);
+        acc1[t] = _mm256_fmadd_ps(d1, _mm256_broadcast_ss(xs[t] + b + 1), acc1[t]);
+      }
+    }
+    if (b < last) {
+      const WeightBlock w0 = load_block<F::kInt8>(row, b * kBlock);
+      for (int64_t t = 0; t < TB; ++t) {
+        const __m256 d0 = _mm256_cvtepi32_ps(dot_block<F::kInt8>(w0, xq[t] + b * kBlock));
+        acc0[t] = _mm256_fmadd_ps(d0, _mm256_broadcast_ss(xs[t] + b), acc0[t]);
+      }
+      ++b;
+    }
+    const __m256 weight = _mm256_broadcast_ss(scales + gi);
+    for (int64_t t = 0; t < TB; ++t) {
+      total[t] = _mm256_fmadd_ps(_mm256_add_ps(acc0[t], acc1[t]), weight, total[t]);
+    }
+  }
+  for (int64_t t = 0; t < TB; ++t) sum[t] = sum_lanes(total[t]);
+}
+#endif
+
 // y[t * n + o] for TB tokens from t0 and rows [begin, end). A block's weights are loaded (and
-// int4 unpacked) once for all TB tokens. Groups that are multiples of 32 run as one flat loop over
-// the row's blocks, two at a time into two accumulators per token (so that FMA latency does not
-// bound the loop), each block's int32 sums taking the product of its input scale and its group's
-// weight scale in one FMA; int8 groups of 16 (GGUF's Q6_K) two at a time the same way; other
-// int8 groups with a shorter last block go a group at a time, the short block in scalar code.
+// int4 unpacked) once for all TB tokens. Groups that are multiples of 32 run through int4_row /
+// int8_row; int8 groups of 16 (GGUF's Q6_K) two at a time, each pair's sums taking its two
+// blocks' input-times-weight scales in one FMA; other int8 groups with a shorter last block go a
+// group at a time, the short block in scalar code.
 template <F f, bool kZero, int64_t TB>
 void rows_for_tokens(const RoundedInput& x, int64_t t0, const QuantizedWeight& w, int64_t begin,
                      int64_t end, float* y) {
@@ -235,9 +378,11 @@ void rows_for_tokens(const RoundedInput& x, int64_t t0, const QuantizedWeight& w
   const auto* q = static_cast<const uint8_t*>(w.q);
   const int8_t* xq[TB];
   const float* xs[TB];
+  const float* xp[TB];
   for (int64_t t = 0; t < TB; ++t) {
     xq[t] = x.q.data() + (t0 + t) * k;
     xs[t] = x.scale.data() + (t0 + t) * x.blocks;
+    xp[t] = x.pair_scale.data() + (t0 + t) * x.pair_stride;
   }
   for (int64_t o = begin; o < end; ++o) {
     const uint8_t* row = q + o * row_bytes;
@@ -266,56 +411,10 @@ void rows_for_tokens(const RoundedInput& x, int64_t t0, const QuantizedWeight& w
           sum[t] += xs[t][b] * scales[b] * static_cast<float>(dot);
         }
       }
+    } else if (aligned && f == F::kInt4) {
+      int4_row<TB>(x, xq, xs, xp, row, scales, sum);
     } else if (aligned) {
-      // Blocks in pairs, each into its own accumulator; scales[group[b]]: the block's group.
-      const int64_t blocks = x.blocks;
-      const int32_t* group = x.block_group.data();
-      __m256 acc0[TB], acc1[TB];
-      for (int64_t t = 0; t < TB; ++t) acc0[t] = acc1[t] = _mm256_setzero_ps();
-      int64_t b = 0;
-      if constexpr (f == F::kInt4) {
-        // A pair of blocks per 32-byte load; q of the tokens interleaved to match
-        // (interleave_pairs): lanes 0-3 of the sums are block b's, lanes 4-7 block b + 1's.
-        const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-        for (; b + 2 <= blocks; b += 2) {
-          const __m256i bytes =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kBlock / 2));
-          const __m256i lo = _mm256_and_si256(bytes, low);
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-          const float s0 = scales[group[b]], s1 = scales[group[b + 1]];
-          for (int64_t t = 0; t < TB; ++t) {
-            const int8_t* xp = xq[t] + b * kBlock;
-            const __m256i pairs = _mm256_add_epi16(
-                _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp))),
-                _mm256_maddubs_epi16(
-                    hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + kBlock))));
-            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-            const __m256 scale = _mm256_set_m128(_mm_set1_ps(xs[t][b + 1] * s1),
-                                                 _mm_set1_ps(xs[t][b] * s0));
-            acc0[t] = _mm256_fmadd_ps(dot, scale, acc0[t]);
-          }
-        }
-      }
-      for (; b + 2 <= blocks; b += 2) {
-        const WeightBlock w0 = load_block<f>(row, b * kBlock);
-        const WeightBlock w1 = load_block<f>(row, (b + 1) * kBlock);
-        const float s0 = scales[group[b]], s1 = scales[group[b + 1]];
-        for (int64_t t = 0; t < TB; ++t) {
-          const __m256 d0 = _mm256_cvtepi32_ps(dot_block<f>(w0, xq[t] + b * kBlock));
-          const __m256 d1 = _mm256_cvtepi32_ps(dot_block<f>(w1, xq[t] + (b + 1) * kBlock));
-          acc0[t] = _mm256_fmadd_ps(d0, _mm256_set1_ps(xs[t][b] * s0), acc0[t]);
-          acc1[t] = _mm256_fmadd_ps(d1, _mm256_set1_ps(xs[t][b + 1] * s1), acc1[t]);
-        }
-      }
-      if (b < blocks) {
-        const WeightBlock w0 = load_block<f>(row, b * kBlock);
-        const float s0 = scales[group[b]];
-        for (int64_t t = 0; t < TB; ++t) {
-          const __m256 d0 = _mm256_cvtepi32_ps(dot_block<f>(w0, xq[t] + b * kBlock));
-          acc0[t] = _mm256_fmadd_ps(d0, _mm256_set1_ps(xs[t][b] * s0), acc0[t]);
-        }
-      }
-      for (int64_t t = 0; t < TB; ++t) sum[t] = sum_lanes(_mm256_add_ps(acc0[t], acc1[t]));
+      int8_row<TB>(x, xq, xs, row, scales, sum);
     }
 #endif
     if (!KVSERVE_INT8_DOT_SIMD || (!aligned && !sixteens)) {
