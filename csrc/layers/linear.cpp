@@ -222,9 +222,20 @@ void Linear::clear_lora(int64_t slot) {
   lora_b_[slot].zero_();
 }
 
-at::Tensor Linear::rows(const at::Tensor& ids) const {
-  TORCH_CHECK(!quantized(), "Linear: rows() of a quantized weight (tied embeddings stay plain)");
-  return ops::linear_gather_rows(weight_, ids);
+at::Tensor Linear::rows(const at::Tensor& ids, at::ScalarType dtype) const {
+  if (!quantized()) return ops::linear_gather_rows(weight_, ids);
+  const QuantizedLinearWeight& w = quantized_;
+  at::Tensor q = w.qweight.index_select(0, ids);
+  const int64_t t = q.size(0);
+  if (w.scheme == QuantScheme::kInt4) {  // two per byte in chunks of 32: low nibbles first
+    const at::Tensor chunks = q.view({t, -1, 1, 16});
+    q = at::cat({at::bitwise_and(chunks, 0x0f), at::bitwise_right_shift(chunks, 4)}, 2);
+  }
+  const at::Tensor scales = w.scales.dim() == 1 ? w.scales.unsqueeze(1) : w.scales;  // LLM.int8()
+  at::Tensor values = q.to(at::kFloat).view({t, scales.size(1), -1});
+  if (w.zeros.defined()) values = values - w.zeros.index_select(0, ids).unsqueeze(2);
+  values = values * scales.index_select(0, ids).unsqueeze(2);
+  return values.view({t, in_features_}).to(dtype);
 }
 
 int64_t Linear::weight_bytes() const {

@@ -104,8 +104,10 @@ class Linear {
   void clear_lora(int64_t slot);
   bool lora_enabled() const { return lora_a_.defined(); }
 
-  /// Rows `ids` (int64 [T]) of a plain weight, [T, in_features]: a tied embedding's lookup.
-  at::Tensor rows(const at::Tensor& ids) const;
+  /// Rows `ids` (int64 [T]) of the weight, [T, in_features]: an embedding's lookup (tied to the
+  /// head, or quantized). A plain weight's rows as they are (in its dtype); a quantized one's
+  /// dequantized, (q - zero) * scale per group in fp32, then rounded to `dtype`.
+  at::Tensor rows(const at::Tensor& ids, at::ScalarType dtype) const;
 
   int64_t in_features() const { return in_features_; }
   int64_t out_features() const { return out_features_; }

@@ -101,7 +101,9 @@ class DecoderLM : public CausalLM {
   int64_t weight_bytes() const override {
     // A tied LM head shares the embedding matrix (or holds it alone, packed).
     int64_t bytes = norm_.weight_bytes() + lm_head_.weight_bytes();
-    if (!config_.tie_word_embeddings) bytes += embed_tokens_.nbytes();
+    if (!config_.tie_word_embeddings) {
+      bytes += embed_tokens_.defined() ? embed_tokens_.nbytes() : embedding_.weight_bytes();
+    }
     for (const Layer& layer : layers_) {
       bytes += layer.input_norm.weight_bytes() + layer.self_attn->weight_bytes() +
                layer.attention_out_norm.weight_bytes() + layer.mlp_norm.weight_bytes() +
@@ -124,9 +126,12 @@ class DecoderLM : public CausalLM {
   /// calls finish(). Throws std::invalid_argument on a missing weight or inconsistent config.
   DecoderLM(const ModelConfig& config, const WeightMap& w)
       : config_(config),
-        embed_tokens_(w.get("embed_tokens.weight")),
-        dtype_(embed_tokens_.scalar_type()),
-        device_(embed_tokens_.device()) {
+        embed_tokens_(w.get_optional("embed_tokens.weight")),
+        embedding_(embed_tokens_.defined() ? Linear() : Linear::load(w, "embed_tokens")),
+        dtype_(embed_tokens_.defined() ? embed_tokens_.scalar_type()
+                                       : w.get("norm.weight").scalar_type()),
+        device_(embed_tokens_.defined() ? embed_tokens_.device()
+                                        : w.get("norm.weight").device()) {
     config_.validate();
     const std::shared_ptr<Communicator>& ranks = w.communicator();
     if (ranks->size() > 1) {
@@ -136,11 +141,17 @@ class DecoderLM : public CausalLM {
     } else {
       vocab_rows_ = config_.vocab_size;
     }
-    TORCH_CHECK(embed_tokens_.dim() == 2 && embed_tokens_.size(0) == vocab_rows_ &&
-                    embed_tokens_.size(1) == config_.hidden_size,
-                "embed_tokens.weight must be [", vocab_rows_, ", ", config_.hidden_size, "] (",
+    const bool shape_ok = embed_tokens_.defined()
+                              ? embed_tokens_.dim() == 2 && embed_tokens_.size(0) == vocab_rows_ &&
+                                    embed_tokens_.size(1) == config_.hidden_size
+                              : embedding_.out_features() == vocab_rows_ &&
+                                    embedding_.in_features() == config_.hidden_size;
+    TORCH_CHECK(shape_ok, "embed_tokens must be [", vocab_rows_, ", ", config_.hidden_size, "] (",
                 vocab_parallel_ ? "this rank's rows of " : "", "a vocabulary of ",
-                config_.vocab_size, "), got ", embed_tokens_.sizes());
+                config_.vocab_size, "), got ",
+                embed_tokens_.defined()
+                    ? embed_tokens_.sizes().vec()
+                    : std::vector<int64_t>{embedding_.out_features(), embedding_.in_features()});
     layers_.reserve(config_.num_layers);
     for (int64_t i = 0; i < config_.num_layers; ++i) {
       cache_index_.push_back(config_.kv_cache_index(i));
@@ -176,9 +187,11 @@ class DecoderLM : public CausalLM {
   /// The final norm and the LM head, after the layers.
   void finish(const WeightMap& w) {
     norm_ = norm(w, "norm.weight");
-    // An untied head may be quantized (lm_head.qweight: `kvserve quantize --lm-head`).
-    lm_head_ = config_.tie_word_embeddings ? Linear(embed_tokens_, at::Tensor())
-                                           : Linear::load(w, "lm_head");
+    // An untied head may be quantized (lm_head.qweight: `kvserve quantize --lm-head`); a tied
+    // one is the embedding, quantized or not (`--embeddings`).
+    lm_head_ = !config_.tie_word_embeddings ? Linear::load(w, "lm_head")
+               : embedding_.defined()       ? embedding_
+                                            : Linear(embed_tokens_, at::Tensor());
     // A tied embedding reads its rows from the LM head's (packed) weight: one copy of the matrix.
     if (config_.tie_word_embeddings && lm_head_.packed()) embed_tokens_ = at::Tensor();
   }
@@ -225,7 +238,8 @@ class DecoderLM : public CausalLM {
   /// rank's rows of the ids it holds (zeros for the others), summed over the ranks.
   at::Tensor embed(const at::Tensor& input_ids) const {
     const auto lookup = [&](const at::Tensor& ids) {
-      return embed_tokens_.defined() ? at::embedding(embed_tokens_, ids) : lm_head_.rows(ids);
+      if (embed_tokens_.defined()) return at::embedding(embed_tokens_, ids);
+      return (embedding_.defined() ? embedding_ : lm_head_).rows(ids, dtype_);
     };
     if (!vocab_parallel_) return lookup(input_ids);
     const at::Tensor local = input_ids - vocab_start_;
@@ -256,6 +270,7 @@ class DecoderLM : public CausalLM {
   int64_t lora_slots_ = 0;  // LoRA adapters each target projection holds
   int64_t lora_rank_ = 0;   // their rank per unfused projection
   at::Tensor embed_tokens_;  // [vocab rows, hidden]; undefined when tied to a packed lm_head_
+  Linear embedding_;  // or a quantized embedding (embed_tokens.qweight), its rows dequantized
   std::shared_ptr<Communicator> vocab_parallel_;  // null: the whole vocabulary on this rank
   int64_t vocab_start_ = 0;                       // the first id of this rank's rows
   int64_t vocab_rows_ = 0;  // rows of the embedding and the LM head on this rank

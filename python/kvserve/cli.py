@@ -8,7 +8,7 @@
     python -m kvserve convert llama2c --checkpoint FILE.bin --tokenizer TOK.bin --out DIR
     python -m kvserve quantize --model DIR --method int8|w8a8|llm.int8|fp8|int4|awq --out DIR
                                [--group-size N] [--calibration FILE] [--eval-text FILE]
-                               [--lm-head]
+                               [--lm-head] [--embeddings]
     python -m kvserve merge-lora --base DIR --adapter DIR --out DIR
     python -m kvserve prune --model DIR --calibration FILE --out DIR [--layers N] [--heads N]
                             [--intermediate N] [--hidden N]
@@ -109,10 +109,12 @@ def _quantize(args: argparse.Namespace) -> int:
     from kvserve.quantization.quantize import quantize_checkpoint
 
     qc = quantize_checkpoint(Path(args.model), Path(args.out), args.method, args.group_size,
-                             args.calibration, args.eval_text, args.eval_tokens, args.lm_head)
+                             args.calibration, args.eval_text, args.eval_tokens, args.lm_head,
+                             args.embeddings)
     print(f"wrote {args.out} ({qc['quant_method']}, {args.method}"
           f"{f', group size {args.group_size}' if args.method in ('int4', 'awq') else ''}"
-          f"{', LM head too' if args.lm_head else ''})")
+          f"{', LM head too' if args.lm_head else ''}"
+          f"{', embeddings too' if args.embeddings else ''})")
     return 0
 
 
@@ -248,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--group-size", type=int, default=128, help="int4 inputs per group (128, 64, 32)")
     q.add_argument("--lm-head", action="store_true",
                    help="quantize the LM head too (int8, fp8, int4, awq; a tied head is untied)")
+    q.add_argument("--embeddings", action="store_true",
+                   help="quantize the input embedding too (int8, fp8; a tied LM head is the "
+                   "embedding, quantized with it)")
     q.set_defaults(func=_quantize)
     m = sub.add_parser("merge-lora", help="merge a PEFT LoRA adapter into its base checkpoint")
     m.add_argument("--base", required=True, help="the base model's Hugging Face directory")

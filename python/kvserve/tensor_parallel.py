@@ -65,7 +65,7 @@ def load_rank_model(args, groups: ParallelGroups, eos_token_ids: list[int],
     weights = load_weights(Path(args.model), info.config, dtype, args.device, shard=shard)
     split = sum(t.numel() * t.element_size() for name, t in weights.items()
                 if ("_proj" in name and not _replicated(name))
-                or name == "embed_tokens.weight" or name.startswith("lm_head."))
+                or name.startswith(("embed_tokens.", "lm_head.")))
     total = sum(t.numel() * t.element_size() for t in weights.values())
     model = _C.create_causal_lm(local, weights, config.max_model_len,
                                 groups.device_communicator())

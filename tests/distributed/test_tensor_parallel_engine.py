@@ -31,8 +31,10 @@ CASES = {
     "gemma2-tied-sliding": ("Gemma2ForCausalLM", {}),
     "qwen3-moe": ("Qwen3MoeForCausalLM", {}),
     "llama-int8": ("LlamaForCausalLM", dict(quantize="int8")),  # quantize_checkpoint's method
-    # the LM head quantized too, its vocabulary split with a zero row padding the last rank
-    "llama-int8-head": ("LlamaForCausalLM", dict(quantize="int8", lm_head=True, vocab_size=383)),
+    # the LM head and the embedding quantized too, their vocabulary split with a zero row
+    # padding the last rank
+    "llama-int8-head-embeddings": ("LlamaForCausalLM", dict(quantize="int8", lm_head=True,
+                                                            embeddings=True, vocab_size=383)),
     "deepseek-v3-mla-moe": ("DeepseekV3ForCausalLM", {}),
 }
 # Chunks of 8 tokens and 4-token blocks: prompts prefill over several steps beside decodes,
@@ -63,11 +65,13 @@ def test_two_ranks_generate_what_one_does(tmp_path, case):
     arch, overrides = CASES[case]
     method = overrides.get("quantize")
     path = make_checkpoint(tmp_path / "plain", arch, **{k: v for k, v in overrides.items()
-                                                         if k not in ("quantize", "lm_head")})
+                                                         if k not in ("quantize", "lm_head",
+                                                                      "embeddings")})
     if method:
         path = tmp_path / method
         quantize_checkpoint(tmp_path / "plain", path, method,
-                            lm_head=overrides.get("lm_head", False))
+                            lm_head=overrides.get("lm_head", False),
+                            embeddings=overrides.get("embeddings", False))
     # A quantized model's inputs rounded to int8 (the CPU's default) would flip a rounding
     # wherever the ranks' partial sums differ from one rank's in the last bit: compare the
     # sharded weights on the exact path.
@@ -84,8 +88,7 @@ def test_two_ranks_generate_what_one_does(tmp_path, case):
         info = load_checkpoint_info(path)
         whole = load_weights(path, info.config, torch.float32)
         split = sum(t.numel() * t.element_size() for name, t in whole.items()
-                    if "_proj" in name or name == "embed_tokens.weight"
-                    or name.startswith("lm_head."))
+                    if "_proj" in name or name.startswith(("embed_tokens.", "lm_head.")))
         assert llm.llm_engine.rank_model.split_bytes < 0.6 * split
         assert "rank 0 of 2" in llm.llm_engine.memory_plan()
     finally:

@@ -286,3 +286,70 @@ def test_lm_head_of_a_tied_model_is_untied(tmp_path):
 def test_lm_head_takes_weight_only_methods(original, tmp_path):
     with pytest.raises(ValueError, match="--lm-head takes --method int8, fp8, int4, awq"):
         quantize_checkpoint(original, tmp_path / "w8a8", "w8a8", lm_head=True)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_embeddings_quantized_too_read_by_compressed_tensors(tmp_path, method, tied):
+    """--embeddings: compressed-tensors targets Embedding too; transformers + compressed-tensors
+    decompress the same directory (a tied head is that embedding); kvserve holds it quantized."""
+    pytest.importorskip("compressed_tensors")
+    source = make_checkpoint(tmp_path / "plain", "LlamaForCausalLM", tie_word_embeddings=tied)
+    out = tmp_path / method
+    quantize_checkpoint(source, out, method, embeddings=True)
+    t = load_file(out / "model.safetensors")
+    assert t["model.embed_tokens.weight"].dtype == (torch.int8 if method == "int8"
+                                                    else torch.float8_e4m3fn)
+    assert ("lm_head.weight" in t) != tied
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is tied
+    assert config["quantization_config"]["config_groups"]["group_0"]["targets"] == [
+        "Linear", "Embedding"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        out, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False),
+        dtype=torch.float32).eval()
+    plain = load_file(source / "model.safetensors")["model.embed_tokens.weight"]
+    assert not torch.equal(model.model.embed_tokens.weight, plain)  # the rounded rows
+    assert_same_generation(out, model)
+    held = {p: kvserve.LLM(p, dtype=torch.float32).model.weight_bytes
+            for p in (out, source)}
+    rows = plain.numel() * (4 - 1)  # fp32 rows become one byte each (and a scale per row)
+    assert held[out] < held[source] - rows
+    card = (out / "README.md").read_text()
+    assert "--embeddings" in card and "input embedding is quantized too" in card
+
+
+def test_embeddings_take_compressed_tensors_methods(original, tmp_path):
+    with pytest.raises(ValueError, match="--embeddings takes --method int8, fp8"):
+        quantize_checkpoint(original, tmp_path / "int4", "int4", embeddings=True)
+
+
+def test_int4_embedding_of_compressed_tensors_loads(original, tmp_path):
+    """An int4 embedding (asymmetric, groups of 32) that a compressed-tensors group targets by
+    name: each lookup dequantizes its rows, as transformers' model on the same values."""
+    helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    t = load_file(original / "model.safetensors")
+    out = tmp_path / "w4a16-embedding"
+    out.mkdir()
+    group, weights = 32, {}
+    for name in [n for n in t if n.endswith("_proj.weight")] + ["model.embed_tokens.weight"]:
+        module = name.removesuffix(".weight")
+        w = t.pop(name)
+        n, k = w.shape
+        wg = w.view(n, k // group, group)
+        low, high = wg.amin(dim=2), wg.amax(dim=2)
+        scale = (high - low) / 15
+        zero = torch.round(-low / scale).clamp(0, 15)
+        q = (torch.round(wg / scale[:, :, None]) + zero[:, :, None]).clamp(0, 15) - 8
+        t[module + ".weight_packed"] = helpers.pack_to_int32(q.to(torch.int8).view(n, k), 4)
+        t[module + ".weight_scale"] = scale
+        t[module + ".weight_zero_point"] = helpers.pack_to_int32(
+            (zero - 8).to(torch.int8), 4, packed_dim=0)
+        t[module + ".weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
+        weights[module] = ((q - (zero - 8)[:, :, None]) * scale[:, :, None]).view(n, k)
+    write_directory(original, out, t, {
+        "quant_method": "compressed-tensors", "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear", "re:.*embed_tokens$"], "weights": {
+            "num_bits": 4, "type": "int", "strategy": "group", "group_size": group,
+            "symmetric": False}}}, "ignore": ["lm_head"]})
+    assert_same_generation(out, reference_model(original, weights))

@@ -139,12 +139,10 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
         quant = parse_quantization_config(json.loads(config_path.read_text()))
         check_weights(index, config, config_path, quant)
         read = _TensorReader(index, dtype, quant)
-    w: dict[str, torch.Tensor] = {
-        "embed_tokens.weight": _vocab_rows(read, "model.embed_tokens.weight", config, shard),
-        "norm.weight": read("model.norm.weight"),
-    }
+    w: dict[str, torch.Tensor] = {"norm.weight": read("model.norm.weight")}
+    _vocab_matrix(read, "model.embed_tokens", "embed_tokens", config, shard, w)
     if not config.tie_word_embeddings:
-        _lm_head(read, config, shard, w)
+        _vocab_matrix(read, "lm_head", "lm_head", config, shard, w)
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         out = f"layers.{i}."
@@ -181,19 +179,19 @@ def _vocab_rows(read: _TensorReader, name: str, config: _C.ModelConfig,
     return torch.cat(rows + [torch.zeros(n - held, config.hidden_size, dtype=read.dtype)])
 
 
-def _lm_head(read: _TensorReader, config: _C.ModelConfig, shard: Shard | None,
-             w: dict[str, torch.Tensor]) -> None:
-    """The untied LM head: plain, or quantized when the checkpoint quantized it (as
-    lm_head.qweight / .scales / .zeros); a tensor-parallel rank's rows of the vocabulary, zero
-    rows past its end."""
-    if not read.quantized("lm_head"):
-        w["lm_head.weight"] = _vocab_rows(read, "lm_head.weight", config, shard)
+def _vocab_matrix(read: _TensorReader, module: str, out: str, config: _C.ModelConfig,
+                  shard: Shard | None, w: dict[str, torch.Tensor]) -> None:
+    """The input embedding or the untied LM head, as `out`: plain (out.weight), or quantized when
+    the checkpoint quantized it (out.qweight / .scales / .zeros); a tensor-parallel rank's rows
+    of the vocabulary, zero rows past its end."""
+    if not read.quantized(module):
+        w[out + ".weight"] = _vocab_rows(read, module + ".weight", config, shard)
         return
-    q = read.linear("lm_head", (config.vocab_size, config.hidden_size))
+    q = read.linear(module, (config.vocab_size, config.hidden_size))
     if shard is not None:
         first, n = local_vocab(config, shard)
         held = max(0, min(n, config.vocab_size - first))
-        parts = [q.narrow(0, first, held, name="lm_head")] if held else []
+        parts = [q.narrow(0, first, held, name=module)] if held else []
         if held < n:
             parts.append(QuantizedWeight(
                 torch.zeros(n - held, q.qweight.shape[1], dtype=q.qweight.dtype),
@@ -201,9 +199,9 @@ def _lm_head(read: _TensorReader, config: _C.ModelConfig, shard: Shard | None,
                 None if q.zeros is None else torch.zeros(n - held, q.zeros.shape[1]),
                 q.group_size, q.outlier_threshold))
         q = QuantizedWeight.concat(parts)
-    w["lm_head.qweight"], w["lm_head.scales"] = q.qweight, q.scales
+    w[out + ".qweight"], w[out + ".scales"] = q.qweight, q.scales
     if q.zeros is not None:
-        w["lm_head.zeros"] = q.zeros
+        w[out + ".zeros"] = q.zeros
 
 
 def _read_attention(read: _TensorReader, c: _C.ModelConfig, layer: int, attn: str, out: str,

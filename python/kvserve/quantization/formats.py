@@ -49,6 +49,10 @@ class CheckpointQuantization:
     # The LM head quantized too: compressed-tensors when "lm_head" is not ignored; AWQ / GPTQ
     # with "lm_head": true (the key vLLM reads; GPTQModel writes it).
     lm_head: bool = False
+    # The input embedding quantized too: compressed-tensors whose config group targets
+    # "Embedding" (as compressed-tensors compresses and decompresses it); AWQ / GPTQ layouts
+    # hold linear layers only.
+    embeddings: bool = False
 
     @property
     def scheme(self) -> str:
@@ -69,6 +73,8 @@ class CheckpointQuantization:
         quantized."""
         if module == "lm_head":
             return self.lm_head
+        if module == "model.embed_tokens":
+            return self.embeddings
         projection = re.search(r"\.(self_attn|mlp|block_sparse_moe)\.", module)
         if not projection or module.endswith(".gate"):
             return False  # embeddings and routers stay plain
@@ -219,10 +225,11 @@ def awq_config(group_size: int, plain: list[str] | None = None, lm_head: bool = 
 
 
 def compressed_tensors_config(kind: str, int8_activations: bool = False,
-                              lm_head: bool = False) -> dict:
+                              lm_head: bool = False, embeddings: bool = False) -> dict:
     """kind: "int" (int8) or "float" (fp8 E4M3); per-channel symmetric weights; activations in
     the model's dtype, or (int8_activations) int8 with a dynamic scale per token (W8A8);
-    lm_head: the LM head quantized too (not in "ignore")."""
+    lm_head: the LM head quantized too (not in "ignore"); embeddings: the input embedding too
+    (the group targets "Embedding" besides "Linear")."""
     activations = {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True,
                    "dynamic": True, "group_size": None, "observer": None}
     return {
@@ -230,7 +237,7 @@ def compressed_tensors_config(kind: str, int8_activations: bool = False,
         "format": f"{kind}-quantized",
         "quantization_status": "compressed",
         "config_groups": {"group_0": {
-            "targets": ["Linear"],
+            "targets": ["Linear", "Embedding"] if embeddings else ["Linear"],
             "weights": {"num_bits": 8, "type": kind, "strategy": "channel", "symmetric": True,
                         "dynamic": False, "group_size": None, "observer": "minmax"},
             "input_activations": activations if int8_activations else None,
@@ -290,11 +297,11 @@ def _compressed_tensors(qc: dict, unsupported) -> CheckpointQuantization:
     bits, kind, strategy = weights.get("num_bits"), weights.get("type"), weights.get("strategy")
     symmetric = bool(weights.get("symmetric", True))
     ignore = list(qc.get("ignore") or [])
+    targets = list(groups[0].get("targets") or [])
     if fmt == "pack-quantized" and bits == 4 and kind == "int" and strategy in ("group", "channel"):
         group = int(weights.get("group_size") or -1) if strategy == "group" else -1
         quant = CheckpointQuantization("compressed-tensors", 4, group, symmetric, fmt, ignore)
-        quant.lm_head = not quant.ignores("lm_head")
-        return quant
+        return _ct_extent(quant, targets)
     if (fmt in ("float-quantized", "int-quantized", "naive-quantized") and bits == 8
             and kind in ("float", "int") and strategy in ("channel", "tensor") and symmetric):
         # Dynamic per-token int8 activations run as W8A8; static activation scales (and fp8
@@ -305,7 +312,17 @@ def _compressed_tensors(qc: dict, unsupported) -> CheckpointQuantization:
             and a.get("symmetric", True)
         quant = CheckpointQuantization("compressed-tensors", 8, -1, True, kind, ignore,
                                        strategy == "tensor", int8_activations=int8_activations)
-        quant.lm_head = not quant.ignores("lm_head")
-        return quant
+        return _ct_extent(quant, targets)
     raise unsupported(f"compressed-tensors format {fmt!r} with {bits}-bit {kind} weights "
                       f"({strategy}, symmetric {symmetric})")
+
+
+def _ct_extent(quant: CheckpointQuantization, targets: list[str]) -> CheckpointQuantization:
+    """Whether a compressed-tensors group reaches the LM head (not ignored) and the input
+    embedding (targeted by class, "Embedding", or by a "re:" pattern its name matches)."""
+    quant.lm_head = not quant.ignores("lm_head")
+    embedding = "model.embed_tokens"
+    quant.embeddings = not quant.ignores(embedding) and any(
+        t == "Embedding" or (t.startswith("re:") and re.match(t[3:], embedding))
+        for t in targets)
+    return quant

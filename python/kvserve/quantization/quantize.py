@@ -22,7 +22,10 @@ not a multiple of the group size, out_features not of 8): it is listed in the co
 `modules_to_not_convert`, as AutoAWQ does. With --lm-head (int8, fp8, int4, awq) the LM head is
 quantized too, round to nearest in the same format (llama.cpp keeps its output layer in 6 bits):
 a head tied to the embedding is untied first (the embedding stays as it was, the config gets
-tie_word_embeddings false), since the embedding's lookup reads plain rows.
+tie_word_embeddings false). With --embeddings (int8, fp8: compressed-tensors, whose config group
+then targets "Embedding" too; AWQ's layout holds linear layers only) the input embedding is
+quantized per row the same way, and its lookup dequantizes the rows it reads; a tied head is
+that one matrix, so it is quantized with it and the checkpoint stays tied.
 """
 
 from __future__ import annotations
@@ -47,12 +50,14 @@ from kvserve.quantization.weights import quantize_fp8, quantize_int4, quantize_i
 
 METHODS = ("int8", "w8a8", "llm.int8", "fp8", "int4", "awq")
 LM_HEAD_METHODS = ("int8", "fp8", "int4", "awq")  # weight-only: the head's input is per token
+EMBEDDING_METHODS = ("int8", "fp8")  # compressed-tensors: a config group can target Embedding
 LLM_INT8_THRESHOLD = 6.0  # bitsandbytes' default: the paper's outlier magnitude
 
 
 def quantize_checkpoint(model_dir: Path, out_dir: Path, method: str, group_size: int = 128,
                         calibration: Path | None = None, eval_text: Path | None = None,
-                        eval_tokens: int = 4096, lm_head: bool = False) -> dict:
+                        eval_tokens: int = 4096, lm_head: bool = False,
+                        embeddings: bool = False) -> dict:
     """Writes the quantized checkpoint to out_dir (config.json with its quantization_config, one
     model.safetensors, the other files copied, the model card's Quantization section) and
     returns its quantization_config. Raises ValueError for an unknown method, an already
@@ -77,17 +82,23 @@ def quantize_checkpoint(model_dir: Path, out_dir: Path, method: str, group_size:
                          "only it")
     if lm_head and method not in LM_HEAD_METHODS:
         raise ValueError(f"--lm-head takes --method {', '.join(LM_HEAD_METHODS)}, got {method!r}")
+    if embeddings and method not in EMBEDDING_METHODS:
+        raise ValueError(f"--embeddings takes --method {', '.join(EMBEDDING_METHODS)} "
+                         f"(compressed-tensors; AWQ and bitsandbytes hold linear layers only), "
+                         f"got {method!r}")
     source: dict[str, torch.Tensor] = {}
     for file in files:
         source.update(load_file(file))
-    if lm_head and "lm_head.weight" not in source:  # tied: the head becomes its own matrix
+    tied = "lm_head.weight" not in source
+    if lm_head and tied and not embeddings:  # the head becomes its own matrix
         source["lm_head.weight"] = source["model.embed_tokens.weight"].clone()
         config["tie_word_embeddings"] = False
+        tied = False
     if method == "awq":
         from kvserve.quantization.awq import awq_transform
 
         awq_transform(model_dir, source, Path(calibration), group_size)
-    covers = CheckpointQuantization(method, 8, -1, lm_head=lm_head).covers
+    covers = CheckpointQuantization(method, 8, -1, lm_head=lm_head, embeddings=embeddings).covers
     tensors: dict[str, torch.Tensor] = {}
     plain: list[str] = []
     for name, t in source.items():
@@ -109,12 +120,13 @@ def quantize_checkpoint(model_dir: Path, out_dir: Path, method: str, group_size:
         qc = bitsandbytes_config(LLM_INT8_THRESHOLD)
     else:
         qc = compressed_tensors_config("float" if method == "fp8" else "int", method == "w8a8",
-                                       lm_head)
+                                       lm_head and not tied, embeddings)
     write_checkpoint(model_dir, out_dir, tensors, skip=("config.json",))
     config["quantization_config"] = qc
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     eval_text = eval_text if eval_text is not None else calibration
-    _write_card(model_dir, out_dir, method, group_size if int4 else None, qc, plain, lm_head,
+    _write_card(model_dir, out_dir, method, group_size if int4 else None, qc, plain,
+                (lm_head, embeddings, tied),
                 _perplexities(model_dir, out_dir, eval_text, eval_tokens) if eval_text else None,
                 eval_text)
     return qc
@@ -138,20 +150,30 @@ def _perplexities(model_dir: Path, out_dir: Path, text: Path,
 
 
 def _write_card(model_dir: Path, out_dir: Path, method: str, group_size: int | None, qc: dict,
-                plain: list[str], lm_head: bool, ppl: tuple[float, float, int] | None,
-                text: Path | None) -> None:
+                plain: list[str], extent: tuple[bool, bool, bool],
+                ppl: tuple[float, float, int] | None, text: Path | None) -> None:
+    """extent: (--lm-head, --embeddings, whether the source's head was tied)."""
+    lm_head, embeddings, tied = extent
+    head = lm_head or (embeddings and tied)
     card = model_dir / "README.md"
-    kept = "Embeddings, norms and MoE routers" if lm_head else \
-        "Embeddings, norms, the LM head and MoE routers"
+    kept = ", ".join(part for part, quantized in (
+        ("Embeddings", embeddings), ("norms", False), ("the LM head", head)) if not quantized)
+    kept = kept[0].upper() + kept[1:] + " and MoE routers"
     lines = [card.read_text().rstrip() + "\n" if card.is_file() else f"# {out_dir.name}\n",
              "## Quantization\n",
-             f"- `python -m kvserve quantize --method {method}`"
+             f"- `python -m kvserve quantize --method {method}"
              f"{f' --group-size {group_size}' if group_size else ''}"
-             f"{' --lm-head' if lm_head else ''} of `{model_dir.name}`, "
+             f"{' --lm-head' if lm_head else ''}{' --embeddings' if embeddings else ''}` "
+             f"of `{model_dir.name}`, "
              f"written as `{qc['quant_method']}`.",
              f"- {kept} are kept as they were"
              f"{'; so are ' + ', '.join(plain) if plain else ''}."]
-    if lm_head:
+    if embeddings:
+        lines.append("- The input embedding is quantized too (per row; a lookup dequantizes "
+                     "the rows it reads)"
+                     + ("; the LM head is tied to it, and so quantized with it." if tied
+                        else "."))
+    if lm_head and not (embeddings and tied):
         lines.append("- The LM head is quantized too (untied from the embedding where it was "
                      "tied).")
     if ppl is not None:
