@@ -82,10 +82,64 @@ def vocabulary(size: int) -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
+BYTE_LEVEL_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
+
+
+def byte_level_vocabulary(size: int) -> tuple[list[str], list[int], list[str]]:
+    """(tokens, types, merges) of a byte-level BPE of `size` tokens as a Llama 3 GGUF file
+    holds it: trained by the tokenizers package on Python's own json sources, split the Llama 3
+    way; three control tokens first."""
+    import inspect
+    import json
+    import json.decoder
+    import json.encoder
+
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+
+    from kvserve.loader.gguf_tokenizer import _LLAMA3_SPLIT
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    trainer = trainers.BpeTrainer(vocab_size=size, special_tokens=BYTE_LEVEL_SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = [inspect.getsource(m) for m in (json, json.decoder, json.encoder)]
+    tok.train_from_iterator(text, trainer)
+    model = json.loads(tok.to_str())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get)
+    assert len(tokens) == size
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    types = [3 if t in BYTE_LEVEL_SPECIALS else 1 for t in tokens]
+    return tokens, types, merges
+
+
+def llama3_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
+    """Each RoPE frequency's divisor as llama.cpp's convert_hf_to_gguf.py writes it for Llama 3's
+    rope_scaling (Meta's published formula: the factor for wavelengths above
+    original_max_position_embeddings / low_freq_factor, 1 below it / high_freq_factor, a smooth
+    step between)."""
+    freqs = 1.0 / rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+    context = rope["original_max_position_embeddings"]
+    low, high, factor = rope["low_freq_factor"], rope["high_freq_factor"], rope["factor"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / freq
+        if wavelen < context / high:
+            out.append(1.0)
+        elif wavelen > context / low:
+            out.append(factor)
+        else:
+            smooth = (context / wavelen - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
 def write_gguf(plain, path, kinds: dict[str, str], tied: bool = False,
-               chat_template: str | None = None) -> None:
+               chat_template: str | None = None, tokenizer: str = "llama") -> None:
     """plain's weights as a GGUF file; kinds: GGUF tensor type per HF module suffix
-    (q_proj, down_proj, embed_tokens, lm_head, ...), F32 otherwise."""
+    (q_proj, down_proj, embed_tokens, lm_head, ...), F32 otherwise; tokenizer: a SentencePiece
+    vocabulary ("llama") or Llama 3's byte-level BPE ("gpt2")."""
     config = transformers.AutoConfig.from_pretrained(plain)
     state = load_file(plain / "model.safetensors")
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -96,17 +150,33 @@ def write_gguf(plain, path, kinds: dict[str, str], tied: bool = False,
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(10000.0)
-    tokens, scores, types = vocabulary(config.vocab_size)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
+    writer.add_rope_freq_base(config.rope_theta if hasattr(config, "rope_theta") else
+                              config.rope_parameters["rope_theta"])
+    if tokenizer == "gpt2":
+        tokens, types, merges = byte_level_vocabulary(config.vocab_size)
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("llama-bpe")
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_merges(merges)
+        writer.add_bos_token_id(0)
+        writer.add_eos_token_id(2)
+        writer.add_add_bos_token(True)
+    else:
+        tokens, scores, types = vocabulary(config.vocab_size)
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_unk_token_id(0)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if rope.get("rope_type") == "llama3":
+        head_dim = config.hidden_size // config.num_attention_heads
+        writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(rope, head_dim))
     seed = 0
     for name, t in state.items():
         if tied and name == "lm_head.weight":
@@ -204,6 +274,57 @@ def test_gguf_tokenizer_encodes_as_transformers_does(plain, tmp_path):
         assert ours.encode(text) == theirs(text)["input_ids"], text
         assert ours.decode(ours.encode(text)) == theirs.decode(theirs(text)["input_ids"],
                                                                  skip_special_tokens=True)
+
+
+def test_gguf_byte_level_tokenizer_encodes_as_transformers_does(plain, tmp_path):
+    """Llama 3's tokenizer model (gpt2: byte-level BPE with merges, split by the llama-bpe
+    expression, control tokens special, the BOS prepended) against transformers' reading."""
+    path = tmp_path / "model-llama3.gguf"
+    write_gguf(plain, path, {}, tokenizer="gpt2")
+    llm = kvserve.LLM(path, dtype=torch.float32)
+    ours = llm.tokenizer
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    texts = ("def encode(self, o):\n    return 'x' if o else None",
+             "  It's 12345 items, isn't it?\r\n\n\tdone  ",
+             "naïve café — 日本 🙂", "<|eot_id|>after a control token", "")
+    for text in texts:
+        ids = ours.encode(text)
+        assert ids == theirs(text)["input_ids"], text
+        assert ids[0] == 0  # <|begin_of_text|>
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True) == (
+            text.replace("<|eot_id|>", ""))
+    assert "<|eot_id|>" not in ours.decode(ours.encode("<|eot_id|>x"))
+    # The model's config and weights read as the SentencePiece file's do.
+    check_against_transformers(path)
+
+
+def test_gguf_llama3_rope_freqs(tmp_path):
+    """Llama 3.1's RoPE scaling, which a GGUF file carries as the rope_freqs tensor, read back as
+    rope_scaling llama3: kvserve on the file generates as transformers on the Hugging Face
+    directory it was written from."""
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+    hf = make_checkpoint(tmp_path / "hf", "LlamaForCausalLM", rope_theta=500000.0,
+                         rope_scaling=rope, **SHAPE)
+    path = tmp_path / "gguf" / "model.gguf"
+    path.parent.mkdir()
+    write_gguf(hf, path, {})
+    llm = kvserve.LLM(path, dtype=torch.float32)
+    scaling = llm.config.rope_scaling
+    assert scaling.rope_type == "llama3" and scaling.factor == 8.0
+    assert scaling.original_max_position_embeddings == 256
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            want = model(torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(kvserve_prompt_logits(llm, prompt), want, atol=3e-4,
+                                   rtol=3e-4)
+    params = kvserve.SamplingParams(temperature=0, max_tokens=NUM_GREEDY_TOKENS, ignore_eos=True)
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params)):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, NUM_GREEDY_TOKENS)
+    from kvserve.loader.gguf_checkpoint import llama3_rope_scaling
+
+    assert llama3_rope_scaling(np.linspace(1.0, 3.0, 32), 500000.0, 64) is None  # not a step
 
 
 def test_gguf_chat_template_and_special_tokens(plain, tmp_path):

@@ -7,14 +7,14 @@ what a Hugging Face directory would give:
   attention.head_count / head_count_kv / layer_norm_rms_epsilon, rope.freq_base,
   context_length) as config.json fields for LlamaForCausalLM; tied when the file has no
   `output.weight`;
-- the tokenizer: `tokenizer.ggml.*` (a SentencePiece vocabulary with scores, `llama`, or a byte-level
-  BPE with merges, `gpt2` with the `llama-bpe` pre-tokenizer) as a `tokenizers` Tokenizer, the
-  BOS prepended when `add_bos_token` says so;
+- the tokenizer: `tokenizer.ggml.*` (a SentencePiece vocabulary with scores, `llama`, or a
+  byte-level BPE with merges, `gpt2`, split as its `pre` names: Llama 3's `llama-bpe`, GPT-2's,
+  Qwen2's) as a `tokenizers` Tokenizer, the BOS prepended when `add_bos_token` says so;
 - the tensors, by their Hugging Face names: F32 / F16 / BF16 as they are; Q8_0, Q4_0, Q4_1,
   Q4_K, Q5_K and Q6_K as kvserve quantized weights meaning the same numbers
   (`kvserve.quantization.gguf_blocks`), in the "mixed" scheme (each projection runs the layout
-  its type converts to); an embedding stored quantized is dequantized at load (its lookup reads
-  plain rows). llama.cpp's converter permutes the rows of attn_q / attn_k (each head's halves
+  its type converts to); an embedding stored quantized stays so (its lookup dequantizes the
+  rows it reads). llama.cpp's converter permutes the rows of attn_q / attn_k (each head's halves
   interleaved for its RoPE); the permutation is undone here, on whole rows of blocks.
 
 Any other architecture or tensor type is a ValueError naming it.
@@ -109,9 +109,22 @@ class GGUFCheckpoint:
             "hidden_act": "silu",
             "torch_dtype": "float32",
         }
-        if self.reader.fields.get(f"{a}.rope.scaling.type") is not None or \
-                "rope_freqs.weight" in {t.name for t in self.reader.tensors}:
-            raise ValueError(f"{self.path}: RoPE scaling in a GGUF file is not supported yet")
+        scaling = self.field(f"{a}.rope.scaling.type", "none")
+        if scaling == "linear":
+            config["rope_scaling"] = {"rope_type": "linear",
+                                      "factor": float(self.field(f"{a}.rope.scaling.factor"))}
+        elif scaling != "none":
+            raise ValueError(f"{self.path}: RoPE scaling {scaling!r} in a GGUF file is not "
+                             "supported yet (kvserve reads linear, and Llama 3's rope_freqs)")
+        freqs = [t for t in self.reader.tensors if t.name == "rope_freqs.weight"]
+        if freqs:
+            factors = np.asarray(freqs[0].data, dtype=np.float64).reshape(-1)
+            llama3 = llama3_rope_scaling(factors, config["rope_theta"], config["head_dim"])
+            if llama3 is None:
+                raise ValueError(f"{self.path}: rope_freqs is not Llama 3's frequency scaling "
+                                 "(1 for high frequencies, a factor for low ones, a smooth "
+                                 "step between)")
+            config["rope_scaling"] = llama3
         for key in ("bos_token_id", "eos_token_id"):
             value = self.reader.fields.get(f"tokenizer.ggml.{key}")
             if value is not None:
@@ -234,3 +247,44 @@ class GGUFTensorReader(_TensorReader):
 
     def fusable(self, parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
         return widened(parts)
+
+
+def llama3_rope_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict | None:
+    """The Llama 3 rope_scaling of a `rope_freqs` tensor (llama.cpp's converter writes each
+    frequency's divisor: 1 below the high-frequency wavelength, `factor` above the low-frequency
+    one, 1 / ((1 - s) / factor + s) between, s linear in 1 / wavelength), or None when the
+    divisors are not of that form. Only the ratios of original_max_position_embeddings and the
+    two frequency factors are fixed by the divisors; the context is rounded to an integer and the
+    factors follow it."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if factors.shape != inv_freq.shape or not np.all(np.isfinite(factors)):
+        return None
+    factor = float(factors.max())
+    if factor <= 1.0 or factors.min() < 1.0 - 1e-6:
+        return None
+    x = inv_freq / (2 * np.pi)  # 1 / wavelength
+    tol = 1e-5 * factor
+    low, high = factors >= factor - tol, factors <= 1.0 + tol
+    between = ~(low | high)
+    if between.sum() >= 2:  # s = a x + b; with low_freq_factor 1: b = -1 / (high - 1), L = a ...
+        s = (1.0 / factors[between] - 1.0 / factor) / (1.0 - 1.0 / factor)
+        a, b = np.polyfit(x[between], s, 1)
+        if a <= 0 or b >= 0:
+            return None
+        context, low_factor, high_factor = -a / b, 1.0, 1.0 - 1.0 / b
+    elif between.sum() == 0 and low.any() and high.any() and x[low].max() < x[high].min():
+        # a step: the boundaries anywhere between the two sets' wavelengths
+        context, low_factor = 0.999 / x[low].max(), 1.0
+        high_factor = context * x[high].min() / 0.999
+    else:
+        return None
+    scale = round(context) / context
+    rope = {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(low_factor * scale),
+            "high_freq_factor": float(high_factor * scale),
+            "original_max_position_embeddings": int(round(context))}
+    # The divisors these parameters give (transformers' formula) must be the file's.
+    lo, hi = rope["low_freq_factor"], rope["high_freq_factor"]
+    ctx = rope["original_max_position_embeddings"]
+    smooth = np.clip((ctx * x - lo) / (hi - lo), 0.0, 1.0)
+    implied = 1.0 / ((1.0 - smooth) / factor + smooth)
+    return rope if np.allclose(implied, factors, rtol=1e-4, atol=0.0) else None
