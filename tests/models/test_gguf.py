@@ -214,7 +214,12 @@ def plain(tmp_path_factory):
 def check_against_transformers(path, activation: str = "exact") -> None:
     model = transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, torch_dtype=torch.float32).eval()
-    llm = kvserve.LLM(path, dtype=torch.float32, quantized_activation=activation)
+    assert_generates_as(kvserve.LLM(path, dtype=torch.float32, quantized_activation=activation),
+                        model)
+
+
+def assert_generates_as(llm, model) -> None:
+    """The prompts' logits (within 3e-4) and greedy tokens of `llm` and a transformers model."""
     for prompt in PROMPTS:
         with torch.no_grad():
             want = model(torch.tensor([prompt])).logits[0]
@@ -313,15 +318,8 @@ def test_gguf_llama3_rope_freqs(tmp_path):
     scaling = llm.config.rope_scaling
     assert scaling.rope_type == "llama3" and scaling.factor == 8.0
     assert scaling.original_max_position_embeddings == 256
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
-    for prompt in PROMPTS:
-        with torch.no_grad():
-            want = model(torch.tensor([prompt])).logits[0]
-        torch.testing.assert_close(kvserve_prompt_logits(llm, prompt), want, atol=3e-4,
-                                   rtol=3e-4)
-    params = kvserve.SamplingParams(temperature=0, max_tokens=NUM_GREEDY_TOKENS, ignore_eos=True)
-    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params)):
-        assert out.outputs[0].token_ids == hf_greedy(model, prompt, NUM_GREEDY_TOKENS)
+    assert_generates_as(
+        llm, transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval())
     from kvserve.loader.gguf_checkpoint import llama3_rope_scaling
 
     assert llama3_rope_scaling(np.linspace(1.0, 3.0, 32), 500000.0, 64) is None  # not a step
