@@ -27,7 +27,7 @@ test-deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==$(TORCH_VERSION)"
 	$(PIP) install -q pytest pytest-xdist hypothesis "transformers>=4.45" "compressed-tensors>=0.12" scipy \
 		nbclient nbformat ipykernel matplotlib fastapi uvicorn prometheus-client openai httpx peft gguf \
-		"scikit-build-core>=0.10" ninja cmake
+		"scikit-build-core>=0.10" ninja cmake vllm-router
 	@dpkg -s libgtest-dev >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq libgtest-dev)
 
 # Every CPU kernel variant this machine runs (a plain install builds the best one and the portable
@@ -72,9 +72,9 @@ ASAN_ENV := ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:detect_odr_violation=0 
 # speculative sampler's statistical tests (the same C++ as its exact ones);
 # speculative greedy equality runs once per proposer, in the mixed-arrivals form (its single-request
 # form and the target-as-its-own-draft case run the same C++ paths with fewer requests); and the
-# server's suites (answers, bad input, chaos), whose work is HTTP and Python (the C++ paths they
-# reach, aborts between a step and its finish, failed steps, limits, run sanitized in tests/engine
-# and ctest).
+# server's suites (answers, bad input, chaos, the router's workers in subprocesses), whose work is
+# HTTP and Python (the C++ paths they reach, aborts between a step and its finish, failed steps,
+# limits, KV loads and holds, run sanitized in tests/engine and ctest).
 ASAN_SKIP := --ignore=tests/e2e/test_cli.py --ignore=tests/e2e/test_notebooks.py \
 	--ignore=tests/models/test_quantized_models.py --ignore=tests/models/test_awq.py \
 	--ignore=tests/models/test_llm_int8.py --ignore=tests/models/test_quantized_moe.py \
@@ -84,7 +84,7 @@ ASAN_SKIP := --ignore=tests/e2e/test_cli.py --ignore=tests/e2e/test_notebooks.py
 	--ignore=tests/engine/test_detokenizer.py --ignore=tests/models/test_distill.py \
 	--ignore=tests/models/test_train_tiny.py \
 	--ignore=tests/e2e/test_server_chaos.py --ignore=tests/e2e/test_server_errors.py \
-	--ignore=tests/e2e/test_server.py \
+	--ignore=tests/e2e/test_server.py --ignore=tests/e2e/test_router.py \
 	--ignore=tests/distributed \
 	-k "not test_cpu_capability_variants and not test_train_tiny and not ten_thousand_tokens \
 	and not test_bf16_logits_within_tolerance and not follow_the_target_distribution \

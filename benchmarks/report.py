@@ -43,6 +43,7 @@ ORDER = [
     "serve_chaos",
     "speculative_decoding",
     "tensor_parallel",
+    "disaggregation",
     "cpu_decode_prefill",
     "cpu_linear",
     "cpu_attention",

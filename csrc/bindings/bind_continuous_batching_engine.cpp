@@ -106,6 +106,10 @@ void bind_outputs(py::module_& m) {
       .def_readonly("num_steps", &EngineStats::num_steps)
       .def_readonly("num_cuda_graph_steps", &EngineStats::num_cuda_graph_steps)
       .def_readonly("num_generated_tokens", &EngineStats::num_generated_tokens)
+      .def_readonly("num_computed_prompt_tokens", &EngineStats::num_computed_prompt_tokens)
+      .def_readonly("num_loaded_prompt_tokens", &EngineStats::num_loaded_prompt_tokens)
+      .def_readonly("num_loading_requests", &EngineStats::num_loading_requests)
+      .def_readonly("num_held_requests", &EngineStats::num_held_requests)
       .def_readonly("time_to_first_token", &EngineStats::time_to_first_token)
       .def_readonly("time_per_output_token", &EngineStats::time_per_output_token)
       .def_readonly("e2e_latency", &EngineStats::e2e_latency)
@@ -259,7 +263,23 @@ void bind_continuous_batching_engine(py::module_& m) {
       .def_property_readonly("num_running", &Scheduler::num_running)
       .def_property_readonly("num_waiting", &Scheduler::num_waiting)
       .def_property_readonly("num_preemptions", &Scheduler::num_preemptions)
+      .def_property_readonly("num_loading", &Scheduler::num_loading)
+      .def_property_readonly("num_held", &Scheduler::num_held)
       .def("check_invariants", &Scheduler::check_invariants);
+
+  py::enum_<KVTransfer>(m, "KVTransfer", "A request's part in a KV transfer.")
+      .value("NONE", KVTransfer::kNone)
+      .value("HOLD", KVTransfer::kHold)
+      .value("LOAD", KVTransfer::kLoad);
+  py::class_<KVLoad>(m, "KVLoad", "A request whose blocks wait for its prompt's KV.")
+      .def_readonly("load_id", &KVLoad::load_id)
+      .def_readonly("request_id", &KVLoad::request_id)
+      .def_readonly("num_prompt_tokens", &KVLoad::num_prompt_tokens)
+      .def_readonly("num_cached_tokens", &KVLoad::num_cached_tokens)
+      .def_readonly("block_tables", &KVLoad::block_tables);
+  py::class_<HeldKV>(m, "HeldKV", "The blocks a finished producer request holds.")
+      .def_readonly("block_tables", &HeldKV::block_tables)
+      .def_readonly("num_tokens", &HeldKV::num_tokens);
 
   py::class_<ContinuousBatchingEngine>(
       m, "ContinuousBatchingEngine",
@@ -276,8 +296,18 @@ void bind_continuous_batching_engine(py::module_& m) {
            py::arg("prompt_token_ids"), py::arg("sampling_params"),
            py::arg("arrival_time") = py::none(), py::arg("priority") = 0,
            py::arg("lora_slot") = -1, py::arg("lora_key") = 0,
-           py::call_guard<py::gil_scoped_release>(),
+           py::arg("kv_transfer") = KVTransfer::kNone, py::call_guard<py::gil_scoped_release>(),
            "Thread-safe: validates now, applied before the next step's work.")
+      .def("take_kv_loads", &ContinuousBatchingEngine::take_kv_loads,
+           "The KV-loading requests admitted since the last call (thread-safe).")
+      .def("finish_kv_load", &ContinuousBatchingEngine::finish_kv_load, py::arg("load_id"),
+           py::arg("first_token"), py::arg("logprobs") = py::none(),
+           py::call_guard<py::gil_scoped_release>())
+      .def("fail_kv_load", &ContinuousBatchingEngine::fail_kv_load, py::arg("load_id"),
+           py::arg("error"), py::call_guard<py::gil_scoped_release>())
+      .def("held_kv", &ContinuousBatchingEngine::held_kv, py::arg("request_id"))
+      .def("release_kv", &ContinuousBatchingEngine::release_kv, py::arg("request_id"),
+           py::call_guard<py::gil_scoped_release>())
       .def("set_lora", &ContinuousBatchingEngine::set_lora, py::arg("slot"), py::arg("factors"),
            py::arg("worker_factors") = std::vector<LoraFactors>{},
            py::call_guard<py::gil_scoped_release>(),

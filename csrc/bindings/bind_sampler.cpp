@@ -98,10 +98,11 @@ void bind_sampler(py::module_& m) {
 
   py::class_<TokenLogprobs>(m, "TokenLogprobs",
                             "Log-probabilities of one sampled token, from the raw logits.")
-      .def_readonly("token_id", &TokenLogprobs::token_id)
-      .def_readonly("logprob", &TokenLogprobs::logprob)
-      .def_readonly("rank", &TokenLogprobs::rank, "1-based; tokens at least as likely")
-      .def_readonly("top", &TokenLogprobs::top, "[(token_id, logprob)], most likely first")
+      .def(py::init<>())
+      .def_readwrite("token_id", &TokenLogprobs::token_id)
+      .def_readwrite("logprob", &TokenLogprobs::logprob)
+      .def_readwrite("rank", &TokenLogprobs::rank, "1-based; tokens at least as likely")
+      .def_readwrite("top", &TokenLogprobs::top, "[(token_id, logprob)], most likely first")
       .def("__repr__", [](const TokenLogprobs& t) {
         std::ostringstream out;
         out << "TokenLogprobs(token_id=" << t.token_id << ", logprob=" << t.logprob

@@ -82,11 +82,18 @@ std::vector<RequestOutput> ContinuousBatchingEngine::step(bool finished_only) {
   std::lock_guard<std::mutex> owner(step_mutex_);
   apply_commands();
   std::vector<RequestOutput> outputs = take_aborted_outputs();
+  report_loaded(outputs);
   const int64_t num_speculative =
       speculator_ ? speculator_->num_speculative_tokens(scheduler_.num_running()) : 0;
   const SchedulerOutput work = scheduler_.schedule(num_speculative);
+  queue_loads(work);
   if (work.empty()) {
-    fail_if_stalled(outputs);
+    // Loads in flight are progress: their requests run once their KV arrives.
+    if (scheduler_.num_loading() == 0) {
+      fail_if_stalled(outputs);
+    } else {
+      num_idle_steps_ = 0;
+    }
   } else {
     num_idle_steps_ = 0;
     const StepSamples samples = plan_samples(work);
@@ -211,6 +218,11 @@ void ContinuousBatchingEngine::update_from_output(const SchedulerOutput& work,
                                                   const ModelRunnerOutput& result,
                                                   std::vector<RequestOutput>& outputs,
                                                   bool finished_only) {
+  for (const ScheduledSequence& s : work.scheduled) {
+    const int64_t prompt = sequences_.at(s.seq_id).num_prompt_tokens;
+    stats_.num_computed_prompt_tokens +=
+        std::max<int64_t>(0, std::min(s.num_computed + s.num_new_tokens, prompt) - s.num_computed);
+  }
   scheduler_.update_computed(work);
   ++stats_.num_steps;
   if (result.cuda_graph) ++stats_.num_cuda_graph_steps;
@@ -302,7 +314,10 @@ void ContinuousBatchingEngine::fail_if_stalled(std::vector<RequestOutput>& outpu
 void ContinuousBatchingEngine::end_completion(Completion& completion, const std::string& reason) {
   completion.output.finish_reason = reason;
   if (completion.forked && scheduler_.has_sequence(completion.seq_id)) {
-    scheduler_.finish(completion.seq_id);
+    auto where = where_.find(completion.seq_id);
+    if (where == where_.end() || !hold_blocks(*where->second.request, completion, reason)) {
+      scheduler_.finish(completion.seq_id);
+    }
   }
   where_.erase(completion.seq_id);
 }

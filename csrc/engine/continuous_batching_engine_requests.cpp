@@ -118,8 +118,20 @@ void ContinuousBatchingEngine::add_request(const std::string& request_id,
                                            const std::vector<int64_t>& prompt_token_ids,
                                            const SamplingParams& params,
                                            std::optional<double> arrival_time, int64_t priority,
-                                           int32_t lora_slot, uint64_t lora_key) {
+                                           int32_t lora_slot, uint64_t lora_key,
+                                           KVTransfer kv_transfer) {
   validate(request_id, prompt_token_ids, params, arrival_time);
+  if (kv_transfer != KVTransfer::kNone && params.n != 1) {
+    throw std::invalid_argument("a request whose KV is transferred takes n = 1, got n = " +
+                                std::to_string(params.n));
+  }
+  if (kv_transfer == KVTransfer::kLoad && params.prompt_logprobs) {
+    throw std::invalid_argument("prompt_logprobs need the prompt computed here, not loaded");
+  }
+  if (kv_transfer == KVTransfer::kLoad && config_.speculative.method == "draft_model") {
+    throw std::invalid_argument("a loaded prompt brings no draft-model KV: KV loading and "
+                                "draft-model speculation do not combine (n-gram does)");
+  }
   if (lora_slot < -1 || lora_slot >= model_->num_lora_slots()) {
     throw std::invalid_argument("lora_slot " + std::to_string(lora_slot) + " is outside [-1, " +
                                 std::to_string(model_->num_lora_slots()) + ")");
@@ -132,6 +144,7 @@ void ContinuousBatchingEngine::add_request(const std::string& request_id,
   request->params = params;
   request->priority = priority;
   request->metrics.arrival_time = arrival_time.value_or(now());
+  request->kv_transfer = kv_transfer;
   {
     std::lock_guard<std::mutex> lock(inbox_mutex_);
     if (live_ids_.count(request_id)) {
@@ -145,7 +158,7 @@ void ContinuousBatchingEngine::add_request(const std::string& request_id,
                              " requests wait to run (max_waiting_requests); retry later");
     }
     live_ids_.insert(request_id);
-    inbox_.push_back(Command{std::move(request), {}});
+    inbox_.push_back(Command{.kind = Command::Kind::kAdd, .request = std::move(request)});
   }
   try_apply_commands();
 }
@@ -177,7 +190,7 @@ bool ContinuousBatchingEngine::abort_request(const std::string& request_id) {
   {
     std::lock_guard<std::mutex> lock(inbox_mutex_);
     if (!live_ids_.count(request_id) || unreported_ids_.count(request_id)) return false;
-    inbox_.push_back(Command{nullptr, request_id});
+    inbox_.push_back(Command{.kind = Command::Kind::kAbort, .id = request_id});
   }
   try_apply_commands();
   return true;
@@ -197,10 +210,25 @@ void ContinuousBatchingEngine::apply_commands() {
     commands.swap(inbox_);
   }
   for (Command& c : commands) {
-    if (c.request) {
-      admit(std::move(c.request));
-    } else {
-      abort_now(c.abort_id);
+    switch (c.kind) {
+      case Command::Kind::kAdd:
+        admit(std::move(c.request));
+        break;
+      case Command::Kind::kAbort:
+        abort_now(c.id);
+        break;
+      case Command::Kind::kLoaded:
+      case Command::Kind::kLoadFailed:
+        end_load(c);
+        break;
+      case Command::Kind::kRelease: {
+        std::lock_guard<std::mutex> lock(inbox_mutex_);
+        auto it = held_.find(c.id);
+        if (it == held_.end()) break;
+        scheduler_.release(it->second.first);
+        held_.erase(it);
+        break;
+      }
     }
   }
 }
@@ -215,7 +243,8 @@ void ContinuousBatchingEngine::admit(std::unique_ptr<Request> request) {
                                                   static_cast<uint64_t>(seq_id) + 1)
           : request->lora_key;
   scheduler_.add(seq_id, std::vector<int32_t>(request->prompt.begin(), request->prompt.end()),
-                 request->priority, request->params.max_tokens, request->lora_slot, cache_key);
+                 request->priority, request->params.max_tokens, request->lora_slot, cache_key,
+                 request->kv_transfer == KVTransfer::kLoad);
   request->completions.push_back(
       {seq_id, CompletionOutput{}, 0, RequestRandom(request->params.seed), true});
   where_[seq_id] = {request.get(), 0};
@@ -361,7 +390,9 @@ void ContinuousBatchingEngine::publish_stats() {
   stats_.prefix_cache_queries = block_manager_.prefix_cache_queries();
   stats_.prefix_cache_hits = block_manager_.prefix_cache_hits();
   stats_.num_preemptions = scheduler_.num_preemptions();
+  stats_.num_loading_requests = scheduler_.num_loading();
   std::lock_guard<std::mutex> lock(inbox_mutex_);
+  stats_.num_held_requests = static_cast<int64_t>(held_.size());
   stats_.num_waiting_requests =
       static_cast<int64_t>(live_ids_.size() - unreported_ids_.size()) - running;
   published_stats_ = stats_;

@@ -37,7 +37,8 @@ const Scheduler::Entry& Scheduler::entry(int64_t seq_id) const {
 }
 
 void Scheduler::add(int64_t seq_id, std::vector<int32_t> prompt_token_ids, int64_t priority,
-                    int64_t max_new_tokens, int32_t lora_slot, uint64_t cache_key) {
+                    int64_t max_new_tokens, int32_t lora_slot, uint64_t cache_key,
+                    bool load_prompt) {
   if (entries_.count(seq_id) || sequences_.contains(seq_id)) {
     throw std::invalid_argument("sequence id " + std::to_string(seq_id) + " already exists");
   }
@@ -65,7 +66,8 @@ void Scheduler::add(int64_t seq_id, std::vector<int32_t> prompt_token_ids, int64
                                          .priority = priority,
                                          .lora_slot = lora_slot,
                                          .cache_key = cache_key});
-  entries_.emplace(seq_id, Entry{.state = &state, .arrival = next_arrival_++});
+  entries_.emplace(seq_id,
+                   Entry{.state = &state, .arrival = next_arrival_++, .load_prompt = load_prompt});
   enqueue_waiting(seq_id, /*preempted=*/false);
 }
 
@@ -228,9 +230,14 @@ void Scheduler::preempt_last(SchedulerOutput& out) {
 
 void Scheduler::admit_waiting(int64_t& budget, SchedulerOutput& out) {
   while (!waiting_.empty() && budget > 0 &&
-         static_cast<int64_t>(running_.size()) < config_.max_num_seqs) {
+         static_cast<int64_t>(running_.size() + loading_.size()) < config_.max_num_seqs) {
     const int64_t id = std::get<3>(*waiting_.begin());
     SequenceState& s = *entry(id).state;
+    if (entry(id).load_prompt && s.num_output_tokens() == 0) {
+      if (!admit_load(id)) return;
+      out.loads.push_back(id);
+      continue;
+    }
     // The watermark keeps headroom for running sequences' growth; with nothing running there is
     // nothing to protect, so a sequence that fits the pool at all is admitted.
     // Sliding-window groups reserve the first chunk only (at most the budget after the hit).
@@ -258,6 +265,64 @@ void Scheduler::admit_waiting(int64_t& budget, SchedulerOutput& out) {
     // preemption follows admission within a step, so the chunk does run.)
     blocks_.mark_computed(id, cached + chunk);
   }
+}
+
+bool Scheduler::admit_load(int64_t seq_id) {
+  SequenceState& s = *entry(seq_id).state;
+  // Blocks for the whole prompt in every group: the transfer writes them all at once.
+  if (!blocks_.can_allocate(s.token_ids, s.cache_key, -1) && !running_.empty()) return false;
+  int64_t cached = 0;
+  try {
+    cached = blocks_.allocate(seq_id, s.token_ids, s.cache_key, -1);
+  } catch (const std::runtime_error&) {
+    return false;
+  }
+  Entry& e = entry(seq_id);
+  waiting_.erase(e.wait_key);
+  e.allocated = true;
+  loading_.emplace(seq_id, false);
+  s.num_computed_tokens = cached;
+  s.num_cached_tokens = cached;
+  ++s.num_admissions;
+  return true;
+}
+
+bool Scheduler::end_load(int64_t seq_id, bool ok) {
+  auto it = loading_.find(seq_id);
+  if (it == loading_.end()) {
+    throw std::out_of_range("sequence " + std::to_string(seq_id) + " is not loading");
+  }
+  const bool finished = it->second;
+  loading_.erase(it);
+  if (!ok || finished) {
+    blocks_.free(seq_id);
+    entries_.erase(seq_id);
+    sequences_.erase(seq_id);
+    return false;
+  }
+  SequenceState& s = *entry(seq_id).state;
+  s.num_computed_tokens = s.num_tokens();
+  blocks_.mark_computed(seq_id, s.num_computed_tokens);
+  entry(seq_id).running_pos = running_.insert(running_.end(), seq_id);
+  return true;
+}
+
+void Scheduler::hold(int64_t seq_id) {
+  Entry& e = entry(seq_id);
+  if (!e.allocated || loading_.count(seq_id)) {
+    throw std::out_of_range("sequence " + std::to_string(seq_id) + " is not running");
+  }
+  running_.erase(e.running_pos);
+  entries_.erase(seq_id);
+  sequences_.erase(seq_id);
+  held_.insert(seq_id);
+}
+
+void Scheduler::release(int64_t seq_id) {
+  if (!held_.erase(seq_id)) {
+    throw std::out_of_range("sequence " + std::to_string(seq_id) + " is not held");
+  }
+  blocks_.free(seq_id);
 }
 
 void Scheduler::update_computed(const SchedulerOutput& output) {
@@ -310,6 +375,10 @@ void Scheduler::fork(int64_t parent_id, int64_t child_id) {
 
 void Scheduler::finish(int64_t seq_id) {
   Entry& e = entry(seq_id);
+  if (auto loading = loading_.find(seq_id); loading != loading_.end()) {
+    loading->second = true;  // end_load frees its blocks: the transfer may still write them
+    return;
+  }
   if (e.allocated) {
     blocks_.free(seq_id);
     running_.erase(e.running_pos);
@@ -322,14 +391,25 @@ void Scheduler::finish(int64_t seq_id) {
 
 void Scheduler::check_invariants() const {
   auto fail = [](const std::string& what) { throw std::logic_error("Scheduler: " + what); };
-  if (running_.size() + waiting_.size() != entries_.size()) fail("queues and sequences differ");
+  if (running_.size() + waiting_.size() + loading_.size() != entries_.size()) {
+    fail("queues and sequences differ");
+  }
   for (const auto& [id, e] : entries_) {
     if (!sequences_.contains(id) || &sequences_.at(id) != e.state) {
       fail("sequence " + std::to_string(id) + " is not the table's");
     }
   }
-  if (blocks_.num_sequences() != static_cast<int64_t>(running_.size())) {
-    fail("the block manager holds other sequences than the running ones");
+  if (blocks_.num_sequences() !=
+      static_cast<int64_t>(running_.size() + loading_.size() + held_.size())) {
+    fail("the block manager holds other sequences than the running, loading and held ones");
+  }
+  for (const auto& [id, finished] : loading_) {
+    if (!entries_.count(id) || !entry(id).allocated || !blocks_.has_sequence(id)) {
+      fail("a loading sequence holds no blocks");
+    }
+  }
+  for (int64_t id : held_) {
+    if (entries_.count(id) || !blocks_.has_sequence(id)) fail("a held sequence is queued");
   }
   for (int64_t id : running_) {
     const SequenceState& s = sequence(id);

@@ -150,6 +150,8 @@ class AsyncLLMEngine:
         self._channels: dict[str, _Channel] = {}  # under _lock
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
+        if engine.kv_connector is not None:  # a finished KV load makes its request runnable
+            engine.kv_connector.on_loaded = self._wakeup.set
         self._stopped = False
         self._dead = False  # the owner thread ended by an exception
         self._ids = itertools.count()
@@ -167,7 +169,8 @@ class AsyncLLMEngine:
                           sampling_params: SamplingParams | None = None,
                           request_id: str | None = None, priority: int = 0,
                           lora: LoRARequest | None = None,
-                          output_kind: str = "cumulative") -> RequestStream:
+                          output_kind: str = "cumulative",
+                          kv_transfer_params: dict | None = None) -> RequestStream:
         """Submits a request and returns the stream of its outputs. Tokenizing, validating and
         (for a LoRA adapter's first request) loading the adapter run in a worker thread. Raises
         ValueError / TypeError for bad input, kvserve.EngineOverloadedError when the engine's
@@ -186,7 +189,8 @@ class AsyncLLMEngine:
 
         def submit() -> None:
             self.engine.add_request(request_id, prompt, sampling_params, priority=priority,
-                                    lora=lora, output_kind=output_kind)
+                                    lora=lora, output_kind=output_kind,
+                                    kv_transfer_params=kv_transfer_params)
             if withdrawn.is_set():  # the caller gave up while this ran: take it back
                 self.engine.abort_request(request_id)
 
@@ -205,12 +209,13 @@ class AsyncLLMEngine:
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0,
                        lora: LoRARequest | None = None,
-                       output_kind: str = "cumulative") -> AsyncIterator[RequestOutput]:
+                       output_kind: str = "cumulative",
+                       kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs, one per update that produced text, the last with
         finished=True (updates the consumer was too slow to read apart are merged). Raises
         as add_request before yielding anything."""
         stream = await self.add_request(prompt, sampling_params, request_id, priority, lora,
-                                        output_kind)
+                                        output_kind, kv_transfer_params)
         try:
             async for out in stream:
                 yield out
@@ -313,10 +318,14 @@ class AsyncLLMEngine:
                 self._step_started = None
                 # Only a forward that ran clears the failures (a step that just reports the
                 # failed requests does not show the model works again).
-                done = self.engine.get_stats().num_steps
-                if done > forwards:
+                stats = self.engine.get_stats()
+                if stats.num_steps > forwards:
                     self.num_consecutive_failures = 0
-                forwards = done
+                elif not outputs and stats.num_loading_requests:
+                    # Only KV loads are in flight: wait for one to end instead of spinning.
+                    self._wakeup.wait(timeout=0.05)
+                    self._wakeup.clear()
+                forwards = stats.num_steps
                 self._deliver(outputs)
         except BaseException as error:  # the thread dies: nobody would ever answer its streams
             self._dead = True

@@ -184,6 +184,23 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _launch(args: argparse.Namespace) -> int:
+    from kvserve.launch import launch, plan_workers
+
+    serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
+    if "--model" not in serve_args:
+        raise ValueError("give the workers' options after --, --model among them: "
+                         "kvserve launch --replicas 2 -- --model DIR")
+    workers = plan_workers(args.replicas, args.prefill, args.decode,
+                           args.worker_port or args.port + 1)
+    try:
+        return launch(workers, serve_args, args.host, args.port, args.router_policy,
+                      args.threads_per_worker)
+    except RuntimeError as e:
+        print(f"kvserve launch: {e}", file=sys.stderr)
+        return 1
+
+
 def _lora_modules(specs: list[str] | None) -> dict[str, str]:
     """{name: path} from NAME=PATH arguments."""
     modules = {}
@@ -322,6 +339,23 @@ def build_parser() -> argparse.ArgumentParser:
                                  defaults={"max_waiting_requests": DEFAULT_MAX_WAITING_REQUESTS})
     ServerLimits.add_cli_args(v)
     v.set_defaults(func=_serve)
+    la = sub.add_parser("launch", help="several serve workers behind vLLM's router (replicas, "
+                        "or prefill/decode disaggregation)")
+    la.add_argument("--replicas", type=int, default=0, help="colocated workers")
+    la.add_argument("--prefill", type=int, default=0, help="prefill workers (--kv-role producer)")
+    la.add_argument("--decode", type=int, default=0, help="decode workers (--kv-role consumer)")
+    la.add_argument("--host", default="127.0.0.1", help="the router's address")
+    la.add_argument("--port", type=int, default=8000, help="the router's port")
+    la.add_argument("--worker-port", type=int, default=None,
+                    help="the first worker's port, the others follow (default: --port + 1)")
+    la.add_argument("--router-policy", default="cache_aware",
+                    choices=["cache_aware", "round_robin", "power_of_two", "random",
+                             "consistent_hash"])
+    la.add_argument("--threads-per-worker", type=int, default=None,
+                    help="compute threads of each worker (default: cores / workers)")
+    la.add_argument("serve_args", nargs=argparse.REMAINDER,
+                    help="-- then the options of every `kvserve serve` (--model DIR ...)")
+    la.set_defaults(func=_launch)
     c = sub.add_parser("convert", help="write another format's checkpoint as a Hugging Face dir")
     add_llama2c_parser(c.add_subparsers(dest="format", required=True))
     return parser

@@ -28,6 +28,7 @@ from kvserve import _C
 from kvserve.config import (load_checkpoint_info, resolve_dtype, resolve_kv_cache_dtype,
                             set_quantized_activation)
 from kvserve.engine_args import EngineArgs
+from kvserve.kv_transfer.params import KVTransferParams
 from kvserve.loader import load_weights
 from kvserve.lora_serving import LoRAManager, LoRARequest
 from kvserve.outputs import CompletionOutput, RequestOutput
@@ -62,6 +63,7 @@ class _Request:
     final_metrics: object = None  # set when stop strings finished it (the engine forgot it)
     lora: str | None = None  # the adapter's name (LoRAManager), released when it finishes
     prompt_logprobs: list | None = None  # [None, entries...] once the engine reported them
+    holds_kv: bool = False  # a producer's: its KV stays held for a consumer when it finishes
 
     @property
     def stop_holdback(self) -> int:
@@ -191,6 +193,15 @@ class LLMEngine:
         self.lora_manager = (LoRAManager(self.engine, self.model, info.config, args.max_loras,
                                          args.max_lora_rank, args.tensor_parallel_size)
                              if args.enable_lora else None)
+        self.kv_connector = None
+        if args.kv_role is not None:
+            if self.ranks is not None:
+                raise ValueError("kv_role with tensor_parallel_size > 1 is not supported yet: "
+                                 "a transfer moves one rank's pool")
+            from kvserve.kv_transfer import TorchDistributedConnector
+
+            self.kv_connector = TorchDistributedConnector(
+                self.engine, args.kv_role, args.kv_host, args.kv_port, args.kv_transfer_timeout)
         self._requests: dict[str, _Request] = {}  # under _lock
         self._lock = threading.Lock()
         self._step_lock = threading.Lock()
@@ -212,8 +223,10 @@ class LLMEngine:
                              "rank, which is not built yet: use distributed_backend='gloo'")
 
     def shutdown(self) -> None:
-        """Stops the tensor-parallel ranks this engine started (a no-op for one rank); the
-        engine cannot step afterwards."""
+        """Stops the KV connector and the tensor-parallel ranks this engine started (a no-op for
+        one rank without a connector); the engine cannot step afterwards."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
         if self.ranks is None:
             return
         self.engine = None  # its runner tells the workers to stop
@@ -285,11 +298,15 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, arrival_time: float | None = None,
                     priority: int = 0, lora: LoRARequest | None = None,
-                    output_kind: str = "cumulative") -> None:
+                    output_kind: str = "cumulative",
+                    kv_transfer_params: dict | KVTransferParams | None = None) -> None:
         """Queues a prompt (text, or token ids), with a LoRA adapter if given (an engine made
         with enable_lora). output_kind "cumulative": each output's text, token_ids and logprobs
         are everything so far; "delta": only what the step added (a server streaming a long
-        output copies nothing per step). Raises ValueError / TypeError for bad input, and
+        output copies nothing per step). kv_transfer_params (an engine with a kv_role):
+        do_remote_decode holds the prompt's KV for a consumer when the request finishes (its
+        final output's kv_transfer_params say where); do_remote_prefill pulls it from the
+        producer they name instead of computing it. Raises ValueError / TypeError for bad input, and
         kvserve.EngineOverloadedError when max_waiting_requests requests already wait; the
         engine keeps serving the other requests."""
         if output_kind not in OUTPUT_KINDS:
@@ -302,6 +319,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self._tokenize(prompt)
+        kv = self._kv_transfer(KVTransferParams.from_dict(kv_transfer_params), params)
         slot, key = -1, 0
         if lora is not None:
             if self.lora_manager is None:
@@ -315,16 +333,32 @@ class LLMEngine:
                 raise ValueError(f"request id '{request_id}' is already in use")
             self._requests[request_id] = _Request(
                 text, ids, params, tuple(params.stop), output_kind == "delta",
-                lora=lora.name if lora is not None else None)
+                lora=lora.name if lora is not None else None,
+                holds_kv=kv[0] == _C.KVTransfer.HOLD)
         try:
+            if kv[0] == _C.KVTransfer.LOAD:
+                self.kv_connector.register_load(request_id, kv[1], ids)
             self.engine.add_request(request_id, ids, params, arrival_time, priority,
-                                    lora_slot=slot, lora_key=key)
+                                    lora_slot=slot, lora_key=key, kv_transfer=kv[0])
         except BaseException:
+            if kv[0] == _C.KVTransfer.LOAD:
+                self.kv_connector.forget_load(request_id)
             with self._lock:
                 del self._requests[request_id]
             if lora is not None:
                 self.lora_manager.release(lora.name)
             raise
+
+    def _kv_transfer(self, kv: KVTransferParams | None, params: SamplingParams):
+        """(_C.KVTransfer, params) of a request's kv_transfer_params; ValueError when this
+        engine cannot take its part."""
+        if kv is None or not (kv.do_remote_decode or kv.do_remote_prefill):
+            return _C.KVTransfer.NONE, kv
+        if self.kv_connector is None:
+            raise ValueError("kv_transfer_params asks for a KV transfer, and this engine has no "
+                             "kv_role")
+        self.kv_connector.check_request(kv, params)
+        return (_C.KVTransfer.HOLD if kv.do_remote_decode else _C.KVTransfer.LOAD), kv
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -376,7 +410,11 @@ class LLMEngine:
         outputs = []
         # finished_only: the C++ engine reports only finished requests and those with stop strings;
         # the others' tokens arrive at once in their final output.
-        for raw in self.engine.step(finished_only):
+        raws = self.engine.step(finished_only)
+        if self.kv_connector is not None:  # blocks allocated this step: their pulls start
+            for load in self.engine.take_kv_loads():
+                self.kv_connector.start_load(load)
+        for raw in raws:
             with self._lock:
                 request = self._requests.get(raw.request_id)
             if request is None:  # a stop string finished it before this abort's output came
@@ -406,6 +444,10 @@ class LLMEngine:
                             completions, finished, metrics, raw.num_cached_tokens, raw.error,
                             prompt_logprobs)
         if finished:
+            if request.holds_kv:
+                sample = self._sample(request, 0)
+                out.kv_transfer_params = self.kv_connector.request_finished(
+                    raw.request_id, request.prompt_token_ids, sample.token_ids, sample.logprobs)
             self._forget(raw.request_id, request)
         return out
 
@@ -439,6 +481,8 @@ class LLMEngine:
     def _forget(self, request_id: str, request: _Request) -> None:
         with self._lock:
             self._requests.pop(request_id, None)
+        if self.kv_connector is not None and self.kv_connector.role != "producer":
+            self.kv_connector.forget_load(request_id)
         if request.lora is not None:
             self.lora_manager.release(request.lora)
 

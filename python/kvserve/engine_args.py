@@ -119,6 +119,16 @@ class EngineArgs:
         _CONFIG.max_waiting_requests,
         "requests waiting to run at most; past it add_request raises EngineOverloadedError "
         "(a server's 429) (0: no limit)")
+    kv_role: str | None = option(
+        None, "prefill/decode disaggregation: producer (prefills requests whose "
+        "kv_transfer_params ask do_remote_decode and holds their KV for a consumer to pull), "
+        "consumer (pulls the prompt's KV of requests with do_remote_prefill instead of "
+        "computing it) or both", choices=("producer", "consumer", "both"))
+    kv_host: str = option(
+        "127.0.0.1", "where a producer accepts KV pulls (the address its answers name)")
+    kv_port: int = option(0, "the port a producer accepts KV pulls on (0: a free one)")
+    kv_transfer_timeout: float = option(
+        30.0, "seconds a producer holds a request's KV for its pull, and bound on one transfer")
 
     def __post_init__(self):
         check_types(self)

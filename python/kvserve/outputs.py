@@ -54,3 +54,6 @@ class RequestOutput:
     # token. Set from the first output after the prompt was scored (in "delta" outputs, only
     # there).
     prompt_logprobs: list | None = None
+    # A KV producer's finished request (kv_transfer_params do_remote_decode): where a consumer
+    # pulls its prompt's KV from, in vLLM's kv_transfer_params shape (None otherwise).
+    kv_transfer_params: dict | None = None

@@ -157,6 +157,60 @@ TEST(Scheduler, PrefixHitsStartTheFirstChunkAfterTheCachedTokens) {
   EXPECT_EQ(scheduler.sequence(1).num_cached_tokens, 8);
 }
 
+TEST(Scheduler, LoadedPromptsWaitWithTheirBlocksThenDecode) {
+  PagedBlockManager blocks({.num_blocks = 32, .block_size = 4});
+  SequenceTable sequences;
+  Scheduler scheduler({8, 100, 64}, blocks, sequences);
+  scheduler.add(0, prompt(1, 10));
+  step(scheduler);  // seq 0's prompt cached: blocks of tokens 1..8 hit below
+  scheduler.add(1, prompt(1, 14), 0, 8, -1, 0, /*load_prompt=*/true);
+  scheduler.add(2, prompt(50, 6), 0, 8, -1, 0, /*load_prompt=*/true);
+  SchedulerOutput out = scheduler.schedule();
+  // Admitted without compute: blocks for whole prompts (the hit included), nothing scheduled.
+  EXPECT_EQ(trace(out), (Trace{{0, 10, 1, true}}));
+  EXPECT_EQ(out.loads, (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(scheduler.sequence(1).num_cached_tokens, 8);
+  EXPECT_EQ(blocks.block_table(1).size(), 4u);
+  EXPECT_EQ(scheduler.num_loading(), 2);
+  scheduler.update_computed(out);
+  scheduler.append_token(0, 7);
+  scheduler.check_invariants();
+  // A load that ends: the prompt counts as computed and the sequence decodes its first token.
+  EXPECT_TRUE(scheduler.end_load(1, true));
+  scheduler.append_token(1, 9);
+  EXPECT_EQ(step(scheduler), (Trace{{0, 11, 1, true}, {1, 14, 1, true}}));
+  // A load that fails frees its blocks; one finished while loading keeps them until it ends.
+  const int64_t free_before = blocks.num_free_blocks();
+  scheduler.finish(2);
+  EXPECT_EQ(blocks.num_free_blocks(), free_before);
+  scheduler.check_invariants();
+  EXPECT_FALSE(scheduler.end_load(2, true));
+  EXPECT_EQ(blocks.num_free_blocks(), free_before + 2);
+  EXPECT_THROW(scheduler.end_load(2, true), std::out_of_range);
+  scheduler.check_invariants();
+}
+
+TEST(Scheduler, HeldSequencesKeepTheirBlocksUntilReleased) {
+  PagedBlockManager blocks({.num_blocks = 16, .block_size = 4});
+  SequenceTable sequences;
+  Scheduler scheduler({8, 100, 64}, blocks, sequences);
+  scheduler.add(0, prompt(1, 9));
+  step(scheduler);
+  const std::vector<int32_t> table = blocks.block_table(0);
+  scheduler.hold(0);
+  EXPECT_FALSE(scheduler.has_sequence(0));
+  EXPECT_FALSE(scheduler.has_pending_work());
+  EXPECT_EQ(scheduler.num_held(), 1);
+  EXPECT_EQ(blocks.block_table(0), table);
+  for (int32_t b : table) EXPECT_EQ(blocks.ref_count(b), 1);
+  scheduler.check_invariants();
+  EXPECT_THROW(scheduler.hold(0), std::out_of_range);
+  scheduler.release(0);
+  EXPECT_EQ(blocks.num_free_blocks(), blocks.num_usable_blocks());
+  EXPECT_THROW(scheduler.release(0), std::out_of_range);
+  scheduler.check_invariants();
+}
+
 TEST(Scheduler, PrefixHitsOnlyUnderTheSameCacheKey) {
   // One key per LoRA adapter: the same prompt under another adapter has other K/V.
   PagedBlockManager blocks({.num_blocks = 32, .block_size = 4});

@@ -24,6 +24,7 @@
 #include "kvserve/causal_lm.h"
 #include "kvserve/engine_config.h"
 #include "kvserve/engine_stats.h"
+#include "kvserve/kv_transfer.h"
 #include "kvserve/model_runner.h"
 #include "kvserve/paged_block_manager.h"
 #include "kvserve/request_output.h"
@@ -60,9 +61,32 @@ class ContinuousBatchingEngine {
   /// lora_key: salts its prefix-cache hashes, so that requests share cached blocks only with
   /// requests of the same adapter (0: the base model's; one key per adapter ever loaded, not per
   /// slot, since a slot is reused). A slot outside [-1, num_lora_slots) is invalid.
+  /// kv_transfer: kHold or kLoad (see KVTransfer) need n = 1; kLoad also no prompt_logprobs and
+  /// no draft model (whose KV the transfer does not bring).
   void add_request(const std::string& request_id, const std::vector<int64_t>& prompt_token_ids,
                    const SamplingParams& params, std::optional<double> arrival_time = std::nullopt,
-                   int64_t priority = 0, int32_t lora_slot = -1, uint64_t lora_key = 0);
+                   int64_t priority = 0, int32_t lora_slot = -1, uint64_t lora_key = 0,
+                   KVTransfer kv_transfer = KVTransfer::kNone);
+
+  /// The kLoad requests admitted since the last call, their blocks allocated (thread-safe).
+  /// Each must be answered with finish_kv_load or fail_kv_load: until then its blocks stay
+  /// allocated, even when the request is aborted meanwhile.
+  std::vector<KVLoad> take_kv_loads();
+  /// A load's KV is written (thread-safe; applied before the next step's work): its request
+  /// continues from `first_token`, the token the producer sampled from the prompt's last
+  /// logits (with its logprobs when the request asks), and decodes from the next step. A
+  /// token outside the vocabulary ends the request with an error. Ignored for a load whose
+  /// request has ended (its blocks are freed).
+  void finish_kv_load(int64_t load_id, int64_t first_token,
+                      std::optional<TokenLogprobs> logprobs = std::nullopt);
+  /// A load failed (thread-safe): its request ends with finish_reason "error" and `error`, and
+  /// its blocks are freed.
+  void fail_kv_load(int64_t load_id, const std::string& error);
+  /// The blocks a finished kHold request holds, or nullopt (thread-safe).
+  std::optional<HeldKV> held_kv(const std::string& request_id) const;
+  /// Frees a held request's blocks (thread-safe; at once when no step runs, else before the
+  /// next step's work). False when nothing is held under that id.
+  bool release_kv(const std::string& request_id);
 
   /// Loads one LoRA adapter's factors into `slot` of the model (CausalLM::set_lora), or clears
   /// the slot when `factors` is empty; waits for a running step to end. The caller must not
@@ -143,14 +167,21 @@ class ContinuousBatchingEngine {
     bool prompt_logprobs_reported = false;
     std::string error;
     uint64_t mark = 0;  ///< the last step or count that touched it (dedup without a set)
+    KVTransfer kv_transfer = KVTransfer::kNone;
   };
   struct Where {  ///< a sequence's request and completion
     Request* request;
     size_t completion;
   };
-  struct Command {  ///< a queued add (request set) or abort
-    std::unique_ptr<Request> request;
-    std::string abort_id;
+  struct Command {  ///< a queued change from another thread
+    enum class Kind { kAdd, kAbort, kLoaded, kLoadFailed, kRelease };
+    Kind kind;
+    std::unique_ptr<Request> request;  ///< kAdd
+    std::string id;                    ///< kAbort, kRelease: the request's
+    int64_t load_id = -1;              ///< kLoaded, kLoadFailed
+    int64_t token = -1;                ///< kLoaded: the first token
+    std::optional<TokenLogprobs> logprobs;
+    std::string error;  ///< kLoadFailed
   };
   /// The sampling side of one step: its targets, and the requests whose samples fork after it.
   struct StepSamples {
@@ -168,6 +199,16 @@ class ContinuousBatchingEngine {
   void apply_commands();  ///< owner: under step_mutex_
   void admit(std::unique_ptr<Request> request);
   void abort_now(const std::string& request_id);
+  /// A load ended (Command kLoaded / kLoadFailed): the request decodes from its first token,
+  /// or ends with the error; a request that ended meanwhile just frees its blocks.
+  void end_load(Command& command);
+  /// A kHold request's completion finished with `reason`: its sequence holds its blocks
+  /// (stop, length) or frees them. False when it is not a kHold request.
+  bool hold_blocks(Request& request, Completion& completion, const std::string& reason);
+  /// The loads the step's schedule admitted, queued for take_kv_loads.
+  void queue_loads(const SchedulerOutput& work);
+  /// Outputs of the requests whose loads ended since the last step (their first token).
+  void report_loaded(std::vector<RequestOutput>& outputs);
   /// Ends every unfinished sample of `request` with `reason` (`error`: why), counts it and moves
   /// it to aborted_, whose outputs the next step reports; its id stays in use until then.
   void end_request(const std::string& request_id, const std::string& reason,
@@ -220,6 +261,7 @@ class ContinuousBatchingEngine {
   int64_t num_idle_steps_ = 0;
   EngineStats stats_;
   std::atomic<int64_t> num_injected_failures_{0};
+  std::vector<std::string> loaded_;  ///< requests whose load ended since the last step
 
   // Shared with other threads, under inbox_mutex_.
   mutable std::mutex inbox_mutex_;
@@ -229,6 +271,8 @@ class ContinuousBatchingEngine {
   std::unordered_set<std::string> live_ids_;
   std::unordered_set<std::string> unreported_ids_;  ///< ended in end_request, not reported
   EngineStats published_stats_;
+  std::vector<KVLoad> pending_loads_;  ///< admitted loads not yet taken
+  std::unordered_map<std::string, std::pair<int64_t, HeldKV>> held_;  ///< id -> seq, blocks
 };
 
 }  // namespace kvserve

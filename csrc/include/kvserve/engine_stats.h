@@ -35,6 +35,10 @@ struct EngineStats {
   int64_t num_steps = 0;              ///< steps that ran a forward
   int64_t num_cuda_graph_steps = 0;   ///< of which the forward replayed a CUDA graph
   int64_t num_generated_tokens = 0;
+  int64_t num_computed_prompt_tokens = 0;  ///< prompt tokens a forward computed (recomputes too)
+  int64_t num_loaded_prompt_tokens = 0;    ///< prompt tokens whose KV a transfer brought
+  int64_t num_loading_requests = 0;        ///< waiting for their prompt's KV to arrive
+  int64_t num_held_requests = 0;           ///< finished, holding their KV for another engine
   LatencyHistogram time_to_first_token;  ///< of requests that produced a token
   LatencyHistogram time_per_output_token;  ///< of finished requests with 2+ tokens
   LatencyHistogram e2e_latency;            ///< of finished requests

@@ -50,6 +50,9 @@ struct SchedulerOutput {
   std::vector<ScheduledSequence> scheduled;
   std::vector<BlockCopy> block_copies;  ///< copy-on-write copies to do before the forward
   std::vector<int64_t> preempted;       ///< sent back to the waiting queue this step
+  /// Sequences admitted this step whose prompt KV is loaded from elsewhere (add's load_prompt):
+  /// their blocks are allocated; the step computes nothing for them.
+  std::vector<int64_t> loads;
   int64_t num_batched_tokens = 0;
 
   bool empty() const { return scheduled.empty(); }
@@ -68,9 +71,26 @@ class Scheduler {
   /// after its prompt (it caps the draft tokens scheduled for it). lora_slot: the LoRA adapter
   /// slot its tokens run with (-1: none); cache_key: what its prefix-cache hashes are salted
   /// with (0: none), so that sequences share cached blocks only under one key (one adapter).
+  /// load_prompt: the prompt's KV comes from elsewhere (a KV transfer from a prefill engine):
+  /// when admitted, the sequence gets blocks for its whole prompt (its prefix-cache hit
+  /// included, those blocks are not loaded), is listed in SchedulerOutput::loads, and waits,
+  /// holding its blocks and never preempted, until end_load.
   void add(int64_t seq_id, std::vector<int32_t> prompt_token_ids, int64_t priority = 0,
            int64_t max_new_tokens = std::numeric_limits<int64_t>::max(), int32_t lora_slot = -1,
-           uint64_t cache_key = 0);
+           uint64_t cache_key = 0, bool load_prompt = false);
+
+  /// A loading sequence's load ended. ok: its prompt's KV is written; the prompt counts as
+  /// computed (its full blocks enter the prefix cache) and the sequence runs (append its first
+  /// token next). Otherwise, or when the sequence was finished while loading, its blocks are
+  /// freed. Returns whether it runs. Throws std::out_of_range for a sequence that is not loading.
+  bool end_load(int64_t seq_id, bool ok);
+
+  /// A finished sequence whose KV another engine will read: it leaves the queues and the
+  /// sequence table but keeps its blocks (reference counts and all) until release(). Throws
+  /// std::out_of_range for a sequence that is not running.
+  void hold(int64_t seq_id);
+  /// Frees a held sequence's blocks. Throws std::out_of_range for one that is not held.
+  void release(int64_t seq_id);
 
   /// Picks the next step's work and reserves its KV slots. When blocks run out, preempts the
   /// most recently admitted running sequence: its blocks are freed and it goes back to the front
@@ -95,15 +115,22 @@ class Scheduler {
   /// samples of one prompt): call after the parent's prefill, before either appends a token.
   void fork(int64_t parent_id, int64_t child_id);
 
-  /// Drops a sequence (finished or aborted) from whichever queue holds it, freeing its blocks.
+  /// Drops a sequence (finished or aborted) from whichever queue holds it, freeing its blocks;
+  /// a loading sequence's blocks stay until end_load (the transfer may still write them).
   void finish(int64_t seq_id);
 
-  bool has_pending_work() const { return !running_.empty() || !waiting_.empty(); }
+  bool has_pending_work() const {
+    return !running_.empty() || !waiting_.empty() || !loading_.empty();
+  }
   // Every operation above costs O(log waiting) at most in queue bookkeeping; schedule() walks
   // the running sequences once, and the waiting queue only as far as it admits.
   int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
   int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
   int64_t num_preemptions() const { return num_preemptions_; }
+  /// Sequences whose prompt KV is being loaded (finished ones included until end_load).
+  int64_t num_loading() const { return static_cast<int64_t>(loading_.size()); }
+  /// Finished sequences holding their blocks for another engine (hold).
+  int64_t num_held() const { return static_cast<int64_t>(held_.size()); }
   bool has_sequence(int64_t seq_id) const { return entries_.count(seq_id) > 0; }
   /// A queued or running sequence's state. Throws std::out_of_range for an unknown id.
   const SequenceState& sequence(int64_t seq_id) const { return *entry(seq_id).state; }
@@ -125,7 +152,8 @@ class Scheduler {
   struct Entry {
     SequenceState* state;
     int64_t arrival = 0;
-    bool allocated = false;  ///< holds blocks (running)
+    bool allocated = false;  ///< holds blocks (running or loading)
+    bool load_prompt = false;
     WaitKey wait_key;                          ///< while waiting
     std::list<int64_t>::iterator running_pos;  ///< while running
   };
@@ -147,6 +175,9 @@ class Scheduler {
   void schedule_running(bool decodes, int64_t& budget, SchedulerOutput& out,
                         int64_t num_speculative_tokens);
   void admit_waiting(int64_t& budget, SchedulerOutput& out);
+  /// Admits the first waiting sequence, a load_prompt one, to loading_; false when its blocks
+  /// do not fit now.
+  bool admit_load(int64_t seq_id);
   /// Fills each scheduled entry's tokens, block tables and LoRA slot.
   void describe(SchedulerOutput& out) const;
 
@@ -156,6 +187,9 @@ class Scheduler {
   std::unordered_map<int64_t, Entry> entries_;
   std::list<int64_t> running_;  ///< in admission order; the back is preempted first
   std::set<WaitKey> waiting_;
+  /// Loading sequences (allocated, neither running nor waiting); true once finished meanwhile.
+  std::unordered_map<int64_t, bool> loading_;
+  std::set<int64_t> held_;  ///< held sequences: in the block manager only
   int64_t next_arrival_ = 0;
   int64_t next_preemption_order_ = 0;
   int64_t num_preemptions_ = 0;

@@ -209,10 +209,13 @@ def _params(body, max_tokens, logprobs, prompt_logprobs=None):
         raise APIError(400, str(e)) from e
 
 
-async def _submit(state: ServerState, prompts: list, params, request_id: str, chat: bool, lora):
+async def _submit(state: ServerState, prompts: list, params, request_id: str, chat: bool, lora,
+                  kv_transfer_params: dict | None = None):
     """Submits one engine request per prompt (delta outputs); all or none: a refusal aborts
     the ones already in."""
     engine = state.engine
+    if kv_transfer_params is not None and len(prompts) > 1:
+        raise APIError(400, "kv_transfer_params takes one prompt", param="kv_transfer_params")
     bound = engine.engine.engine.config.max_waiting_requests
     if bound and engine.get_stats().num_waiting_requests >= bound:
         # Refused before tokenizing (the engine's own check, at submission, is the exact one):
@@ -225,7 +228,8 @@ async def _submit(state: ServerState, prompts: list, params, request_id: str, ch
     try:
         for i, prompt in enumerate(prompts):
             streams.append(await engine.add_request(prompt, params, f"{request_id}-{i}",
-                                                    lora=lora, output_kind="delta"))
+                                                    lora=lora, output_kind="delta",
+                                                    kv_transfer_params=kv_transfer_params))
     except BaseException as error:
         for stream in streams:
             await stream.aclose()
@@ -249,7 +253,8 @@ async def _serve(state: ServerState, request: Request, prefix: str, object_name:
     """Runs the prompts (n samples each) and answers, streamed or whole. Bad prompts are a 400
     before any byte is sent; a disconnect aborts every request of the call."""
     request_id = f"{prefix}-{uuid.uuid4().hex}"
-    streams = await _submit(state, prompts, params, request_id, chat, lora)
+    streams = await _submit(state, prompts, params, request_id, chat, lora,
+                            body.kv_transfer_params)
     echo = prompts if getattr(body, "echo", False) else None
     choices = Choices(state.engine.engine.tokenizer, params.n, len(prompts), chat, body.stream,
                       echo)
@@ -260,14 +265,19 @@ async def _serve(state: ServerState, request: Request, prefix: str, object_name:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_stream_events(state, outputs, choices, header, include_usage),
                                  media_type="text/event-stream")
+    kv_transfer_params = None
     async for i, out in outputs:
         choices.add(i, out)
         if out.finished:
             state.metrics.observe(out)
+            kv_transfer_params = out.kv_transfer_params
     if not all(c.finish_reason is not None for c in choices.choices):
         return Response(status_code=499)  # the client left: its requests were aborted
     choices.raise_errors()
-    return {**header, "choices": choices.final(), "usage": choices.usage()}
+    answer = {**header, "choices": choices.final(), "usage": choices.usage()}
+    if kv_transfer_params is not None:  # a producer's: where the decode engine pulls the KV
+        answer["kv_transfer_params"] = kv_transfer_params
+    return answer
 
 
 async def _stream_events(state, outputs, choices, header, include_usage) -> AsyncIterator[str]:

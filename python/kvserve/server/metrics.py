@@ -43,6 +43,8 @@ class _EngineCollector:
                 ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                  s.prefix_cache_hits),
                 ("generation_tokens", "Tokens generated.", s.num_generated_tokens),
+                ("prompt_tokens_computed", "Prompt tokens a forward computed (prefix-cache "
+                 "hits and KV-loaded prompts excluded).", s.num_computed_prompt_tokens),
                 ("num_preemptions", "Sequences preempted (their KV recomputed later).",
                  s.num_preemptions)]:
             yield family(CounterMetricFamily, f"kvserve:{name}", help_text, value)
@@ -57,6 +59,28 @@ class _EngineCollector:
                      "max_stream_lag seconds behind.", a.num_lagging_aborts),
                     ("request_failed", "Requests that ended with finish_reason error.",
                      s.num_failed_requests)]:
+                yield family(CounterMetricFamily, f"kvserve:{name}", help_text, value)
+        connector = self.engine.kv_connector
+        if connector is not None:  # prefill/decode disaggregation
+            yield family(GaugeMetricFamily, "kvserve:num_requests_loading_kv",
+                         "Requests waiting for their prompt's KV from a producer.",
+                         s.num_loading_requests)
+            yield family(GaugeMetricFamily, "kvserve:num_requests_holding_kv",
+                         "Finished requests holding their KV for a consumer's pull.",
+                         s.num_held_requests)
+            for name, help_text, value in [
+                    ("prompt_tokens_loaded", "Prompt tokens whose KV a transfer brought.",
+                     s.num_loaded_prompt_tokens),
+                    ("kv_transfers_served", "KV pulls this producer answered.",
+                     connector.num_pulled),
+                    ("kv_transfers_expired", "Held KV freed after the transfer timeout, "
+                     "never pulled.", connector.num_expired),
+                    ("kv_transfers_failed", "KV pulls of this consumer that failed.",
+                     connector.num_failed),
+                    ("kv_transfers_loaded", "KV pulls of this consumer that succeeded.",
+                     connector.num_loaded),
+                    ("kv_transfer_seconds", "Seconds the successful pulls took, summed (from "
+                     "the pull's start to its last page).", connector.transfer_seconds)]:
                 yield family(CounterMetricFamily, f"kvserve:{name}", help_text, value)
         if self.engine.engine.config.speculative.enabled:
             for name, help_text, value in [

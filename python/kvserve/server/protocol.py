@@ -65,6 +65,8 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's disaggregated-serving handshake (kvserve.kv_transfer.KVTransferParams).
+    kv_transfer_params: dict | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
