@@ -157,6 +157,8 @@ def test_two_replicas_serve_a_hundred_mixed_requests_as_one_server(cluster):
     served = [successes(cluster[k]) - b for k, b in zip(("producer", "consumer"), before)]
     assert min(served) >= 40 and sum(served) == 100  # round robin: both replicas served
     assert routed == answers(cluster["producer"], requests)
+    # The load that the router's power_of_two policy polls: nothing runs now.
+    assert httpx.get(cluster["consumer"] + "/get_load").json()["load"] == 0
 
 
 def test_disaggregated_outputs_equal_colocated(cluster):

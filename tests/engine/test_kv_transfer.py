@@ -236,3 +236,30 @@ def test_kv_transfer_params_need_a_kv_role(checkpoint_factory):
     e.add_request("ok", PROMPTS[0], SamplingParams(max_tokens=2),  # flags off: a plain request
                   kv_transfer_params={"do_remote_decode": False, "remote_host": None})
     assert len(drain(e)["ok"].outputs[0].token_ids) == 2
+
+
+def test_an_unreachable_producer_delays_only_the_pulls_that_name_it(checkpoint_factory):
+    """kv_transfer_params naming a port where nothing listens: that request ends with an error
+    after the transfer timeout, while a pull from a live producer, added after it, completes
+    meanwhile (each producer has a pull thread of its own)."""
+    from kvserve.server.serve import free_port
+
+    path = checkpoint_factory("LlamaForCausalLM")
+    producer, consumer = pair(path, timeout=3.0)
+    try:
+        dead = {"do_remote_prefill": True, "remote_host": "127.0.0.1",
+                "remote_port": free_port(), "remote_request_id": "nothing"}
+        consumer.add_request("lost", PROMPTS[2], SamplingParams(max_tokens=4),
+                             kv_transfer_params=dead)
+        consumer.step()
+        params = prefill(producer, "p", PROMPTS[1], temperature=0.0)
+        started = time.monotonic()
+        out = decode(consumer, "d", PROMPTS[1], params, temperature=0.0)
+        assert out.error is None and time.monotonic() - started < 2.5
+        lost = decode(consumer, "lost-2", PROMPTS[0], dead)  # the dead lane's next pull
+        assert lost.outputs[0].finish_reason == "error" and "failed" in lost.error
+        assert wait_for(lambda: (consumer.step(), whole(consumer))[1])
+        assert consumer.kv_connector.num_failed == 2
+    finally:
+        producer.shutdown()
+        consumer.shutdown()

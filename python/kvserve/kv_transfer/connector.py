@@ -35,6 +35,8 @@ from kvserve.kv_transfer.transport import (Channel, KVTransferClient, KVTransfer
                                            prompt_digest)
 
 KV_ROLES = ("producer", "consumer", "both")
+MAX_PRODUCERS = 16  # producers a consumer pulls from at once, each on a thread of its own
+LANE_IDLE = 60.0  # seconds a producer's pull thread (and its connection) outlives its last pull
 
 
 class KVConnector(ABC):
@@ -109,9 +111,9 @@ class TorchDistributedConnector(KVConnector):
             self.host = advertise_host or host
             threading.Thread(target=self._expire, name="kvserve-kv-expire", daemon=True).start()
         if role in ("consumer", "both"):
-            self.pending: "queue.Queue" = queue.Queue()
-            self.clients: dict[tuple[str, int], KVTransferClient] = {}
-            threading.Thread(target=self._pull_loop, name="kvserve-kv-pull", daemon=True).start()
+            # One lane (a queue and its thread) per producer pulled from: a producer that is
+            # slow or unreachable delays only the pulls that name it.
+            self.lanes: dict[tuple[str, int], queue.Queue] = {}
 
     @property
     def port(self) -> int | None:
@@ -160,7 +162,23 @@ class TorchDistributedConnector(KVConnector):
                                 remote_block_ids=hold.block_tables[0]).to_dict()
 
     def start_load(self, load) -> None:
-        self.pending.put(load)
+        with self.lock:
+            info = self.loads.pop(load.request_id, None)
+            if info is not None:
+                key = (info.params.remote_host, info.params.remote_port)
+                lane = self.lanes.get(key)
+                if lane is None and len(self.lanes) < MAX_PRODUCERS:
+                    lane = self.lanes[key] = queue.Queue()
+                    threading.Thread(target=self._lane, args=(key, lane), daemon=True,
+                                     name=f"kvserve-kv-pull-{key[0]}:{key[1]}").start()
+                if lane is not None:
+                    lane.put((load, info))
+                    return
+        self.num_failed += 1
+        self.engine.fail_kv_load(load.load_id, "aborted before its KV was pulled" if info is None
+                                 else f"this engine pulls from {MAX_PRODUCERS} producers at "
+                                 "once already")
+        self.on_loaded()
 
     # ------------------------------------------------------------------------------ producer
     def _serve_pull(self, channel: Channel, request: dict) -> None:
@@ -225,25 +243,29 @@ class TorchDistributedConnector(KVConnector):
                 self._release(r)
 
     # ------------------------------------------------------------------------------ consumer
-    def _pull_loop(self) -> None:
+    def _lane(self, key: tuple[str, int], lane: "queue.Queue") -> None:
+        """Pulls from one producer, one at a time on one connection; ends after LANE_IDLE
+        seconds without work."""
+        client = None
         with torch.inference_mode():
             while not self.closed.is_set():
                 try:
-                    load = self.pending.get(timeout=0.5)
+                    load, info = lane.get(timeout=LANE_IDLE)
                 except queue.Empty:
+                    with self.lock:
+                        if lane.empty():
+                            del self.lanes[key]
+                            return
                     continue
                 try:
-                    self._pull(load)
+                    client = self._pull(load, info, client)
                 except Exception as e:  # noqa: BLE001 - a bug here must not strand the request
+                    client = None
                     self.engine.fail_kv_load(load.load_id, f"KV load failed: {e!r}")
                 self.on_loaded()
 
-    def _pull(self, load) -> None:
-        with self.lock:
-            info = self.loads.pop(load.request_id, None)
-        if info is None:  # aborted before its blocks came
-            self.engine.fail_kv_load(load.load_id, "aborted")
-            return
+    def _pull(self, load, info: _Load, client: KVTransferClient | None):
+        """One pull; the connection to keep using (None after a broken one)."""
         p = info.params
         started = time.monotonic()
         try:
@@ -251,24 +273,21 @@ class TorchDistributedConnector(KVConnector):
             request = {"request_id": p.remote_request_id, "engine_id": p.remote_engine_id,
                        "prompt_digest": info.prompt_digest, "layout": self.layout,
                        "ranges": ranges}
-            reply = self._client(p.remote_host, p.remote_port).pull(request, self.tensors, ids)
+            if client is None:
+                client = KVTransferClient(p.remote_host, p.remote_port, self.timeout)
+            reply = client.pull(request, self.tensors, ids)
+            first_token = int(reply["first_token"])
+            logprobs = _logprobs(first_token, reply.get("first_logprobs"))
         except Exception as e:  # noqa: BLE001 - any failure ends this request, not the engine
-            if not isinstance(e, KVTransferError):
-                self.clients.pop((p.remote_host, p.remote_port), None)
             self.num_failed += 1
             self.engine.fail_kv_load(load.load_id, f"KV transfer from "
                                      f"{p.remote_host}:{p.remote_port} failed: {e}")
-            return
-        first = reply.get("first_logprobs")
-        logprobs = None
-        if first is not None:
-            logprobs = _C.TokenLogprobs()
-            logprobs.token_id, logprobs.logprob = reply["first_token"], first["logprob"]
-            logprobs.rank, logprobs.top = first["rank"], [tuple(t) for t in first["top"]]
+            return client if isinstance(e, KVTransferError) else None
         self.num_loaded += 1
         self.num_loaded_tokens += load.num_prompt_tokens - load.num_cached_tokens
         self.transfer_seconds += time.monotonic() - started
-        self.engine.finish_kv_load(load.load_id, int(reply["first_token"]), logprobs)
+        self.engine.finish_kv_load(load.load_id, first_token, logprobs)
+        return client
 
     def _destination_blocks(self, load) -> tuple[list, torch.Tensor]:
         """Per group, the block range to pull: from the prefix-cache hit (the consumer's own
@@ -284,12 +303,6 @@ class TorchDistributedConnector(KVConnector):
             ids += table[first:end]
         return ranges, torch.tensor(ids, dtype=torch.int64)
 
-    def _client(self, host: str, port: int) -> KVTransferClient:
-        client = self.clients.get((host, port))
-        if client is None:
-            client = self.clients[(host, port)] = KVTransferClient(host, port, self.timeout)
-        return client
-
     def close(self) -> None:
         self.closed.set()
         if self.server is not None:
@@ -298,3 +311,14 @@ class TorchDistributedConnector(KVConnector):
                 held, self.holds = list(self.holds), {}
             for r in held:
                 self._release(r)
+
+
+def _logprobs(token: int, entry: dict | None):
+    """The producer's logprobs of the first token as the engine takes them."""
+    if entry is None:
+        return None
+    out = _C.TokenLogprobs()
+    out.token_id, out.logprob, out.rank = token, float(entry["logprob"]), int(entry["rank"])
+    out.top = [(int(t), float(lp)) for t, lp in entry["top"]]
+    return out
+

@@ -111,6 +111,15 @@ def build_app(state: ServerState) -> FastAPI:
             return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
         return {"status": "ok"}
 
+    @app.get("/get_load")
+    async def get_load():
+        """The worker's load as routers read it (vllm-router's power_of_two policy polls it):
+        requests running or waiting."""
+        stats = _engine(state).get_stats()
+        return {"load": stats.num_running_requests + stats.num_waiting_requests,
+                "num_running": stats.num_running_requests,
+                "num_waiting": stats.num_waiting_requests}
+
     @app.get("/metrics")
     async def metrics():
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
