@@ -205,4 +205,49 @@ using RejectionSampleFn = void (*)(const float* target, int64_t target_stride, c
                                    int64_t* num_accepted);
 KVSERVE_CPU_STUB(rejection_sample_stub, RejectionSampleFn);
 
+/// rms_norm_gated's body (contract: kernels/norm/rms_norm_gated.h); gate may be null.
+using RmsNormGatedFn = void (*)(c10::ScalarType dtype, void* out, int64_t out_stride,
+                                const void* input, int64_t input_stride, const void* gate,
+                                int64_t gate_stride, const float* weight, int64_t rows,
+                                int64_t dim, int64_t group_size, float eps);
+KVSERVE_CPU_STUB(rms_norm_gated_stub, RmsNormGatedFn);
+
+/// ssm_causal_conv1d's body (contract: kernels/ssm/ssm_causal_conv1d.h); weight [dim, kernel]
+/// and bias (may be null) in fp32; conv_state in fp32 when fp32_state, else dtype.
+using SsmCausalConv1dFn = void (*)(c10::ScalarType dtype, void* out, int64_t out_stride,
+                                   const void* input, int64_t input_stride, const float* weight,
+                                   const float* bias, void* conv_state, bool fp32_state,
+                                   const int32_t* cu_seqlens, const int32_t* slots,
+                                   const bool* has_initial_state, int64_t num_seqs, int64_t dim,
+                                   int64_t kernel, bool silu);
+KVSERVE_CPU_STUB(ssm_causal_conv1d_stub, SsmCausalConv1dFn);
+
+/// ssm_scan's operands (contract: kernels/ssm/ssm_scan.h): token strides in elements; A, D and
+/// dt_bias in fp32 (D and dt_bias may be null); the state in fp32 when fp32_state, else dtype.
+struct SsmScanArgs {
+  void* out;
+  int64_t out_stride;
+  const void* x;
+  int64_t x_stride;
+  const void* dt;
+  int64_t dt_stride;
+  const void* B;
+  int64_t B_stride;
+  const void* C;
+  int64_t C_stride;
+  const float* A;
+  const float* D;
+  const float* dt_bias;
+  void* state;
+  bool fp32_state;
+  const int32_t* cu_seqlens;
+  const int32_t* slots;
+  const bool* has_initial_state;
+  int64_t num_seqs, heads, head_dim, groups, state_size;
+  bool dt_softplus;
+  float dt_min, dt_max;
+};
+using SsmScanFn = void (*)(c10::ScalarType dtype, const SsmScanArgs& args);
+KVSERVE_CPU_STUB(ssm_scan_stub, SsmScanFn);
+
 }  // namespace kvserve::cpu

@@ -16,13 +16,27 @@
 #include "kernels/moe/fused_moe_quantized.h"
 #include "kernels/moe/moe_routing.h"
 #include "kernels/norm/rms_norm.h"
+#include "kernels/norm/rms_norm_gated.h"
 #include "kernels/rotary/rotary_embedding.h"
 #include "kernels/sampling/rejection_sampling.h"
 #include "kernels/sampling/sampling.h"
+#include "kernels/ssm/ssm_causal_conv1d.h"
+#include "kernels/ssm/ssm_scan.h"
 
 TORCH_LIBRARY(kvserve, m) {
   m.def("rms_norm(Tensor! out, Tensor input, Tensor weight, float epsilon) -> ()");
   m.def("fused_add_rms_norm(Tensor! input, Tensor! residual, Tensor weight, float epsilon) -> ()");
+  m.def(
+      "rms_norm_gated(Tensor! out, Tensor input, Tensor? gate, Tensor weight, int group_size, "
+      "float epsilon) -> ()");
+  m.def(
+      "ssm_causal_conv1d(Tensor! out, Tensor input, Tensor weight, Tensor? bias, "
+      "Tensor(a!) conv_state, Tensor cu_seqlens, Tensor slots, Tensor has_initial_state, "
+      "bool silu) -> ()");
+  m.def(
+      "ssm_scan(Tensor! out, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, "
+      "Tensor? dt_bias, Tensor(a!) state, Tensor cu_seqlens, Tensor slots, "
+      "Tensor has_initial_state, bool dt_softplus, float dt_min, float dt_max) -> ()");
   m.def("silu_and_mul(Tensor! out, Tensor input) -> ()");
   m.def("gelu_tanh_and_mul(Tensor! out, Tensor input) -> ()");
   m.def("linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
@@ -102,6 +116,41 @@ void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tenso
   static const auto op = handle<void(at::Tensor&, at::Tensor&, const at::Tensor&, double)>(
       "kvserve::fused_add_rms_norm");
   op.call(input, residual, weight, epsilon);
+}
+
+void rms_norm_gated(at::Tensor& out, const at::Tensor& input, const std::optional<at::Tensor>& gate,
+                    const at::Tensor& weight, int64_t group_size, double epsilon) {
+  static const auto op =
+      handle<void(at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                  const at::Tensor&, int64_t, double)>("kvserve::rms_norm_gated");
+  op.call(out, input, gate, weight, group_size, epsilon);
+}
+
+void ssm_causal_conv1d(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias, at::Tensor& conv_state,
+                       const at::Tensor& cu_seqlens, const at::Tensor& slots,
+                       const at::Tensor& has_initial_state, bool silu) {
+  static const auto op =
+      handle<void(at::Tensor&, const at::Tensor&, const at::Tensor&,
+                  const std::optional<at::Tensor>&, at::Tensor&, const at::Tensor&,
+                  const at::Tensor&, const at::Tensor&, bool)>("kvserve::ssm_causal_conv1d");
+  op.call(out, input, weight, bias, conv_state, cu_seqlens, slots, has_initial_state, silu);
+}
+
+void ssm_scan(at::Tensor& out, const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A,
+              const at::Tensor& B, const at::Tensor& C, const std::optional<at::Tensor>& D,
+              const std::optional<at::Tensor>& dt_bias, at::Tensor& state,
+              const at::Tensor& cu_seqlens, const at::Tensor& slots,
+              const at::Tensor& has_initial_state, bool dt_softplus, double dt_min,
+              double dt_max) {
+  static const auto op =
+      handle<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                  const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                  const std::optional<at::Tensor>&, at::Tensor&, const at::Tensor&,
+                  const at::Tensor&, const at::Tensor&, bool, double, double)>(
+          "kvserve::ssm_scan");
+  op.call(out, x, dt, A, B, C, D, dt_bias, state, cu_seqlens, slots, has_initial_state,
+          dt_softplus, dt_min, dt_max);
 }
 
 void silu_and_mul(at::Tensor& out, const at::Tensor& input) {

@@ -1,0 +1,27 @@
+// CPU launcher for rms_norm_gated.
+#include <torch/library.h>
+
+#include "kernels/cpu_kernels.h"
+#include "kernels/norm/rms_norm_gated.h"
+#include "kernels/norm/rms_norm_gated_checks.h"
+
+namespace kvserve::ops {
+namespace {
+
+void rms_norm_gated_cpu(at::Tensor& out, const at::Tensor& input,
+                        const std::optional<at::Tensor>& gate, const at::Tensor& weight,
+                        int64_t group_size, double epsilon) {
+  check_rms_norm_gated(out, input, gate, weight, group_size);
+  const at::Tensor w = weight.to(at::kFloat).contiguous();
+  cpu::rms_norm_gated_stub.get()(input.scalar_type(), out.data_ptr(), out.stride(0),
+                                 input.data_ptr(), input.stride(0),
+                                 gate ? gate->data_ptr() : nullptr, gate ? gate->stride(0) : 0,
+                                 w.data_ptr<float>(), input.size(0), input.size(1), group_size,
+                                 static_cast<float>(epsilon));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("rms_norm_gated", &rms_norm_gated_cpu); }
+
+}  // namespace kvserve::ops
