@@ -44,21 +44,63 @@ torch_dir=$("$python" -c "import os, torch; print(os.path.dirname(torch.__file__
 includes=(-I"$PWD/csrc" -I"$torch_dir/include" -I"$torch_dir/include/torch/csrc/api/include")
 generated="$torch_dir/include/c10/cuda/impl/cuda_cmake_macros.h"
 [ -f "$generated" ] || includes+=(-I"$PWD/scripts/cuda_stubs")
-check_launcher() {
-  name=$(basename "$1" .cu)
-  if "$nvcc" -std=c++20 -arch="$arch" --expt-relaxed-constexpr -diag-suppress 20013,20015 \
-      "${includes[@]}" -c "$1" -o "$work/$name.o" 2> "$work/$name.log"; then
-    echo "check-cuda: $1 ok"
-  else
-    cat "$work/$name.log" >&2
-    echo "check-cuda: $1 FAILED" >&2
-    return 1
-  fi
+# The launchers in one nvcc process per core, each compiling a group of them as one translation
+# unit: torch's headers, most of a launcher's compile time, are parsed once per group. File-local
+# names must therefore differ between launchers; when a group fails, its launchers are compiled
+# one by one to tell a name clash from an error of one file.
+compile_launchers() {
+  local group=$1 source
+  shift
+  for source in "$@"; do echo "#include \"$PWD/$source\""; done > "$work/$group.cu"
+  "$nvcc" -std=c++20 -arch="$arch" --expt-relaxed-constexpr -diag-suppress 20013,20015 \
+    "${includes[@]}" -c "$work/$group.cu" -o "$work/$group.o"
 }
-export -f check_launcher
+check_group() {
+  local group=$1 source status=0
+  shift
+  if compile_launchers "$group" "$@" 2> "$work/$group.log"; then
+    printf 'check-cuda: %s ok\n' "$@"
+    return 0
+  fi
+  for source in "$@"; do
+    if compile_launchers "$group-$(basename "$source" .cu)" "$source" 2> "$work/$group-one.log"; then
+      echo "check-cuda: $source ok"
+    else
+      cat "$work/$group-one.log" >&2
+      echo "check-cuda: $source FAILED" >&2
+      status=1
+    fi
+  done
+  if [ $status = 0 ]; then
+    cat "$work/$group.log" >&2
+    echo "check-cuda: $* compile alone but not together: rename the clashing names above" >&2
+  fi
+  return 1
+}
+export -f compile_launchers check_group
 export includes_line="${includes[*]}"
-find csrc/kernels -name '*_cuda.cu' | sort | xargs -P "${JOBS:-$(nproc)}" -I{} \
-  bash -c 'includes=($includes_line); check_launcher "$1"' _ {} || status=1
+# paged_attention's launcher compiles its many tensor-core variants for about two minutes, as long
+# as the other launchers together: it gets a process of its own, the rest share the others.
+heavy=(csrc/kernels/attention/paged_attention_cuda.cu)
+groups=${JOBS:-$(nproc)}
+rest=()
+for source in $(find csrc/kernels -name '*_cuda.cu' | sort); do
+  [[ " ${heavy[*]} " == *" $source "* ]] || rest+=("$source")
+done
+{
+  if [ "$groups" -gt 1 ]; then
+    echo "launchers_heavy ${heavy[*]}"
+    groups=$((groups - 1))
+  else
+    rest+=("${heavy[@]}")
+  fi
+  for ((g = 0; g < groups; g++)); do
+    members=()
+    for ((i = g; i < ${#rest[@]}; i += groups)); do members+=("${rest[i]}"); done
+    [ ${#members[@]} -gt 0 ] && echo "launchers$g ${members[*]}"
+  done
+} | xargs -P "${JOBS:-$(nproc)}" -L 1 bash -c 'includes=($includes_line); check_group "$@"' _ ||
+  status=1
 
 # Host code with a CUDA half (KVSERVE_WITH_CUDA=1 in a CUDA build): the CUDA-graph runner.
 for source in csrc/engine/cuda_graph_runner.cpp; do

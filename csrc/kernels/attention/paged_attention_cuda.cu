@@ -16,7 +16,6 @@
 namespace kvserve::ops {
 namespace {
 
-using paged_attention_checks::kOp;
 
 
 // Starts a kernel on the current stream; beyond 48 KiB of dynamic shared memory a kernel must
@@ -88,7 +87,7 @@ void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Te
   const int sms = cuda::multiprocessors(query.device().index());
   const AttentionKernel kernel = attention_kernel();
   StreamLaunch launch{cuda::current_stream(), query.device().index()};
-  cuda::dispatch_float(query.scalar_type(), kOp, [&](auto type) {
+  cuda::dispatch_float(query.scalar_type(), paged_attention_checks::kOp, [&](auto type) {
     using T = typename decltype(type)::type;
     switch (format) {
       case cpu::KVCacheFormat::kPlain:

@@ -11,7 +11,6 @@
 namespace kvserve::ops {
 namespace {
 
-using kv_cache_write_checks::kOp;
 
 template <typename T, cuda::KVFormat F>
 void launch(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
@@ -42,7 +41,7 @@ void kv_cache_write_cuda(const at::Tensor& key, const at::Tensor& value, at::Ten
                                                          slot_mapping, key_scale, value_scale);
   if (slot_mapping.numel() == 0 || key_cache.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(key.device());
-  cuda::dispatch_float(key.scalar_type(), kOp, [&](auto type) {
+  cuda::dispatch_float(key.scalar_type(), kv_cache_write_checks::kOp, [&](auto type) {
     using T = typename decltype(type)::type;
     switch (format) {
       case cpu::KVCacheFormat::kPlain:

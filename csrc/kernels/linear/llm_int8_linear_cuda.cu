@@ -20,8 +20,8 @@ namespace {
 
 // cuBLAS's int8 GEMM takes more than 16 rows and multiples of 8 for k and n; below that the
 // GEMV reads each weight row once per kInt8GemvTokens tokens.
-constexpr int64_t kMaxGemvTokens = 16;
-constexpr int kWarpsPerBlock = 4;
+constexpr int64_t kInt8MaxGemvTokens = 16;
+constexpr int kInt8GemvWarps = 4;
 constexpr int kEpilogueThreads = 128;
 constexpr int64_t kMaxGridY = 65535;
 
@@ -30,12 +30,12 @@ bool is_word_aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 4 
 // acc [m, n] int32 = xq [m, k] @ weight [n, k]^T.
 at::Tensor integer_product(const at::Tensor& xq, const at::Tensor& weight) {
   const int64_t m = xq.size(0), k = xq.size(1), n = weight.size(0);
-  if (m > kMaxGemvTokens && k > 0 && k % 8 == 0 && n % 8 == 0) return at::_int_mm(xq, weight.t());
+  if (m > kInt8MaxGemvTokens && k > 0 && k % 8 == 0 && n % 8 == 0) return at::_int_mm(xq, weight.t());
   at::Tensor acc = at::empty({m, n}, xq.options().dtype(at::kInt));
-  const dim3 grid(cuda::blocks_for(n, kWarpsPerBlock), cuda::blocks_for(m, cuda::kInt8GemvTokens));
+  const dim3 grid(cuda::blocks_for(n, kInt8GemvWarps), cuda::blocks_for(m, cuda::kInt8GemvTokens));
   const bool aligned = k % 4 == 0 && is_word_aligned(xq.data_ptr()) &&
                        is_word_aligned(weight.data_ptr());
-  cuda::int8_gemm_kernel<<<grid, 32 * kWarpsPerBlock, 0, cuda::current_stream()>>>(
+  cuda::int8_gemm_kernel<<<grid, 32 * kInt8GemvWarps, 0, cuda::current_stream()>>>(
       xq.data_ptr<int8_t>(), weight.data_ptr<int8_t>(), acc.data_ptr<int32_t>(), m, n, k,
       aligned);
   KVSERVE_CUDA_CHECK_LAUNCH();
@@ -67,7 +67,7 @@ at::Tensor llm_int8_linear_cuda(const at::Tensor& input, const at::Tensor& weigh
   cuda::dispatch_float(input.scalar_type(), "llm_int8_linear", [&](auto type) {
     using T = typename decltype(type)::type;
     const auto* x = static_cast<const T*>(input.data_ptr());
-    cuda::llm_int8_split_kernel<T><<<cuda::blocks_for(m, kWarpsPerBlock), 32 * kWarpsPerBlock, 0,
+    cuda::llm_int8_split_kernel<T><<<cuda::blocks_for(m, kInt8GemvWarps), 32 * kInt8GemvWarps, 0,
                                      cuda::current_stream()>>>(
         x, input.stride(0), m, k, split, static_cast<float>(threshold), xq.data_ptr<int8_t>(),
         row_scale.data_ptr<float>(), int32_or_null(num_outliers), int32_or_null(columns));

@@ -15,8 +15,8 @@
 namespace kvserve::ops {
 namespace {
 
-constexpr const char* kOp = "fused_moe";
-constexpr int kWarpsPerBlock = 4;
+constexpr const char* kFusedMoe = "fused_moe";
+constexpr int kFusedMoeWarps = 4;
 
 // The data pointers of w13's experts, then w2's, on `device`.
 at::Tensor device_pointers(at::TensorList w13, at::TensorList w2, const at::Device& device) {
@@ -32,7 +32,7 @@ at::Tensor fused_moe_cuda(const at::Tensor& hidden, at::TensorList w13, at::Tens
   check_fused_moe(hidden, w13, w2, topk_weights, topk_ids);
   for (at::TensorList list : {w13, w2}) {
     for (const at::Tensor& w : list) {
-      TORCH_CHECK(w.is_contiguous(), kOp, ": expert weights must be contiguous on CUDA");
+      TORCH_CHECK(w.is_contiguous(), kFusedMoe, ": expert weights must be contiguous on CUDA");
     }
   }
   const int64_t num_tokens = hidden.size(0), hidden_size = hidden.size(1);
@@ -44,17 +44,17 @@ at::Tensor fused_moe_cuda(const at::Tensor& hidden, at::TensorList w13, at::Tens
   const c10::cuda::CUDAGuard guard(hidden.device());
   const at::Tensor pointers = device_pointers(w13, w2, hidden.device());
   at::Tensor act = at::empty({num_tokens * k, inter}, hidden.options().dtype(at::kFloat));
-  cuda::dispatch_float(hidden.scalar_type(), kOp, [&](auto type) {
+  cuda::dispatch_float(hidden.scalar_type(), kFusedMoe, [&](auto type) {
     using T = typename decltype(type)::type;
     const auto* table = reinterpret_cast<const T* const*>(pointers.data_ptr<int64_t>());
-    const dim3 gate_grid(num_tokens * k, cuda::blocks_for(inter, kWarpsPerBlock));
-    cuda::moe_gate_up_kernel<T><<<gate_grid, 32 * kWarpsPerBlock, 0, cuda::current_stream()>>>(
+    const dim3 gate_grid(num_tokens * k, cuda::blocks_for(inter, kFusedMoeWarps));
+    cuda::moe_gate_up_kernel<T><<<gate_grid, 32 * kFusedMoeWarps, 0, cuda::current_stream()>>>(
         static_cast<const T*>(hidden.data_ptr()), hidden.stride(0), table,
         topk_ids.data_ptr<int64_t>(), k, num_experts, hidden_size, inter,
         act.data_ptr<float>());
     KVSERVE_CUDA_CHECK_LAUNCH();
-    const dim3 down_grid(num_tokens, cuda::blocks_for(hidden_size, kWarpsPerBlock));
-    cuda::moe_down_combine_kernel<T><<<down_grid, 32 * kWarpsPerBlock, 0,
+    const dim3 down_grid(num_tokens, cuda::blocks_for(hidden_size, kFusedMoeWarps));
+    cuda::moe_down_combine_kernel<T><<<down_grid, 32 * kFusedMoeWarps, 0,
                                        cuda::current_stream()>>>(
         act.data_ptr<float>(), table + num_experts, topk_ids.data_ptr<int64_t>(),
         topk_weights.data_ptr<float>(), k, num_experts, hidden_size, inter,

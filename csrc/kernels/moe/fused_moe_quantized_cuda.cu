@@ -16,8 +16,8 @@
 namespace kvserve::ops {
 namespace {
 
-constexpr const char* kOp = "fused_moe_quantized";
-constexpr int kWarpsPerBlock = 4;
+constexpr const char* kFusedMoeQuantized = "fused_moe_quantized";
+constexpr int kFusedMoeQuantizedWarps = 4;
 
 // One projection's lists, and where its pointers sit in the table.
 struct Projection {
@@ -63,9 +63,9 @@ template <typename T, cuda::QuantFormat F>
 void gate_up(const at::Tensor& hidden, const int64_t* table, const Projection& p,
              const at::Tensor& topk_ids, int64_t num_experts, int64_t inter, at::Tensor& act) {
   const int64_t k = topk_ids.size(1);
-  const dim3 grid(act.size(0), cuda::blocks_for(inter, kWarpsPerBlock));
+  const dim3 grid(act.size(0), cuda::blocks_for(inter, kFusedMoeQuantizedWarps));
   const int64_t* t = table + p.offset;
-  cuda::moe_quantized_gate_up_kernel<T, F><<<grid, 32 * kWarpsPerBlock, 0,
+  cuda::moe_quantized_gate_up_kernel<T, F><<<grid, 32 * kFusedMoeQuantizedWarps, 0,
                                              cuda::current_stream()>>>(
       static_cast<const T*>(hidden.data_ptr()), hidden.stride(0),
       reinterpret_cast<const uint8_t* const*>(t),
@@ -82,9 +82,9 @@ void down_combine(const at::Tensor& act, const int64_t* table, const Projection&
                   const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                   int64_t num_experts, at::Tensor& out) {
   const int64_t hidden_size = out.size(1);
-  const dim3 grid(out.size(0), cuda::blocks_for(hidden_size, kWarpsPerBlock));
+  const dim3 grid(out.size(0), cuda::blocks_for(hidden_size, kFusedMoeQuantizedWarps));
   const int64_t* t = table + p.offset;
-  cuda::moe_quantized_down_combine_kernel<T, F><<<grid, 32 * kWarpsPerBlock, 0,
+  cuda::moe_quantized_down_combine_kernel<T, F><<<grid, 32 * kFusedMoeQuantizedWarps, 0,
                                                   cuda::current_stream()>>>(
       act.data_ptr<float>(), reinterpret_cast<const uint8_t* const*>(t),
       reinterpret_cast<const float* const*>(t + num_experts),
@@ -130,7 +130,7 @@ at::Tensor fused_moe_quantized_cuda(const at::Tensor& hidden, at::TensorList w13
   const at::Tensor pointers = device_pointers(p13, p2, num_experts, hidden.device());
   const int64_t* table = pointers.data_ptr<int64_t>();
   at::Tensor act = at::empty({num_tokens * k, inter}, hidden.options().dtype(at::kFloat));
-  cuda::dispatch_float(hidden.scalar_type(), kOp, [&](auto type) {
+  cuda::dispatch_float(hidden.scalar_type(), kFusedMoeQuantized, [&](auto type) {
     using T = typename decltype(type)::type;
     dispatch_format(format13, [&](auto f) {
       gate_up<T, decltype(f)::value>(hidden, table, p13, topk_ids, num_experts, inter, act);

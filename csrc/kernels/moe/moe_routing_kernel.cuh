@@ -11,6 +11,7 @@
 #include <cuda_fp16.h>
 
 #include "kernels/cuda_dtype.cuh"
+#include "kernels/cuda_reduce.cuh"
 
 #include <cstdint>
 
@@ -39,20 +40,6 @@ __device__ inline void warp_best(float& value, int64_t& id) {
       id = i;
     }
   }
-}
-
-__device__ inline float warp_max(float value) {
-  for (int offset = 16; offset > 0; offset /= 2) {
-    value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
-  }
-  return value;
-}
-
-__device__ inline float warp_sum(float value) {
-  for (int offset = 16; offset > 0; offset /= 2) {
-    value += __shfl_xor_sync(0xffffffffu, value, offset);
-  }
-  return value;
 }
 
 }  // namespace routing_detail
