@@ -42,6 +42,16 @@ void bind_kv_cache(py::module_& m) {
         return "KVCacheGroup(sliding_window=" + std::to_string(g.sliding_window) +
                ", layers=" + std::to_string(g.layers.size()) + ")";
       });
+  py::class_<KVCacheStateGroup>(m, "KVCacheStateGroup",
+                                "The fixed-size states of a model's state-space layers.")
+      .def_readonly("layers", &KVCacheStateGroup::layers)
+      .def_readonly("conv_dim", &KVCacheStateGroup::conv_dim)
+      .def_readonly("conv_kernel", &KVCacheStateGroup::conv_kernel)
+      .def_readonly("num_heads", &KVCacheStateGroup::num_heads)
+      .def_readonly("head_dim", &KVCacheStateGroup::head_dim)
+      .def_readonly("state_size", &KVCacheStateGroup::state_size)
+      .def("bytes_per_sequence", &KVCacheStateGroup::bytes_per_sequence, py::arg("conv_dtype"),
+           py::arg("ssm_dtype"));
   py::class_<KVCacheLayout>(m, "KVCacheLayout",
                             "Per layer and token: key and value heads, or one MLA latent.")
       .def(py::init<>())
@@ -62,6 +72,8 @@ void bind_kv_cache(py::module_& m) {
       .def("bytes_per_slot_token", &KVCacheLayout::bytes_per_slot_token, py::arg("dtype"),
            "Bytes per token of one block id of a paged pool (scales of int8 / fp8 included).")
       .def_readonly("groups", &KVCacheLayout::groups)
+      .def_readonly("state", &KVCacheLayout::state)
+      .def("has_state", &KVCacheLayout::has_state)
       .def("num_slots", &KVCacheLayout::num_slots)
       .def("group_windows", &KVCacheLayout::group_windows)
       .def("__repr__", [](const KVCacheLayout& l) {
@@ -80,9 +92,21 @@ void bind_kv_cache(py::module_& m) {
            py::arg("num_layers"), py::arg("num_blocks"), py::arg("block_size"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("dtype") = at::kFloat,
            py::arg("device") = at::Device("cpu"))
-      .def(py::init<const KVCacheLayout&, int64_t, int64_t, at::ScalarType, at::Device>(),
+      .def(py::init([](const KVCacheLayout& layout, int64_t num_blocks, int64_t block_size,
+                       at::ScalarType dtype, at::Device device, int64_t num_state_slots,
+                       std::optional<at::ScalarType> conv_state_dtype,
+                       at::ScalarType ssm_state_dtype) {
+             return std::make_shared<PagedKVCache>(
+                 layout, num_blocks, block_size, dtype, device,
+                 StatePoolOptions{num_state_slots, conv_state_dtype.value_or(dtype),
+                                  ssm_state_dtype});
+           }),
            py::arg("layout"), py::arg("num_blocks"), py::arg("block_size"),
-           py::arg("dtype") = at::kFloat, py::arg("device") = at::Device("cpu"))
+           py::arg("dtype") = at::kFloat, py::arg("device") = at::Device("cpu"),
+           py::arg("num_state_slots") = 0, py::arg("conv_state_dtype") = py::none(),
+           py::arg("ssm_state_dtype") = at::kFloat,
+           "A pool of `layout`; one with a state group also gets num_state_slots state slots "
+           "(conv states in conv_state_dtype, default dtype; SSM states in ssm_state_dtype).")
       .def_static(
           "from_memory",
           [](int64_t memory_bytes, int64_t num_layers, int64_t block_size, int64_t num_kv_heads,
@@ -112,14 +136,36 @@ void bind_kv_cache(py::module_& m) {
            "Copies whole blocks in every layer; copies is a list of (src, dst).")
       .def_property_readonly("key_caches", [](const PagedKVCache& c) {
         std::vector<at::Tensor> keys;
-        for (const auto& layer : c.layers()) keys.push_back(layer.key);
+        for (int64_t l = 0; l < c.num_layers(); ++l) keys.push_back(c.layers()[l].key);
         return keys;
       })
       .def_property_readonly("value_caches", [](const PagedKVCache& c) {
         std::vector<at::Tensor> values;
-        for (const auto& layer : c.layers()) values.push_back(layer.value);
+        for (int64_t l = 0; l < c.num_layers(); ++l) values.push_back(c.layers()[l].value);
         return values;
       })
+      .def_property_readonly(
+          "conv_states",
+          [](const PagedKVCache& c) {
+            std::vector<at::Tensor> states;
+            for (size_t l = c.num_layers(); l < c.layers().size(); ++l) {
+              states.push_back(c.layers()[l].key);
+            }
+            return states;
+          },
+          "Per state-space layer, its conv states [slots, conv_dim, conv_kernel - 1].")
+      .def_property_readonly(
+          "ssm_states",
+          [](const PagedKVCache& c) {
+            std::vector<at::Tensor> states;
+            for (size_t l = c.num_layers(); l < c.layers().size(); ++l) {
+              states.push_back(c.layers()[l].value);
+            }
+            return states;
+          },
+          "Per state-space layer, its SSM states [slots, heads, head_dim, state_size].")
+      .def_property_readonly("num_state_slots", &PagedKVCache::num_state_slots)
+      .def_property_readonly("state_bytes_per_sequence", &PagedKVCache::state_bytes_per_sequence)
       .def_property_readonly(
           "key_scales",
           [](const PagedKVCache& c) {

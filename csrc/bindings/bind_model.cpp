@@ -40,6 +40,14 @@ void bind_config(py::module_& m) {
     KVSERVE_MOE_CONFIG_FIELDS(KVSERVE_BIND_FIELD)
   }
   {
+    using Config = SSMConfig;
+    py::class_<Config> cls(m, "SSMConfig");
+    cls.def(py::init<>());
+    KVSERVE_SSM_CONFIG_FIELDS(KVSERVE_BIND_FIELD)
+    cls.def_property_readonly("inner_size", &SSMConfig::inner_size)
+        .def_property_readonly("conv_dim", &SSMConfig::conv_dim);
+  }
+  {
     using Config = QuantizationConfig;
     py::class_<Config> cls(m, "QuantizationConfig");
     cls.def(py::init<>());
@@ -52,6 +60,8 @@ void bind_config(py::module_& m) {
   KVSERVE_MODEL_CONFIG_FIELDS(KVSERVE_BIND_FIELD)
   cls.def("kv_source", &ModelConfig::kv_source, py::arg("layer"))
       .def("num_kv_layers", &ModelConfig::num_kv_layers)
+      .def("num_ssm_layers", &ModelConfig::num_ssm_layers)
+      .def("is_ssm_layer", &ModelConfig::is_ssm_layer, py::arg("layer"))
       .def("use_mla", &ModelConfig::use_mla)
       .def("is_moe_layer", &ModelConfig::is_moe_layer, py::arg("layer"))
       .def("validate", &ModelConfig::validate);
@@ -68,7 +78,7 @@ void bind_forward_batch(py::module_& m) {
   py::class_<ForwardBatchBuilder>(m, "ForwardBatchBuilder")
       .def(py::init<int64_t, bool>(), py::arg("block_size"), py::arg("lora") = false)
       .def("add", &ForwardBatchBuilder::add, py::arg("tokens"), py::arg("num_cached"),
-           py::arg("block_table"), py::arg("lora_slot") = -1,
+           py::arg("block_table"), py::arg("lora_slot") = -1, py::arg("state_slot") = -1,
            "Appends a sequence's new tokens; its first num_cached tokens are already cached.")
       .def(
           "build",
@@ -90,7 +100,9 @@ void bind_causal_lm(py::module_& m) {
       .def_readwrite("host_query_start_loc", &AttentionMetadata::host_query_start_loc)
       .def_readwrite("host_seq_lens", &AttentionMetadata::host_seq_lens)
       .def_readwrite("host_block_tables", &AttentionMetadata::host_block_tables)
-      .def_readwrite("lora_slots", &AttentionMetadata::lora_slots);
+      .def_readwrite("lora_slots", &AttentionMetadata::lora_slots)
+      .def_readwrite("state_slots", &AttentionMetadata::state_slots)
+      .def_readwrite("has_initial_state", &AttentionMetadata::has_initial_state);
 
   py::class_<CausalLM, std::shared_ptr<CausalLM>>(m, "CausalLM", "A loaded decoder-only model.")
       .def(

@@ -22,26 +22,42 @@ void bind_paged_block_manager(py::module_& m) {
         return "BlockCopy(src=" + std::to_string(c.src) + ", dst=" + std::to_string(c.dst) + ")";
       });
 
+  py::class_<StateCopy>(m, "StateCopy", "Copy state slot src into slot dst before the step.")
+      .def(py::init<int32_t, int32_t>(), py::arg("src"), py::arg("dst"))
+      .def_readonly("src", &StateCopy::src)
+      .def_readonly("dst", &StateCopy::dst)
+      .def(py::self == py::self)
+      .def("__repr__", [](const StateCopy& c) {
+        return "StateCopy(src=" + std::to_string(c.src) + ", dst=" + std::to_string(c.dst) + ")";
+      });
+
   using M = PagedBlockManager;
   py::class_<M>(m, "PagedBlockManager",
                 "KV cache block ids, reference counts and prefix cache; block 0 is the null block.")
       .def(py::init([](int64_t num_blocks, int64_t block_size, bool enable_prefix_caching,
-                       double watermark, std::vector<int64_t> group_windows) {
+                       double watermark, std::vector<int64_t> group_windows,
+                       int64_t num_state_slots) {
              return M({.num_blocks = num_blocks,
                        .block_size = block_size,
                        .enable_prefix_caching = enable_prefix_caching,
                        .watermark = watermark,
-                       .group_windows = std::move(group_windows)});
+                       .group_windows = std::move(group_windows),
+                       .num_state_slots = num_state_slots});
            }),
            py::arg("num_blocks"), py::arg("block_size") = 16,
            py::arg("enable_prefix_caching") = true, py::arg("watermark") = 0.01,
-           py::arg("group_windows") = std::vector<int64_t>{0},
-           "group_windows: per group of layers its sliding window in tokens (0: full attention).")
+           py::arg("group_windows") = std::vector<int64_t>{0}, py::arg("num_state_slots") = 0,
+           "group_windows: per group of layers its sliding window in tokens (0: full attention). "
+           "num_state_slots: state slots of a model with state-space layers (0: none).")
       .def("can_allocate", &M::can_allocate, py::arg("prompt_tokens"), py::arg("extra_key") = 0,
-           py::arg("num_scheduled") = -1)
+           py::arg("num_scheduled") = -1, py::arg("num_states") = 1)
       .def("allocate", &M::allocate, py::arg("seq_id"), py::arg("prompt_tokens"),
-           py::arg("extra_key") = 0, py::arg("num_scheduled") = -1,
+           py::arg("extra_key") = 0, py::arg("num_scheduled") = -1, py::arg("num_states") = 1,
            "Returns how many prompt tokens the prefix cache holds.")
+      .def("state_slot", &M::state_slot, py::arg("seq_id"))
+      .def("take_state_copies", &M::take_state_copies)
+      .def("num_state_slots", &M::num_state_slots)
+      .def("num_free_state_slots", &M::num_free_state_slots)
       .def("can_reserve_prefill", &M::can_reserve_prefill, py::arg("seq_id"), py::arg("end"))
       .def("reserve_prefill", &M::reserve_prefill, py::arg("seq_id"), py::arg("end"))
       .def("can_append_slots", &M::can_append_slots, py::arg("seq_id"), py::arg("num_new_tokens"),

@@ -53,7 +53,10 @@ ContinuousBatchingEngine::ContinuousBatchingEngine(std::shared_ptr<CausalLM> mod
                       .enable_prefix_caching = config_.enable_prefix_caching,
                       .group_windows =
                           KVCacheLayout::for_model(model_->config(), draft_model == nullptr)
-                              .group_windows()}),
+                              .group_windows(),
+                      .num_state_slots = model_->config().num_ssm_layers() > 0
+                                             ? config_.max_num_seqs
+                                             : 0}),
       scheduler_(SchedulerConfig{config_.max_num_seqs, config_.max_num_batched_tokens,
                                  config_.max_model_len},
                  block_manager_, sequences_),
@@ -67,6 +70,8 @@ ContinuousBatchingEngine::ContinuousBatchingEngine(std::shared_ptr<CausalLM> mod
                .group_windows = block_manager_.group_windows(),
                .speculator = speculator_.get(),
                .kv_cache_dtype = config_.kv_cache_dtype,
+               .num_state_slots = block_manager_.num_state_slots(),
+               .ssm_state_dtype = config_.ssm_state_dtype,
                .cuda_graph_max_batch = config_.cuda_graph_max_batch,
                .max_model_len = config_.max_model_len,
                .workers = std::move(workers)}) {

@@ -244,7 +244,7 @@ void ContinuousBatchingEngine::admit(std::unique_ptr<Request> request) {
           : request->lora_key;
   scheduler_.add(seq_id, std::vector<int32_t>(request->prompt.begin(), request->prompt.end()),
                  request->priority, request->params.max_tokens, request->lora_slot, cache_key,
-                 request->kv_transfer == KVTransfer::kLoad);
+                 request->kv_transfer == KVTransfer::kLoad, request->params.n);
   request->completions.push_back(
       {seq_id, CompletionOutput{}, 0, RequestRandom(request->params.seed), true});
   where_[seq_id] = {request.get(), 0};

@@ -22,9 +22,11 @@ namespace {
 std::string number(int64_t value) { return std::to_string(value); }
 
 /// The pool's blocks: a block holds its tokens in the model's pool and, with a draft model, in
-/// the draft's pool (same block ids).
+/// the draft's pool (same block ids). A model with state-space layers spends state_bytes of the
+/// budget on its state pool first; one without attention layers has blocks of no bytes (ids
+/// that only count its tokens).
 int64_t pool_blocks(const EngineConfig& c, const ModelConfig& model, at::ScalarType dtype,
-                    const ModelConfig* draft) {
+                    const ModelConfig* draft, int64_t state_bytes) {
   // A draft model's pool shares the block tables, so then every layer keeps all its blocks
   // (no sliding-window groups); the draft's entries keep the model's dtype.
   const KVCacheLayout layout = KVCacheLayout::for_model(model, draft == nullptr);
@@ -34,18 +36,21 @@ int64_t pool_blocks(const EngineConfig& c, const ModelConfig& model, at::ScalarT
     per_block += PagedKVCache::bytes_per_block(KVCacheLayout::for_model(*draft), c.block_size,
                                                dtype);
   }
-  if (c.kv_cache_memory > 0) {
-    if (c.kv_cache_memory < 2 * per_block) {
-      bad("kv_cache_memory must be at least 2 blocks (" + number(2 * per_block) +
-          " bytes), got " + number(c.kv_cache_memory));
-    }
-    return c.kv_cache_memory / per_block;
-  }
   const int64_t per_sequence = PagedBlockManager::max_blocks_held(
       layout.group_windows(), c.block_size, c.max_model_len, c.max_model_len,
       c.max_num_batched_tokens);
   const int64_t room = c.max_num_seqs * per_sequence + 1;
-  return std::max<int64_t>(2, std::min(room, kDefaultKVCacheMemory / per_block));
+  if (c.kv_cache_memory > 0) {
+    if (c.kv_cache_memory < state_bytes + 2 * per_block) {
+      bad("kv_cache_memory must be at least 2 blocks (" + number(2 * per_block) + " bytes)" +
+          (state_bytes > 0 ? " after the state pool (" + number(state_bytes) + " bytes)" : "") +
+          ", got " + number(c.kv_cache_memory));
+    }
+    return per_block > 0 ? (c.kv_cache_memory - state_bytes) / per_block : room;
+  }
+  if (per_block == 0) return room;
+  return std::max<int64_t>(
+      2, std::min(room, std::max<int64_t>(0, kDefaultKVCacheMemory - state_bytes) / per_block));
 }
 
 }  // namespace
@@ -53,7 +58,12 @@ int64_t pool_blocks(const EngineConfig& c, const ModelConfig& model, at::ScalarT
 EngineConfig resolve_engine_config(EngineConfig c, const ModelConfig& model, at::ScalarType dtype,
                                    const ModelConfig* draft) {
   const int64_t limit = model.max_position_embeddings;
-  if (c.max_model_len == 0) c.max_model_len = limit;
+  // A model without attention layers has no position limit of its own (Mamba2); its blocks only
+  // count tokens, and the default length keeps their tables short.
+  if (c.max_model_len == 0) {
+    c.max_model_len = model.num_kv_layers() > 0 ? limit
+                                                : std::min(limit, kDefaultStateModelLen);
+  }
   if (c.max_model_len < 2 || c.max_model_len > limit) {
     bad("max_model_len must be in [2, " + number(limit) + "] (the model's "
         "max_position_embeddings), got " + number(c.max_model_len));
@@ -72,8 +82,24 @@ EngineConfig resolve_engine_config(EngineConfig c, const ModelConfig& model, at:
     bad("kv_cache_dtype must be the model's dtype, int8 or float8_e4m3fn, got " +
         std::string(c10::toString(*c.kv_cache_dtype)));
   }
+  const KVCacheLayout layout = KVCacheLayout::for_model(model);
+  int64_t state_bytes = 0;
+  if (layout.has_state()) {
+    if (c.ssm_state_dtype && *c.ssm_state_dtype != at::kFloat && *c.ssm_state_dtype != dtype) {
+      bad("ssm_state_dtype must be float32 or the model's dtype, got " +
+          std::string(c10::toString(*c.ssm_state_dtype)));
+    }
+    if (!c.speculative.method.empty() || draft != nullptr) {
+      bad("speculative decoding is not supported for models with state-space layers (" +
+          model.architecture + "): it would need a state per draft position");
+    }
+    c.enable_prefix_caching = false;  // no state saved at block boundaries
+    c.cuda_graph_max_batch = 0;       // the graphs capture attention-only batches
+    state_bytes = c.max_num_seqs *
+                  layout.state.bytes_per_sequence(dtype, c.ssm_state_dtype.value_or(at::kFloat));
+  }
   if (c.num_blocks == 0) {
-    c.num_blocks = pool_blocks(c, model, dtype, draft);
+    c.num_blocks = pool_blocks(c, model, dtype, draft, state_bytes);
     c.kv_cache_memory = 0;  // spent: a resolved config names its blocks (and resolves again)
   }
   if (c.num_blocks < 2) {

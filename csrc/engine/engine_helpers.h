@@ -53,12 +53,16 @@ at::Tensor to_tensor(const std::vector<T>& values, at::Device device) {
 
 /// A paged KV pool laid out for `model` (its KV heads or MLA latents, dtype and device; its
 /// layers grouped by sliding window when group_sliding_windows), its entries of `dtype` when
-/// given (int8 / fp8: quantized).
+/// given (int8 / fp8: quantized); with num_state_slots state slots for its state layers (SSM
+/// states fp32 unless ssm_state_dtype says otherwise).
 inline PagedKVCache make_kv_cache(const CausalLM& model, int64_t num_blocks, int64_t block_size,
                                   bool group_sliding_windows = false,
-                                  std::optional<at::ScalarType> dtype = std::nullopt) {
+                                  std::optional<at::ScalarType> dtype = std::nullopt,
+                                  int64_t num_state_slots = 0,
+                                  std::optional<at::ScalarType> ssm_state_dtype = std::nullopt) {
   return PagedKVCache(KVCacheLayout::for_model(model.config(), group_sliding_windows), num_blocks,
-                      block_size, dtype.value_or(model.dtype()), model.device());
+                      block_size, dtype.value_or(model.dtype()), model.device(),
+                      {num_state_slots, model.dtype(), ssm_state_dtype.value_or(at::kFloat)});
 }
 
 }  // namespace kvserve::engine_helpers

@@ -15,13 +15,15 @@
 namespace kvserve {
 
 void ForwardBatchBuilder::add(const std::vector<int64_t>& tokens, int64_t num_cached,
-                              const std::vector<int32_t>& block_table, int32_t lora_slot) {
-  add_grouped(tokens, num_cached, std::vector<std::vector<int32_t>>{block_table}, lora_slot);
+                              const std::vector<int32_t>& block_table, int32_t lora_slot,
+                              int32_t state_slot) {
+  add_grouped(tokens, num_cached, std::vector<std::vector<int32_t>>{block_table}, lora_slot,
+              state_slot);
 }
 
 void ForwardBatchBuilder::add_grouped(const std::vector<int64_t>& tokens, int64_t num_cached,
                                       const std::vector<std::vector<int32_t>>& group_tables,
-                                      int32_t lora_slot) {
+                                      int32_t lora_slot, int32_t state_slot) {
   const int64_t total = num_cached + static_cast<int64_t>(tokens.size());
   if (slots_.empty()) {
     slots_.resize(group_tables.size());
@@ -52,6 +54,8 @@ void ForwardBatchBuilder::add_grouped(const std::vector<int64_t>& tokens, int64_
   seq_lens_.push_back(static_cast<int32_t>(total));
   logits_indices_.push_back(static_cast<int64_t>(ids_.size()) - 1);
   for (size_t g = 0; g < group_tables.size(); ++g) block_tables_[g].push_back(group_tables[g]);
+  state_slots_.push_back(state_slot);
+  has_initial_state_.push_back(num_cached > 0 ? 1 : 0);
 }
 
 void ForwardBatchBuilder::add_padding() {
@@ -69,10 +73,13 @@ void ForwardBatchBuilder::add_padding() {
   query_start_loc_.push_back(static_cast<int32_t>(ids_.size()));
   seq_lens_.push_back(1);
   logits_indices_.push_back(static_cast<int64_t>(ids_.size()) - 1);
+  state_slots_.push_back(-1);
+  has_initial_state_.push_back(0);
 }
 
 // The message: block_size, lora, tokens T, sequences B, groups G; ids, positions, lora slots
-// [T]; query_start_loc [B + 1]; seq_lens, logits_indices [B]; per group its slots [T], then per
+// [T]; query_start_loc [B + 1]; seq_lens, logits_indices, state slots and initial-state flags
+// [B]; per group its slots [T], then per
 // sequence its table's length and blocks.
 std::vector<int64_t> ForwardBatchBuilder::pack() const {
   const size_t tokens = ids_.size(), sequences = seq_lens_.size();
@@ -84,6 +91,8 @@ std::vector<int64_t> ForwardBatchBuilder::pack() const {
   m.insert(m.end(), query_start_loc_.begin(), query_start_loc_.end());
   m.insert(m.end(), seq_lens_.begin(), seq_lens_.end());
   m.insert(m.end(), logits_indices_.begin(), logits_indices_.end());
+  m.insert(m.end(), state_slots_.begin(), state_slots_.end());
+  m.insert(m.end(), has_initial_state_.begin(), has_initial_state_.end());
   for (size_t g = 0; g < slots_.size(); ++g) {
     m.insert(m.end(), slots_[g].begin(), slots_[g].end());
     for (const std::vector<int32_t>& table : block_tables_[g]) {
@@ -125,6 +134,8 @@ ForwardBatchBuilder ForwardBatchBuilder::unpack(const std::vector<int64_t>& mess
   fill(b.query_start_loc_, n + 1);
   fill(b.seq_lens_, n);
   fill(b.logits_indices_, n);
+  fill(b.state_slots_, n);
+  fill(b.has_initial_state_, n);
   b.slots_.resize(static_cast<size_t>(groups));
   b.block_tables_.resize(static_cast<size_t>(groups));
   for (size_t g = 0; g < static_cast<size_t>(groups); ++g) {
@@ -175,8 +186,12 @@ class Upload {
 
   template <typename T>
   size_t add(const std::vector<T>& values) {
+    static_assert(std::is_same_v<T, int64_t> || std::is_same_v<T, int32_t> ||
+                  std::is_same_v<T, uint8_t>);
     pieces_.push_back({values.data(), values.size() * sizeof(T), values.size(),
-                       std::is_same_v<T, int64_t> ? at::kLong : at::kInt});
+                       std::is_same_v<T, int64_t>   ? at::kLong
+                       : std::is_same_v<T, int32_t> ? at::kInt
+                                                    : at::kBool});
     return pieces_.size() - 1;
   }
 
@@ -269,10 +284,21 @@ ForwardBatch ForwardBatchBuilder::build(at::Device device, int64_t table_width,
     upload.add(tables[g].first);
   }
   if (lora_) upload.add(lora_slots_);
+  const bool states = std::any_of(state_slots_.begin(), state_slots_.end(),
+                                  [](int32_t slot) { return slot >= 0; });
+  if (states) {
+    upload.add(state_slots_);
+    upload.add(has_initial_state_);
+  }
   ForwardBatch batch;
   const Upload::Tensors uploaded = upload.finish(batch.storage);
   const std::vector<at::Tensor>& t = uploaded.device;
-  if (lora_) batch.metadata.lora_slots = t.back();
+  const size_t tail = states ? 2 : 0;
+  if (lora_) batch.metadata.lora_slots = t[t.size() - 1 - tail];
+  if (states) {
+    batch.metadata.state_slots = t[t.size() - 2];
+    batch.metadata.has_initial_state = t[t.size() - 1];
+  }
   batch.input_ids = t[0];
   batch.positions = t[1];
   batch.metadata.query_start_loc = t[2];

@@ -77,6 +77,10 @@ void KVCache::advance(int64_t row, int64_t num_tokens) {
 at::Tensor forward_with_kv_cache(CausalLM& model, const at::Tensor& input_ids,
                                  const std::vector<KVCache*>& caches) {
   if (input_ids.dim() != 2) throw std::invalid_argument("input_ids must be [batch, seq]");
+  if (model.config().num_ssm_layers() > 0) {
+    throw std::invalid_argument("a model with state-space layers (" + model.config().architecture +
+                                ") runs on the paged engine (kvserve.LLM), not on KVCache");
+  }
   const int64_t num_kv_layers = model.config().num_kv_layers();
   if (caches.empty() || caches.size() != static_cast<size_t>(num_kv_layers)) {
     throw std::invalid_argument("need one KVCache per layer that writes K/V (" +

@@ -16,17 +16,29 @@ KVCacheLayout KVCacheLayout::for_model(const ModelConfig& c, bool group_sliding_
             true};
   }
   KVCacheLayout layout = plain(c.num_kv_layers(), c.num_kv_heads, c.head_dim);
+  if (c.num_ssm_layers() > 0) {
+    KVCacheStateGroup& state = layout.state;
+    for (int64_t l = 0; l < c.num_layers; ++l) {
+      if (c.is_ssm_layer(l)) state.layers.push_back(l);
+    }
+    state.conv_dim = c.ssm.conv_dim();
+    state.conv_kernel = c.ssm.conv_kernel;
+    state.num_heads = c.ssm.num_heads;
+    state.head_dim = c.ssm.head_dim;
+    state.state_size = c.ssm.state_size;
+  }
   if (!group_sliding_windows || c.sliding_windows.empty()) return layout;
   // Cache indices by window, windows in order of first appearance.
   std::vector<std::pair<int64_t, std::vector<int64_t>>> kinds;
   for (int64_t l = 0, index = 0; l < c.num_layers; ++l) {
-    if (c.kv_source(l) != l) continue;
+    if (c.is_ssm_layer(l) || c.kv_source(l) != l) continue;
     const int64_t w = c.sliding_windows[l];
     auto it = std::find_if(kinds.begin(), kinds.end(), [w](const auto& k) { return k.first == w; });
     if (it == kinds.end()) it = kinds.insert(kinds.end(), {w, {}});
     it->second.push_back(index++);
   }
-  if (kinds.size() == 1 && kinds[0].first == 0) return layout;  // full attention only
+  // No attention layers, or full attention only.
+  if (kinds.empty() || (kinds.size() == 1 && kinds[0].first == 0)) return layout;
   size_t size = kinds[0].second.size();
   for (const auto& kind : kinds) size = std::min(size, kind.second.size());
   for (const auto& [window, layers] : kinds) {
@@ -75,10 +87,23 @@ std::vector<int64_t> KVCacheLayout::group_windows() const {
   return windows;
 }
 
+int64_t KVCacheStateGroup::bytes_per_sequence(at::ScalarType conv_dtype,
+                                              at::ScalarType ssm_dtype) const {
+  const int64_t conv = conv_dim * (conv_kernel - 1) * c10::elementSize(conv_dtype);
+  const int64_t ssm = num_heads * head_dim * state_size * c10::elementSize(ssm_dtype);
+  return num_layers() * (conv + ssm);
+}
+
 void KVCacheLayout::validate() const {
-  if (num_layers < 1 || num_kv_heads < 1 || head_dim < 1 || value_head_dim < 1) {
+  if (num_layers < (has_state() ? 0 : 1) || num_kv_heads < 1 || head_dim < 1 ||
+      value_head_dim < 1) {
     throw std::invalid_argument("KV cache layout: num_layers, num_kv_heads, head_dim and "
                                 "value_head_dim must be positive");
+  }
+  if (has_state() && (state.conv_dim < 1 || state.conv_kernel < 2 || state.num_heads < 1 ||
+                      state.head_dim < 1 || state.state_size < 1)) {
+    throw std::invalid_argument("KV cache layout: the state group's sizes must be positive and "
+                                "its conv_kernel at least 2");
   }
   std::vector<int64_t> seen(num_layers, 0);
   for (const KVCacheGroup& g : groups) {

@@ -46,12 +46,17 @@ ModelRunner::ModelRunner(std::shared_ptr<CausalLM> model, const SequenceTable& s
                          ModelRunnerOptions options)
     : model_(std::move(model)),
       kv_cache_(make_kv_cache(*model_, options.num_blocks, options.block_size,
-                              grouped(options.group_windows), options.kv_cache_dtype)),
+                              grouped(options.group_windows), options.kv_cache_dtype,
+                              options.num_state_slots, options.ssm_state_dtype)),
       sequences_(sequences),
       speculator_(options.speculator),
       workers_(options.workers && options.workers->size() > 1 ? options.workers : nullptr) {
   if (workers_ && workers_->rank() != 0) {
     throw std::invalid_argument("ModelRunner: the engine runs on rank 0 of its workers' group");
+  }
+  if (workers_ && kv_cache_.layout().has_state()) {
+    throw std::invalid_argument("tensor parallelism is not supported for models with "
+                                "state-space layers yet");
   }
   if (options.group_windows != kv_cache_.layout().group_windows()) {
     throw std::invalid_argument("ModelRunner: the block manager's groups of layers do not match "
@@ -81,6 +86,9 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
   std::vector<std::pair<int32_t, int32_t>> copies;
   for (const BlockCopy& c : work.block_copies) copies.emplace_back(c.src, c.dst);
   kv_cache_.copy_blocks(copies);
+  std::vector<std::pair<int32_t, int32_t>> state_copies;
+  for (const StateCopy& c : work.state_copies) state_copies.emplace_back(c.src, c.dst);
+  kv_cache_.copy_states(state_copies);
 
   const size_t num_groups = kv_cache_.layout().group_windows().size();
   for (const ScheduledSequence& s : work.scheduled) {
@@ -146,11 +154,11 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
     const ScheduledSequence& s = work.scheduled[i];
     std::vector<int64_t> fed(s.token_ids.begin(), s.token_ids.end());
     fed.insert(fed.end(), proposals.tokens[i].begin(), proposals.tokens[i].end());
-    if (s.block_tables.size() == 1) {
-      builder.add(fed, s.num_computed, s.block_tables[0], s.lora_slot);
-    } else {
-      builder.add_grouped(fed, s.num_computed, s.block_tables, s.lora_slot);
+    if (kv_cache_.layout().has_state() && s.state_slot < 0) {
+      throw std::invalid_argument("scheduled sequence " + std::to_string(s.seq_id) +
+                                  " has no state slot; the model keeps states");
     }
+    builder.add_grouped(fed, s.num_computed, s.block_tables, s.lora_slot, s.state_slot);
     starts.push_back(num_rows);
     num_rows += static_cast<int64_t>(fed.size());
     decode_only = decode_only && fed.size() == 1;

@@ -53,6 +53,18 @@ PagedBlockManager::PagedBlockManager(BlockManagerOptions options)
   }
   // Rounded down, as vLLM does: a tiny pool keeps no watermark.
   watermark_blocks_ = static_cast<int64_t>(watermark * static_cast<double>(num_blocks - 1));
+  if (options.num_state_slots < 0 || options.num_state_slots > std::numeric_limits<int32_t>::max()) {
+    throw std::invalid_argument("PagedBlockManager: num_state_slots must be in [0, 2^31), got " +
+                                std::to_string(options.num_state_slots));
+  }
+  if (options.num_state_slots > 0 && enable_prefix_caching_) {
+    throw std::invalid_argument("PagedBlockManager: prefix caching is not supported with state "
+                                "slots (a cached block has no state saved at its boundary)");
+  }
+  num_state_slots_ = options.num_state_slots;
+  for (int64_t slot = num_state_slots_ - 1; slot >= 0; --slot) {
+    free_states_.push_back(static_cast<int32_t>(slot));
+  }
 }
 
 uint64_t PagedBlockManager::default_block_hash(uint64_t parent_hash, const int32_t* tokens,
@@ -137,22 +149,36 @@ int64_t PagedBlockManager::num_blocks_to_admit(const PrefixMatch& match, int64_t
 }
 
 bool PagedBlockManager::can_allocate(const std::vector<int32_t>& prompt_tokens,
-                                     uint64_t extra_key, int64_t num_scheduled) const {
+                                     uint64_t extra_key, int64_t num_scheduled,
+                                     int64_t num_states) const {
   check_prompt(prompt_tokens, "can_allocate");
   const int64_t num_prompt = static_cast<int64_t>(prompt_tokens.size());
   const PrefixMatch match = match_prefix(prompt_tokens, extra_key);
   const int64_t hit = match.num_blocks * block_size_;
   const int64_t sliding_end = hit + first_chunk(num_prompt, hit, num_scheduled);
   const int64_t num_taken = num_blocks_to_admit(match, num_prompt, sliding_end);
+  if (num_state_slots_ > 0 && num_free_state_slots() < std::max<int64_t>(num_states, 1)) {
+    return false;
+  }
   return num_free_blocks() - num_taken >= watermark_blocks_;
 }
 
 int64_t PagedBlockManager::allocate(int64_t seq_id, const std::vector<int32_t>& prompt_tokens,
-                                    uint64_t extra_key, int64_t num_scheduled) {
+                                    uint64_t extra_key, int64_t num_scheduled,
+                                    int64_t num_states) {
   check_prompt(prompt_tokens, "allocate");
   if (has_sequence(seq_id)) {
     throw std::invalid_argument("allocate: sequence id " + std::to_string(seq_id) +
                                 " is already allocated");
+  }
+  if (num_states < 1) {
+    throw std::invalid_argument("allocate: num_states must be >= 1, got " +
+                                std::to_string(num_states));
+  }
+  if (num_state_slots_ > 0 && num_states > num_free_state_slots()) {
+    throw std::runtime_error("allocate: sequence " + std::to_string(seq_id) + " needs " +
+                             std::to_string(num_states) + " free state slots (" +
+                             std::to_string(num_free_state_slots()) + " free)");
   }
   const int64_t num_prompt = static_cast<int64_t>(prompt_tokens.size());
   const PrefixMatch match = match_prefix(prompt_tokens, extra_key);
@@ -167,6 +193,10 @@ int64_t PagedBlockManager::allocate(int64_t seq_id, const std::vector<int32_t>& 
   Sequence seq;
   seq.tokens = prompt_tokens;
   seq.extra_key = extra_key;
+  if (num_state_slots_ > 0) {  // nothing below throws: the slots are taken for good
+    seq.state_slot = take_free_state();
+    for (int64_t i = 1; i < num_states; ++i) seq.reserved_states.push_back(take_free_state());
+  }
   seq.tables.resize(num_groups());
   seq.live_from.assign(num_groups(), 0);
   seq.chain_refs.assign(num_groups(), BlockRef{kNullBlock, 0});
@@ -372,7 +402,22 @@ void PagedBlockManager::fork(int64_t parent_id, int64_t child_id) {
     throw std::invalid_argument("fork: sequence id " + std::to_string(child_id) +
                                 " is already allocated");
   }
+  if (parent.state_slot >= 0 && parent.reserved_states.empty() && free_states_.empty()) {
+    throw std::runtime_error("fork: no state slot is free for sequence " +
+                             std::to_string(child_id));
+  }
   Sequence child = parent;
+  child.reserved_states.clear();
+  if (parent.state_slot >= 0) {
+    Sequence& owner = sequence(parent_id);
+    if (!owner.reserved_states.empty()) {
+      child.state_slot = owner.reserved_states.back();
+      owner.reserved_states.pop_back();
+    } else {
+      child.state_slot = take_free_state();
+    }
+    state_copies_.push_back({parent.state_slot, child.state_slot});
+  }
   const int64_t num_tokens = static_cast<int64_t>(parent.tokens.size());
   child.num_lookahead = 0;
   child.sliding_end = std::min(parent.sliding_end, num_tokens);
@@ -395,7 +440,27 @@ void PagedBlockManager::free(int64_t seq_id) {
       if (*it != kNullBlock) pool_.release(*it);
     }
   }
+  for (int32_t slot : seq.reserved_states) free_states_.push_back(slot);
+  if (seq.state_slot >= 0) {
+    free_states_.push_back(seq.state_slot);
+    // A copy into the freed slot would overwrite whoever takes it next.
+    state_copies_.erase(std::remove_if(state_copies_.begin(), state_copies_.end(),
+                                       [&](const StateCopy& c) { return c.dst == seq.state_slot; }),
+                        state_copies_.end());
+  }
   sequences_.erase(seq_id);
+}
+
+int32_t PagedBlockManager::take_free_state() {
+  const int32_t slot = free_states_.back();
+  free_states_.pop_back();
+  return slot;
+}
+
+std::vector<StateCopy> PagedBlockManager::take_state_copies() {
+  std::vector<StateCopy> copies;
+  copies.swap(state_copies_);
+  return copies;
 }
 
 // ---------------------------------------------------------------------------------------------

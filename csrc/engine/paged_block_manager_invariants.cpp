@@ -88,6 +88,25 @@ void PagedBlockManager::check_invariants() const {
       }
     }
   }
+  // State slots: each one free, held by one sequence, or kept by one for its forks.
+  std::vector<int> holders(num_state_slots_, 0);
+  const auto hold = [&](int32_t slot, const std::string& who) {
+    if (slot < 0 || slot >= num_state_slots_) fail(who + " holds state slot " + std::to_string(slot));
+    if (holders[slot]++) fail("state slot " + std::to_string(slot) + " is held twice");
+  };
+  for (int32_t slot : free_states_) hold(slot, "the free list");
+  for (const auto& [id, seq] : sequences_) {
+    const std::string name = "sequence " + std::to_string(id);
+    if (num_state_slots_ == 0) {
+      if (seq.state_slot != -1 || !seq.reserved_states.empty()) fail(name + " holds a state");
+      continue;
+    }
+    hold(seq.state_slot, name);
+    for (int32_t slot : seq.reserved_states) hold(slot, name);
+  }
+  for (int64_t slot = 0; slot < num_state_slots_; ++slot) {
+    if (holders[slot] == 0) fail("state slot " + std::to_string(slot) + " is lost");
+  }
 }
 
 }  // namespace kvserve

@@ -12,8 +12,13 @@
 namespace kvserve {
 
 PagedKVCache::PagedKVCache(const KVCacheLayout& layout, int64_t num_blocks, int64_t block_size,
-                           at::ScalarType dtype, at::Device device)
-    : layout_(layout) {
+                           at::ScalarType dtype, at::Device device, StatePoolOptions states)
+    : layout_(layout),
+      num_blocks_(num_blocks),
+      block_size_(block_size),
+      dtype_(dtype),
+      device_(device),
+      states_(states) {
   layout.validate();
   if (block_size < 1) throw std::invalid_argument("PagedKVCache: block_size must be positive");
   if (num_blocks < 2) {
@@ -58,6 +63,25 @@ PagedKVCache::PagedKVCache(const KVCacheLayout& layout, int64_t num_blocks, int6
       }
     }
   }
+  if (!layout.has_state()) return;
+  if (states.num_slots < 1) {
+    throw std::invalid_argument("PagedKVCache: a model with state layers needs at least one "
+                                "state slot, got " + std::to_string(states.num_slots));
+  }
+  if (states.ssm_dtype != at::kFloat && states.ssm_dtype != states.conv_dtype) {
+    throw std::invalid_argument("PagedKVCache: the SSM state is fp32 or the model's dtype");
+  }
+  num_state_slots_ = states.num_slots;
+  const KVCacheStateGroup& g = layout.state;
+  for (int64_t l = 0; l < g.num_layers(); ++l) {
+    LayerKVCache state;
+    state.key = at::zeros({states.num_slots, g.conv_dim, g.conv_kernel - 1},
+                          options.dtype(states.conv_dtype));
+    state.value = at::zeros({states.num_slots, g.num_heads, g.head_dim, g.state_size},
+                            options.dtype(states.ssm_dtype));
+    state.group = kStateGroup;
+    layers_.push_back(std::move(state));
+  }
 }
 
 PagedKVCache::PagedKVCache(int64_t num_layers, int64_t num_blocks, int64_t block_size,
@@ -87,10 +111,35 @@ PagedKVCache PagedKVCache::from_memory(int64_t memory_bytes, const KVCacheLayout
 
 int64_t PagedKVCache::bytes_per_token() const { return layout_.bytes_per_slot_token(dtype()); }
 
-int64_t PagedKVCache::nbytes() const { return bytes_per_token() * block_size() * num_blocks(); }
+int64_t PagedKVCache::nbytes() const {
+  return bytes_per_token() * block_size() * num_blocks() +
+         state_bytes_per_sequence() * num_state_slots_;
+}
+
+int64_t PagedKVCache::state_bytes_per_sequence() const {
+  if (!layout_.has_state()) return 0;
+  return layout_.state.bytes_per_sequence(states_.conv_dtype, states_.ssm_dtype);
+}
+
+void PagedKVCache::copy_states(const std::vector<std::pair<int32_t, int32_t>>& copies) {
+  if (copies.empty()) return;
+  for (const auto& [src, dst] : copies) {
+    if (src < 0 || dst < 0 || src >= num_state_slots_ || dst >= num_state_slots_) {
+      throw std::out_of_range("PagedKVCache::copy_states: slot " +
+                              std::to_string(src < 0 || src >= num_state_slots_ ? src : dst) +
+                              " is outside the pool's " + std::to_string(num_state_slots_));
+    }
+  }
+  for (size_t l = layout_.num_layers; l < layers_.size(); ++l) {
+    for (const auto& [src, dst] : copies) {
+      layers_[l].key[dst].copy_(layers_[l].key[src]);
+      layers_[l].value[dst].copy_(layers_[l].value[src]);
+    }
+  }
+}
 
 void PagedKVCache::copy_blocks(const std::vector<std::pair<int32_t, int32_t>>& copies) {
-  if (copies.empty()) return;
+  if (copies.empty() || slots_.empty()) return;
   std::vector<int64_t> flat;
   flat.reserve(2 * copies.size());
   for (const auto& [src, dst] : copies) {

@@ -38,7 +38,7 @@ const Scheduler::Entry& Scheduler::entry(int64_t seq_id) const {
 
 void Scheduler::add(int64_t seq_id, std::vector<int32_t> prompt_token_ids, int64_t priority,
                     int64_t max_new_tokens, int32_t lora_slot, uint64_t cache_key,
-                    bool load_prompt) {
+                    bool load_prompt, int64_t num_samples) {
   if (entries_.count(seq_id) || sequences_.contains(seq_id)) {
     throw std::invalid_argument("sequence id " + std::to_string(seq_id) + " already exists");
   }
@@ -53,6 +53,13 @@ void Scheduler::add(int64_t seq_id, std::vector<int32_t> prompt_token_ids, int64
     if (t < 0) throw std::invalid_argument("negative token id " + std::to_string(t));
   }
   if (max_new_tokens < 1) throw std::invalid_argument("max_new_tokens must be >= 1");
+  if (num_samples < 1) throw std::invalid_argument("num_samples must be >= 1");
+  const int64_t num_states = blocks_.num_state_slots() > 0 ? num_samples : 1;
+  if (num_states > std::max<int64_t>(blocks_.num_state_slots(), 1)) {
+    throw std::invalid_argument("the request's " + std::to_string(num_samples) +
+                                " samples need as many state slots; the pool has " +
+                                std::to_string(blocks_.num_state_slots()) + " (max_num_seqs)");
+  }
   const int64_t blocks_needed = blocks_.max_blocks_held(len, len, config_.max_num_batched_tokens);
   if (blocks_needed > blocks_.num_usable_blocks()) {
     throw std::invalid_argument("the prompt needs " + std::to_string(blocks_needed) +
@@ -66,8 +73,10 @@ void Scheduler::add(int64_t seq_id, std::vector<int32_t> prompt_token_ids, int64
                                          .priority = priority,
                                          .lora_slot = lora_slot,
                                          .cache_key = cache_key});
-  entries_.emplace(seq_id,
-                   Entry{.state = &state, .arrival = next_arrival_++, .load_prompt = load_prompt});
+  entries_.emplace(seq_id, Entry{.state = &state,
+                                 .arrival = next_arrival_++,
+                                 .load_prompt = load_prompt,
+                                 .num_states = num_states});
   enqueue_waiting(seq_id, /*preempted=*/false);
 }
 
@@ -118,7 +127,9 @@ void Scheduler::describe(SchedulerOutput& out) const {
       sched.block_tables[g] = blocks_.block_table(sched.seq_id, g);
     }
     sched.lora_slot = s.lora_slot;
+    sched.state_slot = blocks_.state_slot(sched.seq_id);
   }
+  out.state_copies = blocks_.take_state_copies();
 }
 
 void Scheduler::schedule_running(bool decodes, int64_t& budget, SchedulerOutput& out,
@@ -241,10 +252,14 @@ void Scheduler::admit_waiting(int64_t& budget, SchedulerOutput& out) {
     // The watermark keeps headroom for running sequences' growth; with nothing running there is
     // nothing to protect, so a sequence that fits the pool at all is admitted.
     // Sliding-window groups reserve the first chunk only (at most the budget after the hit).
-    if (!blocks_.can_allocate(s.token_ids, s.cache_key, budget) && !running_.empty()) return;
+    const int64_t num_states = entry(id).num_states;
+    if (!blocks_.can_allocate(s.token_ids, s.cache_key, budget, num_states) &&
+        !running_.empty()) {
+      return;
+    }
     int64_t cached = 0;
     try {
-      cached = blocks_.allocate(id, s.token_ids, s.cache_key, budget);
+      cached = blocks_.allocate(id, s.token_ids, s.cache_key, budget, num_states);
     } catch (const std::runtime_error&) {
       return;  // not enough free blocks (only reachable with nothing running)
     }
@@ -367,7 +382,9 @@ void Scheduler::fork(int64_t parent_id, int64_t child_id) {
     throw std::invalid_argument("sequence id " + std::to_string(child_id) + " already exists");
   }
   blocks_.fork(parent_id, child_id);
+  entry(parent_id).num_states = 1;  // its samples have their slots now
   Entry child = parent;
+  child.num_states = 1;
   child.state = &sequences_.fork(parent_id, child_id);
   entries_.emplace(child_id, child);
   start_running(child_id);

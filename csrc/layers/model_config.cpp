@@ -17,7 +17,7 @@ void require(bool ok, const std::string& message) {
 void ModelConfig::validate() const {
   require(vocab_size > 0, "vocab_size must be positive");
   require(hidden_size > 0, "hidden_size must be positive");
-  require(intermediate_size > 0, "intermediate_size must be positive");
+  require(intermediate_size > 0 || !ssm.mlp, "intermediate_size must be positive");
   require(num_layers >= 0, "num_hidden_layers must be >= 0");
   require(num_heads > 0, "num_attention_heads must be positive");
   require(num_kv_heads > 0 && num_heads % num_kv_heads == 0,
@@ -53,6 +53,25 @@ void ModelConfig::validate() const {
     require(mla.qk_rope_head_dim > 0 && mla.qk_rope_head_dim == head_dim,
             "qk_rope_head_dim must be positive and equal head_dim (the RoPE size)");
   }
+  if (!ssm.layers.empty()) {
+    require(static_cast<int64_t>(ssm.layers.size()) == num_layers,
+            "the SSM layer list must have one entry per layer");
+    require(ssm.num_heads > 0 && ssm.head_dim > 0 && ssm.state_size > 0,
+            "the SSM mixer's num_heads, head_dim and state_size must be positive");
+    require(ssm.n_groups > 0 && ssm.num_heads % ssm.n_groups == 0,
+            "the SSM mixer's n_groups must divide its num_heads");
+    require(ssm.norm_groups > 0 && ssm.inner_size() % ssm.norm_groups == 0,
+            "the SSM mixer's norm groups must divide num_heads * head_dim");
+    require(ssm.conv_kernel >= 2 && ssm.conv_kernel <= 16,
+            "the SSM mixer's conv_kernel must be in [2, 16]");
+    require(ssm.dt_min >= 0 && ssm.dt_max > ssm.dt_min,
+            "the SSM mixer's time step limits must satisfy 0 <= min < max");
+    for (int64_t l = 0; l < num_layers; ++l) {
+      require(!is_ssm_layer(l) || kv_sources.empty() || kv_sources[l] == l,
+              "an SSM layer cannot share another layer's KV");
+    }
+    require(!use_mla(), "SSM layers are not supported with multi-head latent attention");
+  }
   try {
     quant_scheme_from_name(quantization.scheme);
   } catch (const std::invalid_argument& e) {
@@ -80,16 +99,26 @@ void ModelConfig::validate() const {
   }
 }
 
+int64_t ModelConfig::num_ssm_layers() const {
+  int64_t n = 0;
+  for (int64_t l = 0; l < num_layers; ++l) n += is_ssm_layer(l);
+  return n;
+}
+
 int64_t ModelConfig::num_kv_layers() const {
   int64_t n = 0;
-  for (int64_t l = 0; l < num_layers; ++l) n += kv_source(l) == l;
+  for (int64_t l = 0; l < num_layers; ++l) n += !is_ssm_layer(l) && kv_source(l) == l;
   return n;
 }
 
 int64_t ModelConfig::kv_cache_index(int64_t layer) const {
-  const int64_t source = kv_source(layer);
   int64_t index = 0;
-  for (int64_t l = 0; l < source; ++l) index += kv_source(l) == l;
+  if (is_ssm_layer(layer)) {
+    for (int64_t l = 0; l < layer; ++l) index += is_ssm_layer(l);
+    return num_kv_layers() + index;
+  }
+  const int64_t source = kv_source(layer);
+  for (int64_t l = 0; l < source; ++l) index += !is_ssm_layer(l) && kv_source(l) == l;
   return index;
 }
 

@@ -18,6 +18,7 @@
 #include "kvserve/causal_lm.h"
 #include "layers/feed_forward.h"
 #include "layers/linear.h"
+#include "layers/mamba2_mixer.h"
 #include "layers/mlp.h"
 #include "layers/moe.h"
 #include "layers/norm.h"
@@ -105,9 +106,10 @@ class DecoderLM : public CausalLM {
       bytes += embed_tokens_.defined() ? embed_tokens_.nbytes() : embedding_.weight_bytes();
     }
     for (const Layer& layer : layers_) {
-      bytes += layer.input_norm.weight_bytes() + layer.self_attn->weight_bytes() +
-               layer.attention_out_norm.weight_bytes() + layer.mlp_norm.weight_bytes() +
-               layer.mlp->weight_bytes() + layer.mlp_out_norm.weight_bytes();
+      bytes += layer.input_norm.weight_bytes() + layer.attention_out_norm.weight_bytes() +
+               layer.mlp_norm.weight_bytes() + layer.mlp_out_norm.weight_bytes();
+      bytes += layer.self_attn ? layer.self_attn->weight_bytes() : layer.mixer->weight_bytes();
+      if (layer.mlp) bytes += layer.mlp->weight_bytes();
     }
     return bytes;
   }
@@ -115,7 +117,8 @@ class DecoderLM : public CausalLM {
  protected:
   struct Layer {
     RMSNorm input_norm;  // before attention
-    std::unique_ptr<AttentionLayer> self_attn;
+    std::unique_ptr<AttentionLayer> self_attn;  // or, in a state-space layer, the mixer
+    std::unique_ptr<Mamba2Mixer> mixer;
     RMSNorm attention_out_norm;  // sandwich norms only
     RMSNorm mlp_norm;            // before the MLP
     std::unique_ptr<FeedForward> mlp;
@@ -158,12 +161,22 @@ class DecoderLM : public CausalLM {
     }
   }
 
-  /// Layer `i` with this attention: its norms and its MLP (dense or MoE) from the weights.
+  /// Layer `i` with this attention, or with a Mamba2Mixer (layers.<i>.mixer.) when it is a
+  /// state-space layer (config.ssm; attention null): its norms and its MLP (dense or MoE; none
+  /// when config.ssm.mlp is false) from the weights.
   void add_layer(int64_t i, std::unique_ptr<AttentionLayer> attention, const WeightMap& w) {
     const std::string p = "layers." + std::to_string(i) + ".";
     Layer layer;
     layer.input_norm = norm(w, p + "input_layernorm.weight");
-    layer.self_attn = std::move(attention);
+    if (config_.is_ssm_layer(i)) {
+      layer.mixer = std::make_unique<Mamba2Mixer>(config_, p + "mixer.", w);
+    } else {
+      layer.self_attn = std::move(attention);
+    }
+    if (!config_.ssm.mlp) {
+      layers_.push_back(std::move(layer));
+      return;
+    }
     if (config_.sandwich_norms) {
       layer.attention_out_norm = norm(w, p + "post_attention_layernorm.weight");
       layer.mlp_norm = norm(w, p + "pre_feedforward_layernorm.weight");
@@ -198,16 +211,19 @@ class DecoderLM : public CausalLM {
 
   /// The residual stream over input_ids [T]: attend(i, attention, normed hidden [T, hidden],
   /// cache) runs layer i's attention on the cache it reads (its own, or the one of the layer
-  /// whose KV it shares). kv_caches: one per layer that writes K/V; lora_slots: the tokens'
-  /// adapter slots for the MLPs (AttentionMetadata::lora_slots). Returns the final-norm hidden
+  /// whose KV it shares); a state-space layer's mixer runs on its state instead. kv_caches: one
+  /// per layer that writes K/V, then one per state-space layer (ModelConfig::kv_cache_index);
+  /// metadata.lora_slots: the tokens' adapter slots for the MLPs. Returns the final-norm hidden
   /// states [T, hidden].
   template <typename Attend>
   at::Tensor run_layers(const at::Tensor& input_ids, const at::Tensor& positions,
-                        const std::vector<LayerKVCache>& kv_caches, const at::Tensor& lora_slots,
-                        Attend&& attend) const {
-    TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == config_.num_kv_layers(),
-                "forward: got ", kv_caches.size(), " KV caches for ", config_.num_kv_layers(),
-                " layers that write K/V");
+                        const std::vector<LayerKVCache>& kv_caches,
+                        const AttentionMetadata& metadata, Attend&& attend) const {
+    const int64_t num_caches = config_.num_kv_layers() + config_.num_ssm_layers();
+    TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == num_caches, "forward: got ",
+                kv_caches.size(), " caches for ", config_.num_kv_layers(),
+                " layers that write K/V and ", config_.num_ssm_layers(), " state-space layers");
+    const at::Tensor& lora_slots = metadata.lora_slots;
     TORCH_CHECK(input_ids.dim() == 1 && positions.sizes() == input_ids.sizes(),
                 "forward: input_ids and positions must both be [T]");
     at::Tensor hidden = embed(input_ids);       // [T, hidden]
@@ -224,8 +240,11 @@ class DecoderLM : public CausalLM {
       } else {
         layer.input_norm.forward_fused(hidden, residual);
       }
-      hidden = attend(i, *layer.self_attn, hidden, kv_caches[cache_index_[i]]);
+      const LayerKVCache& cache = kv_caches[cache_index_[i]];
+      hidden = layer.mixer ? layer.mixer->forward(hidden, metadata, cache)
+                           : attend(i, *layer.self_attn, hidden, cache);
       if (layer.attention_out_norm.defined()) hidden = layer.attention_out_norm.forward(hidden);
+      if (!layer.mlp) continue;  // the next norm adds the mixer's output to the residual
       layer.mlp_norm.forward_fused(hidden, residual);
       hidden = layer.mlp->forward(hidden, lora_slots);
       if (layer.mlp_out_norm.defined()) hidden = layer.mlp_out_norm.forward(hidden);
@@ -254,10 +273,13 @@ class DecoderLM : public CausalLM {
     std::vector<LoraLinear> out;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const std::string p = "layers." + std::to_string(i) + ".";
-      for (LoraLinear l : layers_[i].self_attn->lora_linears()) {
-        l.name = p + "self_attn." + l.name;
-        out.push_back(l);
+      if (layers_[i].self_attn) {
+        for (LoraLinear l : layers_[i].self_attn->lora_linears()) {
+          l.name = p + "self_attn." + l.name;
+          out.push_back(l);
+        }
       }
+      if (!layers_[i].mlp) continue;
       for (LoraLinear l : layers_[i].mlp->lora_linears()) {
         l.name = p + "mlp." + l.name;
         out.push_back(l);

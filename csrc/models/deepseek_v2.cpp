@@ -39,7 +39,7 @@ at::Tensor DeepseekV2ForCausalLM::forward(const at::Tensor& input_ids,
       kv_caches.empty() ? MLABatchPlan()
                         : MLABatchPlan::make(metadata, config_.mla, kv_caches[0].key.size(1),
                                              config_.mla.attention_path);
-  return run_layers(input_ids, positions, kv_caches, metadata.lora_slots,
+  return run_layers(input_ids, positions, kv_caches, metadata,
                     [&](size_t, const MLAAttention& attention, const at::Tensor& hidden,
                         const LayerKVCache& cache) {
                       return attention.forward(positions, hidden, metadata, cache, plan);

@@ -5,7 +5,8 @@ namespace kvserve {
 LlamaForCausalLM::LlamaForCausalLM(const ModelConfig& config, const WeightMap& w,
                                    int64_t max_positions)
     : DecoderLM(config, w) {
-  rotary_ = RotaryEmbedding(config_, max_positions, device_);
+  // No table without attention layers (Mamba2): a long context would cost its rows for nothing.
+  if (config_.num_kv_layers() > 0) rotary_ = RotaryEmbedding(config_, max_positions, device_);
   if (config_.rope_local_theta > 0) {  // Gemma 3: local layers rotate with an unscaled base
     ModelConfig local = config_;
     local.rope_theta = config_.rope_local_theta;
@@ -15,8 +16,12 @@ LlamaForCausalLM::LlamaForCausalLM(const ModelConfig& config, const WeightMap& w
   for (int64_t i = 0; i < config_.num_layers; ++i) {
     const bool local = config_.rope_local_theta > 0 && !config_.sliding_windows.empty() &&
                        config_.sliding_windows[i] > 0;
-    add_layer(i, std::make_unique<Attention>(config_, i, w, local ? &rotary_local_ : &rotary_),
-              w);
+    if (config_.is_ssm_layer(i)) {
+      add_layer(i, nullptr, w);
+    } else {
+      add_layer(i, std::make_unique<Attention>(config_, i, w, local ? &rotary_local_ : &rotary_),
+                w);
+    }
   }
   finish(w);
 }
@@ -24,7 +29,7 @@ LlamaForCausalLM::LlamaForCausalLM(const ModelConfig& config, const WeightMap& w
 at::Tensor LlamaForCausalLM::forward(const at::Tensor& input_ids, const at::Tensor& positions,
                                      const AttentionMetadata& metadata,
                                      const std::vector<LayerKVCache>& kv_caches) {
-  return run_layers(input_ids, positions, kv_caches, metadata.lora_slots,
+  return run_layers(input_ids, positions, kv_caches, metadata,
                     [&](size_t, const Attention& attention, const at::Tensor& hidden,
                         const LayerKVCache& cache) {
                       return attention.forward(positions, hidden, metadata, cache);

@@ -21,8 +21,13 @@ class Architecture:
     (csrc/models/model_factory.cpp: "llama" is the Llama layer structure, which ModelConfig's
     flags adapt; "deepseek_v2" adds multi-head latent attention). read_family: reads the
     family's own config.json fields before the common ones (Gemma: fills in transformers'
-    defaults and returns the completed config). read_attention: after the common fields (MLA).
-    read_moe: the mixture-of-experts fields, when the architecture has them. qkv_bias: q/k/v
+    defaults and returns the completed config). prepare: before anything is read, the file with
+    the fields the common reader needs put in where the family names them otherwise (Mamba2 has
+    no attention: placeholders). read_attention: after the common fields (MLA).
+    read_moe: the mixture-of-experts fields, when the architecture has them. read_ssm: the
+    state-space mixers' fields (from the file as written). weight_names: (pattern, replacement)
+    regular expressions from the checkpoint's tensor names to kvserve's (the Llama layout's
+    model.layers.<i>. ...; a state-space mixer's weights under model.layers.<i>.mixer.). qkv_bias: q/k/v
     always carry a bias. qk_norm: q and k are RMS-normed per head. max_window_layers: without
     layer_types, only the layers from max_window_layers on use the sliding window. prunable:
     kvserve.prune can shrink it. tiny: transformers config overrides of a tiny random
@@ -31,8 +36,11 @@ class Architecture:
     name: str
     family: str = "llama"
     read_family: Callable | None = None
+    prepare: Callable | None = None
     read_attention: Callable | None = None
     read_moe: Callable | None = None
+    read_ssm: Callable | None = None
+    weight_names: tuple[tuple[str, str], ...] = ()
     qkv_bias: bool = False
     qk_norm: bool = False
     max_window_layers: bool = False
@@ -78,6 +86,14 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
                  tiny=dict(model_type="gemma3_text", head_dim=24, sliding_window=6,
                            num_hidden_layers=3, sliding_window_pattern=3,
                            query_pre_attn_scalar=32, tie_word_embeddings=True)),
+    # Mamba2: every layer a state-space mixer, no MLP; odd sizes (3 layers, 20 heads of 12,
+    # 3 groups of 10 states) against kernels tuned for powers of two.
+    Architecture("Mamba2ForCausalLM", prepare=families.prepare_mamba2,
+                 read_ssm=families.read_mamba2_ssm, weight_names=families.MAMBA2_WEIGHT_NAMES,
+                 tiny=dict(model_type="mamba2", hidden_size=120, num_hidden_layers=3,
+                           num_heads=20, head_dim=12, expand=2, state_size=10, n_groups=5,
+                           conv_kernel=4, chunk_size=8, layer_norm_epsilon=1e-5,
+                           use_conv_bias=True, use_bias=False, residual_in_fp32=False)),
 ]}
 
 

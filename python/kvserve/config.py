@@ -36,6 +36,7 @@ _LIMITS = {
     "num_experts_per_tok": 1 << 12, "moe_intermediate_size": 1 << 22, "n_shared_experts": 1 << 8,
     "n_group": 1 << 12, "topk_group": 1 << 12, "first_k_dense_replace": 1 << 12,
     "moe_layer_freq": 1 << 12, "decoder_sparse_step": 1 << 12,
+    "num_heads": 1 << 12, "state_size": 1 << 12, "n_groups": 1 << 12,
 }
 _REQUIRED = object()
 
@@ -220,10 +221,13 @@ def _show(value) -> str:
 
 
 def _model_config(hf: dict, path: Path) -> _C.ModelConfig:
-    f = _Fields(hf, path)
+    f = written = _Fields(hf, path)
     c = _C.ModelConfig()
     arch = _architecture(hf, path)
     c.architecture, c.family = arch.name, arch.family
+    if arch.prepare is not None:
+        hf = arch.prepare(hf)
+        f = _Fields(hf, path)
     c.vocab_size = f.integer("vocab_size")
     c.hidden_size = f.integer("hidden_size")
     c.intermediate_size = f.integer("intermediate_size")
@@ -255,6 +259,8 @@ def _model_config(hf: dict, path: Path) -> _C.ModelConfig:
         arch.read_attention(c, f)
     if arch.read_moe is not None:
         arch.read_moe(c, f)
+    if arch.read_ssm is not None:
+        arch.read_ssm(c, written)
     read_kv_sharing(c, f)
     quant = parse_quantization_config(hf)  # ValueError for a method kvserve does not load
     if quant is not None:

@@ -1,13 +1,14 @@
 """The config.json fields of the families beyond the Llama layer structure: DeepSeek's multi-head
-latent attention, the mixture-of-experts layers of DeepSeek, Mixtral and Qwen3-MoE, and Gemma 2/3's
-norms, activations, soft-caps and local/global layers; and kvserve's own `kv_sharing` extension
-(cross-layer KV sharing).
+latent attention, the mixture-of-experts layers of DeepSeek, Mixtral and Qwen3-MoE, Gemma 2/3's
+norms, activations, soft-caps and local/global layers, Mamba2's state-space mixers; and kvserve's
+own `kv_sharing` extension (cross-layer KV sharing).
 
 `f` is config.py's typed reader of the file (its errors name the file and the field).
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 from kvserve import _C
@@ -221,3 +222,69 @@ def read_kv_sharing(c: _C.ModelConfig, f) -> None:
             raise f.error("kv_sharing", f"maps layer {layer} to layer {source}, whose sliding "
                                         "window differs")
     c.kv_sources = sources
+
+
+# Mamba2's tensor names in kvserve's layout: its blocks' one norm is the input norm, its mixer the
+# layer's state-space mixer.
+MAMBA2_WEIGHT_NAMES = (
+    (r"^backbone\.embeddings\.", "model.embed_tokens."),
+    (r"^backbone\.norm_f\.", "model.norm."),
+    (r"^backbone\.layers\.(\d+)\.norm\.", r"model.layers.\1.input_layernorm."),
+    (r"^backbone\.layers\.(\d+)\.mixer\.", r"model.layers.\1.mixer."),
+)
+
+# A Mamba2 config names no position limit (the model has none); kvserve takes this one, and the
+# engine's default max_model_len for a model without attention layers is 32,768 below it.
+MAMBA2_MAX_POSITIONS = 1 << 20
+
+
+def prepare_mamba2(hf: dict) -> dict:
+    """Mamba2 has no attention and no MLP: placeholders for the attention fields the common
+    reader checks (one head of 2, no layer reads them), its norm epsilon as rms_norm_eps."""
+    return {**hf, "intermediate_size": 1, "num_attention_heads": 1, "num_key_value_heads": 1,
+            "head_dim": 2, "rms_norm_eps": hf.get("layer_norm_epsilon", 1e-5),
+            "max_position_embeddings": hf.get("max_position_embeddings") or MAMBA2_MAX_POSITIONS}
+
+
+def read_mamba2_ssm(c: _C.ModelConfig, f) -> None:
+    """Mamba2's mixer in every layer (transformers' Mamba2Config)."""
+    s = _C.SSMConfig()
+    s.layers = [1] * c.num_layers
+    s.num_heads = f.integer("num_heads")
+    s.head_dim = f.integer("head_dim")
+    s.state_size = f.integer("state_size")
+    s.n_groups = f.integer("n_groups", 1)
+    s.conv_kernel = f.integer("conv_kernel", 4)
+    expand = f.number("expand", 2)
+    if s.num_heads % s.n_groups:
+        raise f.error("n_groups", f"({s.n_groups}) must divide num_heads ({s.num_heads})")
+    if not 2 <= s.conv_kernel <= 16:
+        raise f.error("conv_kernel", f"is {s.conv_kernel}; kvserve runs kernels of 2 to 16 taps")
+    if s.num_heads * s.head_dim != round(expand * c.hidden_size):
+        raise f.error("num_heads", f"* head_dim ({s.num_heads * s.head_dim}) must equal expand * "
+                                   f"hidden_size ({expand * c.hidden_size:g})")
+    s.norm_groups = s.n_groups  # MambaRMSNormGated's groups of intermediate_size / n_groups
+    s.conv_bias = f.flag("use_conv_bias", True)
+    s.proj_bias = f.flag("use_bias", False)
+    s.dt_min, s.dt_max = _time_step_limit(f)
+    s.mlp = False
+    act = f.values.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise f.error("hidden_act", f"is {act!r}; Mamba2's convolution runs SiLU only")
+    c.ssm = s
+
+
+def _time_step_limit(f) -> tuple[float, float]:
+    """time_step_limit [min, max] (transformers' default (0, inf): none); inf as 1e30."""
+    limit = f.values.get("time_step_limit")
+    if limit is None:
+        return 0.0, 1e30
+    if isinstance(limit, (list, tuple)):  # transformers 5 writes inf as {"__float__": "Infinity"}
+        limit = [float(v["__float__"]) if isinstance(v, dict) and v.get("__float__") in
+                 ("Infinity", "-Infinity", "NaN") else v for v in limit]
+    ok = (isinstance(limit, (list, tuple)) and len(limit) == 2
+          and all(isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+                  for v in limit) and 0 <= limit[0] < limit[1])
+    if not ok:
+        raise f.error("time_step_limit", f"must be [min, max] with 0 <= min < max, got {limit!r}")
+    return float(limit[0]), min(float(limit[1]), 1e30)

@@ -156,6 +156,12 @@ class LLMEngine:
         config = args.engine_config(info.config, self.dtype, self.kv_cache_dtype,
                                     info.eos_token_ids, self.draft_config)
         self.max_model_len = config.max_model_len
+        if info.config.num_ssm_layers() > 0:
+            for name, used in (("tensor_parallel_size > 1", args.tensor_parallel_size > 1),
+                               ("kv_role (disaggregated prefill)", args.kv_role is not None)):
+                if used:
+                    raise ValueError(f"{name} is not supported for models with state-space "
+                                     f"layers ({info.config.architecture}) yet")
         if args.enable_lora:
             for name in ("max_loras", "max_lora_rank"):
                 if getattr(args, name) < 1:
@@ -239,11 +245,17 @@ class LLMEngine:
         per_sequence = self.engine.block_manager.max_blocks_held(
             full_len, full_len, self.engine.config.max_num_batched_tokens)
         concurrent = (kv.num_blocks - 1) // per_sequence
-        plan = (f"kvserve: weights {self.model.weight_bytes / 2**20:.1f} MiB ({self.dtype}); "
-                f"KV cache {kv.nbytes / 2**20:.1f} MiB = {kv.num_blocks - 1} blocks x "
-                f"{kv.block_size} tokens = {kv.capacity_tokens:,} tokens at "
-                f"{kv.bytes_per_token:,} bytes/token; {concurrent} sequences of max_model_len "
-                f"{full_len} fit at once")
+        plan = f"kvserve: weights {self.model.weight_bytes / 2**20:.1f} MiB ({self.dtype}); "
+        if kv.layout.num_layers == 0:  # every layer keeps a state (Mamba2): blocks count tokens
+            plan += (f"no KV cache (no attention layers); {kv.num_state_slots} sequences of "
+                     f"max_model_len {full_len} fit at once")
+        else:
+            kv_bytes = kv.nbytes - kv.num_state_slots * kv.state_bytes_per_sequence
+            plan += (f"KV cache {kv_bytes / 2**20:.1f} MiB = {kv.num_blocks - 1} blocks x "
+                     f"{kv.block_size} tokens = {kv.capacity_tokens:,} tokens at "
+                     f"{kv.bytes_per_token:,} bytes/token; "
+                     f"{min(concurrent, kv.num_state_slots or concurrent)} sequences of "
+                     f"max_model_len {full_len} fit at once")
         if self.kv_cache_dtype != self.dtype:
             plain = kv.layout.bytes_per_slot_token(self.dtype)
             plan += (f" ({str(self.kv_cache_dtype).removeprefix('torch.')} entries with a fp32 "
@@ -253,6 +265,16 @@ class LLMEngine:
             plain = _C.KVCacheLayout.multi_head_equivalent(self.config).bytes_per_token(self.dtype)
             plan += (f" (MLA latents: plain multi-head K/V would take {plain:,} bytes/token, "
                      f"{plain / kv.bytes_per_token:.1f}x more)")
+        if kv.layout.has_state():
+            state = kv.layout.state
+            ssm = self.engine.config.ssm_state_dtype or torch.float32
+            plan += (f"; states {kv.num_state_slots * kv.state_bytes_per_sequence / 2**20:.1f} "
+                     f"MiB = {kv.num_state_slots} slots x {kv.state_bytes_per_sequence:,} "
+                     f"bytes/sequence, whatever its length ({len(state.layers)} state-space "
+                     f"layers: conv [{state.conv_dim}, {state.conv_kernel - 1}] in "
+                     f"{str(self.dtype).removeprefix('torch.')}, "
+                     f"SSM [{state.num_heads}, {state.head_dim}, {state.state_size}] in "
+                     f"{str(ssm).removeprefix('torch.')}); prefix caching off")
         if kv.layout.groups:
             local = [g for g in kv.layout.groups if g.sliding_window]
             kinds = (f"{len(kv.layout.groups) - len(local)} global, {len(local)} local (window "
@@ -262,7 +284,8 @@ class LLMEngine:
             plan += (f" (layer groups of {kv.layout.num_slots()}: {kinds}; a sequence of "
                      f"max_model_len holds {held} layer-blocks instead of {plain}, "
                      f"{plain / held:.1f}x fewer)")
-        if not kv.layout.latent and self.config.num_kv_layers() < self.config.num_layers:
+        attention_layers = self.config.num_layers - self.config.num_ssm_layers()
+        if not kv.layout.latent and 0 < self.config.num_kv_layers() < attention_layers:
             plain = _C.KVCacheLayout.multi_head_equivalent(self.config).bytes_per_token(self.dtype)
             shared = _C.KVCacheLayout.for_model(self.config).bytes_per_token(self.dtype)
             plan += (f" (KV sharing: {self.config.num_kv_layers()} of {self.config.num_layers} "

@@ -69,6 +69,10 @@ class EngineArgs:
         "auto", "KV-cache entries: the model's dtype (auto), or int8 / fp8 (E4M3) with an fp32 "
         "scale per token and KV head (about 2x the tokens of a bf16 pool)",
         choices=KV_CACHE_DTYPES)
+    mamba_ssm_cache_dtype: str = option(
+        "float32", "state-space layers' SSM states (one per running sequence): float32, or auto "
+        "(the model's dtype: half the state memory, a rounding per step)",
+        choices=("float32", "auto", "bfloat16", "float16"))
     quantized_activation: str = option(
         "auto", "int8 / int4 weights: round each projection's input to int8 blocks of 32 and "
         "multiply in integers (int8, llama.cpp's scheme), or multiply the dequantized weight "
@@ -176,7 +180,9 @@ class EngineArgs:
             cuda_graph_max_batch=0 if self.enforce_eager or not on_gpu else CUDA_GRAPH_MAX_BATCH,
             max_stop_strings=self.max_stop_strings,
             max_stop_string_length=self.max_stop_string_length,
-            max_waiting_requests=self.max_waiting_requests)
+            max_waiting_requests=self.max_waiting_requests,
+            ssm_state_dtype=(dtype if self.mamba_ssm_cache_dtype == "auto"
+                             else getattr(torch, self.mamba_ssm_cache_dtype)))
         return _C.resolve_engine_config(c, config, dtype, draft_config)
 
 

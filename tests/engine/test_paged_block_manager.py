@@ -146,3 +146,45 @@ def test_errors_name_the_problem_and_change_nothing():
 def test_constructor_rejects_bad_sizes(kwargs, message):
     with pytest.raises(ValueError, match=message):
         PagedBlockManager(**kwargs)
+
+
+def test_state_slots_beside_the_blocks():
+    """A model with state-space layers: a slot per sequence from allocate to free, n - 1 more kept
+    for its forks (each queued as a copy of the parent's state), slots reused last-freed first,
+    and an admission refused while too few are free."""
+    from kvserve._C import StateCopy
+
+    m = PagedBlockManager(num_blocks=20, block_size=4, enable_prefix_caching=False,
+                          num_state_slots=3)
+    assert (m.num_state_slots(), m.num_free_state_slots()) == (3, 3)
+    m.allocate(1, [5, 6, 7], num_states=2)  # its own slot and one for a fork
+    assert m.state_slot(1) == 0 and m.num_free_state_slots() == 1
+    assert not m.can_allocate([1, 2], num_states=2) and m.can_allocate([1, 2])
+    with pytest.raises(RuntimeError, match="needs 2 free state slots \\(1 free\\)"):
+        m.allocate(2, [1, 2], num_states=2)
+    m.check_invariants()
+    m.fork(1, 10)
+    assert m.state_slot(10) == 1 and m.take_state_copies() == [StateCopy(0, 1)]
+    assert m.take_state_copies() == []
+    m.fork(1, 11)  # nothing kept: the last free slot
+    assert m.state_slot(11) == 2 and m.num_free_state_slots() == 0
+    with pytest.raises(RuntimeError, match="no state slot is free"):
+        m.fork(1, 12)
+    assert not m.has_sequence(12)
+    m.free(11)  # its queued copy goes with it: the slot may go to a stranger
+    assert m.take_state_copies() == [] and m.num_free_state_slots() == 1
+    m.allocate(3, [9])
+    assert m.state_slot(3) == 2  # the last freed, handed out first
+    for seq in (1, 10, 3):
+        m.free(seq)
+    assert m.num_free_state_slots() == 3 and m.num_sequences() == 0
+    m.check_invariants()
+    plain = PagedBlockManager(num_blocks=8)
+    plain.allocate(1, [1, 2])
+    assert plain.state_slot(1) == -1 and plain.num_state_slots() == 0
+    with pytest.raises(ValueError, match="prefix caching is not supported with state slots"):
+        PagedBlockManager(num_blocks=8, num_state_slots=2)
+    with pytest.raises(ValueError, match="num_state_slots must be in"):
+        PagedBlockManager(num_blocks=8, enable_prefix_caching=False, num_state_slots=-1)
+    with pytest.raises(ValueError, match="num_states must be >= 1"):
+        m.allocate(4, [1], num_states=0)

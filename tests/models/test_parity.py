@@ -87,10 +87,27 @@ def hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
 
 
 def kvserve_prompt_logits(llm: kvserve.LLM, prompt: list[int]) -> torch.Tensor:
-    """Logits of every prompt position through the contiguous KVCache loop (on the CPU)."""
+    """Logits of every prompt position through the contiguous KVCache loop (on the CPU), or for
+    a model with state-space layers (which KVCache does not serve) through a paged pool with one
+    state slot."""
+    if llm.config.num_ssm_layers():
+        return paged_prompt_logits(llm, prompt)
     device = llm.model.device
     caches = kvserve.KVCache.for_model(1, len(prompt), llm.config, llm.dtype, device=device)
     return llm.model(torch.tensor([prompt], device=device), caches)[0].cpu()
+
+
+def paged_prompt_logits(llm: kvserve.LLM, prompt: list[int], block_size: int = 16) -> torch.Tensor:
+    """Logits of every prompt position in one forward over a fresh paged pool."""
+    device = llm.model.device
+    blocks = -(-len(prompt) // block_size) + 1  # and the null block
+    cache = kvserve._C.PagedKVCache(kvserve._C.KVCacheLayout.for_model(llm.config), blocks,
+                                    block_size, llm.dtype, device, num_state_slots=1)
+    builder = kvserve._C.ForwardBatchBuilder(block_size)
+    builder.add(prompt, 0, list(range(1, blocks)), state_slot=0)
+    batch = builder.build(device)
+    hidden = llm.model.forward(batch.input_ids, batch.positions, batch.metadata, cache)
+    return llm.model.compute_logits(hidden).cpu()
 
 
 def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype):

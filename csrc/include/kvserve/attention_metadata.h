@@ -25,6 +25,10 @@ struct AttentionMetadata {
   /// undefined when the model serves no adapters. Not attention's, but the batch's: it rides
   /// along to the projections.
   at::Tensor lora_slots;
+  /// A model with state-space layers: int32 [B], each sequence's slot in the state pool, and
+  /// bool [B], whether that slot holds the state of the sequence's earlier tokens (false for a
+  /// sequence's first chunk: the slot's content is stale). Undefined otherwise.
+  at::Tensor state_slots, has_initial_state;
 
   const at::Tensor& slots(int64_t group) const {
     return group == 0 ? slot_mapping : group_slot_mappings.at(group - 1);

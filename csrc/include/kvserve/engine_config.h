@@ -18,6 +18,9 @@ namespace kvserve {
 /// backend defaults to 4 GiB too); pages are committed only when first written.
 constexpr int64_t kDefaultKVCacheMemory = int64_t{4} << 30;
 
+/// max_model_len's default for a model without attention layers (no position limit of its own).
+constexpr int64_t kDefaultStateModelLen = 32768;
+
 /// Limits and KV-pool size of one engine. Python's kvserve.EngineArgs fills it (one field per
 /// option, the same names); resolve_engine_config() checks it and derives what was left 0.
 struct EngineConfig {
@@ -36,6 +39,12 @@ struct EngineConfig {
   /// scale per token and KV head (kernels/cache/kv_cache_write.h). A draft model's pool keeps
   /// the draft's dtype.
   std::optional<at::ScalarType> kv_cache_dtype;
+  /// The SSM states of a model with state-space layers: fp32 when unset, or the model's dtype
+  /// (vLLM's --mamba-ssm-cache-dtype). The pool holds one state per running sequence
+  /// (max_num_seqs), within kv_cache_memory when that is given.
+  std::optional<at::ScalarType> ssm_state_dtype;
+  /// Reuse of cached prompt blocks; always off for a model with state-space layers (no state is
+  /// saved at block boundaries to resume from).
   bool enable_prefix_caching = true;
   std::vector<int64_t> eos_token_ids;
   int64_t max_logprobs = 20;  ///< SamplingParams::logprobs at most (vLLM's default)

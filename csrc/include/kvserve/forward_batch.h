@@ -30,13 +30,17 @@ class ForwardBatchBuilder {
 
   /// Appends `tokens` of a sequence whose cache already holds `num_cached` tokens; position p of
   /// the sequence lives in block block_table[p / block_size]. lora_slot: its adapter's slot, or
-  /// -1. Throws std::out_of_range when the table is too short for the new tokens.
+  /// -1. state_slot: its slot in the state pool of a model with state-space layers (-1: none;
+  /// the state holds its num_cached tokens, none when that is 0). Throws std::out_of_range when
+  /// the table is too short for the new tokens.
   void add(const std::vector<int64_t>& tokens, int64_t num_cached,
-           const std::vector<int32_t>& block_table, int32_t lora_slot = -1);
+           const std::vector<int32_t>& block_table, int32_t lora_slot = -1,
+           int32_t state_slot = -1);
   /// The same for a pool whose layers are grouped: one block table per group (every builder of a
   /// batch adds the same number of groups).
   void add_grouped(const std::vector<int64_t>& tokens, int64_t num_cached,
-                   const std::vector<std::vector<int32_t>>& group_tables, int32_t lora_slot = -1);
+                   const std::vector<std::vector<int32_t>>& group_tables, int32_t lora_slot = -1,
+                   int32_t state_slot = -1);
 
   /// Appends a sequence that only fills a row of a padded batch (CudaGraphRunner): one token 0
   /// at position 0 whose K/V is not written (slot -1), attending to block 0 through an empty
@@ -68,6 +72,8 @@ class ForwardBatchBuilder {
   std::vector<int32_t> lora_slots_;  // [token]
   std::vector<int64_t> ids_, positions_, logits_indices_;
   std::vector<int32_t> query_start_loc_{0}, seq_lens_;
+  std::vector<int32_t> state_slots_;      // [sequence]; all -1 without states
+  std::vector<uint8_t> has_initial_state_;  // [sequence]
   std::vector<std::vector<int64_t>> slots_;                     // [group][token]
   std::vector<std::vector<std::vector<int32_t>>> block_tables_;  // [group][sequence]
 };

@@ -24,6 +24,23 @@ struct KVCacheGroup {
   std::vector<int64_t> layers;
 };
 
+/// The fixed-size states of a model's state-space mixer layers (ModelConfig::ssm), the "state"
+/// kind of layer group: per layer and sequence a conv state [conv_dim, conv_kernel - 1] in the
+/// model's dtype and an SSM state [num_heads, head_dim, state_size] (fp32 unless set otherwise).
+/// A sequence holds one state slot in every such layer, whatever its length. Empty layers: none.
+struct KVCacheStateGroup {
+  std::vector<int64_t> layers;  ///< the model's layer indices, in order
+  int64_t conv_dim = 0;
+  int64_t conv_kernel = 0;
+  int64_t num_heads = 0;
+  int64_t head_dim = 0;
+  int64_t state_size = 0;
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
+  /// Bytes of one sequence's states over all the layers.
+  int64_t bytes_per_sequence(at::ScalarType conv_dtype, at::ScalarType ssm_dtype) const;
+};
+
 /// Per layer and token: key [num_kv_heads, head_dim] and value [num_kv_heads, value_head_dim], or
 /// (latent) one entry [1, head_dim] whose first value_head_dim elements are the value.
 struct KVCacheLayout {
@@ -37,6 +54,9 @@ struct KVCacheLayout {
   /// block tables, and a block id holds one block of each of its group's layers. Empty: one
   /// full-attention group of all layers.
   std::vector<KVCacheGroup> groups;
+  /// The state-space layers' states (hybrid and Mamba models); num_layers counts the attention
+  /// layers only, and may be 0 when every layer keeps a state.
+  KVCacheStateGroup state;
 
   /// Plain attention: num_layers layers of num_kv_heads heads of head_dim (key and value).
   static KVCacheLayout plain(int64_t num_layers, int64_t num_kv_heads, int64_t head_dim);
@@ -63,6 +83,7 @@ struct KVCacheLayout {
   int64_t bytes_per_slot_token(at::ScalarType dtype) const;
   /// The sliding window of each group ({0} without groups).
   std::vector<int64_t> group_windows() const;
+  bool has_state() const { return state.num_layers() > 0; }
   /// Throws std::invalid_argument on a non-positive size or a value wider than a latent.
   void validate() const;
 };

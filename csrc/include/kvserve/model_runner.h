@@ -87,6 +87,10 @@ struct ModelRunnerOptions {
   /// and their targets are verified. Null: no speculation.
   SpeculativeDecoder* speculator = nullptr;
   std::optional<at::ScalarType> kv_cache_dtype;  ///< the model's dtype when unset
+  /// The state pool of a model with state-space layers: slots (the block manager's) and the SSM
+  /// states' dtype (fp32 when unset).
+  int64_t num_state_slots = 0;
+  std::optional<at::ScalarType> ssm_state_dtype;
   /// > 0, for a model that CudaGraphRunner supports: decode steps of up to that many sequences,
   /// whose contexts fit max_model_len, replay CUDA graphs.
   int64_t cuda_graph_max_batch = 0;

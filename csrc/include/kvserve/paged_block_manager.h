@@ -58,6 +58,18 @@ struct BlockManagerOptions {
   /// One entry per group of layers, its sliding window in tokens (0: full attention); the
   /// default is one full-attention group.
   std::vector<int64_t> group_windows = {0};
+  /// State slots of a model with state-space layers (KVCacheLayout's state group), 0 for none:
+  /// every sequence holds one from allocate (or fork) to free. Prefix caching must then be off
+  /// (a cached block has no state saved at its boundary).
+  int64_t num_state_slots = 0;
+};
+
+/// Copy state slot `src` into `dst` (every state layer) before the step: a forked sequence
+/// continues from its parent's state.
+struct StateCopy {
+  int32_t src;
+  int32_t dst;
+  bool operator==(const StateCopy& other) const { return src == other.src && dst == other.dst; }
 };
 
 class PagedBlockManager {
@@ -70,21 +82,24 @@ class PagedBlockManager {
                                      int64_t num_tokens, uint64_t extra_key);
 
   /// Whether a new sequence with this prompt fits while keeping the watermark free, counting the
-  /// prefix-hit blocks that are now free as taken. num_scheduled as for allocate.
-  /// Throws std::invalid_argument on a bad prompt.
+  /// prefix-hit blocks that are now free as taken. num_scheduled and num_states as for
+  /// allocate. Throws std::invalid_argument on a bad prompt.
   bool can_allocate(const std::vector<int32_t>& prompt_tokens, uint64_t extra_key = 0,
-                    int64_t num_scheduled = -1) const;
+                    int64_t num_scheduled = -1, int64_t num_states = 1) const;
 
   /// Registers `seq_id` with blocks for its prompt, reusing the cached blocks of its longest
   /// cached prefix; at least the last prompt token is left uncached. Full-attention groups get
   /// blocks for the whole prompt; sliding-window groups for the cached window and the first
   /// num_scheduled tokens after the hit (-1: the rest of the prompt; reserve_prefill adds the
   /// later chunks). Returns how many prompt tokens have their KV cached (a multiple of
-  /// block_size); they count as computed. Throws std::invalid_argument (id taken, empty prompt,
-  /// negative token id) or std::runtime_error (not enough free blocks; the watermark is not
-  /// applied here).
+  /// block_size); they count as computed. With a state pool, the sequence also takes
+  /// num_states (>= 1) state slots: its own (state_slot) and num_states - 1 kept for the
+  /// sequences forked from it (its other samples), so that forking never runs out. Throws
+  /// std::invalid_argument (id taken, empty prompt, negative token id, num_states < 1) or
+  /// std::runtime_error (not enough free blocks or state slots; the watermark is not applied
+  /// here).
   int64_t allocate(int64_t seq_id, const std::vector<int32_t>& prompt_tokens,
-                   uint64_t extra_key = 0, int64_t num_scheduled = -1);
+                   uint64_t extra_key = 0, int64_t num_scheduled = -1, int64_t num_states = 1);
 
   /// Whether reserve_prefill(seq_id, end) fits.
   bool can_reserve_prefill(int64_t seq_id, int64_t end) const;
@@ -117,9 +132,19 @@ class PagedBlockManager {
   void mark_computed(int64_t seq_id, int64_t num_computed_tokens);
 
   /// Registers `child_id` sharing all of `parent_id`'s blocks, tokens and computed count (not its
-  /// lookahead slots). Fork before appending the child's own tokens. Throws
-  /// std::invalid_argument if the child id exists.
+  /// lookahead slots). Fork before appending the child's own tokens. With a state pool the child
+  /// takes a state slot (one the parent kept for it, else a free one) and a StateCopy from the
+  /// parent's is queued (take_state_copies). Throws std::invalid_argument if the child id
+  /// exists, std::runtime_error when no state slot is left.
   void fork(int64_t parent_id, int64_t child_id);
+
+  /// The state slot of `seq_id` (-1 without a state pool).
+  int32_t state_slot(int64_t seq_id) const { return sequence(seq_id).state_slot; }
+  /// The state copies queued by fork since the last call, to apply before the next step.
+  std::vector<StateCopy> take_state_copies();
+  /// State slots in the pool (0: none), and those no sequence holds or keeps.
+  int64_t num_state_slots() const { return num_state_slots_; }
+  int64_t num_free_state_slots() const { return static_cast<int64_t>(free_states_.size()); }
 
   /// Drops `seq_id`; blocks no longer referenced go back to the free queue (cached ones stay
   /// reusable by prefix hits until evicted).
@@ -200,6 +225,8 @@ class PagedBlockManager {
     int64_t num_lookahead = 0;
     int64_t num_computed = 0;
     uint64_t extra_key = 0;
+    int32_t state_slot = -1;                 // -1: no state pool
+    std::vector<int32_t> reserved_states;    // kept for the sequences forked from this one
     // Prefix-cache chain over the first num_hashed full computed blocks: the last block's hash,
     // and per full-attention group the cached block holding its content (parent of the next
     // one; id -1 once the chain broke).
@@ -220,6 +247,8 @@ class PagedBlockManager {
 
   const Sequence& sequence(int64_t seq_id) const;
   Sequence& sequence(int64_t seq_id);
+  /// Pops the next free state slot (the caller checked there is one).
+  int32_t take_free_state();
   int64_t blocks_for(int64_t num_tokens) const {
     return (num_tokens + block_size_ - 1) / block_size_;
   }
@@ -262,6 +291,9 @@ class PagedBlockManager {
   BlockHashFn hash_fn_;
   BlockPool pool_;  ///< its map keys blocks by hash salted with the group (group_key)
   std::unordered_map<int64_t, Sequence> sequences_;
+  int64_t num_state_slots_ = 0;
+  std::vector<int32_t> free_states_;  // the last is handed out next
+  std::vector<StateCopy> state_copies_;
   int64_t prefix_cache_queries_ = 0;
   int64_t prefix_cache_hits_ = 0;
 };

@@ -4,6 +4,7 @@
 // (block ids only). Block 0 is the null block that pads block tables; it holds no tokens.
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
 
 #include <cstdint>
 #include <utility>
@@ -14,6 +15,18 @@
 
 namespace kvserve {
 
+/// The state pool beside the blocks, for a layout with a state group: num_slots slots per state
+/// layer, one per running sequence (PagedBlockManager hands them out).
+struct StatePoolOptions {
+  int64_t num_slots = 0;
+  at::ScalarType conv_dtype = at::kFloat;  ///< the model's dtype
+  at::ScalarType ssm_dtype = at::kFloat;   ///< fp32, or the model's dtype
+};
+
+/// LayerKVCache::group of a state layer's entry: key is its conv state
+/// [slots, conv_dim, conv_kernel - 1], value its SSM state [slots, heads, head_dim, state_size].
+constexpr int64_t kStateGroup = -1;
+
 class PagedKVCache {
  public:
   /// Allocates num_blocks blocks per slot (zero-filled): per slot key
@@ -22,9 +35,10 @@ class PagedKVCache {
   /// [num_blocks, block_size, 1, head_dim] that is both. A slot per layer; with grouped layers
   /// (layout.groups), the i-th layer of every group shares slot i, and a block id is one block
   /// of each layer of the group that holds it. Throws std::invalid_argument on sizes < 1 or
-  /// fewer than 2 blocks (block 0 is reserved).
+  /// fewer than 2 blocks (block 0 is reserved). A layout with a state group also gets
+  /// `states.num_slots` (>= 1) zeroed state slots in each of its state layers.
   PagedKVCache(const KVCacheLayout& layout, int64_t num_blocks, int64_t block_size,
-               at::ScalarType dtype, at::Device device);
+               at::ScalarType dtype, at::Device device, StatePoolOptions states = {});
   /// The plain layout: num_layers layers of num_kv_heads heads of head_dim.
   PagedKVCache(int64_t num_layers, int64_t num_blocks, int64_t block_size, int64_t num_kv_heads,
                int64_t head_dim, at::ScalarType dtype, at::Device device);
@@ -38,30 +52,44 @@ class PagedKVCache {
                                  at::ScalarType dtype);
 
   /// The per-layer views the model's attention reads and writes, with their group (a latent
-  /// layer's key and value are the same tensor; grouped layers share slots).
+  /// layer's key and value are the same tensor; grouped layers share slots), followed by one
+  /// entry per state layer (group kStateGroup): the caches a forward takes, in
+  /// ModelConfig::kv_cache_index order.
   const std::vector<LayerKVCache>& layers() const { return layers_; }
+
+  /// Copies whole state slots (src -> dst) in every state layer: a forked sequence's state.
+  void copy_states(const std::vector<std::pair<int32_t, int32_t>>& copies);
+  /// State slots per state layer (0 without a state group).
+  int64_t num_state_slots() const { return num_state_slots_; }
+  /// Bytes of one sequence's states over all state layers (0 without a state group).
+  int64_t state_bytes_per_sequence() const;
 
   /// Copies whole blocks (src -> dst) in every slot: the copy-on-write copies the block manager
   /// lists. Throws (c10::Error) on ids outside the pool.
   void copy_blocks(const std::vector<std::pair<int32_t, int32_t>>& copies);
 
   const KVCacheLayout& layout() const { return layout_; }
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-  int64_t num_blocks() const { return layers_.front().key.size(0); }
-  int64_t block_size() const { return layers_.front().key.size(1); }
-  int64_t num_kv_heads() const { return layers_.front().key.size(2); }
-  int64_t head_dim() const { return layers_.front().key.size(3); }
-  at::ScalarType dtype() const { return layers_.front().key.scalar_type(); }
-  at::Device device() const { return layers_.front().key.device(); }
+  /// Layers with a KV cache (the state layers not counted).
+  int64_t num_layers() const { return layout_.num_layers; }
+  int64_t num_blocks() const { return num_blocks_; }
+  int64_t block_size() const { return block_size_; }
+  int64_t num_kv_heads() const { return layout_.num_kv_heads; }
+  int64_t head_dim() const { return layout_.head_dim; }
+  at::ScalarType dtype() const { return dtype_; }
+  at::Device device() const { return device_; }
   /// Tokens the usable blocks (all but the null block) can hold.
   int64_t capacity_tokens() const { return (num_blocks() - 1) * block_size(); }
   /// KV bytes per token of a block id: over all layers, or over one group's slots when grouped.
   int64_t bytes_per_token() const;
-  /// Bytes of all tensors.
+  /// Bytes of all tensors, the state pool's included.
   int64_t nbytes() const;
 
  private:
   KVCacheLayout layout_;
+  int64_t num_blocks_, block_size_, num_state_slots_ = 0;
+  at::ScalarType dtype_;
+  at::Device device_;
+  StatePoolOptions states_;
   std::vector<LayerKVCache> slots_;   // the tensors
   std::vector<LayerKVCache> layers_;  // per layer: its slot's tensors and its group
 };

@@ -43,12 +43,16 @@ struct ScheduledSequence {
   /// Per group of layers, the block table the step reads and writes (its draft slots included).
   std::vector<std::vector<int32_t>> block_tables;
   int32_t lora_slot = -1;
+  /// Its slot in the state pool of a model with state-space layers (-1: none). Its state holds
+  /// the first num_computed tokens (none when num_computed is 0: the slot's content is stale).
+  int32_t state_slot = -1;
 };
 
 /// What one step runs. Decodes come first, then prefill chunks (running, then newly admitted).
 struct SchedulerOutput {
   std::vector<ScheduledSequence> scheduled;
   std::vector<BlockCopy> block_copies;  ///< copy-on-write copies to do before the forward
+  std::vector<StateCopy> state_copies;  ///< forked sequences' states, also before the forward
   std::vector<int64_t> preempted;       ///< sent back to the waiting queue this step
   /// Sequences admitted this step whose prompt KV is loaded from elsewhere (add's load_prompt):
   /// their blocks are allocated; the step computes nothing for them.
@@ -74,10 +78,12 @@ class Scheduler {
   /// load_prompt: the prompt's KV comes from elsewhere (a KV transfer from a prefill engine):
   /// when admitted, the sequence gets blocks for its whole prompt (its prefix-cache hit
   /// included, those blocks are not loaded), is listed in SchedulerOutput::loads, and waits,
-  /// holding its blocks and never preempted, until end_load.
+  /// holding its blocks and never preempted, until end_load. num_samples: how many sequences
+  /// will fork from it (its n); with a state pool it is admitted only when it can hold that many
+  /// state slots, and throws std::invalid_argument when the pool has fewer.
   void add(int64_t seq_id, std::vector<int32_t> prompt_token_ids, int64_t priority = 0,
            int64_t max_new_tokens = std::numeric_limits<int64_t>::max(), int32_t lora_slot = -1,
-           uint64_t cache_key = 0, bool load_prompt = false);
+           uint64_t cache_key = 0, bool load_prompt = false, int64_t num_samples = 1);
 
   /// A loading sequence's load ended. ok: its prompt's KV is written; the prompt counts as
   /// computed (its full blocks enter the prefix cache) and the sequence runs (append its first
@@ -154,6 +160,7 @@ class Scheduler {
     int64_t arrival = 0;
     bool allocated = false;  ///< holds blocks (running or loading)
     bool load_prompt = false;
+    int64_t num_states = 1;  ///< state slots it takes when admitted (its samples, before forking)
     WaitKey wait_key;                          ///< while waiting
     std::list<int64_t>::iterator running_pos;  ///< while running
   };

@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 
 from kvserve import _C
+from kvserve.architectures import ARCHITECTURES
 from kvserve.loader.sharding import (Shard, check_shardable, local_columns, local_heads,
                                      local_intermediate, local_vocab)
 from kvserve.loader.weight_check import check_weights, moe_names
@@ -53,10 +54,10 @@ class _TensorReader:
             if info.file not in self.handles:
                 self.handles[info.file] = safe_open(str(info.file), framework="pt")
             if part is None:
-                tensor = self.handles[info.file].get_tensor(name)
+                tensor = self.handles[info.file].get_tensor(info.name)
             else:
                 dim, start, length = part
-                view = self.handles[info.file].get_slice(name)
+                view = self.handles[info.file].get_slice(info.name)
                 tensor = (view[start:start + length] if dim == 0
                           else view[:, start:start + length])
         except Exception as e:  # safetensors raises its own error types; its checks mirror ours
@@ -134,7 +135,8 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
 
         read = GGUFTensorReader(GGUFCheckpoint(model_dir), dtype)
     else:
-        index = WeightIndex.from_dir(model_dir)
+        index = WeightIndex.from_dir(model_dir).renamed(
+            ARCHITECTURES[config.architecture].weight_names)
         config_path = model_dir / "config.json"
         quant = parse_quantization_config(json.loads(config_path.read_text()))
         check_weights(index, config, config_path, quant)
@@ -147,11 +149,17 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
         p = f"model.layers.{i}."
         out = f"layers.{i}."
         w[out + "input_layernorm.weight"] = read(p + "input_layernorm.weight")
+        if config.is_ssm_layer(i):
+            _read_mixer(read, config, p + "mixer.", out + "mixer.", w)
+            if not config.ssm.mlp:
+                continue
         w[out + "post_attention_layernorm.weight"] = read(p + "post_attention_layernorm.weight")
         if config.sandwich_norms:
             for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
                 w[out + norm + ".weight"] = read(p + norm + ".weight")
-        if config.use_mla():
+        if config.is_ssm_layer(i):
+            pass
+        elif config.use_mla():
             _read_mla(read, config, p + "self_attn.", out + "self_attn.", w, shard)
         else:
             _read_attention(read, config, i, p + "self_attn.", out + "self_attn.", w, shard)
@@ -163,6 +171,26 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
                       shard=None if shard is None else (shard.rank,
                                                         *local_intermediate(config, shard)))
     return {name: t.to(device).contiguous() for name, t in w.items()}
+
+
+def _read_mixer(read: _TensorReader, c: _C.ModelConfig, mixer: str, out: str,
+                w: dict[str, torch.Tensor]) -> None:
+    """A state-space mixer's weights (csrc/layers/mamba2_mixer.h): the convolution's
+    [conv_dim, 1, kernel] weight as [conv_dim, kernel]; A_log in fp32, as the reference keeps
+    it."""
+    s = c.ssm
+    for proj, shape in (("in_proj", (2 * s.inner_size + 2 * s.n_groups * s.state_size
+                                     + s.num_heads, c.hidden_size)),
+                        ("out_proj", (c.hidden_size, s.inner_size))):
+        w[out + proj + ".weight"] = read.weight(mixer + proj, shape)
+        if s.proj_bias:
+            w[out + proj + ".bias"] = read(mixer + proj + ".bias")
+    w[out + "conv1d.weight"] = read(mixer + "conv1d.weight").squeeze(1)
+    if s.conv_bias:
+        w[out + "conv1d.bias"] = read(mixer + "conv1d.bias")
+    w[out + "A_log"] = read(mixer + "A_log", torch.float32)
+    for name in ("D", "dt_bias", "norm.weight"):
+        w[out + name] = read(mixer + name)
 
 
 def _vocab_rows(read: _TensorReader, name: str, config: _C.ModelConfig,

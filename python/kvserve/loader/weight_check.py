@@ -29,16 +29,42 @@ def expected_shapes(c: _C.ModelConfig) -> dict[str, tuple[Dim, ...]]:
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (hidden,)
+        if c.is_ssm_layer(i):
+            shapes.update(_mixer_shapes(c, p + "mixer."))
+            if not c.ssm.mlp:
+                continue
         shapes[p + "post_attention_layernorm.weight"] = (hidden,)
         if c.sandwich_norms:
             shapes[p + "pre_feedforward_layernorm.weight"] = (hidden,)
             shapes[p + "post_feedforward_layernorm.weight"] = (hidden,)
-        shapes.update(_mla_shapes(c, p) if c.use_mla() else _attention_shapes(c, p, i))
+        if not c.is_ssm_layer(i):
+            shapes.update(_mla_shapes(c, p) if c.use_mla() else _attention_shapes(c, p, i))
         if c.is_moe_layer(i):
             shapes.update(_moe_shapes(c, p))
         else:
             shapes.update(_mlp_shapes(p + "mlp.", ("intermediate_size", c.intermediate_size),
                                       hidden, c.mlp_bias))
+    return shapes
+
+
+def _mixer_shapes(c: _C.ModelConfig, p: str) -> dict[str, tuple[Dim, ...]]:
+    """A state-space (Mamba2) mixer's tensors."""
+    s = c.ssm
+    hidden = ("hidden_size", c.hidden_size)
+    heads = ("num_heads", s.num_heads)
+    inner = ("num_heads*head_dim", s.inner_size)
+    conv = ("num_heads*head_dim+2*n_groups*state_size", s.conv_dim)
+    projected = ("2*num_heads*head_dim+2*n_groups*state_size+num_heads",
+                 s.inner_size + s.conv_dim + s.num_heads)
+    shapes = {p + "in_proj.weight": (projected, hidden), p + "out_proj.weight": (hidden, inner),
+              p + "conv1d.weight": (conv, ("1", 1), ("conv_kernel", s.conv_kernel)),
+              p + "dt_bias": (heads,), p + "A_log": (heads,), p + "D": (heads,),
+              p + "norm.weight": (inner,)}
+    if s.conv_bias:
+        shapes[p + "conv1d.bias"] = (conv,)
+    if s.proj_bias:
+        shapes[p + "in_proj.bias"] = (projected,)
+        shapes[p + "out_proj.bias"] = (hidden,)
     return shapes
 
 

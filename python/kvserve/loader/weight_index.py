@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path, PurePosixPath
 
 from kvserve.loader.safetensors_header import TensorInfo, read_safetensors_header
@@ -39,6 +40,26 @@ class WeightIndex:
                 tensors[name] = info
         source = str(files[0]) if len(files) == 1 else f"the *.safetensors files in {model_dir}"
         return cls(tensors, files, source)
+
+    def renamed(self, renames: tuple[tuple[str, str], ...]) -> WeightIndex:
+        """The same tensors under kvserve's names: each name rewritten by the first
+        (pattern, replacement) regular expression that matches it (Architecture.weight_names);
+        a tensor still reads by its stored name (TensorInfo.name). Raises ValueError when two
+        tensors get one name."""
+        if not renames:
+            return self
+        tensors: dict[str, TensorInfo] = {}
+        for name, info in self.tensors.items():
+            new = name
+            for pattern, replacement in renames:
+                new, count = re.subn(pattern, replacement, name)
+                if count:
+                    break
+            if new in tensors:
+                raise ValueError(f"{self.source}: tensors '{tensors[new].name}' and '{name}' "
+                                 f"are both kvserve's '{new}'")
+            tensors[new] = info
+        return WeightIndex(tensors, self.files, self.source)
 
     @classmethod
     def _from_index(cls, model_dir: Path, index: Path) -> WeightIndex:

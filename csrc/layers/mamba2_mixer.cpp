@@ -1,0 +1,99 @@
+#include "layers/mamba2_mixer.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/exp.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "kernels/norm/rms_norm_gated.h"
+#include "kernels/ssm/ssm_causal_conv1d.h"
+#include "kernels/ssm/ssm_scan.h"
+
+namespace kvserve {
+namespace {
+
+at::Tensor vector_of(const WeightMap& w, const std::string& name, int64_t size) {
+  const at::Tensor& t = w.get(name);
+  if (t.dim() != 1 || t.size(0) != size) {
+    throw std::invalid_argument(name + " must be [" + std::to_string(size) + "]");
+  }
+  return t.contiguous();
+}
+
+}  // namespace
+
+Mamba2Mixer::Mamba2Mixer(const ModelConfig& config, const std::string& p, const WeightMap& w)
+    : ssm_(config.ssm),
+      norm_eps_(config.rms_norm_eps),
+      in_proj_(Linear::load(w, p + "in_proj")),
+      out_proj_(Linear::load(w, p + "out_proj")) {
+  const SSMConfig& c = ssm_;
+  const int64_t inner = c.inner_size(), conv_dim = c.conv_dim();
+  if (in_proj_.in_features() != config.hidden_size ||
+      in_proj_.out_features() != inner + conv_dim + c.num_heads) {
+    throw std::invalid_argument(p + "in_proj must be [" +
+                                std::to_string(inner + conv_dim + c.num_heads) + ", " +
+                                std::to_string(config.hidden_size) + "]");
+  }
+  if (out_proj_.in_features() != inner || out_proj_.out_features() != config.hidden_size) {
+    throw std::invalid_argument(p + "out_proj must be [" + std::to_string(config.hidden_size) +
+                                ", " + std::to_string(inner) + "]");
+  }
+  conv_weight_ = w.get(p + "conv1d.weight").contiguous();
+  if (conv_weight_.dim() != 2 || conv_weight_.size(0) != conv_dim ||
+      conv_weight_.size(1) != c.conv_kernel) {
+    throw std::invalid_argument(p + "conv1d.weight must be [" + std::to_string(conv_dim) + ", " +
+                                std::to_string(c.conv_kernel) + "]");
+  }
+  if (c.conv_bias) conv_bias_ = vector_of(w, p + "conv1d.bias", conv_dim);
+  // A in fp32 whatever the weights' dtype, as the reference computes it.
+  A_ = -at::exp(vector_of(w, p + "A_log", c.num_heads).to(at::kFloat));
+  D_ = vector_of(w, p + "D", c.num_heads);
+  dt_bias_ = vector_of(w, p + "dt_bias", c.num_heads);
+  norm_weight_ = vector_of(w, p + "norm.weight", inner);
+}
+
+at::Tensor Mamba2Mixer::forward(const at::Tensor& hidden, const AttentionMetadata& metadata,
+                                const LayerKVCache& state) const {
+  const SSMConfig& c = ssm_;
+  const int64_t tokens = hidden.size(0), inner = c.inner_size(), conv_dim = c.conv_dim();
+  const int64_t group_states = c.n_groups * c.state_size;
+  TORCH_CHECK(metadata.state_slots.defined() && metadata.has_initial_state.defined(),
+              "Mamba2Mixer: the batch carries no state slots");
+  const at::Tensor projected = in_proj_.forward(hidden);  // [T, z | x B C | dt]
+  const at::Tensor z = projected.narrow(1, 0, inner);
+  const at::Tensor xbc = projected.narrow(1, inner, conv_dim);
+  const at::Tensor dt = projected.narrow(1, inner + conv_dim, c.num_heads);
+
+  at::Tensor conv_state = state.key, ssm_state = state.value;
+  at::Tensor convolved = at::empty({tokens, conv_dim}, hidden.options());
+  ops::ssm_causal_conv1d(convolved, xbc, conv_weight_,
+                         conv_bias_.defined() ? std::optional<at::Tensor>(conv_bias_)
+                                              : std::nullopt,
+                         conv_state, metadata.query_start_loc, metadata.state_slots,
+                         metadata.has_initial_state, /*silu=*/true);
+  const at::Tensor x = convolved.narrow(1, 0, inner).view({tokens, c.num_heads, c.head_dim});
+  const at::Tensor B =
+      convolved.narrow(1, inner, group_states).view({tokens, c.n_groups, c.state_size});
+  const at::Tensor C = convolved.narrow(1, inner + group_states, group_states)
+                           .view({tokens, c.n_groups, c.state_size});
+  at::Tensor y = at::empty({tokens, c.num_heads, c.head_dim}, hidden.options());
+  ops::ssm_scan(y, x, dt, A_, B, C, D_, dt_bias_, ssm_state, metadata.query_start_loc,
+                metadata.state_slots, metadata.has_initial_state, /*dt_softplus=*/true, c.dt_min,
+                c.dt_max);
+  at::Tensor normed = at::empty({tokens, inner}, hidden.options());
+  ops::rms_norm_gated(normed, y.view({tokens, inner}), z, norm_weight_, inner / c.norm_groups,
+                      norm_eps_);
+  return out_proj_.forward(normed);
+}
+
+int64_t Mamba2Mixer::weight_bytes() const {
+  int64_t bytes = in_proj_.weight_bytes() + out_proj_.weight_bytes();
+  for (const at::Tensor* t : {&conv_weight_, &conv_bias_, &A_, &D_, &dt_bias_, &norm_weight_}) {
+    if (t->defined()) bytes += static_cast<int64_t>(t->nbytes());
+  }
+  return bytes;
+}
+
+}  // namespace kvserve

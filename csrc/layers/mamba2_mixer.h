@@ -1,0 +1,48 @@
+#pragma once
+// Mamba2's state-space mixer (Dao & Gu, "Transformers are SSMs", 2024), the layer that replaces
+// attention in Mamba2 and in the SSM layers of hybrids: one input projection, a short causal
+// convolution, the selective scan and a gated RMSNorm, each sequence carrying a fixed-size conv
+// and SSM state from one step to the next in its slot of the state pool.
+
+#include <ATen/core/Tensor.h>
+
+#include <string>
+
+#include "kvserve/attention_metadata.h"
+#include "kvserve/model_config.h"
+#include "layers/linear.h"
+#include "layers/weights.h"
+
+namespace kvserve {
+
+/// One layer's mixer (config.ssm). Weights under `prefix`: in_proj.weight [2 * inner + 2 * G * N
+/// + H, hidden] (gate z, then x, B and C, then dt; + bias with ssm.proj_bias), conv1d.weight
+/// [conv_dim, kernel] (+ conv1d.bias), dt_bias [H], A_log [H] (A = -exp(A_log)), D [H],
+/// norm.weight [inner], out_proj.weight [hidden, inner] (+ bias).
+class Mamba2Mixer {
+ public:
+  Mamba2Mixer(const ModelConfig& config, const std::string& prefix, const WeightMap& weights);
+
+  /// hidden [T, hidden_size] -> [T, hidden_size] for the batch's sequences
+  /// (metadata.query_start_loc), each continuing from the state in its slot
+  /// (metadata.state_slots, when metadata.has_initial_state) and leaving its new state there.
+  /// state: the layer's entry of the pool (key: conv states, value: SSM states).
+  at::Tensor forward(const at::Tensor& hidden, const AttentionMetadata& metadata,
+                     const LayerKVCache& state) const;
+
+  int64_t weight_bytes() const;
+
+ private:
+  SSMConfig ssm_;
+  double norm_eps_;
+  Linear in_proj_;
+  Linear out_proj_;
+  at::Tensor conv_weight_;  // [conv_dim, kernel]
+  at::Tensor conv_bias_;    // [conv_dim] or undefined
+  at::Tensor A_;            // fp32 [H]: -exp(A_log)
+  at::Tensor D_;            // [H]
+  at::Tensor dt_bias_;      // [H]
+  at::Tensor norm_weight_;  // [inner]
+};
+
+}  // namespace kvserve

@@ -1,0 +1,155 @@
+"""The engine on a model with state-space layers (Mamba2): every running sequence holds one state
+slot beside its blocks, so chunked prefill, batching, slot reuse, preemption and parallel
+samples must all give the tokens of transformers' whole-sequence forward (its pure-torch path)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import kvserve
+from kvserve import SamplingParams
+from tests.engine_loop import drain
+from tests.engine_loop import fp32_engine as engine
+from tests.engine_loop import run_arrivals as run
+from tests.models.test_parity import PROMPTS, hf_greedy
+
+transformers = pytest.importorskip("transformers")
+
+MAMBA2 = "Mamba2ForCausalLM"
+NUM_TOKENS = 20
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def mamba2(checkpoint_factory):
+    return checkpoint_factory(MAMBA2)
+
+
+@pytest.fixture(scope="module")
+def reference(mamba2):
+    """transformers' greedy tokens and their log-probabilities (full forwards, no cache)."""
+    ref = transformers.AutoModelForCausalLM.from_pretrained(mamba2, dtype=torch.float32).eval()
+    out = []
+    for prompt in PROMPTS:
+        tokens = hf_greedy(ref, prompt, NUM_TOKENS)
+        with torch.no_grad():
+            logits = ref(torch.tensor([prompt + tokens])).logits[0].log_softmax(-1)
+        positions = range(len(prompt) - 1, len(prompt) - 1 + NUM_TOKENS)
+        out.append((tokens, [logits[p, t].item() for p, t in zip(positions, tokens)]))
+    return out
+
+
+def test_the_reference_runs_transformers_pure_torch_path():
+    """The optimized kernels (mamba_ssm, causal_conv1d) would replace the reference's own code."""
+    for package in ("mamba_ssm", "causal_conv1d"):
+        assert importlib.util.find_spec(package) is None, f"{package} is installed"
+
+
+def generate(llm: kvserve.LLM, prompts=PROMPTS, params=GREEDY):
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("chunk", [None, 7, 1])
+def test_greedy_tokens_and_logprobs_equal_transformers(mamba2, reference, chunk):
+    """Whole prompts, and prompts prefilled 7 tokens or 1 token per step (the state carried
+    from chunk to chunk), in one batch of mixed lengths."""
+    extra = {} if chunk is None else dict(max_num_batched_tokens=chunk, max_num_seqs=chunk)
+    llm = kvserve.LLM(mamba2, dtype="float32", **extra)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)
+    for out, (tokens, logprobs) in zip(generate(llm, params=params), reference):
+        assert out.outputs[0].token_ids == tokens
+        assert [lp.token_id for lp in out.outputs[0].logprobs] == tokens
+        ours = [lp.logprob for lp in out.outputs[0].logprobs]
+        assert ours == pytest.approx(logprobs, abs=1e-4)
+
+
+def test_batched_with_mixed_arrivals_equals_alone(mamba2, reference):
+    """Requests arriving while others prefill or decode: each gives its solo tokens."""
+    e = engine(mamba2, max_num_batched_tokens=9)
+    requests = [(prompt, NUM_TOKENS, arrival) for prompt, arrival in zip(PROMPTS, (0, 2, 3, 9))]
+    got = run(e, requests)
+    assert [got[str(i)] for i in range(len(PROMPTS))] == [tokens for tokens, _ in reference]
+
+
+def test_a_reused_slot_gives_the_new_request_its_solo_tokens(mamba2, reference):
+    """One slot: each request starts from the stale state of the one before it, and must not
+    read it (the slot is flagged as holding no state when handed out)."""
+    e = engine(mamba2, max_num_seqs=1)
+    assert e.kv_cache.num_state_slots == 1
+    for i, prompt in enumerate(PROMPTS):
+        e.add_request(str(i), prompt, GREEDY)
+    final = drain(e)
+    assert [final[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))] == [
+        tokens for tokens, _ in reference]
+    assert e.block_manager.num_free_state_slots() == 1
+
+
+def test_preemption_recomputes_the_state(mamba2, reference):
+    """A pool too small for every sequence at once: preempted sequences free their slot and
+    blocks and are recomputed from their tokens, to the same output."""
+    e = engine(mamba2, block_size=4, num_blocks=12, max_num_batched_tokens=16)
+    for i, prompt in enumerate(PROMPTS):
+        e.add_request(str(i), prompt, GREEDY)
+    final = drain(e)
+    assert e.scheduler.num_preemptions > 0
+    assert [final[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))] == [
+        tokens for tokens, _ in reference]
+
+
+def test_parallel_samples_fork_the_prompt_state(mamba2):
+    """n samples share the prefill; each forked sample starts from a copy of its state and
+    follows its own random stream, as n separate requests with the same seeds do."""
+    prompt = PROMPTS[0]
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=5, ignore_eos=True)
+    llm = kvserve.LLM(mamba2, dtype="float32", max_num_seqs=4)
+    forked = [c.token_ids for c in generate(llm, [prompt], params)[0].outputs]
+    e = engine(mamba2, max_num_seqs=4)
+    e.add_request("n", prompt, params)
+    final = drain(e)
+    assert [c.token_ids for c in final["n"].outputs] == forked
+    assert len({tuple(t) for t in forked}) > 1, "the samples should differ"
+    # Each sample alone (n=1) from the same prefill: the first sample's stream is the request's.
+    alone = generate(llm, [prompt], SamplingParams(temperature=1.0, max_tokens=12, seed=5,
+                                                   ignore_eos=True))[0].outputs[0].token_ids
+    assert alone == forked[0]
+
+
+def test_more_samples_than_state_slots_is_refused(mamba2):
+    llm = kvserve.LLM(mamba2, dtype="float32", max_num_seqs=2)
+    with pytest.raises(ValueError, match="3 samples need as many state slots; the pool has 2"):
+        generate(llm, [PROMPTS[0]], SamplingParams(n=3, max_tokens=4))
+    assert generate(llm, [PROMPTS[1]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+
+
+def test_memory_plan_shows_the_fixed_state_per_sequence(mamba2):
+    e = engine(mamba2, max_num_seqs=5)
+    layout, kv = e.kv_cache.layout, e.kv_cache
+    assert layout.num_layers == 0 and layout.has_state() and list(layout.state.layers) == [0, 1, 2]
+    s = e.config.ssm
+    per_layer = s.conv_dim * (s.conv_kernel - 1) * 4 + s.num_heads * s.head_dim * s.state_size * 4
+    assert kv.state_bytes_per_sequence == 3 * per_layer
+    assert kv.num_state_slots == 5 and not e.engine.config.enable_prefix_caching
+    assert [tuple(t.shape) for t in kv.ssm_states] == [(5, s.num_heads, s.head_dim,
+                                                         s.state_size)] * 3
+    plan = e.memory_plan()
+    assert f"5 slots x {3 * per_layer:,} bytes/sequence, whatever its length" in plan
+    assert "prefix caching off" in plan
+    half = kvserve.LLMEngine(mamba2, dtype="bfloat16", max_num_seqs=5, log_memory_plan=False,
+                             mamba_ssm_cache_dtype="auto")
+    assert half.kv_cache.ssm_states[0].dtype == torch.bfloat16
+    assert half.kv_cache.state_bytes_per_sequence < kv.state_bytes_per_sequence
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(speculative_method="ngram", num_speculative_tokens=2), "speculative decoding is not "
+     "supported for models with state-space layers"),
+    (dict(tensor_parallel_size=2), "tensor_parallel_size > 1 is not supported for models with "
+     "state-space layers"),
+    (dict(kv_role="producer"), "kv_role .* is not supported for models with state-space"),
+])
+def test_unsupported_options_are_refused_clearly(mamba2, options, message):
+    with pytest.raises(ValueError, match=message):
+        engine(mamba2, **options)
