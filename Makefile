@@ -70,6 +70,8 @@ ASAN_ENV := ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:detect_odr_violation=0 
 # and scripts/train_tiny.py (PyTorch training around a model forward the other tests cover), and
 # the
 # speculative sampler's statistical tests (the same C++ as its exact ones);
+# the config variants of the parity tests (the same layers as each architecture's own parity test,
+# which runs sanitized, with other config values);
 # speculative greedy equality runs once per proposer, in the mixed-arrivals form (its single-request
 # form and the target-as-its-own-draft case run the same C++ paths with fewer requests); and the
 # server's suites (answers, bad input, chaos, the router's workers in subprocesses), whose work is
@@ -89,13 +91,17 @@ ASAN_SKIP := --ignore=tests/e2e/test_cli.py --ignore=tests/e2e/test_notebooks.py
 	-k "not test_cpu_capability_variants and not test_train_tiny and not ten_thousand_tokens \
 	and not test_bf16_logits_within_tolerance and not follow_the_target_distribution \
 	and not test_greedy_single_requests_equal_plain_decoding and not self-draft \
-	and not test_the_serve_command"
+	and not test_the_serve_command and not test_config_variants_match_transformers"
 # pytest on the sanitized build in two passes, as make test's (the workers too load that build).
 ASAN_PYTEST := $(ASAN_ENV) LD_PRELOAD="$$(gcc -print-file-name=libasan.so) \
 	$$(gcc -print-file-name=libubsan.so)" $(PYTHON) scripts/asan_pytest.py $(ASAN_BUILD) -q \
 	-p no:cacheprovider $(ASAN_SKIP)
 
-test-asan: build-tests
+# What test-asan needs first: the package installed with its tests (CI, right after make test,
+# passes ASAN_DEPS= to skip the reinstall).
+ASAN_DEPS ?= build-tests
+
+test-asan: $(ASAN_DEPS)
 	cmake -S . -B $(ASAN_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVSERVE_SANITIZE=ON \
 		-DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
 		-DKVSERVE_CPU_CAPABILITIES=$$($(PYTHON) -c "import kvserve; print(kvserve._C.cpu_capability().upper())") \
