@@ -51,6 +51,7 @@ ORDER = [
     "cpu_quantized_weights",
     "cpu_quantized_kv",
     "paged_kv_cache",
+    "state_models",
     "cpu_sampling",
     "lora_serving",
     "pruning_distillation",
