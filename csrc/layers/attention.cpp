@@ -50,11 +50,11 @@ at::Tensor Attention::forward(const at::Tensor& positions, const at::Tensor& hid
   const RMSNorm* q_norm = q_norm_.defined() ? &q_norm_ : nullptr;
   if (shares_kv_) {  // the source layer wrote this step's K/V already
     at::Tensor no_key = at::empty({num_tokens, 0}, q.options());
-    rotary_->apply(positions, q, no_key, q_norm);
+    if (rotary_) rotary_->apply(positions, q, no_key, q_norm);
   } else {
     at::Tensor k = qkv.narrow(1, q_width, kv_width);
     at::Tensor v = qkv.narrow(1, q_width + kv_width, kv_width);
-    rotary_->apply(positions, q, k, q_norm, k_norm_.defined() ? &k_norm_ : nullptr);
+    if (rotary_) rotary_->apply(positions, q, k, q_norm, k_norm_.defined() ? &k_norm_ : nullptr);
     at::Tensor key_cache = kv.key, value_cache = kv.value;
     ops::kv_cache_write(k.view({num_tokens, num_kv_heads_, head_dim_}),
                         v.view({num_tokens, num_kv_heads_, head_dim_}), key_cache, value_cache,

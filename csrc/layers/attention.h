@@ -21,7 +21,8 @@ namespace kvserve {
 /// `<prefix>o_proj.weight` [hidden, H * D] (+ bias), optional `<prefix>q_norm.weight` /
 /// `<prefix>k_norm.weight` [D]. A layer that shares an earlier layer's KV (config.kv_sources)
 /// has `<prefix>q_proj.weight` [H * D, hidden] (+ bias) instead of qkv_proj and no k_norm: it
-/// attends over the cache it is given and writes nothing.
+/// attends over the cache it is given and writes nothing. A null rotary: no positional encoding
+/// (NoPE).
 class Attention {
  public:
   Attention(const ModelConfig& config, int64_t layer, const WeightMap& weights,

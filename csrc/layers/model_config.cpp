@@ -34,6 +34,9 @@ void ModelConfig::validate() const {
               final_logit_softcap >= 0 && embedding_multiplier > 0,
           "rope_local_theta, query_pre_attn_scalar and the soft-caps must be >= 0, "
           "embedding_multiplier positive");
+  require(residual_multiplier > 0 && logits_scaling > 0,
+          "residual_multiplier and logits_scaling must be positive");
+  require(!no_rope || !qk_norm, "q/k norms without RoPE are not supported");
   if (!kv_sources.empty()) {
     require(static_cast<int64_t>(kv_sources.size()) == num_layers,
             "kv_sources must have one entry per layer");

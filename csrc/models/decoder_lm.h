@@ -45,6 +45,7 @@ class DecoderLM : public CausalLM {
     if (vocab_parallel_) {
       logits = vocab_parallel_->all_gather(logits, 1).narrow(1, 0, config_.vocab_size);
     }
+    if (config_.logits_scaling != 1.0) logits.div_(config_.logits_scaling);  // Granite
     if (config_.final_logit_softcap > 0) {  // c * tanh(logits / c), as Gemma 2 does
       logits.div_(config_.final_logit_softcap).tanh_().mul_(config_.final_logit_softcap);
     }
@@ -244,13 +245,21 @@ class DecoderLM : public CausalLM {
       hidden = layer.mixer ? layer.mixer->forward(hidden, metadata, cache)
                            : attend(i, *layer.self_attn, hidden, cache);
       if (layer.attention_out_norm.defined()) hidden = layer.attention_out_norm.forward(hidden);
+      scale_residual(hidden);
       if (!layer.mlp) continue;  // the next norm adds the mixer's output to the residual
       layer.mlp_norm.forward_fused(hidden, residual);
       hidden = layer.mlp->forward(hidden, lora_slots);
       if (layer.mlp_out_norm.defined()) hidden = layer.mlp_out_norm.forward(hidden);
+      scale_residual(hidden);
     }
     norm_.forward_fused(hidden, residual);
     return hidden;
+  }
+
+  /// A layer's output as it joins the residual stream (Granite's residual_multiplier: a double
+  /// multiplier, each product rounded to the dtype, as the reference's Python float does).
+  void scale_residual(at::Tensor& hidden) const {
+    if (config_.residual_multiplier != 1.0) hidden.mul_(config_.residual_multiplier);
   }
 
   /// The embedding rows of input_ids: looked up alone, or over vocabulary-parallel ranks each

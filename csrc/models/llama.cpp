@@ -6,7 +6,9 @@ LlamaForCausalLM::LlamaForCausalLM(const ModelConfig& config, const WeightMap& w
                                    int64_t max_positions)
     : DecoderLM(config, w) {
   // No table without attention layers (Mamba2): a long context would cost its rows for nothing.
-  if (config_.num_kv_layers() > 0) rotary_ = RotaryEmbedding(config_, max_positions, device_);
+  if (config_.num_kv_layers() > 0 && !config_.no_rope) {
+    rotary_ = RotaryEmbedding(config_, max_positions, device_);
+  }
   if (config_.rope_local_theta > 0) {  // Gemma 3: local layers rotate with an unscaled base
     ModelConfig local = config_;
     local.rope_theta = config_.rope_local_theta;
@@ -19,8 +21,10 @@ LlamaForCausalLM::LlamaForCausalLM(const ModelConfig& config, const WeightMap& w
     if (config_.is_ssm_layer(i)) {
       add_layer(i, nullptr, w);
     } else {
-      add_layer(i, std::make_unique<Attention>(config_, i, w, local ? &rotary_local_ : &rotary_),
-                w);
+      const RotaryEmbedding* rotary = config_.no_rope ? nullptr
+                                      : local             ? &rotary_local_
+                                                          : &rotary_;
+      add_layer(i, std::make_unique<Attention>(config_, i, w, rotary), w);
     }
   }
   finish(w);

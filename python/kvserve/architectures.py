@@ -27,7 +27,9 @@ class Architecture:
     read_moe: the mixture-of-experts fields, when the architecture has them. read_ssm: the
     state-space mixers' fields (from the file as written). weight_names: (pattern, replacement)
     regular expressions from the checkpoint's tensor names to kvserve's (the Llama layout's
-    model.layers.<i>. ...; a state-space mixer's weights under model.layers.<i>.mixer.). qkv_bias: q/k/v
+    model.layers.<i>. ...; a state-space mixer's weights under model.layers.<i>.mixer.).
+    fused_mlp: the dense MLP's gate and up projections are one [2 * intermediate, hidden] tensor
+    (kvserve's name mlp.gate_up_proj; Granite's input_linear). qkv_bias: q/k/v
     always carry a bias. qk_norm: q and k are RMS-normed per head. max_window_layers: without
     layer_types, only the layers from max_window_layers on use the sliding window. prunable:
     kvserve.prune can shrink it. tiny: transformers config overrides of a tiny random
@@ -41,6 +43,7 @@ class Architecture:
     read_moe: Callable | None = None
     read_ssm: Callable | None = None
     weight_names: tuple[tuple[str, str], ...] = ()
+    fused_mlp: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
     max_window_layers: bool = False
@@ -94,6 +97,19 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
                            num_heads=20, head_dim=12, expand=2, state_size=10, n_groups=5,
                            conv_kernel=4, chunk_size=8, layer_norm_epsilon=1e-5,
                            use_conv_bias=True, use_bias=False, residual_in_fp32=False)),
+    # Granite 4 hybrids: Mamba2 mixers and NoPE attention layers, a shared MLP in every layer,
+    # Granite's multipliers; dense (num_local_experts 0).
+    Architecture("GraniteMoeHybridForCausalLM", read_family=families.read_granite_hybrid,
+                 read_ssm=families.read_granite_ssm, weight_names=families.GRANITE_WEIGHT_NAMES,
+                 fused_mlp=True,
+                 tiny=dict(model_type="granitemoehybrid", num_hidden_layers=4,
+                           layer_types=["mamba", "attention", "mamba", "mamba"],
+                           num_local_experts=0, shared_intermediate_size=136,
+                           mamba_n_heads=12, mamba_d_head=16, mamba_expand=2, mamba_d_state=10,
+                           mamba_n_groups=3, mamba_d_conv=3, mamba_chunk_size=8,
+                           embedding_multiplier=1.7, attention_multiplier=0.09,
+                           residual_multiplier=0.6, logits_scaling=2.5,
+                           position_embedding_type="nope")),
 ]}
 
 

@@ -288,3 +288,71 @@ def _time_step_limit(f) -> tuple[float, float]:
     if not ok:
         raise f.error("time_step_limit", f"must be [min, max] with 0 <= min < max, got {limit!r}")
     return float(limit[0]), min(float(limit[1]), 1e30)
+
+
+# Granite 4 hybrids' tensor names in kvserve's layout: the mixer, and the shared MLP whose gate and
+# up projections are one tensor (Architecture.fused_mlp).
+GRANITE_WEIGHT_NAMES = (
+    (r"^model\.layers\.(\d+)\.mamba\.", r"model.layers.\1.mixer."),
+    (r"^model\.layers\.(\d+)\.shared_mlp\.input_linear\.", r"model.layers.\1.mlp.gate_up_proj."),
+    (r"^model\.layers\.(\d+)\.shared_mlp\.output_linear\.", r"model.layers.\1.mlp.down_proj."),
+)
+
+
+def read_granite_hybrid(c: _C.ModelConfig, f, hf: dict) -> dict:
+    """Granite 4 (GraniteMoeHybrid): the shared MLP's size, the multipliers, NoPE or RoPE."""
+    if f.integer("num_local_experts", 0, minimum=0):
+        raise f.error("num_local_experts", "is not 0: Granite's routed experts are not supported "
+                                           "yet (its dense models are)")
+    c.intermediate_size = f.integer("shared_intermediate_size")
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise f.error("hidden_act", f"is {act!r}; only silu is supported")
+    c.embedding_multiplier = f.number("embedding_multiplier", 1.0)
+    c.residual_multiplier = f.number("residual_multiplier", 1.0)
+    c.logits_scaling = f.number("logits_scaling", 1.0)
+    # The scores' scale is attention_multiplier itself, not head_dim^-0.5.
+    c.query_pre_attn_scalar = f.number("attention_multiplier", 1.0) ** -2
+    position = hf.get("position_embedding_type")
+    if position not in (None, "rope", "nope"):
+        raise f.error("position_embedding_type", f"is {position!r}; expected rope or none")
+    c.no_rope = position != "rope"
+    # Its layer_types name mixers (read_granite_ssm), not attention windows.
+    return {key: value for key, value in hf.items() if key != "layer_types"}
+
+
+def read_granite_ssm(c: _C.ModelConfig, f) -> None:
+    """Which layers are Mamba2 mixers (layer_types) and their mamba_* fields."""
+    # Checkpoints name the kinds mamba / attention; transformers 5 writes linear_attention /
+    # full_attention.
+    types = f.values.get("layer_types")
+    kinds = {"mamba": 1, "linear_attention": 1, "attention": 0, "full_attention": 0}
+    if (not isinstance(types, list) or len(types) != c.num_layers
+            or any(t not in kinds for t in types)):
+        raise f.error("layer_types", f"must list 'mamba' or 'attention' for each of the "
+                                     f"{c.num_layers} layers, got {types!r}")
+    s = _C.SSMConfig()
+    s.layers = [kinds[t] for t in types]
+    s.num_heads = f.integer("mamba_n_heads")
+    s.state_size = f.integer("mamba_d_state")
+    s.n_groups = f.integer("mamba_n_groups", 1)
+    s.conv_kernel = f.integer("mamba_d_conv", 4)
+    expand = f.integer("mamba_expand", 2)
+    if f.values.get("mamba_d_head", "auto") == "auto":
+        s.head_dim = expand * c.hidden_size // s.num_heads
+    else:
+        s.head_dim = f.integer("mamba_d_head")
+    if s.num_heads % s.n_groups:
+        raise f.error("mamba_n_groups", f"({s.n_groups}) must divide mamba_n_heads "
+                                        f"({s.num_heads})")
+    if not 2 <= s.conv_kernel <= 16:
+        raise f.error("mamba_d_conv", f"is {s.conv_kernel}; kvserve runs kernels of 2 to 16 taps")
+    if s.num_heads * s.head_dim != expand * c.hidden_size:
+        raise f.error("mamba_d_head", f"* mamba_n_heads ({s.num_heads * s.head_dim}) must equal "
+                                      f"mamba_expand * hidden_size ({expand * c.hidden_size})")
+    s.norm_groups = s.n_groups
+    s.conv_bias = f.flag("mamba_conv_bias", True)
+    s.proj_bias = f.flag("mamba_proj_bias", False)
+    s.dt_min, s.dt_max = _time_step_limit(f)
+    s.mlp = True
+    c.ssm = s

@@ -1,6 +1,7 @@
-"""The engine on a model with state-space layers (Mamba2): every running sequence holds one state
-slot beside its blocks, so chunked prefill, batching, slot reuse, preemption and parallel
-samples must all give the tokens of transformers' whole-sequence forward (its pure-torch path)."""
+"""The engine on models with state-space layers (Mamba2, and a Granite 4 hybrid of Mamba2 mixers
+and attention layers): every running sequence holds one state slot beside its blocks, so chunked
+prefill, batching, slot reuse, preemption and parallel samples must all give the tokens of
+transformers' whole-sequence forward (its pure-torch path)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,14 @@ from tests.models.test_parity import PROMPTS, hf_greedy
 transformers = pytest.importorskip("transformers")
 
 MAMBA2 = "Mamba2ForCausalLM"
+MODELS = [MAMBA2, "GraniteMoeHybridForCausalLM"]
 NUM_TOKENS = 20
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def model(checkpoint_factory, request):
+    return checkpoint_factory(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +36,9 @@ def mamba2(checkpoint_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(mamba2):
+def reference(model):
     """transformers' greedy tokens and their log-probabilities (full forwards, no cache)."""
-    ref = transformers.AutoModelForCausalLM.from_pretrained(mamba2, dtype=torch.float32).eval()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     out = []
     for prompt in PROMPTS:
         tokens = hf_greedy(ref, prompt, NUM_TOKENS)
@@ -53,11 +60,11 @@ def generate(llm: kvserve.LLM, prompts=PROMPTS, params=GREEDY):
 
 
 @pytest.mark.parametrize("chunk", [None, 7, 1])
-def test_greedy_tokens_and_logprobs_equal_transformers(mamba2, reference, chunk):
+def test_greedy_tokens_and_logprobs_equal_transformers(model, reference, chunk):
     """Whole prompts, and prompts prefilled 7 tokens or 1 token per step (the state carried
     from chunk to chunk), in one batch of mixed lengths."""
     extra = {} if chunk is None else dict(max_num_batched_tokens=chunk, max_num_seqs=chunk)
-    llm = kvserve.LLM(mamba2, dtype="float32", **extra)
+    llm = kvserve.LLM(model, dtype="float32", **extra)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)
     for out, (tokens, logprobs) in zip(generate(llm, params=params), reference):
         assert out.outputs[0].token_ids == tokens
@@ -66,18 +73,18 @@ def test_greedy_tokens_and_logprobs_equal_transformers(mamba2, reference, chunk)
         assert ours == pytest.approx(logprobs, abs=1e-4)
 
 
-def test_batched_with_mixed_arrivals_equals_alone(mamba2, reference):
+def test_batched_with_mixed_arrivals_equals_alone(model, reference):
     """Requests arriving while others prefill or decode: each gives its solo tokens."""
-    e = engine(mamba2, max_num_batched_tokens=9)
+    e = engine(model, max_num_batched_tokens=9)
     requests = [(prompt, NUM_TOKENS, arrival) for prompt, arrival in zip(PROMPTS, (0, 2, 3, 9))]
     got = run(e, requests)
     assert [got[str(i)] for i in range(len(PROMPTS))] == [tokens for tokens, _ in reference]
 
 
-def test_a_reused_slot_gives_the_new_request_its_solo_tokens(mamba2, reference):
+def test_a_reused_slot_gives_the_new_request_its_solo_tokens(model, reference):
     """One slot: each request starts from the stale state of the one before it, and must not
     read it (the slot is flagged as holding no state when handed out)."""
-    e = engine(mamba2, max_num_seqs=1)
+    e = engine(model, max_num_seqs=1)
     assert e.kv_cache.num_state_slots == 1
     for i, prompt in enumerate(PROMPTS):
         e.add_request(str(i), prompt, GREEDY)
@@ -87,10 +94,10 @@ def test_a_reused_slot_gives_the_new_request_its_solo_tokens(mamba2, reference):
     assert e.block_manager.num_free_state_slots() == 1
 
 
-def test_preemption_recomputes_the_state(mamba2, reference):
+def test_preemption_recomputes_the_state(model, reference):
     """A pool too small for every sequence at once: preempted sequences free their slot and
     blocks and are recomputed from their tokens, to the same output."""
-    e = engine(mamba2, block_size=4, num_blocks=12, max_num_batched_tokens=16)
+    e = engine(model, block_size=4, num_blocks=12, max_num_batched_tokens=16)
     for i, prompt in enumerate(PROMPTS):
         e.add_request(str(i), prompt, GREEDY)
     final = drain(e)
@@ -99,14 +106,14 @@ def test_preemption_recomputes_the_state(mamba2, reference):
         tokens for tokens, _ in reference]
 
 
-def test_parallel_samples_fork_the_prompt_state(mamba2):
+def test_parallel_samples_fork_the_prompt_state(model):
     """n samples share the prefill; each forked sample starts from a copy of its state and
     follows its own random stream, as n separate requests with the same seeds do."""
     prompt = PROMPTS[0]
     params = SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=5, ignore_eos=True)
-    llm = kvserve.LLM(mamba2, dtype="float32", max_num_seqs=4)
+    llm = kvserve.LLM(model, dtype="float32", max_num_seqs=4)
     forked = [c.token_ids for c in generate(llm, [prompt], params)[0].outputs]
-    e = engine(mamba2, max_num_seqs=4)
+    e = engine(model, max_num_seqs=4)
     e.add_request("n", prompt, params)
     final = drain(e)
     assert [c.token_ids for c in final["n"].outputs] == forked
@@ -122,6 +129,16 @@ def test_more_samples_than_state_slots_is_refused(mamba2):
     with pytest.raises(ValueError, match="3 samples need as many state slots; the pool has 2"):
         generate(llm, [PROMPTS[0]], SamplingParams(n=3, max_tokens=4))
     assert generate(llm, [PROMPTS[1]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+
+
+def test_hybrid_memory_plan_has_kv_for_its_attention_layer_and_states_for_the_rest(
+        checkpoint_factory):
+    e = engine(checkpoint_factory("GraniteMoeHybridForCausalLM"), max_num_seqs=3)
+    layout = e.kv_cache.layout
+    assert layout.num_layers == 1 and list(layout.state.layers) == [0, 2, 3]
+    assert len(e.kv_cache.key_caches) == 1 and len(e.kv_cache.ssm_states) == 3
+    plan = e.memory_plan()
+    assert "KV cache" in plan and "3 slots x" in plan and "3 state-space layers" in plan
 
 
 def test_memory_plan_shows_the_fixed_state_per_sequence(mamba2):

@@ -162,7 +162,10 @@ def routed_prefix_len(ref32, prompt: list[int], llm: kvserve.LLM) -> int:
 def check_parity(path, dtype=torch.float32, device="cpu"):
     ref = hf_model(path, dtype)
     llm = kvserve.LLM(path, dtype=dtype, device=device)
-    ref32 = hf_model(path) if llm.config.moe.num_experts and dtype != torch.float32 else None
+    # Routers and state-space layers in reduced precision: against transformers' fp32 logits
+    # (its own bf16 scan strays from them as far as kvserve's: 5e-2 on the Granite hybrid).
+    rounded = llm.config.moe.num_experts or llm.config.num_ssm_layers()
+    ref32 = hf_model(path) if rounded and dtype != torch.float32 else None
     compared = 0
     for prompt in PROMPTS:
         with torch.no_grad():

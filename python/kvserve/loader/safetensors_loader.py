@@ -165,12 +165,27 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
             _read_attention(read, config, i, p + "self_attn.", out + "self_attn.", w, shard)
         if config.is_moe_layer(i):
             _read_moe(read, config, p, out + "mlp.", w, shard)
+        elif ARCHITECTURES[config.architecture].fused_mlp:
+            _read_fused_mlp(read, config, p + "mlp.", out + "mlp.", w, shard)
         else:
             _read_mlp(read, p + "mlp.", out + "mlp.", config.mlp_bias, w,
                       (config.intermediate_size, config.hidden_size),
                       shard=None if shard is None else (shard.rank,
                                                         *local_intermediate(config, shard)))
     return {name: t.to(device).contiguous() for name, t in w.items()}
+
+
+def _read_fused_mlp(read: _TensorReader, c: _C.ModelConfig, mlp: str, out: str,
+                    w: dict[str, torch.Tensor], shard: Shard | None) -> None:
+    """A dense MLP whose checkpoint holds gate and up as one tensor (gate rows first)."""
+    if shard is not None:
+        raise ValueError(f"{c.architecture}: tensor parallelism does not split its fused MLP yet")
+    inter, hidden = c.intermediate_size, c.hidden_size
+    w[out + "gate_up_proj.weight"] = read.weight(mlp + "gate_up_proj", (2 * inter, hidden))
+    w[out + "down_proj.weight"] = read.weight(mlp + "down_proj", (hidden, inter))
+    if c.mlp_bias:
+        for name in ("gate_up_proj", "down_proj"):
+            w[out + name + ".bias"] = read(mlp + name + ".bias")
 
 
 def _read_mixer(read: _TensorReader, c: _C.ModelConfig, mixer: str, out: str,

@@ -12,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 from kvserve import _C
+from kvserve.architectures import ARCHITECTURES
 from kvserve.loader.weight_index import WeightIndex
 from kvserve.quantization.formats import CheckpointQuantization
 
@@ -41,6 +42,15 @@ def expected_shapes(c: _C.ModelConfig) -> dict[str, tuple[Dim, ...]]:
             shapes.update(_mla_shapes(c, p) if c.use_mla() else _attention_shapes(c, p, i))
         if c.is_moe_layer(i):
             shapes.update(_moe_shapes(c, p))
+        elif ARCHITECTURES[c.architecture].fused_mlp:  # gate and up in one tensor
+            inter = ("intermediate_size", c.intermediate_size)
+            shapes[p + "mlp.gate_up_proj.weight"] = (("2*intermediate_size",
+                                                      2 * c.intermediate_size), hidden)
+            shapes[p + "mlp.down_proj.weight"] = (hidden, inter)
+            if c.mlp_bias:
+                shapes[p + "mlp.gate_up_proj.bias"] = (("2*intermediate_size",
+                                                        2 * c.intermediate_size),)
+                shapes[p + "mlp.down_proj.bias"] = (hidden,)
         else:
             shapes.update(_mlp_shapes(p + "mlp.", ("intermediate_size", c.intermediate_size),
                                       hidden, c.mlp_bias))
