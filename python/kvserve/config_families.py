@@ -248,30 +248,49 @@ def prepare_mamba2(hf: dict) -> dict:
 
 def read_mamba2_ssm(c: _C.ModelConfig, f) -> None:
     """Mamba2's mixer in every layer (transformers' Mamba2Config)."""
-    s = _C.SSMConfig()
-    s.layers = [1] * c.num_layers
-    s.num_heads = f.integer("num_heads")
-    s.head_dim = f.integer("head_dim")
-    s.state_size = f.integer("state_size")
-    s.n_groups = f.integer("n_groups", 1)
-    s.conv_kernel = f.integer("conv_kernel", 4)
-    expand = f.number("expand", 2)
-    if s.num_heads % s.n_groups:
-        raise f.error("n_groups", f"({s.n_groups}) must divide num_heads ({s.num_heads})")
-    if not 2 <= s.conv_kernel <= 16:
-        raise f.error("conv_kernel", f"is {s.conv_kernel}; kvserve runs kernels of 2 to 16 taps")
-    if s.num_heads * s.head_dim != round(expand * c.hidden_size):
-        raise f.error("num_heads", f"* head_dim ({s.num_heads * s.head_dim}) must equal expand * "
-                                   f"hidden_size ({expand * c.hidden_size:g})")
-    s.norm_groups = s.n_groups  # MambaRMSNormGated's groups of intermediate_size / n_groups
-    s.conv_bias = f.flag("use_conv_bias", True)
-    s.proj_bias = f.flag("use_bias", False)
-    s.dt_min, s.dt_max = _time_step_limit(f)
-    s.mlp = False
     act = f.values.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise f.error("hidden_act", f"is {act!r}; Mamba2's convolution runs SiLU only")
+    s = _mixer_fields(c, f, _MAMBA2_KEYS)
+    s.layers = [1] * c.num_layers
+    s.mlp = False
     c.ssm = s
+
+
+# Where each family's config.json keeps the mixer's sizes: heads, head size, states, groups,
+# convolution taps, expansion, conv bias, projection bias.
+_MAMBA2_KEYS = ("num_heads", "head_dim", "state_size", "n_groups", "conv_kernel", "expand",
+                "use_conv_bias", "use_bias")
+_GRANITE_KEYS = ("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups",
+                 "mamba_d_conv", "mamba_expand", "mamba_conv_bias", "mamba_proj_bias")
+
+
+def _mixer_fields(c: _C.ModelConfig, f, keys: tuple[str, ...]) -> _C.SSMConfig:
+    """A Mamba2 mixer's sizes under the family's keys, checked; a head size of "auto" is
+    expand * hidden_size / heads (transformers' rule)."""
+    heads, head_dim, state, groups, kernel, expand_key, conv_bias, proj_bias = keys
+    s = _C.SSMConfig()
+    s.num_heads = f.integer(heads)
+    s.state_size = f.integer(state)
+    s.n_groups = f.integer(groups, 1)
+    s.conv_kernel = f.integer(kernel, 4)
+    expand = f.number(expand_key, 2)
+    if f.values.get(head_dim) == "auto":
+        s.head_dim = round(expand * c.hidden_size) // s.num_heads
+    else:
+        s.head_dim = f.integer(head_dim)
+    if s.num_heads % s.n_groups:
+        raise f.error(groups, f"({s.n_groups}) must divide {heads} ({s.num_heads})")
+    if not 2 <= s.conv_kernel <= 16:
+        raise f.error(kernel, f"is {s.conv_kernel}; kvserve runs kernels of 2 to 16 taps")
+    if s.num_heads * s.head_dim != round(expand * c.hidden_size):
+        raise f.error(head_dim, f"* {heads} ({s.num_heads * s.head_dim}) must equal {expand_key} "
+                                f"* hidden_size ({expand * c.hidden_size:g})")
+    s.norm_groups = s.n_groups  # the gated RMSNorm's groups of intermediate_size / n_groups
+    s.conv_bias = f.flag(conv_bias, True)
+    s.proj_bias = f.flag(proj_bias, False)
+    s.dt_min, s.dt_max = _time_step_limit(f)
+    return s
 
 
 def _time_step_limit(f) -> tuple[float, float]:
@@ -331,28 +350,7 @@ def read_granite_ssm(c: _C.ModelConfig, f) -> None:
             or any(t not in kinds for t in types)):
         raise f.error("layer_types", f"must list 'mamba' or 'attention' for each of the "
                                      f"{c.num_layers} layers, got {types!r}")
-    s = _C.SSMConfig()
+    s = _mixer_fields(c, f, _GRANITE_KEYS)
     s.layers = [kinds[t] for t in types]
-    s.num_heads = f.integer("mamba_n_heads")
-    s.state_size = f.integer("mamba_d_state")
-    s.n_groups = f.integer("mamba_n_groups", 1)
-    s.conv_kernel = f.integer("mamba_d_conv", 4)
-    expand = f.integer("mamba_expand", 2)
-    if f.values.get("mamba_d_head", "auto") == "auto":
-        s.head_dim = expand * c.hidden_size // s.num_heads
-    else:
-        s.head_dim = f.integer("mamba_d_head")
-    if s.num_heads % s.n_groups:
-        raise f.error("mamba_n_groups", f"({s.n_groups}) must divide mamba_n_heads "
-                                        f"({s.num_heads})")
-    if not 2 <= s.conv_kernel <= 16:
-        raise f.error("mamba_d_conv", f"is {s.conv_kernel}; kvserve runs kernels of 2 to 16 taps")
-    if s.num_heads * s.head_dim != expand * c.hidden_size:
-        raise f.error("mamba_d_head", f"* mamba_n_heads ({s.num_heads * s.head_dim}) must equal "
-                                      f"mamba_expand * hidden_size ({expand * c.hidden_size})")
-    s.norm_groups = s.n_groups
-    s.conv_bias = f.flag("mamba_conv_bias", True)
-    s.proj_bias = f.flag("mamba_proj_bias", False)
-    s.dt_min, s.dt_max = _time_step_limit(f)
     s.mlp = True
     c.ssm = s
