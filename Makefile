@@ -41,7 +41,9 @@ test-cpp: build-tests
 
 # The Python suite: the tests that share the machine on every core (pytest-xdist), then those
 # that need it to themselves (the `serial` marker: tests/e2e, tests/distributed), one at a time.
-PYTEST_SUITE := $(PYTHON) -m pytest -q -m "not serial" -n $$(nproc) && $(PYTHON) -m pytest -q -m serial
+# --durations: the slowest tests, in the log, for keeping CI within its time.
+PYTEST_SUITE := $(PYTHON) -m pytest -q -m "not serial" -n $$(nproc) --durations=15 && \
+	$(PYTHON) -m pytest -q -m serial --durations=25
 
 test-python: build-tests
 	$(PYTEST_SUITE)
@@ -109,7 +111,7 @@ test-asan: $(ASAN_DEPS)
 	cmake --build $(ASAN_BUILD)
 	@date +"%T asan built"
 	$(ASAN_ENV) ctest --test-dir $(ASAN_BUILD) --output-on-failure -j2
-	$(ASAN_PYTEST) -m "not serial" -n $$(nproc)
+	$(ASAN_PYTEST) -m "not serial" -n $$(nproc) --durations=15
 	$(ASAN_PYTEST) -m serial
 
 # Compile-checks every CUDA kernel body (nvcc alone) and launcher (against the installed torch).
