@@ -111,7 +111,8 @@ def main() -> None:
             f"{args.steps} steps (median step), on random fp32 checkpoints of similar size: "
             f"a Llama of 8 layers ({weights[llama] / 2**20:.0f} MiB of weights) and a Mamba2 of "
             f"16 layers ({weights[mamba] / 2**20:.0f} MiB). The Mamba2 keeps one fixed state per "
-            "sequence ([models.md](models.md#state-space-models-mamba2-granite-4-hybrids)); the Llama's KV cache "
+            "sequence ([models.md](models.md"
+            "#state-space-models-mamba2-granite-4-and-bamba-hybrids)); the Llama's KV cache "
             "and attention reads grow with the context."),
         tables=[dict(title="Decode step and memory per sequence", columns=columns, rows=rows,
                      description="Per context length: the median decode step of each model, the "

@@ -37,6 +37,9 @@ void ModelConfig::validate() const {
   require(residual_multiplier > 0 && logits_scaling > 0,
           "residual_multiplier and logits_scaling must be positive");
   require(!no_rope || !qk_norm, "q/k norms without RoPE are not supported");
+  require(rotary_dim >= 0 && rotary_dim % 2 == 0 && rotary_dim <= head_dim,
+          "rotary_dim must be even and in [0, head_dim]");
+  require(rotary_dim == 0 || !use_mla(), "partial rotary with MLA is not supported");
   if (!kv_sources.empty()) {
     require(static_cast<int64_t>(kv_sources.size()) == num_layers,
             "kv_sources must have one entry per layer");

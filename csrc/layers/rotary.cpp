@@ -77,7 +77,8 @@ at::Tensor yarn_frequencies(const ModelConfig& c, int64_t dim) {
 
 std::pair<at::Tensor, double> rope_inverse_frequencies(const ModelConfig& c) {
   const RopeScaling& s = c.rope_scaling;
-  at::Tensor inv_freq = base_inverse_frequencies(c.rope_theta, c.head_dim);
+  const int64_t dim = c.rotary_dim > 0 ? c.rotary_dim : c.head_dim;
+  at::Tensor inv_freq = base_inverse_frequencies(c.rope_theta, dim);
   if (s.rope_type == "default") return {inv_freq, 1.0};
   if (s.rope_type == "linear") return {inv_freq / s.factor, 1.0};
   if (s.rope_type == "llama3") {
@@ -91,7 +92,7 @@ std::pair<at::Tensor, double> rope_inverse_frequencies(const ModelConfig& c) {
                                  ? yarn_mscale(s.factor, s.mscale) /
                                        yarn_mscale(s.factor, s.mscale_all_dim)
                                  : yarn_mscale(s.factor);
-    return {yarn_frequencies(c, c.head_dim), attention};
+    return {yarn_frequencies(c, dim), attention};
   }
   throw std::invalid_argument("unsupported rope_type '" + s.rope_type +
                               "' (supported: default, linear, llama3, yarn)");

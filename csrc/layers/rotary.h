@@ -23,7 +23,8 @@ class RotaryEmbedding {
   void apply(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
              const RMSNorm* query_norm = nullptr, const RMSNorm* key_norm = nullptr) const;
 
-  /// fp32 [max_positions, head_dim]: head_dim/2 cosines then head_dim/2 sines.
+  /// fp32 [max_positions, rot_dim]: rot_dim/2 cosines then rot_dim/2 sines; rot_dim is the
+  /// config's rotary_dim (partial rotary: the head's other dims pass through), else head_dim.
   const at::Tensor& cos_sin_cache() const { return cos_sin_cache_; }
 
  private:
@@ -32,7 +33,7 @@ class RotaryEmbedding {
   bool is_neox_ = true;
 };
 
-/// Inverse frequencies fp32 [head_dim / 2] and the attention scaling factor for a config.
+/// Inverse frequencies fp32 [rot_dim / 2] and the attention scaling factor for a config.
 std::pair<at::Tensor, double> rope_inverse_frequencies(const ModelConfig& config);
 
 }  // namespace kvserve

@@ -27,9 +27,14 @@ class Architecture:
     read_moe: the mixture-of-experts fields, when the architecture has them. read_ssm: the
     state-space mixers' fields (from the file as written). weight_names: (pattern, replacement)
     regular expressions from the checkpoint's tensor names to kvserve's (the Llama layout's
-    model.layers.<i>. ...; a state-space mixer's weights under model.layers.<i>.mixer.).
-    fused_mlp: the dense MLP's gate and up projections are one [2 * intermediate, hidden] tensor
-    (kvserve's name mlp.gate_up_proj; Granite's input_linear). qkv_bias: q/k/v
+    model.layers.<i>. ...; a state-space mixer's weights under model.layers.<i>.mixer.), or a
+    function of the ModelConfig that returns them. fused_mlp: an MLP's gate and up projections
+    are one [2 * intermediate, hidden] tensor, gate rows first (kvserve's name gate_up_proj;
+    Granite's input_linear), in the dense MLP and the shared expert. stacked_experts: the routed
+    experts are two tensors, mlp.experts.gate_up_proj [experts, 2 * intermediate, hidden] and
+    mlp.experts.down_proj [experts, hidden, intermediate]. partial_rotary: its attention honours
+    partial_rotary_factor (rotates the first dims of each head; others refuse a factor but 1).
+    qkv_bias: q/k/v
     always carry a bias. qk_norm: q and k are RMS-normed per head. max_window_layers: without
     layer_types, only the layers from max_window_layers on use the sliding window. prunable:
     kvserve.prune can shrink it. tiny: transformers config overrides of a tiny random
@@ -42,8 +47,10 @@ class Architecture:
     read_attention: Callable | None = None
     read_moe: Callable | None = None
     read_ssm: Callable | None = None
-    weight_names: tuple[tuple[str, str], ...] = ()
+    weight_names: tuple[tuple[str, str], ...] | Callable = ()
     fused_mlp: bool = False
+    stacked_experts: bool = False
+    partial_rotary: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
     max_window_layers: bool = False
@@ -97,20 +104,35 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
                            num_heads=20, head_dim=12, expand=2, state_size=10, n_groups=5,
                            conv_kernel=4, chunk_size=8, layer_norm_epsilon=1e-5,
                            use_conv_bias=True, use_bias=False, residual_in_fp32=False)),
-    # Granite 4 hybrids: Mamba2 mixers and NoPE attention layers, a shared MLP in every layer,
-    # Granite's multipliers; dense (num_local_experts 0).
+    # Granite 4 hybrids: Mamba2 mixers and NoPE attention layers, a shared MLP beside 4 routed
+    # experts (top 2) in every layer, Granite's multipliers; the dense form is a variant in
+    # tests/models/test_parity.py.
     Architecture("GraniteMoeHybridForCausalLM", read_family=families.read_granite_hybrid,
-                 read_ssm=families.read_granite_ssm, weight_names=families.GRANITE_WEIGHT_NAMES,
-                 fused_mlp=True,
+                 read_moe=families.read_granite_moe, read_ssm=families.read_granite_ssm,
+                 weight_names=families.granite_weight_names, fused_mlp=True, stacked_experts=True,
                  tiny=dict(model_type="granitemoehybrid", num_hidden_layers=4,
                            layer_types=["mamba", "attention", "mamba", "mamba"],
-                           num_local_experts=0, shared_intermediate_size=136,
+                           num_local_experts=4, num_experts_per_tok=2, intermediate_size=40,
+                           shared_intermediate_size=136,
                            mamba_n_heads=12, mamba_d_head=16, mamba_expand=2, mamba_d_state=10,
                            mamba_n_groups=3, mamba_d_conv=3, mamba_chunk_size=8,
                            embedding_multiplier=1.7, attention_multiplier=0.09,
                            residual_multiplier=0.6, logits_scaling=2.5,
                            position_embedding_type="nope")),
+    # Bamba: Mamba2 mixers but in attn_layer_indices, whose attention rotates half of each head.
+    Architecture("BambaForCausalLM", read_family=families.read_bamba,
+                 read_ssm=families.read_bamba_ssm, weight_names=families.BAMBA_WEIGHT_NAMES,
+                 partial_rotary=True,
+                 tiny=dict(model_type="bamba", num_hidden_layers=4, attn_layer_indices=[1],
+                           mamba_n_heads=12, mamba_d_head=16, mamba_expand=2, mamba_d_state=10,
+                           mamba_n_groups=3, mamba_d_conv=3, mamba_chunk_size=8)),
 ]}
+
+
+def weight_names(c) -> tuple[tuple[str, str], ...]:
+    """The renames from a checkpoint's tensor names to kvserve's for ModelConfig `c`."""
+    names = ARCHITECTURES[c.architecture].weight_names
+    return names(c) if callable(names) else names
 
 
 def supported_architectures() -> list[str]:

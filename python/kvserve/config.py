@@ -37,6 +37,8 @@ _LIMITS = {
     "n_group": 1 << 12, "topk_group": 1 << 12, "first_k_dense_replace": 1 << 12,
     "moe_layer_freq": 1 << 12, "decoder_sparse_step": 1 << 12,
     "num_heads": 1 << 12, "state_size": 1 << 12, "n_groups": 1 << 12,
+    "mamba_n_heads": 1 << 12, "mamba_d_head": 1 << 12, "mamba_d_state": 1 << 12,
+    "mamba_n_groups": 1 << 12, "shared_intermediate_size": 1 << 22,
 }
 _REQUIRED = object()
 
@@ -253,7 +255,7 @@ def _model_config(hf: dict, path: Path) -> _C.ModelConfig:
     c.o_proj_bias = attention_bias and not arch.qkv_bias
     c.mlp_bias = f.flag("mlp_bias", False)
     c.qk_norm = arch.qk_norm
-    _rope(c, hf, path)
+    _rope(c, hf, path, arch)
     c.sliding_windows = _sliding_windows(f, c, arch)
     if arch.read_attention is not None:
         arch.read_attention(c, f)
@@ -305,7 +307,7 @@ def _head_dim(f: _Fields, c: _C.ModelConfig) -> int:
     return head_dim
 
 
-def _rope(c: _C.ModelConfig, hf: dict, path: Path) -> None:
+def _rope(c: _C.ModelConfig, hf: dict, path: Path, arch: Architecture) -> None:
     # transformers >= 5 writes `rope_parameters` (theta inside); older files `rope_theta` and
     # `rope_scaling`.
     top = _Fields(hf, path)
@@ -341,10 +343,23 @@ def _rope(c: _C.ModelConfig, hf: dict, path: Path) -> None:
         s.truncate = f.flag("truncate", True)
     if rope_type in ("llama3", "yarn"):
         s.original_max_position_embeddings = f.integer("original_max_position_embeddings", 0)
-    partial = f.values.get("partial_rotary_factor", 1.0)
-    if partial not in (None, 1, 1.0) or isinstance(partial, bool):
-        raise f.error("partial_rotary_factor", f"is {_show(partial)}; only 1 is supported")
     c.rope_scaling = s
+    # Partial rotary (Bamba): the first int(head_dim * factor) dims of each head are rotated, the
+    # rest pass through. transformers 5 keeps the factor in rope_parameters, older files at the
+    # top level; architectures whose attention rotates whole heads refuse any other factor than 1.
+    where = f if "partial_rotary_factor" in f.values else top
+    partial = where.values.get("partial_rotary_factor")
+    if partial is not None:
+        partial = where.number("partial_rotary_factor", above=0.0)
+        if not arch.partial_rotary and partial != 1:
+            raise where.error("partial_rotary_factor", f"is {partial:g}; {arch.name} rotates "
+                                                       "whole heads (only 1 is supported)")
+        rotary_dim = int(c.head_dim * partial)
+        if partial > 1 or rotary_dim <= 0 or rotary_dim % 2:
+            raise where.error("partial_rotary_factor",
+                              f"is {partial:g}: head_dim ({c.head_dim}) times it must be a "
+                              f"positive even number of dims, at most head_dim")
+        c.rotary_dim = 0 if rotary_dim == c.head_dim else rotary_dim
 
 
 def _sliding_windows(f: _Fields, c: _C.ModelConfig, arch: Architecture) -> list[int]:

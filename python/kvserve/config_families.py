@@ -247,10 +247,8 @@ def prepare_mamba2(hf: dict) -> dict:
 
 
 def read_mamba2_ssm(c: _C.ModelConfig, f) -> None:
-    """Mamba2's mixer in every layer (transformers' Mamba2Config)."""
-    act = f.values.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise f.error("hidden_act", f"is {act!r}; Mamba2's convolution runs SiLU only")
+    """Mamba2's mixer in every layer (transformers' Mamba2Config); its hidden_act (the
+    convolution's) is checked by the common reader: SiLU only."""
     s = _mixer_fields(c, f, _MAMBA2_KEYS)
     s.layers = [1] * c.num_layers
     s.mlp = False
@@ -309,20 +307,26 @@ def _time_step_limit(f) -> tuple[float, float]:
     return float(limit[0]), min(float(limit[1]), 1e30)
 
 
-# Granite 4 hybrids' tensor names in kvserve's layout: the mixer, and the shared MLP whose gate and
-# up projections are one tensor (Architecture.fused_mlp).
-GRANITE_WEIGHT_NAMES = (
-    (r"^model\.layers\.(\d+)\.mamba\.", r"model.layers.\1.mixer."),
-    (r"^model\.layers\.(\d+)\.shared_mlp\.input_linear\.", r"model.layers.\1.mlp.gate_up_proj."),
-    (r"^model\.layers\.(\d+)\.shared_mlp\.output_linear\.", r"model.layers.\1.mlp.down_proj."),
-)
+def granite_weight_names(c: _C.ModelConfig) -> tuple[tuple[str, str], ...]:
+    """Granite 4 hybrids' tensor names in kvserve's layout: the mixer; the shared MLP, whose gate
+    and up projections are one tensor (Architecture.fused_mlp), as the layer's MLP or, beside
+    routed experts, as their shared expert; the router and the experts' stacked [experts, ...]
+    tensors (Architecture.stacked_experts)."""
+    mlp = r"model.layers.\1.mlp."
+    shared = mlp + "shared_experts." if c.moe.num_experts else mlp
+    layer = r"^model\.layers\.(\d+)\."
+    return (
+        (layer + r"mamba\.", r"model.layers.\1.mixer."),
+        (layer + r"shared_mlp\.input_linear\.", shared + "gate_up_proj."),
+        (layer + r"shared_mlp\.output_linear\.", shared + "down_proj."),
+        (layer + r"block_sparse_moe\.router\.layer\.", mlp + "gate."),
+        (layer + r"block_sparse_moe\.input_linear\.", mlp + "experts.gate_up_proj."),
+        (layer + r"block_sparse_moe\.output_linear\.", mlp + "experts.down_proj."),
+    )
 
 
 def read_granite_hybrid(c: _C.ModelConfig, f, hf: dict) -> dict:
     """Granite 4 (GraniteMoeHybrid): the shared MLP's size, the multipliers, NoPE or RoPE."""
-    if f.integer("num_local_experts", 0, minimum=0):
-        raise f.error("num_local_experts", "is not 0: Granite's routed experts are not supported "
-                                           "yet (its dense models are)")
     c.intermediate_size = f.integer("shared_intermediate_size")
     act = hf.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
@@ -340,6 +344,19 @@ def read_granite_hybrid(c: _C.ModelConfig, f, hf: dict) -> dict:
     return {key: value for key, value in hf.items() if key != "layer_types"}
 
 
+def read_granite_moe(c: _C.ModelConfig, f) -> None:
+    """Granite 4's routed experts (num_local_experts > 0) in every layer: softmax over the top-k
+    router logits, intermediate_size each; the shared MLP beside them is their shared expert."""
+    m = _C.MoEConfig()
+    m.num_experts = f.integer("num_local_experts", 0, minimum=0)
+    if m.num_experts == 0:
+        return
+    m.moe_intermediate_size = f.integer("intermediate_size")
+    m.shared_intermediate_size = c.intermediate_size  # read_granite_hybrid: the shared MLP's
+    m.norm_topk_prob = True
+    _finish_moe(c, f, m, [1] * c.num_layers)
+
+
 def read_granite_ssm(c: _C.ModelConfig, f) -> None:
     """Which layers are Mamba2 mixers (layer_types) and their mamba_* fields."""
     # Checkpoints name the kinds mamba / attention; transformers 5 writes linear_attention /
@@ -352,5 +369,42 @@ def read_granite_ssm(c: _C.ModelConfig, f) -> None:
                                      f"{c.num_layers} layers, got {types!r}")
     s = _mixer_fields(c, f, _GRANITE_KEYS)
     s.layers = [kinds[t] for t in types]
+    s.mlp = True
+    c.ssm = s
+
+
+# Bamba's tensor names in kvserve's layout: its mixer, its MLP (feed_forward), the norm before it
+# and the final one.
+BAMBA_WEIGHT_NAMES = (
+    (r"^model\.layers\.(\d+)\.mamba\.", r"model.layers.\1.mixer."),
+    (r"^model\.layers\.(\d+)\.feed_forward\.", r"model.layers.\1.mlp."),
+    (r"^model\.layers\.(\d+)\.pre_ff_layernorm\.",
+     r"model.layers.\1.post_attention_layernorm."),
+    (r"^model\.final_layernorm\.", "model.norm."),
+)
+
+
+def read_bamba(c: _C.ModelConfig, f, hf: dict) -> dict:
+    """Bamba rotates half of each attention head whatever its file says (transformers' BambaConfig
+    sets partial_rotary_factor 0.5 for every checkpoint)."""
+    rope = {key: {k: v for k, v in value.items() if k != "partial_rotary_factor"}
+            for key in ("rope_parameters", "rope_scaling")
+            if isinstance(value := hf.get(key), dict)}
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise f.error("hidden_act", f"is {act!r}; only silu is supported")
+    return {**hf, **rope, "partial_rotary_factor": 0.5}
+
+
+def read_bamba_ssm(c: _C.ModelConfig, f) -> None:
+    """Mamba2 mixers in every layer but those of attn_layer_indices, each with an MLP."""
+    indices = f.values.get("attn_layer_indices") or []
+    if (not isinstance(indices, list)
+            or any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < c.num_layers
+                   for i in indices)):
+        raise f.error("attn_layer_indices", f"must list layer indices in [0, {c.num_layers}), "
+                                            f"got {indices!r}")
+    s = _mixer_fields(c, f, _GRANITE_KEYS)
+    s.layers = [0 if i in indices else 1 for i in range(c.num_layers)]
     s.mlp = True
     c.ssm = s

@@ -172,7 +172,10 @@ CONFIG_CASES = [
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "attention_factor": 0}},
      "'rope_parameters.attention_factor' must be a finite number > 0"),
     ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
-     "'rope_parameters.partial_rotary_factor' is 0.5; only 1 is supported"),
+     "'rope_parameters.partial_rotary_factor' is 0.5; LlamaForCausalLM rotates whole heads"),
+    ({"partial_rotary_factor": 0.75}, "'partial_rotary_factor' is 0.75; LlamaForCausalLM rotates"),
+    ({"partial_rotary_factor": 0}, "'partial_rotary_factor' must be a finite number > 0"),
+    ({"partial_rotary_factor": "half"}, "'partial_rotary_factor' must be a finite number > 0"),
     ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture 'GPT2LMHeadModel'"),
     ({"architectures": []}, "'architectures' must be a non-empty list"),
     ({"architectures": "LlamaForCausalLM"}, "'architectures' must be a non-empty list"),
@@ -200,6 +203,58 @@ CONFIG_CASES = [
 def test_bad_config_field(llama, changes, fragment):
     edit_config(llama, **changes)
     expect_error(llama, ["config.json", fragment])
+
+
+# Models with state-space mixers: the mixers' fields, which layers have them, and the hybrids'
+# own fields. The tiny configs: Mamba2 20 heads of 12 in 5 groups, expand 2 of hidden 120, 3
+# layers; Granite and Bamba 12 heads of 16 in 3 groups, expand 2 of hidden 96, 4 layers.
+STATE_MODEL_CASES = [
+    ("Mamba2ForCausalLM", {"n_groups": 3}, "'n_groups' (3) must divide num_heads (20)"),
+    ("Mamba2ForCausalLM", {"conv_kernel": 1}, "'conv_kernel' is 1; kvserve runs kernels of 2"),
+    ("Mamba2ForCausalLM", {"conv_kernel": 64}, "'conv_kernel' is 64; kvserve runs kernels of 2"),
+    ("Mamba2ForCausalLM", {"head_dim": 7}, "'head_dim' * num_heads (140) must equal expand"),
+    ("Mamba2ForCausalLM", {"state_size": 0}, "'state_size' must be a positive integer"),
+    ("Mamba2ForCausalLM", {"state_size": 1 << 30}, "'state_size' is 1073741824, more than"),
+    ("Mamba2ForCausalLM", {"num_heads": "20"}, "'num_heads' must be a positive integer"),
+    ("Mamba2ForCausalLM", {"time_step_limit": [1.0, 0.5]}, "'time_step_limit' must be [min, max]"),
+    ("Mamba2ForCausalLM", {"time_step_limit": [0.0, float("nan")]},
+     "'time_step_limit' must be [min, max]"),
+    ("Mamba2ForCausalLM", {"time_step_limit": "none"}, "'time_step_limit' must be [min, max]"),
+    ("Mamba2ForCausalLM", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ("GraniteMoeHybridForCausalLM", {"layer_types": ["mamba"] * 3},
+     "'layer_types' must list 'mamba' or 'attention' for each of the 4 layers"),
+    ("GraniteMoeHybridForCausalLM", {"layer_types": ["mamba", "attention", "conv", "mamba"]},
+     "'layer_types' must list 'mamba' or 'attention'"),
+    ("GraniteMoeHybridForCausalLM", {"position_embedding_type": "alibi"},
+     "'position_embedding_type' is 'alibi'; expected rope or none"),
+    ("GraniteMoeHybridForCausalLM", {"mamba_d_head": 10}, "'mamba_d_head' * mamba_n_heads (120)"),
+    ("GraniteMoeHybridForCausalLM", {"shared_intermediate_size": DELETE},
+     "missing required field 'shared_intermediate_size'"),
+    ("GraniteMoeHybridForCausalLM", {"num_experts_per_tok": 5},
+     "'num_experts_per_tok' (5) exceeds the number of experts (4)"),
+    # Experts that config.json announces and the weights lack, or leaves out of config.json.
+    ("GraniteMoeHybridForCausalLM", {"num_local_experts": 6},
+     "model.layers.0.mlp.experts.gate_up_proj.weight"),
+    ("GraniteMoeHybridForCausalLM", {"num_local_experts": 0}, "block_sparse_moe"),
+    ("BambaForCausalLM", {"attn_layer_indices": [4]},
+     "'attn_layer_indices' must list layer indices in [0, 4)"),
+    ("BambaForCausalLM", {"attn_layer_indices": "1"}, "'attn_layer_indices' must list"),
+    ("BambaForCausalLM", {"attn_layer_indices": [True]}, "'attn_layer_indices' must list"),
+    ("BambaForCausalLM", {"mamba_n_groups": 5}, "'mamba_n_groups' (5) must divide mamba_n_heads"),
+    ("BambaForCausalLM", {"hidden_act": "relu"}, "'hidden_act' is 'relu'; only silu"),
+    # Bamba rotates half of each head: heads of 6 would leave 3 dims, an odd number.
+    ("BambaForCausalLM", {"num_attention_heads": 16, "head_dim": 6},
+     "'partial_rotary_factor' is 0.5: head_dim (6) times it must be a positive even number"),
+]
+
+
+@pytest.mark.parametrize("architecture, changes, fragment", STATE_MODEL_CASES)
+def test_bad_state_model_config_field(checkpoint_factory, tmp_path, architecture, changes,
+                                      fragment):
+    path = copy(checkpoint_factory(architecture), tmp_path / "model")
+    edit_config(path, **changes)
+    expect_error(path, [fragment] if "mlp.experts" in fragment or "block_sparse" in fragment
+                 else ["config.json", fragment])
 
 
 @pytest.mark.parametrize("text, fragment", [

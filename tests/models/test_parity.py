@@ -67,6 +67,14 @@ VARIANTS = {
         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
     "gemma2-untied-head-3-layers": ("Gemma2ForCausalLM", dict(tie_word_embeddings=False,
                                                           num_hidden_layers=3)),
+    # Granite 4's dense hybrids (the shared MLP alone), and RoPE on the attention layer.
+    "granite-hybrid-dense-rope": ("GraniteMoeHybridForCausalLM", dict(
+        num_local_experts=0, position_embedding_type="rope")),
+    # Bamba with its attention in the first and last layers, and yarn over its half-rotated heads.
+    "bamba-attention-first-and-last-yarn": ("BambaForCausalLM", dict(
+        attn_layer_indices=[0, 3], rope_parameters={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+            "rope_theta": 10000.0})),
 }
 
 
@@ -132,7 +140,7 @@ def routed_prefix_len(ref32, prompt: list[int], llm: kvserve.LLM) -> int:
         return len(prompt)
     # Each router's logits from its input, caught by a hook (output_router_logits is not
     # returned by every model in every transformers version).
-    gates = [m for name, m in ref32.named_modules() if name.endswith((".gate", "mlp.gate"))
+    gates = [m for name, m in ref32.named_modules() if name.endswith((".gate", ".router"))
              and hasattr(m, "weight") and m.weight.dim() == 2 and m.weight.size(0) == moe.num_experts]
     routers: list[torch.Tensor] = []
     hooks = [gate.register_forward_pre_hook(

@@ -137,6 +137,7 @@ struct QuantizationConfig {
   X(double, rms_norm_eps, 1e-6)                                                             \
   X(double, rope_theta, 10000.0)                                                            \
   X(RopeScaling, rope_scaling, {})                                                          \
+  X(int64_t, rotary_dim, 0) /* dims RoPE rotates (partial rotary); 0 = head_dim */          \
   X(bool, tie_word_embeddings, false)                                                       \
   X(bool, qkv_bias, false)    /* bias on q/k/v (Qwen2, Llama attention_bias) */             \
   X(bool, o_proj_bias, false) /* bias on the output projection (Llama attention_bias) */    \

@@ -26,7 +26,7 @@ import torch
 from safetensors import safe_open
 
 from kvserve import _C
-from kvserve.architectures import ARCHITECTURES
+from kvserve.architectures import ARCHITECTURES, weight_names
 from kvserve.loader.sharding import (Shard, check_shardable, local_columns, local_heads,
                                      local_intermediate, local_vocab)
 from kvserve.loader.weight_check import check_weights, moe_names
@@ -135,8 +135,7 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
 
         read = GGUFTensorReader(GGUFCheckpoint(model_dir), dtype)
     else:
-        index = WeightIndex.from_dir(model_dir).renamed(
-            ARCHITECTURES[config.architecture].weight_names)
+        index = WeightIndex.from_dir(model_dir).renamed(weight_names(config))
         config_path = model_dir / "config.json"
         quant = parse_quantization_config(json.loads(config_path.read_text()))
         check_weights(index, config, config_path, quant)
@@ -166,7 +165,8 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
         if config.is_moe_layer(i):
             _read_moe(read, config, p, out + "mlp.", w, shard)
         elif ARCHITECTURES[config.architecture].fused_mlp:
-            _read_fused_mlp(read, config, p + "mlp.", out + "mlp.", w, shard)
+            _read_fused_mlp(read, config, p + "mlp.", out + "mlp.", w, shard,
+                            config.intermediate_size)
         else:
             _read_mlp(read, p + "mlp.", out + "mlp.", config.mlp_bias, w,
                       (config.intermediate_size, config.hidden_size),
@@ -176,11 +176,12 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
 
 
 def _read_fused_mlp(read: _TensorReader, c: _C.ModelConfig, mlp: str, out: str,
-                    w: dict[str, torch.Tensor], shard: Shard | None) -> None:
-    """A dense MLP whose checkpoint holds gate and up as one tensor (gate rows first)."""
+                    w: dict[str, torch.Tensor], shard: Shard | None, inter: int) -> None:
+    """An MLP of `inter` columns whose checkpoint holds gate and up as one tensor (gate rows
+    first)."""
     if shard is not None:
         raise ValueError(f"{c.architecture}: tensor parallelism does not split its fused MLP yet")
-    inter, hidden = c.intermediate_size, c.hidden_size
+    hidden = c.hidden_size
     w[out + "gate_up_proj.weight"] = read.weight(mlp + "gate_up_proj", (2 * inter, hidden))
     w[out + "down_proj.weight"] = read.weight(mlp + "down_proj", (hidden, inter))
     if c.mlp_bias:
@@ -376,14 +377,38 @@ def _read_moe(read: _TensorReader, c: _C.ModelConfig, layer: str, out: str,
     if c.moe.scoring_func == "sigmoid":  # kept in fp32, as transformers does
         w[out + "gate.e_score_correction_bias"] = read(prefix + "gate.e_score_correction_bias",
                                                        torch.float32)
-    experts = [f"{prefix}experts.{e}." for e in range(c.moe.num_experts)]
-    # fused_moe_quantized takes every expert in one quantized format, or fused_moe plain ones.
-    plain = not all(read.quantized(expert + name) for expert in experts for name in names)
-    for e, expert in enumerate(experts):
-        _read_mlp(read, expert, f"{out}experts.{e}.", False, w,
-                  (c.moe.moe_intermediate_size, c.hidden_size), names, plain=plain,
-                  shard=columns(c.moe.moe_intermediate_size))
-    if c.moe.shared_intermediate_size:
+    arch = ARCHITECTURES[c.architecture]
+    if arch.stacked_experts:
+        _read_stacked_experts(read, c, prefix + "experts.", out + "experts.", w, shard)
+    else:
+        experts = [f"{prefix}experts.{e}." for e in range(c.moe.num_experts)]
+        # fused_moe_quantized takes every expert in one quantized format, or fused_moe plain ones.
+        plain = not all(read.quantized(expert + name) for expert in experts for name in names)
+        for e, expert in enumerate(experts):
+            _read_mlp(read, expert, f"{out}experts.{e}.", False, w,
+                      (c.moe.moe_intermediate_size, c.hidden_size), names, plain=plain,
+                      shard=columns(c.moe.moe_intermediate_size))
+    if c.moe.shared_intermediate_size and arch.fused_mlp:
+        _read_fused_mlp(read, c, prefix + "shared_experts.", out + "shared_experts.", w, shard,
+                        c.moe.shared_intermediate_size)
+    elif c.moe.shared_intermediate_size:
         _read_mlp(read, prefix + "shared_experts.", out + "shared_experts.", False, w,
                   (c.moe.shared_intermediate_size, c.hidden_size),
                   shard=columns(c.moe.shared_intermediate_size))
+
+
+def _read_stacked_experts(read: _TensorReader, c: _C.ModelConfig, experts: str, out: str,
+                          w: dict[str, torch.Tensor], shard: Shard | None) -> None:
+    """Routed experts stored as two tensors over all experts (Architecture.stacked_experts), as
+    kvserve's per-expert gate_up_proj [2 * intermediate, hidden] and down_proj [hidden,
+    intermediate]: plain only."""
+    if shard is not None:
+        raise ValueError(f"{c.architecture}: tensor parallelism does not split its stacked "
+                         "experts yet")
+    for name in ("gate_up_proj", "down_proj"):
+        if read.quantized(experts + name):
+            raise ValueError(f"{c.architecture}: quantized stacked experts ({experts}{name}) "
+                             "are not supported")
+        stacked = read(f"{experts}{name}.weight")
+        for e in range(c.moe.num_experts):
+            w[f"{out}{e}.{name}.weight"] = stacked[e]

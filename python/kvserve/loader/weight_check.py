@@ -43,14 +43,8 @@ def expected_shapes(c: _C.ModelConfig) -> dict[str, tuple[Dim, ...]]:
         if c.is_moe_layer(i):
             shapes.update(_moe_shapes(c, p))
         elif ARCHITECTURES[c.architecture].fused_mlp:  # gate and up in one tensor
-            inter = ("intermediate_size", c.intermediate_size)
-            shapes[p + "mlp.gate_up_proj.weight"] = (("2*intermediate_size",
-                                                      2 * c.intermediate_size), hidden)
-            shapes[p + "mlp.down_proj.weight"] = (hidden, inter)
-            if c.mlp_bias:
-                shapes[p + "mlp.gate_up_proj.bias"] = (("2*intermediate_size",
-                                                        2 * c.intermediate_size),)
-                shapes[p + "mlp.down_proj.bias"] = (hidden,)
+            shapes.update(_fused_mlp_shapes(p + "mlp.", ("intermediate_size",
+                                                         c.intermediate_size), hidden, c.mlp_bias))
         else:
             shapes.update(_mlp_shapes(p + "mlp.", ("intermediate_size", c.intermediate_size),
                                       hidden, c.mlp_bias))
@@ -140,6 +134,16 @@ def _mlp_shapes(p: str, inter: Dim, hidden: Dim, bias: bool,
     return shapes
 
 
+def _fused_mlp_shapes(p: str, inter: Dim, hidden: Dim, bias: bool) -> dict[str, tuple[Dim, ...]]:
+    """An MLP whose gate and up projections are one tensor."""
+    both = ("2*" + inter[0], 2 * inter[1])
+    shapes = {p + "gate_up_proj.weight": (both, hidden), p + "down_proj.weight": (hidden, inter)}
+    if bias:
+        shapes[p + "gate_up_proj.bias"] = (both,)
+        shapes[p + "down_proj.bias"] = (hidden,)
+    return shapes
+
+
 def moe_names(c: _C.ModelConfig, p: str) -> tuple[str, tuple[str, str, str]]:
     """Where a layer's MoE weights live: its module prefix (Mixtral's block_sparse_moe or mlp)
     and the names of an expert's gate, up and down projections."""
@@ -157,12 +161,28 @@ def _moe_shapes(c: _C.ModelConfig, p: str) -> dict[str, tuple[Dim, ...]]:
     if m.scoring_func == "sigmoid":
         shapes[prefix + "gate.e_score_correction_bias"] = (experts,)
     inter = ("moe_intermediate_size", m.moe_intermediate_size)
-    for e in range(m.num_experts):
-        shapes.update(_mlp_shapes(f"{prefix}experts.{e}.", inter, hidden, False, names))
+    arch = ARCHITECTURES[c.architecture]
+    if arch.stacked_experts:
+        shapes[prefix + "experts.gate_up_proj.weight"] = (
+            experts, ("2*moe_intermediate_size", 2 * m.moe_intermediate_size), hidden)
+        shapes[prefix + "experts.down_proj.weight"] = (experts, hidden, inter)
+    else:
+        for e in range(m.num_experts):
+            shapes.update(_mlp_shapes(f"{prefix}experts.{e}.", inter, hidden, False, names))
     if m.shared_intermediate_size:
         shared = ("n_shared_experts*moe_intermediate_size", m.shared_intermediate_size)
-        shapes.update(_mlp_shapes(prefix + "shared_experts.", shared, hidden, False))
+        if arch.fused_mlp:  # Granite's shared MLP
+            shapes.update(_fused_mlp_shapes(prefix + "shared_experts.",
+                                            ("shared_intermediate_size", shared[1]), hidden, False))
+        else:
+            shapes.update(_mlp_shapes(prefix + "shared_experts.", shared, hidden, False))
     return shapes
+
+
+def _stored(name: str, info) -> str:
+    """A tensor as its file names it, with kvserve's name when Architecture.weight_names
+    renamed it."""
+    return f"'{name}'" if info.name == name else f"'{info.name}' (kvserve's '{name}')"
 
 
 def check_weights(index: WeightIndex, c: _C.ModelConfig, config_path: Path,
@@ -191,15 +211,18 @@ def check_weights(index: WeightIndex, c: _C.ModelConfig, config_path: Path,
             problems.append(f"{index.source} has no tensor '{name}'{hint}")
         elif info.dtype not in dtypes:
             kind = "float weights" if dtypes == FLOAT_DTYPES else "here"
-            problems.append(f"{info.file}: tensor '{name}' has dtype {info.dtype}; kvserve loads "
+            problems.append(f"{info.file}: tensor {_stored(name, info)} has dtype {info.dtype}; "
+                            f"kvserve loads "
                             f"{kind} ({', '.join(dtypes)})")
         elif info.shape != tuple(size for _, size in dims):
             implied = ", ".join(f"{field}={size}" for field, size in dims)
-            problems.append(f"{info.file}: tensor '{name}' has shape {list(info.shape)}, but "
+            problems.append(f"{info.file}: tensor {_stored(name, info)} has shape "
+                            f"{list(info.shape)}, but "
                             f"{config_path.name} implies [{implied}]")
     for name, info in index.tensors.items():
         if name not in expected and name not in optional and not _ignored(name, c):
-            problems.append(f"{info.file}: tensor '{name}' is not part of the model that "
+            problems.append(f"{info.file}: tensor {_stored(name, info)} is not part of the "
+                            f"model that "
                             f"{config_path.name} describes (check num_hidden_layers, "
                             "attention_bias, mlp_bias)")
     if len(problems) == 1:
