@@ -11,8 +11,11 @@ them): mha, gqa (4 query heads per KV head), mqa (one KV head) as a Llama; slidi
 attends over the last --sliding-window positions; a Mistral) and hybrid (one global layer in
 --global-every, the others sliding; a Qwen2 with layer_types, whose q/k/v projections carry
 biases) on --num-key-value-heads, else 4:1; mla (a dense DeepSeek-V2: keys and values from one
-latent of --kv-lora-rank plus a --rope-head-dim shared RoPE key per token). --kv-sharing adds
-cross-layer KV sharing to mha / gqa / mqa.
+latent of --kv-lora-rank plus a --rope-head-dim shared RoPE key per token); ssm (a Mamba2
+mixer in place of attention in every layer, the MLP kept: a Granite 4 hybrid without attention
+layers; heads of --ssm-head-dim, --ssm-state states) and ssm-hybrid (the same with GQA 4:1 RoPE
+attention in one layer of --global-every). --kv-sharing adds cross-layer KV sharing to mha / gqa
+/ mqa.
 
 --corpus stdlib trains on the Python standard library's own sources (every .py file of the
 running interpreter's stdlib, sorted by path and concatenated: ~30 MB that every machine has),
@@ -60,7 +63,7 @@ BOS_ID, EOS_ID = 1, 2
 # within 30 minutes on a 2-core CPU; the draft is ~10x smaller for speculative decoding. The
 # stdlib pair is the speculative-decoding benchmark's (scripts/build_speculative_pair.sh): a
 # ~46M-parameter target whose decode step is dominated by reading its weights, and a ~4M draft.
-ATTENTION_KINDS = ["mha", "gqa", "mqa", "sliding", "hybrid", "mla"]
+ATTENTION_KINDS = ["mha", "gqa", "mqa", "sliding", "hybrid", "mla", "ssm", "ssm-hybrid"]
 
 PRESETS = {
     "target": dict(hidden_size=320, num_hidden_layers=6, num_attention_heads=8,
@@ -110,6 +113,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="mla: latent size (default: a quarter of the query width)")
     p.add_argument("--rope-head-dim", type=int, default=16,
                    help="mla: the RoPE part of each query / key head")
+    p.add_argument("--ssm-head-dim", type=int, default=48,
+                   help="ssm / ssm-hybrid: the width of a mixer head (2 x hidden / it heads)")
+    p.add_argument("--ssm-state", type=int, default=32,
+                   help="ssm / ssm-hybrid: states per head and position of the selective scan")
     p.add_argument("--seq-len", type=int, default=512, help="training context (tokens, BOS included)")
     p.add_argument("--max-position-embeddings", type=int, default=1024,
                    help="the context the config declares (RoPE has no learned positions; text "
@@ -149,8 +156,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.num_key_value_heads = heads
     elif args.attention == "mqa":
         args.num_key_value_heads = 1
-    elif args.attention == "gqa" or (args.attention in ("sliding", "hybrid")
-                                     and args.num_key_value_heads is None):
+    elif args.attention == "gqa" or (
+            args.attention in ("sliding", "hybrid", "ssm", "ssm-hybrid")
+            and args.num_key_value_heads is None):
         args.num_key_value_heads = max(1, heads // 4) if heads else None
     elif args.attention == "mla" and args.num_key_value_heads is None:
         args.num_key_value_heads = heads  # unused: MLA has no KV heads of its own
@@ -273,6 +281,19 @@ def make_config(args: argparse.Namespace, vocab_size: int):
             **common, first_k_dense_replace=layers, n_routed_experts=1, num_experts_per_tok=1,
             q_lora_rank=None, kv_lora_rank=args.kv_lora_rank or args.hidden_size // 4,
             qk_rope_head_dim=rope, qk_nope_head_dim=head_dim - rope, v_head_dim=head_dim)
+    elif args.attention in ("ssm", "ssm-hybrid"):
+        attends = args.attention == "ssm-hybrid"
+        kinds = ["attention" if attends and (i + 1) % args.global_every == 0 else "mamba"
+                 for i in range(layers)]
+        inner = 2 * args.hidden_size
+        config = transformers.GraniteMoeHybridConfig(
+            **{**common, "intermediate_size": args.intermediate_size},
+            shared_intermediate_size=args.intermediate_size, num_local_experts=0,
+            layer_types=kinds, position_embedding_type="rope",
+            mamba_n_heads=inner // args.ssm_head_dim, mamba_d_head=args.ssm_head_dim,
+            mamba_expand=2, mamba_n_groups=1, mamba_d_state=args.ssm_state, mamba_d_conv=4,
+            mamba_chunk_size=64, embedding_multiplier=1.0, residual_multiplier=1.0,
+            logits_scaling=1.0, attention_multiplier=head_dim ** -0.5)
     else:
         config = transformers.LlamaConfig(**common, attention_bias=False, mlp_bias=False,
                                           head_dim=head_dim)

@@ -23,6 +23,7 @@ EXPECTED = {
     "sliding": ("MistralForCausalLM", 1, [8, 8, 8]),
     "hybrid": ("Qwen2ForCausalLM", 1, [8, 8, 0]),
     "mla": ("DeepseekV2ForCausalLM", None, [0, 0, 0]),
+    "ssm-hybrid": ("GraniteMoeHybridForCausalLM", 1, [0, 0, 0]),  # Mamba2 mixers in layers 0, 1
 }
 
 
@@ -37,7 +38,8 @@ def test_train_tiny_attention_variants(tmp_path, attention):
                     "--intermediate-size", "96", "--steps", "4", "--batch-size", "2",
                     "--lr", "3e-3", "--seq-len", "32", "--warmup-steps", "1", "--eval-every",
                     "100", "--eval-batches", "1", "--precision", "fp32", "--attention", attention,
-                    "--sliding-window", "8", "--kv-lora-rank", "16", "--rope-head-dim", "8"],
+                    "--sliding-window", "8", "--kv-lora-rank", "16", "--rope-head-dim", "8",
+                    "--ssm-head-dim", "32", "--ssm-state", "8"],
                    check=True, capture_output=True)
     architecture, kv_heads, windows = EXPECTED[attention]
     config = json.loads((out / "config.json").read_text())
@@ -48,6 +50,8 @@ def test_train_tiny_attention_variants(tmp_path, attention):
     else:
         assert llm.config.mla.kv_lora_rank == 16 and llm.config.mla.qk_rope_head_dim == 8
     assert list(llm.config.sliding_windows) == windows
+    if attention == "ssm-hybrid":  # one attention layer in --global-every (3), mixers elsewhere
+        assert list(llm.config.ssm.layers) == [1, 1, 0] and llm.config.ssm.head_dim == 32
     prompt = [1] + list(range(5, 45))  # longer than the window
     with torch.no_grad():
         ref = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
