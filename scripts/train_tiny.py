@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> None:
                                    args.min_lr_ratio)
             batch = training.sample_batch(train_ids, args.batch_size, args.seq_len, gen, BOS_ID)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
-                loss = model(batch, labels=batch).loss
+                loss = model(batch, labels=batch, use_cache=False).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

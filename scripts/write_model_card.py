@@ -53,6 +53,13 @@ def attention_row(c, training: dict) -> str:
                   f"positions, the others all (`layer_types`)")
     if getattr(c, "kv_sharing", None):
         heads += f"; cross-layer KV sharing {c.kv_sharing} (layer: the layer whose KV it reads)"
+    if kind in ("ssm", "ssm-hybrid"):
+        # transformers 5 names Granite's layer kinds linear_attention / full_attention.
+        mixers = sum(t in ("mamba", "linear_attention") for t in c.layer_types)
+        ssm = (f"Mamba2 mixers instead in {mixers} of {len(c.layer_types)} layers "
+               f"({c.mamba_n_heads} heads of {c.mamba_d_head}, {c.mamba_d_state} states, "
+               f"convolution of {c.mamba_d_conv}; a fixed state per sequence)")
+        return ssm if mixers == len(c.layer_types) else f"{heads} in the others; {ssm}"
     return heads
 
 
@@ -72,6 +79,7 @@ def measure(model_dir: Path, target_dir: Path | None, corpus: Path, max_tokens: 
     facts = dict(training=training, config=hf.config, cla=cla, val_tokens=ours.num_tokens,
                  window=window,
                  stride=stride, ppl_kvserve=ours.perplexity, ppl_hf=theirs,
+                 state_bytes=llm.kv_cache.state_bytes_per_sequence,
                  kv_fp32=kv_bytes_per_token(llm.config, torch.float32),
                  kv_bf16=kv_bytes_per_token(llm.config, torch.bfloat16))
     if target_dir is not None:
@@ -115,12 +123,16 @@ def render(name: str, f: dict) -> str:
         f"{'bf16' if t.get('save_dtype') == 'bfloat16' else 'fp32'} safetensors) |",
         f"| parameters | {t['parameters']:,} (embeddings tied with the output layer) |",
         f"| layers, hidden, MLP | {c.num_hidden_layers}, {c.hidden_size}, {c.intermediate_size} (SwiGLU) |",
-        f"| attention | {attention_row(c, t)}; RoPE θ {int(c.rope_parameters['rope_theta'])} |",
+        f"| attention | {attention_row(c, t)}"
+        + ("" if t.get("attention") == "ssm" else
+           f"; RoPE θ {int(c.rope_parameters['rope_theta'])}") + " |",
         f"| context | trained on {t['seq_len']}-token windows; the config allows "
         f"{c.max_position_embeddings} (RoPE has no learned positions, but text past "
         f"{t['seq_len']} tokens is out of distribution) |",
         f"| KV cache per token | {f['kv_fp32']:,} bytes in fp32, {f['kv_bf16']:,} in bf16 "
         f"(kvserve's paged pool{window_note}) |",
+        *([f"| state per sequence | {f['state_bytes']:,} bytes (fp32 SSM state, conv state in "
+           f"fp32), whatever the sequence's length |"] if f.get("state_bytes") else []),
         "",
         "## Tokenizer",
         "",

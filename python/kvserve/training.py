@@ -78,7 +78,7 @@ def held_out_mean(model, windows: torch.Tensor, limit: int, batch_size: int, sco
     total, count = 0.0, 0
     for chunk in windows.split(batch_size):
         chunk = chunk.to(device)
-        t, c = score(chunk, model(chunk).logits)
+        t, c = score(chunk, model(chunk, use_cache=False).logits)
         total += t
         count += c
     model.train(was_training)

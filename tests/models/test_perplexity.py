@@ -67,7 +67,7 @@ def test_shipped_model_matches_transformers(name):
     assert ours.perplexity < 40  # trained: far below the vocabulary size of a uniform guess
 
 
-FAMILY = ["mha", "gqa", "mqa", "mla", "sliding", "hybrid", "cla-gqa", "cla-mqa"]
+FAMILY = ["mha", "gqa", "mqa", "mla", "sliding", "hybrid", "cla-gqa", "cla-mqa", "ssm", "ssm-hybrid"]
 
 
 @pytest.mark.parametrize("member", FAMILY)

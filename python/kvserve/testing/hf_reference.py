@@ -28,7 +28,7 @@ def hf_perplexity(model, ids: list[int], max_length: int, stride: int) -> float:
         labels = window.clone()
         labels[:, :-trg_len] = -100
         with torch.no_grad():
-            loss = model(window, labels=labels).loss
+            loss = model(window, labels=labels, use_cache=False).loss
         valid = (labels[:, 1:] != -100).sum().item()
         nll_sum += loss.item() * valid
         n_tokens += valid
@@ -47,8 +47,8 @@ def greedy_agreement(model_a, model_b, ids: list[int], window: int, bos_id: int)
     for begin in range(0, len(ids) - 1, body):
         chunk = torch.tensor([[bos_id] + ids[begin:begin + body]])
         with torch.no_grad():
-            a = model_a(chunk).logits.argmax(-1)
-            b = model_b(chunk).logits.argmax(-1)
+            a = model_a(chunk, use_cache=False).logits.argmax(-1)
+            b = model_b(chunk, use_cache=False).logits.argmax(-1)
         agree += (a == b).sum().item()
         total += a.numel()
     return agree / total
