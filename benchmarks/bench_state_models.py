@@ -1,14 +1,16 @@
-"""Decode cost against context length: a state-space model (Mamba2) against a Llama of similar
-size. A Mamba2 sequence keeps a fixed state per layer, so its decode step and its memory should
-stay flat as the context grows; a Llama's KV cache and attention reads grow with it.
+"""Decode cost against context length: state-space models (a Mamba2, and a Granite 4 style hybrid
+of Mamba2 mixers and two attention layers) against a Llama of similar size. A Mamba2 sequence keeps
+a fixed state per layer, so its decode step and its memory should stay flat as the context grows;
+a Llama's KV cache and attention reads grow with it; the hybrid's grow as two layers' worth.
 
-Random checkpoints (fp32) of about 26M parameters without the embedding: a Llama of 8 layers
-(hidden 512, 8 heads, 4 KV heads of 64, MLP 1536) and a Mamba2 of 16 layers (hidden 512, 16 heads
+Random checkpoints (fp32) of 25-31M parameters without the embedding: a Llama of 8 layers
+(hidden 512, 8 heads, 4 KV heads of 64, MLP 1536), a Mamba2 of 16 layers (hidden 512, 16 heads
 of 64, 1 group of 128 states; Mamba2's layers have no MLP, so it takes twice as many, as its
-paper's models do). For each --contexts length, each model prefills one request of that many
-tokens through LLMEngine, then decodes --steps tokens: the table gives the median decode step,
-and the bytes the request holds (KV blocks for the Llama, the state slot for the Mamba2). The
-models alternate at each length, so both see the same drift of the machine.
+paper's models do) and a Granite hybrid of 10 layers (the same mixer in 8, NoPE GQA attention like
+the Llama's in layers 4 and 9, an MLP of 1024 in each). For each --contexts length, each model
+prefills one request of that many tokens through LLMEngine, then decodes --steps tokens: the
+table gives the median decode step, and the bytes the request holds (KV blocks, state slot). The
+models alternate at each length, so all see the same drift of the machine.
 
     python benchmarks/bench_state_models.py [--contexts 1024,4096,16384,32768] [--steps 16]
 """
@@ -36,7 +38,16 @@ MODELS = {
         expand=2, n_groups=1, state_size=128, conv_kernel=4, chunk_size=256,
         max_position_embeddings=MAX_LEN, tie_word_embeddings=False, residual_in_fp32=False,
         initializer_range=0.02)),
+    "Granite hybrid (10 layers, 2 attention)": ("GraniteMoeHybridForCausalLM", dict(
+        vocab_size=8192, hidden_size=512, shared_intermediate_size=1024, num_local_experts=0,
+        num_hidden_layers=10, layer_types=["attention" if i in (4, 9) else "mamba"
+                                           for i in range(10)],
+        num_attention_heads=8, num_key_value_heads=4, mamba_n_heads=16, mamba_d_head=64,
+        mamba_expand=2, mamba_n_groups=1, mamba_d_state=128, mamba_d_conv=4,
+        mamba_chunk_size=256, position_embedding_type="nope", max_position_embeddings=MAX_LEN,
+        tie_word_embeddings=False, initializer_range=0.02)),
 }
+SHORT = ["Llama", "Mamba2", "hybrid"]
 
 
 def checkpoint(name: str) -> Path:
@@ -80,17 +91,18 @@ def main() -> None:
         for name in MODELS:  # alternated at each length
             results[name][context] = decode(checkpoint(name), context, args.steps)
             print(name, context, results[name][context], flush=True)
-    llama, mamba = MODELS
+    names = list(MODELS)
     rows = []
     for context in contexts:
-        a, b = results[llama][context], results[mamba][context]
-        rows.append([f"{context:,}", f"{a['decode_ms']:.1f}", f"{b['decode_ms']:.1f}",
-                     f"{a['decode_ms'] / b['decode_ms']:.2f}x", f"{a['held_bytes'] / 2**20:.1f}",
-                     f"{b['held_bytes'] / 2**20:.2f}", f"{a['prefill_s']:.1f}",
-                     f"{b['prefill_s']:.1f}"])
-    columns = ["context tokens", "Llama decode step ms", "Mamba2 decode step ms",
-               "Llama / Mamba2", "Llama KV MiB", "Mamba2 state MiB", "Llama prefill s",
-               "Mamba2 prefill s"]
+        r = [results[name][context] for name in names]
+        rows.append([f"{context:,}"] + [f"{x['decode_ms']:.1f}" for x in r]
+                    + [f"{r[0]['decode_ms'] / x['decode_ms']:.2f}x" for x in r[1:]]
+                    + [f"{x['held_bytes'] / 2**20:.{1 if i == 0 else 2}f}" for i, x in enumerate(r)]
+                    + [f"{x['prefill_s']:.1f}" for x in r])
+    columns = (["context tokens"] + [f"{n} decode step ms" for n in SHORT]
+               + [f"Llama / {n}" for n in SHORT[1:]]
+               + [f"{n} {'KV' if i == 0 else 'KV + state'} MiB" for i, n in enumerate(SHORT)]
+               + [f"{n} prefill s" for n in SHORT])
     print(markdown_table(columns, rows))
     weights = {name: results[name][contexts[0]]["weight_bytes"] for name in MODELS}
     info = machine_info()
@@ -109,14 +121,14 @@ def main() -> None:
         description=(
             "One request at each context length, prefilled then decoded for "
             f"{args.steps} steps (median step), on random fp32 checkpoints of similar size: "
-            f"a Llama of 8 layers ({weights[llama] / 2**20:.0f} MiB of weights) and a Mamba2 of "
-            f"16 layers ({weights[mamba] / 2**20:.0f} MiB). The Mamba2 keeps one fixed state per "
-            "sequence ([models.md](models.md"
-            "#state-space-models-mamba2-granite-4-and-bamba-hybrids)); the Llama's KV cache "
-            "and attention reads grow with the context."),
+            + ", ".join(f"{name} ({weights[name] / 2**20:.0f} MiB of weights)" for name in names)
+            + ". The Mamba2 keeps one fixed state per sequence ([models.md](models.md"
+            "#state-space-models-mamba2-granite-4-and-bamba-hybrids)), the hybrid that state "
+            "in its mixer layers and KV in its two attention layers; the Llama's KV cache and "
+            "attention reads grow with the context in all 8 layers."),
         tables=[dict(title="Decode step and memory per sequence", columns=columns, rows=rows,
                      description="Per context length: the median decode step of each model, the "
-                     "bytes the request holds in the pool after its prefill (KV blocks; the state "
+                     "bytes the request holds in the pool after its prefill (KV blocks and state "
                      "slot), and the prefill's time.")])
     path = write_json(RESULTS / "state_models.json", section)
     print(f"wrote {path}")
