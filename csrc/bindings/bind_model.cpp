@@ -61,7 +61,8 @@ void bind_config(py::module_& m) {
   cls.def("kv_source", &ModelConfig::kv_source, py::arg("layer"))
       .def("num_kv_layers", &ModelConfig::num_kv_layers)
       .def("num_ssm_layers", &ModelConfig::num_ssm_layers)
-      .def("is_ssm_layer", &ModelConfig::is_ssm_layer, py::arg("layer"))
+      .def("has_mixer", &ModelConfig::has_mixer, py::arg("layer"))
+      .def("has_attention", &ModelConfig::has_attention, py::arg("layer"))
       .def("use_mla", &ModelConfig::use_mla)
       .def("is_moe_layer", &ModelConfig::is_moe_layer, py::arg("layer"))
       .def("validate", &ModelConfig::validate);

@@ -19,7 +19,7 @@ KVCacheLayout KVCacheLayout::for_model(const ModelConfig& c, bool group_sliding_
   if (c.num_ssm_layers() > 0) {
     KVCacheStateGroup& state = layout.state;
     for (int64_t l = 0; l < c.num_layers; ++l) {
-      if (c.is_ssm_layer(l)) state.layers.push_back(l);
+      if (c.has_mixer(l)) state.layers.push_back(l);
     }
     state.conv_dim = c.ssm.conv_dim();
     state.conv_kernel = c.ssm.conv_kernel;
@@ -31,7 +31,7 @@ KVCacheLayout KVCacheLayout::for_model(const ModelConfig& c, bool group_sliding_
   // Cache indices by window, windows in order of first appearance.
   std::vector<std::pair<int64_t, std::vector<int64_t>>> kinds;
   for (int64_t l = 0, index = 0; l < c.num_layers; ++l) {
-    if (c.is_ssm_layer(l) || c.kv_source(l) != l) continue;
+    if (!c.has_attention(l) || c.kv_source(l) != l) continue;
     const int64_t w = c.sliding_windows[l];
     auto it = std::find_if(kinds.begin(), kinds.end(), [w](const auto& k) { return k.first == w; });
     if (it == kinds.end()) it = kinds.insert(kinds.end(), {w, {}});

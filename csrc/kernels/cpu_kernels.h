@@ -205,11 +205,13 @@ using RejectionSampleFn = void (*)(const float* target, int64_t target_stride, c
                                    int64_t* num_accepted);
 KVSERVE_CPU_STUB(rejection_sample_stub, RejectionSampleFn);
 
-/// rms_norm_gated's body (contract: kernels/norm/rms_norm_gated.h); gate may be null.
+/// rms_norm_gated's body (contract: kernels/norm/rms_norm_gated.h); gate may be null, and
+/// weight (fp32) null for the gate alone.
 using RmsNormGatedFn = void (*)(c10::ScalarType dtype, void* out, int64_t out_stride,
                                 const void* input, int64_t input_stride, const void* gate,
                                 int64_t gate_stride, const float* weight, int64_t rows,
-                                int64_t dim, int64_t group_size, float eps);
+                                int64_t dim, int64_t group_size, float eps,
+                                bool norm_before_gate);
 KVSERVE_CPU_STUB(rms_norm_gated_stub, RmsNormGatedFn);
 
 /// ssm_causal_conv1d's body (contract: kernels/ssm/ssm_causal_conv1d.h); weight [dim, kernel]

@@ -27,8 +27,8 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("rms_norm(Tensor! out, Tensor input, Tensor weight, float epsilon) -> ()");
   m.def("fused_add_rms_norm(Tensor! input, Tensor! residual, Tensor weight, float epsilon) -> ()");
   m.def(
-      "rms_norm_gated(Tensor! out, Tensor input, Tensor? gate, Tensor weight, int group_size, "
-      "float epsilon) -> ()");
+      "rms_norm_gated(Tensor! out, Tensor input, Tensor? gate, Tensor? weight, int group_size, "
+      "float epsilon, bool norm_before_gate=False) -> ()");
   m.def(
       "ssm_causal_conv1d(Tensor! out, Tensor input, Tensor weight, Tensor? bias, "
       "Tensor(a!) conv_state, Tensor cu_seqlens, Tensor slots, Tensor has_initial_state, "
@@ -119,11 +119,13 @@ void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tenso
 }
 
 void rms_norm_gated(at::Tensor& out, const at::Tensor& input, const std::optional<at::Tensor>& gate,
-                    const at::Tensor& weight, int64_t group_size, double epsilon) {
+                    const std::optional<at::Tensor>& weight, int64_t group_size, double epsilon,
+                    bool norm_before_gate) {
   static const auto op =
       handle<void(at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                  const at::Tensor&, int64_t, double)>("kvserve::rms_norm_gated");
-  op.call(out, input, gate, weight, group_size, epsilon);
+                  const std::optional<at::Tensor>&, int64_t, double, bool)>(
+          "kvserve::rms_norm_gated");
+  op.call(out, input, gate, weight, group_size, epsilon, norm_before_gate);
 }
 
 void ssm_causal_conv1d(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,

@@ -51,7 +51,7 @@ Mamba2Mixer::Mamba2Mixer(const ModelConfig& config, const std::string& p, const 
   A_ = -at::exp(vector_of(w, p + "A_log", c.num_heads).to(at::kFloat));
   D_ = vector_of(w, p + "D", c.num_heads);
   dt_bias_ = vector_of(w, p + "dt_bias", c.num_heads);
-  norm_weight_ = vector_of(w, p + "norm.weight", inner);
+  if (c.norm != "gate_only") norm_weight_ = vector_of(w, p + "norm.weight", inner);
 }
 
 at::Tensor Mamba2Mixer::forward(const at::Tensor& hidden, const AttentionMetadata& metadata,
@@ -83,8 +83,10 @@ at::Tensor Mamba2Mixer::forward(const at::Tensor& hidden, const AttentionMetadat
                 metadata.state_slots, metadata.has_initial_state, /*dt_softplus=*/true, c.dt_min,
                 c.dt_max);
   at::Tensor normed = at::empty({tokens, inner}, hidden.options());
-  ops::rms_norm_gated(normed, y.view({tokens, inner}), z, norm_weight_, inner / c.norm_groups,
-                      norm_eps_);
+  ops::rms_norm_gated(normed, y.view({tokens, inner}), z,
+                      norm_weight_.defined() ? std::optional<at::Tensor>(norm_weight_)
+                                             : std::nullopt,
+                      inner / c.norm_groups, norm_eps_, c.norm == "norm_then_gate");
   return out_proj_.forward(normed);
 }
 

@@ -18,7 +18,8 @@ namespace kvserve {
 /// One layer's mixer (config.ssm). Weights under `prefix`: in_proj.weight [2 * inner + 2 * G * N
 /// + H, hidden] (gate z, then x, B and C, then dt; + bias with ssm.proj_bias), conv1d.weight
 /// [conv_dim, kernel] (+ conv1d.bias), dt_bias [H], A_log [H] (A = -exp(A_log)), D [H],
-/// norm.weight [inner], out_proj.weight [hidden, inner] (+ bias).
+/// norm.weight [inner] (none when ssm.norm is gate_only), out_proj.weight [hidden, inner]
+/// (+ bias with ssm.out_proj_bias).
 class Mamba2Mixer {
  public:
   Mamba2Mixer(const ModelConfig& config, const std::string& prefix, const WeightMap& weights);
@@ -42,7 +43,7 @@ class Mamba2Mixer {
   at::Tensor A_;            // fp32 [H]: -exp(A_log)
   at::Tensor D_;            // [H]
   at::Tensor dt_bias_;      // [H]
-  at::Tensor norm_weight_;  // [inner]
+  at::Tensor norm_weight_;  // [inner]; undefined: the gate alone
 };
 
 }  // namespace kvserve

@@ -73,9 +73,15 @@ void ModelConfig::validate() const {
     require(ssm.dt_min >= 0 && ssm.dt_max > ssm.dt_min,
             "the SSM mixer's time step limits must satisfy 0 <= min < max");
     for (int64_t l = 0; l < num_layers; ++l) {
-      require(!is_ssm_layer(l) || kv_sources.empty() || kv_sources[l] == l,
+      require(ssm.layers[l] >= 0 && ssm.layers[l] <= 2,
+              "the SSM layer list holds 0 (attention), 1 (mixer) or 2 (both) per layer");
+      require(!has_mixer(l) || kv_sources.empty() || kv_sources[l] == l,
               "an SSM layer cannot share another layer's KV");
     }
+    require(ssm.norm == "gate_then_norm" || ssm.norm == "norm_then_gate" ||
+                ssm.norm == "gate_only",
+            "the SSM mixer's norm must be gate_then_norm, norm_then_gate or gate_only, got '" +
+                ssm.norm + "'");
     require(!use_mla(), "SSM layers are not supported with multi-head latent attention");
   }
   try {
@@ -107,24 +113,26 @@ void ModelConfig::validate() const {
 
 int64_t ModelConfig::num_ssm_layers() const {
   int64_t n = 0;
-  for (int64_t l = 0; l < num_layers; ++l) n += is_ssm_layer(l);
+  for (int64_t l = 0; l < num_layers; ++l) n += has_mixer(l);
   return n;
 }
 
 int64_t ModelConfig::num_kv_layers() const {
   int64_t n = 0;
-  for (int64_t l = 0; l < num_layers; ++l) n += !is_ssm_layer(l) && kv_source(l) == l;
+  for (int64_t l = 0; l < num_layers; ++l) n += has_attention(l) && kv_source(l) == l;
   return n;
 }
 
 int64_t ModelConfig::kv_cache_index(int64_t layer) const {
-  int64_t index = 0;
-  if (is_ssm_layer(layer)) {
-    for (int64_t l = 0; l < layer; ++l) index += is_ssm_layer(l);
-    return num_kv_layers() + index;
-  }
   const int64_t source = kv_source(layer);
-  for (int64_t l = 0; l < source; ++l) index += !is_ssm_layer(l) && kv_source(l) == l;
+  int64_t index = 0;
+  for (int64_t l = 0; l < source; ++l) index += has_attention(l) && kv_source(l) == l;
+  return index;
+}
+
+int64_t ModelConfig::state_cache_index(int64_t layer) const {
+  int64_t index = num_kv_layers();
+  for (int64_t l = 0; l < layer; ++l) index += has_mixer(l);
   return index;
 }
 

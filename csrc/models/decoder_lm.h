@@ -109,7 +109,8 @@ class DecoderLM : public CausalLM {
     for (const Layer& layer : layers_) {
       bytes += layer.input_norm.weight_bytes() + layer.attention_out_norm.weight_bytes() +
                layer.mlp_norm.weight_bytes() + layer.mlp_out_norm.weight_bytes();
-      bytes += layer.self_attn ? layer.self_attn->weight_bytes() : layer.mixer->weight_bytes();
+      if (layer.self_attn) bytes += layer.self_attn->weight_bytes();
+      if (layer.mixer) bytes += layer.mixer->weight_bytes();
       if (layer.mlp) bytes += layer.mlp->weight_bytes();
     }
     return bytes;
@@ -118,8 +119,8 @@ class DecoderLM : public CausalLM {
  protected:
   struct Layer {
     RMSNorm input_norm;  // before attention
-    std::unique_ptr<AttentionLayer> self_attn;  // or, in a state-space layer, the mixer
-    std::unique_ptr<Mamba2Mixer> mixer;
+    std::unique_ptr<AttentionLayer> self_attn;  // null in a state-space layer
+    std::unique_ptr<Mamba2Mixer> mixer;         // null in an attention layer
     RMSNorm attention_out_norm;  // sandwich norms only
     RMSNorm mlp_norm;            // before the MLP
     std::unique_ptr<FeedForward> mlp;
@@ -159,21 +160,22 @@ class DecoderLM : public CausalLM {
     layers_.reserve(config_.num_layers);
     for (int64_t i = 0; i < config_.num_layers; ++i) {
       cache_index_.push_back(config_.kv_cache_index(i));
+      state_index_.push_back(config_.state_cache_index(i));
     }
   }
 
-  /// Layer `i` with this attention, or with a Mamba2Mixer (layers.<i>.mixer.) when it is a
-  /// state-space layer (config.ssm; attention null): its norms and its MLP (dense or MoE; none
-  /// when config.ssm.mlp is false) from the weights.
+  /// Layer `i` with this attention, a Mamba2Mixer (layers.<i>.mixer.) when it has a
+  /// state-space mixer (config.ssm; attention null unless the layer has both, FalconH1's
+  /// parallel form), its norms and its MLP (dense or MoE; none when config.ssm.mlp is false)
+  /// from the weights.
   void add_layer(int64_t i, std::unique_ptr<AttentionLayer> attention, const WeightMap& w) {
     const std::string p = "layers." + std::to_string(i) + ".";
     Layer layer;
     layer.input_norm = norm(w, p + "input_layernorm.weight");
-    if (config_.is_ssm_layer(i)) {
+    if (config_.has_mixer(i)) {
       layer.mixer = std::make_unique<Mamba2Mixer>(config_, p + "mixer.", w);
-    } else {
-      layer.self_attn = std::move(attention);
     }
+    layer.self_attn = std::move(attention);
     if (!config_.ssm.mlp) {
       layers_.push_back(std::move(layer));
       return;
@@ -212,8 +214,9 @@ class DecoderLM : public CausalLM {
 
   /// The residual stream over input_ids [T]: attend(i, attention, normed hidden [T, hidden],
   /// cache) runs layer i's attention on the cache it reads (its own, or the one of the layer
-  /// whose KV it shares); a state-space layer's mixer runs on its state instead. kv_caches: one
-  /// per layer that writes K/V, then one per state-space layer (ModelConfig::kv_cache_index);
+  /// whose KV it shares); a state-space layer's mixer runs on its state instead (or beside it,
+  /// the two outputs summed). kv_caches: one per layer that writes K/V, then one per
+  /// state-space layer (ModelConfig::kv_cache_index, state_cache_index);
   /// metadata.lora_slots: the tokens' adapter slots for the MLPs. Returns the final-norm hidden
   /// states [T, hidden].
   template <typename Attend>
@@ -241,9 +244,13 @@ class DecoderLM : public CausalLM {
       } else {
         layer.input_norm.forward_fused(hidden, residual);
       }
-      const LayerKVCache& cache = kv_caches[cache_index_[i]];
-      hidden = layer.mixer ? layer.mixer->forward(hidden, metadata, cache)
-                           : attend(i, *layer.self_attn, hidden, cache);
+      at::Tensor mixed;  // the mixer's output, the attention's, or (FalconH1) their sum
+      if (layer.mixer) mixed = layer.mixer->forward(hidden, metadata, kv_caches[state_index_[i]]);
+      if (layer.self_attn) {
+        at::Tensor attended = attend(i, *layer.self_attn, hidden, kv_caches[cache_index_[i]]);
+        mixed = mixed.defined() ? mixed.add_(attended) : std::move(attended);
+      }
+      hidden = std::move(mixed);
       if (layer.attention_out_norm.defined()) hidden = layer.attention_out_norm.forward(hidden);
       scale_residual(hidden);
       if (!layer.mlp) continue;  // the next norm adds the mixer's output to the residual
@@ -308,7 +315,8 @@ class DecoderLM : public CausalLM {
   at::ScalarType dtype_;
   at::Device device_;
   std::vector<Layer> layers_;
-  std::vector<int64_t> cache_index_;  // per layer: which of the forward's kv_caches it reads
+  std::vector<int64_t> cache_index_;  // per layer: which of the forward's kv_caches it attends over
+  std::vector<int64_t> state_index_;  // per layer: which holds its mixer's state (if it has one)
   RMSNorm norm_;
   Linear lm_head_;
 };

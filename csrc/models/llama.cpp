@@ -18,7 +18,7 @@ LlamaForCausalLM::LlamaForCausalLM(const ModelConfig& config, const WeightMap& w
   for (int64_t i = 0; i < config_.num_layers; ++i) {
     const bool local = config_.rope_local_theta > 0 && !config_.sliding_windows.empty() &&
                        config_.sliding_windows[i] > 0;
-    if (config_.is_ssm_layer(i)) {
+    if (!config_.has_attention(i)) {
       add_layer(i, nullptr, w);
     } else {
       const RotaryEmbedding* rotary = config_.no_rope ? nullptr

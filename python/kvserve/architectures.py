@@ -28,7 +28,9 @@ class Architecture:
     state-space mixers' fields (from the file as written). weight_names: (pattern, replacement)
     regular expressions from the checkpoint's tensor names to kvserve's (the Llama layout's
     model.layers.<i>. ...; a state-space mixer's weights under model.layers.<i>.mixer.), or a
-    function of the ModelConfig that returns them. fused_mlp: an MLP's gate and up projections
+    function of the ModelConfig that returns them. fold_weights: (config, config.json values,
+    weights) rescales the loaded weights in place (FalconH1 folds its multipliers into them).
+    fused_mlp: an MLP's gate and up projections
     are one [2 * intermediate, hidden] tensor, gate rows first (kvserve's name gate_up_proj;
     Granite's input_linear), in the dense MLP and the shared expert. stacked_experts: the routed
     experts are two tensors, mlp.experts.gate_up_proj [experts, 2 * intermediate, hidden] and
@@ -48,6 +50,7 @@ class Architecture:
     read_moe: Callable | None = None
     read_ssm: Callable | None = None
     weight_names: tuple[tuple[str, str], ...] | Callable = ()
+    fold_weights: Callable | None = None
     fused_mlp: bool = False
     stacked_experts: bool = False
     partial_rotary: bool = False
@@ -126,6 +129,21 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
                  tiny=dict(model_type="bamba", num_hidden_layers=4, attn_layer_indices=[1],
                            mamba_n_heads=12, mamba_d_head=16, mamba_expand=2, mamba_d_state=10,
                            mamba_n_groups=3, mamba_d_conv=3, mamba_chunk_size=8)),
+    # FalconH1: attention and a Mamba2 mixer side by side in every layer, every multiplier away
+    # from 1; the mixer's inner size (mamba_d_ssm) is not expand * hidden_size, and it has no
+    # norm (its normed forms are variants in tests/models/test_parity.py).
+    Architecture("FalconH1ForCausalLM", read_family=families.read_falcon_h1,
+                 read_ssm=families.read_falcon_h1_ssm,
+                 weight_names=families.FALCON_H1_WEIGHT_NAMES,
+                 fold_weights=families.fold_falcon_h1,
+                 tiny=dict(model_type="falcon_h1", num_hidden_layers=3, mamba_n_heads=10,
+                           mamba_d_ssm=120, mamba_d_head="auto", mamba_d_state=10,
+                           mamba_n_groups=5, mamba_d_conv=3, mamba_chunk_size=8,
+                           embedding_multiplier=1.7, lm_head_multiplier=0.4, key_multiplier=0.7,
+                           attention_in_multiplier=1.3, attention_out_multiplier=0.8,
+                           ssm_in_multiplier=1.1, ssm_out_multiplier=0.6,
+                           ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.9],
+                           mlp_multipliers=[1.4, 0.7])),
 ]}
 
 

@@ -38,7 +38,7 @@ _LIMITS = {
     "moe_layer_freq": 1 << 12, "decoder_sparse_step": 1 << 12,
     "num_heads": 1 << 12, "state_size": 1 << 12, "n_groups": 1 << 12,
     "mamba_n_heads": 1 << 12, "mamba_d_head": 1 << 12, "mamba_d_state": 1 << 12,
-    "mamba_n_groups": 1 << 12, "shared_intermediate_size": 1 << 22,
+    "mamba_n_groups": 1 << 12, "shared_intermediate_size": 1 << 22, "mamba_d_ssm": 1 << 20,
 }
 _REQUIRED = object()
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 import os
 
+import torch
+
 from kvserve import _C
 
 # Which form MLA attends in (auto: per sequence by cost); tests and benchmarks force one.
@@ -263,30 +265,36 @@ _GRANITE_KEYS = ("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_grou
                  "mamba_d_conv", "mamba_expand", "mamba_conv_bias", "mamba_proj_bias")
 
 
-def _mixer_fields(c: _C.ModelConfig, f, keys: tuple[str, ...]) -> _C.SSMConfig:
-    """A Mamba2 mixer's sizes under the family's keys, checked; a head size of "auto" is
-    expand * hidden_size / heads (transformers' rule)."""
+def _mixer_fields(c: _C.ModelConfig, f, keys: tuple[str, ...],
+                  inner_key: str | None = None) -> _C.SSMConfig:
+    """A Mamba2 mixer's sizes under the family's keys, checked. Its inner size is expand *
+    hidden_size, or the inner_key field where the family has one and the file sets it
+    (FalconH1's mamba_d_ssm); a head size of "auto" is that size / heads (transformers' rule)."""
     heads, head_dim, state, groups, kernel, expand_key, conv_bias, proj_bias = keys
     s = _C.SSMConfig()
     s.num_heads = f.integer(heads)
     s.state_size = f.integer(state)
     s.n_groups = f.integer(groups, 1)
     s.conv_kernel = f.integer(kernel, 4)
-    expand = f.number(expand_key, 2)
+    if inner_key is not None and f.values.get(inner_key) is not None:
+        inner, inner_source = f.integer(inner_key), inner_key
+    else:
+        expand = f.number(expand_key, 2)
+        inner, inner_source = round(expand * c.hidden_size), f"{expand_key} * hidden_size"
     if f.values.get(head_dim) == "auto":
-        s.head_dim = round(expand * c.hidden_size) // s.num_heads
+        s.head_dim = inner // s.num_heads
     else:
         s.head_dim = f.integer(head_dim)
     if s.num_heads % s.n_groups:
         raise f.error(groups, f"({s.n_groups}) must divide {heads} ({s.num_heads})")
     if not 2 <= s.conv_kernel <= 16:
         raise f.error(kernel, f"is {s.conv_kernel}; kvserve runs kernels of 2 to 16 taps")
-    if s.num_heads * s.head_dim != round(expand * c.hidden_size):
-        raise f.error(head_dim, f"* {heads} ({s.num_heads * s.head_dim}) must equal {expand_key} "
-                                f"* hidden_size ({expand * c.hidden_size:g})")
+    if s.num_heads * s.head_dim != inner:
+        raise f.error(head_dim, f"* {heads} ({s.num_heads * s.head_dim}) must equal "
+                                f"{inner_source} ({inner})")
     s.norm_groups = s.n_groups  # the gated RMSNorm's groups of intermediate_size / n_groups
     s.conv_bias = f.flag(conv_bias, True)
-    s.proj_bias = f.flag(proj_bias, False)
+    s.proj_bias = s.out_proj_bias = f.flag(proj_bias, False)
     s.dt_min, s.dt_max = _time_step_limit(f)
     return s
 
@@ -328,9 +336,7 @@ def granite_weight_names(c: _C.ModelConfig) -> tuple[tuple[str, str], ...]:
 def read_granite_hybrid(c: _C.ModelConfig, f, hf: dict) -> dict:
     """Granite 4 (GraniteMoeHybrid): the shared MLP's size, the multipliers, NoPE or RoPE."""
     c.intermediate_size = f.integer("shared_intermediate_size")
-    act = hf.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise f.error("hidden_act", f"is {act!r}; only silu is supported")
+    _require_silu(f, hf)
     c.embedding_multiplier = f.number("embedding_multiplier", 1.0)
     c.residual_multiplier = f.number("residual_multiplier", 1.0)
     c.logits_scaling = f.number("logits_scaling", 1.0)
@@ -384,15 +390,20 @@ BAMBA_WEIGHT_NAMES = (
 )
 
 
+def _require_silu(f, hf: dict) -> None:
+    """The hybrids' hidden_act is both the MLP's and the mixer's convolution's: SiLU only."""
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise f.error("hidden_act", f"is {act!r}; only silu is supported")
+
+
 def read_bamba(c: _C.ModelConfig, f, hf: dict) -> dict:
     """Bamba rotates half of each attention head whatever its file says (transformers' BambaConfig
     sets partial_rotary_factor 0.5 for every checkpoint)."""
     rope = {key: {k: v for k, v in value.items() if k != "partial_rotary_factor"}
             for key in ("rope_parameters", "rope_scaling")
             if isinstance(value := hf.get(key), dict)}
-    act = hf.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise f.error("hidden_act", f"is {act!r}; only silu is supported")
+    _require_silu(f, hf)
     return {**hf, **rope, "partial_rotary_factor": 0.5}
 
 
@@ -408,3 +419,109 @@ def read_bamba_ssm(c: _C.ModelConfig, f) -> None:
     s.layers = [0 if i in indices else 1 for i in range(c.num_layers)]
     s.mlp = True
     c.ssm = s
+
+
+# FalconH1's tensor names in kvserve's layout: its mixer, its MLP (feed_forward), the norm before
+# the MLP and the final one; its attention keeps the Llama names.
+FALCON_H1_WEIGHT_NAMES = BAMBA_WEIGHT_NAMES
+
+# FalconH1's scalar multipliers (transformers' default: 1 each) and its lists: ssm_multipliers
+# scale the mixer's projected z, x, B, C and dt; mlp_multipliers the MLP's gate and its output.
+_FALCON_H1_SCALARS = ("attention_in_multiplier", "key_multiplier", "attention_out_multiplier",
+                      "ssm_in_multiplier", "ssm_out_multiplier")
+_FALCON_H1_LISTS = {"ssm_multipliers": 5, "mlp_multipliers": 2}
+
+
+def falcon_h1_multipliers(hf: dict, f=None) -> dict:
+    """FalconH1's multipliers from its config.json, transformers' defaults for the absent ones;
+    with `f` (config.py's reader), each checked to be a finite number > 0."""
+    out = {}
+    for key in _FALCON_H1_SCALARS:
+        out[key] = f.number(key, 1.0) if f is not None else float(hf.get(key) or 1.0)
+    for key, n in _FALCON_H1_LISTS.items():
+        value = hf.get(key)
+        if value is None:
+            value = [1.0] * n
+        ok = (isinstance(value, list) and len(value) == n
+              and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                      and math.isfinite(v) and v > 0 for v in value))
+        if f is not None and not ok:
+            raise f.error(key, f"must list {n} finite numbers > 0, got {value!r}")
+        out[key] = [float(v) for v in value]
+    return out
+
+
+def read_falcon_h1(c: _C.ModelConfig, f, hf: dict) -> dict:
+    """FalconH1: the embedding and LM-head multipliers (the others are folded into the weights at
+    load, fold_falcon_h1), attention bias on q/k/v/o alike."""
+    _require_silu(f, hf)
+    falcon_h1_multipliers(hf, f)  # checked here, applied by fold_falcon_h1
+    c.embedding_multiplier = f.number("embedding_multiplier", 1.0)
+    c.logits_scaling = 1.0 / f.number("lm_head_multiplier", 1.0)
+    # Its layer kinds are all "hybrid" (read_falcon_h1_ssm), not attention windows.
+    return {key: value for key, value in hf.items() if key != "layer_types"}
+
+
+def read_falcon_h1_ssm(c: _C.ModelConfig, f) -> None:
+    """A Mamba2 mixer beside the attention in every layer (transformers' FalconH1 has no other
+    kind); its inner size mamba_d_ssm, its optional RMSNorm (mamba_rms_norm) before or after
+    the gate (mamba_norm_before_gate), out_proj's bias projectors_bias."""
+    s = _mixer_fields(c, f, _GRANITE_KEYS, inner_key="mamba_d_ssm")
+    s.out_proj_bias = f.flag("projectors_bias", False)
+    if not f.flag("mamba_rms_norm", False):
+        s.norm = "gate_only"
+    elif f.flag("mamba_norm_before_gate", True):
+        s.norm = "norm_then_gate"
+    s.layers = [2] * c.num_layers
+    s.mlp = True
+    c.ssm = s
+
+
+def fold_falcon_h1(c: _C.ModelConfig, hf: dict, w: dict) -> None:
+    """FalconH1's multipliers folded into the weights they follow or precede (as llama.cpp's
+    converter does): `w` holds the loader's kvserve-named tensors, plain (.weight) or quantized
+    (.scales: one row per output row, so scaling a row's scales scales the row)."""
+    m = falcon_h1_multipliers(hf)
+    s = c.ssm
+    q_rows, kv_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    z_x, bc = s.inner_size, s.n_groups * s.state_size
+    mup = m["ssm_multipliers"]
+    gate, down = m["mlp_multipliers"]
+    attn_in, key = m["attention_in_multiplier"], m["key_multiplier"]
+
+    def rows(*sections: tuple[int, float]) -> torch.Tensor:
+        return torch.cat([torch.full((n,), v) for n, v in sections])
+
+    for i in range(c.num_layers):
+        p = f"layers.{i}."
+        # q, k and v see the input times attention_in; k's output is times key_multiplier.
+        _scale(w, p + "self_attn.qkv_proj",
+               rows((q_rows, attn_in), (kv_rows, attn_in * key), (kv_rows, attn_in)),
+               rows((q_rows, 1.0), (kv_rows, key), (kv_rows, 1.0)))
+        out = torch.tensor([m["attention_out_multiplier"]])
+        _scale(w, p + "self_attn.o_proj", out, out)
+        mup_rows = rows((z_x, mup[0]), (z_x, mup[1]), (bc, mup[2]), (bc, mup[3]),
+                        (s.num_heads, mup[4]))
+        _scale(w, p + "mixer.in_proj", mup_rows * m["ssm_in_multiplier"], mup_rows)
+        out = torch.tensor([m["ssm_out_multiplier"]])
+        _scale(w, p + "mixer.out_proj", out, out)
+        gate_up = rows((c.intermediate_size, gate), (c.intermediate_size, 1.0))
+        _scale(w, p + "mlp.gate_up_proj", gate_up, gate_up)
+        _scale(w, p + "mlp.down_proj", torch.tensor([down]), torch.tensor([down]))
+
+
+def _scale(w: dict, module: str, weight_rows: torch.Tensor, bias_rows: torch.Tensor) -> None:
+    """The output rows of linear `module` times weight_rows, its bias times bias_rows ([rows] or
+    [1] for all), each product rounded once to the tensor's dtype."""
+    if torch.all(weight_rows == 1) and torch.all(bias_rows == 1):
+        return
+    for suffix, factors in ((".weight", weight_rows), (".scales", weight_rows),
+                            (".bias", bias_rows)):
+        t = w.get(module + suffix)
+        if t is None:
+            continue
+        if len(factors) not in (1, t.shape[0]):
+            raise ValueError(f"{module}{suffix}: cannot fold {len(factors)} multipliers into "
+                             f"{t.shape[0]} rows")
+        shape = (-1,) + (1,) * (t.dim() - 1)
+        w[module + suffix] = (t.float() * factors.view(shape)).to(t.dtype)

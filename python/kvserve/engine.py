@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from kvserve import _C
+from kvserve.architectures import ARCHITECTURES
 from kvserve.config import (load_checkpoint_info, resolve_dtype, resolve_kv_cache_dtype,
                             set_quantized_activation)
 from kvserve.engine_args import EngineArgs
@@ -163,6 +164,10 @@ class LLMEngine:
                     raise ValueError(f"{name} is not supported for models with state-space "
                                      f"layers ({info.config.architecture}) yet")
         if args.enable_lora:
+            if ARCHITECTURES[info.config.architecture].fold_weights is not None:
+                raise ValueError(f"LoRA adapters are not supported for "
+                                 f"{info.config.architecture} yet: its multipliers are folded "
+                                 "into the projections an adapter would add to")
             for name in ("max_loras", "max_lora_rank"):
                 if getattr(args, name) < 1:
                     raise ValueError(f"{name} must be a positive integer, got "
@@ -284,7 +289,7 @@ class LLMEngine:
             plan += (f" (layer groups of {kv.layout.num_slots()}: {kinds}; a sequence of "
                      f"max_model_len holds {held} layer-blocks instead of {plain}, "
                      f"{plain / held:.1f}x fewer)")
-        attention_layers = self.config.num_layers - self.config.num_ssm_layers()
+        attention_layers = sum(map(self.config.has_attention, range(self.config.num_layers)))
         if not kv.layout.latent and 0 < self.config.num_kv_layers() < attention_layers:
             plain = _C.KVCacheLayout.multi_head_equivalent(self.config).bytes_per_token(self.dtype)
             shared = _C.KVCacheLayout.for_model(self.config).bytes_per_token(self.dtype)

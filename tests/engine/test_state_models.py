@@ -1,5 +1,5 @@
-"""The engine on models with state-space layers (Mamba2, and Granite 4 and Bamba hybrids of Mamba2
-mixers and attention layers): every running sequence holds one state slot beside its blocks, so chunked
+"""The engine on models with state-space layers (Mamba2; Granite 4 and Bamba hybrids of Mamba2
+mixers and attention layers; FalconH1, both in every layer): every running sequence holds one state slot beside its blocks, so chunked
 prefill, batching, slot reuse, preemption and parallel samples must all give the tokens of
 transformers' whole-sequence forward (its pure-torch path)."""
 
@@ -20,7 +20,7 @@ from tests.models.test_parity import PROMPTS, hf_greedy
 transformers = pytest.importorskip("transformers")
 
 MAMBA2 = "Mamba2ForCausalLM"
-MODELS = [MAMBA2, "GraniteMoeHybridForCausalLM", "BambaForCausalLM"]
+MODELS = [MAMBA2, "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "FalconH1ForCausalLM"]
 NUM_TOKENS = 20
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
 

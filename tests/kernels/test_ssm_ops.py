@@ -1,7 +1,7 @@
 """The state-space ops (ssm_causal_conv1d, ssm_scan, rms_norm_gated) against
 kvserve.testing.ssm_reference, whose functions are checked here against transformers' own
 pure-torch Mamba2 paths (causal_conv1d_fn / _update, mamba2_chunk_scan with initial states,
-mamba2_selective_state_update, MambaRMSNormGated)."""
+mamba2_selective_state_update, MambaRMSNormGated, FalconH1RMSNormGated)."""
 
 from __future__ import annotations
 
@@ -182,16 +182,23 @@ def test_batched_sequences_equal_one_at_a_time():
 
 # --------------------------------------------------------------------------- rms_norm_gated
 
+# Mamba2's gate then norm, FalconH1's norm then gate, and the gate alone (no weight).
+ORDERS = ["gate_then_norm", "norm_then_gate", "gate_only"]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dim, group_size", [(1, 1), (12, 4), (96, 96), (330, 33)])
-@pytest.mark.parametrize("gated", [True, False])
-def test_rms_norm_gated(dim, group_size, dtype, gated):
+@pytest.mark.parametrize("gated, order", [(gated, order) for order in ORDERS
+                                           for gated in (True, False)
+                                           if gated or order != "gate_only"])
+def test_rms_norm_gated(dim, group_size, dtype, gated, order):
     x = rand(9, dim + 2, dtype=dtype, scale=3)[:, :dim]
     z = rand(9, dim, dtype=dtype, seed=1) if gated else None
-    w = (1 + rand(dim, seed=2, scale=0.3)).to(dtype)
+    w = None if order == "gate_only" else (1 + rand(dim, seed=2, scale=0.3)).to(dtype)
     out = torch.empty(9, dim, dtype=dtype)
-    ops.rms_norm_gated(out, x, z, w, group_size, 1e-5)
-    torch.testing.assert_close(out, ref.rms_norm_gated(x, z, w, group_size, 1e-5),
+    before = order == "norm_then_gate"
+    ops.rms_norm_gated(out, x, z, w, group_size, 1e-5, before)
+    torch.testing.assert_close(out, ref.rms_norm_gated(x, z, w, group_size, 1e-5, before),
                                **TOLERANCES[dtype])
 
 
@@ -253,9 +260,15 @@ def test_ssm_scan_rejects_bad_arguments(change, match):
         ops.ssm_scan(**scan_args(**change))
 
 
-def test_rms_norm_gated_rejects_a_group_that_does_not_divide():
-    with pytest.raises(RuntimeError, match="divide"):
-        ops.rms_norm_gated(torch.empty(2, 8), torch.randn(2, 8), None, torch.ones(8), 3, 1e-5)
+@pytest.mark.parametrize("gate, weight, group_size, match", [
+    (None, torch.ones(8), 3, "divide"),
+    (None, None, 8, "the gate is required"),
+    (torch.randn(2, 8), torch.ones(7), 8, "weight must be contiguous"),
+    (torch.randn(2, 7), torch.ones(8), 8, "gate must have the shape"),
+])
+def test_rms_norm_gated_rejects_bad_arguments(gate, weight, group_size, match):
+    with pytest.raises(RuntimeError, match=match):
+        ops.rms_norm_gated(torch.empty(2, 8), torch.randn(2, 8), gate, weight, group_size, 1e-5)
 
 
 # ----------------------------------------------------- the references against transformers
@@ -295,6 +308,12 @@ def test_references_equal_transformers_mamba2_paths():
     xx, zz = rand(3, 8, seed=6), rand(3, 8, seed=8)
     torch.testing.assert_close(ref.rms_norm_gated(xx, zz, norm.weight.data, 4, 1e-5),
                                norm(xx, zz).detach())
+    falcon = pytest.importorskip("transformers.models.falcon_h1.modeling_falcon_h1")
+    for before in (True, False):
+        norm = falcon.FalconH1RMSNormGated(8, eps=1e-5, n_groups=2, norm_before_gate=before)
+        norm.weight.data = rand(8, seed=5)
+        torch.testing.assert_close(ref.rms_norm_gated(xx, zz, norm.weight.data, 4, 1e-5, before),
+                                   norm(xx, zz).detach())
 
 
 def capability_checks():
@@ -302,7 +321,8 @@ def capability_checks():
     for dtype in DTYPES:
         test_causal_conv1d([5, 0, 1, 13], 70, 3, dtype, "fp32")
         test_ssm_scan([5, 0, 1, 13], 6, 16, 3, 33, dtype, "fp32")
-        test_rms_norm_gated(330, 33, dtype, True)
+        for order in ORDERS:
+            test_rms_norm_gated(330, 33, dtype, True, order)
 
 
 @pytest.mark.parametrize("capability", CAPABILITIES)

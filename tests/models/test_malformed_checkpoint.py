@@ -245,6 +245,18 @@ STATE_MODEL_CASES = [
     # Bamba rotates half of each head: heads of 6 would leave 3 dims, an odd number.
     ("BambaForCausalLM", {"num_attention_heads": 16, "head_dim": 6},
      "'partial_rotary_factor' is 0.5: head_dim (6) times it must be a positive even number"),
+    ("FalconH1ForCausalLM", {"mamba_d_ssm": 100}, "'mamba_d_head' * mamba_n_heads (120) must "
+                                                  "equal mamba_d_ssm (100)"),
+    ("FalconH1ForCausalLM", {"key_multiplier": 0}, "'key_multiplier' must be a finite number > 0"),
+    ("FalconH1ForCausalLM", {"lm_head_multiplier": "2"}, "'lm_head_multiplier' must be a finite"),
+    ("FalconH1ForCausalLM", {"ssm_multipliers": [1.0, 1.0]},
+     "'ssm_multipliers' must list 5 finite numbers > 0"),
+    ("FalconH1ForCausalLM", {"mlp_multipliers": [1.0, float("inf")]},
+     "'mlp_multipliers' must list 2 finite numbers > 0"),
+    ("FalconH1ForCausalLM", {"mamba_rms_norm": "yes"}, "'mamba_rms_norm' must be true or false"),
+    # A norm that config.json announces and the weights lack.
+    ("FalconH1ForCausalLM", {"mamba_rms_norm": True}, "model.layers.0.mixer.norm.weight"),
+    ("FalconH1ForCausalLM", {"projectors_bias": True}, "model.layers.0.mixer.out_proj.bias"),
 ]
 
 
@@ -253,7 +265,8 @@ def test_bad_state_model_config_field(checkpoint_factory, tmp_path, architecture
                                       fragment):
     path = copy(checkpoint_factory(architecture), tmp_path / "model")
     edit_config(path, **changes)
-    expect_error(path, [fragment] if "mlp.experts" in fragment or "block_sparse" in fragment
+    weights = ("mlp.experts", "block_sparse", "mixer.")
+    expect_error(path, [fragment] if any(w in fragment for w in weights)
                  else ["config.json", fragment])
 
 

@@ -75,6 +75,14 @@ VARIANTS = {
         attn_layer_indices=[0, 3], rope_parameters={
             "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
             "rope_theta": 10000.0})),
+    # FalconH1's mixer norm after the gate (Mamba2's order) with every bias, and before it with
+    # its own head_dim (not hidden_size / heads) and a tied head.
+    "falcon-h1-gate-then-norm-biases": ("FalconH1ForCausalLM", dict(
+        mamba_rms_norm=True, mamba_norm_before_gate=False, mamba_proj_bias=True,
+        projectors_bias=True, attention_bias=True, mlp_bias=True)),
+    "falcon-h1-norm-then-gate-head-dim-tied": ("FalconH1ForCausalLM", dict(
+        mamba_rms_norm=True, mamba_norm_before_gate=True, head_dim=16,
+        tie_word_embeddings=True)),
 }
 
 

@@ -91,25 +91,46 @@ def original(tmp_path_factory):
                            attention_bias=True)
 
 
+def meant_weights(t: dict[str, torch.Tensor], method: str) -> dict[str, torch.Tensor]:
+    """The weights a `kvserve quantize` file means, by module: int4 (AWQ, groups of 32) or the
+    compressed-tensors int8 / fp8 ones."""
+    if method == "int4":
+        return {m: awq_dequantize(t, m, 32) for m in linear_modules(t, ".qweight")}
+    modules = linear_modules(t, ".weight_scale")
+    assert t[modules[0] + ".weight"].dtype == (torch.int8 if method == "int8"
+                                               else torch.float8_e4m3fn)
+    return {m: t[m + ".weight"].float() * t[m + ".weight_scale"].float() for m in modules}
+
+
 @pytest.mark.parametrize("method", ["int8", "fp8", "int4"])
 def test_quantize_then_generate_matches_transformers_on_the_meaning(original, tmp_path, method):
     out = tmp_path / method
     quantize_checkpoint(original, out, method, group_size=32)
     t = load_file(out / "model.safetensors")
-    if method == "int4":
-        modules = linear_modules(t, ".qweight")
-        weights = {m: awq_dequantize(t, m, 32) for m in modules}
-    else:
-        modules = linear_modules(t, ".weight_scale")
-        weights = {m: t[m + ".weight"].float() * t[m + ".weight_scale"].float() for m in modules}
-        assert t[modules[0] + ".weight"].dtype == (torch.int8 if method == "int8"
-                                                   else torch.float8_e4m3fn)
-    assert len(modules) == 2 * 7  # q, k, v, o, gate, up, down in each of 2 layers
+    weights = meant_weights(t, method)
+    assert len(weights) == 2 * 7  # q, k, v, o, gate, up, down in each of 2 layers
     assert "lm_head.weight" in t and "model.embed_tokens.weight" in t  # kept plain
     assert_same_generation(out, reference_model(original, weights))
     # The quantized model is smaller and reports so.
     plain = kvserve.LLM(original, dtype=torch.float32).model.weight_bytes
     assert kvserve.LLM(out, dtype=torch.float32).model.weight_bytes < plain
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_falcon_h1_multipliers_fold_into_quantized_projections(tmp_path, method):
+    """FalconH1's multipliers are folded into its projections at load (fold_falcon_h1):
+    quantized ones through their scales, which must give transformers' model on the weights
+    the file means."""
+    original = make_checkpoint(tmp_path / "plain", "FalconH1ForCausalLM")
+    out = tmp_path / method
+    quantize_checkpoint(original, out, method, group_size=32)
+    weights = meant_weights(load_file(out / "model.safetensors"), method)
+    quantized = {m.rpartition(".")[2] for m in weights}
+    assert quantized >= {"q_proj", "k_proj", "o_proj", "gate_proj", "down_proj"}
+    # int4 keeps the mixer's projections plain: in_proj's 350 rows are not a multiple of 8,
+    # out_proj's 120 columns not of the group.
+    assert {"in_proj", "out_proj"} <= quantized or method == "int4"
+    assert_same_generation(out, reference_model(original, weights))
 
 
 def test_compressed_tensors_read_by_its_own_package(original, tmp_path):

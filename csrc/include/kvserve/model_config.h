@@ -74,23 +74,29 @@ struct MoEConfig {
 };
 
 /// State-space (Mamba2) mixers in place of attention, in some layers (hybrids: Bamba, Granite 4)
-/// or all (Mamba2). layers empty: none. A mixer projects the hidden state to a gate z
-/// [heads * head_dim], the convolved channels (x [heads * head_dim], B and C [groups *
+/// or all (Mamba2), or beside attention in every layer (FalconH1: the two run on the same normed
+/// input and their outputs are summed). layers empty: none. A mixer projects the hidden state to
+/// a gate z [heads * head_dim], the convolved channels (x [heads * head_dim], B and C [groups *
 /// state_size] each) and dt [heads]; runs the depthwise causal convolution of conv_kernel taps
 /// with SiLU, the selective scan (ops/ssm_scan.h, dt clamped to [dt_min, dt_max]), the gated
-/// RMSNorm over norm_groups groups and the output projection. Each sequence keeps a conv state
-/// [conv channels, conv_kernel - 1] and an SSM state [heads, head_dim, state_size] per mixer
-/// layer: fixed in size, whatever its length (KVCacheLayout's state group).
+/// output (`norm`, over norm_groups groups) and the output projection. Each sequence keeps a conv
+/// state [conv channels, conv_kernel - 1] and an SSM state [heads, head_dim, state_size] per
+/// mixer layer: fixed in size, whatever its length (KVCacheLayout's state group).
 #define KVSERVE_SSM_CONFIG_FIELDS(X)                                                        \
-  X(std::vector<int64_t>, layers, {}) /* per layer: 1 = SSM mixer, 0 = attention */         \
+  /* per layer: 0 = attention, 1 = SSM mixer, 2 = both in parallel (FalconH1) */            \
+  X(std::vector<int64_t>, layers, {})                                                       \
   X(int64_t, num_heads, 0)                                                                  \
   X(int64_t, head_dim, 0)                                                                   \
   X(int64_t, state_size, 0)                                                                 \
   X(int64_t, n_groups, 1)      /* groups of heads sharing B and C */                        \
   X(int64_t, conv_kernel, 4)                                                                \
   X(int64_t, norm_groups, 1)   /* groups of the gated RMSNorm over heads * head_dim */      \
+  /* the scan's output y and the gate z: gate_then_norm, RMSNorm(y * silu(z)) (Mamba2); */  \
+  /* norm_then_gate, RMSNorm(y) * silu(z); gate_only, y * silu(z) (FalconH1's options) */   \
+  X(std::string, norm, "gate_then_norm")                                                    \
   X(bool, conv_bias, true)                                                                  \
-  X(bool, proj_bias, false)    /* bias on in_proj and out_proj */                           \
+  X(bool, proj_bias, false)     /* bias on in_proj */                                       \
+  X(bool, out_proj_bias, false) /* bias on out_proj */                                      \
   X(double, dt_min, 0.0)                                                                    \
   X(double, dt_max, 1e30)      /* time_step_limit; 1e30: none */                            \
   X(bool, mlp, true)           /* every layer has an MLP after its mixer (Mamba2: none) */
@@ -169,17 +175,23 @@ struct ModelConfig {
   int64_t kv_source(int64_t layer) const {
     return kv_sources.empty() ? layer : kv_sources.at(layer);
   }
-  /// Whether `layer` mixes with a state-space mixer instead of attention.
-  bool is_ssm_layer(int64_t layer) const { return !ssm.layers.empty() && ssm.layers.at(layer); }
+  /// Whether `layer` has a state-space mixer (alone, or beside attention).
+  bool has_mixer(int64_t layer) const { return !ssm.layers.empty() && ssm.layers.at(layer) != 0; }
+  /// Whether `layer` attends (alone, or beside a mixer).
+  bool has_attention(int64_t layer) const {
+    return ssm.layers.empty() || ssm.layers.at(layer) != 1;
+  }
   /// Layers with a state-space mixer.
   int64_t num_ssm_layers() const;
   /// Layers that write K/V, each with a cache of its own: every attention layer but the sharing
   /// ones.
   int64_t num_kv_layers() const;
-  /// Index of the cache that `layer` reads among the forward's caches: the num_kv_layers() KV
-  /// caches, then one state per SSM layer (an SSM layer's index is num_kv_layers() + its rank
-  /// among the SSM layers).
+  /// Index of the cache that `layer`'s attention reads among the forward's caches: the
+  /// num_kv_layers() KV caches come first (a layer that shares KV reads its source's).
   int64_t kv_cache_index(int64_t layer) const;
+  /// Index of `layer`'s mixer state among the forward's caches: after the KV caches, one per
+  /// mixer layer in order (num_kv_layers() + its rank among the mixer layers).
+  int64_t state_cache_index(int64_t layer) const;
   bool is_moe_layer(int64_t layer) const {
     return moe.num_experts > 0 && !moe.layers.empty() && moe.layers.at(layer) != 0;
   }

@@ -11,10 +11,15 @@ namespace kvserve::ops {
 
 /// Checks rms_norm_gated's arguments (contract: rms_norm_gated.h).
 inline void check_rms_norm_gated(const at::Tensor& out, const at::Tensor& input,
-                                 const std::optional<at::Tensor>& gate, const at::Tensor& weight,
-                                 int64_t group_size) {
+                                 const std::optional<at::Tensor>& gate,
+                                 const std::optional<at::Tensor>& weight, int64_t group_size) {
   constexpr const char* op = "rms_norm_gated";
-  check_norm_weight(op, input, weight);
+  check_rows(op, "input", input, 2);
+  if (weight) {
+    check_norm_weight(op, input, *weight);
+  } else {
+    TORCH_CHECK(gate.has_value(), op, ": without a weight (no norm) the gate is required");
+  }
   check_rows(op, "out", out, 2);
   check_like(op, "out", out, input);
   TORCH_CHECK(out.sizes() == input.sizes(), op, ": out must have the shape of input");

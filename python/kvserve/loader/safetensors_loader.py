@@ -30,7 +30,7 @@ from kvserve.architectures import ARCHITECTURES, weight_names
 from kvserve.loader.sharding import (Shard, check_shardable, local_columns, local_heads,
                                      local_intermediate, local_vocab)
 from kvserve.loader.weight_check import check_weights, moe_names
-from kvserve.loader.weight_index import WeightIndex
+from kvserve.loader.weight_index import WeightIndex, kvserve_name
 from kvserve.quantization.formats import CheckpointQuantization, parse_quantization_config
 from kvserve.quantization.weights import QuantizedWeight
 
@@ -133,11 +133,16 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
     if model_dir.suffix == ".gguf" and model_dir.is_file():  # a llama.cpp file, read as it is
         from kvserve.loader.gguf_checkpoint import GGUFCheckpoint, GGUFTensorReader
 
-        read = GGUFTensorReader(GGUFCheckpoint(model_dir), dtype)
+        checkpoint = GGUFCheckpoint(model_dir)
+        hf, read = checkpoint.hf_config, GGUFTensorReader(checkpoint, dtype)
     else:
         index = WeightIndex.from_dir(model_dir).renamed(weight_names(config))
         config_path = model_dir / "config.json"
-        quant = parse_quantization_config(json.loads(config_path.read_text()))
+        hf = json.loads(config_path.read_text())
+        quant = parse_quantization_config(hf)
+        if quant is not None:  # its ignore list as the renamed index names the modules
+            quant.ignore = [p if p.startswith("re:") else kvserve_name(p, weight_names(config))
+                            for p in quant.ignore]
         check_weights(index, config, config_path, quant)
         read = _TensorReader(index, dtype, quant)
     w: dict[str, torch.Tensor] = {"norm.weight": read("model.norm.weight")}
@@ -148,20 +153,20 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
         p = f"model.layers.{i}."
         out = f"layers.{i}."
         w[out + "input_layernorm.weight"] = read(p + "input_layernorm.weight")
-        if config.is_ssm_layer(i):
+        if config.has_mixer(i):
             _read_mixer(read, config, p + "mixer.", out + "mixer.", w)
-            if not config.ssm.mlp:
-                continue
-        w[out + "post_attention_layernorm.weight"] = read(p + "post_attention_layernorm.weight")
-        if config.sandwich_norms:
-            for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
-                w[out + norm + ".weight"] = read(p + norm + ".weight")
-        if config.is_ssm_layer(i):
+        if not config.has_attention(i):
             pass
         elif config.use_mla():
             _read_mla(read, config, p + "self_attn.", out + "self_attn.", w, shard)
         else:
             _read_attention(read, config, i, p + "self_attn.", out + "self_attn.", w, shard)
+        if not config.ssm.mlp:
+            continue
+        w[out + "post_attention_layernorm.weight"] = read(p + "post_attention_layernorm.weight")
+        if config.sandwich_norms:
+            for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+                w[out + norm + ".weight"] = read(p + norm + ".weight")
         if config.is_moe_layer(i):
             _read_moe(read, config, p, out + "mlp.", w, shard)
         elif ARCHITECTURES[config.architecture].fused_mlp:
@@ -172,6 +177,9 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
                       (config.intermediate_size, config.hidden_size),
                       shard=None if shard is None else (shard.rank,
                                                         *local_intermediate(config, shard)))
+    fold = ARCHITECTURES[config.architecture].fold_weights
+    if fold is not None:
+        fold(config, hf, w)
     return {name: t.to(device).contiguous() for name, t in w.items()}
 
 
@@ -191,21 +199,21 @@ def _read_fused_mlp(read: _TensorReader, c: _C.ModelConfig, mlp: str, out: str,
 
 def _read_mixer(read: _TensorReader, c: _C.ModelConfig, mixer: str, out: str,
                 w: dict[str, torch.Tensor]) -> None:
-    """A state-space mixer's weights (csrc/layers/mamba2_mixer.h): the convolution's
-    [conv_dim, 1, kernel] weight as [conv_dim, kernel]; A_log in fp32, as the reference keeps
-    it."""
+    """A state-space mixer's weights (csrc/layers/mamba2_mixer.h): its projections plain or
+    quantized, the convolution's [conv_dim, 1, kernel] weight as [conv_dim, kernel]; A_log in
+    fp32, as the reference keeps it."""
     s = c.ssm
-    for proj, shape in (("in_proj", (2 * s.inner_size + 2 * s.n_groups * s.state_size
-                                     + s.num_heads, c.hidden_size)),
-                        ("out_proj", (c.hidden_size, s.inner_size))):
-        w[out + proj + ".weight"] = read.weight(mixer + proj, shape)
-        if s.proj_bias:
+    for proj, shape, bias in (("in_proj", (2 * s.inner_size + 2 * s.n_groups * s.state_size
+                                           + s.num_heads, c.hidden_size), s.proj_bias),
+                              ("out_proj", (c.hidden_size, s.inner_size), s.out_proj_bias)):
+        read.put(w, out + proj, [mixer + proj], [shape])  # quantized if the file is
+        if bias:
             w[out + proj + ".bias"] = read(mixer + proj + ".bias")
     w[out + "conv1d.weight"] = read(mixer + "conv1d.weight").squeeze(1)
     if s.conv_bias:
         w[out + "conv1d.bias"] = read(mixer + "conv1d.bias")
     w[out + "A_log"] = read(mixer + "A_log", torch.float32)
-    for name in ("D", "dt_bias", "norm.weight"):
+    for name in ("D", "dt_bias") + (("norm.weight",) if s.norm != "gate_only" else ()):
         w[out + name] = read(mixer + name)
 
 

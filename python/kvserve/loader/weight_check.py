@@ -30,16 +30,16 @@ def expected_shapes(c: _C.ModelConfig) -> dict[str, tuple[Dim, ...]]:
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (hidden,)
-        if c.is_ssm_layer(i):
+        if c.has_mixer(i):
             shapes.update(_mixer_shapes(c, p + "mixer."))
-            if not c.ssm.mlp:
-                continue
+        if c.has_attention(i):
+            shapes.update(_mla_shapes(c, p) if c.use_mla() else _attention_shapes(c, p, i))
+        if not c.ssm.mlp:
+            continue
         shapes[p + "post_attention_layernorm.weight"] = (hidden,)
         if c.sandwich_norms:
             shapes[p + "pre_feedforward_layernorm.weight"] = (hidden,)
             shapes[p + "post_feedforward_layernorm.weight"] = (hidden,)
-        if not c.is_ssm_layer(i):
-            shapes.update(_mla_shapes(c, p) if c.use_mla() else _attention_shapes(c, p, i))
         if c.is_moe_layer(i):
             shapes.update(_moe_shapes(c, p))
         elif ARCHITECTURES[c.architecture].fused_mlp:  # gate and up in one tensor
@@ -62,12 +62,14 @@ def _mixer_shapes(c: _C.ModelConfig, p: str) -> dict[str, tuple[Dim, ...]]:
                  s.inner_size + s.conv_dim + s.num_heads)
     shapes = {p + "in_proj.weight": (projected, hidden), p + "out_proj.weight": (hidden, inner),
               p + "conv1d.weight": (conv, ("1", 1), ("conv_kernel", s.conv_kernel)),
-              p + "dt_bias": (heads,), p + "A_log": (heads,), p + "D": (heads,),
-              p + "norm.weight": (inner,)}
+              p + "dt_bias": (heads,), p + "A_log": (heads,), p + "D": (heads,)}
+    if s.norm != "gate_only":
+        shapes[p + "norm.weight"] = (inner,)
     if s.conv_bias:
         shapes[p + "conv1d.bias"] = (conv,)
     if s.proj_bias:
         shapes[p + "in_proj.bias"] = (projected,)
+    if s.out_proj_bias:
         shapes[p + "out_proj.bias"] = (hidden,)
     return shapes
 

@@ -12,6 +12,16 @@ from kvserve.loader.safetensors_header import TensorInfo, read_safetensors_heade
 INDEX_NAME = "model.safetensors.index.json"
 
 
+def kvserve_name(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    """A checkpoint's tensor name as kvserve's: rewritten by the first (pattern, replacement)
+    regular expression that matches it (Architecture.weight_names), else as it is."""
+    for pattern, replacement in renames:
+        new, count = re.subn(pattern, replacement, name)
+        if count:
+            return new
+    return name
+
+
 class WeightIndex:
     """The checked headers of a checkpoint's weight files, by tensor name.
 
@@ -50,11 +60,7 @@ class WeightIndex:
             return self
         tensors: dict[str, TensorInfo] = {}
         for name, info in self.tensors.items():
-            new = name
-            for pattern, replacement in renames:
-                new, count = re.subn(pattern, replacement, name)
-                if count:
-                    break
+            new = kvserve_name(name, renames)
             if new in tensors:
                 raise ValueError(f"{self.source}: tensors '{tensors[new].name}' and '{name}' "
                                  f"are both kvserve's '{new}'")

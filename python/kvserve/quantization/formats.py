@@ -69,13 +69,13 @@ class CheckpointQuantization:
         return 0.0 if self.int8_activations else self.outlier_threshold
 
     def covers(self, module: str) -> bool:
-        """Whether the linear layer `module` (e.g. model.layers.0.mlp.down_proj, lm_head) is
-        quantized."""
+        """Whether the linear layer `module`, by kvserve's name (e.g.
+        model.layers.0.mlp.down_proj, model.layers.1.mixer.in_proj, lm_head), is quantized."""
         if module == "lm_head":
             return self.lm_head
         if module == "model.embed_tokens":
             return self.embeddings
-        projection = re.search(r"\.(self_attn|mlp|block_sparse_moe)\.", module)
+        projection = re.search(r"\.(self_attn|mlp|block_sparse_moe|mixer)\.", module)
         if not projection or module.endswith(".gate"):
             return False  # embeddings and routers stay plain
         return not self.ignores(module)

@@ -16,7 +16,8 @@ The output directory's model card (README.md: the source's, or a new one) gains 
 section: method, format, and with --eval-text FILE (default: the calibration text) the perplexity
 of the quantized and of the original model on its first --eval-tokens tokens.
 
-Attention and MLP projections are quantized; embeddings, norms, the LM head and MoE routers are
+Attention, MLP and state-space mixer projections are quantized (by their kvserve names,
+Architecture.weight_names); embeddings, norms, the LM head, MoE routers and stacked experts are
 copied as they are, and so is a projection whose shape the int4 layout cannot hold (in_features
 not a multiple of the group size, out_features not of 8): it is listed in the config's
 `modules_to_not_convert`, as AutoAWQ does. With --lm-head (int8, fp8, int4, awq) the LM head is
@@ -36,7 +37,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from kvserve.architectures import weight_names
+from kvserve.config import load_checkpoint_info
 from kvserve.loader.checkpoint_writer import write_checkpoint
+from kvserve.loader.weight_index import kvserve_name
 from kvserve.quantization.formats import (
     CheckpointQuantization,
     awq_config,
@@ -99,11 +103,13 @@ def quantize_checkpoint(model_dir: Path, out_dir: Path, method: str, group_size:
 
         awq_transform(model_dir, source, Path(calibration), group_size)
     covers = CheckpointQuantization(method, 8, -1, lm_head=lm_head, embeddings=embeddings).covers
+    renames = weight_names(load_checkpoint_info(model_dir).config)  # covers takes kvserve's names
     tensors: dict[str, torch.Tensor] = {}
     plain: list[str] = []
     for name, t in source.items():
         module = name.removesuffix(".weight")
-        if not (name.endswith(".weight") and t.dim() == 2 and covers(module)):
+        covered = covers(kvserve_name(name, renames).removesuffix(".weight"))
+        if not (name.endswith(".weight") and t.dim() == 2 and covered):
             tensors[name] = t
         elif int4 and (t.shape[1] % group_size or t.shape[0] % 8):
             tensors[name] = t

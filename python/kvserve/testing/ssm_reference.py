@@ -79,13 +79,22 @@ def ssm_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     return y.to(x.dtype), new_state
 
 
-def rms_norm_gated(x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor,
-                   group_size: int, epsilon: float) -> torch.Tensor:
-    """weight * RMSNorm over groups of group_size channels of x * silu(z) (Mamba2's gated norm,
-    the gate applied before the norm). x, z [tokens, dim]; weight [dim]."""
+def rms_norm_gated(x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor | None,
+                   group_size: int, epsilon: float,
+                   norm_before_gate: bool = False) -> torch.Tensor:
+    """The mixer's gated output, x and z [tokens, dim]: weight * RMSNorm over groups of
+    group_size channels of x * silu(z) (Mamba2: the gate before the norm); with
+    norm_before_gate, weight * RMSNorm(x) * silu(z) (FalconH1); without a weight, x * silu(z)
+    (FalconH1 without its norm)."""
     h = x.double()
-    if z is not None:
-        h = h * F.silu(z.double())
+    gate = F.silu(z.double()) if z is not None else None
+    if weight is None:
+        return (h * gate).to(x.dtype)
+    if gate is not None and not norm_before_gate:
+        h = h * gate
     g = h.view(h.shape[0], -1, group_size)
     g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + epsilon)
-    return (weight.double() * g.view(h.shape)).to(x.dtype)
+    out = weight.double() * g.view(h.shape)
+    if gate is not None and norm_before_gate:
+        out = out * gate
+    return out.to(x.dtype)
