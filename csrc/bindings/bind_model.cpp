@@ -60,6 +60,8 @@ void bind_config(py::module_& m) {
   KVSERVE_MODEL_CONFIG_FIELDS(KVSERVE_BIND_FIELD)
   cls.def("kv_source", &ModelConfig::kv_source, py::arg("layer"))
       .def("num_kv_layers", &ModelConfig::num_kv_layers)
+      .def("kv_cache_index", &ModelConfig::kv_cache_index, py::arg("layer"))
+      .def("state_cache_index", &ModelConfig::state_cache_index, py::arg("layer"))
       .def("num_ssm_layers", &ModelConfig::num_ssm_layers)
       .def("has_mixer", &ModelConfig::has_mixer, py::arg("layer"))
       .def("has_attention", &ModelConfig::has_attention, py::arg("layer"))

@@ -141,6 +141,23 @@ def test_hybrid_memory_plan_has_kv_for_its_attention_layer_and_states_for_the_re
     assert "KV cache" in plan and "3 slots x" in plan and "3 state-space layers" in plan
 
 
+def test_falcon_h1_has_kv_and_a_state_in_every_layer(checkpoint_factory):
+    """FalconH1's layers attend and mix side by side: each has its KV and its state."""
+    e = engine(checkpoint_factory("FalconH1ForCausalLM"), max_num_seqs=3)
+    layout = e.kv_cache.layout
+    assert layout.num_layers == 3 and list(layout.state.layers) == [0, 1, 2]
+    assert len(e.kv_cache.key_caches) == 3 and len(e.kv_cache.ssm_states) == 3
+    c = e.config
+    assert [c.kv_cache_index(i) for i in range(3)] == [0, 1, 2]
+    assert [c.state_cache_index(i) for i in range(3)] == [3, 4, 5]
+
+
+def test_lora_is_refused_where_multipliers_are_folded(checkpoint_factory):
+    with pytest.raises(ValueError, match="LoRA adapters are not supported for "
+                                         "FalconH1ForCausalLM yet"):
+        engine(checkpoint_factory("FalconH1ForCausalLM"), enable_lora=True)
+
+
 def test_memory_plan_shows_the_fixed_state_per_sequence(mamba2):
     e = engine(mamba2, max_num_seqs=5)
     layout, kv = e.kv_cache.layout, e.kv_cache
