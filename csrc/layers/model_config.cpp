@@ -36,7 +36,11 @@ void ModelConfig::validate() const {
           "embedding_multiplier positive");
   require(residual_multiplier > 0 && logits_scaling > 0,
           "residual_multiplier and logits_scaling must be positive");
-  require(!no_rope || !qk_norm, "q/k norms without RoPE are not supported");
+  require(nope_layers.empty() || static_cast<int64_t>(nope_layers.size()) == num_layers,
+          "nope_layers must have one entry per layer");
+  for (int64_t l = 0; l < num_layers; ++l) {
+    require(uses_rope(l) || !qk_norm, "q/k norms without RoPE are not supported");
+  }
   require(rotary_dim >= 0 && rotary_dim % 2 == 0 && rotary_dim <= head_dim,
           "rotary_dim must be even and in [0, head_dim]");
   require(rotary_dim == 0 || !use_mla(), "partial rotary with MLA is not supported");

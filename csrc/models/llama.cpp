@@ -21,9 +21,9 @@ LlamaForCausalLM::LlamaForCausalLM(const ModelConfig& config, const WeightMap& w
     if (!config_.has_attention(i)) {
       add_layer(i, nullptr, w);
     } else {
-      const RotaryEmbedding* rotary = config_.no_rope ? nullptr
-                                      : local             ? &rotary_local_
-                                                          : &rotary_;
+      const RotaryEmbedding* rotary = !config_.uses_rope(i) ? nullptr
+                                      : local                 ? &rotary_local_
+                                                              : &rotary_;
       add_layer(i, std::make_unique<Attention>(config_, i, w, rotary), w);
     }
   }

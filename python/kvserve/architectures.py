@@ -99,6 +99,15 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
                  tiny=dict(model_type="gemma3_text", head_dim=24, sliding_window=6,
                            num_hidden_layers=3, sliding_window_pattern=3,
                            query_pre_attn_scalar=32, tie_word_embeddings=True)),
+    # Granite (3.x): Llama's layers with its multipliers.
+    Architecture("GraniteForCausalLM", read_family=families.read_granite,
+                 tiny=dict(model_type="granite", embedding_multiplier=2.5,
+                           attention_multiplier=0.09, residual_multiplier=0.6,
+                           logits_scaling=2.5)),
+    # SmolLM3: the middle of 3 layers without RoPE (NoPE every second layer).
+    Architecture("SmolLM3ForCausalLM", read_family=families.read_smollm3,
+                 tiny=dict(model_type="smollm3", num_hidden_layers=3,
+                           no_rope_layer_interval=2, pad_token_id=0)),
     # Mamba2: every layer a state-space mixer, no MLP; odd sizes (3 layers, 20 heads of 12,
     # 3 groups of 10 states) against kernels tuned for powers of two.
     Architecture("Mamba2ForCausalLM", prepare=families.prepare_mamba2,

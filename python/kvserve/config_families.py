@@ -43,12 +43,13 @@ def read_mla(c: _C.ModelConfig, f) -> None:
 
 def read_deepseek_moe(c: _C.ModelConfig, f) -> None:
     """DeepSeekMoE: routed experts from first_k_dense_replace on, shared experts, fp32 router;
-    V3 scores by sigmoid within groups."""
+    V3 scores by sigmoid within groups. A model whose dense layers are all of them has no MoE
+    (its expert fields, num_experts_per_tok null included, are not read)."""
     m = _C.MoEConfig()
     m.num_experts = f.integer("n_routed_experts", 0, minimum=0)
-    if m.num_experts == 0:
-        return
     first_dense = f.integer("first_k_dense_replace", 0, minimum=0)
+    if m.num_experts == 0 or first_dense >= c.num_layers:
+        return
     if f.integer("moe_layer_freq", 1) != 1:  # every released checkpoint has 1
         raise f.error("moe_layer_freq", "must be 1: transformers (the reference) puts an MoE "
                                         "in every layer from first_k_dense_replace on")
@@ -333,15 +334,28 @@ def granite_weight_names(c: _C.ModelConfig) -> tuple[tuple[str, str], ...]:
     )
 
 
-def read_granite_hybrid(c: _C.ModelConfig, f, hf: dict) -> dict:
-    """Granite 4 (GraniteMoeHybrid): the shared MLP's size, the multipliers, NoPE or RoPE."""
-    c.intermediate_size = f.integer("shared_intermediate_size")
+def read_granite(c: _C.ModelConfig, f, hf: dict) -> dict:
+    """Granite (3.x, dense): Llama's layers with Granite's multipliers."""
     _require_silu(f, hf)
+    _granite_multipliers(c, f)
+    return hf
+
+
+def _granite_multipliers(c: _C.ModelConfig, f) -> None:
+    """The embeddings, every layer's outputs into the residual and the logits scaled, and the
+    attention scores' scale set, by Granite's multipliers (transformers' defaults: 1)."""
     c.embedding_multiplier = f.number("embedding_multiplier", 1.0)
     c.residual_multiplier = f.number("residual_multiplier", 1.0)
     c.logits_scaling = f.number("logits_scaling", 1.0)
     # The scores' scale is attention_multiplier itself, not head_dim^-0.5.
     c.query_pre_attn_scalar = f.number("attention_multiplier", 1.0) ** -2
+
+
+def read_granite_hybrid(c: _C.ModelConfig, f, hf: dict) -> dict:
+    """Granite 4 (GraniteMoeHybrid): the shared MLP's size, the multipliers, NoPE or RoPE."""
+    c.intermediate_size = f.integer("shared_intermediate_size")
+    _require_silu(f, hf)
+    _granite_multipliers(c, f)
     position = hf.get("position_embedding_type")
     if position not in (None, "rope", "nope"):
         raise f.error("position_embedding_type", f"is {position!r}; expected rope or none")
@@ -525,3 +539,20 @@ def _scale(w: dict, module: str, weight_rows: torch.Tensor, bias_rows: torch.Ten
                              f"{t.shape[0]} rows")
         shape = (-1,) + (1,) * (t.dim() - 1)
         w[module + suffix] = (t.float() * factors.view(shape)).to(t.dtype)
+
+
+def read_smollm3(c: _C.ModelConfig, f, hf: dict) -> dict:
+    """SmolLM3: Llama's layers, some without RoPE (NoPE). transformers' no_rope_layers holds 1
+    for a layer that rotates and 0 for one that does not; absent, every no_rope_layer_interval-th
+    layer goes without (c.nope_layers: 1 for those)."""
+    _require_silu(f, hf)
+    uses = hf.get("no_rope_layers")
+    if uses is None:
+        interval = f.integer("no_rope_layer_interval", 4)
+        uses = [int((i + 1) % interval != 0) for i in range(c.num_layers)]
+    if (not isinstance(uses, list) or len(uses) != c.num_layers
+            or any(u not in (0, 1) or isinstance(u, bool) for u in uses)):
+        raise f.error("no_rope_layers", f"must list 1 (RoPE) or 0 (none) for each of the "
+                                        f"{c.num_layers} layers, got {uses!r}")
+    c.nope_layers = [1 - u for u in uses]
+    return hf

@@ -205,10 +205,11 @@ def test_bad_config_field(llama, changes, fragment):
     expect_error(llama, ["config.json", fragment])
 
 
-# Models with state-space mixers: the mixers' fields, which layers have them, and the hybrids'
-# own fields. The tiny configs: Mamba2 20 heads of 12 in 5 groups, expand 2 of hidden 120, 3
-# layers; Granite and Bamba 12 heads of 16 in 3 groups, expand 2 of hidden 96, 4 layers.
-STATE_MODEL_CASES = [
+# The fields of the families beyond Llama's. Models with state-space mixers: the mixers' fields,
+# which layers have them, and the hybrids' own fields (the tiny configs: Mamba2 20 heads of 12
+# in 5 groups, expand 2 of hidden 120, 3 layers; Granite 4 and Bamba 12 heads of 16 in 3 groups,
+# expand 2 of hidden 96, 4 layers); Granite's multipliers, SmolLM3's NoPE layers (3 layers).
+FAMILY_CASES = [
     ("Mamba2ForCausalLM", {"n_groups": 3}, "'n_groups' (3) must divide num_heads (20)"),
     ("Mamba2ForCausalLM", {"conv_kernel": 1}, "'conv_kernel' is 1; kvserve runs kernels of 2"),
     ("Mamba2ForCausalLM", {"conv_kernel": 64}, "'conv_kernel' is 64; kvserve runs kernels of 2"),
@@ -257,11 +258,21 @@ STATE_MODEL_CASES = [
     # A norm that config.json announces and the weights lack.
     ("FalconH1ForCausalLM", {"mamba_rms_norm": True}, "model.layers.0.mixer.norm.weight"),
     ("FalconH1ForCausalLM", {"projectors_bias": True}, "model.layers.0.mixer.out_proj.bias"),
+    ("GraniteForCausalLM", {"residual_multiplier": 0}, "'residual_multiplier' must be a finite"),
+    ("GraniteForCausalLM", {"attention_multiplier": -0.1}, "'attention_multiplier' must be a "
+                                                           "finite number > 0"),
+    ("GraniteForCausalLM", {"logits_scaling": "8"}, "'logits_scaling' must be a finite number"),
+    ("SmolLM3ForCausalLM", {"no_rope_layers": [1, 0]},
+     "'no_rope_layers' must list 1 (RoPE) or 0 (none) for each of the 3 layers"),
+    ("SmolLM3ForCausalLM", {"no_rope_layers": [1, 2, 1]}, "'no_rope_layers' must list"),
+    ("SmolLM3ForCausalLM", {"no_rope_layers": [True, False, True]}, "'no_rope_layers' must list"),
+    ("SmolLM3ForCausalLM", {"no_rope_layers": None, "no_rope_layer_interval": 0},
+     "'no_rope_layer_interval' must be a positive integer"),
 ]
 
 
-@pytest.mark.parametrize("architecture, changes, fragment", STATE_MODEL_CASES)
-def test_bad_state_model_config_field(checkpoint_factory, tmp_path, architecture, changes,
+@pytest.mark.parametrize("architecture, changes, fragment", FAMILY_CASES)
+def test_bad_family_config_field(checkpoint_factory, tmp_path, architecture, changes,
                                       fragment):
     path = copy(checkpoint_factory(architecture), tmp_path / "model")
     edit_config(path, **changes)

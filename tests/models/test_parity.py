@@ -50,6 +50,13 @@ VARIANTS = {
     "deepseek-v2-norm-eps": ("DeepseekV2ForCausalLM", dict(rms_norm_eps=1e-4)),
     "deepseek-v2-group-routing": ("DeepseekV2ForCausalLM", dict(
         topk_method="group_limited_greedy", n_group=4, topk_group=2)),
+    # Every layer dense: no MoE at all, its expert fields (num_experts_per_tok null) unread.
+    "deepseek-v2-all-dense": ("DeepseekV2ForCausalLM", dict(first_k_dense_replace=2,
+                                                            num_experts_per_tok=None)),
+    "granite-biases-tied": ("GraniteForCausalLM", dict(attention_bias=True, mlp_bias=True,
+                                                       tie_word_embeddings=True)),
+    # SmolLM3's NoPE layers listed per layer, here the first and the last.
+    "smollm3-listed-nope-layers": ("SmolLM3ForCausalLM", dict(no_rope_layers=[0, 1, 0])),
     "deepseek-v3-neox-rope-all-dense": ("DeepseekV3ForCausalLM", dict(
         rope_interleave=False, first_k_dense_replace=2)),
     "deepseek-v3-all-moe-attention-bias": ("DeepseekV3ForCausalLM", dict(

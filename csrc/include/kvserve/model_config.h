@@ -161,6 +161,7 @@ struct QuantizationConfig {
   X(double, residual_multiplier, 1.0) /* each layer's outputs times this into the residual */ \
   X(double, logits_scaling, 1.0)      /* LM-head logits divided by this (Granite) */          \
   X(bool, no_rope, false) /* attention without positional encoding (NoPE, Granite 4) */      \
+  X(std::vector<int64_t>, nope_layers, {}) /* per layer: 1 = no RoPE (SmolLM3); empty: none */ \
   X(std::vector<int64_t>, kv_sources, {})                                                   \
   X(MLAConfig, mla, {})                                                                     \
   X(MoEConfig, moe, {})                                                                     \
@@ -174,6 +175,10 @@ struct ModelConfig {
   /// The layer whose K/V `layer` attends over (itself unless it shares an earlier layer's).
   int64_t kv_source(int64_t layer) const {
     return kv_sources.empty() ? layer : kv_sources.at(layer);
+  }
+  /// Whether `layer`'s attention rotates its queries and keys (not NoPE).
+  bool uses_rope(int64_t layer) const {
+    return !no_rope && (nope_layers.empty() || nope_layers.at(layer) == 0);
   }
   /// Whether `layer` has a state-space mixer (alone, or beside attention).
   bool has_mixer(int64_t layer) const { return !ssm.layers.empty() && ssm.layers.at(layer) != 0; }
