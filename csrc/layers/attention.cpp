@@ -27,6 +27,7 @@ Attention::Attention(const ModelConfig& c, int64_t layer, const WeightMap& w,
     qkv_proj_ = Linear::load(w, p + "qkv_proj");
   }
   o_proj_ = Linear::load_row_parallel(w, p + "o_proj");
+  full_width_qk_norm_ = c.qk_norm_full_width;
   if (c.qk_norm) {
     q_norm_ = RMSNorm(w.get(p + "q_norm.weight"), c.rms_norm_eps, c.norm_weight_offset);
     if (!shares_kv_) {
@@ -46,15 +47,19 @@ at::Tensor Attention::forward(const at::Tensor& positions, const at::Tensor& hid
   // [T, q_width (+ 2 * kv_width)]
   at::Tensor qkv = qkv_proj_.forward(hidden, m.lora_slots);
   at::Tensor q = qkv.narrow(1, 0, q_width);
-  // Qwen3, Gemma 3: an RMSNorm over each head before RoPE, in the rotary op's pass.
-  const RMSNorm* q_norm = q_norm_.defined() ? &q_norm_ : nullptr;
+  // Qwen3, Gemma 3: an RMSNorm over each head before RoPE, in the rotary op's pass; OLMo 2: one
+  // over all heads at once, before it.
+  const bool per_head = q_norm_.defined() && !full_width_qk_norm_;
+  if (full_width_qk_norm_) q.copy_(q_norm_.forward(q));
+  const RMSNorm* q_norm = per_head ? &q_norm_ : nullptr;
   if (shares_kv_) {  // the source layer wrote this step's K/V already
     at::Tensor no_key = at::empty({num_tokens, 0}, q.options());
     if (rotary_) rotary_->apply(positions, q, no_key, q_norm);
   } else {
     at::Tensor k = qkv.narrow(1, q_width, kv_width);
     at::Tensor v = qkv.narrow(1, q_width + kv_width, kv_width);
-    if (rotary_) rotary_->apply(positions, q, k, q_norm, k_norm_.defined() ? &k_norm_ : nullptr);
+    if (full_width_qk_norm_) k.copy_(k_norm_.forward(k));
+    if (rotary_) rotary_->apply(positions, q, k, q_norm, per_head ? &k_norm_ : nullptr);
     at::Tensor key_cache = kv.key, value_cache = kv.value;
     ops::kv_cache_write(k.view({num_tokens, num_kv_heads_, head_dim_}),
                         v.view({num_tokens, num_kv_heads_, head_dim_}), key_cache, value_cache,

@@ -50,6 +50,7 @@ class Attention {
   double scale_;
   double logit_softcap_;
   bool shares_kv_;  // CLA: reads an earlier layer's K/V, writes none
+  bool full_width_qk_norm_ = false;  // q_norm_ / k_norm_ over all heads (OLMo 2), not per head
 };
 
 }  // namespace kvserve

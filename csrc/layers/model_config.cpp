@@ -36,6 +36,8 @@ void ModelConfig::validate() const {
           "embedding_multiplier positive");
   require(residual_multiplier > 0 && logits_scaling > 0,
           "residual_multiplier and logits_scaling must be positive");
+  require(!(post_norms && sandwich_norms), "post_norms and sandwich_norms exclude each other");
+  require(!qk_norm_full_width || qk_norm, "qk_norm_full_width needs qk_norm");
   require(nope_layers.empty() || static_cast<int64_t>(nope_layers.size()) == num_layers,
           "nope_layers must have one entry per layer");
   for (int64_t l = 0; l < num_layers; ++l) {

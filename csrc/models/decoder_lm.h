@@ -118,13 +118,13 @@ class DecoderLM : public CausalLM {
 
  protected:
   struct Layer {
-    RMSNorm input_norm;  // before attention
+    RMSNorm input_norm;  // before attention (none with post_norms)
     std::unique_ptr<AttentionLayer> self_attn;  // null in a state-space layer
     std::unique_ptr<Mamba2Mixer> mixer;         // null in an attention layer
-    RMSNorm attention_out_norm;  // sandwich norms only
-    RMSNorm mlp_norm;            // before the MLP
+    RMSNorm attention_out_norm;  // sandwich or post norms only
+    RMSNorm mlp_norm;            // before the MLP (none with post_norms)
     std::unique_ptr<FeedForward> mlp;
-    RMSNorm mlp_out_norm;  // sandwich norms only
+    RMSNorm mlp_out_norm;  // sandwich or post norms only
   };
 
   /// Reads the embedding; the family's constructor then adds its layers with add_layer() and
@@ -171,7 +171,7 @@ class DecoderLM : public CausalLM {
   void add_layer(int64_t i, std::unique_ptr<AttentionLayer> attention, const WeightMap& w) {
     const std::string p = "layers." + std::to_string(i) + ".";
     Layer layer;
-    layer.input_norm = norm(w, p + "input_layernorm.weight");
+    if (!config_.post_norms) layer.input_norm = norm(w, p + "input_layernorm.weight");
     if (config_.has_mixer(i)) {
       layer.mixer = std::make_unique<Mamba2Mixer>(config_, p + "mixer.", w);
     }
@@ -180,9 +180,9 @@ class DecoderLM : public CausalLM {
       layers_.push_back(std::move(layer));
       return;
     }
-    if (config_.sandwich_norms) {
+    if (config_.sandwich_norms || config_.post_norms) {
       layer.attention_out_norm = norm(w, p + "post_attention_layernorm.weight");
-      layer.mlp_norm = norm(w, p + "pre_feedforward_layernorm.weight");
+      if (config_.sandwich_norms) layer.mlp_norm = norm(w, p + "pre_feedforward_layernorm.weight");
       layer.mlp_out_norm = norm(w, p + "post_feedforward_layernorm.weight");
     } else {
       layer.mlp_norm = norm(w, p + "post_attention_layernorm.weight");
@@ -240,9 +240,9 @@ class DecoderLM : public CausalLM {
       const Layer& layer = layers_[i];
       if (i == 0) {
         residual = hidden;
-        hidden = layer.input_norm.forward(residual);
+        if (layer.input_norm.defined()) hidden = layer.input_norm.forward(residual);
       } else {
-        layer.input_norm.forward_fused(hidden, residual);
+        add_then_norm(layer.input_norm, hidden, residual);
       }
       at::Tensor mixed;  // the mixer's output, the attention's, or (FalconH1) their sum
       if (layer.mixer) mixed = layer.mixer->forward(hidden, metadata, kv_caches[state_index_[i]]);
@@ -254,13 +254,24 @@ class DecoderLM : public CausalLM {
       if (layer.attention_out_norm.defined()) hidden = layer.attention_out_norm.forward(hidden);
       scale_residual(hidden);
       if (!layer.mlp) continue;  // the next norm adds the mixer's output to the residual
-      layer.mlp_norm.forward_fused(hidden, residual);
+      add_then_norm(layer.mlp_norm, hidden, residual);
       hidden = layer.mlp->forward(hidden, lora_slots);
       if (layer.mlp_out_norm.defined()) hidden = layer.mlp_out_norm.forward(hidden);
       scale_residual(hidden);
     }
     norm_.forward_fused(hidden, residual);
     return hidden;
+  }
+
+  /// residual += hidden; hidden = norm(residual), or (no norm before the next block: OLMo 2's
+  /// post-norm layers) the residual itself, which the block reads without writing.
+  static void add_then_norm(const RMSNorm& norm, at::Tensor& hidden, at::Tensor& residual) {
+    if (norm.defined()) {
+      norm.forward_fused(hidden, residual);
+    } else {
+      residual.add_(hidden);
+      hidden = residual;
+    }
   }
 
   /// A layer's output as it joins the residual stream (Granite's residual_multiplier: a double

@@ -108,6 +108,10 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     Architecture("SmolLM3ForCausalLM", read_family=families.read_smollm3,
                  tiny=dict(model_type="smollm3", num_hidden_layers=3,
                            no_rope_layer_interval=2, pad_token_id=0)),
+    # OLMo 2: post-norms only, q/k norms over all heads (Architecture.qk_norm: per head
+    # unless its reader says otherwise).
+    Architecture("Olmo2ForCausalLM", read_family=families.read_olmo2, qk_norm=True,
+                 tiny=dict(model_type="olmo2", pad_token_id=0)),
     # Mamba2: every layer a state-space mixer, no MLP; odd sizes (3 layers, 20 heads of 12,
     # 3 groups of 10 states) against kernels tuned for powers of two.
     Architecture("Mamba2ForCausalLM", prepare=families.prepare_mamba2,

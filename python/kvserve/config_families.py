@@ -556,3 +556,12 @@ def read_smollm3(c: _C.ModelConfig, f, hf: dict) -> dict:
                                         f"{c.num_layers} layers, got {uses!r}")
     c.nope_layers = [1 - u for u in uses]
     return hf
+
+
+def read_olmo2(c: _C.ModelConfig, f, hf: dict) -> dict:
+    """OLMo 2: RMSNorms on the attention and MLP outputs only (none before them), and q/k
+    RMSNorms over all heads' projections at once."""
+    _require_silu(f, hf)
+    c.post_norms = True
+    c.qk_norm_full_width = True
+    return hf

@@ -102,13 +102,15 @@ def test_two_ranks_give_the_whole_models_logits(checkpoints, case):
             assert not part[name][held:].any()
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=96), "must divide the 6"),
-    (dict(num_attention_heads=4, num_key_value_heads=4, intermediate_size=161),
-     "must divide the intermediate size 161"),
+@pytest.mark.parametrize("architecture, overrides, message", [
+    ("LlamaForCausalLM", dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=96),
+     "must divide the 6"),
+    ("LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=4,
+                              intermediate_size=161), "must divide the intermediate size 161"),
+    ("Olmo2ForCausalLM", {}, "does not split Olmo2ForCausalLM's q/k norms over all heads"),
 ])
-def test_what_cannot_be_split_is_a_clear_error(tmp_path, overrides, message):
-    path = make_checkpoint(tmp_path, "LlamaForCausalLM", **overrides)
+def test_what_cannot_be_split_is_a_clear_error(tmp_path, architecture, overrides, message):
+    path = make_checkpoint(tmp_path, architecture, **overrides)
     config = load_checkpoint_info(path).config
     with pytest.raises(ValueError, match=message):
         shard_config(config, Shard(0, 4))

@@ -55,6 +55,8 @@ VARIANTS = {
                                                             num_experts_per_tok=None)),
     "granite-biases-tied": ("GraniteForCausalLM", dict(attention_bias=True, mlp_bias=True,
                                                        tie_word_embeddings=True)),
+    "olmo2-attention-bias-mqa": ("Olmo2ForCausalLM", dict(attention_bias=True,
+                                                          num_key_value_heads=1)),
     # SmolLM3's NoPE layers listed per layer, here the first and the last.
     "smollm3-listed-nope-layers": ("SmolLM3ForCausalLM", dict(no_rope_layers=[0, 1, 0])),
     "deepseek-v3-neox-rope-all-dense": ("DeepseekV3ForCausalLM", dict(

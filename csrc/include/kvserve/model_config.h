@@ -149,12 +149,14 @@ struct QuantizationConfig {
   X(bool, o_proj_bias, false) /* bias on the output projection (Llama attention_bias) */    \
   X(bool, mlp_bias, false)    /* bias on gate/up/down (Llama mlp_bias) */                   \
   X(bool, qk_norm, false)     /* per-head RMSNorm of q and k before RoPE (Qwen3) */         \
+  X(bool, qk_norm_full_width, false) /* qk_norm over all heads at once (OLMo 2) */           \
   X(std::vector<int64_t>, sliding_windows, {}) /* per layer, in tokens; 0 = full */         \
   X(double, rope_local_theta, 0.0) /* RoPE base of sliding layers (Gemma 3); 0 = global's */ \
   X(std::string, hidden_act, "silu") /* silu (SwiGLU) | gelu_pytorch_tanh (GeGLU) */        \
   X(double, norm_weight_offset, 0.0) /* RMSNorms scale by offset + weight (Gemma: 1 + w) */ \
   X(double, embedding_multiplier, 1.0) /* embeddings times this, in the weight dtype */     \
   X(bool, sandwich_norms, false) /* norms on the attention and MLP outputs (Gemma 2/3) */    \
+  X(bool, post_norms, false) /* norms on those outputs only, none before them (OLMo 2) */     \
   X(double, query_pre_attn_scalar, 0.0) /* scale is this^-0.5; 0 = head_dim^-0.5 */         \
   X(double, attn_logit_softcap, 0.0)    /* scores -> c * tanh(s / c); 0 = none */           \
   X(double, final_logit_softcap, 0.0)   /* LM-head logits likewise; 0 = none */             \

@@ -152,7 +152,8 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         out = f"layers.{i}."
-        w[out + "input_layernorm.weight"] = read(p + "input_layernorm.weight")
+        if not config.post_norms:
+            w[out + "input_layernorm.weight"] = read(p + "input_layernorm.weight")
         if config.has_mixer(i):
             _read_mixer(read, config, p + "mixer.", out + "mixer.", w)
         if not config.has_attention(i):
@@ -164,9 +165,11 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
         if not config.ssm.mlp:
             continue
         w[out + "post_attention_layernorm.weight"] = read(p + "post_attention_layernorm.weight")
-        if config.sandwich_norms:
-            for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
-                w[out + norm + ".weight"] = read(p + norm + ".weight")
+        mlp_norms = ((["pre_feedforward_layernorm"] if config.sandwich_norms else [])
+                     + (["post_feedforward_layernorm"]
+                        if config.sandwich_norms or config.post_norms else []))
+        for norm in mlp_norms:
+            w[out + norm + ".weight"] = read(p + norm + ".weight")
         if config.is_moe_layer(i):
             _read_moe(read, config, p, out + "mlp.", w, shard)
         elif ARCHITECTURES[config.architecture].fused_mlp:

@@ -52,6 +52,9 @@ def check_shardable(config: _C.ModelConfig, size: int) -> None:
     if size == 1:
         return
     name = config.architecture or "this model"
+    if config.qk_norm_full_width:
+        raise ValueError(f"tensor parallelism does not split {name}'s q/k norms over all heads "
+                         "yet (each rank would need the others' sums of squares)")
     moe = config.moe
     for label, size_of in (("expert intermediate size", moe.moe_intermediate_size),
                            ("shared experts' intermediate size", moe.shared_intermediate_size)):

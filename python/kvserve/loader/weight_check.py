@@ -29,7 +29,8 @@ def expected_shapes(c: _C.ModelConfig) -> dict[str, tuple[Dim, ...]]:
         shapes["lm_head.weight"] = (vocab, hidden)
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (hidden,)
+        if not c.post_norms:
+            shapes[p + "input_layernorm.weight"] = (hidden,)
         if c.has_mixer(i):
             shapes.update(_mixer_shapes(c, p + "mixer."))
         if c.has_attention(i):
@@ -39,6 +40,7 @@ def expected_shapes(c: _C.ModelConfig) -> dict[str, tuple[Dim, ...]]:
         shapes[p + "post_attention_layernorm.weight"] = (hidden,)
         if c.sandwich_norms:
             shapes[p + "pre_feedforward_layernorm.weight"] = (hidden,)
+        if c.sandwich_norms or c.post_norms:
             shapes[p + "post_feedforward_layernorm.weight"] = (hidden,)
         if c.is_moe_layer(i):
             shapes.update(_moe_shapes(c, p))
@@ -88,10 +90,10 @@ def _attention_shapes(c: _C.ModelConfig, p: str, layer: int) -> dict[str, tuple[
     shapes[p + "self_attn.o_proj.weight"] = (hidden, q)
     if c.o_proj_bias:
         shapes[p + "self_attn.o_proj.bias"] = (hidden,)
-    if c.qk_norm:
-        shapes[p + "self_attn.q_norm.weight"] = (head,)
+    if c.qk_norm:  # per head, or over all heads at once (OLMo 2)
+        shapes[p + "self_attn.q_norm.weight"] = (q if c.qk_norm_full_width else head,)
         if not shares:
-            shapes[p + "self_attn.k_norm.weight"] = (head,)
+            shapes[p + "self_attn.k_norm.weight"] = (kv if c.qk_norm_full_width else head,)
     return shapes
 
 
