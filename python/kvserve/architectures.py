@@ -37,7 +37,8 @@ class Architecture:
     mlp.experts.down_proj [experts, hidden, intermediate]. partial_rotary: its attention honours
     partial_rotary_factor (rotates the first dims of each head; others refuse a factor but 1).
     qkv_bias: q/k/v
-    always carry a bias. qk_norm: q and k are RMS-normed per head. max_window_layers: without
+    always carry a bias. o_proj_bias: attention_bias puts a bias on o_proj too (GLM-4.5: on
+    q/k/v only). qk_norm: q and k are RMS-normed per head. max_window_layers: without
     layer_types, only the layers from max_window_layers on use the sliding window. prunable:
     kvserve.prune can shrink it. tiny: transformers config overrides of a tiny random
     checkpoint for the tests (model_type first)."""
@@ -55,6 +56,7 @@ class Architecture:
     stacked_experts: bool = False
     partial_rotary: bool = False
     qkv_bias: bool = False
+    o_proj_bias: bool = True
     qk_norm: bool = False
     max_window_layers: bool = False
     prunable: bool = False
@@ -112,6 +114,14 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     # unless its reader says otherwise).
     Architecture("Olmo2ForCausalLM", read_family=families.read_olmo2, qk_norm=True,
                  tiny=dict(model_type="olmo2", pad_token_id=0)),
+    # GLM-4.5 (MoE): half-rotated heads, a dense first layer, then DeepSeek-V3's sigmoid routing
+    # in groups with a shared expert.
+    Architecture("Glm4MoeForCausalLM", read_family=families.read_glm4_moe,
+                 read_moe=families.read_deepseek_moe, partial_rotary=True, o_proj_bias=False,
+                 tiny=dict(model_type="glm4_moe", n_routed_experts=8, num_experts_per_tok=2,
+                           moe_intermediate_size=32, n_shared_experts=1,
+                           first_k_dense_replace=1, n_group=4, topk_group=2,
+                           routed_scaling_factor=2.5, head_dim=24)),
     # Mamba2: every layer a state-space mixer, no MLP; odd sizes (3 layers, 20 heads of 12,
     # 3 groups of 10 states) against kernels tuned for powers of two.
     Architecture("Mamba2ForCausalLM", prepare=families.prepare_mamba2,

@@ -252,9 +252,9 @@ def _model_config(hf: dict, path: Path) -> _C.ModelConfig:
     c.tie_word_embeddings = f.flag("tie_word_embeddings", False)
     attention_bias = f.flag("attention_bias", False)
     c.qkv_bias = attention_bias or arch.qkv_bias
-    c.o_proj_bias = attention_bias and not arch.qkv_bias
+    c.o_proj_bias = attention_bias and not arch.qkv_bias and arch.o_proj_bias
     c.mlp_bias = f.flag("mlp_bias", False)
-    c.qk_norm = arch.qk_norm
+    c.qk_norm = arch.qk_norm or c.qk_norm  # or as the family's reader found it (GLM-4.5)
     _rope(c, hf, path, arch)
     c.sliding_windows = _sliding_windows(f, c, arch)
     if arch.read_attention is not None:

@@ -43,7 +43,7 @@ def read_mla(c: _C.ModelConfig, f) -> None:
 
 def read_deepseek_moe(c: _C.ModelConfig, f) -> None:
     """DeepSeekMoE: routed experts from first_k_dense_replace on, shared experts, fp32 router;
-    V3 scores by sigmoid within groups. A model whose dense layers are all of them has no MoE
+    V3 (and GLM-4.5, which routes as V3 does) scores by sigmoid within groups. A model whose dense layers are all of them has no MoE
     (its expert fields, num_experts_per_tok null included, are not read)."""
     m = _C.MoEConfig()
     m.num_experts = f.integer("n_routed_experts", 0, minimum=0)
@@ -58,7 +58,7 @@ def read_deepseek_moe(c: _C.ModelConfig, f) -> None:
                                   * f.integer("moe_intermediate_size"))
     m.routed_scaling_factor = f.number("routed_scaling_factor", 1.0)
     m.fp32_router = True
-    if c.architecture == "DeepseekV3ForCausalLM":
+    if c.architecture in ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM"):
         m.scoring_func = "sigmoid"
         m.norm_topk_prob = f.flag("norm_topk_prob", True)
         m.n_group = f.integer("n_group", 1)
@@ -564,4 +564,16 @@ def read_olmo2(c: _C.ModelConfig, f, hf: dict) -> dict:
     _require_silu(f, hf)
     c.post_norms = True
     c.qk_norm_full_width = True
+    return hf
+
+
+def read_glm4_moe(c: _C.ModelConfig, f, hf: dict) -> dict:
+    """GLM-4.5 (MoE): per-head q/k RMSNorms when use_qk_norm; half of each head rotated unless
+    the file says otherwise (transformers' default partial_rotary_factor is 0.5)."""
+    _require_silu(f, hf)
+    c.qk_norm = f.flag("use_qk_norm", False)
+    given = [hf] + [v for key in ("rope_parameters", "rope_scaling")
+                    if isinstance(v := hf.get(key), dict)]
+    if all(d.get("partial_rotary_factor") is None for d in given):
+        return {**hf, "partial_rotary_factor": 0.5}
     return hf

@@ -31,3 +31,22 @@ def test_an_unknown_family_is_named_with_the_known_ones(checkpoint_factory):
     info.config.family = "gpt2"
     with pytest.raises(ValueError, match="unknown model family 'gpt2'.*llama, deepseek_v2"):
         _C.create_causal_lm(info.config, {}, 32)
+
+
+def test_glm4_moe_rotates_half_of_each_head_when_its_config_is_silent(checkpoint_factory,
+                                                                      tmp_path):
+    """transformers' Glm4MoeConfig defaults partial_rotary_factor to 0.5; a file without it
+    means half."""
+    import json
+    import shutil
+
+    path = shutil.copytree(checkpoint_factory("Glm4MoeForCausalLM"), tmp_path / "glm")
+    config = json.loads((path / "config.json").read_text())
+    config["rope_parameters"].pop("partial_rotary_factor")
+    config.pop("partial_rotary_factor", None)
+    (path / "config.json").write_text(json.dumps(config))
+    c = load_checkpoint_info(path).config
+    assert c.rotary_dim == c.head_dim // 2
+    config["rope_parameters"]["partial_rotary_factor"] = 1.0
+    (path / "config.json").write_text(json.dumps(config))
+    assert load_checkpoint_info(path).config.rotary_dim in (0, c.head_dim)

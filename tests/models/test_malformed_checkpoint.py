@@ -262,6 +262,8 @@ FAMILY_CASES = [
     ("GraniteForCausalLM", {"attention_multiplier": -0.1}, "'attention_multiplier' must be a "
                                                            "finite number > 0"),
     ("GraniteForCausalLM", {"logits_scaling": "8"}, "'logits_scaling' must be a finite number"),
+    ("Glm4MoeForCausalLM", {"use_qk_norm": "yes"}, "'use_qk_norm' must be true or false"),
+    ("Glm4MoeForCausalLM", {"n_group": 3}, "'n_group' (3) must divide the 8 experts"),
     ("Olmo2ForCausalLM", {"hidden_act": "gelu"}, "'hidden_act' is 'gelu'; only silu"),
     ("SmolLM3ForCausalLM", {"no_rope_layers": [1, 0]},
      "'no_rope_layers' must list 1 (RoPE) or 0 (none) for each of the 3 layers"),

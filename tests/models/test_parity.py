@@ -55,6 +55,10 @@ VARIANTS = {
                                                             num_experts_per_tok=None)),
     "granite-biases-tied": ("GraniteForCausalLM", dict(attention_bias=True, mlp_bias=True,
                                                        tie_word_embeddings=True)),
+    # GLM-4.5's attention bias (q/k/v only, not o_proj) and per-head q/k norms over its
+    # half-rotated heads.
+    "glm4-moe-qkv-bias-qk-norm": ("Glm4MoeForCausalLM", dict(attention_bias=True,
+                                                             use_qk_norm=True)),
     "olmo2-attention-bias-mqa": ("Olmo2ForCausalLM", dict(attention_bias=True,
                                                           num_key_value_heads=1)),
     # SmolLM3's NoPE layers listed per layer, here the first and the last.

@@ -253,9 +253,10 @@ def _check_num_layers(index: WeightIndex, c: _C.ModelConfig, config_path: Path) 
 
 def _ignored(name: str, c: _C.ModelConfig) -> bool:
     """Tensors some checkpoints carry that the model does not need: RoPE tables, a tied LM head,
-    DeepSeek-V3's multi-token-prediction layers (numbered after the last decoder layer)."""
+    DeepSeek-V3's and GLM-4.5's multi-token-prediction layers (numbered after the last decoder
+    layer)."""
     if name.endswith("rotary_emb.inv_freq") or (c.tie_word_embeddings and name == "lm_head.weight"):
         return True
     layer = re.match(r"model\.layers\.(\d+)\.", name)
-    return (c.architecture == "DeepseekV3ForCausalLM" and layer is not None
-            and int(layer.group(1)) >= c.num_layers)
+    return (c.architecture in ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
+            and layer is not None and int(layer.group(1)) >= c.num_layers)
