@@ -245,11 +245,32 @@ def test_api_key_and_loading(engine):
 
 # ------------------------------------------------------------------------ disconnects
 
-def test_a_disconnect_mid_stream_frees_the_request(server, engine):
+# The disconnect tests' requests ask for 1,000 tokens (seconds of decoding, where 200 took 0.65 s
+# on a fast machine and could finish before the server saw the disconnect): a server of its own
+# with the context for them.
+LONG_TOKENS = 1000
+
+
+@pytest.fixture(scope="module")
+def long_engine():
+    with AsyncLLMEngine(MODEL, dtype="float32", max_model_len=1024, num_blocks=80) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def long_server(long_engine):
+    state = ServerState(NAME)
+    state.ready(long_engine, None)
+    with BackgroundServer(state) as s:
+        yield s
+
+
+def test_a_disconnect_mid_stream_frees_the_request(long_server, long_engine):
+    server, engine = long_server, long_engine
     wait_idle(engine)
     before = engine.get_stats().num_aborted_requests
-    body = dict(model=NAME, prompt=PROMPTS[2], max_tokens=200, temperature=0, stream=True,
-                ignore_eos=True)
+    body = dict(model=NAME, prompt=PROMPTS[2], max_tokens=LONG_TOKENS, temperature=0,
+                stream=True, ignore_eos=True)
     with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
@@ -258,10 +279,12 @@ def test_a_disconnect_mid_stream_frees_the_request(server, engine):
     assert engine.get_stats().num_aborted_requests == before + 1
 
 
-def test_a_disconnect_before_the_answer_frees_the_request(server, engine):
+def test_a_disconnect_before_the_answer_frees_the_request(long_server, long_engine):
+    server, engine = long_server, long_engine
     wait_idle(engine)
     before = engine.get_stats().num_aborted_requests
-    body = dict(model=NAME, prompt=PROMPTS[2], max_tokens=200, temperature=0, ignore_eos=True)
+    body = dict(model=NAME, prompt=PROMPTS[2], max_tokens=LONG_TOKENS, temperature=0,
+                ignore_eos=True)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
     wait_idle(engine)
