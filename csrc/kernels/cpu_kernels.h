@@ -24,6 +24,13 @@ using FusedAddRmsNormFn = void (*)(c10::ScalarType dtype, void* input, int64_t i
                                    bool fp32_weight, int64_t rows, int64_t hidden, float eps);
 KVSERVE_CPU_STUB(fused_add_rms_norm_stub, FusedAddRmsNormFn);
 
+/// layer_norm's body (contract: kernels/norm/layer_norm.h): weight fp32 [hidden], bias fp32
+/// [hidden] or null.
+using LayerNormFn = void (*)(c10::ScalarType dtype, void* out, int64_t out_stride,
+                             const void* input, int64_t input_stride, const float* weight,
+                             const float* bias, int64_t rows, int64_t hidden, float eps);
+KVSERVE_CPU_STUB(layer_norm_stub, LayerNormFn);
+
 /// out[t, i] = silu(input[t, i]) * input[t, d + i] for i < d; input [T, 2d], out [T, d].
 using SiluAndMulFn = void (*)(c10::ScalarType dtype, void* out, int64_t out_stride, const void* input,
                               int64_t input_stride, int64_t num_tokens, int64_t d);

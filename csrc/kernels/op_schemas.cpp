@@ -15,6 +15,7 @@
 #include "kernels/moe/fused_moe.h"
 #include "kernels/moe/fused_moe_quantized.h"
 #include "kernels/moe/moe_routing.h"
+#include "kernels/norm/layer_norm.h"
 #include "kernels/norm/rms_norm.h"
 #include "kernels/norm/rms_norm_gated.h"
 #include "kernels/rotary/rotary_embedding.h"
@@ -26,6 +27,8 @@
 TORCH_LIBRARY(kvserve, m) {
   m.def("rms_norm(Tensor! out, Tensor input, Tensor weight, float epsilon) -> ()");
   m.def("fused_add_rms_norm(Tensor! input, Tensor! residual, Tensor weight, float epsilon) -> ()");
+  m.def(
+      "layer_norm(Tensor! out, Tensor input, Tensor weight, Tensor? bias, float epsilon) -> ()");
   m.def(
       "rms_norm_gated(Tensor! out, Tensor input, Tensor? gate, Tensor? weight, int group_size, "
       "float epsilon, bool norm_before_gate=False) -> ()");
@@ -116,6 +119,14 @@ void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tenso
   static const auto op = handle<void(at::Tensor&, at::Tensor&, const at::Tensor&, double)>(
       "kvserve::fused_add_rms_norm");
   op.call(input, residual, weight, epsilon);
+}
+
+void layer_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
+                const std::optional<at::Tensor>& bias, double epsilon) {
+  static const auto op =
+      handle<void(at::Tensor&, const at::Tensor&, const at::Tensor&,
+                  const std::optional<at::Tensor>&, double)>("kvserve::layer_norm");
+  op.call(out, input, weight, bias, epsilon);
 }
 
 void rms_norm_gated(at::Tensor& out, const at::Tensor& input, const std::optional<at::Tensor>& gate,

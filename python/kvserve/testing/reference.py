@@ -14,6 +14,7 @@ import torch
 __all__ = [
     "rms_norm",
     "fused_add_rms_norm",
+    "layer_norm",
     "silu_and_mul",
     "gelu_tanh_and_mul",
     "linear",
@@ -54,6 +55,17 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     """
     new_residual = (residual.double() + x.double()).to(residual.dtype)
     return rms_norm(new_residual, weight, epsilon), new_residual
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               epsilon: float) -> torch.Tensor:
+    """(x - mean) * rsqrt(var + epsilon) * weight (+ bias), row by row; var the biased
+    variance. x [T, hidden], weight and bias [hidden] -> fp64 [T, hidden]."""
+    x = x.double()
+    centered = x - x.mean(dim=-1, keepdim=True)
+    out = centered * torch.rsqrt(centered.pow(2).mean(dim=-1, keepdim=True) + epsilon)
+    out = out * weight.double()
+    return out if bias is None else out + bias.double()
 
 
 # ------------------------------------------------------------------------------------ activation
