@@ -38,6 +38,14 @@ void ModelConfig::validate() const {
           "residual_multiplier and logits_scaling must be positive");
   require(!(post_norms && sandwich_norms), "post_norms and sandwich_norms exclude each other");
   require(!qk_norm_full_width || qk_norm, "qk_norm_full_width needs qk_norm");
+  require(norm_type == "rms_norm" || norm_type == "layer_norm",
+          "norm_type must be rms_norm or layer_norm, got " + norm_type);
+  require(norm_type == "rms_norm" || norm_weight_offset == 0.0,
+          "a norm weight offset applies to RMSNorms only");
+  require(!parallel_block || (!sandwich_norms && !post_norms && residual_multiplier == 1.0 &&
+                              ssm.layers.empty()),
+          "a parallel block has one norm before attention and MLP, no residual multiplier and "
+          "no state-space mixers");
   require(nope_layers.empty() || static_cast<int64_t>(nope_layers.size()) == num_layers,
           "nope_layers must have one entry per layer");
   for (int64_t l = 0; l < num_layers; ++l) {

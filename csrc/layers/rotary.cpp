@@ -9,11 +9,14 @@
 #include <ATen/ops/pow.h>
 #include <ATen/ops/reciprocal.h>
 #include <ATen/ops/sin.h>
+#include <ATen/ops/tensor.h>
 #include <ATen/ops/where.h>
 
 #include <cmath>
 #include <numbers>
 #include <stdexcept>
+#include <string>
+#include <vector>
 
 #include "kernels/rotary/rotary_embedding.h"
 
@@ -73,11 +76,39 @@ at::Tensor yarn_frequencies(const ModelConfig& c, int64_t dim) {
   return interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight;
 }
 
+// LongRoPE (Phi-3): frequency i divided by factors[i]; the attention factor sqrt(1 + ln(factor) /
+// ln(original context)) unless the config sets one.
+std::pair<at::Tensor, double> longrope_frequencies(const ModelConfig& c, int64_t dim,
+                                                   int64_t context) {
+  const RopeScaling& s = c.rope_scaling;
+  const int64_t original = s.original_max_position_embeddings > 0
+                               ? s.original_max_position_embeddings
+                               : c.max_position_embeddings;
+  const std::vector<double>& factors = context > original ? s.long_factor : s.short_factor;
+  if (static_cast<int64_t>(factors.size()) != dim / 2) {
+    throw std::invalid_argument("longrope needs " + std::to_string(dim / 2) +
+                                " factors per set (rotated dims / 2), got " +
+                                std::to_string(factors.size()));
+  }
+  const at::Tensor divisors = at::tensor(factors, at::kDouble).to(at::kFloat);
+  const at::Tensor exponents =
+      at::arange(0, dim, 2, at::kLong).to(at::kFloat) / static_cast<double>(dim);
+  const at::Tensor inv_freq = at::reciprocal(divisors * at::pow(c.rope_theta, exponents));
+  const double attention =
+      s.attention_factor > 0 ? s.attention_factor
+      : s.factor <= 1.0      ? 1.0
+                             : std::sqrt(1.0 + std::log(s.factor) / std::log(double(original)));
+  return {inv_freq, attention};
+}
+
 }  // namespace
 
-std::pair<at::Tensor, double> rope_inverse_frequencies(const ModelConfig& c) {
+std::pair<at::Tensor, double> rope_inverse_frequencies(const ModelConfig& c, int64_t context) {
   const RopeScaling& s = c.rope_scaling;
   const int64_t dim = c.rotary_dim > 0 ? c.rotary_dim : c.head_dim;
+  if (s.rope_type == "longrope") {
+    return longrope_frequencies(c, dim, context > 0 ? context : c.max_position_embeddings);
+  }
   at::Tensor inv_freq = base_inverse_frequencies(c.rope_theta, dim);
   if (s.rope_type == "default") return {inv_freq, 1.0};
   if (s.rope_type == "linear") return {inv_freq / s.factor, 1.0};
@@ -95,13 +126,13 @@ std::pair<at::Tensor, double> rope_inverse_frequencies(const ModelConfig& c) {
     return {yarn_frequencies(c, dim), attention};
   }
   throw std::invalid_argument("unsupported rope_type '" + s.rope_type +
-                              "' (supported: default, linear, llama3, yarn)");
+                              "' (supported: default, linear, llama3, yarn, longrope)");
 }
 
 RotaryEmbedding::RotaryEmbedding(const ModelConfig& config, int64_t max_positions,
                                  at::Device device, bool is_neox)
     : head_dim_(config.head_dim), is_neox_(is_neox) {
-  auto [inv_freq, attention_scaling] = rope_inverse_frequencies(config);
+  auto [inv_freq, attention_scaling] = rope_inverse_frequencies(config, max_positions);
   at::Tensor freqs = at::outer(at::arange(max_positions, at::kFloat), inv_freq);
   cos_sin_cache_ =
       at::cat({at::cos(freqs) * attention_scaling, at::sin(freqs) * attention_scaling}, 1)

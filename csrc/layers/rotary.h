@@ -9,7 +9,8 @@
 namespace kvserve {
 
 /// Precomputes cos/sin for positions [0, max_positions) from the config's rope_theta and
-/// rope_scaling (default, linear, llama3, yarn), in fp32 as Hugging Face does.
+/// rope_scaling (default, linear, llama3, yarn, longrope: its set chosen by max_positions), in
+/// fp32 as Hugging Face does.
 class RotaryEmbedding {
  public:
   RotaryEmbedding() = default;
@@ -33,7 +34,12 @@ class RotaryEmbedding {
   bool is_neox_ = true;
 };
 
-/// Inverse frequencies fp32 [rot_dim / 2] and the attention scaling factor for a config.
-std::pair<at::Tensor, double> rope_inverse_frequencies(const ModelConfig& config);
+/// Inverse frequencies fp32 [rot_dim / 2] and the attention scaling factor for a config, for a
+/// model that runs contexts of up to `context` positions (0: max_position_embeddings). Only
+/// LongRoPE reads it: its long factors serve contexts past the original one, its short factors
+/// the others (one set per model, whatever a forward's positions: as llama.cpp chooses by
+/// context size; transformers switches per forward, by its longest position).
+std::pair<at::Tensor, double> rope_inverse_frequencies(const ModelConfig& config,
+                                                       int64_t context = 0);
 
 }  // namespace kvserve

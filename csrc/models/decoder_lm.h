@@ -32,7 +32,9 @@ namespace kvserve {
 /// input_layernorm.weight, post_attention_layernorm.weight, the attention's and the MLP's
 /// (GatedMLP under layers.<i>.mlp., or SparseMoE on the config's MoE layers). With the config's
 /// sandwich_norms (Gemma 2/3) a layer is norm, attention, norm (post_attention_layernorm),
-/// residual, norm (pre_feedforward_layernorm), MLP, norm (post_feedforward_layernorm), residual.
+/// residual, norm (pre_feedforward_layernorm), MLP, norm (post_feedforward_layernorm), residual;
+/// with parallel_block (Cohere) it is norm, then attention and MLP on the same normed input,
+/// both added to the residual. Norms are RMSNorms, or LayerNorms (config.norm_type).
 /// The config's embedding_multiplier, norm_weight_offset, hidden_act and final_logit_softcap
 /// apply throughout.
 template <typename AttentionLayer>
@@ -118,13 +120,13 @@ class DecoderLM : public CausalLM {
 
  protected:
   struct Layer {
-    RMSNorm input_norm;  // before attention (none with post_norms)
+    Norm input_norm;  // before attention (none with post_norms)
     std::unique_ptr<AttentionLayer> self_attn;  // null in a state-space layer
     std::unique_ptr<Mamba2Mixer> mixer;         // null in an attention layer
-    RMSNorm attention_out_norm;  // sandwich or post norms only
-    RMSNorm mlp_norm;            // before the MLP (none with post_norms)
+    Norm attention_out_norm;  // sandwich or post norms only
+    Norm mlp_norm;            // before the MLP (none with post_norms or a parallel block)
     std::unique_ptr<FeedForward> mlp;
-    RMSNorm mlp_out_norm;  // sandwich or post norms only
+    Norm mlp_out_norm;  // sandwich or post norms only
   };
 
   /// Reads the embedding; the family's constructor then adds its layers with add_layer() and
@@ -184,7 +186,7 @@ class DecoderLM : public CausalLM {
       layer.attention_out_norm = norm(w, p + "post_attention_layernorm.weight");
       if (config_.sandwich_norms) layer.mlp_norm = norm(w, p + "pre_feedforward_layernorm.weight");
       layer.mlp_out_norm = norm(w, p + "post_feedforward_layernorm.weight");
-    } else {
+    } else if (!config_.parallel_block) {
       layer.mlp_norm = norm(w, p + "post_attention_layernorm.weight");
     }
     if (config_.is_moe_layer(i)) {
@@ -195,8 +197,12 @@ class DecoderLM : public CausalLM {
     layers_.push_back(std::move(layer));
   }
 
-  /// The RMSNorm of weight `name`, with the config's epsilon and weight offset.
-  RMSNorm norm(const WeightMap& w, const std::string& name) const {
+  /// The norm of weight `name`: an RMSNorm with the config's epsilon and weight offset, or a
+  /// LayerNorm without a bias (config.norm_type; Cohere's).
+  Norm norm(const WeightMap& w, const std::string& name) const {
+    if (config_.norm_type == "layer_norm") {
+      return LayerNorm(w.get(name), at::Tensor(), config_.rms_norm_eps);
+    }
     return RMSNorm(w.get(name), config_.rms_norm_eps, config_.norm_weight_offset);
   }
 
@@ -250,6 +256,12 @@ class DecoderLM : public CausalLM {
         at::Tensor attended = attend(i, *layer.self_attn, hidden, kv_caches[cache_index_[i]]);
         mixed = mixed.defined() ? mixed.add_(attended) : std::move(attended);
       }
+      if (config_.parallel_block) {  // Cohere: the MLP reads the attention's input too
+        at::Tensor mlp_out = layer.mlp->forward(hidden, lora_slots);
+        residual.add_(mixed);       // residual + attention, then + MLP in the next norm:
+        hidden = std::move(mlp_out);  // the reference's order of additions
+        continue;
+      }
       hidden = std::move(mixed);
       if (layer.attention_out_norm.defined()) hidden = layer.attention_out_norm.forward(hidden);
       scale_residual(hidden);
@@ -265,7 +277,7 @@ class DecoderLM : public CausalLM {
 
   /// residual += hidden; hidden = norm(residual), or (no norm before the next block: OLMo 2's
   /// post-norm layers) the residual itself, which the block reads without writing.
-  static void add_then_norm(const RMSNorm& norm, at::Tensor& hidden, at::Tensor& residual) {
+  static void add_then_norm(const Norm& norm, at::Tensor& hidden, at::Tensor& residual) {
     if (norm.defined()) {
       norm.forward_fused(hidden, residual);
     } else {
@@ -328,7 +340,7 @@ class DecoderLM : public CausalLM {
   std::vector<Layer> layers_;
   std::vector<int64_t> cache_index_;  // per layer: which of the forward's kv_caches it attends over
   std::vector<int64_t> state_index_;  // per layer: which holds its mixer's state (if it has one)
-  RMSNorm norm_;
+  Norm norm_;
   Linear lm_head_;
 };
 

@@ -7,13 +7,13 @@ LlamaForCausalLM::LlamaForCausalLM(const ModelConfig& config, const WeightMap& w
     : DecoderLM(config, w) {
   // No table without attention layers (Mamba2): a long context would cost its rows for nothing.
   if (config_.num_kv_layers() > 0 && !config_.no_rope) {
-    rotary_ = RotaryEmbedding(config_, max_positions, device_);
+    rotary_ = RotaryEmbedding(config_, max_positions, device_, !config_.rope_interleave);
   }
   if (config_.rope_local_theta > 0) {  // Gemma 3: local layers rotate with an unscaled base
     ModelConfig local = config_;
     local.rope_theta = config_.rope_local_theta;
     local.rope_scaling = RopeScaling();
-    rotary_local_ = RotaryEmbedding(local, max_positions, device_);
+    rotary_local_ = RotaryEmbedding(local, max_positions, device_, !config_.rope_interleave);
   }
   for (int64_t i = 0; i < config_.num_layers; ++i) {
     const bool local = config_.rope_local_theta > 0 && !config_.sliding_windows.empty() &&

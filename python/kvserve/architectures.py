@@ -28,7 +28,9 @@ class Architecture:
     state-space mixers' fields (from the file as written). weight_names: (pattern, replacement)
     regular expressions from the checkpoint's tensor names to kvserve's (the Llama layout's
     model.layers.<i>. ...; a state-space mixer's weights under model.layers.<i>.mixer.), or a
-    function of the ModelConfig that returns them. fold_weights: (config, config.json values,
+    function of the ModelConfig that returns them. split_weights: a function of the ModelConfig
+    that names the checkpoint's fused tensors and the parts each is read as, by rows
+    (WeightIndex.split: Phi-3's qkv_proj and gate_up_proj). fold_weights: (config, config.json values,
     weights) rescales the loaded weights in place (FalconH1 folds its multipliers into them).
     fused_mlp: an MLP's gate and up projections
     are one [2 * intermediate, hidden] tensor, gate rows first (kvserve's name gate_up_proj;
@@ -51,6 +53,7 @@ class Architecture:
     read_moe: Callable | None = None
     read_ssm: Callable | None = None
     weight_names: tuple[tuple[str, str], ...] | Callable = ()
+    split_weights: Callable | None = None
     fold_weights: Callable | None = None
     fused_mlp: bool = False
     stacked_experts: bool = False
@@ -122,6 +125,16 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
                            moe_intermediate_size=32, n_shared_experts=1,
                            first_k_dense_replace=1, n_group=4, topk_group=2,
                            routed_scaling_factor=2.5, head_dim=24)),
+    # Phi-3: q/k/v and gate/up fused in the checkpoint; LongRoPE is a variant in
+    # tests/models/test_parity.py.
+    Architecture("Phi3ForCausalLM", read_family=families.read_phi3,
+                 split_weights=families.phi3_split_weights, partial_rotary=True,
+                 tiny=dict(model_type="phi3", pad_token_id=0)),
+    # Cohere2: LayerNorms, attention beside the MLP, RoPE on the sliding layers only (two of
+    # four here).
+    Architecture("Cohere2ForCausalLM", read_family=families.read_cohere2,
+                 tiny=dict(model_type="cohere2", num_hidden_layers=4, sliding_window=6,
+                           sliding_window_pattern=2, logit_scale=0.4, vocab_size=381)),
     # Mamba2: every layer a state-space mixer, no MLP; odd sizes (3 layers, 20 heads of 12,
     # 3 groups of 10 states) against kernels tuned for powers of two.
     Architecture("Mamba2ForCausalLM", prepare=families.prepare_mamba2,
@@ -174,6 +187,12 @@ def weight_names(c) -> tuple[tuple[str, str], ...]:
     """The renames from a checkpoint's tensor names to kvserve's for ModelConfig `c`."""
     names = ARCHITECTURES[c.architecture].weight_names
     return names(c) if callable(names) else names
+
+
+def split_weights(c) -> tuple:
+    """The fused tensors of ModelConfig `c`'s checkpoint read as parts (WeightIndex.split)."""
+    split = ARCHITECTURES[c.architecture].split_weights
+    return split(c) if split is not None else ()
 
 
 def supported_architectures() -> list[str]:

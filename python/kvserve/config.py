@@ -20,7 +20,7 @@ from kvserve.config_families import read_kv_sharing
 from kvserve.quantization.formats import parse_quantization_config
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 # Upper bounds far beyond any released model (vocabularies reach ~262k, hidden sizes ~25k,
 # depths ~130 layers, contexts 10M tokens). A value above them is a corrupt or mistyped file;
@@ -318,11 +318,15 @@ def _rope(c: _C.ModelConfig, hf: dict, path: Path, arch: Architecture) -> None:
     c.rope_theta = theta.number("rope_theta", 10000.0, above=1.0)
     s = _C.RopeScaling()
     rope_type = f.values.get("rope_type", f.values.get("type")) or "default"
+    if rope_type == "su":  # Phi-3's first name for LongRoPE (transformers reads it so too)
+        rope_type = "longrope"
     if rope_type not in _ROPE_TYPES:
         raise ValueError(f"{path}: '{name}': rope type {_show(rope_type)}"
                          f" is not supported ({', '.join(_ROPE_TYPES)})")
     s.rope_type = rope_type
-    if rope_type != "default":
+    if rope_type == "longrope":
+        _longrope(c, s, f, top)
+    elif rope_type != "default":
         if "factor" not in f.values:
             raise ValueError(f"{path}: rope scaling '{rope_type}' needs a '{name}.factor'")
         s.factor = f.number("factor")
@@ -360,6 +364,30 @@ def _rope(c: _C.ModelConfig, hf: dict, path: Path, arch: Architecture) -> None:
                               f"is {partial:g}: head_dim ({c.head_dim}) times it must be a "
                               f"positive even number of dims, at most head_dim")
         c.rotary_dim = 0 if rotary_dim == c.head_dim else rotary_dim
+    if rope_type == "longrope":
+        half = (c.rotary_dim or c.head_dim) // 2
+        for key in ("short_factor", "long_factor"):
+            if len(getattr(s, key)) != half:
+                raise f.error(key, f"lists {len(getattr(s, key))} factors; the {2 * half} "
+                                   f"rotated dims of a head need {half}")
+
+
+def _longrope(c: _C.ModelConfig, s: _C.RopeScaling, f: _Fields, top: _Fields) -> None:
+    """LongRoPE (Phi-3): a factor per rotated frequency, short and long sets; the original
+    context (in the RoPE fields or at the top level, as older Phi-3 files keep it) and the factor
+    (max_position_embeddings over it when absent) set the attention factor."""
+    for key in ("short_factor", "long_factor"):
+        values = f.values.get(key)
+        if (not isinstance(values, list) or not values
+                or any(isinstance(v, bool) or not isinstance(v, (int, float))
+                       or not math.isfinite(v) or v <= 0 for v in values)):
+            raise f.error(key, f"must list positive numbers, got {_show(values)}")
+        setattr(s, key, [float(v) for v in values])
+    where = f if f.values.get("original_max_position_embeddings") is not None else top
+    s.original_max_position_embeddings = where.integer("original_max_position_embeddings")
+    max_positions = top.integer("max_position_embeddings")
+    s.factor = f.number("factor", max_positions / s.original_max_position_embeddings)
+    s.attention_factor = f.number("attention_factor", 0.0)  # 0: derived from factor
 
 
 def _sliding_windows(f: _Fields, c: _C.ModelConfig, arch: Architecture) -> list[int]:

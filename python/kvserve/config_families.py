@@ -577,3 +577,49 @@ def read_glm4_moe(c: _C.ModelConfig, f, hf: dict) -> dict:
     if all(d.get("partial_rotary_factor") is None for d in given):
         return {**hf, "partial_rotary_factor": 0.5}
     return hf
+
+
+def read_cohere2(c: _C.ModelConfig, f, hf: dict) -> dict:
+    """Cohere2 (Command R7B, Command A): one LayerNorm without a bias before attention and MLP,
+    which run side by side; sliding-window layers rotate interleaved pairs (x0, x1), ..., and the
+    full-attention layers have no positional encoding; logits times logit_scale. Fills in
+    transformers' defaults (every fourth layer full, a window of 4096, tied embeddings), and as
+    transformers does, takes head_dim as hidden_size / num_attention_heads whatever the file
+    says."""
+    _require_silu(f, hf)
+    if c.hidden_size % c.num_heads:
+        raise f.error("hidden_size", f"({c.hidden_size}) must be a multiple of "
+                                     f"num_attention_heads ({c.num_heads})")
+    c.norm_type = "layer_norm"
+    c.parallel_block = True
+    c.rope_interleave = True
+    c.logits_scaling = 1.0 / f.number("logit_scale", 0.0625)
+    hf = {**hf, "head_dim": c.hidden_size // c.num_heads,
+          "rms_norm_eps": f.number("layer_norm_eps", 1e-5)}
+    hf.setdefault("tie_word_embeddings", True)
+    hf.setdefault("sliding_window", 4096)
+    if hf.get("layer_types") is None:
+        pattern = f.integer("sliding_window_pattern", 4)
+        hf["layer_types"] = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                             for i in range(c.num_layers)]
+    types = hf["layer_types"]
+    if isinstance(types, list) and len(types) == c.num_layers:  # else the common reader refuses
+        c.nope_layers = [int(t != "sliding_attention") for t in types]
+    return hf
+
+
+def read_phi3(c: _C.ModelConfig, f, hf: dict) -> dict:
+    """Phi-3 / Phi-4-mini: Llama's layers (q/k/v and gate/up fused in the checkpoint:
+    phi3_split_weights), LongRoPE scaling (config.py), optional partial rotary and windows."""
+    _require_silu(f, hf)
+    return hf
+
+
+def phi3_split_weights(c: _C.ModelConfig) -> tuple:
+    """Phi-3's fused projections as the parts kvserve reads (its q/k/v and gate/up rows)."""
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    return (("self_attn.qkv_proj.weight", (("self_attn.q_proj.weight", q),
+                                           ("self_attn.k_proj.weight", kv),
+                                           ("self_attn.v_proj.weight", kv))),
+            ("mlp.gate_up_proj.weight", (("mlp.gate_proj.weight", c.intermediate_size),
+                                         ("mlp.up_proj.weight", c.intermediate_size))))

@@ -37,6 +37,8 @@ CASES = {
     "cla-shared-kv": ("CLA", dict(kv_sharing={1: 0})),  # layer 1 reads layer 0's KV
     "deepseek-v2-mla-moe": ("DeepseekV2ForCausalLM", {}),
     "deepseek-v3-mla-moe": ("DeepseekV3ForCausalLM", {}),
+    "cohere2-parallel-block": ("Cohere2ForCausalLM", {}),  # LayerNorms, NoPE global layers
+    "phi3-fused-checkpoint": ("Phi3ForCausalLM", {}),  # each rank reads its rows of qkv_proj
 }
 
 

@@ -32,10 +32,11 @@ def mixed_requests(count: int, seed: int = 0):
 
 
 # The invariance tests run on a Llama (paged K/V), a DeepSeek-V2 (MLA latents, MoE), a Gemma 2
-# (local layers with a window of 6 beside global ones) and a Llama whose layers 1 and 3 attend over
-# the KV of layers 0 and 2 (cross-layer sharing).
+# (local layers with a window of 6 beside global ones), a Cohere2 (windowed RoPE layers beside
+# NoPE global ones, attention beside the MLP) and a Llama whose layers 1 and 3 attend over the KV
+# of layers 0 and 2 (cross-layer sharing).
 @pytest.fixture(scope="module", params=["LlamaForCausalLM", "DeepseekV2ForCausalLM",
-                                        "Gemma2ForCausalLM", "cla"])
+                                        "Gemma2ForCausalLM", "Cohere2ForCausalLM", "cla"])
 def model_path(request, checkpoint_factory, tmp_path_factory):
     if request.param == "cla":
         from kvserve.testing.cla import make_cla_checkpoint

@@ -154,7 +154,8 @@ CONFIG_CASES = [
     ({"rope_parameters": {"rope_type": "linear", "factor": -2.0}},
      "'rope_parameters.factor' must be a finite number"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope type 'dynamic'"),
-    ({"rope_parameters": {"rope_type": "longrope", "factor": 2.0}}, "rope type 'longrope'"),
+    ({"rope_parameters": {"rope_type": "longrope", "factor": 2.0}},
+     "'rope_parameters.short_factor' must list positive numbers"),
     ({"rope_parameters": {"rope_type": 7}}, "rope type 7 is not supported"),
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
                           "high_freq_factor": 1.0}},
@@ -271,6 +272,37 @@ FAMILY_CASES = [
     ("SmolLM3ForCausalLM", {"no_rope_layers": [True, False, True]}, "'no_rope_layers' must list"),
     ("SmolLM3ForCausalLM", {"no_rope_layers": None, "no_rope_layer_interval": 0},
      "'no_rope_layer_interval' must be a positive integer"),
+    ("Phi3ForCausalLM", {"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 11,
+                                             "long_factor": [1.0] * 12,
+                                             "original_max_position_embeddings": 64}},
+     "'rope_parameters.short_factor' lists 11 factors; the 24 rotated dims of a head need 12"),
+    ("Phi3ForCausalLM", {"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 12,
+                                             "long_factor": [1.0] * 11 + [-2.0],
+                                             "original_max_position_embeddings": 64}},
+     "'rope_parameters.long_factor' must list positive numbers"),
+    ("Phi3ForCausalLM", {"rope_parameters": {"rope_type": "su", "short_factor": [1.0] * 12,
+                                             "long_factor": "1.0"}},
+     "'rope_parameters.long_factor' must list positive numbers"),
+    ("Phi3ForCausalLM", {"original_max_position_embeddings": DELETE,
+                         "rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 12,
+                                             "long_factor": [1.0] * 12}},
+     "missing required field 'original_max_position_embeddings'"),
+    # The fused projections of another shape than the config's heads and MLP make.
+    ("Phi3ForCausalLM", {"num_key_value_heads": 4},
+     "tensor 'model.layers.0.self_attn.qkv_proj.weight' has shape [192, 96]; the config's "
+     "self_attn.q_proj.weight + self_attn.k_proj.weight + self_attn.v_proj.weight make 288 rows"),
+    ("Phi3ForCausalLM", {"intermediate_size": 100},
+     "tensor 'model.layers.0.mlp.gate_up_proj.weight' has shape [320, 96]; the config's "
+     "mlp.gate_proj.weight + mlp.up_proj.weight make 200 rows"),
+    ("Cohere2ForCausalLM", {"logit_scale": 0}, "'logit_scale' must be a finite number > 0"),
+    ("Cohere2ForCausalLM", {"layer_norm_eps": -1e-5}, "'layer_norm_eps' must be a finite number"),
+    ("Cohere2ForCausalLM", {"hidden_act": "gelu"}, "'hidden_act' is 'gelu'; only silu"),
+    ("Cohere2ForCausalLM", {"layer_types": ["sliding_attention"] * 3},
+     "'layer_types' must list one of ('full_attention', 'sliding_attention') per layer"),
+    ("Cohere2ForCausalLM", {"layer_types": None, "sliding_window_pattern": 0},
+     "'sliding_window_pattern' must be a positive integer"),
+    ("Cohere2ForCausalLM", {"num_attention_heads": 5, "num_key_value_heads": 5},
+     "'hidden_size' (96) must be a multiple of num_attention_heads (5)"),
 ]
 
 
@@ -279,7 +311,7 @@ def test_bad_family_config_field(checkpoint_factory, tmp_path, architecture, cha
                                       fragment):
     path = copy(checkpoint_factory(architecture), tmp_path / "model")
     edit_config(path, **changes)
-    weights = ("mlp.experts", "block_sparse", "mixer.")
+    weights = ("mlp.experts", "block_sparse", "mixer.", "tensor '")
     expect_error(path, [fragment] if any(w in fragment for w in weights)
                  else ["config.json", fragment])
 

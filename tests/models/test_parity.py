@@ -26,8 +26,23 @@ PROMPTS = [
 ]
 NUM_GREEDY_TOKENS = 40
 
+# LongRoPE's per-frequency factors for heads of 24 (12 rotated pairs), far from 1.
+_SHORT_FACTORS = [1.0 + 0.25 * i for i in range(12)]
+_LONG_FACTORS = [2.0 + 3.0 * i for i in range(12)]
+
 # Variants that exercise config paths beyond the defaults.
 VARIANTS = {
+    # Phi-3's LongRoPE within its original context (max_model_len = max_position_embeddings =
+    # the original 128): the short factors, and an attention factor from the given factor 2.
+    "phi3-longrope-short": ("Phi3ForCausalLM", dict(
+        max_position_embeddings=128, original_max_position_embeddings=128, rope_parameters={
+            "rope_type": "longrope", "short_factor": _SHORT_FACTORS,
+            "long_factor": _LONG_FACTORS, "original_max_position_embeddings": 128,
+            "factor": 2.0, "rope_theta": 10000.0})),
+    # Phi-4-mini's three quarters of each head rotated, with a window of 6.
+    "phi3-partial-rotary-window": ("Phi3ForCausalLM", dict(
+        sliding_window=6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                           "partial_rotary_factor": 0.75})),
     "mistral-sliding-window": ("MistralForCausalLM", dict(sliding_window=8)),
     "llama3-rope-tied-bias": ("LlamaForCausalLM", dict(
         rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -188,15 +203,15 @@ def routed_prefix_len(ref32, prompt: list[int], llm: kvserve.LLM) -> int:
     return first
 
 
-def check_parity(path, dtype=torch.float32, device="cpu"):
+def check_parity(path, dtype=torch.float32, device="cpu", prompts=PROMPTS, **llm_args):
     ref = hf_model(path, dtype)
-    llm = kvserve.LLM(path, dtype=dtype, device=device)
+    llm = kvserve.LLM(path, dtype=dtype, device=device, **llm_args)
     # Routers and state-space layers in reduced precision: against transformers' fp32 logits
     # (its own bf16 scan strays from them as far as kvserve's: 5e-2 on the Granite hybrid).
     rounded = llm.config.moe.num_experts or llm.config.num_ssm_layers()
     ref32 = hf_model(path) if rounded and dtype != torch.float32 else None
     compared = 0
-    for prompt in PROMPTS:
+    for prompt in prompts:
         with torch.no_grad():
             ref_logits = ref(torch.tensor([prompt])).logits[0]
         ours = kvserve_prompt_logits(llm, prompt)
@@ -210,12 +225,12 @@ def check_parity(path, dtype=torch.float32, device="cpu"):
         if n:
             assert_logits_close(ours[:n], truth, dtype)
         compared += n
-    assert ref32 is None or compared >= sum(map(len, PROMPTS)) // 4, "too few positions compared"
+    assert ref32 is None or compared >= sum(map(len, prompts)) // 4, "too few positions compared"
     if dtype != torch.float32:
         return
     params = kvserve.SamplingParams(temperature=0, max_tokens=NUM_GREEDY_TOKENS, ignore_eos=True)
-    outputs = llm.generate(PROMPTS, params)  # one batch of mixed lengths
-    for prompt, out in zip(PROMPTS, outputs):
+    outputs = llm.generate(prompts, params)  # one batch of mixed lengths
+    for prompt, out in zip(prompts, outputs):
         assert out.prompt_token_ids == prompt
         assert out.outputs[0].token_ids == hf_greedy(ref, prompt, NUM_GREEDY_TOKENS)
         assert out.outputs[0].finish_reason == "length"
@@ -230,6 +245,28 @@ def test_fp32_logits_and_greedy_match_transformers(checkpoint_factory, architect
 def test_config_variants_match_transformers(checkpoint_factory, variant):
     architecture, overrides = VARIANTS[variant]
     check_parity(checkpoint_factory(architecture, **overrides))
+
+
+def test_longrope_long_factors_past_the_original_context(checkpoint_factory):
+    """A context longer than the original one takes LongRoPE's long factors. kvserve picks the
+    set once, by max_model_len (256 > 8); transformers per forward, by its longest position:
+    the two agree on prompts already past 8 tokens, where every forward of transformers' takes
+    the long set too."""
+    path = checkpoint_factory("Phi3ForCausalLM", original_max_position_embeddings=8,
+                              rope_parameters={"rope_type": "longrope",
+                                               "short_factor": _SHORT_FACTORS,
+                                               "long_factor": _LONG_FACTORS,
+                                               "original_max_position_embeddings": 8,
+                                               "rope_theta": 10000.0})
+    long_prompts = [p for p in PROMPTS if len(p) > 8]
+    check_parity(path, prompts=long_prompts)
+    # Within the original context (max_model_len 8) the short set: equal to the prompt's
+    # first 8 tokens in transformers.
+    llm = kvserve.LLM(path, dtype=torch.float32, max_model_len=8)
+    ref = hf_model(path, torch.float32)
+    with torch.no_grad():
+        want = ref(torch.tensor([long_prompts[0][:8]])).logits[0]
+    assert_logits_close(kvserve_prompt_logits(llm, long_prompts[0][:8]), want, torch.float32)
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)

@@ -133,6 +133,20 @@ def test_falcon_h1_multipliers_fold_into_quantized_projections(tmp_path, method)
     assert_same_generation(out, reference_model(original, weights))
 
 
+def test_fused_projection_checkpoints_refuse_quantization(tmp_path):
+    """Phi-3 keeps q/k/v and gate/up fused; kvserve reads their rows from plain weights only: it
+    neither writes nor reads them quantized (rather than failing on a missing q_proj)."""
+    original = make_checkpoint(tmp_path / "plain", "Phi3ForCausalLM")
+    with pytest.raises(ValueError, match="quantizing them is not supported yet"):
+        quantize_checkpoint(original, tmp_path / "int8", "int8")
+    config = json.loads((original / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32,
+                                     "desc_act": False}
+    (original / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="reads its fused projections .* from plain weights"):
+        kvserve.LLM(original)
+
+
 def test_compressed_tensors_read_by_its_own_package(original, tmp_path):
     """transformers + compressed-tensors decompress kvserve's fp8 / int8 directories themselves."""
     pytest.importorskip("compressed_tensors")

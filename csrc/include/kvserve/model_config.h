@@ -15,14 +15,17 @@ namespace kvserve {
 
 /// RoPE frequency scaling (Hugging Face `rope_scaling` / `rope_parameters`).
 #define KVSERVE_ROPE_SCALING_FIELDS(X)                                                      \
-  X(std::string, rope_type, "default") /* default | linear | llama3 | yarn */               \
+  X(std::string, rope_type, "default") /* default | linear | llama3 | yarn | longrope */    \
   X(double, factor, 1.0)                                                                    \
   X(double, low_freq_factor, 1.0)                 /* llama3 */                              \
   X(double, high_freq_factor, 4.0)                /* llama3 */                              \
-  X(int64_t, original_max_position_embeddings, 0) /* llama3, yarn; 0: max positions */     \
+  X(int64_t, original_max_position_embeddings, 0) /* llama3, yarn, longrope; 0: max */     \
   X(double, beta_fast, 32.0)                      /* yarn */                                \
   X(double, beta_slow, 1.0)                       /* yarn */                                \
-  X(double, attention_factor, 0.0) /* yarn; 0 = derived from factor and mscale */           \
+  X(double, attention_factor, 0.0) /* yarn, longrope; 0 = derived from factor (mscale) */  \
+  /* longrope: a divisor per rotated frequency, the long set for contexts past the original */ \
+  X(std::vector<double>, short_factor, {})                                                  \
+  X(std::vector<double>, long_factor, {})                                                   \
   X(double, mscale, 0.0)           /* yarn (DeepSeek); 0 = unset */                         \
   X(double, mscale_all_dim, 0.0)   /* yarn (DeepSeek); 0 = unset */                         \
   X(bool, truncate, true)          /* yarn: round the correction range to integers */
@@ -140,10 +143,11 @@ struct QuantizationConfig {
   X(int64_t, num_kv_heads, 0)                                                               \
   X(int64_t, head_dim, 0)                                                                   \
   X(int64_t, max_position_embeddings, 0)                                                    \
-  X(double, rms_norm_eps, 1e-6)                                                             \
+  X(double, rms_norm_eps, 1e-6) /* the norms' epsilon (a LayerNorm's too) */                \
   X(double, rope_theta, 10000.0)                                                            \
   X(RopeScaling, rope_scaling, {})                                                          \
   X(int64_t, rotary_dim, 0) /* dims RoPE rotates (partial rotary); 0 = head_dim */          \
+  X(bool, rope_interleave, false) /* RoPE rotates pairs (x0, x1), ... (Cohere); else halves */ \
   X(bool, tie_word_embeddings, false)                                                       \
   X(bool, qkv_bias, false)    /* bias on q/k/v (Qwen2, Llama attention_bias) */             \
   X(bool, o_proj_bias, false) /* bias on the output projection (Llama attention_bias) */    \
@@ -157,6 +161,9 @@ struct QuantizationConfig {
   X(double, embedding_multiplier, 1.0) /* embeddings times this, in the weight dtype */     \
   X(bool, sandwich_norms, false) /* norms on the attention and MLP outputs (Gemma 2/3) */    \
   X(bool, post_norms, false) /* norms on those outputs only, none before them (OLMo 2) */     \
+  X(std::string, norm_type, "rms_norm") /* rms_norm | layer_norm (Cohere: LayerNorms) */    \
+  /* attention and MLP both read the layer's one norm; their outputs join the residual */   \
+  X(bool, parallel_block, false) /* (Cohere) */                                             \
   X(double, query_pre_attn_scalar, 0.0) /* scale is this^-0.5; 0 = head_dim^-0.5 */         \
   X(double, attn_logit_softcap, 0.0)    /* scores -> c * tanh(s / c); 0 = none */           \
   X(double, final_logit_softcap, 0.0)   /* LM-head logits likewise; 0 = none */             \

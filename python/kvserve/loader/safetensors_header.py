@@ -33,6 +33,9 @@ class TensorInfo:
     shape: tuple[int, ...]
     begin: int                # byte offsets into the data section
     end: int
+    # Rows (start, count) of the stored tensor that this entry is (a fused tensor split by
+    # WeightIndex.split); shape is then theirs. None: the whole tensor.
+    rows: tuple[int, int] | None = None
 
 
 def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:

@@ -26,7 +26,7 @@ import torch
 from safetensors import safe_open
 
 from kvserve import _C
-from kvserve.architectures import ARCHITECTURES, weight_names
+from kvserve.architectures import ARCHITECTURES, split_weights, weight_names
 from kvserve.loader.sharding import (Shard, check_shardable, local_columns, local_heads,
                                      local_intermediate, local_vocab)
 from kvserve.loader.weight_check import check_weights, moe_names
@@ -53,13 +53,14 @@ class _TensorReader:
         try:
             if info.file not in self.handles:
                 self.handles[info.file] = safe_open(str(info.file), framework="pt")
-            if part is None:
+            if part is None and info.rows is None:
                 tensor = self.handles[info.file].get_tensor(info.name)
             else:
-                dim, start, length = part
                 view = self.handles[info.file].get_slice(info.name)
-                tensor = (view[start:start + length] if dim == 0
-                          else view[:, start:start + length])
+                first, count = info.rows or (0, info.shape[0])  # a split tensor's rows
+                dim, start, length = part or (0, 0, count)
+                tensor = (view[first + start:first + start + length] if dim == 0
+                          else view[first:first + count, start:start + length])
         except Exception as e:  # safetensors raises its own error types; its checks mirror ours
             raise ValueError(f"{info.file}: cannot read tensor '{name}': {e}") from e
         # A copy: a tensor that views the memory map would keep the whole file mapped (and its
@@ -136,10 +137,15 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
         checkpoint = GGUFCheckpoint(model_dir)
         hf, read = checkpoint.hf_config, GGUFTensorReader(checkpoint, dtype)
     else:
-        index = WeightIndex.from_dir(model_dir).renamed(weight_names(config))
+        index = (WeightIndex.from_dir(model_dir).renamed(weight_names(config))
+                 .split(split_weights(config)))
         config_path = model_dir / "config.json"
         hf = json.loads(config_path.read_text())
         quant = parse_quantization_config(hf)
+        if quant is not None and split_weights(config):
+            raise ValueError(f"{config_path}: a quantized {config.architecture} checkpoint; "
+                             "kvserve reads its fused projections (q/k/v, gate/up) from plain "
+                             "weights only")
         if quant is not None:  # its ignore list as the renamed index names the modules
             quant.ignore = [p if p.startswith("re:") else kvserve_name(p, weight_names(config))
                             for p in quant.ignore]
@@ -164,7 +170,8 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
             _read_attention(read, config, i, p + "self_attn.", out + "self_attn.", w, shard)
         if not config.ssm.mlp:
             continue
-        w[out + "post_attention_layernorm.weight"] = read(p + "post_attention_layernorm.weight")
+        if not config.parallel_block:  # Cohere: one norm before attention and MLP
+            w[out + "post_attention_layernorm.weight"] = read(p + "post_attention_layernorm.weight")
         mlp_norms = ((["pre_feedforward_layernorm"] if config.sandwich_norms else [])
                      + (["post_feedforward_layernorm"]
                         if config.sandwich_norms or config.post_norms else []))

@@ -37,7 +37,8 @@ def expected_shapes(c: _C.ModelConfig) -> dict[str, tuple[Dim, ...]]:
             shapes.update(_mla_shapes(c, p) if c.use_mla() else _attention_shapes(c, p, i))
         if not c.ssm.mlp:
             continue
-        shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+        if not c.parallel_block:  # Cohere: one norm before attention and MLP
+            shapes[p + "post_attention_layernorm.weight"] = (hidden,)
         if c.sandwich_norms:
             shapes[p + "pre_feedforward_layernorm.weight"] = (hidden,)
         if c.sandwich_norms or c.post_norms:

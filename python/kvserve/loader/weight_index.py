@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path, PurePosixPath
@@ -65,6 +66,34 @@ class WeightIndex:
                 raise ValueError(f"{self.source}: tensors '{tensors[new].name}' and '{name}' "
                                  f"are both kvserve's '{new}'")
             tensors[new] = info
+        return WeightIndex(tensors, self.files, self.source)
+
+    def split(self, splits: tuple[tuple[str, tuple[tuple[str, int], ...]], ...]) -> WeightIndex:
+        """The same tensors with each fused one that a split names read as its parts: a split is
+        (the fused tensor's name suffix, ((a part's name suffix, its rows), ...)), the parts in
+        row order (Architecture.split_weights: Phi-3's qkv_proj as q_proj, k_proj and v_proj).
+        Each part reads its rows of the stored tensor (TensorInfo.rows). Raises ValueError when a
+        fused tensor's rows are not the parts' sum."""
+        if not splits:
+            return self
+        tensors: dict[str, TensorInfo] = {}
+        for name, info in self.tensors.items():
+            split = next(((fused, parts) for fused, parts in splits
+                          if name == fused or name.endswith("." + fused)), None)
+            if split is None:
+                tensors[name] = info
+                continue
+            fused, parts = split
+            rows = sum(count for _, count in parts)
+            if not info.shape or info.shape[0] != rows:
+                raise ValueError(f"{self.source}: tensor '{name}' has shape {list(info.shape)}; "
+                                 f"the config's {' + '.join(p for p, _ in parts)} make {rows} "
+                                 "rows")
+            prefix, start = name[:len(name) - len(fused)], 0
+            for part, count in parts:
+                tensors[prefix + part] = dataclasses.replace(
+                    info, shape=(count, *info.shape[1:]), rows=(start, count))
+                start += count
         return WeightIndex(tensors, self.files, self.source)
 
     @classmethod

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from kvserve.architectures import weight_names
+from kvserve.architectures import split_weights, weight_names
 from kvserve.config import load_checkpoint_info
 from kvserve.loader.checkpoint_writer import write_checkpoint
 from kvserve.loader.weight_index import kvserve_name
@@ -103,7 +103,11 @@ def quantize_checkpoint(model_dir: Path, out_dir: Path, method: str, group_size:
 
         awq_transform(model_dir, source, Path(calibration), group_size)
     covers = CheckpointQuantization(method, 8, -1, lm_head=lm_head, embeddings=embeddings).covers
-    renames = weight_names(load_checkpoint_info(model_dir).config)  # covers takes kvserve's names
+    model_config = load_checkpoint_info(model_dir).config
+    if split_weights(model_config):
+        raise ValueError(f"{model_config.architecture} keeps fused projections (q/k/v, gate/up) "
+                         "that kvserve reads by rows; quantizing them is not supported yet")
+    renames = weight_names(model_config)  # covers takes kvserve's names
     tensors: dict[str, torch.Tensor] = {}
     plain: list[str] = []
     for name, t in source.items():
