@@ -125,6 +125,7 @@ struct PagedAttentionArgs {
   float scale;
   int64_t sliding_window;          // <= 0: no window
   float logit_softcap;             // <= 0: no soft-cap
+  const float* sinks;              // [num_heads]: a logit per head in each softmax; null: none
 };
 using PagedAttentionFn = void (*)(const PagedAttentionArgs& args);
 KVSERVE_CPU_STUB(paged_attention_stub, PagedAttentionFn);

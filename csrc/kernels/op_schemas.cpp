@@ -68,7 +68,7 @@ TORCH_LIBRARY(kvserve, m) {
       "paged_attention(Tensor! out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, float scale, "
       "int sliding_window, float logit_softcap, Tensor? key_scale=None, "
-      "Tensor? value_scale=None) -> ()");
+      "Tensor? value_scale=None, Tensor? sinks=None) -> ()");
   m.def(
       "fused_moe(Tensor hidden, Tensor[] w13, Tensor[] w2, Tensor topk_weights, "
       "Tensor topk_ids) -> Tensor");
@@ -259,14 +259,15 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale,
                      int64_t sliding_window, double logit_softcap,
                      const std::optional<at::Tensor>& key_scale,
-                     const std::optional<at::Tensor>& value_scale) {
+                     const std::optional<at::Tensor>& value_scale,
+                     const std::optional<at::Tensor>& sinks) {
   static const auto op =
       handle<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                   const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
-                  double, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>(
-          "kvserve::paged_attention");
+                  double, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                  const std::optional<at::Tensor>&)>("kvserve::paged_attention");
   op.call(out, query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale,
-          sliding_window, logit_softcap, key_scale, value_scale);
+          sliding_window, logit_softcap, key_scale, value_scale, sinks);
 }
 
 at::Tensor fused_moe(const at::Tensor& hidden, at::TensorList w13, at::TensorList w2,

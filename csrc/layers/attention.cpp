@@ -34,6 +34,11 @@ Attention::Attention(const ModelConfig& c, int64_t layer, const WeightMap& w,
       k_norm_ = RMSNorm(w.get(p + "k_norm.weight"), c.rms_norm_eps, c.norm_weight_offset);
     }
   }
+  if (c.attention_sinks) {
+    sinks_ = w.get(p + "sinks").to(at::kFloat).contiguous();
+    TORCH_CHECK(sinks_.dim() == 1 && sinks_.size(0) == num_heads_, "layer ", layer,
+                ": sinks must be [", num_heads_, "], got ", sinks_.sizes());
+  }
   const int64_t outputs = (num_heads_ + (shares_kv_ ? 0 : 2 * num_kv_heads_)) * head_dim_;
   TORCH_CHECK(qkv_proj_.out_features() == outputs, "layer ", layer, ": ",
               shares_kv_ ? "q_proj" : "qkv_proj", " has ", qkv_proj_.out_features(),
@@ -68,13 +73,14 @@ at::Tensor Attention::forward(const at::Tensor& positions, const at::Tensor& hid
   at::Tensor out = at::empty({num_tokens, num_heads_, head_dim_}, hidden.options());
   ops::paged_attention(out, q.view({num_tokens, num_heads_, head_dim_}), kv.key, kv.value,
                        m.query_start_loc, m.seq_lens, m.tables(kv.group), scale_, sliding_window_,
-                       logit_softcap_, kv.key_scales(), kv.value_scales());
+                       logit_softcap_, kv.key_scales(), kv.value_scales(),
+                       sinks_.defined() ? std::optional<at::Tensor>(sinks_) : std::nullopt);
   return o_proj_.forward(out.view({num_tokens, q_width}), m.lora_slots);
 }
 
 int64_t Attention::weight_bytes() const {
   return qkv_proj_.weight_bytes() + o_proj_.weight_bytes() + q_norm_.weight_bytes() +
-         k_norm_.weight_bytes();
+         k_norm_.weight_bytes() + (sinks_.defined() ? sinks_.nbytes() : 0);
 }
 
 }  // namespace kvserve

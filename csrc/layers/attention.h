@@ -19,7 +19,8 @@ namespace kvserve {
 
 /// One layer's attention. Weights: `<prefix>qkv_proj.weight` [(H + 2 Hkv) * D, hidden] (+ bias),
 /// `<prefix>o_proj.weight` [hidden, H * D] (+ bias), optional `<prefix>q_norm.weight` /
-/// `<prefix>k_norm.weight` [D]. A layer that shares an earlier layer's KV (config.kv_sources)
+/// `<prefix>k_norm.weight` [D], and with config.attention_sinks `<prefix>sinks` [H] (a logit
+/// per head in its softmax, kept in fp32). A layer that shares an earlier layer's KV (config.kv_sources)
 /// has `<prefix>q_proj.weight` [H * D, hidden] (+ bias) instead of qkv_proj and no k_norm: it
 /// attends over the cache it is given and writes nothing. A null rotary: no positional encoding
 /// (NoPE).
@@ -45,6 +46,7 @@ class Attention {
   Linear o_proj_;
   RMSNorm q_norm_;
   RMSNorm k_norm_;
+  at::Tensor sinks_;  // fp32 [H], or undefined: none
   const RotaryEmbedding* rotary_;
   int64_t num_heads_, num_kv_heads_, head_dim_, sliding_window_;
   double scale_;

@@ -42,6 +42,7 @@ struct Case {
   int latent_value_dim = 0;  // > 0: MLA's latent, one cache for both, values its first entries
   bool nan_keys = false;     // every key NaN (a model gone bad): NaN rows, as on the CPU
   int sms = 132;             // the GPU's multiprocessors (fewer: a small prefill takes wide tiles)
+  bool sinks = false;        // gpt-oss's sink logit per head (one far above the scores)
 };
 
 struct EmulatedLaunch {
@@ -118,13 +119,18 @@ void run_case(const Case& c, at::ScalarType dtype, Kernel kernel, double toleran
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
 
   const int dv = c.latent_value_dim > 0 ? c.latent_value_dim : d;
+  std::optional<at::Tensor> sinks;
+  if (c.sinks) {
+    sinks = at::randn({c.heads}).mul_(2.0);
+    sinks->data_ptr<float>()[0] = 30.0f;  // the first head's output all but vanishes
+  }
   at::Tensor expected = at::empty({num_tokens, c.heads, dv}, dtype);
   ops::paged_attention(expected, query, key, value, qsl, seq_lens, tables, scale,
-                       c.sliding_window, c.softcap, key_scale, value_scale);
+                       c.sliding_window, c.softcap, key_scale, value_scale, sinks);
   at::Tensor actual = at::zeros({num_tokens, c.heads, dv}, dtype);
   cuda::PagedAttentionParams p = ops::paged_attention_launch::make_params(
       actual, query, key, value, qsl, seq_lens, tables, scale, c.sliding_window, c.softcap,
-      key_scale, value_scale);
+      key_scale, value_scale, sinks);
   // Twice: the lowest warp running ahead with copies landing at once, then the highest one
   // with copies landing as late as allowed; a race between warps or with a copy gives two
   // different results.
@@ -202,6 +208,21 @@ TEST(PagedAttentionEmulated, SplitCountFillsWaves) {
   EXPECT_EQ(split_count(8, 396, 128), 43);    // 344 blocks: 87% of a wave
   EXPECT_EQ(split_count(64, 396, 128), 6);    // 384 blocks: 97% of a wave
   EXPECT_EQ(split_count(1, 1, 1), 1);
+}
+
+// Sinks join the final merge only: over one split and several, decode and prefill, each kernel.
+Case with_sinks(Case c) {
+  c.name += ", sinks";
+  c.sinks = true;
+  return c;
+}
+
+TEST(PagedAttentionEmulated, EveryKernelAddsAttentionSinks) {
+  run_case<__nv_bfloat16>(with_sinks(decode_cases()[1]), at::kBFloat16, Kernel::kMma, 2e-2);
+  run_case<__nv_bfloat16>(with_sinks(prefill_cases()[3]), at::kBFloat16, Kernel::kMma, 2e-2);
+  run_case<float>(with_sinks(decode_cases()[3]), at::kFloat, Kernel::kRows, 1e-5);
+  run_case<float>(with_sinks(decode_cases()[1]), at::kFloat, Kernel::kRows, 1e-5);
+  run_case<__half>(with_sinks(prefill_cases()[0]), at::kHalf, Kernel::kGeneral, 4e-3);
 }
 
 TEST(PagedAttentionEmulated, TensorCoreKernelDecodesInBf16AndFp16) {

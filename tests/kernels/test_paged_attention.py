@@ -87,21 +87,21 @@ class Batch:
     def metadata(self):
         return self.query_start_loc, self.seq_lens, self.block_tables
 
-    def run(self, sliding_window=0, logit_softcap=0.0, scale=None):
+    def run(self, sliding_window=0, logit_softcap=0.0, scale=None, sinks=None):
         """Runs the op into a strided out view; checks it wrote nothing outside that view."""
         num_tokens, num_heads, _ = self.query.shape
         out_full = torch.full((num_tokens, num_heads + 3, self.value_head_dim), float("nan"),
                               dtype=self.query.dtype)
         out = out_full[:, :num_heads]
         ops.paged_attention(out, self.query, self.key_cache, self.value_cache, *self.metadata(),
-                            scale or self.scale, sliding_window, logit_softcap)
+                            scale or self.scale, sliding_window, logit_softcap, sinks=sinks)
         assert out_full[:, num_heads:].isnan().all(), "paged_attention wrote outside out"
         return out
 
-    def reference(self, sliding_window=0, logit_softcap=0.0, scale=None):
+    def reference(self, sliding_window=0, logit_softcap=0.0, scale=None, sinks=None):
         return reference.paged_attention(self.query, self.key_cache, self.value_cache,
                                          *self.metadata(), scale or self.scale, sliding_window,
-                                         logit_softcap, self.value_head_dim)
+                                         logit_softcap, self.value_head_dim, sinks=sinks)
 
 
 def check(batch, dtype, **kwargs):
@@ -181,6 +181,43 @@ def test_sliding_window_and_softcap(sliding_window, logit_softcap, block_size, d
     plain = batch.reference(scale=1.0)
     if sliding_window < 45:  # the option must matter, or this test could not fail
         assert (out.double() - plain).abs().max() > 0.1
+
+
+def make_sinks(num_heads, seed=7):
+    """Sink logits spread around the scores' range, some far above it (sink-dominated heads),
+    one far below (no effect): each head's sink must be its own."""
+    g = torch.Generator().manual_seed(seed)
+    sinks = 3 * torch.randn(num_heads, generator=g)
+    sinks[0], sinks[-1] = 40.0, -40.0
+    return sinks
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim, num_heads, num_kv_heads", [(64, 8, 2), (24, 8, 1), (80, 6, 6)])
+@pytest.mark.parametrize("scenario", ["mixed", "tile-edges", "long"])
+def test_attention_sinks(scenario, head_dim, num_heads, num_kv_heads, dtype):
+    """gpt-oss's sinks over decode, prefill, prefixes, tile edges and split long contexts (the
+    sink joins only the final merge), alone and with a window and a soft-cap; a sink that
+    dominates leaves a small output, so the result must differ from plain attention."""
+    seqs = {"mixed": SCENARIOS["mixed"], "tile-edges": TILE_EDGES,
+            "long": [(1500, 1), (700, 3), (1, 1)]}[scenario]
+    batch = Batch(seqs, head_dim, num_heads, num_kv_heads, 16, dtype, seed=9)
+    sinks = make_sinks(num_heads)
+    out = check(batch, dtype, sinks=sinks)
+    check(batch, dtype, sinks=sinks, sliding_window=6, logit_softcap=5.0, scale=1.0)
+    assert (out.double() - batch.reference()).abs().max() > 0.1, "the sinks changed nothing"
+    assert out[:, 0].abs().max() < 1e-6 and out[:, -1].equal(batch.run()[:, -1])
+
+
+@pytest.mark.parametrize("make_sinks, match", [
+    (lambda: torch.zeros(7), "sinks must be"),
+    (lambda: torch.zeros(8, dtype=torch.bfloat16), "sinks"),
+    (lambda: torch.zeros(16)[::2], "contiguous"),
+])
+def test_bad_sinks_are_refused(make_sinks, match):
+    batch = Batch(SCENARIOS["decode"], 64, 8, 2, 16, torch.float32)
+    with pytest.raises(RuntimeError, match=match):
+        batch.run(sinks=make_sinks())
 
 
 @pytest.mark.parametrize("sliding_window", [0, 5])
@@ -429,6 +466,7 @@ def capability_checks():
             check(batch, dtype, sliding_window=6, logit_softcap=5.0, scale=1.0)
         check(Batch(TILE_EDGES, 80, 8, 2, 16, dtype), dtype, sliding_window=70, logit_softcap=10.0)
         check(Batch(SCENARIOS["mixed"], 24, 8, 2, 16, dtype, value_head_dim=40), dtype)
+        check(Batch(TILE_EDGES, 64, 8, 2, 16, dtype), dtype, sinks=make_sinks(8))
         for heads in (4, 16):
             check(Batch(SCENARIOS["mixed"], 72, heads, 1, 16, dtype, value_head_dim=64,
                         latent=True), dtype)

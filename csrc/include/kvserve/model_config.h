@@ -166,6 +166,7 @@ struct QuantizationConfig {
   X(bool, parallel_block, false) /* (Cohere) */                                             \
   X(double, query_pre_attn_scalar, 0.0) /* scale is this^-0.5; 0 = head_dim^-0.5 */         \
   X(double, attn_logit_softcap, 0.0)    /* scores -> c * tanh(s / c); 0 = none */           \
+  X(bool, attention_sinks, false) /* a learned logit per head in each softmax (gpt-oss) */   \
   X(double, final_logit_softcap, 0.0)   /* LM-head logits likewise; 0 = none */             \
   X(double, residual_multiplier, 1.0) /* each layer's outputs times this into the residual */ \
   X(double, logits_scaling, 1.0)      /* LM-head logits divided by this (Granite) */          \

@@ -30,6 +30,9 @@ namespace kvserve::ops {
 ///   fp32 scales key_scale / value_scale [num_blocks, block_size, num_kv_heads], as
 ///   kv_cache_write stores them: a row's entries times its scale are its values, dequantized in
 ///   registers as the rows are read (a latent cache passes its scales as both).
+/// sinks: fp32 [num_heads], a learned logit per query head (gpt-oss's attention sinks) that
+///   joins each query's softmax as one more score with no value: it takes its share of the
+///   probability and adds nothing to the output (absent: none).
 /// Throws on inconsistent metadata (a run longer than its context, a block id outside the cache,
 /// a context longer than its block table).
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
@@ -37,6 +40,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale,
                      int64_t sliding_window, double logit_softcap,
                      const std::optional<at::Tensor>& key_scale = std::nullopt,
-                     const std::optional<at::Tensor>& value_scale = std::nullopt);
+                     const std::optional<at::Tensor>& value_scale = std::nullopt,
+                     const std::optional<at::Tensor>& sinks = std::nullopt);
 
 }  // namespace kvserve::ops

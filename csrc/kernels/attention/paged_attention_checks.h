@@ -25,7 +25,7 @@ inline cpu::KVCacheFormat check_paged_attention(
     const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
     const at::Tensor& value_cache, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
     const at::Tensor& block_tables, const std::optional<at::Tensor>& key_scale,
-    const std::optional<at::Tensor>& value_scale) {
+    const std::optional<at::Tensor>& value_scale, const std::optional<at::Tensor>& sinks) {
   using namespace paged_attention_checks;
   check_heads("query", query);
   check_heads("out", out);
@@ -52,6 +52,13 @@ inline cpu::KVCacheFormat check_paged_attention(
               " differs from query head_dim ", query.size(2));
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, kOp, ": num_heads ", num_heads,
               " is not a multiple of num_kv_heads ", num_kv_heads);
+  if (sinks) {
+    check_contiguous(kOp, "sinks", *sinks, at::kFloat);
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == num_heads &&
+                    sinks->device() == query.device(),
+                kOp, ": sinks must be [num_heads = ", num_heads, "] on ", query.device(),
+                ", got ", sinks->sizes());
+  }
   check_contiguous(kOp, "query_start_loc", query_start_loc, at::kInt);
   check_contiguous(kOp, "seq_lens", seq_lens, at::kInt);
   check_contiguous(kOp, "block_tables", block_tables, at::kInt);

@@ -42,10 +42,11 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
                          const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale,
                          int64_t sliding_window, double logit_softcap,
                          const std::optional<at::Tensor>& key_scale,
-                         const std::optional<at::Tensor>& value_scale) {
+                         const std::optional<at::Tensor>& value_scale,
+                         const std::optional<at::Tensor>& sinks) {
   const cpu::KVCacheFormat format = check_paged_attention(
       out, query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, key_scale,
-      value_scale);
+      value_scale, sinks);
   const int64_t num_heads = query.size(1), num_kv_heads = key_cache.size(2);
   check_metadata(query_start_loc, seq_lens, block_tables, query.size(0), key_cache.size(0),
                  key_cache.size(1));
@@ -79,6 +80,7 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
   args.scale = static_cast<float>(scale);
   args.sliding_window = sliding_window;
   args.logit_softcap = static_cast<float>(logit_softcap);
+  args.sinks = sinks ? sinks->data_ptr<float>() : nullptr;
   if (query.size(0) == 0) return;
   cpu::paged_attention_stub.get()(args);
 }

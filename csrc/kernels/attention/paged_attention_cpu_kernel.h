@@ -3,6 +3,7 @@
 // capability): the work item, the view of its sequence, the scratch of a thread, and the two
 // paths that attend an item. The scheme is described in paged_attention_cpu_kernel.cpp.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -22,6 +23,18 @@ constexpr int kPrefetchLocality = 2;   // __builtin_prefetch: 3 = all levels (t0
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+/// What a row's accumulated values are multiplied by once its keys are done (running max `max`,
+/// sum of exp(score - max) `sum`): 1 / sum; with a sink logit (gpt-oss; sinks null: none) for
+/// the row's query head, the sink joins the softmax's denominator as exp(sink - max), computed
+/// against max(max, sink) so that neither side overflows. A row without keys gets 0.
+inline float softmax_normalizer(float max, float sum, const float* sinks, int64_t head) {
+  if (!(sum > 0.0f)) return 0.0f;
+  if (!sinks) return 1.0f / sum;
+  const float top = std::max(max, sinks[head]);
+  const float kept = std::exp(max - top);
+  return kept / (sum * kept + std::exp(sinks[head] - top));
+}
 
 /// One work item: rows of queries [q_begin, q_end) of `seq` for the query heads of the groups of
 /// KV heads [kv_head, kv_head_end) (one KV head on the tiled path).

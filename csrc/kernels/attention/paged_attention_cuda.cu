@@ -70,16 +70,17 @@ void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Te
                           const at::Tensor& seq_lens, const at::Tensor& block_tables,
                           double scale, int64_t sliding_window, double logit_softcap,
                           const std::optional<at::Tensor>& key_scale,
-                          const std::optional<at::Tensor>& value_scale) {
+                          const std::optional<at::Tensor>& value_scale,
+                          const std::optional<at::Tensor>& sinks) {
   const cpu::KVCacheFormat format =
       check_paged_attention(out, query, key_cache, value_cache, query_start_loc, seq_lens,
-                            block_tables, key_scale, value_scale);
+                            block_tables, key_scale, value_scale, sinks);
   const int64_t num_tokens = query.size(0);
   if (num_tokens == 0 || seq_lens.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(query.device());
   cuda::PagedAttentionParams p = paged_attention_launch::make_params(
       out, query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale,
-      sliding_window, logit_softcap, key_scale, value_scale);
+      sliding_window, logit_softcap, key_scale, value_scale, sinks);
   if (p.max_blocks_per_seq == 0) {
     out.zero_();
     return;

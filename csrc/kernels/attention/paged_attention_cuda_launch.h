@@ -35,7 +35,8 @@ inline cuda::PagedAttentionParams make_params(
     at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
     const at::Tensor& value_cache, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
     const at::Tensor& block_tables, double scale, int64_t sliding_window, double logit_softcap,
-    const std::optional<at::Tensor>& key_scale, const std::optional<at::Tensor>& value_scale) {
+    const std::optional<at::Tensor>& key_scale, const std::optional<at::Tensor>& value_scale,
+    const std::optional<at::Tensor>& sinks = std::nullopt) {
   cuda::PagedAttentionParams p{};
   p.out = out.data_ptr();
   p.query = query.data_ptr();
@@ -63,6 +64,7 @@ inline cuda::PagedAttentionParams make_params(
   p.scale = static_cast<float>(scale);
   p.sliding_window = static_cast<int>(std::clamp<int64_t>(sliding_window, 0, INT32_MAX));
   p.logit_softcap = static_cast<float>(logit_softcap);
+  p.sinks = sinks ? sinks->data_ptr<float>() : nullptr;
   return p;
 }
 

@@ -358,7 +358,7 @@ void attend_rows(const PagedAttentionArgs& a, const Item& it, Scratch& s) {
   T* out = static_cast<T*>(a.out);
   for (int64_t r = 0; r < rows; ++r) {
     float* acc = s.acc.data() + r * dvp;
-    const float inv = s.sum[r] > 0.0f ? 1.0f / s.sum[r] : 0.0f;
+    const float inv = softmax_normalizer(s.max[r], s.sum[r], a.sinks, row_head(r));
     for (int64_t i = 0; i < dv; ++i) acc[i] *= inv;
     convert_from_float(acc, out + (token0 + row_query(r)) * a.out_stride + row_head(r) * dv, dv);
   }

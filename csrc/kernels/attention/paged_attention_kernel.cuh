@@ -48,6 +48,7 @@ struct PagedAttentionParams {
   float scale;
   int sliding_window;   // <= 0: none
   float logit_softcap;  // <= 0: none
+  const float* sinks;   // [num_heads]: a logit per head in each softmax (gpt-oss); null: none
 };
 
 /// Sets p.block_mul and p.block_shift for p.block_size >= 1 (0 reads as 1): a round-up
@@ -115,7 +116,8 @@ __device__ inline MergedSoftmax merge_softmax_streams(int streams, Stream stream
 /// sum at s_sum[same] and its unnormalized values at s_acc[(s * row_stride + r) * acc_width + d].
 /// Merges them and stores each row normalized in `out` (one split) or as split blockIdx.z's
 /// partial output, max (natural units) and sum for paged_attention_merge_kernel. A stream that saw
-/// no position has sum 0; a row that saw none stores zeros.
+/// no position has sum 0; a row that saw none stores zeros. A head's sink (p.sinks) joins the
+/// final merge as one more stream (max: the sink, sum 1, no value).
 template <typename T, bool LOG2, typename RowOf>
 __device__ inline void store_merged_rows(const PagedAttentionParams& p, int rows, int streams,
                                          const float* s_max, const float* s_sum,
@@ -127,7 +129,10 @@ __device__ inline void store_merged_rows(const PagedAttentionParams& p, int rows
     const int r = i / dv, d = i % dv;
     const int2 row = row_of(r);
     if (row.x < 0) continue;
-    const MergedSoftmax m = merge_softmax_streams<LOG2>(streams, [&](int s) {
+    // One more stream, the sink, when this is the final merge.
+    const bool sink = p.sinks && p.num_splits == 1;
+    const MergedSoftmax m = merge_softmax_streams<LOG2>(streams + sink, [&](int s) {
+      if (s == streams) return make_float3(p.sinks[row.y] * (LOG2 ? kLog2e : 1.0f), 1.0f, 0.0f);
       const int slot = s * row_stride + r;
       return make_float3(s_max[slot], s_sum[slot],
                          s_acc[static_cast<int64_t>(slot) * acc_width + d]);
@@ -251,7 +256,7 @@ __global__ void __launch_bounds__(kAttentionThreads)
 }
 
 /// Grid (num_tokens, num_heads), any block size: out = the splits' partial outputs weighted by
-/// sum_z * exp(max_z - max), normalized.
+/// sum_z * exp(max_z - max), normalized (with the head's sink as one more split of no value).
 template <typename T>
 __global__ void paged_attention_merge_kernel(const PagedAttentionParams p) {
   const int64_t index = (static_cast<int64_t>(blockIdx.x) * p.num_heads + blockIdx.y) *
@@ -260,7 +265,9 @@ __global__ void paged_attention_merge_kernel(const PagedAttentionParams p) {
   T* out = static_cast<T*>(p.out) + blockIdx.x * p.out_stride +
            static_cast<int64_t>(blockIdx.y) * dv;
   for (int d = threadIdx.x; d < dv; d += blockDim.x) {
-    const MergedSoftmax m = merge_softmax_streams<false>(p.num_splits, [&](int z) {
+    const MergedSoftmax m = merge_softmax_streams<false>(p.num_splits + (p.sinks != nullptr),
+                                                         [&](int z) {
+      if (z == p.num_splits) return make_float3(p.sinks[blockIdx.y], 1.0f, 0.0f);
       const float sum = p.partial_sum[index + z];
       return make_float3(p.partial_max[index + z], sum, p.partial_out[(index + z) * dv + d] * sum);
     });

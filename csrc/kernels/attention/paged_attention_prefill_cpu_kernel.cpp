@@ -203,10 +203,11 @@ void attend_tiled(const PagedAttentionArgs& a, const Item& it, Scratch& s) {
   T* out = static_cast<T*>(a.out);
   for (int64_t r = 0; r < rows; ++r) {
     float* acc = s.acc.data() + r * dvp;
-    const float inv = s.sum[r] > 0.0f ? 1.0f / s.sum[r] : 0.0f;
+    const int64_t head = it.kv_head * group + r % group;
+    const float inv = softmax_normalizer(s.max[r], s.sum[r], a.sinks, head);
     for (int64_t i = 0; i < dv; ++i) acc[i] *= inv;
-    convert_from_float(acc, out + (token0 + it.q_begin + r / group) * a.out_stride +
-                                (it.kv_head * group + r % group) * dv, dv);
+    convert_from_float(acc, out + (token0 + it.q_begin + r / group) * a.out_stride + head * dv,
+                       dv);
   }
 }
 

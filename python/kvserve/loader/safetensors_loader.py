@@ -285,6 +285,10 @@ def _read_attention(read: _TensorReader, c: _C.ModelConfig, layer: int, attn: st
              None if shard is None else [(1, *rows["q"])])
     if c.o_proj_bias and (shard is None or shard.rank == 0):  # added once to the sum
         w[out + "o_proj.bias"] = read(attn + "o_proj.bias")
+    if c.attention_sinks:  # one per query head: the rank's heads
+        w[out + "sinks"] = read.raw(attn + "sinks", torch.float32,
+                                    None if shard is None else (0, rows["q"][0] // c.head_dim,
+                                                                rows["q"][1] // c.head_dim))
     if c.qk_norm:
         w[out + "q_norm.weight"] = read(attn + "q_norm.weight")
         if c.kv_source(layer) == layer:

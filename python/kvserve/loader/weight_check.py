@@ -91,6 +91,8 @@ def _attention_shapes(c: _C.ModelConfig, p: str, layer: int) -> dict[str, tuple[
     shapes[p + "self_attn.o_proj.weight"] = (hidden, q)
     if c.o_proj_bias:
         shapes[p + "self_attn.o_proj.bias"] = (hidden,)
+    if c.attention_sinks:
+        shapes[p + "self_attn.sinks"] = (("num_attention_heads", c.num_heads),)
     if c.qk_norm:  # per head, or over all heads at once (OLMo 2)
         shapes[p + "self_attn.q_norm.weight"] = (q if c.qk_norm_full_width else head,)
         if not shares:

@@ -319,7 +319,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     block_tables: torch.Tensor, scale: float, sliding_window: int = 0,
                     logit_softcap: float = 0.0, value_head_dim: int | None = None,
                     key_scale: torch.Tensor | None = None,
-                    value_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    value_scale: torch.Tensor | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of variable-length query runs over a paged KV cache.
 
     query [T, num_heads, head_dim]; key_cache [num_blocks, block_size, num_kv_heads, head_dim];
@@ -331,7 +332,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     at position i sees positions (i - sliding_window, i] (all of [0, i] when sliding_window <= 0);
     scores are scale * q.k, then c * tanh(score / c) when logit_softcap c > 0.
     int8 / float8_e4m3fn caches come with their scales [num_blocks, block_size, num_kv_heads]
-    (see kv_cache_write) and are read as entries times scales.
+    (see kv_cache_write) and are read as entries times scales. sinks [num_heads]: a logit per
+    head appended to each query's scores before the softmax, its probability then dropped.
     Returns fp64 [T, num_heads, value_head_dim].
     """
     key_cache = dequantize_kv(key_cache, key_scale)
@@ -360,7 +362,11 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                 scores = (k @ query[t, h].double()) * scale  # [n]
                 if logit_softcap > 0:
                     scores = logit_softcap * torch.tanh(scores / logit_softcap)
-                out[t, h] = torch.softmax(scores, dim=0) @ v
+                if sinks is not None:  # the sink's share of the softmax, no value
+                    probs = torch.softmax(torch.cat([scores, sinks[h:h + 1].double()]), 0)[:-1]
+                else:
+                    probs = torch.softmax(scores, dim=0)
+                out[t, h] = probs @ v
     return out
 
 
