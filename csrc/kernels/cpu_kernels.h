@@ -39,6 +39,13 @@ KVSERVE_CPU_STUB(silu_and_mul_stub, SiluAndMulFn);
 /// out[t, i] = gelu_tanh(input[t, i]) * input[t, d + i] for i < d; same layout as silu_and_mul.
 KVSERVE_CPU_STUB(gelu_tanh_and_mul_stub, SiluAndMulFn);
 
+/// clamped_swiglu_and_mul's body (contract: kernels/activation/clamped_swiglu_and_mul.h); same
+/// layout as silu_and_mul.
+using ClampedSwigluAndMulFn = void (*)(c10::ScalarType dtype, void* out, int64_t out_stride,
+                                       const void* input, int64_t input_stride,
+                                       int64_t num_tokens, int64_t d, float alpha, float limit);
+KVSERVE_CPU_STUB(clamped_swiglu_and_mul_stub, ClampedSwigluAndMulFn);
+
 /// One lora_add call (contract: kernels/linear/lora_add.h): out [T, out_features] and x
 /// [T, in_features] with row strides, of `dtype`; lora_a [slots, rank, in_features] and lora_b
 /// [slots, rank, out_features] contiguous, of `dtype`; slots int32 [T] in [-1, slots); scales

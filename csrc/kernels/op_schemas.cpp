@@ -3,6 +3,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include "kernels/activation/clamped_swiglu_and_mul.h"
 #include "kernels/activation/gelu_tanh_and_mul.h"
 #include "kernels/activation/silu_and_mul.h"
 #include "kernels/attention/paged_attention.h"
@@ -42,6 +43,7 @@ TORCH_LIBRARY(kvserve, m) {
       "Tensor has_initial_state, bool dt_softplus, float dt_min, float dt_max) -> ()");
   m.def("silu_and_mul(Tensor! out, Tensor input) -> ()");
   m.def("gelu_tanh_and_mul(Tensor! out, Tensor input) -> ()");
+  m.def("clamped_swiglu_and_mul(Tensor! out, Tensor input, float alpha, float limit) -> ()");
   m.def("linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("linear_prepack(Tensor weight) -> Tensor");
   m.def("linear_gather_rows(Tensor weight, Tensor ids) -> Tensor");
@@ -71,7 +73,8 @@ TORCH_LIBRARY(kvserve, m) {
       "Tensor? value_scale=None, Tensor? sinks=None) -> ()");
   m.def(
       "fused_moe(Tensor hidden, Tensor[] w13, Tensor[] w2, Tensor topk_weights, "
-      "Tensor topk_ids) -> Tensor");
+      "Tensor topk_ids, Tensor? w13_bias=None, Tensor? w2_bias=None, str activation='silu', "
+      "float alpha=1.702, float limit=7.0) -> Tensor");
   m.def(
       "fused_moe_quantized(Tensor hidden, Tensor[] w13, Tensor[] w13_scales, Tensor[] w13_zeros, "
       "int w13_group_size, Tensor[] w2, Tensor[] w2_scales, Tensor[] w2_zeros, "
@@ -179,6 +182,13 @@ void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& lora_a,
   op.call(out, x, lora_a, lora_b, slots, scales);
 }
 
+void clamped_swiglu_and_mul(at::Tensor& out, const at::Tensor& input, double alpha,
+                            double limit) {
+  static const auto op = handle<void(at::Tensor&, const at::Tensor&, double, double)>(
+      "kvserve::clamped_swiglu_and_mul");
+  op.call(out, input, alpha, limit);
+}
+
 void gelu_tanh_and_mul(at::Tensor& out, const at::Tensor& input) {
   static const auto op =
       handle<void(at::Tensor&, const at::Tensor&)>("kvserve::gelu_tanh_and_mul");
@@ -271,11 +281,17 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
 }
 
 at::Tensor fused_moe(const at::Tensor& hidden, at::TensorList w13, at::TensorList w2,
-                     const at::Tensor& topk_weights, const at::Tensor& topk_ids) {
+                     const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                     const std::optional<at::Tensor>& w13_bias,
+                     const std::optional<at::Tensor>& w2_bias, std::string_view activation,
+                     double alpha, double limit) {
   static const auto op =
       handle<at::Tensor(const at::Tensor&, at::TensorList, at::TensorList, const at::Tensor&,
-                        const at::Tensor&)>("kvserve::fused_moe");
-  return op.call(hidden, w13, w2, topk_weights, topk_ids);
+                        const at::Tensor&, const std::optional<at::Tensor>&,
+                        const std::optional<at::Tensor>&, c10::string_view, double, double)>(
+          "kvserve::fused_moe");
+  return op.call(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation, alpha,
+                 limit);
 }
 
 at::Tensor fused_moe_quantized(const at::Tensor& hidden, at::TensorList w13,

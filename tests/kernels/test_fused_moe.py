@@ -123,6 +123,46 @@ def test_rejects_bad_arguments(change, match):
         ops.fused_moe(*bad(**change))
 
 
+def make_biased(tokens, hidden, inter, num_experts, k, dtype, seed=4):
+    """make()'s arguments plus biases per expert and gpt-oss's clamped gate (a limit of 1.5
+    that the projections' outputs cross)."""
+    args, _ = make(tokens, hidden, inter, num_experts, k, dtype, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    b13 = torch.randn(num_experts, 2 * inter, generator=g).to(dtype)
+    b2 = torch.randn(num_experts, hidden, generator=g).to(dtype)
+    extra = dict(w13_bias=b13, w2_bias=b2, activation="clamped_swiglu", alpha=1.702, limit=1.5)
+    return args, extra, reference.fused_moe(*args, **extra)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 17])
+@pytest.mark.parametrize("hidden, inter, num_experts, k", SHAPES[:3])
+def test_biases_and_clamped_swiglu(hidden, inter, num_experts, k, tokens, dtype):
+    args, extra, want = make_biased(tokens, hidden, inter, num_experts, k, dtype)
+    out = ops.fused_moe(*args, **extra)
+    torch.testing.assert_close(out.double(), want, **TOLERANCES[dtype])
+    plain = reference.fused_moe(*args)
+    assert (want - plain).abs().max() > 0.1, "the biases and the gate changed nothing"
+    # Biases alone, with the SwiGLU gate.
+    alone = dict(w13_bias=extra["w13_bias"], w2_bias=extra["w2_bias"])
+    torch.testing.assert_close(ops.fused_moe(*args, **alone).double(),
+                               reference.fused_moe(*args, **alone), **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda e: dict(w13_bias=e["w13_bias"][:2]), "w13_bias must be contiguous .num_experts = 3"),
+    (lambda e: dict(w2_bias=torch.zeros(3, 41)), "w2_bias must be contiguous"),
+    (lambda e: dict(w2_bias=torch.zeros(41, 3).T), "w2_bias must be contiguous"),
+    (lambda e: dict(w13_bias=e["w13_bias"].double()), "w13_bias must have"),
+    (lambda e: dict(activation="gelu"), "activation must be silu or clamped_swiglu"),
+    (lambda e: dict(limit=0.0), "positive alpha and limit"),
+])
+def test_rejects_bad_biases_and_activations(change, match):
+    args, extra, _ = make_biased(3, 40, 24, 3, 2, torch.float32)
+    with pytest.raises(RuntimeError, match=match):
+        ops.fused_moe(*args, **{**extra, **change(extra)})
+
+
 # ------------------------------------------------------------------ every CPU capability variant
 
 
@@ -132,6 +172,7 @@ def capability_checks():
         for tokens in (1, 17):
             args, want = make(tokens, 40, 24, 3, 2, dtype)
             torch.testing.assert_close(ops.fused_moe(*args).double(), want, **TOLERANCES[dtype])
+        test_biases_and_clamped_swiglu(40, 24, 3, 2, 17, dtype)
 
 
 @pytest.mark.parametrize("capability", CAPABILITIES)

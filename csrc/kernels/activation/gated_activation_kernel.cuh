@@ -1,6 +1,6 @@
 #pragma once
-// The CUDA body both gated activations share (silu_and_mul, gelu_tanh_and_mul): out = act(gate)
-// * up, fp32 math. Blocks tile each token's d outputs, so one token still spreads over several
+// The CUDA body the gated activations share (silu_and_mul, gelu_tanh_and_mul,
+// clamped_swiglu_and_mul): out = act(gate, up), fp32 math. Blocks tile each token's d outputs, so one token still spreads over several
 // multiprocessors, and each thread issues all of its loads before it uses any: a decode step's
 // single token costs one memory round trip, not one per strided iteration. Raw pointers only,
 // no torch headers.
@@ -22,11 +22,11 @@ inline unsigned int gated_activation_splits(int64_t d) {
 }
 
 /// Grid (num_tokens, gated_activation_splits(d)), block kGatedThreads. input [num_tokens, 2d]
-/// (gate then up) and out [num_tokens, d], row strides in elements. Act: float(float), the
-/// activation of the gate.
+/// (gate then up) and out [num_tokens, d], row strides in elements. act: float(float gate,
+/// float up), the gated output (with the parameters it holds).
 template <typename T, typename Act>
 __global__ void gated_activation_kernel(T* out, int64_t out_stride, const T* input,
-                                        int64_t input_stride, int64_t d) {
+                                        int64_t input_stride, int64_t d, Act act) {
   const T* gate = input + static_cast<int64_t>(blockIdx.x) * input_stride;
   const T* up = gate + d;
   T* dst = out + static_cast<int64_t>(blockIdx.x) * out_stride;
@@ -42,7 +42,7 @@ __global__ void gated_activation_kernel(T* out, int64_t out_stride, const T* inp
 #pragma unroll
   for (int j = 0; j < kGatedPerThread; ++j) {
     const int64_t i = first + j * kGatedThreads;
-    if (i < d) dst[i] = from_float<T>(Act{}(g[j]) * u[j]);
+    if (i < d) dst[i] = from_float<T>(act(g[j], u[j]));
   }
 }
 

@@ -23,7 +23,8 @@ void gelu_tanh_and_mul_cuda(at::Tensor& out, const at::Tensor& input) {
     cuda::gated_activation_kernel<T, cuda::GeluTanhGate>
         <<<grid, cuda::kGatedThreads, 0, cuda::current_stream()>>>(
             static_cast<T*>(out.data_ptr()), out.stride(0),
-            static_cast<const T*>(input.data_ptr()), input.stride(0), d);
+            static_cast<const T*>(input.data_ptr()), input.stride(0), d,
+            cuda::GeluTanhGate{});
   });
   KVSERVE_CUDA_CHECK_LAUNCH();
 }

@@ -7,11 +7,11 @@
 
 namespace kvserve::cuda {
 
-/// gelu_tanh(g) = g / 2 * (1 + tanh(sqrt(2 / pi) * (g + 0.044715 g^3))).
+/// gelu_tanh(g) * u, gelu_tanh(g) = g / 2 * (1 + tanh(sqrt(2 / pi) * (g + 0.044715 g^3))).
 struct GeluTanhGate {
-  __device__ float operator()(float g) const {
+  __device__ float operator()(float g, float u) const {
     const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-    return 0.5f * g * (1.0f + tanhf(inner));
+    return 0.5f * g * (1.0f + tanhf(inner)) * u;
   }
 };
 

@@ -6,9 +6,9 @@
 
 namespace kvserve::cuda {
 
-/// silu(g) = g / (1 + exp(-g)).
+/// silu(g) * u, silu(g) = g / (1 + exp(-g)).
 struct SiluGate {
-  __device__ float operator()(float g) const { return g / (1.0f + expf(-g)); }
+  __device__ float operator()(float g, float u) const { return g / (1.0f + expf(-g)) * u; }
 };
 
 }  // namespace kvserve::cuda

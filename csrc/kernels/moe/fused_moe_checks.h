@@ -5,6 +5,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
+
 #include "kernels/op_checks.h"
 
 namespace kvserve::ops {
@@ -36,10 +38,35 @@ inline void check_moe_experts(const char* name, at::TensorList weights, int64_t 
   }
 }
 
+/// An expert projection's biases: none, or contiguous [experts, rows] of hidden's dtype and
+/// device.
+inline void check_moe_biases(const char* name, const std::optional<at::Tensor>& bias,
+                             int64_t experts, int64_t rows, const at::Tensor& hidden) {
+  constexpr const char* op = "fused_moe";
+  if (!bias) return;
+  TORCH_CHECK(bias->dim() == 2 && bias->size(0) == experts && bias->size(1) == rows &&
+                  bias->is_contiguous(),
+              op, ": ", name, " must be contiguous [num_experts = ", experts, ", ", rows,
+              "], got ", bias->sizes());
+  TORCH_CHECK(bias->scalar_type() == hidden.scalar_type() && bias->device() == hidden.device(),
+              op, ": ", name, " must have hidden's dtype and device");
+}
+
+/// The experts' gate: "silu" or "clamped_swiglu" with positive alpha and limit.
+inline void check_moe_activation(c10::string_view activation, double alpha, double limit) {
+  TORCH_CHECK(activation == "silu" || activation == "clamped_swiglu",
+              "fused_moe: activation must be silu or clamped_swiglu, got ", activation);
+  TORCH_CHECK(activation == "silu" || (alpha > 0 && limit > 0),
+              "fused_moe: clamped_swiglu needs positive alpha and limit, got ", alpha, " and ",
+              limit);
+}
+
 /// hidden [T, hidden_size] (last dim contiguous), one w13 [2 * inter, hidden_size] and one w2
 /// [hidden_size, inter] per expert, and the routing tensors (see fused_moe.h).
 inline void check_fused_moe(const at::Tensor& hidden, at::TensorList w13, at::TensorList w2,
-                            const at::Tensor& topk_weights, const at::Tensor& topk_ids) {
+                            const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                            const std::optional<at::Tensor>& w13_bias = std::nullopt,
+                            const std::optional<at::Tensor>& w2_bias = std::nullopt) {
   constexpr const char* op = "fused_moe";
   check_rows(op, "hidden", hidden, 2);
   TORCH_CHECK(!w13.empty() && w2.size() == w13.size(), op,
@@ -49,6 +76,8 @@ inline void check_fused_moe(const at::Tensor& hidden, at::TensorList w13, at::Te
               ": w13 must be [2 * inter, hidden_size], got ", w13[0].sizes());
   check_moe_experts("w13", w13, inter2, hidden.size(1), hidden);
   check_moe_experts("w2", w2, hidden.size(1), inter2 / 2, hidden);
+  check_moe_biases("w13_bias", w13_bias, static_cast<int64_t>(w13.size()), inter2, hidden);
+  check_moe_biases("w2_bias", w2_bias, static_cast<int64_t>(w13.size()), hidden.size(1), hidden);
   check_moe_topk(op, hidden, topk_weights, topk_ids);
 }
 

@@ -4,6 +4,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "kernels/activation/clamped_swiglu_and_mul.h"
 #include "kernels/activation/silu_and_mul.h"
 #include "kernels/linear/linear.h"
 #include "kernels/moe/fused_moe.h"
@@ -15,17 +16,31 @@ namespace {
 
 constexpr const char* kOp = "fused_moe";
 
+// Expert e's row of the biases (none without them).
+std::optional<at::Tensor> bias_of(const std::optional<at::Tensor>& biases, int64_t e) {
+  return biases ? std::optional<at::Tensor>(biases->select(0, e)) : std::nullopt;
+}
+
 at::Tensor fused_moe_cpu(const at::Tensor& hidden, at::TensorList w13, at::TensorList w2,
-                         const at::Tensor& topk_weights, const at::Tensor& topk_ids) {
-  check_fused_moe(hidden, w13, w2, topk_weights, topk_ids);
+                         const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                         const std::optional<at::Tensor>& w13_bias,
+                         const std::optional<at::Tensor>& w2_bias, c10::string_view activation,
+                         double alpha, double limit) {
+  check_fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias);
+  check_moe_activation(activation, alpha, limit);
+  const bool clamped = activation == "clamped_swiglu";
   const int64_t num_experts = static_cast<int64_t>(w13.size());
   const int64_t inter2 = w13[0].size(0);
   return routed_experts_cpu(
       kOp, hidden, num_experts, topk_weights, topk_ids, [&](int64_t e, const at::Tensor& x) {
-        const at::Tensor gate_up = linear(x, w13[e], std::nullopt);
+        const at::Tensor gate_up = linear(x, w13[e], bias_of(w13_bias, e));
         at::Tensor act = at::empty({x.size(0), inter2 / 2}, x.options());
-        silu_and_mul(act, gate_up);
-        return linear(act, w2[e], std::nullopt);
+        if (clamped) {
+          clamped_swiglu_and_mul(act, gate_up, alpha, limit);
+        } else {
+          silu_and_mul(act, gate_up);
+        }
+        return linear(act, w2[e], bias_of(w2_bias, e));
       });
 }
 

@@ -28,8 +28,15 @@ at::Tensor device_pointers(at::TensorList w13, at::TensorList w2, const at::Devi
 }
 
 at::Tensor fused_moe_cuda(const at::Tensor& hidden, at::TensorList w13, at::TensorList w2,
-                          const at::Tensor& topk_weights, const at::Tensor& topk_ids) {
-  check_fused_moe(hidden, w13, w2, topk_weights, topk_ids);
+                          const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                          const std::optional<at::Tensor>& w13_bias,
+                          const std::optional<at::Tensor>& w2_bias, c10::string_view activation,
+                          double alpha, double limit) {
+  check_fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias);
+  check_moe_activation(activation, alpha, limit);
+  // limit 0: the plain SwiGLU.
+  const cuda::MoeGate gate{static_cast<float>(alpha),
+                           activation == "clamped_swiglu" ? static_cast<float>(limit) : 0.0f};
   for (at::TensorList list : {w13, w2}) {
     for (const at::Tensor& w : list) {
       TORCH_CHECK(w.is_contiguous(), kFusedMoe, ": expert weights must be contiguous on CUDA");
@@ -47,16 +54,20 @@ at::Tensor fused_moe_cuda(const at::Tensor& hidden, at::TensorList w13, at::Tens
   cuda::dispatch_float(hidden.scalar_type(), kFusedMoe, [&](auto type) {
     using T = typename decltype(type)::type;
     const auto* table = reinterpret_cast<const T* const*>(pointers.data_ptr<int64_t>());
+    const auto bias = [](const std::optional<at::Tensor>& b) {
+      return b ? static_cast<const T*>(b->data_ptr()) : nullptr;
+    };
     const dim3 gate_grid(num_tokens * k, cuda::blocks_for(inter, kFusedMoeWarps));
     cuda::moe_gate_up_kernel<T><<<gate_grid, 32 * kFusedMoeWarps, 0, cuda::current_stream()>>>(
-        static_cast<const T*>(hidden.data_ptr()), hidden.stride(0), table,
-        topk_ids.data_ptr<int64_t>(), k, num_experts, hidden_size, inter,
+        static_cast<const T*>(hidden.data_ptr()), hidden.stride(0), table, bias(w13_bias),
+        topk_ids.data_ptr<int64_t>(), k, num_experts, hidden_size, inter, gate,
         act.data_ptr<float>());
     KVSERVE_CUDA_CHECK_LAUNCH();
     const dim3 down_grid(num_tokens, cuda::blocks_for(hidden_size, kFusedMoeWarps));
     cuda::moe_down_combine_kernel<T><<<down_grid, 32 * kFusedMoeWarps, 0,
                                        cuda::current_stream()>>>(
-        act.data_ptr<float>(), table + num_experts, topk_ids.data_ptr<int64_t>(),
+        act.data_ptr<float>(), table + num_experts, bias(w2_bias),
+        topk_ids.data_ptr<int64_t>(),
         topk_weights.data_ptr<float>(), k, num_experts, hidden_size, inter,
         static_cast<T*>(out.data_ptr()));
     KVSERVE_CUDA_CHECK_LAUNCH();

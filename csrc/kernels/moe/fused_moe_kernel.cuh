@@ -20,14 +20,28 @@
 
 namespace kvserve::cuda {
 
-/// act[p, i] = silu(x . gate_e[i]) * (x . up_e[i]) for pair p = t * k + j, e = topk_ids[p],
+/// The experts' gate of a gate value g and an up value u: silu(g) * u (limit 0), or gpt-oss's
+/// clamped SwiGLU (clamped_swiglu_and_mul.h).
+struct MoeGate {
+  float alpha, limit;
+  __device__ float operator()(float g, float u) const {
+    if (limit <= 0.0f) return g / (1.0f + __expf(-g)) * u;
+    g = fminf(g, limit);
+    u = fminf(fmaxf(u, -limit), limit);
+    return (u + 1.0f) * (g / (1.0f + __expf(-alpha * g)));
+  }
+};
+
+/// act[p, i] = gate(x . gate_e[i] (+ bias), x . up_e[i] (+ bias)) for pair p = t * k + j,
+/// e = topk_ids[p], biases row e of b13 [num_experts, 2 * inter] (null: none),
 /// x = hidden[t] (row stride hidden_stride), gate / up rows i and inter + i of w13[e]; 0 for an
 /// id outside [0, num_experts). Grid (num_pairs, ceil(inter / warps per block)), block a
 /// multiple of 32 threads. act: fp32 [num_pairs, inter].
 template <typename T>
 __global__ void moe_gate_up_kernel(const T* hidden, int64_t hidden_stride, const T* const* w13,
-                                   const int64_t* topk_ids, int64_t k, int64_t num_experts,
-                                   int64_t hidden_size, int64_t inter, float* act) {
+                                   const T* b13, const int64_t* topk_ids, int64_t k,
+                                   int64_t num_experts, int64_t hidden_size, int64_t inter,
+                                   MoeGate moe_gate, float* act) {
   const int lane = threadIdx.x % 32;
   const int64_t pair = blockIdx.x;
   const int64_t i = static_cast<int64_t>(blockIdx.y) * (blockDim.x / 32) + threadIdx.x / 32;
@@ -48,16 +62,23 @@ __global__ void moe_gate_up_kernel(const T* hidden, int64_t hidden_stride, const
   }
   gate = warp_sum(gate);
   up = warp_sum(up);
-  if (lane == 0) act[pair * inter + i] = gate / (1.0f + __expf(-gate)) * up;
+  if (lane == 0) {
+    if (b13) {
+      gate += to_float(b13[e * 2 * inter + i]);
+      up += to_float(b13[e * 2 * inter + inter + i]);
+    }
+    act[pair * inter + i] = moe_gate(gate, up);
+  }
 }
 
-/// out[t, c] = sum_j topk_weights[t, j] * (act[t * k + j] . down_e[c]), e = topk_ids[t * k + j],
-/// down_e = w2[e], in slot order j, skipping ids outside [0, num_experts). Grid (num_tokens,
+/// out[t, c] = sum_j topk_weights[t, j] * (act[t * k + j] . down_e[c] (+ b2[e][c])),
+/// e = topk_ids[t * k + j], down_e = w2[e], b2 [num_experts, hidden_size] (null: none), in
+/// slot order j, skipping ids outside [0, num_experts). Grid (num_tokens,
 /// ceil(hidden_size / warps per block)), block a multiple of 32 threads. out: [num_tokens,
 /// hidden_size] contiguous.
 template <typename T>
 __global__ void moe_down_combine_kernel(const float* act, const T* const* w2,
-                                        const int64_t* topk_ids, const float* topk_weights,
+                                        const T* b2, const int64_t* topk_ids, const float* topk_weights,
                                         int64_t k, int64_t num_experts, int64_t hidden_size,
                                         int64_t inter, T* out) {
   const int lane = threadIdx.x % 32;
@@ -72,7 +93,8 @@ __global__ void moe_down_combine_kernel(const float* act, const T* const* w2,
     const T* row = w2[e] + c * inter;
     float dot = 0.0f;
     for (int64_t i = lane; i < inter; i += 32) dot += a[i] * to_float(row[i]);
-    acc += topk_weights[pair] * warp_sum(dot);
+    const float bias = b2 ? to_float(b2[e * hidden_size + c]) : 0.0f;
+    acc += topk_weights[pair] * (warp_sum(dot) + bias);
   }
   if (lane == 0) out[t * hidden_size + c] = from_float<T>(acc);
 }

@@ -17,6 +17,7 @@ __all__ = [
     "layer_norm",
     "silu_and_mul",
     "gelu_tanh_and_mul",
+    "clamped_swiglu_and_mul",
     "linear",
     "quantized_weight",
     "quantized_linear",
@@ -94,6 +95,14 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.double().chunk(2, dim=-1)
     inner = math.sqrt(2.0 / math.pi) * (gate + 0.044715 * gate ** 3)
     return 0.5 * gate * (1.0 + torch.tanh(inner)) * up
+
+
+def clamped_swiglu_and_mul(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's gate for x = [gate | up] [T, 2d] -> fp64 [T, d]: (clamp(up, -limit, limit) + 1)
+    * g * sigmoid(alpha * g), g = min(gate, limit)."""
+    gate, up = x.double().chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * gate * torch.sigmoid(alpha * gate)
 
 
 # ---------------------------------------------------------------------------------------- linear
@@ -398,19 +407,32 @@ def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latents: torch.Ten
 
 
 def fused_moe(hidden: torch.Tensor, w13: list[torch.Tensor], w2: list[torch.Tensor],
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+              activation: str = "silu", alpha: float = 1.702,
+              limit: float = 7.0) -> torch.Tensor:
     """out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with
     e = topk_ids[t, j], one token and slot at a time. hidden [T, H]; w13[e] [2I, H] (gate rows,
-    then up rows); w2[e] [H, I]; topk_weights, topk_ids [T, k]. Returns fp64 [T, H]."""
+    then up rows); w2[e] [H, I]; topk_weights, topk_ids [T, k]; optional biases [E, 2I] /
+    [E, H]; activation "clamped_swiglu": clamped_swiglu_and_mul's gate. Returns fp64
+    [T, H]."""
     x = hidden.double()
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.size(0)):
         for j in range(topk_ids.size(1)):
             e = int(topk_ids[t, j])
             gate_up = w13[e].double() @ x[t]
+            if w13_bias is not None:
+                gate_up = gate_up + w13_bias[e].double()
             inter = gate_up.numel() // 2
-            act = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
-            out[t] += float(topk_weights[t, j]) * (w2[e].double() @ act)
+            if activation == "clamped_swiglu":
+                act = clamped_swiglu_and_mul(gate_up[None], alpha, limit)[0]
+            else:
+                act = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
+            down = w2[e].double() @ act
+            if w2_bias is not None:
+                down = down + w2_bias[e].double()
+            out[t] += float(topk_weights[t, j]) * down
     return out
 
 
