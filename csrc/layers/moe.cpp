@@ -3,6 +3,7 @@
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/stack.h>
 
 #include <stdexcept>
 
@@ -39,11 +40,16 @@ SparseMoE::SparseMoE(const MoEConfig& c, const std::string& p, const WeightMap& 
   TORCH_CHECK(router_.dim() == 2 && router_.size(0) == c.num_experts, p,
               "gate.weight must be [num_experts, hidden], got ", router_.sizes());
   if (c.fp32_router) router_ = router_.to(at::kFloat);
+  if (c.router_bias) router_bias_ = w.get(p + "gate.bias").to(router_.scalar_type());
   if (c.scoring_func == "sigmoid") {
     score_bias_ = w.get(p + "gate.e_score_correction_bias").to(at::kFloat);
   }
   route_logits(at::empty({0, c.num_experts}, router_.options().dtype(at::kFloat)));  // checks c
   const bool quantized = w.get_optional(p + "experts.0.gate_up_proj.qweight").defined();
+  std::vector<at::Tensor> biases13, biases2;
+  if (quantized && (c.expert_bias || c.activation != "silu")) {
+    throw std::invalid_argument(p + "experts: quantized experts run SwiGLU without biases only");
+  }
   for (int64_t e = 0; e < c.num_experts; ++e) {
     const std::string expert = p + "experts." + std::to_string(e) + ".";
     if (quantized) {
@@ -55,7 +61,15 @@ SparseMoE::SparseMoE(const MoEConfig& c, const std::string& p, const WeightMap& 
     } else {
       w13_.push_back(prepared(w.get(expert + "gate_up_proj.weight")));
       w2_.push_back(prepared(w.get(expert + "down_proj.weight")));
+      if (c.expert_bias) {
+        biases13.push_back(w.get(expert + "gate_up_proj.bias"));
+        biases2.push_back(w.get(expert + "down_proj.bias"));
+      }
     }
+  }
+  if (c.expert_bias) {
+    w13_bias_ = at::stack(biases13).contiguous();
+    w2_bias_ = at::stack(biases2).contiguous();
   }
   if (c.shared_intermediate_size > 0) {
     shared_ = std::make_unique<GatedMLP>(p + "shared_experts.", w, "silu", /*partial=*/true);
@@ -66,8 +80,10 @@ SparseMoE::SparseMoE(const MoEConfig& c, const std::string& p, const WeightMap& 
 std::pair<at::Tensor, at::Tensor> SparseMoE::route(const at::Tensor& x) const {
   const MoEConfig& c = config_;
   // DeepSeek's router multiplies in fp32; Mixtral's and Qwen's in the model's dtype.
-  const at::Tensor logits = c.fp32_router ? at::linear(x.to(at::kFloat), router_)
-                                          : at::linear(x, router_);  // [T, num_experts]
+  const std::optional<at::Tensor> bias =
+      router_bias_.defined() ? std::optional<at::Tensor>(router_bias_) : std::nullopt;
+  const at::Tensor logits = c.fp32_router ? at::linear(x.to(at::kFloat), router_, bias)
+                                          : at::linear(x, router_, bias);  // [T, num_experts]
   return route_logits(logits);
 }
 
@@ -84,7 +100,11 @@ at::Tensor SparseMoE::forward(const at::Tensor& x, const at::Tensor& /*lora_slot
   auto [weights, ids] = route(x);
   at::Tensor out;
   if (w13_quantized_.empty()) {
-    out = ops::fused_moe(x, w13_, w2_, weights, ids);
+    const auto bias = [](const at::Tensor& b) {
+      return b.defined() ? std::optional<at::Tensor>(b) : std::nullopt;
+    };
+    out = ops::fused_moe(x, w13_, w2_, weights, ids, bias(w13_bias_), bias(w2_bias_),
+                         config_.activation, config_.swiglu_alpha, config_.swiglu_limit);
   } else {
     using Q = QuantizedLinearWeight;
     const auto& a = w13_quantized_;
@@ -100,7 +120,12 @@ at::Tensor SparseMoE::forward(const at::Tensor& x, const at::Tensor& /*lora_slot
 }
 
 int64_t SparseMoE::weight_bytes() const {
-  int64_t bytes = static_cast<int64_t>(router_.nbytes()) +
+  int64_t bytes_of_biases = 0;
+  for (const at::Tensor* t : {&w13_bias_, &w2_bias_}) {
+    if (t->defined()) bytes_of_biases += static_cast<int64_t>(t->nbytes());
+  }
+  int64_t bytes = bytes_of_biases + static_cast<int64_t>(router_.nbytes()) +
+                  (router_bias_.defined() ? static_cast<int64_t>(router_bias_.nbytes()) : 0) +
                   (score_bias_.defined() ? static_cast<int64_t>(score_bias_.nbytes()) : 0);
   for (const auto* list : {&w13_, &w2_}) {
     for (const at::Tensor& t : *list) bytes += ops::linear_weight_nbytes(t);

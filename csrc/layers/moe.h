@@ -18,10 +18,12 @@
 
 namespace kvserve {
 
-/// Weights (loader names, under `prefix`): gate.weight [num_experts, hidden] (the router),
+/// Weights (loader names, under `prefix`): gate.weight [num_experts, hidden] (the router), with
+/// config.router_bias gate.bias [num_experts],
 /// gate.e_score_correction_bias [num_experts] (sigmoid scoring only),
 /// experts.<e>.gate_up_proj.weight [2 * moe_intermediate, hidden] and
-/// experts.<e>.down_proj.weight [hidden, moe_intermediate] per expert, or, for weight-only
+/// experts.<e>.down_proj.weight [hidden, moe_intermediate] per expert (with config.expert_bias
+/// their .bias [2 * moe_intermediate] / [hidden]: plain experts only), or, for weight-only
 /// quantized experts (every expert's projections or none), their .qweight / .scales / .zeros as
 /// Linear::load reads them (run by fused_moe_quantized), and shared_experts.* of a GatedMLP when
 /// the config has shared experts. Split over tensor-parallel ranks (the weights' communicator),
@@ -46,8 +48,10 @@ class SparseMoE : public FeedForward {
 
   MoEConfig config_;
   at::Tensor router_;          // [num_experts, hidden], fp32 when config.fp32_router
+  at::Tensor router_bias_;     // [num_experts], or undefined
   at::Tensor score_bias_;      // fp32 [num_experts], sigmoid scoring only
   std::vector<at::Tensor> w13_, w2_;  // per expert, plain or packed (ops::linear_prepack)
+  at::Tensor w13_bias_, w2_bias_;  // [num_experts, 2 * inter] / [num_experts, hidden], or none
   std::vector<QuantizedLinearWeight> w13_quantized_, w2_quantized_;  // or these
   std::unique_ptr<GatedMLP> shared_;
   std::shared_ptr<Communicator> reduce_;  // null: one rank

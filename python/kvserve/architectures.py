@@ -35,8 +35,10 @@ class Architecture:
     fused_mlp: an MLP's gate and up projections
     are one [2 * intermediate, hidden] tensor, gate rows first (kvserve's name gate_up_proj;
     Granite's input_linear), in the dense MLP and the shared expert. stacked_experts: the routed
-    experts are two tensors, mlp.experts.gate_up_proj [experts, 2 * intermediate, hidden] and
-    mlp.experts.down_proj [experts, hidden, intermediate]. partial_rotary: its attention honours
+    experts are two tensors over all experts: "rows" (Granite), mlp.experts.gate_up_proj
+    [experts, 2 * intermediate, hidden] (gate rows first) and mlp.experts.down_proj [experts,
+    hidden, intermediate]; "columns" (gpt-oss), transposed, [experts, hidden, 2 * intermediate]
+    with gate and up columns alternating and [experts, intermediate, hidden], with biases. partial_rotary: its attention honours
     partial_rotary_factor (rotates the first dims of each head; others refuse a factor but 1).
     qkv_bias: q/k/v
     always carry a bias. o_proj_bias: attention_bias puts a bias on o_proj too (GLM-4.5: on
@@ -56,7 +58,7 @@ class Architecture:
     split_weights: Callable | None = None
     fold_weights: Callable | None = None
     fused_mlp: bool = False
-    stacked_experts: bool = False
+    stacked_experts: str = ""
     partial_rotary: bool = False
     qkv_bias: bool = False
     o_proj_bias: bool = True
@@ -125,6 +127,15 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
                            moe_intermediate_size=32, n_shared_experts=1,
                            first_k_dense_replace=1, n_group=4, topk_group=2,
                            routed_scaling_factor=2.5, head_dim=24)),
+    # gpt-oss: sinks, windowed and full layers alternating (a window of 6), 4 experts with
+    # biases (top 2) and the clamped SwiGLU in every layer, a vocabulary not a multiple of 8.
+    Architecture("GptOssForCausalLM", read_family=families.read_gpt_oss,
+                 read_moe=families.read_gpt_oss_moe, weight_names=families.GPT_OSS_WEIGHT_NAMES,
+                 stacked_experts="columns",
+                 tiny=dict(model_type="gpt_oss", num_hidden_layers=3, hidden_size=64, head_dim=24,
+                           sliding_window=6, num_local_experts=4, num_experts_per_tok=2,
+                           intermediate_size=40, vocab_size=381, swiglu_limit=1.5,
+                           pad_token_id=0)),
     # Phi-3: q/k/v and gate/up fused in the checkpoint; LongRoPE is a variant in
     # tests/models/test_parity.py.
     Architecture("Phi3ForCausalLM", read_family=families.read_phi3,
@@ -148,7 +159,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     # tests/models/test_parity.py.
     Architecture("GraniteMoeHybridForCausalLM", read_family=families.read_granite_hybrid,
                  read_moe=families.read_granite_moe, read_ssm=families.read_granite_ssm,
-                 weight_names=families.granite_weight_names, fused_mlp=True, stacked_experts=True,
+                 weight_names=families.granite_weight_names, fused_mlp=True,
+                 stacked_experts="rows",
                  tiny=dict(model_type="granitemoehybrid", num_hidden_layers=4,
                            layer_types=["mamba", "attention", "mamba", "mamba"],
                            num_local_experts=4, num_experts_per_tok=2, intermediate_size=40,

@@ -623,3 +623,40 @@ def phi3_split_weights(c: _C.ModelConfig) -> tuple:
                                            ("self_attn.v_proj.weight", kv))),
             ("mlp.gate_up_proj.weight", (("mlp.gate_proj.weight", c.intermediate_size),
                                          ("mlp.up_proj.weight", c.intermediate_size))))
+
+
+def read_gpt_oss(c: _C.ModelConfig, f, hf: dict) -> dict:
+    """gpt-oss: attention sinks in every layer (a learned logit per head), sliding-window and
+    full layers alternating (layer_types, or every second layer full as transformers fills it in)
+    and YaRN RoPE; its experts in read_gpt_oss_moe."""
+    _require_silu(f, hf)
+    c.attention_sinks = True
+    if hf.get("layer_types") is None:
+        hf = {**hf, "layer_types": ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                    for i in range(c.num_layers)]}
+    hf.setdefault("sliding_window", 128)
+    return hf
+
+
+def read_gpt_oss_moe(c: _C.ModelConfig, f) -> None:
+    """gpt-oss's experts in every layer: a router with a bias whose top-k logits are
+    softmax-weighted, experts with biases whose gate is the clamped SwiGLU (swiglu_alpha,
+    swiglu_limit), each of intermediate_size."""
+    m = _C.MoEConfig()
+    m.num_experts = f.integer("num_local_experts")
+    m.moe_intermediate_size = c.intermediate_size
+    m.norm_topk_prob = True  # softmax over all, renormalized over the top k: over the top k
+    m.router_bias = m.expert_bias = True
+    m.activation = "clamped_swiglu"
+    m.swiglu_alpha = f.number("swiglu_alpha", 1.702)
+    m.swiglu_limit = f.number("swiglu_limit", 7.0)
+    _finish_moe(c, f, m, [1] * c.num_layers)
+
+
+# gpt-oss's tensor names in kvserve's layout: the router as the MoE's gate, the stacked experts'
+# tensors (no .weight suffix, biases beside them) as stacked weights and biases.
+GPT_OSS_WEIGHT_NAMES = (
+    (r"^(model\.layers\.\d+\.mlp\.)router\.", r"\1gate."),
+    (r"^(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)$", r"\1\2.weight"),
+    (r"^(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)_bias$", r"\1\2.bias"),
+)

@@ -11,6 +11,7 @@ import torch
 
 import kvserve
 from kvserve import SamplingParams
+from kvserve.config import load_checkpoint_info
 from tests.engine_loop import fp32_engine as engine
 from tests.engine_loop import run_arrivals as run
 
@@ -27,16 +28,18 @@ def path(checkpoint_factory):
 def mixed_requests(count: int, seed: int = 0):
     """(prompt ids, max_tokens, arrival step) of `count` requests of mixed lengths."""
     rng = random.Random(seed)
-    return [([1] + [rng.randrange(3, 384) for _ in range(rng.randrange(1, 60))],
+    return [([1] + [rng.randrange(3, 381) for _ in range(rng.randrange(1, 60))],  # any vocabulary
              rng.randrange(1, 24), rng.randrange(0, 20)) for _ in range(count)]
 
 
 # The invariance tests run on a Llama (paged K/V), a DeepSeek-V2 (MLA latents, MoE), a Gemma 2
 # (local layers with a window of 6 beside global ones), a Cohere2 (windowed RoPE layers beside
-# NoPE global ones, attention beside the MLP) and a Llama whose layers 1 and 3 attend over the KV
-# of layers 0 and 2 (cross-layer sharing).
+# NoPE global ones, attention beside the MLP), a gpt-oss (attention sinks, windowed and full
+# layers, biased experts) and a Llama whose layers 1 and 3 attend over the KV of layers 0 and 2
+# (cross-layer sharing).
 @pytest.fixture(scope="module", params=["LlamaForCausalLM", "DeepseekV2ForCausalLM",
-                                        "Gemma2ForCausalLM", "Cohere2ForCausalLM", "cla"])
+                                        "Gemma2ForCausalLM", "Cohere2ForCausalLM",
+                                        "GptOssForCausalLM", "cla"])
 def model_path(request, checkpoint_factory, tmp_path_factory):
     if request.param == "cla":
         from kvserve.testing.cla import make_cla_checkpoint
@@ -58,7 +61,12 @@ def test_batched_with_arrivals_equals_alone(model_path, alone):
 
 
 def test_preemption_gives_identical_results(model_path, alone):
-    e = engine(model_path, block_size=4, num_blocks=40, enable_prefix_caching=False)
+    # 40 blocks preempt a model of one or two KV groups; gpt-oss's two windowed layers and one
+    # full one are three, each holding its blocks during a prefill: 20 more.
+    groups = len(kvserve._C.KVCacheLayout.for_model(load_checkpoint_info(model_path).config,
+                                                    True).groups)
+    e = engine(model_path, block_size=4, num_blocks=40 + 20 * max(0, groups - 2),
+               enable_prefix_caching=False)
     assert run(e, mixed_requests(32)) == alone
     assert e.get_stats().num_preemptions > 0
 

@@ -3,6 +3,8 @@ every family it names has a C++ class, and anything else is refused by name."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvserve import _C
@@ -19,9 +21,12 @@ def test_every_entry_is_tested_and_has_a_cpp_family():
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_a_checkpoint_parses_to_its_entry(checkpoint_factory, name):
     entry = ARCHITECTURES[name]
-    c = load_checkpoint_info(checkpoint_factory(name)).config
+    path = checkpoint_factory(name)
+    c = load_checkpoint_info(path).config
     assert (c.architecture, c.family, c.qk_norm) == (name, entry.family, entry.qk_norm)
-    assert c.qkv_bias == entry.qkv_bias
+    # attention_bias defaults to true in gpt-oss's config
+    written = json.loads((path / "config.json").read_text()).get("attention_bias", False)
+    assert c.qkv_bias == (entry.qkv_bias or written)
     assert c.use_mla() == (entry.read_attention is not None)
     assert (c.moe.num_experts > 0) == (entry.read_moe is not None)
 

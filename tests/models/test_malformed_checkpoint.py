@@ -294,6 +294,14 @@ FAMILY_CASES = [
     ("Phi3ForCausalLM", {"intermediate_size": 100},
      "tensor 'model.layers.0.mlp.gate_up_proj.weight' has shape [320, 96]; the config's "
      "mlp.gate_proj.weight + mlp.up_proj.weight make 200 rows"),
+    ("GptOssForCausalLM", {"swiglu_limit": 0}, "'swiglu_limit' must be a finite number > 0"),
+    ("GptOssForCausalLM", {"swiglu_alpha": "1.7"}, "'swiglu_alpha' must be a finite number"),
+    ("GptOssForCausalLM", {"num_local_experts": DELETE},
+     "missing required field 'num_local_experts'"),
+    ("GptOssForCausalLM", {"num_experts_per_tok": 5},
+     "'num_experts_per_tok' (5) exceeds the number of experts (4)"),
+    # Experts that config.json announces and the weights lack.
+    ("GptOssForCausalLM", {"num_local_experts": 6}, "model.layers.0.mlp.experts.gate_up_proj"),
     ("Cohere2ForCausalLM", {"logit_scale": 0}, "'logit_scale' must be a finite number > 0"),
     ("Cohere2ForCausalLM", {"layer_norm_eps": -1e-5}, "'layer_norm_eps' must be a finite number"),
     ("Cohere2ForCausalLM", {"hidden_act": "gelu"}, "'hidden_act' is 'gelu'; only silu"),

@@ -181,7 +181,8 @@ def routed_prefix_len(ref32, prompt: list[int], llm: kvserve.LLM) -> int:
     routers: list[torch.Tensor] = []
     hooks = [gate.register_forward_pre_hook(
         lambda gate, args: routers.append(torch.nn.functional.linear(
-            args[0].float().reshape(-1, gate.weight.size(1)), gate.weight.float())))
+            args[0].float().reshape(-1, gate.weight.size(1)), gate.weight.float(),
+            None if getattr(gate, "bias", None) is None else gate.bias.float())))
         for gate in gates]
     try:
         with torch.no_grad():

@@ -70,6 +70,12 @@ struct MLAConfig {
   X(bool, norm_topk_prob, false) /* renormalise the chosen weights to sum to 1 */           \
   X(double, routed_scaling_factor, 1.0)                                                     \
   X(bool, fp32_router, false) /* router logits from fp32 hidden states (DeepSeek) */        \
+  X(bool, router_bias, false) /* the router has a bias (gpt-oss) */                         \
+  X(bool, expert_bias, false) /* each expert's projections have biases (gpt-oss) */         \
+  /* the experts' gate: silu (SwiGLU) | clamped_swiglu (gpt-oss, with alpha and limit) */   \
+  X(std::string, activation, "silu")                                                        \
+  X(double, swiglu_alpha, 1.702)                                                            \
+  X(double, swiglu_limit, 7.0)                                                              \
   X(std::vector<int64_t>, layers, {}) /* per layer: 1 = MoE MLP, 0 = dense MLP */
 
 struct MoEConfig {

@@ -396,6 +396,8 @@ def _read_moe(read: _TensorReader, c: _C.ModelConfig, layer: str, out: str,
         return None if shard is None else (shard.rank, *local_columns(size, shard))
 
     w[out + "gate.weight"] = read(prefix + "gate.weight")
+    if c.moe.router_bias:
+        w[out + "gate.bias"] = read(prefix + "gate.bias")
     if c.moe.scoring_func == "sigmoid":  # kept in fp32, as transformers does
         w[out + "gate.e_score_correction_bias"] = read(prefix + "gate.e_score_correction_bias",
                                                        torch.float32)
@@ -422,8 +424,10 @@ def _read_moe(read: _TensorReader, c: _C.ModelConfig, layer: str, out: str,
 def _read_stacked_experts(read: _TensorReader, c: _C.ModelConfig, experts: str, out: str,
                           w: dict[str, torch.Tensor], shard: Shard | None) -> None:
     """Routed experts stored as two tensors over all experts (Architecture.stacked_experts), as
-    kvserve's per-expert gate_up_proj [2 * intermediate, hidden] and down_proj [hidden,
-    intermediate]: plain only."""
+    kvserve's per-expert gate_up_proj [2 * intermediate, hidden] (gate rows first) and down_proj
+    [hidden, intermediate], and their biases: plain only. gpt-oss's ("columns") are transposed,
+    its gate and up alternating."""
+    columns = ARCHITECTURES[c.architecture].stacked_experts == "columns"
     if shard is not None:
         raise ValueError(f"{c.architecture}: tensor parallelism does not split its stacked "
                          "experts yet")
@@ -432,5 +436,13 @@ def _read_stacked_experts(read: _TensorReader, c: _C.ModelConfig, experts: str, 
             raise ValueError(f"{c.architecture}: quantized stacked experts ({experts}{name}) "
                              "are not supported")
         stacked = read(f"{experts}{name}.weight")
+        bias = read(f"{experts}{name}.bias") if c.moe.expert_bias else None
         for e in range(c.moe.num_experts):
-            w[f"{out}{e}.{name}.weight"] = stacked[e]
+            weight = stacked[e].T.contiguous() if columns else stacked[e]
+            b = None if bias is None else bias[e]
+            if columns and name == "gate_up_proj":  # rows 0, 2, ... gate; 1, 3, ... up
+                weight = torch.cat([weight[0::2], weight[1::2]])
+                b = torch.cat([b[0::2], b[1::2]])
+            w[f"{out}{e}.{name}.weight"] = weight
+            if b is not None:
+                w[f"{out}{e}.{name}.bias"] = b.contiguous()

@@ -165,15 +165,23 @@ def _moe_shapes(c: _C.ModelConfig, p: str) -> dict[str, tuple[Dim, ...]]:
     experts = ("num_experts", m.num_experts)
     prefix, names = moe_names(c, p)
     shapes = {prefix + "gate.weight": (experts, hidden)}
+    if m.router_bias:
+        shapes[prefix + "gate.bias"] = (experts,)
     if m.scoring_func == "sigmoid":
         shapes[prefix + "gate.e_score_correction_bias"] = (experts,)
     inter = ("moe_intermediate_size", m.moe_intermediate_size)
     arch = ARCHITECTURES[c.architecture]
-    if arch.stacked_experts:
-        shapes[prefix + "experts.gate_up_proj.weight"] = (
-            experts, ("2*moe_intermediate_size", 2 * m.moe_intermediate_size), hidden)
+    inter2 = ("2*moe_intermediate_size", 2 * m.moe_intermediate_size)
+    if arch.stacked_experts == "columns":  # gpt-oss: transposed, with biases
+        shapes[prefix + "experts.gate_up_proj.weight"] = (experts, hidden, inter2)
+        shapes[prefix + "experts.down_proj.weight"] = (experts, inter, hidden)
+    elif arch.stacked_experts:
+        shapes[prefix + "experts.gate_up_proj.weight"] = (experts, inter2, hidden)
         shapes[prefix + "experts.down_proj.weight"] = (experts, hidden, inter)
-    else:
+    if arch.stacked_experts and m.expert_bias:
+        shapes[prefix + "experts.gate_up_proj.bias"] = (experts, inter2)
+        shapes[prefix + "experts.down_proj.bias"] = (experts, hidden)
+    if not arch.stacked_experts:
         for e in range(m.num_experts):
             shapes.update(_mlp_shapes(f"{prefix}experts.{e}.", inter, hidden, False, names))
     if m.shared_intermediate_size:

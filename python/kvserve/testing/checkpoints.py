@@ -58,13 +58,16 @@ def make_config(architecture: str = "LlamaForCausalLM", **overrides):
 
 
 def perturb_norms_and_biases(model) -> None:
-    """Norm weights start at one and biases at zero; random ones make a missed norm or bias show."""
+    """Norm weights start at one and biases at zero, attention sinks near zero; random ones make
+    a missed norm, bias or sink show."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.2)
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_proj_bias")):  # gpt-oss's experts: gate_up_proj_bias
                 p.normal_(0, 0.5)
+            elif name.endswith(".sinks"):  # gpt-oss: some heads mostly sink, some barely
+                p.normal_(0, 2.0)
         for name, b in model.named_buffers():  # DeepSeek-V3's router bias starts at zero
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.1)
