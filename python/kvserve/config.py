@@ -17,6 +17,7 @@ import torch
 from kvserve import _C
 from kvserve.architectures import ARCHITECTURES, Architecture
 from kvserve.config_families import read_kv_sharing
+from kvserve.quantization import mxfp4
 from kvserve.quantization.formats import parse_quantization_config
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -264,6 +265,9 @@ def _model_config(hf: dict, path: Path) -> _C.ModelConfig:
     if arch.read_ssm is not None:
         arch.read_ssm(c, written)
     read_kv_sharing(c, f)
+    if mxfp4.is_mxfp4(hf) and arch.stacked_experts != "columns":
+        raise ValueError(f"{path}: quantization_config: kvserve reads MXFP4 weights as gpt-oss's "
+                         f"experts only, not {arch.name}'s")
     quant = parse_quantization_config(hf)  # ValueError for a method kvserve does not load
     if quant is not None:
         q = _C.QuantizationConfig()

@@ -654,9 +654,11 @@ def read_gpt_oss_moe(c: _C.ModelConfig, f) -> None:
 
 
 # gpt-oss's tensor names in kvserve's layout: the router as the MoE's gate, the stacked experts'
-# tensors (no .weight suffix, biases beside them) as stacked weights and biases.
+# tensors (no .weight suffix, biases beside them; MXFP4 blocks and scales in released
+# checkpoints) as stacked weights and biases.
 GPT_OSS_WEIGHT_NAMES = (
     (r"^(model\.layers\.\d+\.mlp\.)router\.", r"\1gate."),
     (r"^(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)$", r"\1\2.weight"),
-    (r"^(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)_bias$", r"\1\2.bias"),
+    (r"^(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)_(bias|blocks|scales)$",
+     r"\1\2.\3"),
 )

@@ -388,3 +388,75 @@ def test_int4_embedding_of_compressed_tensors_loads(original, tmp_path):
             "num_bits": 4, "type": "int", "strategy": "group", "group_size": group,
             "symmetric": False}}}, "ignore": ["lm_head"]})
     assert_same_generation(out, reference_model(original, weights))
+
+
+def write_mxfp4_checkpoint(plain, out):
+    """The plain gpt-oss checkpoint with its experts in MXFP4, as the released ones store them:
+    <proj>_blocks [experts, out, in / 32, 16] and <proj>_scales [experts, out, in / 32] (the
+    plain tensors are [experts, in, out]), and quantization_config mxfp4."""
+    from kvserve.quantization import mxfp4
+
+    out.mkdir()
+    for f in plain.iterdir():
+        if f.name not in ("model.safetensors", "config.json"):
+            (out / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(plain / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = mxfp4.quantize(tensors.pop(name).transpose(1, 2))
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((plain / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                   "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_gpt_oss_mxfp4_experts_match_transformers_dequantization(tmp_path):
+    """gpt-oss's MXFP4 experts, dequantized at load, give transformers' model on its own
+    dequantization of the same file: logits and greedy tokens; the weights cost what plain
+    weights of the model's dtype do."""
+    plain = make_checkpoint(tmp_path / "plain", "GptOssForCausalLM", intermediate_size=64)
+    path = write_mxfp4_checkpoint(plain, tmp_path / "mxfp4")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32,
+        quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
+    llm = kvserve.LLM(path, dtype=torch.float32)
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            want = ref(torch.tensor([prompt])).logits[0]
+        ours = kvserve_prompt_logits(llm, prompt)
+        assert (ours - want).abs().max() / want.abs().max() < 1e-5
+    params = kvserve.SamplingParams(temperature=0, max_tokens=NUM_GREEDY_TOKENS, ignore_eos=True)
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params)):
+        assert out.outputs[0].token_ids == hf_greedy(ref, prompt, NUM_GREEDY_TOKENS)
+    # Rounded to FP4, the experts differ from the plain model's: the file was read as MXFP4.
+    plain_llm = kvserve.LLM(plain, dtype=torch.float32)
+    assert not torch.equal(kvserve_prompt_logits(plain_llm, PROMPTS[0]),
+                           kvserve_prompt_logits(llm, PROMPTS[0]))
+    assert llm.model.weight_bytes == plain_llm.model.weight_bytes
+
+
+def test_mxfp4_round_trip_and_refusals(tmp_path):
+    from kvserve.quantization import mxfp4
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 5, 64, generator=g) * torch.logspace(-3, 3, 5)[None, :, None]
+    blocks, scales = mxfp4.quantize(w)
+    assert blocks.shape == (3, 5, 2, 16) and scales.shape == (3, 5, 2)
+    back = mxfp4.dequantize(blocks, scales, torch.float32)
+    # A block's scale s < top / 3 (top scaled into (3, 6]); E2M1's widest gap, 4 to 6, rounds
+    # within s.
+    top = w.abs().unflatten(-1, (2, 32)).amax(-1, keepdim=True)
+    assert ((back - w).abs().unflatten(-1, (2, 32)) <= top / 3).all()
+    assert torch.equal(mxfp4.dequantize(*mxfp4.quantize(back), torch.float32), back)
+    with pytest.raises(ValueError, match="do not match scales"):
+        mxfp4.dequantize(blocks, scales[..., :1], torch.float32)
+    llama = make_checkpoint(tmp_path / "llama", "LlamaForCausalLM")
+    config = json.loads((llama / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (llama / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="MXFP4 weights as gpt-oss's experts only"):
+        kvserve.LLM(llama)

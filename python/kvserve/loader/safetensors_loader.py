@@ -31,6 +31,7 @@ from kvserve.loader.sharding import (Shard, check_shardable, local_columns, loca
                                      local_intermediate, local_vocab)
 from kvserve.loader.weight_check import check_weights, moe_names
 from kvserve.loader.weight_index import WeightIndex, kvserve_name
+from kvserve.quantization import mxfp4
 from kvserve.quantization.formats import CheckpointQuantization, parse_quantization_config
 from kvserve.quantization.weights import QuantizedWeight
 
@@ -149,7 +150,7 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
         if quant is not None:  # its ignore list as the renamed index names the modules
             quant.ignore = [p if p.startswith("re:") else kvserve_name(p, weight_names(config))
                             for p in quant.ignore]
-        check_weights(index, config, config_path, quant)
+        check_weights(index, config, config_path, quant, mxfp4.is_mxfp4(hf))
         read = _TensorReader(index, dtype, quant)
     w: dict[str, torch.Tensor] = {"norm.weight": read("model.norm.weight")}
     _vocab_matrix(read, "model.embed_tokens", "embed_tokens", config, shard, w)
@@ -425,8 +426,10 @@ def _read_stacked_experts(read: _TensorReader, c: _C.ModelConfig, experts: str, 
                           w: dict[str, torch.Tensor], shard: Shard | None) -> None:
     """Routed experts stored as two tensors over all experts (Architecture.stacked_experts), as
     kvserve's per-expert gate_up_proj [2 * intermediate, hidden] (gate rows first) and down_proj
-    [hidden, intermediate], and their biases: plain only. gpt-oss's ("columns") are transposed,
-    its gate and up alternating."""
+    [hidden, intermediate], and their biases: plain, or MXFP4 blocks and scales (gpt-oss's
+    released checkpoints) dequantized to the model's dtype an expert at a time; no other
+    quantized form. gpt-oss's ("columns") are transposed, its gate and up alternating (MXFP4
+    blocks are not transposed)."""
     columns = ARCHITECTURES[c.architecture].stacked_experts == "columns"
     if shard is not None:
         raise ValueError(f"{c.architecture}: tensor parallelism does not split its stacked "
@@ -435,14 +438,22 @@ def _read_stacked_experts(read: _TensorReader, c: _C.ModelConfig, experts: str, 
         if read.quantized(experts + name):
             raise ValueError(f"{c.architecture}: quantized stacked experts ({experts}{name}) "
                              "are not supported")
-        stacked = read(f"{experts}{name}.weight")
+        index = getattr(read, "index", None)  # MXFP4: blocks [experts, out, ...]
+        packed = index is not None and f"{experts}{name}.blocks" in index.tensors
+        if packed:
+            blocks, scales = read.raw(f"{experts}{name}.blocks"), read.raw(f"{experts}{name}.scales")
+        else:
+            stacked = read(f"{experts}{name}.weight")
         bias = read(f"{experts}{name}.bias") if c.moe.expert_bias else None
         for e in range(c.moe.num_experts):
-            weight = stacked[e].T.contiguous() if columns else stacked[e]
+            if packed:  # dequantized one expert at a time, already [out, in]
+                weight = mxfp4.dequantize(blocks[e], scales[e], read.dtype)
+            else:
+                weight = stacked[e].T.contiguous() if columns else stacked[e]
             b = None if bias is None else bias[e]
             if columns and name == "gate_up_proj":  # rows 0, 2, ... gate; 1, 3, ... up
                 weight = torch.cat([weight[0::2], weight[1::2]])
-                b = torch.cat([b[0::2], b[1::2]])
+                b = None if b is None else torch.cat([b[0::2], b[1::2]])
             w[f"{out}{e}.{name}.weight"] = weight
             if b is not None:
                 w[f"{out}{e}.{name}.bias"] = b.contiguous()

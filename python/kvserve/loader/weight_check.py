@@ -201,16 +201,22 @@ def _stored(name: str, info) -> str:
 
 
 def check_weights(index: WeightIndex, c: _C.ModelConfig, config_path: Path,
-                  quant: CheckpointQuantization | None = None) -> None:
+                  quant: CheckpointQuantization | None = None, mxfp4: bool = False) -> None:
     """Raises ValueError listing every tensor that is missing, unexpected, of another dtype or of
-    another shape than config.json (and its quantization_config) implies."""
+    another shape than config.json (and its quantization_config) implies. mxfp4: gpt-oss's
+    stacked experts come as MXFP4 blocks and scales (kvserve.quantization.mxfp4)."""
     _check_num_layers(index, c, config_path)
     expected: dict[str, tuple[tuple[Dim, ...], tuple[str, ...]]] = {}
     optional: set[str] = set()
     for name, dims in expected_shapes(c).items():
         module = name.removesuffix(".weight")
         linear = name.endswith(".weight") and len(dims) == 2
-        if quant is not None and linear and quant.covers(module):
+        if mxfp4 and ".mlp.experts." in name and name.endswith(".weight") and len(dims) == 3:
+            experts, cols, rows = dims  # stored transposed: [experts, in, out]
+            groups = (f"{cols[0]}/32", cols[1] // 32)
+            expected[module + ".blocks"] = ((experts, rows, groups, ("16", 16)), ("U8",))
+            expected[module + ".scales"] = ((experts, rows, groups), ("U8",))
+        elif quant is not None and linear and quant.covers(module):
             layout = f"{quant.method} layout of [{dims[0][1]}, {dims[1][1]}]"
             for qname, (shape, dtypes) in quant.expected(module, dims[0][1], dims[1][1]).items():
                 expected[qname] = (tuple((layout, size) for size in shape), dtypes)

@@ -258,6 +258,8 @@ def parse_quantization_config(config: dict) -> CheckpointQuantization | None:
         return ValueError(f"quantization_config: {what} is not supported; kvserve loads "
                           f"{SUPPORTED}")
 
+    if method == "mxfp4":  # gpt-oss's experts: dequantized at load (kvserve.quantization.mxfp4)
+        return None
     if method == "awq":
         if str(qc.get("version", "gemm")).lower() != "gemm" or qc.get("bits", 4) != 4 or not qc.get(
                 "zero_point", True):
