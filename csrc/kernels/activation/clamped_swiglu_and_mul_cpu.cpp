@@ -2,17 +2,15 @@
 #include <torch/library.h>
 
 #include "kernels/activation/clamped_swiglu_and_mul.h"
+#include "kernels/activation/clamped_swiglu_and_mul_checks.h"
 #include "kernels/cpu_kernels.h"
-#include "kernels/op_checks.h"
 
 namespace kvserve::ops {
 namespace {
 
 void clamped_swiglu_and_mul_cpu(at::Tensor& out, const at::Tensor& input, double alpha,
                                 double limit) {
-  check_gated_activation("clamped_swiglu_and_mul", out, input);
-  TORCH_CHECK(alpha > 0 && limit > 0, "clamped_swiglu_and_mul: alpha and limit must be "
-              "positive, got ", alpha, " and ", limit);
+  check_clamped_swiglu_and_mul(out, input, alpha, limit);
   cpu::clamped_swiglu_and_mul_stub.get()(input.scalar_type(), out.data_ptr(), out.stride(0),
                                          input.data_ptr(), input.stride(0), input.size(0),
                                          out.size(1), static_cast<float>(alpha),

@@ -3,18 +3,16 @@
 #include <torch/library.h>
 
 #include "kernels/activation/clamped_swiglu_and_mul.h"
+#include "kernels/activation/clamped_swiglu_and_mul_checks.h"
 #include "kernels/activation/clamped_swiglu_and_mul_kernel.cuh"
 #include "kernels/cuda_launch.h"
-#include "kernels/op_checks.h"
 
 namespace kvserve::ops {
 namespace {
 
 void clamped_swiglu_and_mul_cuda(at::Tensor& out, const at::Tensor& input, double alpha,
                                  double limit) {
-  check_gated_activation("clamped_swiglu_and_mul", out, input);
-  TORCH_CHECK(alpha > 0 && limit > 0, "clamped_swiglu_and_mul: alpha and limit must be "
-              "positive, got ", alpha, " and ", limit);
+  check_clamped_swiglu_and_mul(out, input, alpha, limit);
   if (input.size(0) == 0 || out.size(1) == 0) return;
   const c10::cuda::CUDAGuard guard(input.device());
   const int64_t d = out.size(1);
