@@ -77,8 +77,12 @@ def _replicated(name: str) -> bool:
     return "kv_a_proj" in name or "q_a_proj" in name
 
 
-def _worker_main(rank: int, world_size: int, init_method: str, args, threads: int) -> None:
-    """A worker rank's process: its shard, then every step rank 0 sends, until it stops."""
+def _worker_main(rank: int, world_size: int, init_method: str, args, threads: int,
+                 started=None) -> None:
+    """A worker rank's process: its shard, then every step rank 0 sends, until it stops.
+    started: an event set once the process runs this (its parent's module re-imported)."""
+    if started is not None:
+        started.set()
     torch.set_num_threads(threads)
     groups = init_parallel_groups(world_size, rank, init_method, "gloo", args.device,
                                   args.distributed_timeout)
@@ -130,19 +134,39 @@ class TensorParallelRanks:
         init_method = f"tcp://127.0.0.1:{port}"
         threads = max(1, torch.get_num_threads() // size)
         context = mp.get_context("spawn")
+        started = [context.Event() for _ in range(1, size)]
         self.processes = [context.Process(target=_worker_main, daemon=True,
-                                          args=(rank, size, init_method, args, threads),
+                                          args=(rank, size, init_method, args, threads,
+                                                started[rank - 1]),
                                           name=f"kvserve-tp-rank{rank}")
                           for rank in range(1, size)]
         for p in self.processes:
             p.start()
         try:
+            self._wait_started(started, args.distributed_timeout)
             # Gloo for the device group too: the ranks share this machine's device.
             self.groups = init_parallel_groups(size, 0, init_method, "gloo", args.device,
                                                args.distributed_timeout)
         except BaseException:
             self._stop_processes()
             raise
+
+    def _wait_started(self, started: list, timeout_s: float) -> None:
+        """Waits until every worker runs _worker_main: a worker that dies first (most often in
+        re-importing the script that made the engine) is an error now, not at the rendezvous's
+        timeout."""
+        deadline = time.monotonic() + timeout_s
+        for rank, (p, event) in enumerate(zip(self.processes, started), start=1):
+            while not event.wait(0.05):
+                if not p.is_alive():
+                    raise RuntimeError(
+                        f"tensor-parallel rank {rank} exited (code {p.exitcode}) before it "
+                        "started: a worker re-imports the script that made the engine "
+                        "(multiprocessing's spawn), so that script must start it under "
+                        "`if __name__ == \"__main__\":`")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"tensor-parallel rank {rank} did not start within "
+                                       f"{timeout_s:g} s (distributed_timeout)")
 
     def check_alive(self) -> None:
         """RuntimeError naming a worker rank whose process has exited."""

@@ -1,7 +1,8 @@
 """Tensor parallelism from the command line and over HTTP (Gloo, one thread per rank): torchrun
 starting two ranks of `kvserve generate --tensor-parallel-size 2` prints what one process
 prints, `kvserve eval-ppl --tensor-parallel-size 2` the perplexity of one rank, and the OpenAI
-server over an engine of two ranks answers as one of one rank does."""
+server over an engine of two ranks answers as one of one rank does; a script whose spawned
+workers die at start (no main guard) fails at once."""
 
 from __future__ import annotations
 
@@ -123,3 +124,18 @@ def test_the_server_answers_at_two_ranks_as_at_one():
         workers = engine.engine.ranks.processes
     assert got == want
     assert [p.exitcode for p in workers] == [0]
+
+
+def test_a_script_without_a_main_guard_fails_at_once(tmp_path):
+    """Spawned workers re-import the script that made the engine; one without `if __name__ ==
+    "__main__":` makes each worker die at start. Rank 0 says so at once instead of waiting out
+    the rendezvous (distributed_timeout, 600 s by default)."""
+    script = tmp_path / "unguarded.py"
+    script.write_text("import kvserve\n"
+                      f"kvserve.LLM({str(MODEL)!r}, tensor_parallel_size=2, "
+                      "distributed_backend='gloo')\n")
+    done = subprocess.run([sys.executable, str(script)], env=ENV, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode != 0
+    assert "exited (code 1) before it started" in done.stderr, done.stderr[-2000:]
+    assert '`if __name__ == "__main__":`' in done.stderr
