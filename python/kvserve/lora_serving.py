@@ -21,12 +21,16 @@ from pathlib import Path
 
 import torch
 
+from kvserve.architectures import weight_names
 from kvserve.loader.sharding import Shard, local_heads, local_intermediate
+from kvserve.loader.weight_index import kvserve_name
 from kvserve.lora import lora_scaling, read_adapter
 
-# A checkpoint projection -> (the kvserve projection that holds it, its part of the fused output).
+# A checkpoint projection -> (the kvserve projection that holds it, its part of the fused output;
+# None: the whole of it, for a checkpoint that stores the projection fused, as Phi-3 does).
 FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+         "qkv_proj": ("qkv_proj", None), "gate_up_proj": ("gate_up_proj", None)}
 
 
 @dataclass(frozen=True)
@@ -137,11 +141,14 @@ class LoRAManager:
                              " serve it merged (kvserve merge-lora)")
         if config.get("fan_in_fan_out"):
             raise ValueError(f"{path}: fan_in_fan_out adapters are not served; merge them")
-        parts: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+        parts: dict[str, list[tuple[int | None, torch.Tensor, torch.Tensor]]] = {}
         for module, tensors in sorted(modules.items()):
             if "A" not in tensors:
                 raise ValueError(f"{path}: {module} is an embedding; serve the adapter merged")
-            base, _, leaf = module.removeprefix("model.").rpartition(".")
+            # The checkpoint's module name as the loader names its weight (Bamba's
+            # feed_forward is kvserve's mlp, Granite 4's shared_mlp.input_linear its gate_up_proj).
+            weight = kvserve_name(f"{module}.weight", weight_names(self._config))
+            base, _, leaf = weight.removesuffix(".weight").removeprefix("model.").rpartition(".")
             target, part = FUSED.get(leaf, (leaf, 0))
             name = f"{base}.{target}"
             if name not in self._targets:
@@ -164,13 +171,15 @@ class LoRAManager:
         b_all = torch.zeros(rank, out)
         row = 0
         for part, a, b in pieces:
-            if a.shape[1] != inp or b.shape[1] != widths[part]:
-                raise ValueError(f"the adapter's factors for {name} (part {part}) are "
+            offset, width = (0, out) if part is None else (offsets[part], widths[part])
+            if a.shape[1] != inp or b.shape[1] != width:
+                which = "" if part is None else f" (part {part})"
+                raise ValueError(f"the adapter's factors for {name}{which} are "
                                  f"{tuple(a.shape)} and {tuple(b.t().shape)}; the model's "
-                                 f"projection is [{widths[part]}, {inp}]")
+                                 f"projection is [{width}, {inp}]")
             r = a.shape[0]
             a_all[row:row + r] = a
-            b_all[row:row + r, offsets[part]:offsets[part] + widths[part]] = b
+            b_all[row:row + r, offset:offset + width] = b
             row += r
         return (a_all.to(self._dtype).to(self._device), b_all.to(self._dtype).to(self._device))
 

@@ -11,6 +11,7 @@ import torch
 import kvserve
 from kvserve import LoRARequest, SamplingParams
 from tests.models.test_lora import make_adapter
+from tests.models.test_parity import hf_greedy
 
 PROMPTS = [[1, 17, 45, 9, 200, 31], [1, 5, 5, 90], [1, 300, 2, 8, 8, 64, 12, 7, 99]]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, logprobs=0)
@@ -147,3 +148,23 @@ def test_busy_slots_and_bad_adapters_are_clear_errors(adapters, tmp_path, checkp
     moe_only = checkpoint_factory("DeepseekV2ForCausalLM", first_k_dense_replace=0)
     with pytest.raises(ValueError, match="no projection for LoRA"):
         kvserve.LLM(moe_only, enable_lora=True)
+
+
+@pytest.mark.parametrize("architecture, targets", [
+    ("Phi3ForCausalLM", ["qkv_proj", "gate_up_proj", "o_proj"]),  # stored fused: all parts
+    ("BambaForCausalLM", ["q_proj", "v_proj", "gate_proj", "down_proj"]),  # feed_forward = mlp
+])
+def test_adapters_on_a_checkpoints_own_module_names(tmp_path, checkpoint_factory, architecture,
+                                                    targets):
+    """An adapter names the checkpoint's modules: Phi-3's fused qkv_proj / gate_up_proj (its B
+    covers every part), Bamba's feed_forward (kvserve's mlp). Greedy tokens equal transformers'
+    with peft's merge of the adapter."""
+    base = checkpoint_factory(architecture)
+    reference = make_adapter(base, tmp_path / "adapter", r=4, lora_alpha=8,
+                             target_modules=targets)
+    llm = kvserve.LLM(base, dtype=torch.float32, enable_lora=True, max_lora_rank=4)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(
+        PROMPTS, params, use_tqdm=False, lora=LoRARequest("a", tmp_path / "adapter"))]
+    assert got == [hf_greedy(reference, prompt, 12) for prompt in PROMPTS]
+    assert got != [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]

@@ -133,6 +133,32 @@ def test_falcon_h1_multipliers_fold_into_quantized_projections(tmp_path, method)
     assert_same_generation(out, reference_model(original, weights))
 
 
+@pytest.mark.parametrize("architecture, experts", [
+    ("GptOssForCausalLM", ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+    ("GraniteMoeHybridForCausalLM", ["block_sparse_moe.input_linear",
+                                     "block_sparse_moe.output_linear"])])
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_stacked_experts_stay_plain_beside_quantized_projections(tmp_path, architecture,
+                                                                 experts, method):
+    """Experts stored stacked over all experts (gpt-oss, Granite 4) are read plain only:
+    `kvserve quantize` quantizes the other projections, leaves those tensors as they are and
+    names them in the config's list of modules not converted, and the result generates as
+    transformers does on the weights the file means."""
+    original = make_checkpoint(tmp_path / "plain", architecture)
+    out = tmp_path / method
+    qc = quantize_checkpoint(original, out, method, group_size=32)
+    layers = json.loads((original / "config.json").read_text())["num_hidden_layers"]
+    stacked = [f"model.layers.{i}.{e}" for i in range(layers) for e in experts]
+    assert set(stacked) <= set(qc.get("ignore") or qc.get("modules_to_not_convert"))
+    t, plain = load_file(out / "model.safetensors"), load_file(original / "model.safetensors")
+    for name, tensor in plain.items():
+        if name.startswith(tuple(stacked)):
+            assert torch.equal(t[name], tensor), name
+    weights = meant_weights(t, method)
+    assert {m.rpartition(".")[2] for m in weights} >= {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert_same_generation(out, reference_model(original, weights))
+
+
 def test_fused_projection_checkpoints_refuse_quantization(tmp_path):
     """Phi-3 keeps q/k/v and gate/up fused; kvserve reads their rows from plain weights only: it
     neither writes nor reads them quantized (rather than failing on a missing q_proj)."""

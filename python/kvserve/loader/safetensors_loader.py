@@ -148,7 +148,9 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
                              "kvserve reads its fused projections (q/k/v, gate/up) from plain "
                              "weights only")
         if quant is not None:  # its ignore list as the renamed index names the modules
-            quant.ignore = [p if p.startswith("re:") else kvserve_name(p, weight_names(config))
+            renames = weight_names(config)  # which match a tensor's name: its module's + "."
+            quant.ignore = [p if p.startswith("re:")
+                            else kvserve_name(p + ".", renames).removesuffix(".")
                             for p in quant.ignore]
         check_weights(index, config, config_path, quant, mxfp4.is_mxfp4(hf))
         read = _TensorReader(index, dtype, quant)

@@ -208,10 +208,11 @@ def bitsandbytes_tensors(module: str, w: QuantizedWeight) -> dict[str, torch.Ten
             f"{module}.weight_format": torch.tensor(0, dtype=torch.uint8)}
 
 
-def bitsandbytes_config(threshold: float) -> dict:
-    """transformers' BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=threshold)."""
+def bitsandbytes_config(threshold: float, plain: list[str] | None = None) -> dict:
+    """transformers' BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=threshold);
+    plain: modules left unquantized (full names)."""
     return {"quant_method": "bitsandbytes", "load_in_8bit": True, "load_in_4bit": False,
-            "llm_int8_threshold": threshold, "llm_int8_skip_modules": None,
+            "llm_int8_threshold": threshold, "llm_int8_skip_modules": plain or None,
             "llm_int8_has_fp16_weight": False}
 
 
@@ -225,11 +226,13 @@ def awq_config(group_size: int, plain: list[str] | None = None, lm_head: bool = 
 
 
 def compressed_tensors_config(kind: str, int8_activations: bool = False,
-                              lm_head: bool = False, embeddings: bool = False) -> dict:
+                              lm_head: bool = False, embeddings: bool = False,
+                              plain: list[str] | None = None) -> dict:
     """kind: "int" (int8) or "float" (fp8 E4M3); per-channel symmetric weights; activations in
     the model's dtype, or (int8_activations) int8 with a dynamic scale per token (W8A8);
     lm_head: the LM head quantized too (not in "ignore"); embeddings: the input embedding too
-    (the group targets "Embedding" besides "Linear")."""
+    (the group targets "Embedding" besides "Linear"); plain: modules left unquantized (full
+    names, in "ignore")."""
     activations = {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True,
                    "dynamic": True, "group_size": None, "observer": None}
     return {
@@ -242,7 +245,7 @@ def compressed_tensors_config(kind: str, int8_activations: bool = False,
                         "dynamic": False, "group_size": None, "observer": "minmax"},
             "input_activations": activations if int8_activations else None,
             "output_activations": None}},
-        "ignore": [] if lm_head else ["lm_head"],
+        "ignore": ([] if lm_head else ["lm_head"]) + list(plain or []),
     }
 
 

@@ -112,9 +112,12 @@ def quantize_checkpoint(model_dir: Path, out_dir: Path, method: str, group_size:
     plain: list[str] = []
     for name, t in source.items():
         module = name.removesuffix(".weight")
-        covered = covers(kvserve_name(name, renames).removesuffix(".weight"))
+        ours = kvserve_name(name, renames)
+        covered = covers(ours.removesuffix(".weight"))
         if not (name.endswith(".weight") and t.dim() == 2 and covered):
             tensors[name] = t
+            if ours.endswith(".weight") and t.dim() == 3 and covered:  # stacked experts:
+                plain.append(module)  # the loader reads them plain only
         elif int4 and (t.shape[1] % group_size or t.shape[0] % 8):
             tensors[name] = t
             plain.append(module)
@@ -127,10 +130,10 @@ def quantize_checkpoint(model_dir: Path, out_dir: Path, method: str, group_size:
     if int4:
         qc = awq_config(group_size, plain, lm_head)
     elif method == "llm.int8":
-        qc = bitsandbytes_config(LLM_INT8_THRESHOLD)
+        qc = bitsandbytes_config(LLM_INT8_THRESHOLD, plain)
     else:
         qc = compressed_tensors_config("float" if method == "fp8" else "int", method == "w8a8",
-                                       lm_head and not tied, embeddings)
+                                       lm_head and not tied, embeddings, plain)
     write_checkpoint(model_dir, out_dir, tensors, skip=("config.json",))
     config["quantization_config"] = qc
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
