@@ -66,7 +66,8 @@ ASAN_ENV := ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:detect_odr_violation=0 
 # suite leaves out the tests whose work happens in subprocesses, which import the installed,
 # uninstrumented build anyway: the command line (and `serve`), the notebooks and the
 # per-capability variants, the ranks of tests/distributed;
-# the quantized checkpoints end to end (their ops' kernel tests run the C++ sanitized) and other
+# the quantized checkpoints end to end (their ops' kernel tests run the C++ sanitized), the support
+# table's trials (every feature's own tests run sanitized), and other
 # tests whose time goes to Python or transformers, which the sanitizer does not see: llama2.c
 # conversion, perplexity against transformers, resident memory, detokenization, distillation
 # and scripts/train_tiny.py (PyTorch training around a model forward the other tests cover), and
@@ -82,7 +83,7 @@ ASAN_ENV := ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:detect_odr_violation=0 
 ASAN_SKIP := --ignore=tests/e2e/test_cli.py --ignore=tests/e2e/test_notebooks.py \
 	--ignore=tests/models/test_quantized_models.py --ignore=tests/models/test_awq.py \
 	--ignore=tests/models/test_llm_int8.py --ignore=tests/models/test_quantized_moe.py \
-	--ignore=tests/models/test_w8a8.py \
+	--ignore=tests/models/test_w8a8.py --ignore=tests/models/test_support_matrix.py \
 	--ignore=tests/convert \
 	--ignore=tests/models/test_perplexity.py --ignore=tests/models/test_weight_memory.py \
 	--ignore=tests/engine/test_detokenizer.py --ignore=tests/models/test_distill.py \
