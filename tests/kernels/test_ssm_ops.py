@@ -20,8 +20,10 @@ TOLERANCES = {
     torch.float16: dict(atol=3e-3, rtol=3e-3),
 }
 DTYPES = list(TOLERANCES)
-# Token counts per sequence: empty, a decode token, prefill chunks of awkward lengths.
-LENGTHS = [[1], [5, 0, 1, 13], [33, 2]]
+# Token counts per sequence: empty, a decode token, prefill chunks of awkward lengths; on CUDA
+# a batch with prefill runs the chunked scan (32 tokens a chunk): exactly one chunk, and a
+# partial third beside a decode token.
+LENGTHS = [[1], [5, 0, 1, 13], [33, 2], [70, 1, 32]]
 
 
 def rand(*shape, dtype=torch.float32, seed=0, scale=1.0):

@@ -1,7 +1,8 @@
 #pragma once
-// Mamba2's selective state-space scan (SSD in its recurrent form) over the tokens of several
-// sequences, each reading and writing its state in a slot of a state pool: a prefill chunk or
-// a decode token per sequence in one call.
+// Mamba2's selective state-space scan (SSD) over the tokens of several sequences, each reading
+// and writing its state in a slot of a state pool: a prefill chunk or a decode token per
+// sequence in one call. The CPU body runs the recurrent form; the CUDA body the recurrent form
+// for decode batches and the chunked form for batches with prefill (ssm_chunk_scan_kernel.cuh).
 
 #include <ATen/core/Tensor.h>
 

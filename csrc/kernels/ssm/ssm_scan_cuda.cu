@@ -1,6 +1,8 @@
 // CUDA launcher for ssm_scan: the CPU launcher's checks (but for the values of cu_seqlens and
 // slots, which the kernel bounds), then a block per (sequence, head) on the current stream with
-// the head's state in shared memory.
+// the head's state in shared memory: in the recurrent form when every sequence has one token
+// (decode), else in the chunked form (ssm_chunk_scan_kernel.cuh) when its chunk fits in shared
+// memory. Which one runs is decided from the shapes alone (no copy of cu_seqlens to the host).
 #include <torch/library.h>
 
 #include <type_traits>
@@ -8,6 +10,7 @@
 #include "kernels/cuda_launch.h"
 #include "kernels/ssm/ssm_checks.h"
 #include "kernels/ssm/ssm_scan.h"
+#include "kernels/ssm/ssm_chunk_scan_kernel.cuh"
 #include "kernels/ssm/ssm_scan_kernel.cuh"
 
 namespace kvserve::ops {
@@ -28,11 +31,16 @@ void ssm_scan_cuda(at::Tensor& out, const at::Tensor& x, const at::Tensor& dt, c
       D ? std::optional<at::Tensor>(D->to(at::kFloat).contiguous()) : std::nullopt;
   const std::optional<at::Tensor> bias =
       dt_bias ? std::optional<at::Tensor>(dt_bias->to(at::kFloat).contiguous()) : std::nullopt;
-  const int64_t shared = x.size(2) * B.size(2) * static_cast<int64_t>(sizeof(float));
+  const int64_t recurrent_shared = x.size(2) * B.size(2) * static_cast<int64_t>(sizeof(float));
+  const int64_t chunked_shared = cuda::ssm_chunk_scan_shared_floats(x.size(2), B.size(2)) *
+                                 static_cast<int64_t>(sizeof(float));
   const int max_shared = cuda::device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(
       x.device().index());
-  TORCH_CHECK(shared <= max_shared, "ssm_scan: a head's state of ", x.size(2), " x ", B.size(2),
-              " floats exceeds the ", max_shared, " bytes of shared memory a block may have");
+  TORCH_CHECK(recurrent_shared <= max_shared, "ssm_scan: a head's state of ", x.size(2), " x ",
+              B.size(2), " floats exceeds the ", max_shared,
+              " bytes of shared memory a block may have");
+  const bool chunked = x.size(0) > num_seqs && chunked_shared <= max_shared;
+  const int64_t shared = chunked ? chunked_shared : recurrent_shared;
   const dim3 grid(static_cast<unsigned>(x.size(1)), static_cast<unsigned>(num_seqs));
   constexpr int kThreads = 256;
   cuda::dispatch_float(x.scalar_type(), "ssm_scan", [&](auto type) {
@@ -66,7 +74,8 @@ void ssm_scan_cuda(at::Tensor& out, const at::Tensor& x, const at::Tensor& dt, c
       p.dt_softplus = dt_softplus;
       p.dt_min = static_cast<float>(dt_min);
       p.dt_max = static_cast<float>(dt_max);
-      const auto kernel = cuda::ssm_scan_kernel<T, S>;
+      const auto kernel =
+          chunked ? cuda::ssm_chunk_scan_kernel<T, S> : cuda::ssm_scan_kernel<T, S>;
       if (shared > 48 * 1024) {
         C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(shared)));

@@ -2,13 +2,14 @@
 // CUDA body of ssm_scan (contract: ssm_scan.h), in its recurrent form: one block per (sequence,
 // head) keeps the head's state [head_dim, state_size] in fp32 shared memory for the sequence's
 // tokens; warp w updates rows p = w, w + warps, ... (its lanes over the state dimension) and
-// reduces each row against C. Long prefills would go faster in the chunked SSD form (matrix
-// products per chunk); this form is exact and serves decode directly. Sequences whose slot or
+// reduces each row against C. The launcher runs it for decode batches (one token a sequence);
+// batches with prefill run the chunked form (ssm_chunk_scan_kernel.cuh). Sequences whose slot or
 // token range is out of bounds are skipped. Raw pointers only.
 
 #include <cstdint>
 
 #include "kernels/cuda_dtype.cuh"
+#include "kernels/cuda_mma.cuh"
 #include "kernels/cuda_reduce.cuh"
 
 namespace kvserve::cuda {
@@ -41,7 +42,7 @@ struct SsmScanParams {
 /// grid (heads, num_seqs); dynamic shared memory head_dim * state_size floats.
 template <typename T, typename S>
 __global__ void ssm_scan_kernel(SsmScanParams<T, S> p) {
-  extern __shared__ float h[];
+  float* h = static_cast<float*>(dynamic_shared_memory());
   const int64_t s = blockIdx.y, head = blockIdx.x;
   const int64_t slot = p.slots[s], begin = p.cu_seqlens[s], end = p.cu_seqlens[s + 1];
   if (slot < 0 || slot >= p.num_slots || begin < 0 || end < begin || end > p.num_tokens) return;
