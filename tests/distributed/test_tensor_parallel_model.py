@@ -4,7 +4,8 @@ replicated when there are fewer than ranks, biases (Qwen2), tied embeddings and 
 with soft-caps (Gemma 2), head norms (Qwen3), a vocabulary 2 does not divide, mixtures of
 experts (Mixtral, Qwen3-MoE: each expert split by intermediate column), a layer that reads an
 earlier layer's KV (CLA), multi-head latent attention with its experts (DeepSeek-V2 / V3: by
-head, the latent replicated), quantized checkpoints (int8, fp8, int4 in groups, quantized experts;
+head, the latent replicated), gpt-oss's stacked experts with their biases and its sinks,
+quantized checkpoints (int8, fp8, int4 in groups, quantized experts;
 LLM.int8() within its per-rank rounding). Each rank holds half of every projection and of the
 vocabulary's rows; what cannot be split yet is a clear error."""
 
@@ -39,6 +40,8 @@ CASES = {
     "deepseek-v3-mla-moe": ("DeepseekV3ForCausalLM", {}),
     "cohere2-parallel-block": ("Cohere2ForCausalLM", {}),  # LayerNorms, NoPE global layers
     "phi3-fused-checkpoint": ("Phi3ForCausalLM", {}),  # each rank reads its rows of qkv_proj
+    # Stacked, transposed, interleaved experts with biases (the down bias on rank 0), sinks.
+    "gpt-oss-stacked-experts": ("GptOssForCausalLM", {}),
 }
 
 
@@ -51,7 +54,8 @@ def _logits(groups: ParallelGroups, path, shard: Shard | None) -> dict:
     model = _C.create_causal_lm(local, weights, 64, communicator)
     caches = _C.KVCache.for_model(1, len(PROMPT), local)
     logits = model(torch.tensor([PROMPT]), caches)[0]
-    projections = sum(t.numel() for name, t in weights.items() if "_proj" in name)
+    projections = sum(t.numel() for name, t in weights.items()
+                      if "_proj" in name and name.endswith(".weight"))
     quantized = sum(t.numel() for name, t in weights.items() if name.endswith(".qweight"))
     latent = sum(t.numel() for name, t in weights.items()  # MLA's, replicated
                  if "kv_a_proj" in name or "q_a_proj" in name)

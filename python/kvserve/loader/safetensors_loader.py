@@ -431,11 +431,14 @@ def _read_stacked_experts(read: _TensorReader, c: _C.ModelConfig, experts: str, 
     [hidden, intermediate], and their biases: plain, or MXFP4 blocks and scales (gpt-oss's
     released checkpoints) dequantized to the model's dtype an expert at a time; no other
     quantized form. gpt-oss's ("columns") are transposed, its gate and up alternating (MXFP4
-    blocks are not transposed)."""
+    blocks are not transposed). shard: each expert's intermediate columns of a tensor-parallel
+    rank (gate and up rows, down columns), the down projection's bias on rank 0 only (zeros on
+    the others: the ranks' outputs are summed)."""
     columns = ARCHITECTURES[c.architecture].stacked_experts == "columns"
-    if shard is not None:
-        raise ValueError(f"{c.architecture}: tensor parallelism does not split its stacked "
-                         "experts yet")
+    inter = c.moe.moe_intermediate_size
+    first, n = (0, inter) if shard is None else local_columns(inter, shard)
+    rows = torch.cat([torch.arange(first, first + n),
+                      torch.arange(inter + first, inter + first + n)])
     for name in ("gate_up_proj", "down_proj"):
         if read.quantized(experts + name):
             raise ValueError(f"{c.architecture}: quantized stacked experts ({experts}{name}) "
@@ -451,11 +454,17 @@ def _read_stacked_experts(read: _TensorReader, c: _C.ModelConfig, experts: str, 
             if packed:  # dequantized one expert at a time, already [out, in]
                 weight = mxfp4.dequantize(blocks[e], scales[e], read.dtype)
             else:
-                weight = stacked[e].T.contiguous() if columns else stacked[e]
+                weight = stacked[e].T if columns else stacked[e]
             b = None if bias is None else bias[e]
             if columns and name == "gate_up_proj":  # rows 0, 2, ... gate; 1, 3, ... up
                 weight = torch.cat([weight[0::2], weight[1::2]])
                 b = None if b is None else torch.cat([b[0::2], b[1::2]])
-            w[f"{out}{e}.{name}.weight"] = weight
+            if shard is not None and name == "gate_up_proj":  # the rank's gate rows, up rows
+                weight = weight[rows]
+                b = None if b is None else b[rows]
+            elif shard is not None:
+                weight = weight[:, first:first + n]
+                b = b if b is None or shard.rank == 0 else torch.zeros_like(b)
+            w[f"{out}{e}.{name}.weight"] = weight.contiguous()
             if b is not None:
                 w[f"{out}{e}.{name}.bias"] = b.contiguous()
