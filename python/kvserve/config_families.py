@@ -618,11 +618,10 @@ def read_phi3(c: _C.ModelConfig, f, hf: dict) -> dict:
 def phi3_split_weights(c: _C.ModelConfig) -> tuple:
     """Phi-3's fused projections as the parts kvserve reads (its q/k/v and gate/up rows)."""
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    return (("self_attn.qkv_proj.weight", (("self_attn.q_proj.weight", q),
-                                           ("self_attn.k_proj.weight", kv),
-                                           ("self_attn.v_proj.weight", kv))),
-            ("mlp.gate_up_proj.weight", (("mlp.gate_proj.weight", c.intermediate_size),
-                                         ("mlp.up_proj.weight", c.intermediate_size))))
+    return (("self_attn.qkv_proj", (("self_attn.q_proj", q), ("self_attn.k_proj", kv),
+                                    ("self_attn.v_proj", kv))),
+            ("mlp.gate_up_proj", (("mlp.gate_proj", c.intermediate_size),
+                                  ("mlp.up_proj", c.intermediate_size))))
 
 
 def read_gpt_oss(c: _C.ModelConfig, f, hf: dict) -> dict:

@@ -149,6 +149,7 @@ QUANTIZED = {
     "int4-g32": ("LlamaForCausalLM", "int4", 32),
     "int4-g64-experts": ("Qwen3MoeForCausalLM", "int4", 64),
     "llm.int8": ("LlamaForCausalLM", "llm.int8", 128),
+    "fp8-fused-by-rows": ("Phi3ForCausalLM", "fp8", 128),  # each rank's rows of each part
 }
 
 

@@ -159,17 +159,31 @@ def test_stacked_experts_stay_plain_beside_quantized_projections(tmp_path, archi
     assert_same_generation(out, reference_model(original, weights))
 
 
-def test_fused_projection_checkpoints_refuse_quantization(tmp_path):
-    """Phi-3 keeps q/k/v and gate/up fused; kvserve reads their rows from plain weights only: it
-    neither writes nor reads them quantized (rather than failing on a missing q_proj)."""
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_fused_projection_checkpoints_quantize_by_rows(tmp_path, method):
+    """Phi-3 keeps q/k/v and gate/up fused: kvserve quantizes them whole (a scale per row) and
+    reads each part's rows of the quantized tensor and of its scales; the result generates as
+    transformers does on the weights the file means."""
     original = make_checkpoint(tmp_path / "plain", "Phi3ForCausalLM")
-    with pytest.raises(ValueError, match="quantizing them is not supported yet"):
-        quantize_checkpoint(original, tmp_path / "int8", "int8")
+    out = tmp_path / method
+    quantize_checkpoint(original, out, method)
+    weights = meant_weights(load_file(out / "model.safetensors"), method)
+    assert {m.rpartition(".")[2] for m in weights} == {"qkv_proj", "o_proj", "gate_up_proj",
+                                                     "down_proj"}
+    assert_same_generation(out, reference_model(original, weights))
+
+
+def test_fused_projection_checkpoints_refuse_int4(tmp_path):
+    """int4 formats pack a fused projection's outputs in columns, which kvserve does not split:
+    it neither writes nor reads them (rather than failing on a missing q_proj)."""
+    original = make_checkpoint(tmp_path / "plain", "Phi3ForCausalLM")
+    with pytest.raises(ValueError, match="int4 packs outputs in columns"):
+        quantize_checkpoint(original, tmp_path / "int4", "int4", group_size=32)
     config = json.loads((original / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32,
                                      "desc_act": False}
     (original / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="reads its fused projections .* from plain weights"):
+    with pytest.raises(ValueError, match="from plain or 8-bit weights only"):
         kvserve.LLM(original)
 
 

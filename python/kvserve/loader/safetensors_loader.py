@@ -138,15 +138,16 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
         checkpoint = GGUFCheckpoint(model_dir)
         hf, read = checkpoint.hf_config, GGUFTensorReader(checkpoint, dtype)
     else:
-        index = (WeightIndex.from_dir(model_dir).renamed(weight_names(config))
-                 .split(split_weights(config)))
         config_path = model_dir / "config.json"
         hf = json.loads(config_path.read_text())
         quant = parse_quantization_config(hf)
-        if quant is not None and split_weights(config):
-            raise ValueError(f"{config_path}: a quantized {config.architecture} checkpoint; "
-                             "kvserve reads its fused projections (q/k/v, gate/up) from plain "
-                             "weights only")
+        if quant is not None and quant.bits != 8 and split_weights(config):
+            raise ValueError(f"{config_path}: a {quant.bits}-bit {config.architecture} "
+                             "checkpoint; kvserve reads its fused projections (q/k/v, gate/up) "
+                             "by rows, from plain or 8-bit weights only (int4 formats pack "
+                             "outputs in columns)")
+        index = (WeightIndex.from_dir(model_dir).renamed(weight_names(config))
+                 .split(split_weights(config)))
         if quant is not None:  # its ignore list as the renamed index names the modules
             renames = weight_names(config)  # which match a tensor's name: its module's + "."
             quant.ignore = [p if p.startswith("re:")

@@ -69,29 +69,38 @@ class WeightIndex:
         return WeightIndex(tensors, self.files, self.source)
 
     def split(self, splits: tuple[tuple[str, tuple[tuple[str, int], ...]], ...]) -> WeightIndex:
-        """The same tensors with each fused one that a split names read as its parts: a split is
-        (the fused tensor's name suffix, ((a part's name suffix, its rows), ...)), the parts in
+        """The same tensors with each fused module that a split names read as its parts: a split
+        is (the fused module's name suffix, ((a part's name suffix, its rows), ...)), the parts in
         row order (Architecture.split_weights: Phi-3's qkv_proj as q_proj, k_proj and v_proj).
-        Each part reads its rows of the stored tensor (TensorInfo.rows). Raises ValueError when a
-        fused tensor's rows are not the parts' sum."""
+        Every tensor of the module (its weight, and a quantized weight's per-row scales) is read
+        as each part's rows of it (TensorInfo.rows); a scalar (a per-tensor scale, a format tag)
+        as every part's. Raises ValueError when a tensor's first dimension is not the parts' sum
+        of rows (int4 formats pack outputs in columns)."""
         if not splits:
             return self
         tensors: dict[str, TensorInfo] = {}
         for name, info in self.tensors.items():
+            module, _, suffix = name.rpartition(".")
             split = next(((fused, parts) for fused, parts in splits
-                          if name == fused or name.endswith("." + fused)), None)
+                          if module == fused or module.endswith("." + fused)), None)
             if split is None:
                 tensors[name] = info
                 continue
             fused, parts = split
             rows = sum(count for _, count in parts)
-            if not info.shape or info.shape[0] != rows:
+            prefix = module[:len(module) - len(fused)]
+            if tuple(info.shape) in ((), (1,)):  # the whole tensor's (a per-tensor scale, a
+                for part, _ in parts:             # format tag): every part's too
+                    tensors[f"{prefix}{part}.{suffix}"] = info
+                continue
+            if info.shape[0] != rows:
                 raise ValueError(f"{self.source}: tensor '{name}' has shape {list(info.shape)}; "
-                                 f"the config's {' + '.join(p for p, _ in parts)} make {rows} "
-                                 "rows")
-            prefix, start = name[:len(name) - len(fused)], 0
+                                 f"kvserve reads {fused} as {' + '.join(p for p, _ in parts)}, "
+                                 f"{rows} rows, and a quantized form only where each output is "
+                                 "a row (int8 / fp8 scales per row; not int4's packed columns)")
+            start = 0
             for part, count in parts:
-                tensors[prefix + part] = dataclasses.replace(
+                tensors[f"{prefix}{part}.{suffix}"] = dataclasses.replace(
                     info, shape=(count, *info.shape[1:]), rows=(start, count))
                 start += count
         return WeightIndex(tensors, self.files, self.source)

@@ -104,9 +104,10 @@ def quantize_checkpoint(model_dir: Path, out_dir: Path, method: str, group_size:
         awq_transform(model_dir, source, Path(calibration), group_size)
     covers = CheckpointQuantization(method, 8, -1, lm_head=lm_head, embeddings=embeddings).covers
     model_config = load_checkpoint_info(model_dir).config
-    if split_weights(model_config):
+    if split_weights(model_config) and int4:
         raise ValueError(f"{model_config.architecture} keeps fused projections (q/k/v, gate/up) "
-                         "that kvserve reads by rows; quantizing them is not supported yet")
+                         "that kvserve reads by rows; int4 packs outputs in columns: use "
+                         "--method int8, w8a8, llm.int8 or fp8")
     renames = weight_names(model_config)  # covers takes kvserve's names
     tensors: dict[str, torch.Tensor] = {}
     plain: list[str] = []
