@@ -28,6 +28,7 @@ Attention::Attention(const ModelConfig& c, int64_t layer, const WeightMap& w,
   }
   o_proj_ = Linear::load_row_parallel(w, p + "o_proj");
   full_width_qk_norm_ = c.qk_norm_full_width;
+  if (full_width_qk_norm_ && w.communicator()->size() > 1) norm_ranks_ = w.communicator();
   if (c.qk_norm) {
     q_norm_ = RMSNorm(w.get(p + "q_norm.weight"), c.rms_norm_eps, c.norm_weight_offset);
     if (!shares_kv_) {
@@ -55,7 +56,7 @@ at::Tensor Attention::forward(const at::Tensor& positions, const at::Tensor& hid
   // Qwen3, Gemma 3: an RMSNorm over each head before RoPE, in the rotary op's pass; OLMo 2: one
   // over all heads at once, before it.
   const bool per_head = q_norm_.defined() && !full_width_qk_norm_;
-  if (full_width_qk_norm_) q.copy_(q_norm_.forward(q));
+  if (full_width_qk_norm_) q.copy_(full_width_norm(q_norm_, q));
   const RMSNorm* q_norm = per_head ? &q_norm_ : nullptr;
   if (shares_kv_) {  // the source layer wrote this step's K/V already
     at::Tensor no_key = at::empty({num_tokens, 0}, q.options());
@@ -63,7 +64,7 @@ at::Tensor Attention::forward(const at::Tensor& positions, const at::Tensor& hid
   } else {
     at::Tensor k = qkv.narrow(1, q_width, kv_width);
     at::Tensor v = qkv.narrow(1, q_width + kv_width, kv_width);
-    if (full_width_qk_norm_) k.copy_(k_norm_.forward(k));
+    if (full_width_qk_norm_) k.copy_(full_width_norm(k_norm_, k));
     if (rotary_) rotary_->apply(positions, q, k, q_norm, per_head ? &k_norm_ : nullptr);
     at::Tensor key_cache = kv.key, value_cache = kv.value;
     ops::kv_cache_write(k.view({num_tokens, num_kv_heads_, head_dim_}),
@@ -76,6 +77,20 @@ at::Tensor Attention::forward(const at::Tensor& positions, const at::Tensor& hid
                        logit_softcap_, kv.key_scales(), kv.value_scales(),
                        sinks_.defined() ? std::optional<at::Tensor>(sinks_) : std::nullopt);
   return o_proj_.forward(out.view({num_tokens, q_width}), m.lora_slots);
+}
+
+at::Tensor Attention::full_width_norm(const RMSNorm& norm, const at::Tensor& x) const {
+  if (!norm_ranks_) return norm.forward(x);
+  // mean(x^2) over the whole width: each rank's sums, summed, over the ranks' widths. With key
+  // heads replicated (fewer than ranks) each is counted as often in both, so the mean holds.
+  const at::Tensor x32 = x.to(at::kFloat);
+  at::Tensor sums = x32.square().sum(1, /*keepdim=*/true);
+  norm_ranks_->all_reduce_(sums);
+  const double width = static_cast<double>(x.size(1) * norm_ranks_->size());
+  const at::Tensor normed = x32 * sums.div_(width).add_(norm.epsilon()).rsqrt_();
+  const at::Tensor& weight = norm.weight();
+  if (weight.scalar_type() == at::kFloat) return (normed * weight).to(x.scalar_type());
+  return normed.to(x.scalar_type()) * weight;  // rounded, then weighted, as rms_norm
 }
 
 int64_t Attention::weight_bytes() const {

@@ -19,7 +19,8 @@ namespace kvserve {
 
 /// One layer's attention. Weights: `<prefix>qkv_proj.weight` [(H + 2 Hkv) * D, hidden] (+ bias),
 /// `<prefix>o_proj.weight` [hidden, H * D] (+ bias), optional `<prefix>q_norm.weight` /
-/// `<prefix>k_norm.weight` [D], and with config.attention_sinks `<prefix>sinks` [H] (a logit
+/// `<prefix>k_norm.weight` [D] ([H * D] / [Hkv * D] with config.qk_norm_full_width: over all
+/// heads at once, the rank's heads' part when split), and with config.attention_sinks `<prefix>sinks` [H] (a logit
 /// per head in its softmax, kept in fp32). A layer that shares an earlier layer's KV (config.kv_sources)
 /// has `<prefix>q_proj.weight` [H * D, hidden] (+ bias) instead of qkv_proj and no k_norm: it
 /// attends over the cache it is given and writes nothing. A null rotary: no positional encoding
@@ -42,6 +43,10 @@ class Attention {
   }
 
  private:
+  /// x [T, width] normed over all heads: by `norm` alone, or split over ranks with their sums
+  /// of squares summed (every rank holds the same width of heads, replicated ones included).
+  at::Tensor full_width_norm(const RMSNorm& norm, const at::Tensor& x) const;
+
   Linear qkv_proj_;
   Linear o_proj_;
   RMSNorm q_norm_;
@@ -53,6 +58,8 @@ class Attention {
   double logit_softcap_;
   bool shares_kv_;  // CLA: reads an earlier layer's K/V, writes none
   bool full_width_qk_norm_ = false;  // q_norm_ / k_norm_ over all heads (OLMo 2), not per head
+  // Split over tensor-parallel ranks, the full-width norms' sums of squares summed over them.
+  std::shared_ptr<Communicator> norm_ranks_;
 };
 
 }  // namespace kvserve

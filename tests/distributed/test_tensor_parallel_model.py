@@ -4,7 +4,8 @@ replicated when there are fewer than ranks, biases (Qwen2), tied embeddings and 
 with soft-caps (Gemma 2), head norms (Qwen3), a vocabulary 2 does not divide, mixtures of
 experts (Mixtral, Qwen3-MoE: each expert split by intermediate column), a layer that reads an
 earlier layer's KV (CLA), multi-head latent attention with its experts (DeepSeek-V2 / V3: by
-head, the latent replicated), gpt-oss's stacked experts with their biases and its sinks,
+head, the latent replicated), OLMo 2's q/k norms over all heads (sums of squares summed over
+the ranks), gpt-oss's stacked experts with their biases and its sinks,
 quantized checkpoints (int8, fp8, int4 in groups, quantized experts;
 LLM.int8() within its per-rank rounding). Each rank holds half of every projection and of the
 vocabulary's rows; what cannot be split yet is a clear error."""
@@ -42,6 +43,10 @@ CASES = {
     "phi3-fused-checkpoint": ("Phi3ForCausalLM", {}),  # each rank reads its rows of qkv_proj
     # Stacked, transposed, interleaved experts with biases (the down bias on rank 0), sinks.
     "gpt-oss-stacked-experts": ("GptOssForCausalLM", {}),
+    # q/k norms over all heads: each rank's sums of squares summed over the ranks, with the key
+    # heads split and with one replicated on both.
+    "olmo2-full-width-norms": ("Olmo2ForCausalLM", {}),
+    "olmo2-one-kv-head": ("Olmo2ForCausalLM", dict(num_key_value_heads=1)),
 }
 
 
@@ -113,7 +118,6 @@ def test_two_ranks_give_the_whole_models_logits(checkpoints, case):
      "must divide the 6"),
     ("LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=4,
                               intermediate_size=161), "must divide the intermediate size 161"),
-    ("Olmo2ForCausalLM", {}, "does not split Olmo2ForCausalLM's q/k norms over all heads"),
 ])
 def test_what_cannot_be_split_is_a_clear_error(tmp_path, architecture, overrides, message):
     path = make_checkpoint(tmp_path, architecture, **overrides)

@@ -293,10 +293,13 @@ def _read_attention(read: _TensorReader, c: _C.ModelConfig, layer: int, attn: st
         w[out + "sinks"] = read.raw(attn + "sinks", torch.float32,
                                     None if shard is None else (0, rows["q"][0] // c.head_dim,
                                                                 rows["q"][1] // c.head_dim))
-    if c.qk_norm:
-        w[out + "q_norm.weight"] = read(attn + "q_norm.weight")
+    if c.qk_norm:  # per head: replicated; over all heads (OLMo 2): the rank's heads' part
+        part = shard is not None and c.qk_norm_full_width
+        w[out + "q_norm.weight"] = read.raw(attn + "q_norm.weight", read.dtype,
+                                            (0, *rows["q"]) if part else None)
         if c.kv_source(layer) == layer:
-            w[out + "k_norm.weight"] = read(attn + "k_norm.weight")
+            w[out + "k_norm.weight"] = read.raw(attn + "k_norm.weight", read.dtype,
+                                                (0, *rows["k"]) if part else None)
 
 
 # MLA's projections that the C++ layer transforms at load: dequantized when the checkpoint

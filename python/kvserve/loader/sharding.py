@@ -11,7 +11,9 @@ rank holds, and the model config that rank's C++ model runs.
   the same way, the router replicated, the combined output summed once.
 - Multi-head latent attention (DeepSeek-V2 / V3): by head too, the rows of q_b_proj (or
   q_proj) and kv_b_proj, o_proj's columns (row-parallel); the latent projections (kv_a, q_a),
-  their norms and so the latent KV cache are replicated on every rank.
+  their norms and so the latent KV cache are replicated on every rank. q/k norms per head are
+  replicated; OLMo 2's over all heads at once are split with the heads, each rank's sums of
+  squares summed over the ranks (the C++ Attention).
 - Embedding and LM head: vocabulary-parallel, ceil(vocab / size) rows a rank (the last rank's
   padded with zero rows); a tied head is the same rows. Norms are replicated.
 - Quantized projections split along the same axis as plain ones, their scales and zeros with
@@ -52,9 +54,6 @@ def check_shardable(config: _C.ModelConfig, size: int) -> None:
     if size == 1:
         return
     name = config.architecture or "this model"
-    if config.qk_norm_full_width:
-        raise ValueError(f"tensor parallelism does not split {name}'s q/k norms over all heads "
-                         "yet (each rank would need the others' sums of squares)")
     moe = config.moe
     for label, size_of in (("expert intermediate size", moe.moe_intermediate_size),
                            ("shared experts' intermediate size", moe.shared_intermediate_size)):
