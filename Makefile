@@ -40,7 +40,7 @@ test-cpp: build-tests
 	ctest --test-dir build/py --output-on-failure -j2
 
 # The Python suite: the tests that share the machine on every core (pytest-xdist), then those
-# that need it to themselves (the `serial` marker: tests/e2e, tests/distributed), one at a time.
+# that need it to themselves (the `serial` marker: tests/e2e, torchrun launches), one at a time.
 # --durations: the slowest tests, in the log, for keeping CI within its time.
 PYTEST_SUITE := $(PYTHON) -m pytest -q -m "not serial" -n $$(nproc) --durations=15 && \
 	$(PYTHON) -m pytest -q -m serial --durations=25

@@ -42,9 +42,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 # Tests that need the machine to themselves (make test runs them after the others, one at a
-# time): servers and clients racing over real time, notebooks that time what they show, ranks
-# that take a core each, and a watchdog that times the engine's steps.
-SERIAL = ("tests/e2e/", "tests/distributed/", "tests/engine/test_async_backpressure.py")
+# time): servers and clients racing over real time, notebooks that time what they show, torchrun
+# launches and servers over ranks, and a watchdog that times the engine's steps. The other tests
+# of tests/distributed (two single-threaded ranks of a tiny model, bounded in time) share the
+# cores like the rest.
+SERIAL = ("tests/e2e/", "tests/distributed/test_tensor_parallel_launch.py",
+          "tests/engine/test_async_backpressure.py")
 
 
 def pytest_collection_modifyitems(config, items):
