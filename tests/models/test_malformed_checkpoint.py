@@ -290,10 +290,10 @@ FAMILY_CASES = [
     # The fused projections of another shape than the config's heads and MLP make.
     ("Phi3ForCausalLM", {"num_key_value_heads": 4},
      "tensor 'model.layers.0.self_attn.qkv_proj.weight' has shape [192, 96]; the config's "
-     "self_attn.q_proj.weight + self_attn.k_proj.weight + self_attn.v_proj.weight make 288 rows"),
+     "self_attn.q_proj + self_attn.k_proj + self_attn.v_proj make 288 rows"),
     ("Phi3ForCausalLM", {"intermediate_size": 100},
      "tensor 'model.layers.0.mlp.gate_up_proj.weight' has shape [320, 96]; the config's "
-     "mlp.gate_proj.weight + mlp.up_proj.weight make 200 rows"),
+     "mlp.gate_proj + mlp.up_proj make 200 rows"),
     ("GptOssForCausalLM", {"swiglu_limit": 0}, "'swiglu_limit' must be a finite number > 0"),
     ("GptOssForCausalLM", {"swiglu_alpha": "1.7"}, "'swiglu_alpha' must be a finite number"),
     ("GptOssForCausalLM", {"num_local_experts": DELETE},

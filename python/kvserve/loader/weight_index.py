@@ -95,9 +95,8 @@ class WeightIndex:
                 continue
             if info.shape[0] != rows:
                 raise ValueError(f"{self.source}: tensor '{name}' has shape {list(info.shape)}; "
-                                 f"kvserve reads {fused} as {' + '.join(p for p, _ in parts)}, "
-                                 f"{rows} rows, and a quantized form only where each output is "
-                                 "a row (int8 / fp8 scales per row; not int4's packed columns)")
+                                 f"the config's {' + '.join(p for p, _ in parts)} make {rows} "
+                                 "rows (kvserve reads each part's rows of it)")
             start = 0
             for part, count in parts:
                 tensors[f"{prefix}{part}.{suffix}"] = dataclasses.replace(
