@@ -4,12 +4,14 @@ collectives give, the local communicator of a single rank, and the errors."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from kvserve import _C
 from kvserve.distributed import ParallelGroups, communicator, init_parallel_groups
-from kvserve.testing.ranks import run_ranks
+from kvserve.testing.ranks import RankPool, run_ranks
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64]
 SHAPES = [(3, 5), (7,), (1, 2, 3)]
@@ -126,3 +128,18 @@ def _raise_on_rank_one(groups: ParallelGroups) -> int:
 def test_a_failing_rank_is_reported_not_waited_for():
     with pytest.raises(RuntimeError, match="rank 1 failed:(.|\n)*rank one gives up"):
         run_ranks(_raise_on_rank_one, world_size=2, timeout_s=60)
+
+
+def _pid(groups: ParallelGroups) -> int:
+    return os.getpid()
+
+
+def test_a_rank_pool_keeps_its_ranks_until_a_call_fails():
+    with RankPool(2, timeout_s=60) as pool:
+        first = pool.run(_pid)
+        assert pool.run(_pid) == first and len(set(first)) == 2
+        with pytest.raises(RuntimeError, match="rank 1 failed:(.|\n)*rank one gives up"):
+            pool.run(_raise_on_rank_one)
+        again = pool.run(_pid)  # new ranks, whose collectives work
+        assert not set(again) & set(first)
+        assert pool.run(_collectives)[1]["rank"] == 1

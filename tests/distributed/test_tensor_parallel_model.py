@@ -24,7 +24,7 @@ from kvserve.quantization.quantize import quantize_checkpoint
 from kvserve.quantization.weights import quantize_fp8, quantize_int4, quantize_int8
 from kvserve.testing.checkpoints import make_checkpoint
 from kvserve.testing.cla import make_cla_checkpoint
-from kvserve.testing.ranks import run_ranks
+from kvserve.testing.ranks import RankPool
 
 PROMPT = [1, 17, 5, 99, 42, 7, 300, 12, 8, 3, 250, 64]
 
@@ -77,6 +77,13 @@ def _sharded(groups: ParallelGroups, path) -> dict:
 
 
 @pytest.fixture(scope="module")
+def ranks():
+    """Two ranks for every case of the module (each new rank costs seconds of imports)."""
+    with RankPool(2) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     return {name: make_cla_checkpoint(tmp_path_factory.mktemp(name), **overrides)
             if arch == "CLA" else make_checkpoint(tmp_path_factory.mktemp(name), arch, **overrides)
@@ -84,12 +91,11 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_two_ranks_give_the_whole_models_logits(checkpoints, case):
+def test_two_ranks_give_the_whole_models_logits(ranks, checkpoints, case):
     path = checkpoints[case]
     whole = _logits(ParallelGroups(0, 1, "gloo"), path, None)
-    ranks = run_ranks(_sharded, world_size=2, args=(path,))
     config = load_checkpoint_info(path).config
-    for rank, part in enumerate(ranks):
+    for rank, part in enumerate(ranks.run(_sharded, args=(path,))):
         torch.testing.assert_close(part["logits"], whole["logits"], rtol=1e-5, atol=1e-5,
                                    msg=f"rank {rank}")
         assert part["heads"] == config.num_heads // 2
@@ -167,12 +173,11 @@ def _quantized_checkpoint(tmp_path, arch, method, group_size):
 
 
 @pytest.mark.parametrize("case", list(QUANTIZED))
-def test_quantized_checkpoints_split_with_their_scales(tmp_path, case):
+def test_quantized_checkpoints_split_with_their_scales(ranks, tmp_path, case):
     path = _quantized_checkpoint(tmp_path, *QUANTIZED[case])
     whole = _logits(ParallelGroups(0, 1, "gloo"), path, None)
     assert whole["quantized"] > 0
-    ranks = run_ranks(_sharded, world_size=2, args=(path,))
-    for rank, part in enumerate(ranks):
+    for rank, part in enumerate(ranks.run(_sharded, args=(path,))):
         assert part["quantized"] == whole["quantized"] // 2, rank
         if case == "llm.int8":  # activations rounded per token over each rank's inputs
             error = (part["logits"] - whole["logits"]).abs().max()
