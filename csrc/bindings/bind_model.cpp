@@ -9,7 +9,9 @@
 #include "kvserve/forward_batch.h"
 #include "kvserve/kv_cache.h"
 #include "kvserve/paged_kv_cache.h"
+#include "layers/weights.h"
 #include "models/model_factory.h"
+#include "models/mtp_head.h"
 
 namespace py = pybind11;
 
@@ -159,6 +161,40 @@ void bind_causal_lm(py::module_& m) {
       .def("enable_lora", &CausalLM::enable_lora, py::arg("slots"), py::arg("rank"),
            "Room for `slots` adapters of rank up to `rank` in every LoRA target (before serving).")
       .def_property_readonly("num_lora_slots", &CausalLM::num_lora_slots);
+
+  py::class_<MtpHead, CausalLM, std::shared_ptr<MtpHead>>(
+      m, "MtpHead",
+      "A checkpoint's multi-token-prediction modules (speculative_method=\"mtp\"; "
+      "kvserve.mtp loads them).")
+      .def(py::init([](const ModelConfig& config, std::shared_ptr<CausalLM> target,
+                       const std::vector<std::shared_ptr<CausalLM>>& blocks,
+                       std::unordered_map<std::string, at::Tensor> weights) {
+             const WeightMap w(std::move(weights), config.quantization);
+             std::vector<MtpHead::Depth> depths;
+             for (size_t d = 0; d < blocks.size(); ++d) {
+               const std::string p = "layers." + std::to_string(d) + ".";
+               depths.push_back({blocks[d], RMSNorm(w.get(p + "enorm.weight"), config.rms_norm_eps),
+                                 RMSNorm(w.get(p + "hnorm.weight"), config.rms_norm_eps),
+                                 Linear::load(w, p + "eh_proj")});
+             }
+             return std::make_shared<MtpHead>(config, std::move(target), std::move(depths));
+           }),
+           py::arg("config"), py::arg("target"), py::arg("blocks"), py::arg("weights"),
+           "config: the target's with one layer per module; blocks: each module's decoder layer "
+           "(a one-layer CausalLM whose final norm is the module's); weights: "
+           "layers.<d>.enorm.weight, .hnorm.weight and .eh_proj.weight (or quantized).")
+      .def_property_readonly("num_depths", &MtpHead::num_depths)
+      .def(
+          "forward_depth",
+          [](MtpHead& head, int64_t depth, const at::Tensor& input_ids,
+             const at::Tensor& previous, const at::Tensor& positions,
+             const AttentionMetadata& metadata, const PagedKVCache& cache) {
+            return head.forward_depth(depth, input_ids, previous, positions, metadata,
+                                      cache.layers());
+          },
+          py::arg("depth"), py::arg("input_ids"), py::arg("previous"), py::arg("positions"),
+          py::arg("metadata"), py::arg("kv_cache"), py::call_guard<py::gil_scoped_release>(),
+          "Module `depth` over rows of a flattened batch: normed outputs [rows, hidden].");
 
   m.def("model_families", &model_families);
   m.def("create_causal_lm", &create_causal_lm, py::arg("config"), py::arg("weights"),

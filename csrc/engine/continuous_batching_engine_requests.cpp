@@ -132,6 +132,10 @@ void ContinuousBatchingEngine::add_request(const std::string& request_id,
     throw std::invalid_argument("a loaded prompt brings no draft-model KV: KV loading and "
                                 "draft-model speculation do not combine (n-gram does)");
   }
+  if (kv_transfer == KVTransfer::kLoad && config_.speculative.method == "mtp") {
+    throw std::invalid_argument("a loaded prompt brings no hidden states for the MTP modules: "
+                                "KV loading and MTP speculation do not combine (n-gram does)");
+  }
   if (lora_slot < -1 || lora_slot >= model_->num_lora_slots()) {
     throw std::invalid_argument("lora_slot " + std::to_string(lora_slot) + " is outside [-1, " +
                                 std::to_string(model_->num_lora_slots()) + ")");

@@ -210,6 +210,11 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
     const ForwardBatch batch = builder.build(model_->device());
     hidden = model_->forward(batch.input_ids, batch.positions, batch.metadata, kv_cache_.layers());
   }
+  if (speculator_) {  // a proposer that drafts from the target's hidden states keeps them
+    std::vector<int64_t> bounds = starts;
+    bounds.push_back(num_rows);
+    speculator_->observe(work, bounds, hidden);
+  }
   out.samples.resize(targets.size());
   if (hidden_rows.empty()) return out;
   const at::Tensor rows_index = to_tensor(hidden_rows, hidden.device());

@@ -13,7 +13,9 @@
 #include "kernels/sampling/rejection_sampling.h"
 #include "kvserve/causal_lm.h"
 #include "kvserve/draft_model_proposer.h"
+#include "kvserve/mtp_proposer.h"
 #include "kvserve/ngram_proposer.h"
+#include "models/mtp_head.h"
 
 namespace kvserve {
 
@@ -93,6 +95,15 @@ const std::vector<ProposerEntry>& proposer_registry() {
                      " positions, fewer than max_model_len " + std::to_string(c.max_model_len));
          require(c.draft->device() == c.target.device(), "the draft model is on another device");
          return std::make_unique<DraftModelProposer>(c.draft, c.num_blocks, c.block_size);
+       }},
+      {"mtp", true,
+       [](const ProposerContext& c) -> std::unique_ptr<Proposer> {
+         auto head = std::dynamic_pointer_cast<MtpHead>(c.draft);
+         require(head != nullptr,
+                 "method \"mtp\" drafts with the target checkpoint's multi-token-prediction "
+                 "modules (an MtpHead), not with a draft model");
+         require(head->device() == c.target.device(), "the MTP modules are on another device");
+         return std::make_unique<MtpProposer>(std::move(head), c.num_blocks, c.block_size);
        }},
   };
   return entries;

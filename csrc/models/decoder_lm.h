@@ -53,6 +53,14 @@ class DecoderLM : public CausalLM {
     }
     return logits;
   }
+  at::Tensor embed_inputs(const at::Tensor& input_ids) const override {
+    TORCH_CHECK(input_ids.dim() == 1, "forward: input_ids must be [T]");
+    at::Tensor hidden = embed(input_ids);       // [T, hidden]
+    if (config_.embedding_multiplier != 1.0) {  // the multiplier rounded to the dtype first
+      hidden = hidden * at::scalar_tensor(config_.embedding_multiplier, hidden.options());
+    }
+    return hidden;
+  }
   const ModelConfig& config() const override { return config_; }
   at::ScalarType dtype() const override { return dtype_; }
   at::Device device() const override { return device_; }
@@ -218,7 +226,8 @@ class DecoderLM : public CausalLM {
     if (config_.tie_word_embeddings && lm_head_.packed()) embed_tokens_ = at::Tensor();
   }
 
-  /// The residual stream over input_ids [T]: attend(i, attention, normed hidden [T, hidden],
+  /// The residual stream from the first layer's inputs [T, hidden] (embed_inputs(ids), or a
+  /// multi-token-prediction block's): attend(i, attention, normed hidden [T, hidden],
   /// cache) runs layer i's attention on the cache it reads (its own, or the one of the layer
   /// whose KV it shares); a state-space layer's mixer runs on its state instead (or beside it,
   /// the two outputs summed). kv_caches: one per layer that writes K/V, then one per
@@ -226,7 +235,7 @@ class DecoderLM : public CausalLM {
   /// metadata.lora_slots: the tokens' adapter slots for the MLPs. Returns the final-norm hidden
   /// states [T, hidden].
   template <typename Attend>
-  at::Tensor run_layers(const at::Tensor& input_ids, const at::Tensor& positions,
+  at::Tensor run_layers(at::Tensor hidden, const at::Tensor& positions,
                         const std::vector<LayerKVCache>& kv_caches,
                         const AttentionMetadata& metadata, Attend&& attend) const {
     const int64_t num_caches = config_.num_kv_layers() + config_.num_ssm_layers();
@@ -234,12 +243,12 @@ class DecoderLM : public CausalLM {
                 kv_caches.size(), " caches for ", config_.num_kv_layers(),
                 " layers that write K/V and ", config_.num_ssm_layers(), " state-space layers");
     const at::Tensor& lora_slots = metadata.lora_slots;
-    TORCH_CHECK(input_ids.dim() == 1 && positions.sizes() == input_ids.sizes(),
-                "forward: input_ids and positions must both be [T]");
-    at::Tensor hidden = embed(input_ids);       // [T, hidden]
-    if (config_.embedding_multiplier != 1.0) {  // the multiplier rounded to the dtype first
-      hidden = hidden * at::scalar_tensor(config_.embedding_multiplier, hidden.options());
-    }
+    TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == config_.hidden_size &&
+                    positions.dim() == 1 && positions.size(0) == hidden.size(0),
+                "forward: input_ids and positions must both be [T] (inputs [T, ",
+                config_.hidden_size, "])");
+    TORCH_CHECK(hidden.scalar_type() == dtype_ && hidden.device() == device_,
+                "forward: inputs must be ", dtype_, " on ", device_);
     if (layers_.empty()) return norm_.forward(hidden);
     at::Tensor residual;
     for (size_t i = 0; i < layers_.size(); ++i) {

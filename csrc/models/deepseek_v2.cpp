@@ -30,16 +30,22 @@ DeepseekV2ForCausalLM::DeepseekV2ForCausalLM(const ModelConfig& config, const We
   finish(w);
 }
 
-at::Tensor DeepseekV2ForCausalLM::forward(const at::Tensor& input_ids,
-                                          const at::Tensor& positions,
+at::Tensor DeepseekV2ForCausalLM::forward(const at::Tensor& input_ids, const at::Tensor& positions,
                                           const AttentionMetadata& metadata,
                                           const std::vector<LayerKVCache>& kv_caches) {
+  return forward_embeds(embed_inputs(input_ids), positions, metadata, kv_caches);
+}
+
+at::Tensor DeepseekV2ForCausalLM::forward_embeds(const at::Tensor& inputs,
+                                                 const at::Tensor& positions,
+                                                 const AttentionMetadata& metadata,
+                                                 const std::vector<LayerKVCache>& kv_caches) {
   // Which sequences attend in absorbed and which in expanded form: the same for every layer.
   const MLABatchPlan plan =
       kv_caches.empty() ? MLABatchPlan()
                         : MLABatchPlan::make(metadata, config_.mla, kv_caches[0].key.size(1),
                                              config_.mla.attention_path);
-  return run_layers(input_ids, positions, kv_caches, metadata,
+  return run_layers(inputs, positions, kv_caches, metadata,
                     [&](size_t, const MLAAttention& attention, const at::Tensor& hidden,
                         const LayerKVCache& cache) {
                       return attention.forward(positions, hidden, metadata, cache, plan);

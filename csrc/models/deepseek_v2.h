@@ -25,6 +25,9 @@ class DeepseekV2ForCausalLM : public DecoderLM<MLAAttention> {
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions,
                      const AttentionMetadata& metadata,
                      const std::vector<LayerKVCache>& kv_caches) override;
+  at::Tensor forward_embeds(const at::Tensor& inputs, const at::Tensor& positions,
+                            const AttentionMetadata& metadata,
+                            const std::vector<LayerKVCache>& kv_caches) override;
 
  private:
   RotaryEmbedding rotary_;

@@ -33,7 +33,13 @@ LlamaForCausalLM::LlamaForCausalLM(const ModelConfig& config, const WeightMap& w
 at::Tensor LlamaForCausalLM::forward(const at::Tensor& input_ids, const at::Tensor& positions,
                                      const AttentionMetadata& metadata,
                                      const std::vector<LayerKVCache>& kv_caches) {
-  return run_layers(input_ids, positions, kv_caches, metadata,
+  return forward_embeds(embed_inputs(input_ids), positions, metadata, kv_caches);
+}
+
+at::Tensor LlamaForCausalLM::forward_embeds(const at::Tensor& inputs, const at::Tensor& positions,
+                                            const AttentionMetadata& metadata,
+                                            const std::vector<LayerKVCache>& kv_caches) {
+  return run_layers(inputs, positions, kv_caches, metadata,
                     [&](size_t, const Attention& attention, const at::Tensor& hidden,
                         const LayerKVCache& cache) {
                       return attention.forward(positions, hidden, metadata, cache);

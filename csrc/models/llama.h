@@ -26,6 +26,9 @@ class LlamaForCausalLM : public DecoderLM<Attention> {
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions,
                      const AttentionMetadata& metadata,
                      const std::vector<LayerKVCache>& kv_caches) override;
+  at::Tensor forward_embeds(const at::Tensor& inputs, const at::Tensor& positions,
+                            const AttentionMetadata& metadata,
+                            const std::vector<LayerKVCache>& kv_caches) override;
 
  private:
   RotaryEmbedding rotary_;

@@ -34,6 +34,7 @@ from kvserve.loader import load_weights
 from kvserve.lora_serving import LoRAManager, LoRARequest
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.loader.mtp_weights import load_mtp_weights, mtp_configs, mtp_head
 from kvserve.speculative import load_draft_info
 from kvserve.tensor_parallel import TensorParallelRanks, load_rank_model
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -153,6 +154,12 @@ class LLMEngine:
         if draft_info is not None:
             set_quantized_activation(draft_info.config, args.quantized_activation, device)
         self.draft_config = draft_info.config if draft_info is not None else None
+        mtp = args.speculative_method == "mtp"
+        if mtp:  # the checkpoint's own multi-token-prediction modules draft
+            if args.tensor_parallel_size > 1:
+                raise ValueError('speculative_method="mtp" with tensor_parallel_size > 1 is not '
+                                 "supported yet")
+            self.draft_config = mtp_configs(self.model_dir, info.hf_config, info.config)[1]
         # Every option checked (C++) before the weights load.
         config = args.engine_config(info.config, self.dtype, self.kv_cache_dtype,
                                     info.eos_token_ids, self.draft_config)
@@ -197,6 +204,10 @@ class LLMEngine:
             self.draft_model = _C.create_causal_lm(draft_info.config, weights,
                                                    self.max_model_len)
             del weights
+        if mtp:
+            self.draft_model = mtp_head(
+                load_mtp_weights(self.model_dir, info.hf_config, info.config, self.dtype, device),
+                self.model, self.max_model_len)
         _release_freed_memory()
         self.engine = _C.ContinuousBatchingEngine(
             self.model, config, self.draft_model,
@@ -315,7 +326,8 @@ class LLMEngine:
             c = self.draft_config
             draft_kv = (kv.num_blocks * _C.PagedKVCache.bytes_per_block(
                 _C.KVCacheLayout.for_model(c), kv.block_size, self.dtype))
-            plan += (f"; draft model {self.draft_model.weight_bytes / 2**20:.1f} MiB + KV "
+            what = ("MTP modules" if spec.method == "mtp" else "draft model")
+            plan += (f"; {what} {self.draft_model.weight_bytes / 2**20:.1f} MiB + KV "
                      f"{draft_kv / 2**20:.1f} MiB, {spec.num_speculative_tokens} tokens per step")
         elif spec.enabled:
             plan += (f"; n-gram speculation, {spec.num_speculative_tokens} tokens per step "

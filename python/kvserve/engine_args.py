@@ -88,7 +88,8 @@ class EngineArgs:
     speculative_model: str | Path | None = option(
         None, "speculative decoding with this draft checkpoint (the target's tokenizer)")
     speculative_method: str | None = option(
-        None, "ngram (prompt lookup) or draft_model (implied by --speculative-model)",
+        None, "ngram (prompt lookup), draft_model (implied by --speculative-model) or mtp (the "
+              "checkpoint's multi-token-prediction modules: DeepSeek-V3, GLM-4.5)",
         choices=tuple(SPECULATIVE_METHODS), aliases=("--ngram",))
     num_speculative_tokens: int | None = option(
         None, "draft tokens per step at most (default 2)")

@@ -22,6 +22,9 @@ from kvserve.tokenizer import Tokenizer
 DEFAULT_NUM_SPECULATIVE_TOKENS = 2
 DEFAULT_MAX_VERIFY_TOKENS = 8
 DEFAULT_DISABLE_BATCH_SIZE = 0
+# Methods whose drafter the target checkpoint itself holds (the engine passes it to C++ in the
+# draft model's place): multi-token prediction (kvserve.loader.mtp_weights).
+TARGET_DRAFTS = ("mtp",)
 
 
 def speculative_config(args) -> _C.SpeculativeConfig:
@@ -34,10 +37,10 @@ def speculative_config(args) -> _C.SpeculativeConfig:
     if args.speculative_model is not None:
         if method is None:
             method = "draft_model"
-        elif not SPECULATIVE_METHODS[method]:
+        elif not SPECULATIVE_METHODS[method] or method in TARGET_DRAFTS:
             raise ValueError(f"speculative_model is a draft model: it cannot be used with "
                              f'speculative_method="{method}"')
-    elif method is not None and SPECULATIVE_METHODS[method]:
+    elif method is not None and SPECULATIVE_METHODS[method] and method not in TARGET_DRAFTS:
         raise ValueError(f'speculative_method="{method}" needs speculative_model=DIR')
     if method is None:
         if args.num_speculative_tokens is not None:

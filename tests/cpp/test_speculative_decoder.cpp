@@ -191,6 +191,11 @@ TEST(SpeculativeDecoder, CreateRejectsMismatchedDraftsAndBadConfigs) {
                std::invalid_argument);
   EXPECT_THROW(SpeculativeDecoder::create({"medusa", 2}, *model, nullptr, 8, 4, 64),
                std::invalid_argument);
+  // MTP drafts with an MtpHead (the target checkpoint's modules), not with a plain model.
+  EXPECT_THROW(SpeculativeDecoder::create({"mtp", 2}, *model, model, 8, 4, 64),
+               std::invalid_argument);
+  EXPECT_THROW(SpeculativeDecoder::create({"mtp", 2}, *model, nullptr, 8, 4, 64),
+               std::invalid_argument);
   EXPECT_THROW(SpeculativeDecoder::create({"draft_model", 2}, *model, model, 8, 4, 1000),
                std::invalid_argument);  // the draft handles 128 positions
   EXPECT_EQ(SpeculativeDecoder::create({}, *model, nullptr, 8, 4, 64), nullptr);

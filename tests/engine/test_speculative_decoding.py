@@ -112,14 +112,16 @@ def tiny_pair(tmp_path_factory):
     return target, draft
 
 
-def conditionals(path: Path, sampling: dict) -> dict[tuple, torch.Tensor]:
+def conditionals(path: Path, sampling: dict, dtype: torch.dtype = torch.float64
+                 ) -> dict[tuple, torch.Tensor]:
     """The processed next-token distribution after PROMPT + every prefix of up to NEW_TOKENS - 1
-    generated tokens, from transformers' model and its logits warpers."""
+    generated tokens, from transformers' model (in `dtype`: fp32 for the models whose experts it
+    multiplies in fp32 only) and its logits warpers."""
     from transformers import AutoModelForCausalLM
     from transformers.generation.logits_process import (TemperatureLogitsWarper,
                                                         TopKLogitsWarper, TopPLogitsWarper)
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     warpers = [TemperatureLogitsWarper(sampling["temperature"])]
     if sampling.get("top_k", -1) > 0:
         warpers.append(TopKLogitsWarper(sampling["top_k"]))

@@ -42,6 +42,20 @@ class CausalLM {
   /// Logits for hidden states [N, hidden_size]: fp32 [N, vocab_size].
   virtual at::Tensor compute_logits(const at::Tensor& hidden) = 0;
 
+  /// What forward() feeds its first layer for input_ids [T]: the token embeddings (times the
+  /// config's embedding_multiplier), [T, hidden_size] in the model dtype.
+  virtual at::Tensor embed_inputs(const at::Tensor& input_ids) const {
+    throw std::invalid_argument("this model has no token embedding to share");
+  }
+
+  /// forward() from first-layer inputs [T, hidden_size] given in place of embed_inputs(ids): a
+  /// multi-token-prediction block's input, its projection of an embedding and a hidden state.
+  virtual at::Tensor forward_embeds(const at::Tensor& inputs, const at::Tensor& positions,
+                                    const AttentionMetadata& metadata,
+                                    const std::vector<LayerKVCache>& kv_caches) {
+    throw std::invalid_argument("this model runs from token ids only");
+  }
+
   virtual const ModelConfig& config() const = 0;
 
   /// dtype of the weights, activations and KV cache.

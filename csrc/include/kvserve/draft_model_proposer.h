@@ -32,7 +32,6 @@ class DraftModelProposer : public Proposer {
  private:
   std::shared_ptr<CausalLM> draft_;
   PagedKVCache kv_cache_;
-  Sampler sampler_;
   /// What the draft's KV holds of one sequence.
   struct Written {
     int64_t num_admissions = 0;  ///< the sequence's SequenceState::num_admissions then

@@ -26,7 +26,8 @@ namespace kvserve {
 class CausalLM;
 
 /// How an engine speculates. method "" is off; "draft_model" proposes with a second CausalLM of
-/// the same vocabulary; "ngram" with prompt lookup (no model).
+/// the same vocabulary; "ngram" with prompt lookup (no model); "mtp" with the target
+/// checkpoint's multi-token-prediction modules (an MtpHead in the draft model's place).
 struct SpeculativeConfig {
   std::string method;
   int64_t num_speculative_tokens = 0;  ///< k: draft tokens per sequence and step, at most
@@ -71,6 +72,12 @@ class Proposer {
   virtual ~Proposer() = default;
   /// Up to work.scheduled[i].num_speculative_tokens tokens for entry i (fewer, or none, is fine).
   virtual Proposals propose(const ProposalContext& context) = 0;
+  /// After the target's forward of the step `work` (called every step, before the engine
+  /// appends what was verified): its final-norm hidden states, rows starts[i] to starts[i + 1]
+  /// of scheduled entry i (its new tokens, then the drafts it verified; starts has one entry
+  /// more). A proposer that drafts from them copies what it keeps (the tensor may be reused).
+  virtual void observe(const SchedulerOutput& work, const std::vector<int64_t>& starts,
+                       const at::Tensor& hidden) {}
 };
 
 /// What a proposer is made from: the options, the target model, the draft model if the method
@@ -127,6 +134,10 @@ class SpeculativeDecoder {
   int64_t num_speculative_tokens(int64_t num_running) const;
 
   Proposals propose(const ProposalContext& context) { return proposer_->propose(context); }
+  void observe(const SchedulerOutput& work, const std::vector<int64_t>& starts,
+               const at::Tensor& hidden) {
+    proposer_->observe(work, starts, hidden);
+  }
 
   /// Rejection sampling for B sequences. logits: fp32 [sum (k_b + 1), vocab], the target's raw
   /// logits at each sequence's last new token and its k_b drafts (modified in place). rows[b] is

@@ -19,6 +19,7 @@ projections the C++ layers transform at load (MLA's) are dequantized to the mode
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import json
 
@@ -120,10 +121,15 @@ class _TensorReader:
 
 def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
                  device: torch.device | str = "cpu",
-                 shard: Shard | None = None) -> dict[str, torch.Tensor]:
+                 shard: Shard | None = None,
+                 layers_of: Callable[[WeightIndex], WeightIndex] | None = None
+                 ) -> dict[str, torch.Tensor]:
     """Reads, checks, converts and fuses every weight the model needs (config: the whole
     model's). shard: only what this tensor-parallel rank holds (kvserve.loader.sharding), each
     weight read in part, so that no rank ever holds the whole model's projections.
+    layers_of: a view of the checkpoint's (renamed) tensors that holds decoder layers and a final
+    norm only, read as the model's; no embedding or LM head is read (a multi-token-prediction
+    module's block, which shares the target's: kvserve.loader.mtp_weights).
 
     Raises FileNotFoundError for a missing weight file and ValueError, naming the file and the
     tensor, for a malformed one or one that disagrees with the config."""
@@ -153,12 +159,16 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
             quant.ignore = [p if p.startswith("re:")
                             else kvserve_name(p + ".", renames).removesuffix(".")
                             for p in quant.ignore]
-        check_weights(index, config, config_path, quant, mxfp4.is_mxfp4(hf))
+        if layers_of is not None:
+            index = layers_of(index)
+        check_weights(index, config, config_path, quant, mxfp4.is_mxfp4(hf),
+                      vocab=layers_of is None)
         read = _TensorReader(index, dtype, quant)
     w: dict[str, torch.Tensor] = {"norm.weight": read("model.norm.weight")}
-    _vocab_matrix(read, "model.embed_tokens", "embed_tokens", config, shard, w)
-    if not config.tie_word_embeddings:
-        _vocab_matrix(read, "lm_head", "lm_head", config, shard, w)
+    if layers_of is None:
+        _vocab_matrix(read, "model.embed_tokens", "embed_tokens", config, shard, w)
+        if not config.tie_word_embeddings:
+            _vocab_matrix(read, "lm_head", "lm_head", config, shard, w)
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         out = f"layers.{i}."

@@ -201,14 +201,18 @@ def _stored(name: str, info) -> str:
 
 
 def check_weights(index: WeightIndex, c: _C.ModelConfig, config_path: Path,
-                  quant: CheckpointQuantization | None = None, mxfp4: bool = False) -> None:
+                  quant: CheckpointQuantization | None = None, mxfp4: bool = False,
+                  vocab: bool = True) -> None:
     """Raises ValueError listing every tensor that is missing, unexpected, of another dtype or of
     another shape than config.json (and its quantization_config) implies. mxfp4: gpt-oss's
-    stacked experts come as MXFP4 blocks and scales (kvserve.quantization.mxfp4)."""
+    stacked experts come as MXFP4 blocks and scales (kvserve.quantization.mxfp4). vocab false:
+    the index holds no embedding or LM head (a multi-token-prediction module's layers)."""
     _check_num_layers(index, c, config_path)
     expected: dict[str, tuple[tuple[Dim, ...], tuple[str, ...]]] = {}
     optional: set[str] = set()
     for name, dims in expected_shapes(c).items():
+        if not vocab and name in ("model.embed_tokens.weight", "lm_head.weight"):
+            continue
         module = name.removesuffix(".weight")
         linear = name.endswith(".weight") and len(dims) == 2
         if mxfp4 and ".mlp.experts." in name and name.endswith(".weight") and len(dims) == 3:

@@ -93,3 +93,71 @@ def make_checkpoint(out_dir: str | Path, architecture: str = "LlamaForCausalLM",
     if with_tokenizer:
         build_tokenizer(min(config.vocab_size, 320)).save(str(out_dir / "tokenizer.json"))
     return out_dir
+
+
+def add_mtp_modules(model_dir: str | Path, count: int = 1, seed: int = 0) -> Path:
+    """Gives a DeepSeek-V3 or GLM-4.5 checkpoint that make_checkpoint wrote `count` random
+    multi-token-prediction modules (transformers' MtpModel, its norms perturbed), stored as the
+    released checkpoints store them: model.layers.<N + d>.{enorm, hnorm, eh_proj,
+    shared_head.norm} and the module's decoder layer, experts one by one, in a second shard
+    (the checkpoint's model.safetensors becomes the first, under an index); config.json's
+    num_nextn_predict_layers becomes `count`."""
+    import json
+    import re
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_layers import MtpModel
+
+    model_dir = Path(model_dir)
+    config_path = model_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    config["num_nextn_predict_layers"] = count
+    config_path.write_text(json.dumps(config, indent=2))
+    main = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(seed)
+    mtp = MtpModel(main, count)
+    # Every module tensor drawn here: MtpModel leaves some (the experts, the router) as they
+    # were allocated, which from_pretrained would fill but a model built directly does not.
+    with torch.no_grad():
+        for name, t in [*mtp.named_parameters(), *mtp.named_buffers()]:
+            if not name.startswith("layers."):  # the target's embedding and LM head
+                continue
+            if "norm" in name:
+                t.fill_(1.0)
+            elif name.endswith("e_score_correction_bias"):
+                t.zero_()
+            else:
+                t.normal_(0.0, main.config.initializer_range)
+    perturb_norms_and_biases(mtp)
+    first = main.config.num_hidden_layers
+    tensors = {}
+    for name, t in mtp.state_dict().items():
+        m = re.fullmatch(r"layers\.(\d+)\.(.*)", name)
+        if m is None:  # the target's embedding and LM head
+            continue
+        prefix, rest = f"model.layers.{first + int(m.group(1))}.", m.group(2)
+        rest = rest.removeprefix("mtp_block.")
+        if rest.startswith("post_norm."):
+            rest = "shared_head.norm." + rest.removeprefix("post_norm.")
+        if rest == "mlp.experts.gate_up_proj":  # [experts, gate rows + up rows, hidden]
+            for e, fused in enumerate(t):
+                gate, up = fused.chunk(2)
+                tensors[f"{prefix}mlp.experts.{e}.gate_proj.weight"] = gate.contiguous()
+                tensors[f"{prefix}mlp.experts.{e}.up_proj.weight"] = up.contiguous()
+        elif rest == "mlp.experts.down_proj":
+            for e, down in enumerate(t):
+                tensors[f"{prefix}mlp.experts.{e}.down_proj.weight"] = down.contiguous()
+        else:
+            tensors[prefix + rest] = t.contiguous()
+    # Two shards under an index (transformers reads a lone model.safetensors without one).
+    main_file, mtp_file = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    (model_dir / "model.safetensors").rename(model_dir / main_file)
+    save_file(tensors, model_dir / mtp_file, metadata={"format": "pt"})
+    with safe_open(str(model_dir / main_file), framework="pt") as f:
+        weight_map = {name: main_file for name in f.keys()}
+    weight_map.update({name: mtp_file for name in tensors})
+    (model_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    return model_dir

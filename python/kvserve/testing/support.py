@@ -17,8 +17,9 @@ sentence). What "ok" means, per feature:
 - lora: a peft adapter on the attention and dense MLP projections that transformers' model has as
   `nn.Linear` (attention's only when those are refused), served per request: its greedy tokens
   equal transformers' with peft's merged weights.
-- speculative: n-gram lookup and a draft model (the checkpoint drafting for itself): greedy
-  tokens equal plain decoding's.
+- speculative: n-gram lookup, a draft model (the checkpoint drafting for itself) and, for the
+  architectures whose checkpoints carry multi-token-prediction modules, those (random modules
+  written into a copy): greedy tokens equal plain decoding's.
 - prefix_caching: a repeated prompt reuses cached blocks and gives the same tokens.
 - cuda_graphs: whether the engine's resolved config keeps decode graphs for the model (the rule
   the engine applies; replay itself needs a GPU: tests/e2e/test_cuda_engine.py).
@@ -174,12 +175,27 @@ def _lora(path: Path, work: Path, plain: list[int]) -> dict[str, str]:
 
 
 def _speculative(path: Path, work: Path, plain: list[int]) -> dict[str, str]:
+    import json
+    import shutil
+
+    from kvserve.loader.mtp_weights import MTP_ARCHITECTURES
+    from kvserve.testing.checkpoints import add_mtp_modules
+
     cell = {}
-    for name, options in (("n-gram", dict(speculative_method="ngram", num_speculative_tokens=3)),
-                          ("draft model", dict(speculative_model=path,
-                                               num_speculative_tokens=3))):
+    trials = [("n-gram", path, dict(speculative_method="ngram", num_speculative_tokens=3)),
+              ("draft model", path, dict(speculative_model=path, num_speculative_tokens=3))]
+    architecture = json.loads((path / "config.json").read_text())["architectures"][0]
+    if architecture in MTP_ARCHITECTURES:  # the checkpoint with MTP modules written in
+        with_modules = work / "mtp"
+        shutil.copytree(path, with_modules, dirs_exist_ok=True)
+        add_mtp_modules(with_modules, count=1)
+        trials.append(("MTP", with_modules, dict(speculative_method="mtp",
+                                                 num_speculative_tokens=3)))
+    else:
+        cell["MTP"] = NOT_APPLICABLE
+    for name, checkpoint, options in trials:
         try:
-            tokens = greedy(path, **options)
+            tokens = greedy(checkpoint, **options)
         except (ValueError, RuntimeError) as e:
             cell[name] = refusal(e)
             continue
