@@ -11,6 +11,7 @@
 #include "kvserve/paged_kv_cache.h"
 #include "layers/weights.h"
 #include "models/model_factory.h"
+#include "models/eagle3_head.h"
 #include "models/mtp_head.h"
 
 namespace py = pybind11;
@@ -133,6 +134,11 @@ void bind_causal_lm(py::module_& m) {
           "The same over a PagedKVCache (slots and block tables index its blocks).")
       .def("compute_logits", &CausalLM::compute_logits, py::arg("hidden"),
            py::call_guard<py::gil_scoped_release>())
+      .def("capture_hidden_states", &CausalLM::capture_hidden_states, py::arg("layers"),
+           "From the next forward on, keep the residual stream entering each of `layers` "
+           "(an EAGLE-3 head reads them); [] keeps none.")
+      .def("captured_hidden_states", &CausalLM::captured_hidden_states,
+           "The last forward's kept streams side by side, [T, layers * hidden], or None.")
       .def(
           "__call__",
           [](CausalLM& model, const at::Tensor& input_ids,
@@ -162,10 +168,30 @@ void bind_causal_lm(py::module_& m) {
            "Room for `slots` adapters of rank up to `rank` in every LoRA target (before serving).")
       .def_property_readonly("num_lora_slots", &CausalLM::num_lora_slots);
 
-  py::class_<MtpHead, CausalLM, std::shared_ptr<MtpHead>>(
+  py::class_<DraftHead, CausalLM, std::shared_ptr<DraftHead>>(
+      m, "DraftHead", "A speculative head that drafts from the target's hidden states.")
+      .def_property_readonly("num_depths", &DraftHead::num_depths)
+      .def("target_states", &DraftHead::target_states, py::arg("hidden"),
+           py::call_guard<py::gil_scoped_release>(),
+           "What depth 0 reads of the target's last forward, from its final hidden states.")
+      .def(
+          "forward_depth",
+          [](DraftHead& head, int64_t depth, const at::Tensor& input_ids,
+             const at::Tensor& previous, const at::Tensor& positions,
+             const AttentionMetadata& metadata, const PagedKVCache& cache) {
+            DraftHead::Output out = head.forward_depth(depth, input_ids, previous, positions,
+                                                       metadata, cache.layers());
+            return std::make_tuple(out.for_logits, out.for_next);
+          },
+          py::arg("depth"), py::arg("input_ids"), py::arg("previous"), py::arg("positions"),
+          py::arg("metadata"), py::arg("kv_cache"), py::call_guard<py::gil_scoped_release>(),
+          "Depth `depth` over rows of a flattened batch: (the rows its logits come from, what "
+          "the next depth reads).");
+
+  py::class_<MtpHead, DraftHead, std::shared_ptr<MtpHead>>(
       m, "MtpHead",
       "A checkpoint's multi-token-prediction modules (speculative_method=\"mtp\"; "
-      "kvserve.mtp loads them).")
+      "kvserve.loader.mtp_weights loads them).")
       .def(py::init([](const ModelConfig& config, std::shared_ptr<CausalLM> target,
                        const std::vector<std::shared_ptr<CausalLM>>& blocks,
                        std::unordered_map<std::string, at::Tensor> weights) {
@@ -182,19 +208,23 @@ void bind_causal_lm(py::module_& m) {
            py::arg("config"), py::arg("target"), py::arg("blocks"), py::arg("weights"),
            "config: the target's with one layer per module; blocks: each module's decoder layer "
            "(a one-layer CausalLM whose final norm is the module's); weights: "
-           "layers.<d>.enorm.weight, .hnorm.weight and .eh_proj.weight (or quantized).")
-      .def_property_readonly("num_depths", &MtpHead::num_depths)
-      .def(
-          "forward_depth",
-          [](MtpHead& head, int64_t depth, const at::Tensor& input_ids,
-             const at::Tensor& previous, const at::Tensor& positions,
-             const AttentionMetadata& metadata, const PagedKVCache& cache) {
-            return head.forward_depth(depth, input_ids, previous, positions, metadata,
-                                      cache.layers());
-          },
-          py::arg("depth"), py::arg("input_ids"), py::arg("previous"), py::arg("positions"),
-          py::arg("metadata"), py::arg("kv_cache"), py::call_guard<py::gil_scoped_release>(),
-          "Module `depth` over rows of a flattened batch: normed outputs [rows, hidden].");
+           "layers.<d>.enorm.weight, .hnorm.weight and .eh_proj.weight (or quantized).");
+
+  py::class_<Eagle3Head, DraftHead, std::shared_ptr<Eagle3Head>>(
+      m, "Eagle3Head",
+      "An EAGLE-3 head (speculative_method=\"eagle3\"; kvserve.loader.eagle3_weights loads it).")
+      .def(py::init([](const ModelConfig& config, std::shared_ptr<CausalLM> target,
+                       std::unordered_map<std::string, at::Tensor> weights, int64_t max_positions,
+                       bool norm_before_residual) {
+             return std::make_shared<Eagle3Head>(
+                 config, std::move(target), WeightMap(std::move(weights), config.quantization),
+                 max_positions, norm_before_residual);
+           }),
+           py::arg("config"), py::arg("target"), py::arg("weights"), py::arg("max_positions"),
+           py::arg("norm_before_residual") = false,
+           "config: the head's decoder layer as a one-layer Llama (the target's vocab_size); "
+           "target: its captured streams (capture_hidden_states) feed the head; weights: "
+           "loader names (fc, layers.0.*, norm, lm_head, d2t, optionally embed_tokens).");
 
   m.def("model_families", &model_families);
   m.def("create_causal_lm", &create_causal_lm, py::arg("config"), py::arg("weights"),

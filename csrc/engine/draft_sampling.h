@@ -1,5 +1,5 @@
 #pragma once
-// What the proposers that draft from a model's logits (DraftModelProposer, MtpProposer) share:
+// What the proposers that draft from a model's logits (DraftModelProposer, HeadProposer) share:
 // keeping their own KV pool in step with the target's blocks, and sampling drafts one position
 // at a time while keeping the distributions each was drawn from for Proposals::probs.
 

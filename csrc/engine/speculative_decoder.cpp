@@ -13,8 +13,9 @@
 #include "kernels/sampling/rejection_sampling.h"
 #include "kvserve/causal_lm.h"
 #include "kvserve/draft_model_proposer.h"
-#include "kvserve/mtp_proposer.h"
+#include "kvserve/head_proposer.h"
 #include "kvserve/ngram_proposer.h"
+#include "models/eagle3_head.h"
 #include "models/mtp_head.h"
 
 namespace kvserve {
@@ -103,7 +104,20 @@ const std::vector<ProposerEntry>& proposer_registry() {
                  "method \"mtp\" drafts with the target checkpoint's multi-token-prediction "
                  "modules (an MtpHead), not with a draft model");
          require(head->device() == c.target.device(), "the MTP modules are on another device");
-         return std::make_unique<MtpProposer>(std::move(head), c.num_blocks, c.block_size);
+         return std::make_unique<HeadProposer>(std::move(head), c.num_blocks, c.block_size);
+       }},
+      {"eagle3", true,
+       [](const ProposerContext& c) -> std::unique_ptr<Proposer> {
+         auto head = std::dynamic_pointer_cast<Eagle3Head>(c.draft);
+         require(head != nullptr,
+                 "method \"eagle3\" drafts with an EAGLE-3 head (an Eagle3Head), not with a "
+                 "draft model");
+         require(head->device() == c.target.device(), "the EAGLE-3 head is on another device");
+         require(head->config().max_position_embeddings >= c.max_model_len,
+                 "the EAGLE-3 head handles " +
+                     std::to_string(head->config().max_position_embeddings) +
+                     " positions, fewer than max_model_len " + std::to_string(c.max_model_len));
+         return std::make_unique<HeadProposer>(std::move(head), c.num_blocks, c.block_size);
        }},
   };
   return entries;

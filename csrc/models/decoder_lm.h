@@ -7,6 +7,7 @@
 // ceil(vocab / ranks) rows (the last rank's padded with zeros), looks up the ids it holds and
 // sums the ranks' rows, and its logits are gathered from every rank's columns.
 
+#include <ATen/ops/cat.h>
 #include <ATen/ops/embedding.h>
 #include <ATen/ops/scalar_tensor.h>
 
@@ -61,6 +62,18 @@ class DecoderLM : public CausalLM {
     }
     return hidden;
   }
+  void capture_hidden_states(const std::vector<int64_t>& layers) override {
+    for (int64_t layer : layers) {
+      if (layer < 0 || layer > config_.num_layers) {
+        throw std::invalid_argument("capture_hidden_states: layer " + std::to_string(layer) +
+                                    " is outside [0, " + std::to_string(config_.num_layers) +
+                                    "]");
+      }
+    }
+    capture_layers_ = layers;
+    captured_ = at::Tensor();
+  }
+  at::Tensor captured_hidden_states() const override { return captured_; }
   const ModelConfig& config() const override { return config_; }
   at::ScalarType dtype() const override { return dtype_; }
   at::Device device() const override { return device_; }
@@ -250,14 +263,23 @@ class DecoderLM : public CausalLM {
     TORCH_CHECK(hidden.scalar_type() == dtype_ && hidden.device() == device_,
                 "forward: inputs must be ", dtype_, " on ", device_);
     if (layers_.empty()) return norm_.forward(hidden);
+    // The residual streams capture_hidden_states asked for, copied as they pass.
+    std::vector<at::Tensor> kept(capture_layers_.size());
+    const auto keep = [&](int64_t layer, const at::Tensor& stream) {
+      for (size_t k = 0; k < capture_layers_.size(); ++k) {
+        if (capture_layers_[k] == layer) kept[k] = stream.clone();
+      }
+    };
     at::Tensor residual;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       if (i == 0) {
         residual = hidden;
+        if (!kept.empty()) keep(0, residual);
         if (layer.input_norm.defined()) hidden = layer.input_norm.forward(residual);
       } else {
         add_then_norm(layer.input_norm, hidden, residual);
+        if (!kept.empty()) keep(static_cast<int64_t>(i), residual);
       }
       at::Tensor mixed;  // the mixer's output, the attention's, or (FalconH1) their sum
       if (layer.mixer) mixed = layer.mixer->forward(hidden, metadata, kv_caches[state_index_[i]]);
@@ -281,6 +303,10 @@ class DecoderLM : public CausalLM {
       scale_residual(hidden);
     }
     norm_.forward_fused(hidden, residual);
+    if (!kept.empty()) {
+      keep(static_cast<int64_t>(layers_.size()), residual);
+      captured_ = at::cat(kept, 1);
+    }
     return hidden;
   }
 
@@ -349,6 +375,8 @@ class DecoderLM : public CausalLM {
   std::vector<Layer> layers_;
   std::vector<int64_t> cache_index_;  // per layer: which of the forward's kv_caches it attends over
   std::vector<int64_t> state_index_;  // per layer: which holds its mixer's state (if it has one)
+  std::vector<int64_t> capture_layers_;  // the streams a forward keeps (capture_hidden_states)
+  mutable at::Tensor captured_;          // the last forward's
   Norm norm_;
   Linear lm_head_;
 };

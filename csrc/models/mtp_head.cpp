@@ -8,8 +8,7 @@
 namespace kvserve {
 
 MtpHead::MtpHead(ModelConfig config, std::shared_ptr<CausalLM> target, std::vector<Depth> depths)
-    : config_(std::move(config)), target_(std::move(target)), depths_(std::move(depths)) {
-  if (!target_) throw std::invalid_argument("MtpHead: no target model");
+    : DraftHead(std::move(target)), config_(std::move(config)), depths_(std::move(depths)) {
   if (depths_.empty()) throw std::invalid_argument("MtpHead: no module");
   if (config_.num_layers != num_depths()) {
     throw std::invalid_argument("MtpHead: the config has " + std::to_string(config_.num_layers) +
@@ -34,10 +33,10 @@ MtpHead::MtpHead(ModelConfig config, std::shared_ptr<CausalLM> target, std::vect
   }
 }
 
-at::Tensor MtpHead::forward_depth(int64_t depth, const at::Tensor& input_ids,
-                                  const at::Tensor& previous, const at::Tensor& positions,
-                                  const AttentionMetadata& metadata,
-                                  const std::vector<LayerKVCache>& kv_caches) {
+DraftHead::Output MtpHead::forward_depth(int64_t depth, const at::Tensor& input_ids,
+                                         const at::Tensor& previous, const at::Tensor& positions,
+                                         const AttentionMetadata& metadata,
+                                         const std::vector<LayerKVCache>& kv_caches) {
   TORCH_CHECK(depth >= 0 && depth < num_depths(), "MtpHead: no module ", depth);
   TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == num_depths(), "MtpHead: got ",
               kv_caches.size(), " caches for ", num_depths(), " modules");
@@ -46,14 +45,9 @@ at::Tensor MtpHead::forward_depth(int64_t depth, const at::Tensor& input_ids,
   const Depth& m = depths_[depth];
   const at::Tensor embedded = target_->embed_inputs(input_ids);
   const at::Tensor joined = at::cat({m.enorm.forward(embedded), m.hnorm.forward(previous)}, 1);
-  return m.block->forward_embeds(m.eh_proj.forward(joined), positions, metadata,
-                                 {kv_caches[depth]});
-}
-
-at::Tensor MtpHead::forward(const at::Tensor&, const at::Tensor&, const AttentionMetadata&,
-                            const std::vector<LayerKVCache>&) {
-  throw std::invalid_argument(
-      "an MTP head reads the target's hidden states: it runs through forward_depth");
+  at::Tensor out = m.block->forward_embeds(m.eh_proj.forward(joined), positions, metadata,
+                                          {kv_caches[depth]});
+  return {out, out};
 }
 
 at::Tensor MtpHead::compute_logits(const at::Tensor& hidden) {

@@ -12,13 +12,13 @@
 #include <memory>
 #include <vector>
 
-#include "kvserve/causal_lm.h"
 #include "layers/linear.h"
 #include "layers/norm.h"
+#include "models/draft_head.h"
 
 namespace kvserve {
 
-class MtpHead : public CausalLM {
+class MtpHead : public DraftHead {
  public:
   /// One module.
   struct Depth {
@@ -34,31 +34,25 @@ class MtpHead : public CausalLM {
   /// a module whose shapes or device do not fit the target.
   MtpHead(ModelConfig config, std::shared_ptr<CausalLM> target, std::vector<Depth> depths);
 
-  int64_t num_depths() const { return static_cast<int64_t>(depths_.size()); }
+  int64_t num_depths() const override { return static_cast<int64_t>(depths_.size()); }
 
-  /// Module `depth` over rows: input_ids [R] (the token each row reads), previous [R, hidden]
-  /// (the target's hidden states for depth 0, the previous module's outputs after), positions
-  /// [R], writing its K/V to kv_caches[depth] at metadata.slot_mapping. Returns the normed
-  /// outputs [R, hidden]: compute_logits() gives their logits, and the next module reads them.
-  at::Tensor forward_depth(int64_t depth, const at::Tensor& input_ids, const at::Tensor& previous,
-                           const at::Tensor& positions, const AttentionMetadata& metadata,
-                           const std::vector<LayerKVCache>& kv_caches);
+  /// The target's final-norm hidden states, as they are.
+  at::Tensor target_states(const at::Tensor& hidden) override { return hidden; }
 
-  /// Not available: a module needs the target's hidden states (forward_depth). Throws.
-  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions,
-                     const AttentionMetadata& metadata,
-                     const std::vector<LayerKVCache>& kv_caches) override;
+  /// Module `depth`: its normed outputs [R, hidden], which give its logits and which the next
+  /// module reads (as transformers' MtpModel chains them).
+  Output forward_depth(int64_t depth, const at::Tensor& input_ids, const at::Tensor& previous,
+                       const at::Tensor& positions, const AttentionMetadata& metadata,
+                       const std::vector<LayerKVCache>& kv_caches) override;
+
   /// The target's LM head.
   at::Tensor compute_logits(const at::Tensor& hidden) override;
   const ModelConfig& config() const override { return config_; }
-  at::ScalarType dtype() const override { return target_->dtype(); }
-  at::Device device() const override { return target_->device(); }
   /// The modules' own weights (the shared embedding and LM head are the target's).
   int64_t weight_bytes() const override;
 
  private:
   ModelConfig config_;
-  std::shared_ptr<CausalLM> target_;
   std::vector<Depth> depths_;
 };
 

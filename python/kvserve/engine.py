@@ -34,6 +34,7 @@ from kvserve.loader import load_weights
 from kvserve.lora_serving import LoRAManager, LoRARequest
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.loader.eagle3_weights import eagle3_config, eagle3_head, load_eagle3_weights
 from kvserve.loader.mtp_weights import load_mtp_weights, mtp_configs, mtp_head
 from kvserve.speculative import load_draft_info
 from kvserve.tensor_parallel import TensorParallelRanks, load_rank_model
@@ -149,8 +150,9 @@ class LLMEngine:
         self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         self.eos_token_ids = info.eos_token_ids
         self.tokenizer = Tokenizer.from_model_dir(args.model)
+        eagle3 = args.speculative_method == "eagle3"
         draft_info = (load_draft_info(args.speculative_model, info.config, self.tokenizer)
-                      if args.speculative_model is not None else None)
+                      if args.speculative_model is not None and not eagle3 else None)
         if draft_info is not None:
             set_quantized_activation(draft_info.config, args.quantized_activation, device)
         self.draft_config = draft_info.config if draft_info is not None else None
@@ -160,6 +162,11 @@ class LLMEngine:
                 raise ValueError('speculative_method="mtp" with tensor_parallel_size > 1 is not '
                                  "supported yet")
             self.draft_config = mtp_configs(self.model_dir, info.hf_config, info.config)[1]
+        if eagle3 and args.speculative_model is not None:  # an EAGLE-3 head on the target
+            if args.tensor_parallel_size > 1:
+                raise ValueError('speculative_method="eagle3" with tensor_parallel_size > 1 is '
+                                 "not supported yet")
+            self.draft_config = eagle3_config(args.speculative_model, info.config)[0]
         # Every option checked (C++) before the weights load.
         config = args.engine_config(info.config, self.dtype, self.kv_cache_dtype,
                                     info.eos_token_ids, self.draft_config)
@@ -204,6 +211,10 @@ class LLMEngine:
             self.draft_model = _C.create_causal_lm(draft_info.config, weights,
                                                    self.max_model_len)
             del weights
+        if eagle3 and args.speculative_model is not None:
+            self.draft_model = eagle3_head(
+                load_eagle3_weights(args.speculative_model, info.config, self.dtype, device),
+                self.model, self.max_model_len)
         if mtp:
             self.draft_model = mtp_head(
                 load_mtp_weights(self.model_dir, info.hf_config, info.config, self.dtype, device),
@@ -326,7 +337,8 @@ class LLMEngine:
             c = self.draft_config
             draft_kv = (kv.num_blocks * _C.PagedKVCache.bytes_per_block(
                 _C.KVCacheLayout.for_model(c), kv.block_size, self.dtype))
-            what = ("MTP modules" if spec.method == "mtp" else "draft model")
+            what = {"mtp": "MTP modules", "eagle3": "EAGLE-3 head"}.get(spec.method,
+                                                                        "draft model")
             plan += (f"; {what} {self.draft_model.weight_bytes / 2**20:.1f} MiB + KV "
                      f"{draft_kv / 2**20:.1f} MiB, {spec.num_speculative_tokens} tokens per step")
         elif spec.enabled:

@@ -88,8 +88,9 @@ class EngineArgs:
     speculative_model: str | Path | None = option(
         None, "speculative decoding with this draft checkpoint (the target's tokenizer)")
     speculative_method: str | None = option(
-        None, "ngram (prompt lookup), draft_model (implied by --speculative-model) or mtp (the "
-              "checkpoint's multi-token-prediction modules: DeepSeek-V3, GLM-4.5)",
+        None, "ngram (prompt lookup), draft_model (implied by --speculative-model), mtp (the "
+              "checkpoint's multi-token-prediction modules: DeepSeek-V3, GLM-4.5) or eagle3 "
+              "(an EAGLE-3 head in --speculative-model)",
         choices=tuple(SPECULATIVE_METHODS), aliases=("--ngram",))
     num_speculative_tokens: int | None = option(
         None, "draft tokens per step at most (default 2)")
@@ -178,7 +179,10 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching, eos_token_ids=eos_token_ids,
             max_logprobs=self.max_logprobs, speculative=self.speculative_config(),
             kv_cache_dtype=kv_cache_dtype,
-            cuda_graph_max_batch=0 if self.enforce_eager or not on_gpu else CUDA_GRAPH_MAX_BATCH,
+            # An EAGLE-3 head reads streams the target keeps in eager forwards only.
+            cuda_graph_max_batch=(0 if self.enforce_eager or not on_gpu
+                                  or self.speculative_method == "eagle3"
+                                  else CUDA_GRAPH_MAX_BATCH),
             max_stop_strings=self.max_stop_strings,
             max_stop_string_length=self.max_stop_string_length,
             max_waiting_requests=self.max_waiting_requests,

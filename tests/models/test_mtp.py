@@ -140,8 +140,10 @@ def test_modules_equal_transformers_mtp_model(tmp_path, checkpoint, reference, a
         rows = n - 1 - d
 
         def module(batch, rows_in, cache, d=d):
-            return head.forward_depth(d, batch.input_ids, rows_in, batch.positions,
-                                      batch.metadata, cache)
+            for_logits, for_next = head.forward_depth(d, batch.input_ids, rows_in,
+                                                      batch.positions, batch.metadata, cache)
+            assert for_next is for_logits or torch.equal(for_next, for_logits)  # MTP chains normed
+            return for_logits
 
         # Module d's row j reads token j + d + 1 and sits at position j.
         sizes = [rows] if chunks is None else [*chunks[:-1], rows - sum(chunks[:-1])]
@@ -154,16 +156,13 @@ def test_modules_equal_transformers_mtp_model(tmp_path, checkpoint, reference, a
         previous = got
 
 
-def test_every_step_accepts_the_drafts_transformers_proposes(checkpoint, reference):
-    """One greedy request, two drafts a step (one per module): the drafts accepted in each step
-    are those transformers' modules propose after the tokens so far, matched against the output."""
-    plain = LLM(checkpoint, dtype="float32", log_memory_plan=False)
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    output = plain.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
-    final = PROMPT + output
-    e = fp32_engine(checkpoint, speculative_method="mtp", num_speculative_tokens=2, **UNLIMITED)
-    e.add_request("0", PROMPT, params)
-    tokens, steps, predicted_total = list(PROMPT), 0, 0
+def check_every_step(e, prompt: list[int], params: SamplingParams, final: list[int],
+                     propose) -> tuple[int, int]:
+    """Steps engine `e` through one greedy request; in every step that drafts, the number of
+    drafts it accepted must be where propose(tokens so far, drafts) first differs from the
+    output `final`. Returns (steps that drafted, drafts accepted)."""
+    e.add_request("0", prompt, params)
+    tokens, steps, accepted_total = list(prompt), 0, 0
     while e.has_unfinished_requests():
         before = e.get_stats()
         (out,) = e.step()
@@ -171,27 +170,40 @@ def test_every_step_accepts_the_drafts_transformers_proposes(checkpoint, referen
         drafts = after.num_draft_tokens - before.num_draft_tokens
         accepted = after.num_accepted_tokens - before.num_accepted_tokens
         if drafts:
-            proposed = reference_drafts(reference, tokens)[:drafts]
+            proposed = propose(tokens, drafts)
             rest = final[len(tokens):]
             predicted = next((i for i, (a, b) in enumerate(zip(proposed, rest)) if a != b),
                              len(proposed))
             assert accepted == predicted, (steps, proposed, rest[:drafts])
-            predicted_total += predicted
+            accepted_total += accepted
             steps += 1
-        tokens = PROMPT + list(out.outputs[0].token_ids)
+        tokens = prompt + list(out.outputs[0].token_ids)
     assert tokens == final
-    assert steps > 5 and predicted_total > 0  # the check saw drafts accepted
+    return steps, accepted_total
 
 
-def mixed_requests(count: int = 24, seed: int = 0):
+def test_every_step_accepts_the_drafts_transformers_proposes(checkpoint, reference):
+    """One greedy request, two drafts a step (one per module): the drafts accepted in each step
+    are those transformers' modules propose after the tokens so far, matched against the output."""
+    plain = LLM(checkpoint, dtype="float32", log_memory_plan=False)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    output = plain.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
+    e = fp32_engine(checkpoint, speculative_method="mtp", num_speculative_tokens=2, **UNLIMITED)
+    steps, accepted = check_every_step(
+        e, PROMPT, params, PROMPT + output,
+        lambda tokens, k: reference_drafts(reference, tokens)[:k])
+    assert steps > 5 and accepted > 0  # the check saw drafts accepted
+
+
+def mixed_requests(count: int = 24, seed: int = 0, vocab: int = 48):
     """(prompt ids, max_tokens, arrival step): half share a 3-block prefix."""
     import random
 
     rng = random.Random(seed)
-    shared = [1] + [rng.randrange(3, 48) for _ in range(11)]
+    shared = [1] + [rng.randrange(3, vocab) for _ in range(11)]
     requests = []
     for i in range(count):
-        tail = [rng.randrange(3, 48) for _ in range(rng.randrange(1, 12))]
+        tail = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 12))]
         requests.append(((shared if i % 2 else [1]) + tail, rng.randrange(8, 40),
                          rng.randrange(0, 8)))
     return requests

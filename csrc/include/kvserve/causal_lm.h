@@ -48,6 +48,17 @@ class CausalLM {
     throw std::invalid_argument("this model has no token embedding to share");
   }
 
+  /// From the next forward on, keeps the residual stream entering each of `layers` (0: the
+  /// embeddings; num_layers: the stream after the last layer, before the final norm), what an
+  /// EAGLE-3 head reads of the target. Empty: nothing is kept (the default, and free). Throws
+  /// std::invalid_argument for a layer outside [0, num_layers] or a model that cannot.
+  virtual void capture_hidden_states(const std::vector<int64_t>& layers) {
+    throw std::invalid_argument("this model cannot keep its hidden states");
+  }
+  /// The last forward's kept streams side by side: [T, layers * hidden_size] in the model
+  /// dtype; undefined when none are kept.
+  virtual at::Tensor captured_hidden_states() const { return at::Tensor(); }
+
   /// forward() from first-layer inputs [T, hidden_size] given in place of embed_inputs(ids): a
   /// multi-token-prediction block's input, its projection of an embedding and a hidden state.
   virtual at::Tensor forward_embeds(const at::Tensor& inputs, const at::Tensor& positions,

@@ -161,3 +161,69 @@ def add_mtp_modules(model_dir: str | Path, count: int = 1, seed: int = 0) -> Pat
     (model_dir / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
     return model_dir
+
+
+def make_eagle3_head(out_dir: str | Path, target_dir: str | Path, draft_vocab_size: int,
+                     aux_layers: list[int] | None = None, seed: int = 0, **overrides) -> Path:
+    """Writes a random EAGLE-3 head for the Llama-family checkpoint at `target_dir`, in the
+    published heads' layout (kvserve.loader.eagle3_weights): its config.json (the target's
+    shapes unless `overrides` says otherwise; aux_layers as eagle_aux_hidden_state_layer_ids,
+    None: the default) and model.safetensors with fc, midlayer.*, norm, lm_head over
+    `draft_vocab_size` tokens, d2t (every other target id from 3 on, after ids 0-2) and t2d."""
+    import json
+
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    config = {k: target[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                     "num_key_value_heads", "max_position_embeddings",
+                                     "rms_norm_eps", "rope_theta", "vocab_size")
+              if k in target}
+    config.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama",
+                  num_hidden_layers=1, draft_vocab_size=draft_vocab_size, hidden_act="silu",
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, **overrides)
+    if aux_layers is not None:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_layers}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    g = torch.Generator().manual_seed(seed)
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = hidden // heads
+    streams = len(aux_layers) if aux_layers is not None else 3
+
+    def rand(*shape, std=0.15):
+        return torch.randn(*shape, generator=g) * std
+
+    def norm(n):
+        return 1.0 + rand(n, std=0.2)
+
+    tensors = {
+        "fc.weight": rand(hidden, streams * target["hidden_size"], std=0.08),
+        "midlayer.input_layernorm.weight": norm(hidden),
+        "midlayer.hidden_norm.weight": norm(hidden),
+        "midlayer.post_attention_layernorm.weight": norm(hidden),
+        "midlayer.self_attn.q_proj.weight": rand(heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+        "midlayer.mlp.gate_proj.weight": rand(inter, hidden),
+        "midlayer.mlp.up_proj.weight": rand(inter, hidden),
+        "midlayer.mlp.down_proj.weight": rand(hidden, inter),
+        "norm.weight": norm(hidden),
+        "lm_head.weight": rand(draft_vocab_size, hidden),
+    }
+    # The draft vocabulary: ids 0-2 (specials), then the odd ids from 3 on, then the even ones.
+    vocab = config["vocab_size"]
+    order = [0, 1, 2] + list(range(3, vocab, 2)) + list(range(4, vocab, 2))
+    if not 0 < draft_vocab_size <= vocab:
+        raise ValueError(f"a draft vocabulary of {draft_vocab_size} does not fit in {vocab} ids")
+    target_ids = torch.tensor(sorted(order[:draft_vocab_size]))
+    tensors["d2t"] = target_ids - torch.arange(draft_vocab_size)
+    t2d = torch.zeros(config["vocab_size"], dtype=torch.bool)
+    t2d[target_ids] = True
+    tensors["t2d"] = t2d
+    save_file({k: v.contiguous() for k, v in tensors.items()}, out_dir / "model.safetensors",
+              metadata={"format": "pt"})
+    return out_dir

@@ -1,6 +1,6 @@
-// MtpProposer: per step, one forward per module over every scheduled sequence's rows that are
-// due (the catch-up, which also drafts one token per module), then one per further draft.
-#include "kvserve/mtp_proposer.h"
+// HeadProposer: per step, one forward per depth over every scheduled sequence's rows that are
+// due (the catch-up, which also drafts one token per depth), then one per further draft.
+#include "kvserve/head_proposer.h"
 
 #include <ATen/ops/cat.h>
 
@@ -9,7 +9,7 @@
 #include "engine/draft_sampling.h"
 #include "engine/engine_helpers.h"
 #include "kvserve/forward_batch.h"
-#include "models/mtp_head.h"
+#include "models/draft_head.h"
 
 namespace kvserve {
 
@@ -18,7 +18,7 @@ using engine_helpers::to_tensor;
 
 namespace {
 
-// One scheduled sequence's module rows in this step: positions [start, stop) of module 0.
+// One scheduled sequence's rows in this step: positions [start, stop) of depth 0.
 struct Run {
   size_t entry;      // index into work.scheduled
   int64_t start = 0;
@@ -30,10 +30,10 @@ struct Run {
 
 }  // namespace
 
-MtpProposer::MtpProposer(std::shared_ptr<MtpHead> head, int64_t num_blocks, int64_t block_size)
+HeadProposer::HeadProposer(std::shared_ptr<DraftHead> head, int64_t num_blocks, int64_t block_size)
     : head_(std::move(head)), kv_cache_(make_kv_cache(*head_, num_blocks, block_size)) {}
 
-Proposals MtpProposer::propose(const ProposalContext& context) {
+Proposals HeadProposer::propose(const ProposalContext& context) {
   const SchedulerOutput& work = context.work;
   Proposals out;
   out.tokens.resize(work.scheduled.size());
@@ -112,17 +112,18 @@ Proposals MtpProposer::propose(const ProposalContext& context) {
     }
     if (fed.empty()) break;
     const ForwardBatch batch = builder.build(device);
-    const at::Tensor hidden =
+    const DraftHead::Output out_d =
         head_->forward_depth(d, batch.input_ids, at::cat(previous, 0), batch.positions,
                              batch.metadata, kv_cache_.layers());
     int64_t row = 0;
     for (Run* r : fed) {
       const int64_t n = r->last + 1 - r->start;
-      r->previous = hidden.narrow(0, row, n);
+      r->previous = out_d.for_next.narrow(0, row, n);
       row += n;
     }
     if (!drafting.empty()) {
-      sample(head_->compute_logits(hidden.index_select(0, to_tensor(last_rows, device))),
+      sample(head_->compute_logits(
+                 out_d.for_logits.index_select(0, to_tensor(last_rows, device))),
              drafting);
     }
   }
@@ -145,11 +146,13 @@ Proposals MtpProposer::propose(const ProposalContext& context) {
       previous.push_back(r->previous.narrow(0, r->previous.size(0) - 1, 1));
     }
     const ForwardBatch batch = builder.build(device);
-    const at::Tensor hidden =
+    const DraftHead::Output out_d =
         head_->forward_depth(num_depths - 1, batch.input_ids, at::cat(previous, 0),
                              batch.positions, batch.metadata, kv_cache_.layers());
-    for (size_t a = 0; a < active.size(); ++a) active[a]->previous = hidden.narrow(0, a, 1);
-    sample(head_->compute_logits(hidden), active);
+    for (size_t a = 0; a < active.size(); ++a) {
+      active[a]->previous = out_d.for_next.narrow(0, static_cast<int64_t>(a), 1);
+    }
+    sample(head_->compute_logits(out_d.for_logits), active);
     std::vector<Run*> still;
     for (Run* r : active) {
       if (r->wanted > static_cast<int64_t>(out.tokens[r->entry].size())) still.push_back(r);
@@ -171,14 +174,16 @@ Proposals MtpProposer::propose(const ProposalContext& context) {
   return out;
 }
 
-void MtpProposer::observe(const SchedulerOutput& work, const std::vector<int64_t>& starts,
-                          const at::Tensor& hidden) {
+void HeadProposer::observe(const SchedulerOutput& work, const std::vector<int64_t>& starts,
+                           const at::Tensor& hidden) {
+  if (work.scheduled.empty()) return;
+  const at::Tensor states = head_->target_states(hidden);
   for (size_t i = 0; i < work.scheduled.size(); ++i) {
     const ScheduledSequence& s = work.scheduled[i];
     auto it = tracks_.find(s.seq_id);
     if (it == tracks_.end()) continue;  // propose() saw every scheduled sequence
     Track& track = it->second;
-    const at::Tensor rows = hidden.narrow(0, starts[i], starts[i + 1] - starts[i]);
+    const at::Tensor rows = states.narrow(0, starts[i], starts[i + 1] - starts[i]);
     const int64_t kept = track.hidden.defined() ? s.num_computed - track.first : -1;
     if (kept >= 0 && kept <= track.hidden.size(0)) {  // continues what it holds
       track.hidden = at::cat({track.hidden.narrow(0, 0, kept), rows}, 0);
