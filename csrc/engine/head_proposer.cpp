@@ -24,7 +24,7 @@ struct Run {
   int64_t start = 0;
   int64_t stop = 0;
   int64_t wanted = 0;   // drafts (0: it only catches up)
-  at::Tensor previous;  // [rows, hidden]: what the next module (or draft) reads
+  at::Tensor previous;  // [rows, width]: what the next depth (or draft) reads
   int64_t last = 0;     // position of the last row fed
 };
 
@@ -55,7 +55,7 @@ Proposals HeadProposer::propose(const ProposalContext& context) {
     if (stop <= track.first) continue;
     Run run{i, track.first, stop};
     run.previous = track.hidden.narrow(0, 0, stop - track.first);
-    // Drafts need the module rows up to the token the step feeds: a decoding sequence's.
+    // Drafts need the head's rows up to the token the step feeds: a decoding sequence's.
     const bool decoding = s.num_new_tokens == 1 && stop == s.num_computed &&
                           sequence.num_tokens() == s.num_computed + 1;
     if (context.rows[i] && s.samples && decoding) {
@@ -77,7 +77,7 @@ Proposals HeadProposer::propose(const ProposalContext& context) {
     }
   };
 
-  // Module d: each run's rows whose token (d + 1 positions on) is known, or drafted already.
+  // Depth d: each run's rows whose token (d + 1 positions on) is known, or drafted already.
   const at::Device device = head_->device();
   for (int64_t d = 0; d < num_depths && !runs.empty(); ++d) {
     ForwardBatchBuilder builder(kv_cache_.block_size());
@@ -128,7 +128,7 @@ Proposals HeadProposer::propose(const ProposalContext& context) {
     }
   }
 
-  // Further drafts: the last module reads its own output and draft, one position on.
+  // Further drafts: the last depth reads its own output and draft, one position on.
   std::vector<Run*> active;
   for (Run& r : runs) {
     if (r.wanted > static_cast<int64_t>(out.tokens[r.entry].size()) &&
@@ -160,7 +160,7 @@ Proposals HeadProposer::propose(const ProposalContext& context) {
     active = std::move(still);
   }
 
-  // Keep the hidden states of the rows some module must run again: those that read a draft.
+  // Keep the target states of the rows some depth must run again: those that read a draft.
   for (const Run& r : runs) {
     const ScheduledSequence& s = work.scheduled[r.entry];
     Track& track = tracks_.at(s.seq_id);
