@@ -15,7 +15,21 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "cpu_capability",
       [] { return kvserve::cpu::capability_name(kvserve::cpu::cpu_capability()); },
-      "Vector instruction set the CPU kernels use: default, avx2 or avx512.");
+      "Vector instruction set the CPU kernels use: default, avx2, avx2_vnni, avx512 or "
+      "avx512_vnni (a kernel without a variant for it runs the best one below).");
+  m.def(
+      "supported_cpu_capabilities",
+      [] {
+        std::vector<std::string> names;
+        for (int c = 0; c < kvserve::cpu::kNumCapabilities; ++c) {
+          const auto capability = static_cast<kvserve::cpu::Capability>(c);
+          if (kvserve::cpu::supports(capability)) {
+            names.emplace_back(kvserve::cpu::capability_name(capability));
+          }
+        }
+        return names;
+      },
+      "The CPU kernel variants this CPU runs (KVSERVE_CPU_CAPABILITY may name any of them).");
   m.def(
       "built_cpu_capabilities",
       [] {

@@ -2,39 +2,64 @@
 
 #include <ATen/cpu/Utils.h>
 
+#include <array>
 #include <cstdlib>
 #include <cstring>
 
 namespace kvserve::cpu {
 namespace {
 
-Capability detect() {
+// The same tests as cmake/host_cpu_capability.cpp, which picks the variants a build holds.
+bool detect(Capability capability) {
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
-    return Capability::kAvx512;
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  switch (capability) {
+    case Capability::kDefault: return true;
+    case Capability::kAvx2: return avx2;
+    case Capability::kAvx2Vnni: return avx2 && __builtin_cpu_supports("avxvnni");
+    case Capability::kAvx512: return avx512;
+    case Capability::kAvx512Vnni: return avx512 && __builtin_cpu_supports("avx512vnni");
   }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Capability::kAvx2;
+  return false;
+#else
+  return capability == Capability::kDefault;
 #endif
-  return Capability::kDefault;
 }
 
-Capability from_environment(Capability detected) {
-  const char* requested = std::getenv("KVSERVE_CPU_CAPABILITY");
-  if (requested == nullptr) return detected;
-  Capability wanted = detected;
-  if (std::strcmp(requested, "default") == 0) wanted = Capability::kDefault;
-  if (std::strcmp(requested, "avx2") == 0) wanted = Capability::kAvx2;
-  if (std::strcmp(requested, "avx512") == 0) wanted = Capability::kAvx512;
-  // Lowering is allowed for testing the other variants; raising would execute illegal instructions.
-  return static_cast<int>(wanted) < static_cast<int>(detected) ? wanted : detected;
+// The best supported capability at or below `limit`.
+Capability best_at_or_below(int limit) {
+  for (int c = limit; c > 0; --c) {
+    if (supports(static_cast<Capability>(c))) return static_cast<Capability>(c);
+  }
+  return Capability::kDefault;
 }
 
 }  // namespace
 
+bool supports(Capability capability) {
+  static const auto flags = [] {
+    std::array<bool, kNumCapabilities> all{};
+    for (int c = 0; c < kNumCapabilities; ++c) all[c] = detect(static_cast<Capability>(c));
+    return all;
+  }();
+  return flags[static_cast<int>(capability)];
+}
+
 Capability cpu_capability() {
-  static const Capability capability = from_environment(detect());
+  static const Capability capability = [] {
+    int limit = kNumCapabilities - 1;
+    // Lowering is allowed for testing the other variants; raising would execute illegal
+    // instructions. An unknown name changes nothing.
+    if (const char* requested = std::getenv("KVSERVE_CPU_CAPABILITY")) {
+      for (int c = 0; c < kNumCapabilities; ++c) {
+        if (std::strcmp(requested, capability_name(static_cast<Capability>(c))) == 0) limit = c;
+      }
+    }
+    return best_at_or_below(limit);
+  }();
   return capability;
 }
 
@@ -56,7 +81,9 @@ bool has_native_gemm(c10::ScalarType dtype) {
 
 const char* capability_name(Capability capability) {
   switch (capability) {
+    case Capability::kAvx512Vnni: return "avx512_vnni";
     case Capability::kAvx512: return "avx512";
+    case Capability::kAvx2Vnni: return "avx2_vnni";
     case Capability::kAvx2: return "avx2";
     default: return "default";
   }

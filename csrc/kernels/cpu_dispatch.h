@@ -1,24 +1,38 @@
 #pragma once
 // Runtime CPU-capability dispatch for the vectorized CPU kernels.
 //
-// Each `*_cpu_kernel.cpp` is compiled once per capability (DEFAULT, AVX2, AVX512 on x86-64), with
-// CPU_CAPABILITY naming the variant, and registers its function into a CpuKernelStub. The launcher
-// calls `stub()` which returns the best variant the running CPU supports. No -march=native.
+// Each `*_cpu_kernel.cpp` is compiled once per base capability (DEFAULT, AVX2, AVX512 on x86-64),
+// with CPU_CAPABILITY naming the variant, and registers its function into a CpuKernelStub. The
+// kernels whose integer dot products have an instruction of their own (vpdpbusd) are compiled
+// for the extensions too: AVX2_VNNI (AVX-VNNI: Alder Lake, Zen 5) and AVX512_VNNI (Cascade Lake,
+// Ice Lake, Sapphire Rapids, Zen 4). The launcher calls `stub.get()`, which returns the best
+// variant the running CPU supports. No -march=native.
 
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 
 namespace kvserve::cpu {
 
-/// Vector instruction sets a kernel variant may use, in increasing order.
-enum class Capability : int { kDefault = 0, kAvx2 = 1, kAvx512 = 2 };
-inline constexpr int kNumCapabilities = 3;
+/// Vector instruction sets a kernel variant may use, in order of preference. Not a chain: a CPU
+/// may have AVX-512 VNNI without AVX-VNNI (Ice Lake), so each is checked on its own (supports).
+enum class Capability : int {
+  kDefault = 0,
+  kAvx2 = 1,
+  kAvx2Vnni = 2,  // AVX2 + AVX-VNNI (VEX vpdpbusd)
+  kAvx512 = 3,    // AVX-512 F, BW, VL, DQ
+  kAvx512Vnni = 4,  // AVX512 + AVX-512 VNNI
+};
+inline constexpr int kNumCapabilities = 5;
+
+/// Whether this CPU runs `capability`'s instructions (detected once).
+bool supports(Capability capability);
 
 /// The capability kernels run with: the best the CPU supports, lowered (never raised) by the
-/// environment variable KVSERVE_CPU_CAPABILITY=default|avx2|avx512. Detected once.
+/// environment variable KVSERVE_CPU_CAPABILITY (a capability_name) to the best supported one at
+/// or below it. Detected once.
 Capability cpu_capability();
 
-/// "default", "avx2" or "avx512".
+/// "default", "avx2", "avx2_vnni", "avx512" or "avx512_vnni".
 const char* capability_name(Capability capability);
 
 /// Whether the CPU multiplies `dtype` natively in a GEMM: always for fp32; bf16 with AVX-512 BF16
@@ -32,10 +46,11 @@ template <typename Fn>
 struct CpuKernelStub {
   Fn impls[kNumCapabilities] = {};
 
-  /// The best registered variant at or below cpu_capability(). Throws if none was built.
+  /// The best registered variant at or below cpu_capability() that the CPU supports. Throws if
+  /// none was built.
   Fn get() const {
     for (int c = static_cast<int>(cpu_capability()); c >= 0; --c) {
-      if (impls[c] != nullptr) return impls[c];
+      if (impls[c] != nullptr && supports(static_cast<Capability>(c))) return impls[c];
     }
     TORCH_CHECK(false, "kvserve: no CPU kernel variant was built for this operation");
   }

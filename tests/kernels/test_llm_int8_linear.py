@@ -10,7 +10,7 @@ import torch
 import kvserve  # noqa: F401  (registers torch.ops.kvserve)
 from kvserve.quantization import quantize_int8
 from kvserve.testing import reference
-from tests.kernels.capability import CAPABILITIES, check_variant
+from tests.kernels.capability import ALL_CAPABILITIES, check_variant
 
 ops = torch.ops.kvserve
 
@@ -121,7 +121,11 @@ def capability_checks():
                 check(x, w, s, 6.0, b)
 
 
-@pytest.mark.parametrize("capability", CAPABILITIES)
+# The VNNI variants too (vpdpbusd / vpdpwssd): tests/kernels/capability.py.
+CPU_CAPABILITIES = ALL_CAPABILITIES
+
+
+@pytest.mark.parametrize("capability", CPU_CAPABILITIES)
 def test_cpu_capability_variants(capability, capability_processes):
     check_variant(capability, capability_processes, capability_checks)
 

@@ -9,7 +9,7 @@ import torch
 import kvserve  # registers torch.ops.kvserve
 from kvserve.quantization import quantize_int4, quantize_int8
 from kvserve.testing import reference
-from tests.kernels.capability import CAPABILITIES, check_variant
+from tests.kernels.capability import ALL_CAPABILITIES, check_variant
 
 ops = torch.ops.kvserve
 
@@ -153,6 +153,10 @@ def capability_checks():
         test_rounding_is_exactly_the_contracts(m, 90, 45)
 
 
-@pytest.mark.parametrize("capability", CAPABILITIES)
+# The VNNI variants too (vpdpbusd / vpdpwssd): tests/kernels/capability.py.
+CPU_CAPABILITIES = ALL_CAPABILITIES
+
+
+@pytest.mark.parametrize("capability", CPU_CAPABILITIES)
 def test_cpu_capability_variants(capability, capability_processes):
     check_variant(capability, capability_processes, capability_checks)

@@ -4,8 +4,9 @@
 // Blocks of 4 tokens x 2 weight rows share every load: per 16 inputs, each row's int8 bytes are
 // sign-extended to int16 once and each token's int16 are loaded once, then multiplied pairwise
 // and summed into int32 lanes (vpmaddwd, exact: |q| <= 127 gives products under 2^14 and pair
-// sums under 2^15, and a row of k inputs stays under 2^31 for k < 2^17). Rows go to the threads
-// in blocks.
+// sums under 2^15, and a row of k inputs stays under 2^31 for k < 2^17); with VNNI (the
+// AVX2_VNNI and AVX512_VNNI variants) vpdpwssd does the multiply and the accumulation in one
+// instruction. Rows go to the threads in blocks.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -33,7 +34,11 @@ inline IVec widen(const int8_t* p) {
 }
 inline IVec load16(const int16_t* p) { return _mm512_loadu_si512(p); }
 inline IVec madd_add(IVec acc, IVec a, IVec b) {
+#if defined(CPU_CAPABILITY_VNNI)
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
   return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
 }
 inline IVec zero() { return _mm512_setzero_si512(); }
 inline int32_t sum(IVec v) { return _mm512_reduce_add_epi32(v); }
@@ -47,7 +52,11 @@ inline IVec load16(const int16_t* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
 inline IVec madd_add(IVec acc, IVec a, IVec b) {
+#if defined(CPU_CAPABILITY_VNNI)
+  return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
 }
 inline IVec zero() { return _mm256_setzero_si256(); }
 inline int32_t sum(IVec v) {

@@ -4,7 +4,9 @@
 // Each token's input is rounded to int8 once per call, per block of 32 inputs of a weight group
 // (quantized_linear.h), and every weight row multiplies it in integers, a block at a time: on
 // AVX2, maddubs (unsigned by signed bytes, pairs summed into int16) then madd by ones (into int32
-// lanes), the product llama.cpp takes between its Q8_0 activations and Q4_0 / Q8_0 weights. An
+// lanes), the product llama.cpp takes between its Q8_0 activations and Q4_0 / Q8_0 weights; with
+// VNNI (the AVX2_VNNI and AVX512_VNNI variants) one vpdpbusd, which sums each four products
+// straight into the int32 lanes (the same sums: no int16 step to saturate). An
 // int4 block is 16 bytes whose nibbles are already the unsigned operand (0..15); an int8 block
 // moves the weight's sign onto the input (sign_epi8) so that |q| is the unsigned one (at most
 // 2 * 128 * 127 per int16 pair: no saturation). Each block's int32 sums turn to float once and
@@ -194,12 +196,26 @@ WeightBlock load_block(const uint8_t* row, int64_t i) {
   }
 }
 
+// acc plus, in each int32 lane, the four products of its unsigned bytes of u and signed bytes of
+// s (vpdpbusd; without VNNI, maddubs into int16 pairs, which the callers keep from saturating,
+// then madd by ones).
+inline __m256i dot_add(__m256i acc, __m256i u, __m256i s) {
+#if defined(CPU_CAPABILITY_AVX512_VNNI)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(CPU_CAPABILITY_AVX2_VNNI)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
+                                                 _mm256_set1_epi16(1)));
+#endif
+}
+
 // Eight int32 partial sums of weights * inputs over a block (x: the block's 32 int8 inputs).
 template <F f>
 __m256i dot_block(const WeightBlock& w, const int8_t* x) {
   __m256i input = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   if constexpr (f == F::kInt8) input = _mm256_sign_epi8(input, w.sign);
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(w.magnitude, input), _mm256_set1_epi16(1));
+  return dot_add(_mm256_setzero_si256(), w.magnitude, input);
 }
 
 int32_t sum_lanes_int(__m256i v) {
@@ -235,10 +251,16 @@ float zero_part(const float* zeros, const float* scales, const float* sums, int6
 // The int32 sums of a pair of int4 blocks (lo, hi: the pair's unpacked nibbles) times one token's
 // interleaved inputs x, as floats: lanes 0-3 the first block's, lanes 4-7 the second's.
 __m256 int4_pair_dot(__m256i lo, __m256i hi, const int8_t* x) {
-  const __m256i pairs = _mm256_add_epi16(
-      _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
-      _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + kBlock))));
+  const __m256i x_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i x_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + kBlock));
+#if defined(CPU_CAPABILITY_VNNI)
+  return _mm256_cvtepi32_ps(dot_add(dot_add(_mm256_setzero_si256(), lo, x_lo), hi, x_hi));
+#else
+  // Both halves' int16 pair sums added before widening: at most 2 * 2 * 15 * 127.
+  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x_lo),
+                                         _mm256_maddubs_epi16(hi, x_hi));
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
 }
 
 // The weight scales of the pair of blocks (b, b + 1) in the lanes of their sums: the groups of
