@@ -1,11 +1,13 @@
 """Speculative decoding: speed-up over the same engine without speculation, by batch size and
-number of draft tokens k, with acceptance; the draft model on held-out text and n-gram prompt
+number of draft tokens k, with acceptance (overall and by draft position); the draft model and an
+EAGLE-3 head (--eagle3, e.g. trained by `kvserve train-eagle`) on held-out text and n-gram prompt
 lookup on an input-copying workload; transformers' assisted generation and prompt lookup as the
 peer at batch 1, in the same run.
 
     python benchmarks/bench_speculative.py --target DIR --draft DIR   # e.g. the stdlib pair of
                                                                       # scripts/build_speculative_pair.sh
     python benchmarks/bench_speculative.py                            # the shipped Shakespeare pair
+    python benchmarks/bench_speculative.py --eagle3 HEAD_DIR          # + an EAGLE-3 head
     python benchmarks/bench_speculative.py --quick                    # a small smoke run
 
 Workloads (prompts from the validation split of the target's training corpus, which
@@ -41,6 +43,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--target", type=Path, default=REPO / "models" / "shakespeare-target")
     p.add_argument("--draft", type=Path, default=REPO / "models" / "shakespeare-draft")
+    p.add_argument("--eagle3", type=Path, default=None,
+                   help="an EAGLE-3 head for the target: its rows beside the draft model's")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8],
                    help="draft tokens per step for the draft model")
@@ -97,16 +101,21 @@ CONFIGS = {
     "ngram": lambda args, k: dict(speculative_method="ngram", num_speculative_tokens=k,
                                   speculative_max_verify_tokens=0),
     "ngram default": lambda args, k: dict(speculative_method="ngram"),
+    "eagle3": lambda args, k: dict(speculative_method="eagle3", speculative_model=args.eagle3,
+                                   num_speculative_tokens=k, speculative_max_verify_tokens=0),
+    "eagle3 default": lambda args, k: dict(speculative_method="eagle3",
+                                           speculative_model=args.eagle3),
 }
 
 
 def configs_for(workload: str, args) -> list[tuple[str, int]]:
     draft = [("draft", k) for k in args.ks]
     ngram = [("ngram", k) for k in args.ngram_ks]
+    eagle = [("eagle3", k) for k in args.ks] + [("eagle3 default", 0)] if args.eagle3 else []
     if args.defaults_only:
-        return [("plain", 0), ("draft default", 0), ("ngram default", 0)]
+        return [("plain", 0), ("draft default", 0), ("ngram default", 0)] + eagle[-1:]
     default = [("draft default", 0)]
-    return [("plain", 0)] + (draft + default + ngram[:1] if workload == "text"
+    return [("plain", 0)] + (draft + default + eagle + ngram[:1] if workload == "text"
                              else ngram + [("ngram default", 0)] + draft[-1:])
 
 
@@ -140,6 +149,9 @@ def run_kvserve(args, workloads) -> tuple[list[dict], dict]:
                         f: getattr(after, f) - getattr(before, f)
                         for f in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
                                   "propose_seconds", "verify_seconds", "num_steps")}
+                    counts[(method, k)]["by_position"] = [
+                        a - b for a, b in zip(after.accepted_per_position,
+                                              before.accepted_per_position)]
             plain = median(times[("plain", 0)])
             for method, k in configs:
                 t, c = median(times[(method, k)]), counts[(method, k)]
@@ -150,6 +162,8 @@ def run_kvserve(args, workloads) -> tuple[list[dict], dict]:
                     if c["num_draft_tokens"] else None,
                     mean_acceptance_length=1 + c["num_accepted_tokens"] / c["num_drafts"]
                     if c["num_drafts"] else None,
+                    acceptance_by_position=[n / c["num_drafts"] for n in c["by_position"]]
+                    if c["num_drafts"] else [],
                     propose_share=c["propose_seconds"] / t, verify_share=c["verify_seconds"] / t,
                     steps=c["num_steps"]))
             print(f"{workload} batch {batch}: plain {plain:.2f} s; " + ", ".join(
@@ -195,12 +209,13 @@ def run_transformers(args, prompts: dict[str, list[int]]) -> list[dict]:
     return rows
 
 
-def best_k(rows: list[dict]) -> dict[int, dict]:
-    """Per batch size of the text workload: the fastest draft k, or None when none beats plain."""
+def best_k(rows: list[dict], method: str = "draft") -> dict[int, dict]:
+    """Per batch size of the text workload: the fastest k of `method`, or None when none beats
+    plain."""
     out = {}
     for batch in sorted({r["batch"] for r in rows}):
         drafts = [r for r in rows if r["workload"] == "text" and r["batch"] == batch
-                  and r["method"] == "draft"]
+                  and r["method"] == method]
         if not drafts:
             continue
         best = max(drafts, key=lambda r: r["speedup"])
@@ -223,18 +238,24 @@ def main() -> None:
         return "-" if v is None else format(v, spec)
 
     print(f"\n## kvserve: {args.target.name} ({model['weights_mib']:.0f} MiB of weights) with "
-          f"draft {args.draft.name}, {args.dtype}, {args.max_tokens} new tokens, greedy, "
+          f"draft {args.draft.name}"
+          + (f", EAGLE-3 head {args.eagle3.name}" if args.eagle3 else "") +
+          f", {args.dtype}, {args.max_tokens} new tokens, greedy, "
           f"median of {args.repeats}\n")
     print(markdown_table(
         ["workload", "batch", "method", "k", "tokens/s", "speed-up", "acceptance",
-         "mean accepted length", "propose share", "verify share"],
+         "mean accepted length", "accepted by position", "propose share", "verify share"],
         [[r["workload"], r["batch"], r["method"], r["k"] or "-", f"{r['tokens_per_s']:.1f}",
           f"{r['speedup']:.2f}x", fmt(r["acceptance_rate"], ".2f"),
-          fmt(r["mean_acceptance_length"], ".2f"), f"{r['propose_share']:.0%}",
-          f"{r['verify_share']:.0%}"] for r in rows]))
-    rule = best_k(rows)
-    print("\nfastest draft k per batch size (text): " + ", ".join(
-        f"{b}: {'off' if v['k'] is None else v['k']} ({v['speedup']:.2f}x)" for b, v in rule.items()))
+          fmt(r["mean_acceptance_length"], ".2f"),
+          " ".join(f"{a:.2f}" for a in r["acceptance_by_position"]) or "-",
+          f"{r['propose_share']:.0%}", f"{r['verify_share']:.0%}"] for r in rows]))
+    rule = {m: best_k(rows, m) for m in ("draft", "eagle3")}
+    for method, per_batch in rule.items():
+        if per_batch:
+            print(f"\nfastest {method} k per batch size (text): " + ", ".join(
+                f"{b}: {'off' if v['k'] is None else v['k']} ({v['speedup']:.2f}x)"
+                for b, v in per_batch.items()))
     if peer:
         print("\n## transformers generate, batch 1\n")
         print(markdown_table(["workload", "method", "k", "tokens/s", "speed-up"],

@@ -14,6 +14,8 @@
                             [--intermediate N] [--hidden N]
     python -m kvserve distill --teacher DIR --student DIR --corpus FILE --out DIR [--steps N]
                               [--temperature T] [--ce-weight W] [--patience N]
+    python -m kvserve train-eagle --target DIR --corpus FILE --out DIR [--steps N]
+                                  [--ttt-steps N] [--draft-vocab-size N] [--aux-layers A B C]
 """
 
 from __future__ import annotations
@@ -139,6 +141,28 @@ def _prune(args: argparse.Namespace) -> int:
     print(f"wrote {args.out}: {c['num_hidden_layers']} layers, {c['num_attention_heads']} heads "
           f"({c['num_key_value_heads']} KV), intermediate {c['intermediate_size']}, hidden "
           f"{c['hidden_size']}")
+    return 0
+
+
+def _train_eagle(args: argparse.Namespace) -> int:
+    from kvserve.train_eagle import EagleTrainConfig, train_eagle
+
+    config = EagleTrainConfig(
+        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+        ttt_steps=args.ttt_steps, lr=args.lr, warmup_steps=args.warmup_steps,
+        draft_vocab_size=args.draft_vocab_size, aux_layers=tuple(args.aux_layers or ()),
+        eval_every=args.eval_every, eval_batches=args.eval_batches, patience=args.patience,
+        seed=args.seed, device=args.device)
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    done = train_eagle(args.target, args.corpus, args.out, config)
+    agreement = " / ".join(f"{a:.2f}" for a in done["after"]["agreement"])
+    print(f"wrote {args.out}: held-out loss {done['before']['validation_loss']:.3f} -> "
+          f"{done['after']['validation_loss']:.3f}, agreement with the target's greedy token by "
+          f"step {agreement}; {done['steps_run']} steps in {done['wall_time_s']:.0f} s, kept "
+          f"step {done['best_step']}")
     return 0
 
 
@@ -314,6 +338,33 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--threads", type=int, default=None)
     d.add_argument("--device", default="cpu", help="cpu, or cuda[:N] for teacher and student")
     d.set_defaults(func=_distill)
+    e = sub.add_parser("train-eagle", help="train an EAGLE-3 speculation head for a target")
+    e.add_argument("--target", required=True, help="the target's checkpoint directory (Llama)")
+    e.add_argument("--corpus", required=True, type=Path,
+                   help="UTF-8 text; its last tenth (by characters) validates")
+    e.add_argument("--out", required=True, help="directory to write the head to")
+    e.add_argument("--steps", type=int, default=800)
+    e.add_argument("--batch-size", type=int, default=8)
+    e.add_argument("--seq-len", type=int, default=256, help="tokens per window, BOS included")
+    e.add_argument("--ttt-steps", type=int, default=3,
+                   help="training-time test steps: the head chained on its own outputs")
+    e.add_argument("--draft-vocab-size", type=int, default=0,
+                   help="the most frequent tokens of the text the head drafts (0: all)")
+    e.add_argument("--aux-layers", type=int, nargs=3, default=None, metavar="LAYER",
+                   help="the target layers whose entering streams the head reads "
+                   "(default: low, middle, high)")
+    e.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (cosine decay)")
+    e.add_argument("--warmup-steps", type=int, default=30)
+    e.add_argument("--eval-every", type=int, default=50)
+    e.add_argument("--eval-batches", type=int, default=8,
+                   help="batches of validation windows per evaluation (0: all)")
+    e.add_argument("--patience", type=int, default=4,
+                   help="stop after this many evaluations without a better held-out loss "
+                   "(0: never)")
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--threads", type=int, default=None)
+    e.add_argument("--device", default="cpu", help="cpu, or cuda[:N] for target and head")
+    e.set_defaults(func=_train_eagle)
     v = sub.add_parser("serve", help="serve the OpenAI API over HTTP")
     v.add_argument("--model", required=True, help=_MODEL_HELP)
     v.add_argument("--host", default="127.0.0.1")
