@@ -1,6 +1,10 @@
 #include "engine/draft_sampling.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/isfinite.h>
+#include <ATen/ops/logical_not.h>
+#include <ATen/ops/masked_fill.h>
+#include <ATen/ops/max.h>
 
 #include <deque>
 
@@ -20,24 +24,41 @@ DraftRounds::DraftRounds(const ProposalContext& context, Proposals& out,
                          const std::vector<size_t>& drafting)
     : context_(context), out_(out) {
   for (size_t entry : drafting) {
-    greedy_ = greedy_ &&
-              context.rows[entry]->params->temperature < SamplingParams::kGreedyTemperature;
+    const SamplingParams& params = *context.rows[entry]->params;
+    greedy_ = greedy_ && params.temperature < SamplingParams::kGreedyTemperature;
+    argmax_only_ = argmax_only_ && !params.needs_token_history();
   }
+  argmax_only_ = argmax_only_ && greedy_;
 }
 
 std::vector<bool> DraftRounds::sample(at::Tensor logits, const std::vector<size_t>& entries) {
-  std::deque<std::vector<int64_t>> histories;
-  std::vector<SamplingRow> rows;
-  for (size_t entry : entries) {
-    const auto& so_far = out_.tokens[entry];
-    rows.push_back(row_after_drafts(*context_.rows[entry], so_far, so_far.size(),
-                                    histories.emplace_back()));
-  }
-  SamplerOutput sampled = sampler_.sample(logits, rows, /*want_probs=*/!greedy_);
+  at::Tensor tokens;
   Round round;
-  round.probs = sampled.probs;
+  if (argmax_only_) {
+    // The sampler's greedy draw without its pass: a row whose largest logit is -inf or NaN has
+    // no distribution (-1), as the sampler reports it.
+    auto [best, index] = at::max(logits, 1);
+    tokens = index.masked_fill(best.isfinite().logical_not(), -1).cpu();
+  } else {
+    std::deque<std::vector<int64_t>> histories;
+    std::deque<SamplingParams> without_logprobs;
+    std::vector<SamplingRow> rows;
+    for (size_t entry : entries) {
+      const auto& so_far = out_.tokens[entry];
+      SamplingRow row = row_after_drafts(*context_.rows[entry], so_far, so_far.size(),
+                                         histories.emplace_back());
+      if (row.params->logprobs) {  // a draft's logprobs are never returned
+        row.params = &without_logprobs.emplace_back(*row.params);
+        without_logprobs.back().logprobs.reset();
+      }
+      rows.push_back(row);
+    }
+    SamplerOutput sampled = sampler_.sample(logits, rows, /*want_probs=*/!greedy_);
+    tokens = sampled.token_ids;
+    round.probs = sampled.probs;
+  }
   std::vector<bool> drafted(entries.size(), false);
-  const int64_t* token = sampled.token_ids.data_ptr<int64_t>();
+  const int64_t* token = tokens.data_ptr<int64_t>();
   for (size_t a = 0; a < entries.size(); ++a) {
     if (token[a] < 0) continue;  // no distribution here
     auto& so_far = out_.tokens[entries[a]];

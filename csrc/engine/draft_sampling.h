@@ -33,7 +33,9 @@ void forget_readmitted(Map& per_sequence, const SequenceTable& sequences) {
 class DraftRounds {
  public:
   /// drafting: the scheduled entries that draft this step. When every one of them is greedy the
-  /// drafts are argmaxes, point masses: no distributions are computed or kept.
+  /// drafts are argmaxes, point masses: no distributions are computed or kept; and when none of
+  /// them has penalties or min_tokens either, each position is one argmax over the logits, with
+  /// no sampler pass. Drafts never compute logprobs.
   DraftRounds(const ProposalContext& context, Proposals& out,
               const std::vector<size_t>& drafting);
 
@@ -54,6 +56,7 @@ class DraftRounds {
   const ProposalContext& context_;
   Proposals& out_;
   bool greedy_ = true;
+  bool argmax_only_ = true;  // greedy_, and no row reads its token history
   Sampler sampler_;
   std::vector<Round> rounds_;
 };
