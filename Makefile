@@ -73,7 +73,8 @@ ASAN_ENV := ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:detect_odr_violation=0 
 # table's trials (every feature's own tests run sanitized), and other
 # tests whose time goes to Python or transformers, which the sanitizer does not see: llama2.c
 # conversion, GGUF files (read and converted to kvserve's layouts in Python), perplexity against transformers, resident memory, detokenization, distillation
-# and scripts/train_tiny.py (PyTorch training around a model forward the other tests cover), and
+# scripts/train_tiny.py and `kvserve train-eagle` (PyTorch training around forwards the other
+# tests cover), and
 # the
 # speculative sampler's statistical tests (the same C++ as its exact ones);
 # the config variants of the parity tests (the same layers as each architecture's own parity test,
@@ -91,6 +92,7 @@ ASAN_SKIP := --ignore=tests/e2e/test_cli.py --ignore=tests/e2e/test_notebooks.py
 	--ignore=tests/models/test_perplexity.py --ignore=tests/models/test_weight_memory.py \
 	--ignore=tests/engine/test_detokenizer.py --ignore=tests/models/test_distill.py \
 	--ignore=tests/models/test_train_tiny.py --ignore=tests/models/test_gguf.py \
+	--ignore=tests/models/test_train_eagle.py \
 	--ignore=tests/e2e/test_server_chaos.py --ignore=tests/e2e/test_server_errors.py \
 	--ignore=tests/e2e/test_server.py --ignore=tests/e2e/test_router.py \
 	--ignore=tests/distributed \
