@@ -31,6 +31,9 @@ CASES = [
     ("int8", 33, 256, 16),
     ("int4", 1, 32, 32), ("int4", 7, 96, 32), ("int4", 33, 128, 64), ("int4", 130, 256, 128),
     ("int4", 17, 160, 160), ("int4", 9, 288, 96), ("int4", 5, 768, 384),
+    # AVX-512 takes int4 four blocks at a time (groups of 32 or of a multiple of 128), then a
+    # last pair and an odd block as the others do.
+    ("int4", 11, 224, 32), ("int4", 6, 512, 32),
 ]
 
 

@@ -27,6 +27,13 @@
 #else
 #define KVSERVE_INT8_DOT_SIMD 0
 #endif
+// AVX-512: int4 rows four blocks (one 64-byte load) at a time where a group is one block or a
+// multiple of four (int4_row).
+#if defined(CPU_CAPABILITY_AVX512)
+#define KVSERVE_INT4_QUADS 1
+#else
+#define KVSERVE_INT4_QUADS 0
+#endif
 
 #include "kernels/cpu_kernels.h"
 #include "kernels/cpu_vec.h"
@@ -52,6 +59,7 @@ struct RoundedInput {
   std::vector<float> pair_scale;
   std::vector<int32_t> block_group;  // [blocks]: the group each block belongs to
   int64_t k = 0, blocks = 0, groups = 0, pair_stride = 0;
+  bool quads = false;  // int4: q interleaved by fours of blocks where it can (interleave)
 };
 
 // Rounds one token's k inputs: per block, d = max|x| / 127 and q = round(x * (127 / max|x|))
@@ -97,20 +105,24 @@ void round_token(const T* x, int64_t k, int64_t g, int8_t* q, float* scale, floa
 #if KVSERVE_INT8_DOT_SIMD
 // For int4 weights, each pair of blocks (2p, 2p + 1) of a token's q is stored as the inputs that
 // one 32-byte load of the pair's packed weights unpacks to: the low nibbles (inputs 0-15 of
-// block 2p, then of block 2p + 1), then the high ones (inputs 16-31 of each). An odd last block
-// keeps its order.
-void interleave_pairs(int8_t* q, int64_t blocks) {
-  int8_t pair[2 * kBlock];
-  for (int64_t b = 0; b + 2 <= blocks; b += 2) {
+// block 2p, then of block 2p + 1), then the high ones (inputs 16-31 of each). With `quads`, each
+// four blocks (4p .. 4p + 3) likewise for one 64-byte load: the four blocks' inputs 0-15, then
+// their inputs 16-31; a last pair as a pair. An odd last block keeps its order.
+void interleave(int8_t* q, int64_t blocks, bool quads) {
+  int8_t group[4 * kBlock];
+  const auto run = [&](int64_t b, int64_t count) {
     int8_t* p = q + b * kBlock;
-    for (int64_t j = 0; j < 16; ++j) {
-      pair[j] = p[j];
-      pair[16 + j] = p[kBlock + j];
-      pair[32 + j] = p[16 + j];
-      pair[48 + j] = p[kBlock + 16 + j];
+    for (int64_t i = 0; i < count; ++i) {
+      std::copy(p + i * kBlock, p + i * kBlock + 16, group + i * 16);
+      std::copy(p + i * kBlock + 16, p + (i + 1) * kBlock, group + (count + i) * 16);
     }
-    std::copy(pair, pair + 2 * kBlock, p);
+    std::copy(group, group + count * kBlock, p);
+  };
+  int64_t b = 0;
+  if (quads) {
+    for (; b + 4 <= blocks; b += 4) run(b, 4);
   }
+  for (; b + 2 <= blocks; b += 2) run(b, 2);
 }
 #endif
 
@@ -126,6 +138,7 @@ RoundedInput round_input(c10::ScalarType dtype, const void* input, int64_t strid
   x.block_group.resize(x.blocks);
   const int64_t per_group = x.blocks / x.groups;
   for (int64_t b = 0; b < x.blocks; ++b) x.block_group[b] = static_cast<int32_t>(b / per_group);
+  x.quads = KVSERVE_INT4_QUADS && w.format == F::kInt4 && (per_group == 1 || per_group % 4 == 0);
   KVSERVE_DISPATCH_FLOATING(dtype, [&] {
     const auto* in = static_cast<const scalar_t*>(input);
     for (int64_t t = 0; t < m; ++t) {
@@ -133,7 +146,7 @@ RoundedInput round_input(c10::ScalarType dtype, const void* input, int64_t strid
       round_token(in + t * stride, w.k, w.group_size, q, x.scale.data() + t * x.blocks,
                   x.group_sum.empty() ? nullptr : x.group_sum.data() + t * x.groups);
 #if KVSERVE_INT8_DOT_SIMD
-      if (w.format == F::kInt4) interleave_pairs(q, x.blocks);
+      if (w.format == F::kInt4) interleave(q, x.blocks, x.quads);
 #endif
     }
   });
@@ -263,6 +276,28 @@ __m256 int4_pair_dot(__m256i lo, __m256i hi, const int8_t* x) {
 #endif
 }
 
+#if KVSERVE_INT4_QUADS
+// int4_pair_dot for four blocks: lo, hi their 64 bytes' nibbles, x the tokens' inputs
+// interleaved by fours; lanes 4i-4i+3 the sums of block i.
+__m512 int4_quad_dot(__m512i lo, __m512i hi, const int8_t* x) {
+  const __m512i x_lo = _mm512_loadu_si512(x);
+  const __m512i x_hi = _mm512_loadu_si512(x + 2 * kBlock);
+#if defined(CPU_CAPABILITY_VNNI)
+  return _mm512_cvtepi32_ps(
+      _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, x_lo), hi, x_hi));
+#else
+  const __m512i pairs = _mm512_add_epi16(_mm512_maddubs_epi16(lo, x_lo),
+                                         _mm512_maddubs_epi16(hi, x_hi));
+  return _mm512_cvtepi32_ps(_mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+#endif
+}
+
+// The 256-bit sum of a 512-bit vector's halves.
+__m256 fold(__m512 v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+}
+#endif
+
 // The weight scales of the pair of blocks (b, b + 1) in the lanes of their sums: the groups of
 // 32 (llama.cpp's Q4_0 / Q4_1) load both with one 8-byte load.
 __m256 pair_weight_scales(const float* scales, const int32_t* group, int64_t b,
@@ -278,7 +313,8 @@ __m256 pair_weight_scales(const float* scales, const int32_t* group, int64_t b,
 }
 
 // The sums of one int4 row (groups a multiple of 32) times TB tokens. A pair of blocks comes
-// from one 32-byte load, the tokens' q interleaved to match (interleave_pairs), and its sums
+// from one 32-byte load (on AVX-512 four blocks from one 64-byte load where x.quads), the
+// tokens' q interleaved to match (interleave), and its sums
 // take the pair's input scales (x.pair_scale, one load) in one FMA. Groups of an even number of
 // blocks (64, 128, ...) take their weight scale once per group; otherwise each pair's input
 // scales are multiplied by its blocks' weight scales first. Two accumulators per token, so that
@@ -303,6 +339,58 @@ void int4_row(const RoundedInput& x, const int8_t* const* xq, const float* const
     }
   };
   int64_t b = 0;
+#if KVSERVE_INT4_QUADS
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  // Adds the four blocks b .. b + 3 to acc, as `pair` does.
+  const auto quad = [&](__m512* acc, int64_t b, const __m512* weight) {
+    const __m512i bytes = _mm512_loadu_si512(row + b * 16);
+    const __m512i lo = _mm512_and_si512(bytes, low4);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
+    for (int64_t t = 0; t < TB; ++t) {
+      __m512 scale = _mm512_loadu_ps(xp[t] + b * 4);
+      if (weight != nullptr) scale = _mm512_mul_ps(scale, *weight);
+      acc[t] = _mm512_fmadd_ps(int4_quad_dot(lo, hi, xq[t] + b * kBlock), scale, acc[t]);
+    }
+  };
+  if (x.quads && per_group % 4 == 0) {  // groups of 128, 256, ...: all in fours
+    __m512 total[TB], q0[TB], q1[TB];
+    for (int64_t t = 0; t < TB; ++t) total[t] = q0[t] = q1[t] = _mm512_setzero_ps();
+    for (int64_t gi = 0; gi < x.groups; ++gi) {
+      const int64_t last = (gi + 1) * per_group;
+      for (; b + 8 <= last; b += 8) {
+        quad(q0, b, nullptr);
+        quad(q1, b + 4, nullptr);
+      }
+      if (b < last) quad(q0, b, nullptr), b += 4;
+      const __m512 weight = _mm512_set1_ps(scales[gi]);
+      for (int64_t t = 0; t < TB; ++t) {
+        total[t] = _mm512_fmadd_ps(_mm512_add_ps(q0[t], q1[t]), weight, total[t]);
+        q0[t] = q1[t] = _mm512_setzero_ps();
+      }
+    }
+    for (int64_t t = 0; t < TB; ++t) sum[t] = _mm512_reduce_add_ps(total[t]);
+    return;
+  }
+  if (x.quads) {  // groups of 32 (Q4_0's): each block's weight scale on its four lanes
+    __m512 q0[TB], q1[TB];
+    for (int64_t t = 0; t < TB; ++t) q0[t] = q1[t] = _mm512_setzero_ps();
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const auto weights = [&](int64_t b) {
+      return _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(scales + b)));
+    };
+    for (; b + 8 <= blocks; b += 8) {
+      const __m512 w0 = weights(b), w1 = weights(b + 4);
+      quad(q0, b, &w0);
+      quad(q1, b + 4, &w1);
+    }
+    if (b + 4 <= blocks) {
+      const __m512 w0 = weights(b);
+      quad(q0, b, &w0);
+      b += 4;
+    }
+    for (int64_t t = 0; t < TB; ++t) acc0[t] = fold(_mm512_add_ps(q0[t], q1[t]));
+  }
+#endif
   if (per_group % 2 == 0) {
     __m256 total[TB];
     for (int64_t t = 0; t < TB; ++t) total[t] = _mm256_setzero_ps();
