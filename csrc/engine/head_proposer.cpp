@@ -1,5 +1,6 @@
 // HeadProposer: per step, one forward per depth over every scheduled sequence's rows that are
-// due (the catch-up, which also drafts one token per depth), then one per further draft.
+// due (the catch-up, which also drafts one token per depth), then one per further draft; none in
+// a step where no sequence drafts.
 #include "kvserve/head_proposer.h"
 
 #include <ATen/ops/cat.h>
@@ -58,11 +59,20 @@ Proposals HeadProposer::propose(const ProposalContext& context) {
     // Drafts need the head's rows up to the token the step feeds: a decoding sequence's.
     const bool decoding = s.num_new_tokens == 1 && stop == s.num_computed &&
                           sequence.num_tokens() == s.num_computed + 1;
-    if (context.rows[i] && s.samples && decoding) {
+    if (context.rows[i] && s.samples && decoding && s.num_speculative_tokens > 0) {
       run.wanted = s.num_speculative_tokens;
       drafting_entries.push_back(i);
     }
     runs.push_back(std::move(run));
+  }
+
+  if (drafting_entries.empty()) {
+    // Nobody drafts this step (the batch rule paused speculation): the head does not run, and
+    // what it held of the target is dropped, so that a paused head costs nothing. When drafting
+    // resumes the head starts from the states of that step on; its rows for the positions in
+    // between stay unwritten, as a prefix-cache hit's (drafts may be worse, outputs never change).
+    for (const ScheduledSequence& s : work.scheduled) tracks_.at(s.seq_id).hidden = at::Tensor();
+    return out;
   }
 
   draft_sampling::DraftRounds rounds(context, out, drafting_entries);

@@ -189,17 +189,45 @@ def test_greedy_eagle3_equals_plain_decoding(pair, k):
     assert s.num_drafts > 0 and 0 < s.num_accepted_tokens <= s.num_draft_tokens
 
 
-def test_greedy_mixed_arrivals_with_preemption_chunking_and_prefix_caching(pair):
+@pytest.fixture(scope="module")
+def alone(pair):
+    """Each of mixed_requests' outputs decoded alone, without speculation."""
+    plain = fp32_engine(pair[0])
+    return {str(i): run(plain, [(prompt, n, 0)])["0"]
+            for i, (prompt, n, _) in enumerate(mixed_requests(vocab=VOCAB))}
+
+
+def test_greedy_mixed_arrivals_with_preemption_chunking_and_prefix_caching(pair, alone):
     target_dir, head_dir = pair
-    plain = fp32_engine(target_dir)
-    alone = {str(i): run(plain, [(prompt, n, 0)])["0"]
-             for i, (prompt, n, _) in enumerate(mixed_requests(vocab=VOCAB))}
     e = fp32_engine(target_dir, num_blocks=24, block_size=BLOCK, max_num_batched_tokens=20,
                     speculative_method="eagle3", speculative_model=head_dir,
                     num_speculative_tokens=3, **UNLIMITED)
     assert run(e, mixed_requests(vocab=VOCAB)) == alone
     s = e.get_stats()
     assert s.num_preemptions > 0 and s.prefix_cache_hits > 0 and s.num_accepted_tokens > 0
+
+
+def test_greedy_output_when_the_batch_rule_pauses_and_resumes_drafting(pair, alone):
+    """With the default rule, speculation stops from 4 running sequences on, and the head with it
+    (it drops what it held of the target); it resumes from the states of the step it restarts."""
+    target_dir, head_dir = pair
+    e = fp32_engine(target_dir, speculative_method="eagle3", speculative_model=head_dir,
+                    num_speculative_tokens=3)
+    phases = []  # per step: whether it drafted; consecutive duplicates merged
+    step = e.step
+
+    def recorded_step():
+        before = e.get_stats().num_drafts
+        outputs = step()
+        drafted = e.get_stats().num_drafts > before
+        if not phases or phases[-1] != drafted:
+            phases.append(drafted)
+        return outputs
+
+    e.step = recorded_step
+    assert run(e, mixed_requests(vocab=VOCAB)) == alone
+    assert e.get_stats().num_accepted_tokens > 0
+    assert [True, False, True] in [phases[i:i + 3] for i in range(len(phases))]
 
 
 def test_sampled_tokens_follow_the_target_distribution(tmp_path):
