@@ -179,7 +179,7 @@ def _speculative(path: Path, work: Path, plain: list[int]) -> dict[str, str]:
     import shutil
 
     from kvserve.loader.mtp_weights import MTP_ARCHITECTURES
-    from kvserve.testing.checkpoints import add_mtp_modules
+    from kvserve.testing.checkpoints import add_mtp_modules, make_eagle3_head
 
     cell = {}
     trials = [("n-gram", path, dict(speculative_method="ngram", num_speculative_tokens=3)),
@@ -193,6 +193,18 @@ def _speculative(path: Path, work: Path, plain: list[int]) -> dict[str, str]:
                                                  num_speculative_tokens=3)))
     else:
         cell["MTP"] = NOT_APPLICABLE
+    # A random EAGLE-3 head in the published layout, reading three of the target's streams.
+    config = json.loads((path / "config.json").read_text())
+    layers = config.get("num_hidden_layers") or config.get("text_config", {}).get(
+        "num_hidden_layers", 2)
+    try:
+        head = make_eagle3_head(work / "eagle3", path, draft_vocab_size=64,
+                                aux_layers=[0, layers // 2, layers - 1])
+    except KeyError as e:  # a config without the Llama fields the head copies
+        cell["EAGLE-3"] = f"no head for this config: it lacks {e}"
+    else:
+        trials.append(("EAGLE-3", path, dict(speculative_method="eagle3",
+                                             speculative_model=head, num_speculative_tokens=3)))
     for name, checkpoint, options in trials:
         try:
             tokens = greedy(checkpoint, **options)
