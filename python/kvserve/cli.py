@@ -152,7 +152,7 @@ def _train_eagle(args: argparse.Namespace) -> int:
         ttt_steps=args.ttt_steps, lr=args.lr, warmup_steps=args.warmup_steps,
         draft_vocab_size=args.draft_vocab_size, aux_layers=tuple(args.aux_layers or ()),
         eval_every=args.eval_every, eval_batches=args.eval_batches, patience=args.patience,
-        seed=args.seed, device=args.device)
+        max_minutes=args.max_minutes, seed=args.seed, device=args.device)
     if args.threads is not None:
         import torch
 
@@ -361,6 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--patience", type=int, default=4,
                    help="stop after this many evaluations without a better held-out loss "
                    "(0: never)")
+    e.add_argument("--max-minutes", type=float, default=0.0,
+                   help="stop after an evaluation once training took this long (0: no limit)")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--threads", type=int, default=None)
     e.add_argument("--device", default="cpu", help="cpu, or cuda[:N] for target and head")

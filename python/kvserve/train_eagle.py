@@ -56,6 +56,7 @@ class EagleTrainConfig:
     eval_every: int = 50
     eval_batches: int = 8        # batches of held-out windows per evaluation (0: all)
     patience: int = 4            # evaluations without a better held-out loss before stopping
+    max_minutes: float = 0.0     # stop (after an evaluation) once training took this long; 0: no
     seed: int = 0
     device: str = "cpu"
 
@@ -68,8 +69,10 @@ class EagleTrainConfig:
             raise ValueError(f"seq_len must be an integer >= ttt_steps + 3, got {self.seq_len!r}")
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
-        if self.patience < 0 or self.eval_batches < 0 or self.warmup_steps < 0:
-            raise ValueError("patience, eval_batches and warmup_steps must be non-negative")
+        if (self.patience < 0 or self.eval_batches < 0 or self.warmup_steps < 0
+                or self.max_minutes < 0):
+            raise ValueError("patience, eval_batches, warmup_steps and max_minutes must be "
+                             "non-negative")
         if self.draft_vocab_size < 0:
             raise ValueError(f"draft_vocab_size must be >= 0, got {self.draft_vocab_size}")
 
@@ -333,7 +336,10 @@ def train_eagle(target_dir: str | Path, corpus: str | Path, out_dir: str | Path,
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
             optimizer.step()
             steps_run = step + 1
-            evaluated = steps_run % config.eval_every == 0 or steps_run == config.steps
+            out_of_time = bool(config.max_minutes) and \
+                time.monotonic() - started > 60 * config.max_minutes
+            evaluated = (steps_run % config.eval_every == 0 or steps_run == config.steps
+                         or out_of_time)
             if evaluated:
                 val_loss, val_agree = evaluate()
                 if val_loss < best[0]:
@@ -347,7 +353,7 @@ def train_eagle(target_dir: str | Path, corpus: str | Path, out_dir: str | Path,
                           " ".join(f"{a:.3f}" for a in val_agree) if evaluated else "",
                           f"{lr:.3e}", f"{time.monotonic() - started:.1f}"])
             log_file.flush()
-            if evaluated and config.patience and stale >= config.patience:
+            if (evaluated and config.patience and stale >= config.patience) or out_of_time:
                 stopped_early = True
                 break
     best_loss, best_step, state, best_agree = best

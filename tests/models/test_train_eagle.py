@@ -175,3 +175,9 @@ def test_command_line(tmp_path, trained, capsys):
     summary = json.loads((tmp_path / "head" / "eagle.json").read_text())
     assert summary["aux_layers"] == [0, 2, 3] and summary["draft_vocab_size"] == 50
     assert len(summary["after"]["agreement"]) == 2
+    with pytest.raises(SystemExit):  # a time limit stops after the first step's evaluation
+        main(["train-eagle", "--target", str(target), "--corpus", str(corpus), "--out",
+              str(tmp_path / "timed"), "--steps", "50", "--seq-len", "32", "--batch-size", "2",
+              "--eval-batches", "1", "--max-minutes", "1e-9"])
+    timed = json.loads((tmp_path / "timed" / "eagle.json").read_text())
+    assert timed["steps_run"] == 1 and timed["stopped_early"]
