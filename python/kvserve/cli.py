@@ -238,6 +238,27 @@ def _lora_modules(specs: list[str] | None) -> dict[str, str]:
     return modules
 
 
+def _add_training_arguments(p: argparse.ArgumentParser, steps: int, devices: str) -> None:
+    """The options distill and train-eagle share: the corpus and its windows, the schedule, the
+    held-out evaluations and early stop, the seed, threads and device."""
+    p.add_argument("--corpus", required=True, type=Path,
+                   help="UTF-8 text; its last tenth (by characters) validates")
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per window, BOS included")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (cosine decay)")
+    p.add_argument("--warmup-steps", type=int, default=30)
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--eval-batches", type=int, default=8,
+                   help="batches of validation windows per evaluation (0: all)")
+    p.add_argument("--patience", type=int, default=4,
+                   help="stop after this many evaluations without a better validation loss "
+                   "(0: never)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="cpu", help=f"cpu, or cuda[:N] for {devices}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kvserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -316,36 +337,17 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--teacher", required=True, help="the teacher's checkpoint directory")
     d.add_argument("--student", required=True,
                    help="the student's checkpoint directory (e.g. a pruned teacher); same tokenizer")
-    d.add_argument("--corpus", required=True, type=Path,
-                   help="UTF-8 text; its last tenth (by characters) validates")
     d.add_argument("--out", required=True, help="directory to write the distilled student to")
-    d.add_argument("--steps", type=int, default=600)
-    d.add_argument("--batch-size", type=int, default=8)
-    d.add_argument("--seq-len", type=int, default=256, help="tokens per window, BOS included")
-    d.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (cosine decay)")
-    d.add_argument("--warmup-steps", type=int, default=30)
+    _add_training_arguments(d, steps=600, devices="teacher and student")
     d.add_argument("--temperature", type=float, default=1.0,
                    help="softens both distributions; the loss is scaled by its square")
     d.add_argument("--ce-weight", type=float, default=0.0,
                    help="weight of the next-token cross entropy on the text, added to the KL")
-    d.add_argument("--eval-every", type=int, default=50)
-    d.add_argument("--eval-batches", type=int, default=8,
-                   help="batches of validation windows per evaluation (0: all)")
-    d.add_argument("--patience", type=int, default=4,
-                   help="stop after this many evaluations without a better validation loss "
-                   "(0: never)")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--threads", type=int, default=None)
-    d.add_argument("--device", default="cpu", help="cpu, or cuda[:N] for teacher and student")
     d.set_defaults(func=_distill)
     e = sub.add_parser("train-eagle", help="train an EAGLE-3 speculation head for a target")
     e.add_argument("--target", required=True, help="the target's checkpoint directory (Llama)")
-    e.add_argument("--corpus", required=True, type=Path,
-                   help="UTF-8 text; its last tenth (by characters) validates")
     e.add_argument("--out", required=True, help="directory to write the head to")
-    e.add_argument("--steps", type=int, default=800)
-    e.add_argument("--batch-size", type=int, default=8)
-    e.add_argument("--seq-len", type=int, default=256, help="tokens per window, BOS included")
+    _add_training_arguments(e, steps=800, devices="target and head")
     e.add_argument("--ttt-steps", type=int, default=3,
                    help="training-time test steps: the head chained on its own outputs")
     e.add_argument("--draft-vocab-size", type=int, default=0,
@@ -353,19 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--aux-layers", type=int, nargs=3, default=None, metavar="LAYER",
                    help="the target layers whose entering streams the head reads "
                    "(default: low, middle, high)")
-    e.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (cosine decay)")
-    e.add_argument("--warmup-steps", type=int, default=30)
-    e.add_argument("--eval-every", type=int, default=50)
-    e.add_argument("--eval-batches", type=int, default=8,
-                   help="batches of validation windows per evaluation (0: all)")
-    e.add_argument("--patience", type=int, default=4,
-                   help="stop after this many evaluations without a better held-out loss "
-                   "(0: never)")
     e.add_argument("--max-minutes", type=float, default=0.0,
                    help="stop after an evaluation once training took this long (0: no limit)")
-    e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--threads", type=int, default=None)
-    e.add_argument("--device", default="cpu", help="cpu, or cuda[:N] for target and head")
     e.set_defaults(func=_train_eagle)
     v = sub.add_parser("serve", help="serve the OpenAI API over HTTP")
     v.add_argument("--model", required=True, help=_MODEL_HELP)
