@@ -11,7 +11,8 @@ peer at batch 1, in the same run.
     python benchmarks/bench_speculative.py --quick                    # a small smoke run
 
 Workloads (prompts from the validation split of the target's training corpus, which
-training.json names; greedy, ignore_eos, --max-tokens new tokens each):
+training.json names; greedy, ignore_eos, --max-tokens new tokens each; batch 1 decodes
+--batch1-prompts prompts one after another):
   text  windows of held-out text: the draft model's case.
   copy  a held-out window, a blank line, then the window's first tokens again: the continuation
         repeats text of the prompt (quoting, code edits), the n-gram case.
@@ -52,6 +53,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--workloads", nargs="+", default=["text", "copy"], choices=["text", "copy"])
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=96)
+    p.add_argument("--batch1-prompts", type=int, default=4,
+                   help="batch 1 decodes this many prompts, one after another")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--no-peer", action="store_true", help="skip transformers")
@@ -142,7 +145,8 @@ def run_kvserve(args, workloads) -> tuple[list[dict], dict]:
                     llm.generate(prompts[:1], params, use_tqdm=False)  # warm
                     before = llm.llm_engine.get_stats()
                     started = time.perf_counter()
-                    llm.generate(prompts, params, use_tqdm=False)
+                    for group in ([[p] for p in prompts] if batch == 1 else [prompts]):
+                        llm.generate(group, params, use_tqdm=False)
                     times[(method, k)].append(time.perf_counter() - started)
                     after = llm.llm_engine.get_stats()
                     counts[(method, k)] = {
@@ -157,7 +161,8 @@ def run_kvserve(args, workloads) -> tuple[list[dict], dict]:
                 t, c = median(times[(method, k)]), counts[(method, k)]
                 rows.append(dict(
                     workload=workload, batch=batch, method=method, k=k,
-                    tokens_per_s=batch * args.max_tokens / t, speedup=plain / t, seconds=t,
+                    tokens_per_s=len(prompts) * args.max_tokens / t, speedup=plain / t,
+                    seconds=t,
                     acceptance_rate=c["num_accepted_tokens"] / c["num_draft_tokens"]
                     if c["num_draft_tokens"] else None,
                     mean_acceptance_length=1 + c["num_accepted_tokens"] / c["num_drafts"]
@@ -228,7 +233,10 @@ def main() -> None:
     torch.manual_seed(0)
     tokenizer = Tokenizer.from_model_dir(args.target)
     text = validation_text(args.target)
-    workloads = {w: {b: prompts_for(w, tokenizer, text, b, args.prompt_tokens, seed=b)
+    # Batch 1 runs --batch1-prompts prompts one after another, so that its acceptance is not
+    # one prompt's.
+    workloads = {w: {b: prompts_for(w, tokenizer, text, args.batch1_prompts if b == 1 else b,
+                                    args.prompt_tokens, seed=b)
                      for b in args.batch_sizes} for w in args.workloads}
     rows, model = run_kvserve(args, workloads)
     peer = [] if args.no_peer else run_transformers(
