@@ -155,12 +155,14 @@ KVSERVE_CPU_STUB(gemv_packed_stub, GemvPackedFn);
 /// How a quantized_linear weight stores q (contract: kernels/linear/quantized_linear.h).
 enum class QuantFormat : int { kInt8 = 0, kInt4 = 1, kFp8E4M3 = 2 };
 
-/// One quantized weight [n, k]: packed q, fp32 scales and zeros (nullable) [n, k / group_size].
+/// One quantized weight [n, k]: packed q, scales and zeros (nullable) [n, k / group_size], both
+/// fp32 or both fp16 (`half_params`; kernels widen a row's at a time: quantized_row_params).
 struct QuantizedWeight {
   QuantFormat format;
   const void* q;
-  const float* scales;
-  const float* zeros;
+  const void* scales;
+  const void* zeros;
+  bool half_params;
   int64_t n, k, group_size;
 };
 

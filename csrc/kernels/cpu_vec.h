@@ -73,6 +73,26 @@ inline void convert_to_float(const T* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+/// Row o's scales and zeros (null without) of a quantized weight [n, groups] as fp32: pointers
+/// into the weight's own where they are fp32, else widened from fp16 into `buffer`
+/// (2 * groups floats): the few bytes a row's parameters take, next to its q.
+struct QuantizedRowParams {
+  const float* scales;
+  const float* zeros;
+};
+inline QuantizedRowParams quantized_row_params(const void* scales, const void* zeros,
+                                               bool half, int64_t o, int64_t groups,
+                                               float* buffer) {
+  if (!half) {
+    return {static_cast<const float*>(scales) + o * groups,
+            zeros == nullptr ? nullptr : static_cast<const float*>(zeros) + o * groups};
+  }
+  convert_to_float(static_cast<const c10::Half*>(scales) + o * groups, buffer, groups);
+  if (zeros == nullptr) return {buffer, nullptr};
+  convert_to_float(static_cast<const c10::Half*>(zeros) + o * groups, buffer + groups, groups);
+  return {buffer, buffer + groups};
+}
+
 /// Converts n fp32 elements to T.
 template <typename T>
 inline void convert_from_float(const float* src, T* dst, int64_t n) {

@@ -91,6 +91,14 @@ QuantizedLinearWeight QuantizedLinearWeight::load(const WeightMap& w, const std:
   q.qweight = w.get(name + ".qweight");
   q.scales = w.get(name + ".scales");
   q.zeros = w.get_optional(name + ".zeros");
+  // Scales and zeros are read as they are where the kernels take them (fp32, or both fp16 as
+  // AWQ, GPTQ and GGUF store them); anything else is widened to fp32 (exact).
+  const bool half = q.scales.scalar_type() == at::kHalf &&
+                    (!q.zeros.defined() || q.zeros.scalar_type() == at::kHalf);
+  if (!half) {
+    q.scales = q.scales.to(at::kFloat);
+    if (q.zeros.defined()) q.zeros = q.zeros.to(at::kFloat);
+  }
   if (q.qweight.scalar_type() != storage_dtype(q.scheme)) {
     throw std::invalid_argument(
         "Linear: " + name + ".qweight is " + std::string(c10::toString(q.qweight.scalar_type())) +
@@ -106,7 +114,7 @@ QuantizedLinearWeight QuantizedLinearWeight::load(const WeightMap& w, const std:
     TORCH_CHECK(q.scales.size(1) == 1 && !q.zeros.defined(), "Linear: ", name,
                 " runs LLM.int8(), which needs one scale per row and no zeros");
     q.outlier_threshold = w.quantization().outlier_threshold;
-    q.scales = q.scales.view({-1}).contiguous();
+    q.scales = q.scales.view({-1}).to(at::kFloat).contiguous();
   }
   q.quantize_input = (q.scheme == QuantScheme::kInt8 || q.scheme == QuantScheme::kInt4) &&
                      w.quantization().activation == "int8";

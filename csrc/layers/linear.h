@@ -14,8 +14,8 @@ namespace kvserve {
 /// How a Linear holds its weight, and so which op multiplies by it.
 enum class QuantScheme {
   kNone,     ///< a plain (or oneDNN-packed) weight: ops::linear
-  kInt8,     ///< int8 with fp32 scales per row or group (int8, w8a8): ops::quantized_linear
-  kInt4,     ///< two int4 per byte, fp32 scales and zeros per group (int4, AWQ): the same op
+  kInt8,     ///< int8 with scales per row or group (int8, w8a8): ops::quantized_linear
+  kInt4,     ///< two int4 per byte, scales and zeros per group (int4, AWQ): the same op
   kFp8,      ///< float8_e4m3fn with fp32 scales per row or group: the same op
   kLlmInt8,  ///< int8 with one scale per row, outlier columns in float (LLM.int8()):
              ///< ops::llm_int8_linear
@@ -30,9 +30,9 @@ inline constexpr const char* kMixedScheme = "mixed";
 /// std::invalid_argument listing them.
 QuantScheme quant_scheme_from_name(const std::string& name);
 
-/// A quantized weight as its op reads it: q (int8, packed int4 or fp8 E4M3), fp32 scales and
-/// zeros per output row and group of group_size inputs; for kLlmInt8 one scale per row and the
-/// outlier threshold.
+/// A quantized weight as its op reads it: q (int8, packed int4 or fp8 E4M3), scales and zeros
+/// (fp32, or both fp16 as the checkpoint stored them) per output row and group of group_size
+/// inputs; for kLlmInt8 one fp32 scale per row and the outlier threshold.
 struct QuantizedLinearWeight {
   QuantScheme scheme = QuantScheme::kNone;
   at::Tensor qweight, scales, zeros;  // zeros may be undefined

@@ -538,7 +538,13 @@ def _scale(w: dict, module: str, weight_rows: torch.Tensor, bias_rows: torch.Ten
             raise ValueError(f"{module}{suffix}: cannot fold {len(factors)} multipliers into "
                              f"{t.shape[0]} rows")
         shape = (-1,) + (1,) * (t.dim() - 1)
-        w[module + suffix] = (t.float() * factors.view(shape)).to(t.dtype)
+        scaled = t.float() * factors.view(shape)
+        if suffix == ".scales":  # products of fp16 scales are kept in fp32, and the zeros too
+            w[module + suffix] = scaled
+            if module + ".zeros" in w:
+                w[module + ".zeros"] = w[module + ".zeros"].float()
+        else:
+            w[module + suffix] = scaled.to(t.dtype)
 
 
 def read_smollm3(c: _C.ModelConfig, f, hf: dict) -> dict:

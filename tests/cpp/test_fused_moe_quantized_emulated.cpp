@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/moe/fused_moe_quantized.h"
@@ -29,42 +30,50 @@ using cuda::QuantFormat;
 
 constexpr int kWarps = 4;  // the launcher's block: 4 warps, an output each
 
+template <typename P>  // the scales' and zeros' dtype: float or __half
 struct Experts {
   std::vector<at::Tensor> q, scales, zeros;
   std::vector<const uint8_t*> q_ptr;
-  std::vector<const float*> scale_ptr, zero_ptr;
+  std::vector<const P*> scale_ptr, zero_ptr;
 };
 
 // num_experts quantized [rows, k] weights of format F, group g, with zeros when asked.
-template <QuantFormat F>
-Experts experts(int64_t num_experts, int64_t rows, int64_t k, int64_t g, bool zeros) {
-  Experts e;
+template <QuantFormat F, typename P>
+Experts<P> experts(int64_t num_experts, int64_t rows, int64_t k, int64_t g, bool zeros) {
+  constexpr at::ScalarType kParams = std::is_same_v<P, float> ? at::kFloat : at::kHalf;
+  Experts<P> e;
   for (int64_t x = 0; x < num_experts; ++x) {
     e.q.push_back(test_util::random_packed<F>(rows, k));
     // Dequantized weights of about unit variance over sqrt(k), as a trained layer's: outputs
     // of order one, where a bf16 rounding of the activations is within tolerance.
     const double spread = F == QuantFormat::kInt8 ? 64.0 : F == QuantFormat::kInt4 ? 4.0 : 8.0;
-    e.scales.push_back(
-        at::rand({rows, k / g}).mul(0.5).add(0.75).div(spread * std::sqrt(double(k))));
-    if (zeros) e.zeros.push_back(at::rand({rows, k / g}).mul(8));
+    e.scales.push_back(at::rand({rows, k / g})
+                           .mul(0.5)
+                           .add(0.75)
+                           .div(spread * std::sqrt(double(k)))
+                           .to(kParams));
+    if (zeros) e.zeros.push_back(at::rand({rows, k / g}).mul(8).to(kParams));
     e.q_ptr.push_back(static_cast<const uint8_t*>(e.q.back().data_ptr()));
-    e.scale_ptr.push_back(e.scales.back().data_ptr<float>());
-    e.zero_ptr.push_back(zeros ? e.zeros.back().data_ptr<float>() : nullptr);
+    e.scale_ptr.push_back(static_cast<const P*>(e.scales.back().data_ptr()));
+    e.zero_ptr.push_back(zeros ? static_cast<const P*>(e.zeros.back().data_ptr()) : nullptr);
   }
   return e;
 }
 
-template <typename T, QuantFormat F>
+// P13 / P2: each projection's scales' dtype (float or __half).
+template <typename T, QuantFormat F, typename P13 = float, typename P2 = float>
 void run_case(at::ScalarType dtype, int64_t hidden_size, int64_t inter, int64_t group,
               bool zeros, bool vector, double tolerance) {
   SCOPED_TRACE(std::string(c10::toString(dtype)) + " format " +
                std::to_string(static_cast<int>(F)) + " hidden " + std::to_string(hidden_size) +
                " inter " + std::to_string(inter) + " group " + std::to_string(group) +
-               (zeros ? " zeros" : "") + (vector ? " vectors" : " words"));
+               (zeros ? " zeros" : "") + (vector ? " vectors" : " words") +
+               (std::is_same_v<P13, float> ? "" : " fp16 w13 scales") +
+               (std::is_same_v<P2, float> ? "" : " fp16 w2 scales"));
   at::manual_seed(7);
   const int64_t num_tokens = 3, k = 2, num_experts = 3;
-  const Experts w13 = experts<F>(num_experts, 2 * inter, hidden_size, group, zeros);
-  const Experts w2 = experts<F>(num_experts, hidden_size, inter, group, zeros);
+  const Experts<P13> w13 = experts<F, P13>(num_experts, 2 * inter, hidden_size, group, zeros);
+  const Experts<P2> w2 = experts<F, P2>(num_experts, hidden_size, inter, group, zeros);
   // Rows one element apart from 16 bytes when the words path is tested.
   const at::Tensor wide = at::randn({num_tokens, hidden_size + 1}).to(dtype);
   const at::Tensor hidden = vector ? wide.narrow(1, 0, hidden_size).contiguous()
@@ -85,13 +94,13 @@ void run_case(at::ScalarType dtype, int64_t hidden_size, int64_t inter, int64_t 
     const at::Tensor& used = bad ? bad_ids : ids;
     at::Tensor act = at::empty({num_tokens * k, inter}, at::kFloat);
     at::Tensor out = at::empty({num_tokens, hidden_size}, dtype);
-    emu::launch(cuda::moe_quantized_gate_up_kernel<T, F>,
+    emu::launch(cuda::moe_quantized_gate_up_kernel<T, F, P13>,
                 dim3(num_tokens * k, static_cast<unsigned int>((inter + kWarps - 1) / kWarps)),
                 dim3(32 * kWarps), 0, static_cast<const T*>(hidden.data_ptr()), hidden.stride(0),
                 w13.q_ptr.data(), w13.scale_ptr.data(), w13.zero_ptr.data(), true, vector,
                 used.data_ptr<int64_t>(), k, num_experts, hidden_size, inter, group,
                 act.data_ptr<float>());
-    emu::launch(cuda::moe_quantized_down_combine_kernel<T, F>,
+    emu::launch(cuda::moe_quantized_down_combine_kernel<T, F, P2>,
                 dim3(num_tokens, static_cast<unsigned int>((hidden_size + kWarps - 1) / kWarps)),
                 dim3(32 * kWarps), 0, static_cast<const float*>(act.data_ptr<float>()),
                 w2.q_ptr.data(), w2.scale_ptr.data(), w2.zero_ptr.data(), true, vector,
@@ -117,6 +126,10 @@ void run_all(at::ScalarType dtype, double tolerance) {
   run_case<T, QuantFormat::kInt4>(dtype, 128, 96, 32, true, true, tolerance);
   run_case<T, QuantFormat::kFp8E4M3>(dtype, 48, 80, 16, false, true, tolerance);
   run_case<T, QuantFormat::kInt4>(dtype, 64, 32, 32, true, false, tolerance);
+  // fp16 scales and zeros, in one projection or both
+  run_case<T, QuantFormat::kInt4, __half, float>(dtype, 128, 96, 32, true, true, tolerance);
+  run_case<T, QuantFormat::kInt8, float, __half>(dtype, 64, 48, 16, false, true, tolerance);
+  run_case<T, QuantFormat::kInt4, __half, __half>(dtype, 64, 32, 32, true, false, tolerance);
 }
 
 TEST(FusedMoeQuantizedEmulated, MatchesTheCpuOpByVectorsAndWords) {

@@ -1,7 +1,8 @@
 // quantized_linear's CUDA bodies run by the CUDA emulator (cuda_emulator.h) with the launcher's
 // launch shapes, against the CPU op: the 16-byte-vector GEMV for 1-8 tokens, the tensor-core
 // GEMM for any number of tokens (bf16 / fp16) and the vector dequantization (int8, int4 with
-// and without zeros, fp8 E4M3; per-row and grouped scales; bias or none; each input dtype), and
+// and without zeros, fp8 E4M3; per-row and grouped scales, fp32 or fp16; bias or none; each
+// input dtype), and
 // the word-wise kernels they stand beside, which the vector ones must equal (the dequantization
 // bit for bit).
 #include <ATen/ops/empty.h>
@@ -14,6 +15,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <type_traits>
 
 #include "cuda_emulator.h"
 #include "kernels/linear/quantized_linear.h"
@@ -33,15 +35,35 @@ struct Weight {
   int64_t group_size;
 };
 
+// half: scales and zeros in fp16.
 template <QuantFormat F>
-Weight random_weight(int64_t n, int64_t k, int64_t group_size, bool zeros) {
+Weight random_weight(int64_t n, int64_t k, int64_t group_size, bool zeros, bool half = false) {
   Weight w;
   w.q = test_util::random_packed<F>(n, k);
   w.scales = at::rand({n, k / group_size}).mul(0.02).add(0.005);
   if (zeros) w.zeros = at::rand({n, k / group_size}).mul(8);
+  if (half) {
+    w.scales = w.scales.to(at::kHalf);
+    if (zeros) w.zeros = w.zeros->to(at::kHalf);
+  }
   w.group_size = group_size;
   return w;
 }
+
+// Calls f(scales, zeros) with w's scales and zeros (null: none) as the kernels take them:
+// const float*, or const __half* for fp16 ones.
+template <typename Fn>
+void with_params(const Weight& w, Fn&& f) {
+  if (w.scales.scalar_type() == at::kHalf) {
+    f(static_cast<const __half*>(w.scales.data_ptr()),
+      w.zeros ? static_cast<const __half*>(w.zeros->data_ptr()) : nullptr);
+  } else {
+    f(w.scales.data_ptr<float>(), w.zeros ? w.zeros->data_ptr<float>() : nullptr);
+  }
+}
+
+template <typename Pointer>
+using Param = std::remove_cv_t<std::remove_pointer_t<Pointer>>;
 
 // out [m, n] from the vector GEMV compiled for P >= m tokens.
 template <typename T, QuantFormat F, int P>
@@ -50,19 +72,21 @@ at::Tensor vector_gemv(const at::Tensor& x, const Weight& w, const std::optional
   EXPECT_TRUE((cuda::vector_gemv_applies<F>(w.q.data_ptr(), x.data_ptr(),
                                              x.stride(0) * x.element_size(), k, w.group_size)));
   at::Tensor out = at::empty({x.size(0), n}, x.options());
-  auto launch = [&](auto kernel) {
-    emu::launch(kernel, dim3(cuda::blocks_for_rows(n)), dim3(cuda::kQuantizedGemvThreads), 0,
-                static_cast<const T*>(x.data_ptr()), x.stride(0), static_cast<int>(x.size(0)),
-                static_cast<const uint8_t*>(w.q.data_ptr()), w.scales.data_ptr<float>(),
-                w.zeros ? w.zeros->data_ptr<float>() : nullptr,
-                b ? static_cast<const T*>(b->data_ptr()) : nullptr,
-                static_cast<T*>(out.data_ptr()), n, k, w.group_size);
-  };
-  if (w.zeros) {
-    launch(cuda::quantized_gemv_vector_kernel<T, F, P, true>);
-  } else {
-    launch(cuda::quantized_gemv_vector_kernel<T, F, P, false>);
-  }
+  with_params(w, [&](auto scales, auto zeros) {
+    auto launch = [&](auto kernel) {
+      emu::launch(kernel, dim3(cuda::blocks_for_rows(n)), dim3(cuda::kQuantizedGemvThreads), 0,
+                  static_cast<const T*>(x.data_ptr()), x.stride(0), static_cast<int>(x.size(0)),
+                  static_cast<const uint8_t*>(w.q.data_ptr()), scales, zeros,
+                  b ? static_cast<const T*>(b->data_ptr()) : nullptr,
+                  static_cast<T*>(out.data_ptr()), n, k, w.group_size);
+    };
+    using Q = Param<decltype(scales)>;
+    if (w.zeros) {
+      launch(cuda::quantized_gemv_vector_kernel<T, F, P, true, Q>);
+    } else {
+      launch(cuda::quantized_gemv_vector_kernel<T, F, P, false, Q>);
+    }
+  });
   return out;
 }
 
@@ -72,32 +96,32 @@ at::Tensor dequantized(const Weight& w, int64_t k, at::ScalarType dtype, bool ve
   const int64_t n = w.q.size(0);
   at::Tensor dst = at::empty({n, k}, dtype);
   const auto* q = static_cast<const uint8_t*>(w.q.data_ptr());
-  const float* zeros = w.zeros ? w.zeros->data_ptr<float>() : nullptr;
-  if (vector) {
-    const int64_t vectors = k / cuda::kVectorInputs<F>;
-    emu::launch(cuda::quantized_dequantize_vector_kernel<T, F>,
-                dim3(n, static_cast<unsigned int>((vectors + 63) / 64)), dim3(64), 0, q,
-                w.scales.data_ptr<float>(), zeros, static_cast<T*>(dst.data_ptr()), int64_t{0},
-                k, w.group_size);
-  } else {
-    const int64_t words = cuda::quantized_row_bytes<F>(k) / 4;
-    emu::launch(cuda::quantized_dequantize_kernel<T, F>,
-                dim3(n, static_cast<unsigned int>((words + 63) / 64)), dim3(64), 0, q,
-                w.scales.data_ptr<float>(), zeros, static_cast<T*>(dst.data_ptr()), int64_t{0},
-                k, w.group_size, true);
-  }
+  with_params(w, [&](auto scales, auto zeros) {
+    using Q = Param<decltype(scales)>;
+    if (vector) {
+      const int64_t vectors = k / cuda::kVectorInputs<F>;
+      emu::launch(cuda::quantized_dequantize_vector_kernel<T, F, Q>,
+                  dim3(n, static_cast<unsigned int>((vectors + 63) / 64)), dim3(64), 0, q, scales,
+                  zeros, static_cast<T*>(dst.data_ptr()), int64_t{0}, k, w.group_size);
+    } else {
+      const int64_t words = cuda::quantized_row_bytes<F>(k) / 4;
+      emu::launch(cuda::quantized_dequantize_kernel<T, F, Q>,
+                  dim3(n, static_cast<unsigned int>((words + 63) / 64)), dim3(64), 0, q, scales,
+                  zeros, static_cast<T*>(dst.data_ptr()), int64_t{0}, k, w.group_size, true);
+    }
+  });
   return dst;
 }
 
 template <typename T, QuantFormat F>
 void run_case(at::ScalarType dtype, int64_t n, int64_t k, int64_t group_size, bool zeros,
-              bool bias, double tolerance) {
+              bool bias, double tolerance, bool half = false) {
   SCOPED_TRACE(std::string(c10::toString(dtype)) + " format " +
                std::to_string(static_cast<int>(F)) + " n " + std::to_string(n) + " k " +
                std::to_string(k) + " group " + std::to_string(group_size) +
-               (zeros ? " zeros" : "") + (bias ? " bias" : ""));
+               (zeros ? " zeros" : "") + (bias ? " bias" : "") + (half ? " fp16 scales" : ""));
   at::manual_seed(11);
-  const Weight w = random_weight<F>(n, k, group_size, zeros);
+  const Weight w = random_weight<F>(n, k, group_size, zeros, half);
   const std::optional<at::Tensor> b =
       bias ? std::optional<at::Tensor>(at::randn({n}).to(dtype)) : std::nullopt;
   // Rows 16 bytes apart but strided: a view of a wider input.
@@ -137,6 +161,11 @@ void run_all(at::ScalarType dtype, double tolerance) {
   run_case<T, QuantFormat::kInt4>(dtype, 17, 160, 160, true, false, tolerance);
   run_case<T, QuantFormat::kFp8E4M3>(dtype, 11, 48, 48, false, true, tolerance);
   run_case<T, QuantFormat::kFp8E4M3>(dtype, 2, 2064, 2064, false, false, tolerance);
+  // fp16 scales and zeros (AWQ's, GPTQ's, GGUF's)
+  run_case<T, QuantFormat::kInt8>(dtype, 8, 1040, 16, false, true, tolerance, true);
+  run_case<T, QuantFormat::kInt4>(dtype, 9, 128, 64, true, true, tolerance, true);
+  run_case<T, QuantFormat::kInt4>(dtype, 17, 160, 160, true, false, tolerance, true);
+  run_case<T, QuantFormat::kFp8E4M3>(dtype, 11, 48, 48, false, true, tolerance, true);
 }
 
 TEST(QuantizedLinearEmulated, VectorKernelsMatchTheCpuOpInEveryDtype) {
@@ -153,22 +182,24 @@ at::Tensor mma_gemm(const at::Tensor& x, const Weight& w, const std::optional<at
   EXPECT_TRUE((cuda::vector_gemv_applies<F>(w.q.data_ptr(), x.data_ptr(),
                                             x.stride(0) * x.element_size(), k, w.group_size)));
   at::Tensor out = at::empty({m, n}, x.options());
-  auto launch = [&](auto kernel, int kernel_tiles) {
-    emu::launch(kernel, dim3(static_cast<unsigned int>(cuda::mma_gemm_blocks(m, n, kernel_tiles))),
-                dim3(cuda::kMmaGemmThreads), cuda::mma_gemm_shared_bytes(kernel_tiles),
-                static_cast<const T*>(x.data_ptr()), x.stride(0), m,
-                static_cast<const uint8_t*>(w.q.data_ptr()), w.scales.data_ptr<float>(),
-                w.zeros ? w.zeros->data_ptr<float>() : nullptr,
-                b ? static_cast<const T*>(b->data_ptr()) : nullptr, static_cast<T*>(out.data_ptr()),
-                n, k, w.group_size);
-  };
   auto with_tiles = [&](auto tiles_constant) {
     constexpr int kTiles = decltype(tiles_constant)::value;
-    if (w.zeros) {
-      launch(cuda::quantized_gemm_mma_kernel<T, F, kTiles, true>, kTiles);
-    } else {
-      launch(cuda::quantized_gemm_mma_kernel<T, F, kTiles, false>, kTiles);
-    }
+    with_params(w, [&](auto scales, auto zeros) {
+      auto launch = [&](auto kernel) {
+        emu::launch(kernel, dim3(static_cast<unsigned int>(cuda::mma_gemm_blocks(m, n, kTiles))),
+                    dim3(cuda::kMmaGemmThreads), cuda::mma_gemm_shared_bytes(kTiles),
+                    static_cast<const T*>(x.data_ptr()), x.stride(0), m,
+                    static_cast<const uint8_t*>(w.q.data_ptr()), scales, zeros,
+                    b ? static_cast<const T*>(b->data_ptr()) : nullptr,
+                    static_cast<T*>(out.data_ptr()), n, k, w.group_size);
+      };
+      using Q = Param<decltype(scales)>;
+      if (w.zeros) {
+        launch(cuda::quantized_gemm_mma_kernel<T, F, kTiles, true, Q>);
+      } else {
+        launch(cuda::quantized_gemm_mma_kernel<T, F, kTiles, false, Q>);
+      }
+    });
   };
   if (tiles == 1) {
     with_tiles(std::integral_constant<int, 1>{});
@@ -184,13 +215,14 @@ at::Tensor mma_gemm(const at::Tensor& x, const Weight& w, const std::optional<at
 
 template <typename T, QuantFormat F>
 void run_mma_case(at::ScalarType dtype, int64_t n, int64_t k, int64_t group_size, bool zeros,
-                  bool bias, std::initializer_list<int64_t> tokens, double tolerance) {
+                  bool bias, std::initializer_list<int64_t> tokens, double tolerance,
+                  bool half = false) {
   SCOPED_TRACE(std::string(c10::toString(dtype)) + " format " +
                std::to_string(static_cast<int>(F)) + " n " + std::to_string(n) + " k " +
                std::to_string(k) + " group " + std::to_string(group_size) +
-               (zeros ? " zeros" : "") + (bias ? " bias" : ""));
+               (zeros ? " zeros" : "") + (bias ? " bias" : "") + (half ? " fp16 scales" : ""));
   at::manual_seed(13);
-  const Weight w = random_weight<F>(n, k, group_size, zeros);
+  const Weight w = random_weight<F>(n, k, group_size, zeros, half);
   const std::optional<at::Tensor> b =
       bias ? std::optional<at::Tensor>(at::randn({n}).to(dtype)) : std::nullopt;
   const int64_t pad = 16 / at::elementSize(dtype);  // rows 16 bytes apart, strided
@@ -232,6 +264,8 @@ void run_mma_all(at::ScalarType dtype, double tolerance) {
   run_mma_case<T, QuantFormat::kInt4>(dtype, 20, 1024, 256, true, true, {3, 40}, tolerance);
   run_mma_case<T, QuantFormat::kInt8>(dtype, 140, 1024, 1024, false, true, {3}, tolerance);
   run_mma_case<T, QuantFormat::kFp8E4M3>(dtype, 20, 48, 48, false, true, {70}, tolerance);
+  run_mma_case<T, QuantFormat::kInt4>(dtype, 9, 160, 32, true, true, {2, 33}, tolerance, true);
+  run_mma_case<T, QuantFormat::kInt8>(dtype, 17, 2560, 32, false, false, {5}, tolerance, true);
 }
 
 TEST(QuantizedLinearEmulated, TensorCoreKernelMatchesTheCpuOp) {

@@ -41,8 +41,10 @@ def quantize(fmt, w, group_size, zeros):
     return quantize_fp8(w)
 
 
-def make(fmt, hidden, inter, num_experts, k, g13, g2, tokens, dtype, zeros=True, seed=0):
-    """The op's arguments and the reference's output."""
+def make(fmt, hidden, inter, num_experts, k, g13, g2, tokens, dtype, zeros=True, seed=0,
+         half13=False, half2=False):
+    """The op's arguments and the reference's output; half13 / half2: that projection's scales
+    and zeros in fp16."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
     w13 = [quantize(fmt, torch.randn(2 * inter, hidden, generator=g) / hidden ** 0.5, g13, zeros)
@@ -53,10 +55,11 @@ def make(fmt, hidden, inter, num_experts, k, g13, g2, tokens, dtype, zeros=True,
                       ) if tokens else torch.zeros(0, k, dtype=torch.long)
     weights = torch.rand(tokens, k, generator=g)
 
-    def lists(qs):
-        return ([q.qweight for q in qs], [q.scales for q in qs],
-                [q.zeros for q in qs if q.zeros is not None], qs[0].group_size)
-    args = [x, *lists(w13), *lists(w2), weights, ids]
+    def lists(qs, half):
+        cast = (lambda t: t.half()) if half else (lambda t: t)
+        return ([q.qweight for q in qs], [cast(q.scales) for q in qs],
+                [cast(q.zeros) for q in qs if q.zeros is not None], qs[0].group_size)
+    args = [x, *lists(w13, half13), *lists(w2, half2), weights, ids]
     return args, reference.fused_moe_quantized(*args)
 
 
@@ -68,6 +71,17 @@ def test_matches_reference(case, tokens, dtype):
     out = ops.fused_moe_quantized(*args)
     assert out.dtype == dtype and out.shape == (tokens, case[1])
     torch.testing.assert_close(out.double(), want, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 17])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_fp16_scales_and_zeros(case, tokens, dtype):
+    """fp16 scales and zeros in w13, in w2, in both."""
+    for half13, half2 in ((True, False), (False, True), (True, True)):
+        args, want = make(*case, tokens, dtype, half13=half13, half2=half2)
+        torch.testing.assert_close(ops.fused_moe_quantized(*args).double(), want,
+                                   **TOLERANCES[dtype])
 
 
 @pytest.mark.parametrize("tokens", [1, 17])
@@ -156,9 +170,10 @@ def capability_checks():
     for case in (CASES[1], CASES[4], CASES[6]):
         for dtype in DTYPES:
             for tokens in (1, 17):
-                args, want = make(*case, tokens, dtype)
-                torch.testing.assert_close(ops.fused_moe_quantized(*args).double(), want,
-                                           **TOLERANCES[dtype])
+                for half in (False, True):
+                    args, want = make(*case, tokens, dtype, half13=half, half2=half)
+                    torch.testing.assert_close(ops.fused_moe_quantized(*args).double(), want,
+                                               **TOLERANCES[dtype])
 
 
 @pytest.mark.parametrize("capability", CAPABILITIES)
@@ -188,6 +203,18 @@ def test_cuda_matches_reference_and_cpu(case, tokens, dtype):
     assert out.is_cuda and out.dtype == dtype and out.shape == (tokens, case[1])
     torch.testing.assert_close(out.cpu().double(), want, **TOLERANCES[dtype])
     torch.testing.assert_close(out.cpu(), ops.fused_moe_quantized(*args), **TOLERANCES[dtype])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 17])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_cuda_fp16_scales_and_zeros(case, tokens, dtype):
+    for half13, half2 in ((True, False), (False, True), (True, True)):
+        args, want = make(*case, tokens, dtype, half13=half13, half2=half2)
+        out = ops.fused_moe_quantized(*on_cuda(args)).cpu()
+        torch.testing.assert_close(out.double(), want, **TOLERANCES[dtype])
+        torch.testing.assert_close(out, ops.fused_moe_quantized(*args), **TOLERANCES[dtype])
 
 
 @pytest.mark.cuda

@@ -44,6 +44,12 @@ def quantized(fmt, n, k, group_size, seed=0, zeros=True):
     return quantize_fp8(w)
 
 
+def half_params(q):
+    """q with fp16 scales and zeros, as AWQ, GPTQ and GGUF files store them."""
+    return type(q)(q.qweight, q.scales.half(), None if q.zeros is None else q.zeros.half(),
+                   q.group_size)
+
+
 def operands(m, k, n, dtype, bias, seed=0, pad=0):
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(m, k + pad, generator=g).to(dtype)[:, :k]
@@ -67,6 +73,15 @@ def test_quantized_linear_matches_reference(fmt, n, k, group_size, m, dtype, bia
     check(quantized(fmt, n, k, group_size), x, b, dtype)
 
 
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
+@pytest.mark.parametrize("fmt, n, k, group_size", CASES)
+@pytest.mark.parametrize("m", [1, 9, 40])
+def test_fp16_scales_and_zeros(fmt, n, k, group_size, m, dtype):
+    """fp16 scales and zeros, read as they are (GEMV) and widened per row (dequantize)."""
+    x, b = operands(m, k, n, dtype, True, pad=3)
+    check(half_params(quantized(fmt, n, k, group_size)), x, b, dtype)
+
+
 @pytest.mark.parametrize("m", [1, 2, 9])
 def test_int4_without_zeros_and_with_fractional_zeros(m):
     """Symmetric int4 (GPTQ's sym: no zeros) and zeros that are not integers."""
@@ -76,6 +91,8 @@ def test_int4_without_zeros_and_with_fractional_zeros(m):
     q = quantized("int4", 40, 128, 32)
     q.zeros = q.zeros + 0.375
     check(q, x, b, torch.float32)
+    check(half_params(q), x, b, torch.float32)
+    check(half_params(quantized("int4", 40, 128, 32, zeros=False)), x, b, torch.float32)
 
 
 @pytest.mark.parametrize("m", [1, 9])
@@ -138,6 +155,10 @@ def test_bad_arguments():
         ops.quantized_linear(torch.randn(2, 96), q.qweight, q.scales, q.zeros, 32, None)
     with pytest.raises(RuntimeError, match="qweight must be int8"):
         ops.quantized_linear(x, q.qweight.short(), q.scales, q.zeros, 32, None)
+    with pytest.raises(RuntimeError, match="scales must be fp32 or fp16"):
+        ops.quantized_linear(x, q.qweight, q.scales.bfloat16(), q.zeros.bfloat16(), 32, None)
+    with pytest.raises(RuntimeError, match="zeros must be Half"):  # the scales' dtype
+        ops.quantized_linear(x, q.qweight, q.scales.half(), q.zeros, 32, None)
     f = quantized("fp8", 8, 64, 64)
     with pytest.raises(RuntimeError, match="take no zeros"):
         ops.quantized_linear(x, f.qweight, f.scales, torch.zeros(8, 1), 64, None)
@@ -154,6 +175,7 @@ def capability_checks():
             for m in (1, 2, 3, 5, 9):
                 x, b = operands(m, k, n, dtype, True, seed=m)
                 check(quantized(fmt, n, k, group_size, seed=m), x, b, dtype)
+                check(half_params(quantized(fmt, n, k, group_size, seed=m)), x, b, dtype)
     test_every_fp8_value_decodes_exactly(1)
     test_every_fp8_value_decodes_exactly(9)
 
@@ -193,6 +215,15 @@ def check_cuda(q, x, b, dtype):
 def test_cuda_matches_reference_and_cpu(fmt, n, k, group_size, m, dtype, bias):
     x, b = operands(m, k, n, dtype, bias, pad=3)  # strided rows
     check_cuda(quantized(fmt, n, k, group_size), x, b, dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
+@pytest.mark.parametrize("fmt, n, k, group_size", CASES)
+@pytest.mark.parametrize("m", [1, 9, 40])
+def test_cuda_fp16_scales_and_zeros(fmt, n, k, group_size, m, dtype):
+    x, b = operands(m, k, n, dtype, True, pad=3)
+    check_cuda(half_params(quantized(fmt, n, k, group_size)), x, b, dtype)
 
 
 @pytest.mark.cuda
@@ -243,14 +274,17 @@ ALIGNED_CASES = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fmt, n, k, group_size", ALIGNED_CASES)
 @pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 17, 33, 64, 65, 130, 300])
-def test_cuda_every_kernel_on_aligned_inputs(kernel, fmt, n, k, group_size, m, dtype,
+@pytest.mark.parametrize("params", ["fp32", "fp16"])
+def test_cuda_every_kernel_on_aligned_inputs(kernel, fmt, n, k, group_size, m, dtype, params,
                                              quantized_linear_kernel):
-    """Rows 16 bytes apart (strided): every body applies, each against the reference."""
+    """Rows 16 bytes apart (strided): every body applies, each against the reference, with
+    fp32 and with fp16 scales and zeros."""
     quantized_linear_kernel(kernel)
     x, b = operands(m, k, n, dtype, True, pad=8)
     # Past the GEMV the weight is rounded to the input dtype: each output moves by up to
     # ~sqrt(k) such roundings, so the bound is norm-wise for long rows.
     q = quantized(fmt, n, k, group_size)
+    q = half_params(q) if params == "fp16" else q
     out = ops.quantized_linear(on_cuda(x), on_cuda(q.qweight), on_cuda(q.scales),
                                on_cuda(q.zeros), q.group_size, on_cuda(b)).cpu().double()
     expected = reference.quantized_linear(x, q.qweight, q.scales, q.zeros, q.group_size, b)
@@ -270,6 +304,7 @@ def test_cuda_int4_symmetric_and_fractional_zeros_on_tensor_cores(kernel, group_
     q = quantized("int4", 40, 512, group_size)
     q.zeros = q.zeros + 0.375
     check_cuda(q, x, b, torch.bfloat16)
+    check_cuda(half_params(q), x, b, torch.bfloat16)
 
 
 @pytest.mark.cuda

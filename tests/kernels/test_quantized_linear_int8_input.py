@@ -46,6 +46,12 @@ def quantized(fmt, n, k, group_size, seed=0, zeros=True):
     return q if zeros else type(q)(q.qweight, q.scales, None, group_size)
 
 
+def half_params(q):
+    """q with fp16 scales and zeros, as AWQ, GPTQ and GGUF files store them."""
+    return type(q)(q.qweight, q.scales.half(), None if q.zeros is None else q.zeros.half(),
+                   q.group_size)
+
+
 def operands(m, k, n, dtype, bias, seed=0, pad=0):
     g = torch.Generator().manual_seed(seed + 1)
     x = (torch.randn(m, k + pad, generator=g) * torch.rand(m, k + pad, generator=g) * 4)
@@ -68,6 +74,15 @@ def check(q, x, b, dtype):
 def test_int8_input_matches_reference(fmt, n, k, group_size, m, dtype, bias):
     x, b = operands(m, k, n, dtype, bias, pad=3)  # strided rows
     check(quantized(fmt, n, k, group_size), x, b, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt, n, k, group_size", CASES)
+@pytest.mark.parametrize("m", [1, 5, 40])
+def test_fp16_scales_and_zeros(fmt, n, k, group_size, m, dtype):
+    """fp16 scales and zeros (GGUF's Q8_0 and Q4_0, AWQ's), widened a row at a time."""
+    x, b = operands(m, k, n, dtype, True, pad=3)
+    check(half_params(quantized(fmt, n, k, group_size)), x, b, dtype)
 
 
 @pytest.mark.parametrize("m", [1, 6, 40])
@@ -151,6 +166,7 @@ def capability_checks():
             for m in (1, 2, 3, 5, 9):
                 x, b = operands(m, k, n, dtype, True, seed=m)
                 check(quantized(fmt, n, k, group_size, seed=m), x, b, dtype)
+                check(half_params(quantized(fmt, n, k, group_size, seed=m)), x, b, dtype)
     test_int8_extremes_do_not_saturate()
     for m in (1, 5):
         test_rounding_is_exactly_the_contracts(m, 90, 45)

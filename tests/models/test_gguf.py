@@ -347,8 +347,16 @@ def test_block_types_mean_what_the_gguf_package_reads(kind):
     else:
         data = random_blocks(kind, rows, k, 2)
     want = torch.from_numpy(gguf.quants.dequantize(data, T[kind]).reshape(rows, k))
-    got = to_quantized(data, kind, rows, k).dequantize()
+    q = to_quantized(data, kind, rows, k)
+    got = q.dequantize()
     torch.testing.assert_close(got, want, atol=1e-6 * want.abs().max().item(), rtol=1e-5)
+    # Q8_0 / Q4_0 keep the file's fp16 scales (and Q4_0 an fp16 zero 8): 34 and 20 bytes a block
+    half = kind in ("Q8_0", "Q4_0")
+    assert q.scales.dtype == (torch.float16 if half else torch.float32)
+    assert q.zeros is None or q.zeros.dtype == q.scales.dtype
+    if half:
+        nbytes = sum(t.nbytes for t in (q.qweight, q.scales, q.zeros) if t is not None)
+        assert nbytes == rows * k // 32 * {"Q8_0": 34, "Q4_0": 20}[kind]
 
 
 def test_flat_sub_blocks_keep_their_value():

@@ -19,7 +19,9 @@ namespace kvserve::ops {
 ///     order of llama.cpp's Q4_0, so that a 16-byte load unpacks to 32 inputs in order).
 ///     k and g must be multiples of 32;
 ///   - float8_e4m3fn [n, k]: the E4M3 number (no infinities; 0x7f / 0xff are NaN).
-/// scales: fp32 [n, k / g]; zeros: fp32 [n, k / g] or none (0). bias: [n] in the input dtype.
+/// scales: fp32 or fp16 [n, k / g]; zeros: [n, k / g] in the scales' dtype, or none (0); fp16
+/// ones (AWQ's, GPTQ's and GGUF's as stored) are read as they are and widened in registers.
+/// bias: [n] in the input dtype.
 ///
 /// quantize_input (int8 and int4 weights only) rounds the input to int8 first and computes the
 /// same formula on the rounded input: per token, each group is cut into blocks of 32 inputs from

@@ -23,11 +23,13 @@ inline cpu::QuantFormat quantized_format_of(const at::Tensor& qweight) {
   }
 }
 
-/// Checks scales or zeros: contiguous fp32 [n, groups].
+/// Checks scales or zeros: contiguous [n, groups] in `dtype` (fp32 or fp16, scales' dtype).
 inline void check_quantized_params(const char* name, const at::Tensor& t, int64_t n,
-                                   int64_t groups) {
+                                   int64_t groups, at::ScalarType dtype) {
   constexpr const char* op = "quantized_linear";
-  check_contiguous(op, name, t, at::kFloat);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf, op,
+              ": scales must be fp32 or fp16, got ", dtype);
+  check_contiguous(op, name, t, dtype);
   TORCH_CHECK(t.dim() == 2 && t.size(0) == n && t.size(1) == groups, op, ": ", name,
               " must be [", n, ", ", groups, "] (one per output row and group), got ", t.sizes());
 }
@@ -59,10 +61,10 @@ inline cpu::QuantFormat check_quantized_linear(const at::Tensor& input, const at
   TORCH_CHECK(!quantize_input || format != cpu::QuantFormat::kFp8E4M3, op,
               ": quantize_input takes int8 or int4 weights, not fp8");
   const int64_t groups = k / group_size;
-  check_quantized_params("scales", scales, n, groups);
+  check_quantized_params("scales", scales, n, groups, scales.scalar_type());
   if (zeros) {
     TORCH_CHECK(format != cpu::QuantFormat::kFp8E4M3, op, ": fp8 weights take no zeros");
-    check_quantized_params("zeros", *zeros, n, groups);
+    check_quantized_params("zeros", *zeros, n, groups, scales.scalar_type());
   }
   if (bias) {
     check_like(op, "bias", *bias, input);

@@ -39,8 +39,14 @@ at::Tensor quantized_linear_cpu(const at::Tensor& input, const at::Tensor& qweig
   const int64_t m = input.size(0), k = input.size(1), n = qweight.size(0);
   at::Tensor out = at::empty({m, n}, input.options());
   if (m == 0 || n == 0) return out;
-  const cpu::QuantizedWeight w{format, qweight.data_ptr(), scales.data_ptr<float>(),
-                               zeros ? zeros->data_ptr<float>() : nullptr, n, k, group_size};
+  const cpu::QuantizedWeight w{format,
+                               qweight.data_ptr(),
+                               scales.data_ptr(),
+                               zeros ? zeros->data_ptr() : nullptr,
+                               scales.scalar_type() == at::kHalf,
+                               n,
+                               k,
+                               group_size};
   if (quantize_input && m <= kMaxInt8InputTokens) {
     cpu::quantized_gemv_int8_input_stub.get()(dtype, input.data_ptr(), input.stride(0), w,
                                               bias ? bias->data_ptr() : nullptr, out.data_ptr(),

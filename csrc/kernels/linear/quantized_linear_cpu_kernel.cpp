@@ -175,9 +175,12 @@ void rows_for_tokens(const float* x, const float* xsum, const QuantizedWeight& w
   const int64_t k = w.k, g = w.group_size, groups = k / g;
   const int64_t row_bytes = byte_offset<f>(k);
   const auto* q = static_cast<const uint8_t*>(w.q);
+  std::vector<float> params(w.half_params ? 2 * groups : 0);
   for (int64_t o = begin; o < end; ++o) {
     const uint8_t* row = q + o * row_bytes;
-    const float* scales = w.scales + o * groups;
+    const QuantizedRowParams p =
+        quantized_row_params(w.scales, w.zeros, w.half_params, o, groups, params.data());
+    const float* scales = p.scales;
     Vec total[TB];
     float tail[TB] = {};
     for (int64_t t = 0; t < TB; ++t) total[t] = Vec(0.0f);
@@ -215,7 +218,7 @@ void rows_for_tokens(const float* x, const float* xsum, const QuantizedWeight& w
     for (int64_t t = 0; t < TB; ++t) {
       float zero_part = 0.0f;  // sum over groups of zero * scale * sum(x of the group)
       if constexpr (kZero) {
-        const float* zeros = w.zeros + o * groups;
+        const float* zeros = p.zeros;
         const float* sums = xsum + t * groups;
         Vec part(0.0f);
         int64_t gi = 0;
@@ -303,12 +306,15 @@ void dequantize_rows(const QuantizedWeight& w, int64_t row_begin, int64_t row_en
   const int64_t row_bytes = byte_offset<f>(k);
   const auto* q = static_cast<const uint8_t*>(w.q);
   at::parallel_for(row_begin, row_end, kRowGrain, [&](int64_t begin, int64_t end) {
+    std::vector<float> params(w.half_params ? 2 * groups : 0);
     for (int64_t o = begin; o < end; ++o) {
       const uint8_t* row = q + o * row_bytes;
       float* out = dst + (o - row_begin) * k;
+      const QuantizedRowParams p =
+          quantized_row_params(w.scales, w.zeros, w.half_params, o, groups, params.data());
       for (int64_t gi = 0; gi < groups; ++gi) {
-        const float s = w.scales[o * groups + gi] * kScaleFactor<f>;
-        const float z = kZero ? w.zeros[o * groups + gi] : 0.0f;
+        const float s = p.scales[gi] * kScaleFactor<f>;
+        const float z = kZero ? p.zeros[gi] : 0.0f;
         const Vec scale(s), zero(z);
         int64_t i = gi * w.group_size;
         const int64_t group_end = i + w.group_size;

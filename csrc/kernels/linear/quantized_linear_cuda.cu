@@ -37,10 +37,11 @@ constexpr int64_t kMaxMmaTokens = 64;
 constexpr int64_t kDequantBlockBytes = 32 << 20;
 constexpr int kDequantThreads = 128;
 
+template <typename P>  // the scales' and zeros' dtype: float or __half
 struct Weight {
   const uint8_t* q;
-  const float* scales;
-  const float* zeros;  // null: none
+  const P* scales;
+  const P* zeros;  // null: none
   int64_t n, k, group_size;
   bool aligned;  // 4-byte loads: q at a multiple of 4 and whole words per row
 };
@@ -66,8 +67,9 @@ void dispatch_tokens(int64_t m, F&& f) {
   }
 }
 
-template <typename T, cuda::QuantFormat F>
-at::Tensor gemv(const at::Tensor& input, const Weight& w, const std::optional<at::Tensor>& bias) {
+template <typename T, cuda::QuantFormat F, typename P>
+at::Tensor gemv(const at::Tensor& input, const Weight<P>& w,
+                const std::optional<at::Tensor>& bias) {
   at::Tensor out = at::empty({input.size(0), w.n}, input.options());
   const unsigned int blocks = cuda::blocks_for_rows(w.n);
   const T* bias_data = bias ? static_cast<const T*>(bias->data_ptr()) : nullptr;
@@ -78,15 +80,16 @@ at::Tensor gemv(const at::Tensor& input, const Weight& w, const std::optional<at
   const T* x = static_cast<const T*>(input.data_ptr());
   T* y = static_cast<T*>(out.data_ptr());
   if (!vector) {
-    cuda::quantized_gemv_kernel<T, F>
+    cuda::quantized_gemv_kernel<T, F, P>
         <<<blocks, cuda::kQuantizedGemvThreads, 0, cuda::current_stream()>>>(
             x, input.stride(0), m, w.q, w.scales, w.zeros, bias_data, y, w.n, w.k, w.group_size,
             w.aligned);
   } else {
     dispatch_tokens(m, [&](auto tokens) {
-      constexpr int P = decltype(tokens)::value;
-      auto* kernel = w.zeros != nullptr ? cuda::quantized_gemv_vector_kernel<T, F, P, true>
-                                        : cuda::quantized_gemv_vector_kernel<T, F, P, false>;
+      constexpr int kTokens = decltype(tokens)::value;
+      auto* kernel = w.zeros != nullptr
+                         ? cuda::quantized_gemv_vector_kernel<T, F, kTokens, true, P>
+                         : cuda::quantized_gemv_vector_kernel<T, F, kTokens, false, P>;
       kernel<<<blocks, cuda::kQuantizedGemvThreads, 0, cuda::current_stream()>>>(
           x, input.stride(0), m, w.q, w.scales, w.zeros, bias_data, y, w.n, w.k, w.group_size);
     });
@@ -96,26 +99,26 @@ at::Tensor gemv(const at::Tensor& input, const Weight& w, const std::optional<at
 }
 
 // Rows [r, r + block.size(0)) of the weight dequantized into block [rows, k] (the input dtype).
-template <typename T, cuda::QuantFormat F>
-void dequantize(const Weight& w, int64_t r, at::Tensor& block) {
+template <typename T, cuda::QuantFormat F, typename P>
+void dequantize(const Weight<P>& w, int64_t r, at::Tensor& block) {
   if (cuda::vector_rows_apply<F>(w.q, w.k, w.group_size)) {
     const dim3 grid(block.size(0), cuda::blocks_for(w.k / cuda::kVectorInputs<F>,
                                                     kDequantThreads));
-    cuda::quantized_dequantize_vector_kernel<T, F>
+    cuda::quantized_dequantize_vector_kernel<T, F, P>
         <<<grid, kDequantThreads, 0, cuda::current_stream()>>>(
             w.q, w.scales, w.zeros, static_cast<T*>(block.data_ptr()), r, w.k, w.group_size);
   } else {
     const dim3 grid(block.size(0), cuda::blocks_for(cuda::quantized_row_bytes<F>(w.k),
                                                     4 * kDequantThreads));
-    cuda::quantized_dequantize_kernel<T, F><<<grid, kDequantThreads, 0, cuda::current_stream()>>>(
+    cuda::quantized_dequantize_kernel<T, F, P><<<grid, kDequantThreads, 0, cuda::current_stream()>>>(
         w.q, w.scales, w.zeros, static_cast<T*>(block.data_ptr()), r, w.k, w.group_size,
         w.aligned);
   }
   KVSERVE_CUDA_CHECK_LAUNCH();
 }
 
-template <typename T, cuda::QuantFormat F>
-at::Tensor dequantize_and_gemm(const at::Tensor& input, const Weight& w,
+template <typename T, cuda::QuantFormat F, typename P>
+at::Tensor dequantize_and_gemm(const at::Tensor& input, const Weight<P>& w,
                                const std::optional<at::Tensor>& bias) {
   const int64_t rows = std::max<int64_t>(
       64, kDequantBlockBytes / (w.k * static_cast<int64_t>(input.element_size())));
@@ -156,8 +159,8 @@ void dispatch_tiles(int tiles, F&& f) {
 
 // Whether the tensor-core GEMM applies: 16-bit inputs, aligned vectors of weight and input, a
 // GPU with mma.sync (sm_80 or later), and a grid that fits.
-template <typename T, cuda::QuantFormat F>
-bool mma_applies(const at::Tensor& input, const Weight& w) {
+template <typename T, cuda::QuantFormat F, typename P>
+bool mma_applies(const at::Tensor& input, const Weight<P>& w) {
   if constexpr (std::is_same_v<T, float>) {
     return false;
   } else {
@@ -170,16 +173,17 @@ bool mma_applies(const at::Tensor& input, const Weight& w) {
   }
 }
 
-template <typename T, cuda::QuantFormat F>
-at::Tensor mma_gemm(const at::Tensor& input, const Weight& w,
+template <typename T, cuda::QuantFormat F, typename P>
+at::Tensor mma_gemm(const at::Tensor& input, const Weight<P>& w,
                     const std::optional<at::Tensor>& bias) {
   at::Tensor out = at::empty({input.size(0), w.n}, input.options());
   if constexpr (!std::is_same_v<T, float>) {
     const int64_t m = input.size(0);
     dispatch_tiles(cuda::mma_gemm_tiles(m), [&](auto tiles) {
       constexpr int kTiles = decltype(tiles)::value;
-      auto* kernel = w.zeros != nullptr ? cuda::quantized_gemm_mma_kernel<T, F, kTiles, true>
-                                        : cuda::quantized_gemm_mma_kernel<T, F, kTiles, false>;
+      auto* kernel = w.zeros != nullptr
+                         ? cuda::quantized_gemm_mma_kernel<T, F, kTiles, true, P>
+                         : cuda::quantized_gemm_mma_kernel<T, F, kTiles, false, P>;
       kernel<<<static_cast<unsigned int>(cuda::mma_gemm_blocks(m, w.n, kTiles)),
                cuda::kMmaGemmThreads, cuda::mma_gemm_shared_bytes(kTiles),
                cuda::current_stream()>>>(static_cast<const T*>(input.data_ptr()), input.stride(0),
@@ -192,19 +196,23 @@ at::Tensor mma_gemm(const at::Tensor& input, const Weight& w,
   return out;
 }
 
-template <typename T, cuda::QuantFormat F>
+template <typename T, cuda::QuantFormat F, typename P>
 at::Tensor run(const at::Tensor& input, const at::Tensor& qweight, const at::Tensor& scales,
                const std::optional<at::Tensor>& zeros, int64_t group_size,
                const std::optional<at::Tensor>& bias) {
   const int64_t k = input.size(1), m = input.size(0);
-  const Weight w{static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr<float>(),
-                 zeros ? zeros->data_ptr<float>() : nullptr, qweight.size(0), k, group_size,
-                 rows_are_words<F>(qweight, k)};
+  const Weight<P> w{static_cast<const uint8_t*>(qweight.data_ptr()),
+                    static_cast<const P*>(scales.data_ptr()),
+                    zeros ? static_cast<const P*>(zeros->data_ptr()) : nullptr,
+                    qweight.size(0),
+                    k,
+                    group_size,
+                    rows_are_words<F>(qweight, k)};
   using Kernel = QuantizedLinearKernel;
   const Kernel choice = quantized_linear_kernel();
   const bool mma = (choice == Kernel::kMma ||
                     (choice == Kernel::kAuto && m > kMaxAutoGemvTokens && m <= kMaxMmaTokens)) &&
-                   mma_applies<T, F>(input, w);
+                   mma_applies<T, F, P>(input, w);
   if (mma) return mma_gemm<T, F>(input, w, bias);
   // k == 0 takes the GEMV: it writes the bias (or 0) where a 0-wide grid could not launch.
   const bool dequantize = k > 0 && (m > kMaxGemvTokens || choice == Kernel::kDequantize);
@@ -227,19 +235,28 @@ at::Tensor quantized_linear_cuda(const at::Tensor& input, const at::Tensor& qwei
       quantize_input ? round_input_to_int8_blocks(input, group_size).to(input.scalar_type())
                      : input;
   at::Tensor out;
-  cuda::dispatch_float(input.scalar_type(), "quantized_linear", [&](auto type) {
-    using T = typename decltype(type)::type;
+  const auto by_format = [&]<typename T, typename P>() {
     switch (format) {
       case cpu::QuantFormat::kInt8:
-        out = run<T, cuda::QuantFormat::kInt8>(source, qweight, scales, zeros, group_size, bias);
-        break;
-      case cpu::QuantFormat::kInt4:
-        out = run<T, cuda::QuantFormat::kInt4>(source, qweight, scales, zeros, group_size, bias);
-        break;
-      case cpu::QuantFormat::kFp8E4M3:
-        out = run<T, cuda::QuantFormat::kFp8E4M3>(input, qweight, scales, zeros, group_size,
+        out = run<T, cuda::QuantFormat::kInt8, P>(source, qweight, scales, zeros, group_size,
                                                   bias);
         break;
+      case cpu::QuantFormat::kInt4:
+        out = run<T, cuda::QuantFormat::kInt4, P>(source, qweight, scales, zeros, group_size,
+                                                  bias);
+        break;
+      case cpu::QuantFormat::kFp8E4M3:
+        out = run<T, cuda::QuantFormat::kFp8E4M3, P>(input, qweight, scales, zeros, group_size,
+                                                     bias);
+        break;
+    }
+  };
+  cuda::dispatch_float(input.scalar_type(), "quantized_linear", [&](auto type) {
+    using T = typename decltype(type)::type;
+    if (scales.scalar_type() == at::kHalf) {
+      by_format.template operator()<T, __half>();
+    } else {
+      by_format.template operator()<T, float>();
     }
   });
   return out;

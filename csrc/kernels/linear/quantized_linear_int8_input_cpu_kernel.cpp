@@ -494,9 +494,12 @@ void rows_for_tokens(const RoundedInput& x, int64_t t0, const QuantizedWeight& w
     xs[t] = x.scale.data() + (t0 + t) * x.blocks;
     xp[t] = x.pair_scale.data() + (t0 + t) * x.pair_stride;
   }
+  std::vector<float> params(w.half_params ? 2 * groups : 0);
   for (int64_t o = begin; o < end; ++o) {
     const uint8_t* row = q + o * row_bytes;
-    const float* scales = w.scales + o * groups;
+    const QuantizedRowParams p =
+        quantized_row_params(w.scales, w.zeros, w.half_params, o, groups, params.data());
+    const float* scales = p.scales;
     float sum[TB] = {};
 #if KVSERVE_INT8_DOT_SIMD
     if (sixteens) {
@@ -552,7 +555,7 @@ void rows_for_tokens(const RoundedInput& x, int64_t t0, const QuantizedWeight& w
     }
     for (int64_t t = 0; t < TB; ++t) {
       if constexpr (kZero) {
-        sum[t] -= zero_part(w.zeros + o * groups, scales, x.group_sum.data() + (t0 + t) * groups,
+        sum[t] -= zero_part(p.zeros, scales, x.group_sum.data() + (t0 + t) * groups,
                             groups);
       }
       y[(t0 + t) * w.n + o] = sum[t];

@@ -79,23 +79,23 @@ __device__ inline int unpack_word(const uint8_t* row, int64_t b, int64_t row_byt
 
 /// One lane's share of x_t . dequant(q)[o] for the m <= kTokens rows x_t = x + t * x_stride:
 /// acc[t] += over the words 4 * lane, 4 * (lane + 32), ... of row o (the caller reduces over the
-/// warp). q: [n, row bytes of k]; scales / zeros (nullable): fp32 [n, k / group_size].
-template <QuantFormat F, int kTokens, typename X>
+/// warp). q: [n, row bytes of k]; scales / zeros (nullable): P (fp32 or fp16) [n, k / group_size].
+template <QuantFormat F, int kTokens, typename X, typename P>
 __device__ inline void quantized_row_dot(const X* x, int64_t x_stride, int m, const uint8_t* q,
-                                         const float* scales, const float* zeros, int64_t o,
+                                         const P* scales, const P* zeros, int64_t o,
                                          int64_t k, int64_t group_size, bool aligned, int lane,
                                          float* acc) {
   const int64_t groups = k / group_size, row_bytes = quantized_row_bytes<F>(k);
   const uint8_t* row = q + o * row_bytes;
-  const float* s = scales + o * groups;
-  const float* z = zeros != nullptr ? zeros + o * groups : nullptr;
+  const P* s = scales + o * groups;
+  const P* z = zeros != nullptr ? zeros + o * groups : nullptr;
   for (int64_t b = 4 * lane; b < row_bytes; b += 4 * 32) {
     float values[8];
     int64_t index[8];
     const int count = unpack_word<F>(row, b, row_bytes, aligned, values, index);
     for (int j = 0; j < count; ++j) {
       const int64_t g = index[j] / group_size;
-      const float w = (values[j] - (z != nullptr ? z[g] : 0.0f)) * s[g];
+      const float w = (values[j] - (z != nullptr ? to_float(z[g]) : 0.0f)) * to_float(s[g]);
 #pragma unroll
       for (int t = 0; t < kTokens; ++t) {
         if (t < m) acc[t] += to_float(x[t * x_stride + index[j]]) * w;
@@ -117,11 +117,11 @@ inline unsigned int blocks_for_rows(int64_t n) {
 
 /// Grid ceil(n / warps per block), block a multiple of 32 threads. out [m, n] = input [m, k]
 /// (row stride input_stride), m <= kQuantizedGemvTokens, @ dequant(q)^T + bias (nullable): each
-/// warp reads its weight row once for all m tokens. scales and zeros (nullable) fp32
-/// [n, k / group_size]; `aligned`: q starts at a multiple of 4 and its rows are whole words.
-template <typename T, QuantFormat F>
+/// warp reads its weight row once for all m tokens. scales and zeros (nullable) P (fp32 or
+/// fp16) [n, k / group_size]; `aligned`: q starts at a multiple of 4 and its rows are whole words.
+template <typename T, QuantFormat F, typename P>
 __global__ void quantized_gemv_kernel(const T* input, int64_t input_stride, int m,
-                                      const uint8_t* q, const float* scales, const float* zeros,
+                                      const uint8_t* q, const P* scales, const P* zeros,
                                       const T* bias, T* out, int64_t n, int64_t k,
                                       int64_t group_size, bool aligned) {
   const int lane = threadIdx.x % 32;
@@ -224,23 +224,23 @@ __device__ inline void load_inputs(const X* x, float* out) {
 /// vectors l, l + 32, ... of row o (32 x 16 bytes a warp at a time), dequantizes each in
 /// registers and takes its dot product with every token's inputs before the group's zero and
 /// scale (w = (q - z) s, so x . w = s (x . q - z sum(x)); kZeros: zeros is not null).
-template <QuantFormat F, int kTokens, bool kZeros, typename X>
+template <QuantFormat F, int kTokens, bool kZeros, typename X, typename P>
 __device__ inline void quantized_row_dot_vectors(const X* x, int64_t x_stride, int m,
-                                                 const uint8_t* q, const float* scales,
-                                                 const float* zeros, int64_t o, int64_t k,
+                                                 const uint8_t* q, const P* scales,
+                                                 const P* zeros, int64_t o, int64_t k,
                                                  int64_t group_size, int lane, float* acc) {
   constexpr int kInputs = kVectorInputs<F>;
   const int vectors = static_cast<int>(k / kInputs);
   const int vectors_per_group = static_cast<int>(group_size / kInputs);
   const int64_t groups = k / group_size;
   const uint4* row = reinterpret_cast<const uint4*>(q + o * quantized_row_bytes<F>(k));
-  const float* s = scales + o * groups;
+  const P* s = scales + o * groups;
 #pragma unroll 2
   for (int v = lane; v < vectors; v += 32) {
     float w[kInputs];
     unpack_vector<F>(row[v], w);
     const int g = v / vectors_per_group;
-    const float scale = s[g];
+    const float scale = to_float(s[g]);
 #pragma unroll
     for (int t = 0; t < kTokens; ++t) {
       if (t >= m) break;
@@ -253,7 +253,7 @@ __device__ inline void quantized_row_dot_vectors(const X* x, int64_t x_stride, i
         float sum = 0.0f;
 #pragma unroll
         for (int j = 0; j < kInputs; ++j) sum += in[j];
-        dot -= zeros[o * groups + g] * sum;
+        dot -= to_float(zeros[o * groups + g]) * sum;
       }
       acc[t] += scale * dot;
     }
@@ -262,9 +262,9 @@ __device__ inline void quantized_row_dot_vectors(const X* x, int64_t x_stride, i
 
 /// quantized_row_dot_vectors with a zeros pointer that may be null, and kTokens = 1: for
 /// callers (fused_moe_quantized) whose zeros differ per expert.
-template <QuantFormat F, typename X>
+template <QuantFormat F, typename X, typename P>
 __device__ inline void quantized_row_dot_vectors(const X* x, const uint8_t* q,
-                                                 const float* scales, const float* zeros,
+                                                 const P* scales, const P* zeros,
                                                  int64_t o, int64_t k, int64_t group_size,
                                                  int lane, float* acc) {
   if (zeros != nullptr) {
@@ -278,10 +278,10 @@ __device__ inline void quantized_row_dot_vectors(const X* x, const uint8_t* q,
 /// Grid ceil(n / warps per block), block a multiple of 32 threads; where vector_gemv_applies.
 /// out [m, n] = input [m, k] @ dequant(q)^T + bias for m <= kTokens: a warp per output row
 /// (quantized_row_dot_vectors), reduced by shuffles.
-template <typename T, QuantFormat F, int kTokens, bool kZeros>
+template <typename T, QuantFormat F, int kTokens, bool kZeros, typename P>
 __global__ void quantized_gemv_vector_kernel(const T* input, int64_t input_stride, int m,
-                                             const uint8_t* q, const float* scales,
-                                             const float* zeros, const T* bias, T* out,
+                                             const uint8_t* q, const P* scales,
+                                             const P* zeros, const T* bias, T* out,
                                              int64_t n, int64_t k, int64_t group_size) {
   const int lane = threadIdx.x % 32;
   const int64_t o = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
@@ -301,9 +301,9 @@ __global__ void quantized_gemv_vector_kernel(const T* input, int64_t input_strid
 
 /// Grid (rows, ceil(row_bytes / 4 / blockDim.x)). dst [rows, k] (T, contiguous, inputs in their
 /// natural order) = dequant(q) rows [row_begin, row_begin + rows). `aligned` as for the GEMV.
-template <typename T, QuantFormat F>
-__global__ void quantized_dequantize_kernel(const uint8_t* q, const float* scales,
-                                            const float* zeros, T* dst, int64_t row_begin,
+template <typename T, QuantFormat F, typename P>
+__global__ void quantized_dequantize_kernel(const uint8_t* q, const P* scales,
+                                            const P* zeros, T* dst, int64_t row_begin,
                                             int64_t k, int64_t group_size, bool aligned) {
   const int64_t o = row_begin + blockIdx.x;
   const int64_t groups = k / group_size, row_bytes = quantized_row_bytes<F>(k);
@@ -314,7 +314,8 @@ __global__ void quantized_dequantize_kernel(const uint8_t* q, const float* scale
   const int count = unpack_word<F>(q + o * row_bytes, b, row_bytes, aligned, values, index);
   for (int j = 0; j < count; ++j) {
     const int64_t g = o * groups + index[j] / group_size;
-    const float w = (values[j] - (zeros != nullptr ? zeros[g] : 0.0f)) * scales[g];
+    const float w =
+        (values[j] - (zeros != nullptr ? to_float(zeros[g]) : 0.0f)) * to_float(scales[g]);
     dst[blockIdx.x * k + index[j]] = from_float<T>(w);
   }
 }
@@ -323,9 +324,9 @@ __global__ void quantized_dequantize_kernel(const uint8_t* q, const float* scale
 /// 16-byte aligned too). dst [rows, k] (T,
 /// contiguous) = dequant(q) rows [row_begin, row_begin + rows), a 16-byte vector of q a thread,
 /// its outputs stored 16 bytes at a time.
-template <typename T, QuantFormat F>
-__global__ void quantized_dequantize_vector_kernel(const uint8_t* q, const float* scales,
-                                                   const float* zeros, T* dst, int64_t row_begin,
+template <typename T, QuantFormat F, typename P>
+__global__ void quantized_dequantize_vector_kernel(const uint8_t* q, const P* scales,
+                                                   const P* zeros, T* dst, int64_t row_begin,
                                                    int64_t k, int64_t group_size) {
   constexpr int kInputs = kVectorInputs<F>;
   constexpr int kPerStore = 16 / static_cast<int>(sizeof(T));
@@ -333,7 +334,7 @@ __global__ void quantized_dequantize_vector_kernel(const uint8_t* q, const float
   const int64_t v = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
   if (v >= k / kInputs) return;
   const int64_t g = o * (k / group_size) + v * kInputs / group_size;
-  const float scale = scales[g], zero = zeros != nullptr ? zeros[g] : 0.0f;
+  const float scale = to_float(scales[g]), zero = zeros != nullptr ? to_float(zeros[g]) : 0.0f;
   float w[kInputs];
   unpack_vector<F>(reinterpret_cast<const uint4*>(q + o * quantized_row_bytes<F>(k))[v], w);
   uint4* out = reinterpret_cast<uint4*>(dst + blockIdx.x * k + v * kInputs);

@@ -65,16 +65,16 @@ inline size_t mma_gemm_shared_bytes(int tiles) {
 /// Row `row`'s vector `v` of q dequantized to T and packed as the A fragments of its k-steps:
 /// a[s][h] holds inputs 4s, 4s + 1 and a[s][2 + h] inputs 4s + 2, 4s + 3 (h: 0 for row g, 1 for
 /// row g + 8). `live`: the row and the vector exist (else zeros).
-template <typename T, QuantFormat F, bool kZeros, int kSteps>
-__device__ inline void dequantize_fragments(const uint4& packed, bool live, const float* scales,
-                                            const float* zeros, int64_t g, int h,
+template <typename T, QuantFormat F, bool kZeros, int kSteps, typename P>
+__device__ inline void dequantize_fragments(const uint4& packed, bool live, const P* scales,
+                                            const P* zeros, int64_t g, int h,
                                             uint32_t (&a)[kSteps][4]) {
   constexpr int kInputs = kVectorInputs<F>;
   float w[kInputs];
   if (live) {
     unpack_vector<F>(packed, w);
-    const float scale = scales[g];
-    const float zero = kZeros ? zeros[g] : 0.0f;
+    const float scale = to_float(scales[g]);
+    const float zero = kZeros ? to_float(zeros[g]) : 0.0f;
 #pragma unroll
     for (int j = 0; j < kInputs; ++j) w[j] = kZeros ? (w[j] - zero) * scale : w[j] * scale;
   } else {
@@ -90,11 +90,12 @@ __device__ inline void dequantize_fragments(const uint4& packed, bool live, cons
 
 /// Grid mma_gemm_blocks(m, n, kTiles), block kMmaGemmThreads, mma_gemm_shared_bytes(kTiles) of
 /// dynamic shared memory; where vector_gemv_applies. out [m, n] = input [m, k] (row stride
-/// input_stride) @ dequant(q)^T + bias (nullable). kZeros: zeros is not null.
-template <typename T, QuantFormat F, int kTiles, bool kZeros>
+/// input_stride) @ dequant(q)^T + bias (nullable). kZeros: zeros is not null; scales and zeros
+/// P (fp32 or fp16).
+template <typename T, QuantFormat F, int kTiles, bool kZeros, typename P>
 __global__ void __launch_bounds__(kMmaGemmThreads, 2)
     quantized_gemm_mma_kernel(const T* input, int64_t input_stride, int64_t m, const uint8_t* q,
-                              const float* scales, const float* zeros, const T* bias, T* out,
+                              const P* scales, const P* zeros, const T* bias, T* out,
                               int64_t n, int64_t k, int64_t group_size) {
   constexpr int kInputs = kVectorInputs<F>;  // of one lane's vector
   constexpr int kSteps = kInputs / 4;        // k-steps a vector feeds

@@ -10,7 +10,7 @@ namespace kvserve::ops {
 /// where an expert's projections are dequant(w13[e]) [2 * inter, hidden_size] (gate rows, then up
 /// rows) and dequant(w2[e]) [hidden_size, inter], each as kernels/linear/quantized_linear.h
 /// defines dequant: q int8 [n, k], packed int4 uint8 [n, k / 2] or float8_e4m3fn [n, k], with
-/// scales fp32 [n, k / group_size] and zeros of that shape or none.
+/// scales fp32 or fp16 [n, k / group_size] and zeros of that shape and dtype or none.
 /// hidden: [T, hidden_size] fp32, bf16 or fp16 (rows may be strided, last dim contiguous).
 /// w13 / w13_scales / w13_zeros, w2 / w2_scales / w2_zeros: one per expert (a zeros list is
 /// empty for none), every expert of one format and shape; w13_group_size divides hidden_size,

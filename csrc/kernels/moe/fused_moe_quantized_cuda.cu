@@ -59,36 +59,36 @@ at::Tensor device_pointers(Projection& p13, Projection& p2, int64_t num_experts,
   return cuda::pointer_table(table, device);
 }
 
-template <typename T, cuda::QuantFormat F>
+template <typename T, cuda::QuantFormat F, typename P>
 void gate_up(const at::Tensor& hidden, const int64_t* table, const Projection& p,
              const at::Tensor& topk_ids, int64_t num_experts, int64_t inter, at::Tensor& act) {
   const int64_t k = topk_ids.size(1);
   const dim3 grid(act.size(0), cuda::blocks_for(inter, kFusedMoeQuantizedWarps));
   const int64_t* t = table + p.offset;
-  cuda::moe_quantized_gate_up_kernel<T, F><<<grid, 32 * kFusedMoeQuantizedWarps, 0,
-                                             cuda::current_stream()>>>(
+  cuda::moe_quantized_gate_up_kernel<T, F, P><<<grid, 32 * kFusedMoeQuantizedWarps, 0,
+                                                cuda::current_stream()>>>(
       static_cast<const T*>(hidden.data_ptr()), hidden.stride(0),
       reinterpret_cast<const uint8_t* const*>(t),
-      reinterpret_cast<const float* const*>(t + num_experts),
-      reinterpret_cast<const float* const*>(t + 2 * num_experts), p.aligned,
+      reinterpret_cast<const P* const*>(t + num_experts),
+      reinterpret_cast<const P* const*>(t + 2 * num_experts), p.aligned,
       vectors<F>(p, hidden.data_ptr(), hidden.stride(0) * hidden.element_size(), hidden.size(1)),
       topk_ids.data_ptr<int64_t>(), k, num_experts, hidden.size(1), inter, p.group_size,
       act.data_ptr<float>());
   KVSERVE_CUDA_CHECK_LAUNCH();
 }
 
-template <typename T, cuda::QuantFormat F>
+template <typename T, cuda::QuantFormat F, typename P>
 void down_combine(const at::Tensor& act, const int64_t* table, const Projection& p,
                   const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                   int64_t num_experts, at::Tensor& out) {
   const int64_t hidden_size = out.size(1);
   const dim3 grid(out.size(0), cuda::blocks_for(hidden_size, kFusedMoeQuantizedWarps));
   const int64_t* t = table + p.offset;
-  cuda::moe_quantized_down_combine_kernel<T, F><<<grid, 32 * kFusedMoeQuantizedWarps, 0,
-                                                  cuda::current_stream()>>>(
+  cuda::moe_quantized_down_combine_kernel<T, F, P><<<grid, 32 * kFusedMoeQuantizedWarps, 0,
+                                                     cuda::current_stream()>>>(
       act.data_ptr<float>(), reinterpret_cast<const uint8_t* const*>(t),
-      reinterpret_cast<const float* const*>(t + num_experts),
-      reinterpret_cast<const float* const*>(t + 2 * num_experts), p.aligned,
+      reinterpret_cast<const P* const*>(t + num_experts),
+      reinterpret_cast<const P* const*>(t + 2 * num_experts), p.aligned,
       vectors<F>(p, act.data_ptr(), act.stride(0) * act.element_size(), act.size(1)),
       topk_ids.data_ptr<int64_t>(), topk_weights.data_ptr<float>(), topk_ids.size(1),
       num_experts, hidden_size, act.size(1), p.group_size, static_cast<T*>(out.data_ptr()));
@@ -133,11 +133,20 @@ at::Tensor fused_moe_quantized_cuda(const at::Tensor& hidden, at::TensorList w13
   cuda::dispatch_float(hidden.scalar_type(), kFusedMoeQuantized, [&](auto type) {
     using T = typename decltype(type)::type;
     dispatch_format(format13, [&](auto f) {
-      gate_up<T, decltype(f)::value>(hidden, table, p13, topk_ids, num_experts, inter, act);
+      constexpr cuda::QuantFormat F = decltype(f)::value;
+      if (w13_scales[0].scalar_type() == at::kHalf) {
+        gate_up<T, F, __half>(hidden, table, p13, topk_ids, num_experts, inter, act);
+      } else {
+        gate_up<T, F, float>(hidden, table, p13, topk_ids, num_experts, inter, act);
+      }
     });
     dispatch_format(format2, [&](auto f) {
-      down_combine<T, decltype(f)::value>(act, table, p2, topk_ids, topk_weights, num_experts,
-                                          out);
+      constexpr cuda::QuantFormat F = decltype(f)::value;
+      if (w2_scales[0].scalar_type() == at::kHalf) {
+        down_combine<T, F, __half>(act, table, p2, topk_ids, topk_weights, num_experts, out);
+      } else {
+        down_combine<T, F, float>(act, table, p2, topk_ids, topk_weights, num_experts, out);
+      }
     });
   });
   return out;

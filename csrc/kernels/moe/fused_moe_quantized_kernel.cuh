@@ -1,7 +1,8 @@
 #pragma once
 // CUDA body of fused_moe_quantized (contract: fused_moe_quantized.h) over quantized expert
 // weights reached through device arrays of pointers, one entry per expert: q13[e] [2 * inter,
-// row bytes of hidden_size] with scales13[e] / zeros13[e] fp32 [2 * inter, hidden_size / group],
+// row bytes of hidden_size] with scales13[e] / zeros13[e] P13 (fp32 or fp16) [2 * inter,
+// hidden_size / group],
 // q2[e] [hidden_size, row bytes of inter] with scales2[e] / zeros2[e] [hidden_size, inter /
 // group]; a zeros entry may be null (none). The two passes of fused_moe's body (SwiGLU per
 // (pair, intermediate unit), then down rows and the weighted sum per (token, output unit)), one
@@ -29,11 +30,11 @@ namespace kvserve::cuda {
 /// [num_pairs, inter]. aligned13: every q13[e] starts at a multiple of 4 and its rows are whole
 /// words; vector13: the rows are read by 16-byte vectors (vector_gemv_applies to every q13[e]
 /// and to hidden's rows).
-template <typename T, QuantFormat F>
+template <typename T, QuantFormat F, typename P>
 __global__ void moe_quantized_gate_up_kernel(const T* hidden, int64_t hidden_stride,
                                              const uint8_t* const* q13,
-                                             const float* const* scales13,
-                                             const float* const* zeros13, bool aligned13,
+                                             const P* const* scales13,
+                                             const P* const* zeros13, bool aligned13,
                                              bool vector13,
                                              const int64_t* topk_ids, int64_t k,
                                              int64_t num_experts, int64_t hidden_size,
@@ -69,10 +70,10 @@ __global__ void moe_quantized_gate_up_kernel(const T* hidden, int64_t hidden_str
 /// down_e expert e's dequantized w2, in slot order j, skipping bad ids. Grid (num_tokens,
 /// ceil(hidden_size / warps per block)), block a multiple of 32 threads. out: [num_tokens,
 /// hidden_size] contiguous. aligned2 and vector2 as aligned13 and vector13, for q2 and act.
-template <typename T, QuantFormat F>
+template <typename T, QuantFormat F, typename P>
 __global__ void moe_quantized_down_combine_kernel(const float* act, const uint8_t* const* q2,
-                                                  const float* const* scales2,
-                                                  const float* const* zeros2, bool aligned2,
+                                                  const P* const* scales2,
+                                                  const P* const* zeros2, bool aligned2,
                                                   bool vector2,
                                                   const int64_t* topk_ids,
                                                   const float* topk_weights, int64_t k,

@@ -133,8 +133,9 @@ class CheckpointQuantization:
         if self.method == "awq":
             q = unpack_int32(read(f"{module}.qweight"), AWQ_ORDER).T          # [n, k]
             zeros = unpack_int32(read(f"{module}.qzeros"), AWQ_ORDER).T       # [n, g]
-            return QuantizedWeight(pack_int4(q), _fp32(read(f"{module}.scales").T),
-                                   zeros.float().contiguous(), group)
+            scales = _params(read(f"{module}.scales").T)
+            return QuantizedWeight(pack_int4(q), scales, zeros.to(scales.dtype).contiguous(),
+                                   group)
         if self.method == "bitsandbytes":  # w = weight * SCB / 127, SCB the row's max |w|
             scale = (_fp32(read(f"{module}.SCB")) / 127.0).view(n, 1).contiguous()
             return QuantizedWeight(read(f"{module}.weight").contiguous(), scale, None, k,
@@ -146,14 +147,16 @@ class CheckpointQuantization:
                                  "(desc_act false), whose g_idx is input // group_size")
             q = unpack_int32(read(f"{module}.qweight").T.contiguous())          # [n, k]
             zeros = unpack_int32(read(f"{module}.qzeros")).T.float() + 1  # stored as zero - 1
-            return QuantizedWeight(pack_int4(q), _fp32(read(f"{module}.scales").T),
-                                   zeros.contiguous(), group)
+            scales = _params(read(f"{module}.scales").T)
+            return QuantizedWeight(pack_int4(q), scales, zeros.to(scales.dtype).contiguous(),
+                                   group)
         if self.fmt == "pack-quantized":
             q = unpack_int32(read(f"{module}.weight_packed"))                 # signed + 8
             zeros = (torch.full((n, k // group), 8.0) if self.symmetric else
                      unpack_int32(read(f"{module}.weight_zero_point").T.contiguous()).T.float())
-            return QuantizedWeight(pack_int4(q), _fp32(read(f"{module}.weight_scale")),
-                                   zeros.contiguous(), group)
+            scales = _params(read(f"{module}.weight_scale"))
+            return QuantizedWeight(pack_int4(q), scales, zeros.to(scales.dtype).contiguous(),
+                                   group)
         scale = _fp32(read(f"{module}.weight_scale")).reshape(-1, 1).expand(n, 1).contiguous()
         weight = read(f"{module}.weight")
         if self.fmt == "float" and torch.isnan(weight.float()).any():
@@ -165,6 +168,12 @@ class CheckpointQuantization:
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
     return t.float().contiguous()
+
+
+def _params(t: torch.Tensor) -> torch.Tensor:
+    """Group-wise scales as quantized_linear reads them: fp16 as the file stores them (AWQ's and
+    GPTQ's; half the bytes of fp32 beside 4-bit weights), any other dtype widened to fp32."""
+    return (t if t.dtype == torch.float16 else t.float()).contiguous()
 
 
 def unpack_int32(packed: torch.Tensor, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:

@@ -6,8 +6,8 @@ what the file means (up to fp32 rounding of the derived zero):
 
 | GGUF type | block | kvserve weight |
 |---|---|---|
-| Q8_0 | 32 int8 and an fp16 scale d | int8, groups of 32, scale d |
-| Q4_0 | 32 nibbles (byte j: inputs j, j + 16) and d; value d * (q - 8) | int4 (the same bytes), groups of 32, zero 8 |
+| Q8_0 | 32 int8 and an fp16 scale d | int8, groups of 32, scale d (fp16) |
+| Q4_0 | 32 nibbles (byte j: inputs j, j + 16) and d; value d * (q - 8) | int4 (the same bytes), groups of 32, zero 8 (fp16 scales and zeros) |
 | Q4_1 | 32 nibbles, d and a minimum m; value d * q + m | int4, groups of 32, zero -m / d |
 | Q4_K | 256 inputs: 8 sub-blocks of 32 nibbles with 6-bit scales and minimums under fp16 d, dmin; value d * sc * q - dmin * m | int4, groups of 32, scale d * sc, zero dmin * m / (d * sc) |
 | Q5_K | as Q4_K with a fifth bit per input (q in 0..31) | int8 (q as is), groups of 32 |
@@ -15,8 +15,10 @@ what the file means (up to fp32 rounding of the derived zero):
 
 A sub-block whose scale is 0 but whose minimum is not (every input the same value) becomes
 q = 1, zero 0, scale = its value. Q5_K costs 8 bits a weight here against 5.5 in the file, Q6_K 8
-against 6.6 (kvserve has no 5- or 6-bit layout); the others keep their bits, with fp32 scales
-and zeros instead of fp16 ones. The layouts are ggml's (ggml-common.h: block_q4_K and friends).
+against 6.6 (kvserve has no 5- or 6-bit layout); the others keep their bits. Q8_0 and Q4_0
+keep their fp16 scales as they are (Q4_0 adds an fp16 zero: 20 bytes a block against 18);
+the others' derived scales and zeros (d * sc, -m / d) are not fp16 numbers and stay fp32. The
+layouts are ggml's (ggml-common.h: block_q4_K and friends).
 """
 
 from __future__ import annotations
@@ -45,7 +47,12 @@ def _blocks(data: np.ndarray, kind: str, n: int, k: int) -> torch.Tensor:
 
 def _f16(raw: torch.Tensor) -> torch.Tensor:
     """fp16 numbers stored as pairs of bytes [..., 2] -> fp32 [...]."""
-    return raw.contiguous().view(torch.float16).squeeze(-1).float()
+    return _half(raw).float()
+
+
+def _half(raw: torch.Tensor) -> torch.Tensor:
+    """fp16 numbers stored as pairs of bytes [..., 2] -> fp16 [...], as they are."""
+    return raw.contiguous().view(torch.float16).squeeze(-1).contiguous()
 
 
 def _k_scales(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,9 +90,9 @@ def to_quantized(data: np.ndarray, kind: str, n: int, k: int) -> QuantizedWeight
     b = _blocks(data, kind, n, k)
     if kind == "Q8_0":
         q = b[..., 2:].contiguous().view(torch.int8).reshape(n, k)
-        return QuantizedWeight(q, _f16(b[..., 0:2]), None, 32)
+        return QuantizedWeight(q, _half(b[..., 0:2]), None, 32)
     if kind == "Q4_0":
-        d = _f16(b[..., 0:2])
+        d = _half(b[..., 0:2])
         return QuantizedWeight(b[..., 2:].reshape(n, k // 2).contiguous(), d,
                                torch.full_like(d, 8.0), 32)
     if kind == "Q4_1":

@@ -1,8 +1,8 @@
 """Quantized weights as the quantized_linear op reads them, and round-to-nearest quantizers.
 
 A `QuantizedWeight` holds q packed as the op's contract says (csrc/kernels/linear/
-quantized_linear.h) with fp32 scales and zeros, one per output row and group of `group_size`
-inputs:
+quantized_linear.h) with scales and zeros (fp32, or both fp16 as AWQ, GPTQ and GGUF files
+store them), one per output row and group of `group_size` inputs:
 
     w[o, i] = (q[o, i] - zeros[o, i // group_size]) * scales[o, i // group_size]
 
