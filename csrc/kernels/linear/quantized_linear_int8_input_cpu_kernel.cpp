@@ -479,7 +479,7 @@ void int8_row(const RoundedInput& x, const int8_t* const* xq, const float* const
 // group at a time, the short block in scalar code.
 template <F f, bool kZero, int64_t TB>
 void rows_for_tokens(const RoundedInput& x, int64_t t0, const QuantizedWeight& w, int64_t begin,
-                     int64_t end, float* y) {
+                     int64_t end, float* params, float* y) {
   const int64_t k = w.k, g = w.group_size, groups = x.groups;
   const int64_t per_group = (g + kBlock - 1) / kBlock;
   const int64_t row_bytes = byte_offset<f>(k);
@@ -494,11 +494,10 @@ void rows_for_tokens(const RoundedInput& x, int64_t t0, const QuantizedWeight& w
     xs[t] = x.scale.data() + (t0 + t) * x.blocks;
     xp[t] = x.pair_scale.data() + (t0 + t) * x.pair_stride;
   }
-  std::vector<float> params(w.half_params ? 2 * groups : 0);
   for (int64_t o = begin; o < end; ++o) {
     const uint8_t* row = q + o * row_bytes;
     const QuantizedRowParams p =
-        quantized_row_params(w.scales, w.zeros, w.half_params, o, groups, params.data());
+        quantized_row_params(w.scales, w.zeros, w.half_params, o, groups, params);
     const float* scales = p.scales;
     float sum[TB] = {};
 #if KVSERVE_INT8_DOT_SIMD
@@ -566,14 +565,17 @@ void rows_for_tokens(const RoundedInput& x, int64_t t0, const QuantizedWeight& w
 template <F f, bool kZero>
 void gemv_format(const RoundedInput& x, const QuantizedWeight& w, int64_t m, float* y) {
   at::parallel_for(0, w.n, kRowGrain, [&](int64_t begin, int64_t end) {
+    // A row's fp16 scales and zeros widened (quantized_row_params), once per task.
+    std::vector<float> buffer(w.half_params ? 2 * x.groups : 0);
+    float* params = buffer.data();
     for (int64_t r0 = begin; r0 < end; r0 += kRowTile) {
       const int64_t r1 = std::min(end, r0 + kRowTile);
       for (int64_t t0 = 0; t0 < m; t0 += kTokenBlock) {
         switch (std::min(kTokenBlock, m - t0)) {
-          case 1: rows_for_tokens<f, kZero, 1>(x, t0, w, r0, r1, y); break;
-          case 2: rows_for_tokens<f, kZero, 2>(x, t0, w, r0, r1, y); break;
-          case 3: rows_for_tokens<f, kZero, 3>(x, t0, w, r0, r1, y); break;
-          default: rows_for_tokens<f, kZero, 4>(x, t0, w, r0, r1, y); break;
+          case 1: rows_for_tokens<f, kZero, 1>(x, t0, w, r0, r1, params, y); break;
+          case 2: rows_for_tokens<f, kZero, 2>(x, t0, w, r0, r1, params, y); break;
+          case 3: rows_for_tokens<f, kZero, 3>(x, t0, w, r0, r1, params, y); break;
+          default: rows_for_tokens<f, kZero, 4>(x, t0, w, r0, r1, params, y); break;
         }
       }
     }
