@@ -162,14 +162,17 @@ def test_head_equals_the_torch_port(pair, chunks):
                                rtol=1e-4, atol=1e-4)
 
 
-def test_every_step_accepts_the_drafts_the_port_proposes(pair):
+@pytest.mark.parametrize("k", [3, 8])
+def test_every_step_accepts_the_drafts_the_port_proposes(pair, k):
+    """k = 8: chains far deeper than the head's training-time test steps, as deep as the engine
+    takes."""
     target_dir, head_dir = pair
     port = Port(target_dir, head_dir)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     plain = LLM(target_dir, dtype="float32", log_memory_plan=False)
     final = PROMPT + list(plain.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids)
     e = fp32_engine(target_dir, speculative_method="eagle3", speculative_model=head_dir,
-                    num_speculative_tokens=3, **UNLIMITED)
+                    num_speculative_tokens=k, **UNLIMITED)
     steps, accepted = check_every_step(e, PROMPT, params, final, port.drafts)
     assert steps > 5 and accepted > 0  # the check saw drafts accepted
 
