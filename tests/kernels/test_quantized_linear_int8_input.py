@@ -20,9 +20,9 @@ TOLERANCES = {
     torch.bfloat16: dict(atol=3e-2, rtol=2e-2),
     torch.float16: dict(atol=3e-3, rtol=3e-3),
 }
-# Up to 32 tokens run the integer kernels (blocks of up to 4 tokens); 40 rounds the input and
-# takes the GEMM.
-TOKENS = [1, 3, 5, 32, 40]
+# Up to 32 tokens run the integer kernels (blocks of up to 4 tokens: 6 is a block of 4 and one
+# of 2); 40 rounds the input and takes the GEMM.
+TOKENS = [1, 3, 6, 32, 40]
 # (format, n, k, group_size): per row and grouped; int8 groups that are not multiples of 32 end
 # in a short block (groups of 16, GGUF's Q6_K, run two at a time; an odd count ends in one).
 CASES = [
@@ -31,9 +31,10 @@ CASES = [
     ("int8", 33, 256, 16),
     ("int4", 1, 32, 32), ("int4", 7, 96, 32), ("int4", 33, 128, 64), ("int4", 130, 256, 128),
     ("int4", 17, 160, 160), ("int4", 9, 288, 96), ("int4", 5, 768, 384),
-    # AVX-512 takes int4 four blocks at a time (groups of 32 or of a multiple of 128), then a
-    # last pair and an odd block as the others do.
-    ("int4", 11, 224, 32), ("int4", 6, 512, 32),
+    # AVX-512 takes int4 rows four blocks at a time where k is a multiple of 128 (groups of 32
+    # or of a multiple of 128), two rows at once from two tokens on (an odd count ends in one),
+    # two accumulators in turn (an odd number of fours); other k a pair at a time as AVX2 does.
+    ("int4", 11, 224, 32), ("int4", 6, 512, 32), ("int4", 13, 384, 32), ("int4", 7, 640, 128),
 ]
 
 
@@ -162,7 +163,8 @@ def capability_checks():
     for dtype in TOLERANCES:
         for fmt, n, k, group_size in (("int8", 37, 100, 50), ("int8", 37, 128, 64),
                                       ("int8", 37, 80, 16),
-                                      ("int4", 37, 128, 32), ("int4", 37, 256, 128)):
+                                      ("int4", 37, 128, 32), ("int4", 37, 256, 128),
+                                      ("int4", 37, 224, 32)):
             for m in (1, 2, 3, 5, 9):
                 x, b = operands(m, k, n, dtype, True, seed=m)
                 check(quantized(fmt, n, k, group_size, seed=m), x, b, dtype)

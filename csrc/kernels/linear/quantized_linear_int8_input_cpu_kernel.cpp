@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <limits>
 #include <vector>
 
@@ -27,8 +28,8 @@
 #else
 #define KVSERVE_INT8_DOT_SIMD 0
 #endif
-// AVX-512: int4 rows four blocks (one 64-byte load) at a time where a group is one block or a
-// multiple of four (int4_row).
+// AVX-512: int4 rows four blocks (one 64-byte load) at a time where k is a multiple of 128 and a
+// group is one block or a multiple of four (int4_quad_rows).
 #if defined(CPU_CAPABILITY_AVX512)
 #define KVSERVE_INT4_QUADS 1
 #else
@@ -46,6 +47,12 @@ constexpr int64_t kBlock = 32;      // inputs per int8 block
 constexpr int64_t kTokenBlock = 4;  // tokens per pass over a tile of rows
 constexpr int64_t kRowGrain = 16;   // output rows per parallel task at least
 constexpr int64_t kRowTile = 16;    // rows taken through every token block before the next ones
+constexpr int64_t kMaxRowsAtOnce = 2;  // rows one call of a row kernel takes, at most
+// Bytes ahead of a row kernel's reads that it asks the cache for (prefetch_ahead). Rows are
+// read front to back, one after another, yet on a Zen 4 VM asking for them ahead reads a
+// streamed projection 1.1-1.25x faster at one token (int8 and int4, every row kernel) and up to
+// 2x at four (2 threads, interleaved calls with and without); 4 and 8 KB measured the same.
+constexpr int64_t kPrefetchAhead = 8192;
 
 using F = QuantFormat;
 
@@ -59,7 +66,9 @@ struct RoundedInput {
   std::vector<float> pair_scale;
   std::vector<int32_t> block_group;  // [blocks]: the group each block belongs to
   int64_t k = 0, blocks = 0, groups = 0, pair_stride = 0;
-  bool quads = false;  // int4: q interleaved by fours of blocks where it can (interleave)
+  // int4 on AVX-512, k a multiple of 128 in groups of 32 or of a multiple of 128: q
+  // interleaved by fours of blocks (interleave), the rows taken by int4_quad_rows.
+  bool quads = false;
 };
 
 // Rounds one token's k inputs: per block, d = max|x| / 127 and q = round(x * (127 / max|x|))
@@ -107,7 +116,7 @@ void round_token(const T* x, int64_t k, int64_t g, int8_t* q, float* scale, floa
 // one 32-byte load of the pair's packed weights unpacks to: the low nibbles (inputs 0-15 of
 // block 2p, then of block 2p + 1), then the high ones (inputs 16-31 of each). With `quads`, each
 // four blocks (4p .. 4p + 3) likewise for one 64-byte load: the four blocks' inputs 0-15, then
-// their inputs 16-31; a last pair as a pair. An odd last block keeps its order.
+// their inputs 16-31. An odd last block keeps its order.
 void interleave(int8_t* q, int64_t blocks, bool quads) {
   int8_t group[4 * kBlock];
   const auto run = [&](int64_t b, int64_t count) {
@@ -138,7 +147,8 @@ RoundedInput round_input(c10::ScalarType dtype, const void* input, int64_t strid
   x.block_group.resize(x.blocks);
   const int64_t per_group = x.blocks / x.groups;
   for (int64_t b = 0; b < x.blocks; ++b) x.block_group[b] = static_cast<int32_t>(b / per_group);
-  x.quads = KVSERVE_INT4_QUADS && w.format == F::kInt4 && (per_group == 1 || per_group % 4 == 0);
+  x.quads = KVSERVE_INT4_QUADS && w.format == F::kInt4 && x.blocks % 4 == 0 &&
+            (per_group == 1 || per_group % 4 == 0);
   KVSERVE_DISPATCH_FLOATING(dtype, [&] {
     const auto* in = static_cast<const scalar_t*>(input);
     for (int64_t t = 0; t < m; ++t) {
@@ -244,6 +254,13 @@ float sum_lanes(__m256 v) {
 }
 #endif
 
+#if KVSERVE_INT8_DOT_SIMD
+// Asks for the cache line kPrefetchAhead bytes past p (no fault if past the weight's end).
+inline void prefetch_ahead(const uint8_t* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchAhead), _MM_HINT_T0);
+}
+#endif
+
 // sum over groups of zero * scale * (the token's rounded input summed over the group).
 float zero_part(const float* zeros, const float* scales, const float* sums, int64_t groups) {
   int64_t gi = 0;
@@ -279,9 +296,7 @@ __m256 int4_pair_dot(__m256i lo, __m256i hi, const int8_t* x) {
 #if KVSERVE_INT4_QUADS
 // int4_pair_dot for four blocks: lo, hi their 64 bytes' nibbles, x the tokens' inputs
 // interleaved by fours; lanes 4i-4i+3 the sums of block i.
-__m512 int4_quad_dot(__m512i lo, __m512i hi, const int8_t* x) {
-  const __m512i x_lo = _mm512_loadu_si512(x);
-  const __m512i x_hi = _mm512_loadu_si512(x + 2 * kBlock);
+__m512 int4_quad_dot(__m512i lo, __m512i hi, __m512i x_lo, __m512i x_hi) {
 #if defined(CPU_CAPABILITY_VNNI)
   return _mm512_cvtepi32_ps(
       _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, x_lo), hi, x_hi));
@@ -290,11 +305,6 @@ __m512 int4_quad_dot(__m512i lo, __m512i hi, const int8_t* x) {
                                          _mm512_maddubs_epi16(hi, x_hi));
   return _mm512_cvtepi32_ps(_mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
 #endif
-}
-
-// The 256-bit sum of a 512-bit vector's halves.
-__m256 fold(__m512 v) {
-  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
 }
 #endif
 
@@ -312,13 +322,12 @@ __m256 pair_weight_scales(const float* scales, const int32_t* group, int64_t b,
   return _mm256_set_m128(_mm_set1_ps(scales[group[b + 1]]), _mm_set1_ps(scales[group[b]]));
 }
 
-// The sums of one int4 row (groups a multiple of 32) times TB tokens. A pair of blocks comes
-// from one 32-byte load (on AVX-512 four blocks from one 64-byte load where x.quads), the
-// tokens' q interleaved to match (interleave), and its sums
-// take the pair's input scales (x.pair_scale, one load) in one FMA. Groups of an even number of
-// blocks (64, 128, ...) take their weight scale once per group; otherwise each pair's input
-// scales are multiplied by its blocks' weight scales first. Two accumulators per token, so that
-// FMA latency does not bound the loop.
+// The sums of one int4 row (groups a multiple of 32) times TB tokens where int4_quad_rows does
+// not take it. A pair of blocks comes from one 32-byte load, the tokens' q interleaved to match
+// (interleave), and its sums take the pair's input scales (x.pair_scale, one load) in one FMA.
+// Groups of an even number of blocks (64, 128, ...) take their weight scale once per group;
+// otherwise each pair's input scales are multiplied by its blocks' weight scales first. Two
+// accumulators per token, so that FMA latency does not bound the loop.
 template <int64_t TB>
 void int4_row(const RoundedInput& x, const int8_t* const* xq, const float* const* xs,
               const float* const* xp, const uint8_t* row, const float* scales, float* sum) {
@@ -339,64 +348,13 @@ void int4_row(const RoundedInput& x, const int8_t* const* xq, const float* const
     }
   };
   int64_t b = 0;
-#if KVSERVE_INT4_QUADS
-  const __m512i low4 = _mm512_set1_epi8(0x0f);
-  // Adds the four blocks b .. b + 3 to acc, as `pair` does.
-  const auto quad = [&](__m512* acc, int64_t b, const __m512* weight) {
-    const __m512i bytes = _mm512_loadu_si512(row + b * 16);
-    const __m512i lo = _mm512_and_si512(bytes, low4);
-    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
-    for (int64_t t = 0; t < TB; ++t) {
-      __m512 scale = _mm512_loadu_ps(xp[t] + b * 4);
-      if (weight != nullptr) scale = _mm512_mul_ps(scale, *weight);
-      acc[t] = _mm512_fmadd_ps(int4_quad_dot(lo, hi, xq[t] + b * kBlock), scale, acc[t]);
-    }
-  };
-  if (x.quads && per_group % 4 == 0) {  // groups of 128, 256, ...: all in fours
-    __m512 total[TB], q0[TB], q1[TB];
-    for (int64_t t = 0; t < TB; ++t) total[t] = q0[t] = q1[t] = _mm512_setzero_ps();
-    for (int64_t gi = 0; gi < x.groups; ++gi) {
-      const int64_t last = (gi + 1) * per_group;
-      for (; b + 8 <= last; b += 8) {
-        quad(q0, b, nullptr);
-        quad(q1, b + 4, nullptr);
-      }
-      if (b < last) quad(q0, b, nullptr), b += 4;
-      const __m512 weight = _mm512_set1_ps(scales[gi]);
-      for (int64_t t = 0; t < TB; ++t) {
-        total[t] = _mm512_fmadd_ps(_mm512_add_ps(q0[t], q1[t]), weight, total[t]);
-        q0[t] = q1[t] = _mm512_setzero_ps();
-      }
-    }
-    for (int64_t t = 0; t < TB; ++t) sum[t] = _mm512_reduce_add_ps(total[t]);
-    return;
-  }
-  if (x.quads) {  // groups of 32 (Q4_0's): each block's weight scale on its four lanes
-    __m512 q0[TB], q1[TB];
-    for (int64_t t = 0; t < TB; ++t) q0[t] = q1[t] = _mm512_setzero_ps();
-    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    const auto weights = [&](int64_t b) {
-      return _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(scales + b)));
-    };
-    for (; b + 8 <= blocks; b += 8) {
-      const __m512 w0 = weights(b), w1 = weights(b + 4);
-      quad(q0, b, &w0);
-      quad(q1, b + 4, &w1);
-    }
-    if (b + 4 <= blocks) {
-      const __m512 w0 = weights(b);
-      quad(q0, b, &w0);
-      b += 4;
-    }
-    for (int64_t t = 0; t < TB; ++t) acc0[t] = fold(_mm512_add_ps(q0[t], q1[t]));
-  }
-#endif
   if (per_group % 2 == 0) {
     __m256 total[TB];
     for (int64_t t = 0; t < TB; ++t) total[t] = _mm256_setzero_ps();
     for (int64_t gi = 0; gi < x.groups; ++gi) {
       const int64_t last = (gi + 1) * per_group;
       for (; b + 4 <= last; b += 4) {
+        prefetch_ahead(row + b * 16);
         pair(acc0, b, nullptr);
         pair(acc1, b + 2, nullptr);
       }
@@ -411,6 +369,7 @@ void int4_row(const RoundedInput& x, const int8_t* const* xq, const float* const
     return;
   }
   for (; b + 4 <= blocks; b += 4) {
+    prefetch_ahead(row + b * 16);
     const __m256 w0 = pair_weight_scales(scales, group, b, per_group);
     const __m256 w1 = pair_weight_scales(scales, group, b + 2, per_group);
     pair(acc0, b, &w0);
@@ -431,6 +390,67 @@ void int4_row(const RoundedInput& x, const int8_t* const* xq, const float* const
   }
 }
 
+#if KVSERVE_INT4_QUADS
+// Rows int4_quad_rows takes at once for TB tokens: one, streamed alone, reads fastest for a single
+// token; from two tokens on, two rows halve the loads of inputs per weight byte (four tokens:
+// 1.5-2.4x one row at a time on a Zen 4, bench_cpu_variants.py).
+template <int64_t TB>
+constexpr int64_t kQuadRows = TB == 1 ? 1 : kMaxRowsAtOnce;
+
+// The sums of R int4 rows (x.quads) times TB tokens, four blocks (one 64-byte load a row) at a
+// time. Each token's inputs and input scales are loaded once per four blocks for all R rows:
+// those loads are three times the weight's bytes, and with several tokens they, not the
+// weight's, bound a row taken alone. Every quad's sums take its input scales times the weight
+// scale of its block (groups of 32) or of its group (a multiple of 128) in one FMA, into one
+// accumulator per row and token, or two taken in turn where there are fewer than four chains.
+template <int64_t TB, int64_t R>
+void int4_quad_rows(const RoundedInput& x, const int8_t* const* xq, const float* const* xp,
+                    const uint8_t* const* rows, const float* const* scales, float (*sum)[TB]) {
+  constexpr int64_t kSets = R * TB < 4 ? 2 : 1;
+  const int64_t blocks = x.blocks, per_group = blocks / x.groups;
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  __m512 acc[kSets][R][TB];
+  for (int64_t s = 0; s < kSets; ++s) {
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t t = 0; t < TB; ++t) acc[s][r][t] = _mm512_setzero_ps();
+    }
+  }
+  for (int64_t b = 0; b < blocks; b += 4) {
+    // The R rows are contiguous: the bytes past them are read next.
+    for (int64_t r = 0; r < R; ++r) prefetch_ahead(rows[0] + (b / 4 * R + r) * 64);
+    __m512i x_lo[TB], x_hi[TB];
+    __m512 x_scale[TB];
+    for (int64_t t = 0; t < TB; ++t) {
+      x_lo[t] = _mm512_loadu_si512(xq[t] + b * kBlock);
+      x_hi[t] = _mm512_loadu_si512(xq[t] + (b + 2) * kBlock);
+      x_scale[t] = _mm512_loadu_ps(xp[t] + b * 4);
+    }
+    __m512 (&into)[R][TB] = acc[b / 4 % kSets];
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512 weight =
+          per_group == 1
+              ? _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(scales[r] + b)))
+              : _mm512_set1_ps(scales[r][b / per_group]);
+      const __m512i bytes = _mm512_loadu_si512(rows[r] + b * 16);
+      const __m512i lo = _mm512_and_si512(bytes, low);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+      for (int64_t t = 0; t < TB; ++t) {
+        into[r][t] = _mm512_fmadd_ps(int4_quad_dot(lo, hi, x_lo[t], x_hi[t]),
+                                     _mm512_mul_ps(x_scale[t], weight), into[r][t]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t t = 0; t < TB; ++t) {
+      __m512 total = acc[0][r][t];
+      if constexpr (kSets == 2) total = _mm512_add_ps(total, acc[1][r][t]);
+      sum[r][t] = _mm512_reduce_add_ps(total);
+    }
+  }
+}
+#endif
+
 // The sums of one int8 row (groups a multiple of 32) times TB tokens: blocks two at a time into
 // two accumulators per token, each block's sums times its input scale, then each group's sum
 // times its weight scale (once per row for per-channel weights).
@@ -446,6 +466,7 @@ void int8_row(const RoundedInput& x, const int8_t* const* xq, const float* const
     __m256 acc0[TB], acc1[TB];
     for (int64_t t = 0; t < TB; ++t) acc0[t] = acc1[t] = _mm256_setzero_ps();
     for (; b + 2 <= last; b += 2) {
+      prefetch_ahead(row + b * kBlock);
       const WeightBlock w0 = load_block<F::kInt8>(row, b * kBlock);
       const WeightBlock w1 = load_block<F::kInt8>(row, (b + 1) * kBlock);
       for (int64_t t = 0; t < TB; ++t) {
@@ -494,7 +515,44 @@ void rows_for_tokens(const RoundedInput& x, int64_t t0, const QuantizedWeight& w
     xs[t] = x.scale.data() + (t0 + t) * x.blocks;
     xp[t] = x.pair_scale.data() + (t0 + t) * x.pair_stride;
   }
-  for (int64_t o = begin; o < end; ++o) {
+  // Row o's outputs: its sums less its zeros' part.
+  const auto store = [&](int64_t o, const float* zeros, const float* scales, const float* sum) {
+    for (int64_t t = 0; t < TB; ++t) {
+      float out = sum[t];
+      if constexpr (kZero) {
+        out -= zero_part(zeros, scales, x.group_sum.data() + (t0 + t) * groups, groups);
+      }
+      y[(t0 + t) * w.n + o] = out;
+    }
+  };
+  int64_t o = begin;
+#if KVSERVE_INT4_QUADS
+  if constexpr (f == F::kInt4) {
+    // R rows at a time, then one at a time.
+    const auto quad_rows = [&](auto rows_at_once) {
+      constexpr int64_t R = decltype(rows_at_once)::value;
+      for (; o + R <= end; o += R) {
+        QuantizedRowParams p[R];
+        const uint8_t* rows[R];
+        const float* scales[R];
+        for (int64_t r = 0; r < R; ++r) {
+          p[r] = quantized_row_params(w.scales, w.zeros, w.half_params, o + r, groups,
+                                      params + r * 2 * groups);
+          rows[r] = q + (o + r) * row_bytes;
+          scales[r] = p[r].scales;
+        }
+        float sum[R][TB];
+        int4_quad_rows<TB, R>(x, xq, xp, rows, scales, sum);
+        for (int64_t r = 0; r < R; ++r) store(o + r, p[r].zeros, p[r].scales, sum[r]);
+      }
+    };
+    if (x.quads && aligned) {
+      quad_rows(std::integral_constant<int64_t, kQuadRows<TB>>{});
+      quad_rows(std::integral_constant<int64_t, 1>{});
+    }
+  }
+#endif
+  for (; o < end; ++o) {
     const uint8_t* row = q + o * row_bytes;
     const QuantizedRowParams p =
         quantized_row_params(w.scales, w.zeros, w.half_params, o, groups, params);
@@ -508,6 +566,7 @@ void rows_for_tokens(const RoundedInput& x, int64_t t0, const QuantizedWeight& w
       for (int64_t t = 0; t < TB; ++t) acc[t] = _mm256_setzero_ps();
       int64_t b = 0;
       for (; b + 2 <= groups; b += 2) {
+        if (b % 4 == 0) prefetch_ahead(row + b * 16);
         const WeightBlock pair = load_block<f>(row, b * 16);
         for (int64_t t = 0; t < TB; ++t) {
           const __m256 dot = _mm256_cvtepi32_ps(dot_block<f>(pair, xq[t] + b * 16));
@@ -552,21 +611,16 @@ void rows_for_tokens(const RoundedInput& x, int64_t t0, const QuantizedWeight& w
         for (int64_t t = 0; t < TB; ++t) sum[t] += part[t] * scales[gi];
       }
     }
-    for (int64_t t = 0; t < TB; ++t) {
-      if constexpr (kZero) {
-        sum[t] -= zero_part(p.zeros, scales, x.group_sum.data() + (t0 + t) * groups,
-                            groups);
-      }
-      y[(t0 + t) * w.n + o] = sum[t];
-    }
+    store(o, p.zeros, scales, sum);
   }
 }
 
 template <F f, bool kZero>
 void gemv_format(const RoundedInput& x, const QuantizedWeight& w, int64_t m, float* y) {
   at::parallel_for(0, w.n, kRowGrain, [&](int64_t begin, int64_t end) {
-    // A row's fp16 scales and zeros widened (quantized_row_params), once per task.
-    std::vector<float> buffer(w.half_params ? 2 * x.groups : 0);
+    // The fp16 scales and zeros of the rows taken at once widened (quantized_row_params),
+    // allocated once per task.
+    std::vector<float> buffer(w.half_params ? 2 * x.groups * kMaxRowsAtOnce : 0);
     float* params = buffer.data();
     for (int64_t r0 = begin; r0 < end; r0 += kRowTile) {
       const int64_t r1 = std::min(end, r0 + kRowTile);
