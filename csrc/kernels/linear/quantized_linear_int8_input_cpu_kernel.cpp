@@ -29,7 +29,7 @@
 #define KVSERVE_INT8_DOT_SIMD 0
 #endif
 // AVX-512: int4 rows four blocks (one 64-byte load) at a time where k is a multiple of 128 and a
-// group is one block or a multiple of four (int4_quad_rows).
+// group is one block or a multiple of four (Quads, int4_rows).
 #if defined(CPU_CAPABILITY_AVX512)
 #define KVSERVE_INT4_QUADS 1
 #else
@@ -47,7 +47,14 @@ constexpr int64_t kBlock = 32;      // inputs per int8 block
 constexpr int64_t kTokenBlock = 4;  // tokens per pass over a tile of rows
 constexpr int64_t kRowGrain = 16;   // output rows per parallel task at least
 constexpr int64_t kRowTile = 16;    // rows taken through every token block before the next ones
-constexpr int64_t kMaxRowsAtOnce = 2;  // rows one call of a row kernel takes, at most
+// Rows a row kernel takes at once from two tokens on (kRowsAtOnce): two where the CPU has 32
+// vector registers (AVX-512); with AVX2's 16, two rows' accumulators and inputs spill (int4 at
+// four tokens 0.8-0.9x one row at a time).
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int64_t kMaxRowsAtOnce = 2;
+#else
+constexpr int64_t kMaxRowsAtOnce = 1;
+#endif
 // Bytes ahead of a row kernel's reads that it asks the cache for (prefetch_ahead). Rows are
 // read front to back, one after another, yet on a Zen 4 VM asking for them ahead reads a
 // streamed projection 1.1-1.25x faster at one token (int8 and int4, every row kernel) and up to
@@ -67,7 +74,7 @@ struct RoundedInput {
   std::vector<int32_t> block_group;  // [blocks]: the group each block belongs to
   int64_t k = 0, blocks = 0, groups = 0, pair_stride = 0;
   // int4 on AVX-512, k a multiple of 128 in groups of 32 or of a multiple of 128: q
-  // interleaved by fours of blocks (interleave), the rows taken by int4_quad_rows.
+  // interleaved by fours of blocks (interleave), the rows taken by int4_rows as Quads.
   bool quads = false;
 };
 
@@ -278,108 +285,136 @@ float zero_part(const float* zeros, const float* scales, const float* sums, int6
 }
 
 #if KVSERVE_INT8_DOT_SIMD
-// The int32 sums of a pair of int4 blocks (lo, hi: the pair's unpacked nibbles) times one token's
-// interleaved inputs x, as floats: lanes 0-3 the first block's, lanes 4-7 the second's.
-__m256 int4_pair_dot(__m256i lo, __m256i hi, const int8_t* x) {
-  const __m256i x_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  const __m256i x_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + kBlock));
+// int4 blocks as int4_rows takes them: Pairs, two blocks from one 32-byte load (AVX2 and up);
+// Quads, four from one 64-byte load (AVX-512). The tokens' inputs are interleaved to match
+// (interleave) and their scales spread four lanes a block (x.pair_scale), so that a step's
+// integer sums, one int32 lane for each four products, take them in one multiply: lanes 4i to
+// 4i + 3 hold block i's sums.
+struct Pairs {
+  using Int = __m256i;
+  using Float = __m256;
+  static constexpr int64_t kBlocks = 2;
+  static Int load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+  // A step's weights unpacked: low nibbles (inputs 0-15 of each block), high ones (16-31).
+  static void nibbles(const uint8_t* p, Int& lo, Int& hi) {
+    const Int bytes = load(p), low = _mm256_set1_epi8(0x0f);
+    lo = _mm256_and_si256(bytes, low);
+    hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+  }
+  // The weights times the inputs summed in int32, as floats.
+  static Float dot(Int lo, Int hi, Int x_lo, Int x_hi) {
 #if defined(CPU_CAPABILITY_VNNI)
-  return _mm256_cvtepi32_ps(dot_add(dot_add(_mm256_setzero_si256(), lo, x_lo), hi, x_hi));
+    return _mm256_cvtepi32_ps(dot_add(dot_add(_mm256_setzero_si256(), lo, x_lo), hi, x_hi));
 #else
-  // Both halves' int16 pair sums added before widening: at most 2 * 2 * 15 * 127.
-  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x_lo),
-                                         _mm256_maddubs_epi16(hi, x_hi));
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+    // Both halves' int16 pair sums added before widening: at most 2 * 2 * 15 * 127.
+    const Int pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x_lo),
+                                       _mm256_maddubs_epi16(hi, x_hi));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 #endif
-}
-
-#if KVSERVE_INT4_QUADS
-// int4_pair_dot for four blocks: lo, hi their 64 bytes' nibbles, x the tokens' inputs
-// interleaved by fours; lanes 4i-4i+3 the sums of block i.
-__m512 int4_quad_dot(__m512i lo, __m512i hi, __m512i x_lo, __m512i x_hi) {
-#if defined(CPU_CAPABILITY_VNNI)
-  return _mm512_cvtepi32_ps(
-      _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, x_lo), hi, x_hi));
-#else
-  const __m512i pairs = _mm512_add_epi16(_mm512_maddubs_epi16(lo, x_lo),
-                                         _mm512_maddubs_epi16(hi, x_hi));
-  return _mm512_cvtepi32_ps(_mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
-#endif
-}
-#endif
-
-// The weight scales of the pair of blocks (b, b + 1) in the lanes of their sums: the groups of
-// 32 (llama.cpp's Q4_0 / Q4_1) load both with one 8-byte load.
-__m256 pair_weight_scales(const float* scales, const int32_t* group, int64_t b,
-                          int64_t per_group) {
-  if (per_group == 1) {
-    // (an unaligned 8-byte load: scales + b is 4-byte aligned)
+  }
+  static Float floats(const float* p) { return _mm256_loadu_ps(p); }
+  static Float splat(float v) { return _mm256_set1_ps(v); }
+  // The step's blocks' weight scales (groups of 32: llama.cpp's Q4_0 / Q4_1), each on its lanes.
+  static Float block_scales(const float* scales) {
+    // (an unaligned 8-byte load: scales is 4-byte aligned)
     const __m128 two =
-        _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + b)));
+        _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales)));
     return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two),
                                     _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0));
   }
+  static Float add(Float a, Float b) { return _mm256_add_ps(a, b); }
+  static Float mul(Float a, Float b) { return _mm256_mul_ps(a, b); }
+  static Float fmadd(Float a, Float b, Float c) { return _mm256_fmadd_ps(a, b, c); }
+  static float sum(Float v) { return sum_lanes(v); }
+};
+
+#if KVSERVE_INT4_QUADS
+struct Quads {
+  using Int = __m512i;
+  using Float = __m512;
+  static constexpr int64_t kBlocks = 4;
+  static Int load(const void* p) { return _mm512_loadu_si512(p); }
+  static void nibbles(const uint8_t* p, Int& lo, Int& hi) {
+    const Int bytes = load(p), low = _mm512_set1_epi8(0x0f);
+    lo = _mm512_and_si512(bytes, low);
+    hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+  }
+  static Float dot(Int lo, Int hi, Int x_lo, Int x_hi) {
+#if defined(CPU_CAPABILITY_VNNI)
+    return _mm512_cvtepi32_ps(
+        _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, x_lo), hi, x_hi));
+#else
+    const Int pairs = _mm512_add_epi16(_mm512_maddubs_epi16(lo, x_lo),
+                                       _mm512_maddubs_epi16(hi, x_hi));
+    return _mm512_cvtepi32_ps(_mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+#endif
+  }
+  static Float floats(const float* p) { return _mm512_loadu_ps(p); }
+  static Float splat(float v) { return _mm512_set1_ps(v); }
+  static Float block_scales(const float* scales) {
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(scales)));
+  }
+  static Float add(Float a, Float b) { return _mm512_add_ps(a, b); }
+  static Float mul(Float a, Float b) { return _mm512_mul_ps(a, b); }
+  static Float fmadd(Float a, Float b, Float c) { return _mm512_fmadd_ps(a, b, c); }
+  static float sum(Float v) { return _mm512_reduce_add_ps(v); }
+};
+#endif
+
+// R x TB accumulators of L's width (L::Float) for a row kernel, passed and returned by value, so
+// that the compiler keeps them in registers (an array passed by reference it stores back every
+// step).
+template <typename L, int64_t R, int64_t TB>
+struct Sums {
+  typename L::Float v[R][TB];
+  static Sums zero() {
+    Sums s;
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t t = 0; t < TB; ++t) s.v[r][t] = typename L::Float{};
+    }
+    return s;
+  }
+};
+
+// The weight scales of the pair of blocks (b, b + 1) in the lanes of their sums.
+__m256 pair_weight_scales(const float* scales, const int32_t* group, int64_t b,
+                          int64_t per_group) {
+  if (per_group == 1) return Pairs::block_scales(scales + b);
   return _mm256_set_m128(_mm_set1_ps(scales[group[b + 1]]), _mm_set1_ps(scales[group[b]]));
 }
 
-// The sums of one int4 row (groups a multiple of 32) times TB tokens where int4_quad_rows does
-// not take it. A pair of blocks comes from one 32-byte load, the tokens' q interleaved to match
-// (interleave), and its sums take the pair's input scales (x.pair_scale, one load) in one FMA.
-// Groups of an even number of blocks (64, 128, ...) take their weight scale once per group;
-// otherwise each pair's input scales are multiplied by its blocks' weight scales first. Two
-// accumulators per token, so that FMA latency does not bound the loop.
+// The sums of one int4 row (groups a multiple of 32) times TB tokens where int4_rows does not
+// take it: an odd number of blocks of 32, or groups of an odd number of blocks (96, 160, ...). A
+// pair of blocks comes from one 32-byte load, the tokens' q interleaved to match (interleave),
+// and its sums take the pair's input scales times its blocks' weight scales in one FMA; an odd
+// last block in its own order. Two accumulators per token, so that FMA latency does not bound
+// the loop.
 template <int64_t TB>
 void int4_row(const RoundedInput& x, const int8_t* const* xq, const float* const* xs,
               const float* const* xp, const uint8_t* row, const float* scales, float* sum) {
   const int64_t blocks = x.blocks, per_group = blocks / x.groups;
   const int32_t* group = x.block_group.data();
-  const __m256i low = _mm256_set1_epi8(0x0f);
   __m256 acc0[TB], acc1[TB];
   for (int64_t t = 0; t < TB; ++t) acc0[t] = acc1[t] = _mm256_setzero_ps();
-  // Adds the pair (b, b + 1) to acc, its input scales times `weight` (or not, weight == null).
-  const auto pair = [&](__m256* acc, int64_t b, const __m256* weight) {
-    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 16));
-    const __m256i lo = _mm256_and_si256(bytes, low);
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+  // Adds the pair (b, b + 1) to acc, its input scales times its blocks' weight scales.
+  const auto pair = [&](__m256* acc, int64_t b) {
+    const __m256 weight = pair_weight_scales(scales, group, b, per_group);
+    __m256i lo, hi;
+    Pairs::nibbles(row + b * 16, lo, hi);
     for (int64_t t = 0; t < TB; ++t) {
-      __m256 scale = _mm256_loadu_ps(xp[t] + b * 4);
-      if (weight != nullptr) scale = _mm256_mul_ps(scale, *weight);
-      acc[t] = _mm256_fmadd_ps(int4_pair_dot(lo, hi, xq[t] + b * kBlock), scale, acc[t]);
+      const int8_t* in = xq[t] + b * kBlock;
+      acc[t] = _mm256_fmadd_ps(Pairs::dot(lo, hi, Pairs::load(in), Pairs::load(in + kBlock)),
+                               _mm256_mul_ps(_mm256_loadu_ps(xp[t] + b * 4), weight), acc[t]);
     }
   };
   int64_t b = 0;
-  if (per_group % 2 == 0) {
-    __m256 total[TB];
-    for (int64_t t = 0; t < TB; ++t) total[t] = _mm256_setzero_ps();
-    for (int64_t gi = 0; gi < x.groups; ++gi) {
-      const int64_t last = (gi + 1) * per_group;
-      for (; b + 4 <= last; b += 4) {
-        prefetch_ahead(row + b * 16);
-        pair(acc0, b, nullptr);
-        pair(acc1, b + 2, nullptr);
-      }
-      if (b < last) pair(acc0, b, nullptr), b += 2;
-      const __m256 weight = _mm256_broadcast_ss(scales + gi);
-      for (int64_t t = 0; t < TB; ++t) {
-        total[t] = _mm256_fmadd_ps(_mm256_add_ps(acc0[t], acc1[t]), weight, total[t]);
-        acc0[t] = acc1[t] = _mm256_setzero_ps();
-      }
-    }
-    for (int64_t t = 0; t < TB; ++t) sum[t] = sum_lanes(total[t]);
-    return;
-  }
   for (; b + 4 <= blocks; b += 4) {
     prefetch_ahead(row + b * 16);
-    const __m256 w0 = pair_weight_scales(scales, group, b, per_group);
-    const __m256 w1 = pair_weight_scales(scales, group, b + 2, per_group);
-    pair(acc0, b, &w0);
-    pair(acc1, b + 2, &w1);
+    pair(acc0, b);
+    pair(acc1, b + 2);
   }
-  if (b + 2 <= blocks) {
-    const __m256 w0 = pair_weight_scales(scales, group, b, per_group);
-    pair(acc0, b, &w0);
-    b += 2;
-  }
+  if (b + 2 <= blocks) pair(acc0, b), b += 2;
   for (int64_t t = 0; t < TB; ++t) sum[t] = sum_lanes(_mm256_add_ps(acc0[t], acc1[t]));
   if (b < blocks) {  // an odd last block, in its own order
     const WeightBlock last = load_block<F::kInt4>(row, b * kBlock);
@@ -390,112 +425,146 @@ void int4_row(const RoundedInput& x, const int8_t* const* xq, const float* const
   }
 }
 
-#if KVSERVE_INT4_QUADS
-// Rows int4_quad_rows takes at once for TB tokens: one, streamed alone, reads fastest for a single
-// token; from two tokens on, two rows halve the loads of inputs per weight byte (four tokens:
-// 1.5-2.4x one row at a time on a Zen 4, bench_cpu_variants.py).
+// Rows int4_rows and int8_rows take at once for TB tokens: one, streamed alone, reads fastest for
+// a single token; from two tokens on, kMaxRowsAtOnce rows cut the loads of inputs per weight
+// byte (int4 at four tokens: 1.3-2.8x one row at a time on a Zen 4 with AVX-512).
 template <int64_t TB>
-constexpr int64_t kQuadRows = TB == 1 ? 1 : kMaxRowsAtOnce;
+constexpr int64_t kRowsAtOnce = TB == 1 ? 1 : kMaxRowsAtOnce;
 
-// The sums of R int4 rows (x.quads) times TB tokens, four blocks (one 64-byte load a row) at a
-// time. Each token's inputs and input scales are loaded once per four blocks for all R rows:
-// those loads are three times the weight's bytes, and with several tokens they, not the
-// weight's, bound a row taken alone. Every quad's sums take its input scales times the weight
-// scale of its block (groups of 32) or of its group (a multiple of 128) in one FMA, into one
-// accumulator per row and token, or two taken in turn where there are fewer than four chains.
-template <int64_t TB, int64_t R>
-void int4_quad_rows(const RoundedInput& x, const int8_t* const* xq, const float* const* xp,
-                    const uint8_t* const* rows, const float* const* scales, float (*sum)[TB]) {
+// The sums of R int4 rows times TB tokens, L::kBlocks blocks (one load a row) at a time: groups
+// of 32, or of an even number of blocks (Pairs) or a multiple of four (Quads). Each token's
+// inputs and input scales are loaded once a step for all R rows: those loads are three times
+// the weight's bytes, and with several tokens they, not the weight's, bound a row taken alone.
+// Every step's sums take its input scales times the weight scale of its blocks (groups of 32)
+// or of its group in one FMA, into one accumulator per row and token, or two taken in turn
+// where there are fewer than four chains.
+template <typename L, int64_t TB, int64_t R>
+void int4_rows(const RoundedInput& x, const int8_t* const* xq, const float* const* xp,
+               const uint8_t* const* rows, const float* const* scales, float (*sum)[TB]) {
+  using Int = typename L::Int;
+  using Float = typename L::Float;
+  using Acc = Sums<L, R, TB>;
   constexpr int64_t kSets = R * TB < 4 ? 2 : 1;
+  constexpr int64_t kStep = L::kBlocks;
   const int64_t blocks = x.blocks, per_group = blocks / x.groups;
-  const __m512i low = _mm512_set1_epi8(0x0f);
-  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  __m512 acc[kSets][R][TB];
-  for (int64_t s = 0; s < kSets; ++s) {
-    for (int64_t r = 0; r < R; ++r) {
-      for (int64_t t = 0; t < TB; ++t) acc[s][r][t] = _mm512_setzero_ps();
+  // acc plus the step of blocks from b of the R rows.
+  const auto step = [&](Acc acc, int64_t b) {
+    if (b % 4 == 0) {  // a cache line a row for every 4 blocks; the R rows are contiguous
+      for (int64_t r = 0; r < R; ++r) prefetch_ahead(rows[0] + (b / 4 * R + r) * 64);
     }
-  }
-  for (int64_t b = 0; b < blocks; b += 4) {
-    // The R rows are contiguous: the bytes past them are read next.
-    for (int64_t r = 0; r < R; ++r) prefetch_ahead(rows[0] + (b / 4 * R + r) * 64);
-    __m512i x_lo[TB], x_hi[TB];
-    __m512 x_scale[TB];
+    Int x_lo[TB], x_hi[TB];
+    Float x_scale[TB];
     for (int64_t t = 0; t < TB; ++t) {
-      x_lo[t] = _mm512_loadu_si512(xq[t] + b * kBlock);
-      x_hi[t] = _mm512_loadu_si512(xq[t] + (b + 2) * kBlock);
-      x_scale[t] = _mm512_loadu_ps(xp[t] + b * 4);
+      x_lo[t] = L::load(xq[t] + b * kBlock);
+      x_hi[t] = L::load(xq[t] + b * kBlock + kStep * 16);
+      x_scale[t] = L::floats(xp[t] + b * 4);
     }
-    __m512 (&into)[R][TB] = acc[b / 4 % kSets];
     for (int64_t r = 0; r < R; ++r) {
-      const __m512 weight =
-          per_group == 1
-              ? _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(scales[r] + b)))
-              : _mm512_set1_ps(scales[r][b / per_group]);
-      const __m512i bytes = _mm512_loadu_si512(rows[r] + b * 16);
-      const __m512i lo = _mm512_and_si512(bytes, low);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+      const Float weight =
+          per_group == 1 ? L::block_scales(scales[r] + b) : L::splat(scales[r][b / per_group]);
+      Int lo, hi;
+      L::nibbles(rows[r] + b * 16, lo, hi);
       for (int64_t t = 0; t < TB; ++t) {
-        into[r][t] = _mm512_fmadd_ps(int4_quad_dot(lo, hi, x_lo[t], x_hi[t]),
-                                     _mm512_mul_ps(x_scale[t], weight), into[r][t]);
+        acc.v[r][t] = L::fmadd(L::dot(lo, hi, x_lo[t], x_hi[t]), L::mul(x_scale[t], weight),
+                               acc.v[r][t]);
       }
     }
+    return acc;
+  };
+  Acc acc0 = Acc::zero(), acc1 = Acc::zero();
+  int64_t b = 0;
+  for (; b + kSets * kStep <= blocks; b += kSets * kStep) {
+    acc0 = step(acc0, b);
+    if constexpr (kSets == 2) acc1 = step(acc1, b + kStep);
   }
+  if (b < blocks) acc0 = step(acc0, b);
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t t = 0; t < TB; ++t) {
-      __m512 total = acc[0][r][t];
-      if constexpr (kSets == 2) total = _mm512_add_ps(total, acc[1][r][t]);
-      sum[r][t] = _mm512_reduce_add_ps(total);
+      sum[r][t] = L::sum(kSets == 2 ? L::add(acc0.v[r][t], acc1.v[r][t]) : acc0.v[r][t]);
     }
   }
 }
-#endif
 
-// The sums of one int8 row (groups a multiple of 32) times TB tokens: blocks two at a time into
-// two accumulators per token, each block's sums times its input scale, then each group's sum
-// times its weight scale (once per row for per-channel weights).
-template <int64_t TB>
-void int8_row(const RoundedInput& x, const int8_t* const* xq, const float* const* xs,
-              const uint8_t* row, const float* scales, float* sum) {
-  const int64_t per_group = x.blocks / x.groups;
-  __m256 total[TB];
-  for (int64_t t = 0; t < TB; ++t) total[t] = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (int64_t gi = 0; gi < x.groups; ++gi) {
-    const int64_t last = (gi + 1) * per_group;
-    __m256 acc0[TB], acc1[TB];
-    for (int64_t t = 0; t < TB; ++t) acc0[t] = acc1[t] = _mm256_setzero_ps();
-    for (; b + 2 <= last; b += 2) {
-      prefetch_ahead(row + b * kBlock);
-      const WeightBlock w0 = load_block<F::kInt8>(row, b * kBlock);
-      const WeightBlock w1 = load_block<F::kInt8>(row, (b + 1) * kBlock);
-      for (int64_t t = 0; t < TB; ++t) {
-        const __m256 d0 = _mm256_cvtepi32_ps(dot_block<F::kInt8>(w0, xq[t] + b * kBlock));
-        const __m256 d1 = _mm256_cvtepi32_ps(dot_block<F::kInt8>(w1, xq[t] + (b + 1) * kBlock));
-        acc0[t] = _mm256_fmadd_ps(d0, _mm256_broadcast_ss(xs[t] + b), acc0[t]);
-        acc1[t] = _mm256_fmadd_ps(d1, _mm256_broadcast_ss(xs[t] + b + 1), acc1[t]);
-      }
+// The sums of R int8 rows (groups a multiple of 32) times TB tokens, a block at a time: each
+// token's block of inputs and its scale are loaded once for all R rows, and each row's weights
+// once for all TB tokens (its sign moved onto the inputs: load_block). Each block's sums take
+// its input scale; groups of one block (llama.cpp's Q8_0) the weight's scale with it, larger
+// groups theirs once per group (once per row for per-channel weights): a group's sum waits on
+// the FMAs before it, which for one block a group would bound the loop. One accumulator per
+// row and token, or two taken in turn where there are fewer than four chains.
+template <int64_t TB, int64_t R>
+void int8_rows(const RoundedInput& x, const int8_t* const* xq, const float* const* xs,
+               const uint8_t* const* rows, const float* const* scales, float (*sum)[TB]) {
+  constexpr int64_t kSets = R * TB < 4 ? 2 : 1;
+  using Acc = Sums<Pairs, R, TB>;  // 256-bit, as Pairs
+  // acc plus block b of the R rows; with_weight: its input scales times its weight scales.
+  const auto block = [&](auto with_weight, Acc acc, int64_t b) {
+    if (b % 2 == 0) {  // a cache line a row for every 2 blocks; the R rows are contiguous
+      for (int64_t r = 0; r < R; ++r) prefetch_ahead(rows[0] + (b / 2 * R + r) * 64);
     }
-    if (b < last) {
-      const WeightBlock w0 = load_block<F::kInt8>(row, b * kBlock);
-      for (int64_t t = 0; t < TB; ++t) {
-        const __m256 d0 = _mm256_cvtepi32_ps(dot_block<F::kInt8>(w0, xq[t] + b * kBlock));
-        acc0[t] = _mm256_fmadd_ps(d0, _mm256_broadcast_ss(xs[t] + b), acc0[t]);
-      }
-      ++b;
-    }
-    const __m256 weight = _mm256_broadcast_ss(scales + gi);
+    __m256i in[TB];
+    __m256 in_scale[TB];
     for (int64_t t = 0; t < TB; ++t) {
-      total[t] = _mm256_fmadd_ps(_mm256_add_ps(acc0[t], acc1[t]), weight, total[t]);
+      in[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[t] + b * kBlock));
+      in_scale[t] = _mm256_broadcast_ss(xs[t] + b);
     }
+    for (int64_t r = 0; r < R; ++r) {
+      const WeightBlock w = load_block<F::kInt8>(rows[r], b * kBlock);
+      __m256 weight;
+      if constexpr (decltype(with_weight)::value) weight = _mm256_broadcast_ss(scales[r] + b);
+      for (int64_t t = 0; t < TB; ++t) {
+        const __m256i dot =
+            dot_add(_mm256_setzero_si256(), w.magnitude, _mm256_sign_epi8(in[t], w.sign));
+        __m256 scale = in_scale[t];
+        if constexpr (decltype(with_weight)::value) scale = _mm256_mul_ps(scale, weight);
+        acc.v[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc.v[r][t]);
+      }
+    }
+    return acc;
+  };
+  Acc acc0, acc1, total;
+  // Blocks [b, last) into acc0 (and acc1 in turn).
+  const auto blocks = [&](auto with_weight, int64_t& b, int64_t last) {
+    for (; b + kSets <= last; b += kSets) {
+      acc0 = block(with_weight, acc0, b);
+      if constexpr (kSets == 2) acc1 = block(with_weight, acc1, b + 1);
+    }
+    if (b < last) acc0 = block(with_weight, acc0, b++);
+  };
+  // acc0 (plus acc1) [r][t].
+  const auto both = [&](int64_t r, int64_t t) {
+    return kSets == 2 ? _mm256_add_ps(acc0.v[r][t], acc1.v[r][t]) : acc0.v[r][t];
+  };
+  acc0 = acc1 = Acc::zero();
+  int64_t b = 0;
+  if (x.blocks == x.groups) {  // groups of one block
+    blocks(std::true_type{}, b, x.blocks);
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t t = 0; t < TB; ++t) sum[r][t] = sum_lanes(both(r, t));
+    }
+    return;
   }
-  for (int64_t t = 0; t < TB; ++t) sum[t] = sum_lanes(total[t]);
+  total = Acc::zero();
+  const int64_t per_group = x.blocks / x.groups;
+  for (int64_t gi = 0; gi < x.groups; ++gi) {
+    blocks(std::false_type{}, b, (gi + 1) * per_group);
+    for (int64_t r = 0; r < R; ++r) {
+      const __m256 weight = _mm256_broadcast_ss(scales[r] + gi);
+      for (int64_t t = 0; t < TB; ++t) {
+        total.v[r][t] = _mm256_fmadd_ps(both(r, t), weight, total.v[r][t]);
+      }
+    }
+    acc0 = acc1 = Acc::zero();
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t t = 0; t < TB; ++t) sum[r][t] = sum_lanes(total.v[r][t]);
+  }
 }
 #endif
 
 // y[t * n + o] for TB tokens from t0 and rows [begin, end). A block's weights are loaded (and
-// int4 unpacked) once for all TB tokens. Groups that are multiples of 32 run through int4_row /
-// int8_row; int8 groups of 16 (GGUF's Q6_K) two at a time, each pair's sums taking its two
+// int4 unpacked) once for all TB tokens. Groups that are multiples of 32 run through int4_rows /
+// int8_rows (int4_row the int4 shapes those do not take); int8 groups of 16 (GGUF's Q6_K) two at a time, each pair's sums taking its two
 // blocks' input-times-weight scales in one FMA; other int8 groups with a shorter last block go a
 // group at a time, the short block in scalar code.
 template <F f, bool kZero, int64_t TB>
@@ -526,30 +595,46 @@ void rows_for_tokens(const RoundedInput& x, int64_t t0, const QuantizedWeight& w
     }
   };
   int64_t o = begin;
-#if KVSERVE_INT4_QUADS
-  if constexpr (f == F::kInt4) {
-    // R rows at a time, then one at a time.
-    const auto quad_rows = [&](auto rows_at_once) {
-      constexpr int64_t R = decltype(rows_at_once)::value;
-      for (; o + R <= end; o += R) {
-        QuantizedRowParams p[R];
-        const uint8_t* rows[R];
-        const float* scales[R];
-        for (int64_t r = 0; r < R; ++r) {
-          p[r] = quantized_row_params(w.scales, w.zeros, w.half_params, o + r, groups,
-                                      params + r * 2 * groups);
-          rows[r] = q + (o + r) * row_bytes;
-          scales[r] = p[r].scales;
-        }
-        float sum[R][TB];
-        int4_quad_rows<TB, R>(x, xq, xp, rows, scales, sum);
-        for (int64_t r = 0; r < R; ++r) store(o + r, p[r].zeros, p[r].scales, sum[r]);
+#if KVSERVE_INT8_DOT_SIMD
+  // Rows `count` at a time through kernel(count, rows, scales, sums) while they last.
+  const auto rows_at_once = [&](auto count, const auto& kernel) {
+    constexpr int64_t R = decltype(count)::value;
+    for (; o + R <= end; o += R) {
+      QuantizedRowParams p[R];
+      const uint8_t* row[R];
+      const float* scales[R];
+      for (int64_t r = 0; r < R; ++r) {
+        p[r] = quantized_row_params(w.scales, w.zeros, w.half_params, o + r, groups,
+                                    params + r * 2 * groups);
+        row[r] = q + (o + r) * row_bytes;
+        scales[r] = p[r].scales;
       }
-    };
-    if (x.quads && aligned) {
-      quad_rows(std::integral_constant<int64_t, kQuadRows<TB>>{});
-      quad_rows(std::integral_constant<int64_t, 1>{});
+      float sum[R][TB];
+      kernel(count, row, scales, sum);
+      for (int64_t r = 0; r < R; ++r) store(o + r, p[r].zeros, p[r].scales, sum[r]);
     }
+  };
+  // All rows: kRowsAtOnce at a time, then one at a time.
+  const auto all_rows = [&](const auto& kernel) {
+    rows_at_once(std::integral_constant<int64_t, kRowsAtOnce<TB>>{}, kernel);
+    rows_at_once(std::integral_constant<int64_t, 1>{}, kernel);
+  };
+  if constexpr (f == F::kInt4) {
+    const auto int4_in = [&](auto lanes) {
+      all_rows([&](auto count, const uint8_t* const* row, const float* const* scales,
+                   float (*sum)[TB]) {
+        int4_rows<decltype(lanes), TB, decltype(count)::value>(x, xq, xp, row, scales, sum);
+      });
+    };
+#if KVSERVE_INT4_QUADS
+    if (aligned && x.quads) int4_in(Quads{});
+#endif
+    if (aligned && x.blocks % 2 == 0 && (per_group == 1 || per_group % 2 == 0)) int4_in(Pairs{});
+  } else if (aligned) {
+    all_rows([&](auto count, const uint8_t* const* row, const float* const* scales,
+                 float (*sum)[TB]) {
+      int8_rows<TB, decltype(count)::value>(x, xq, xs, row, scales, sum);
+    });
   }
 #endif
   for (; o < end; ++o) {
@@ -562,30 +647,30 @@ void rows_for_tokens(const RoundedInput& x, int64_t t0, const QuantizedWeight& w
     if (sixteens) {
       // int8 groups (and blocks) of 16: a pair per 32-byte load, lanes 0-3 of the sums block
       // b's, lanes 4-7 block b + 1's; an odd last one in scalar code.
-      __m256 acc[TB];
-      for (int64_t t = 0; t < TB; ++t) acc[t] = _mm256_setzero_ps();
+      // Two accumulators a token, pairs in turn: one would wait on its FMA every 32 bytes.
+      __m256 acc[2][TB];
+      for (int64_t t = 0; t < TB; ++t) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
       int64_t b = 0;
       for (; b + 2 <= groups; b += 2) {
         if (b % 4 == 0) prefetch_ahead(row + b * 16);
         const WeightBlock pair = load_block<f>(row, b * 16);
+        __m256* into = acc[b / 2 % 2];
         for (int64_t t = 0; t < TB; ++t) {
           const __m256 dot = _mm256_cvtepi32_ps(dot_block<f>(pair, xq[t] + b * 16));
           const __m256 scale = _mm256_set_m128(_mm_set1_ps(xs[t][b + 1] * scales[b + 1]),
                                                _mm_set1_ps(xs[t][b] * scales[b]));
-          acc[t] = _mm256_fmadd_ps(dot, scale, acc[t]);
+          into[t] = _mm256_fmadd_ps(dot, scale, into[t]);
         }
       }
       for (int64_t t = 0; t < TB; ++t) {
-        sum[t] = sum_lanes(acc[t]);
+        sum[t] = sum_lanes(_mm256_add_ps(acc[0][t], acc[1][t]));
         if (b < groups) {
           const int32_t dot = dot_scalar<f>(row, xq[t], b * 16, 16);
           sum[t] += xs[t][b] * scales[b] * static_cast<float>(dot);
         }
       }
-    } else if (aligned && f == F::kInt4) {
+    } else if (aligned) {  // int4 rows int4_rows does not take (int8's all went through int8_rows)
       int4_row<TB>(x, xq, xs, xp, row, scales, sum);
-    } else if (aligned) {
-      int8_row<TB>(x, xq, xs, row, scales, sum);
     }
 #endif
     if (!KVSERVE_INT8_DOT_SIMD || (!aligned && !sixteens)) {
