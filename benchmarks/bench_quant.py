@@ -196,6 +196,18 @@ def decode_tpot(path: Path, dtype: str, args, prompt: list[int],
     return out.metrics.time_per_output_token, nbytes
 
 
+def llama_cpp_peer_of(name: str) -> str | None:
+    """The llama.cpp format a kvserve row of bench_model compares with: the same bits (int4 in
+    groups of 128 against Q4_0 too), or the same file."""
+    if name.startswith("llama.cpp"):
+        return None
+    if name.endswith(" GGUF a8"):
+        return name.split()[0]
+    if name in ("fp32", "bf16"):
+        return {"fp32": "F32", "bf16": "BF16"}[name]
+    return "Q4_0" if name.startswith("int4") else "Q8_0"
+
+
 def bench_model(args) -> list[list]:
     paths = checkpoints(args)
     prompt = [1] + list(range(3, 10))  # 8 tokens: the GEMV's path in every format
@@ -235,14 +247,19 @@ def bench_model(args) -> list[list]:
         t = statistics.median(r)
         read = weights[name] - embedding[name]
         rate = read / t  # every weight byte but the embedding's read once per token
+        # Against llama.cpp: the median of each round's ratio, so that the VM's drift from one
+        # round to the next does not enter it.
+        peer_runs = runs.get(f"llama.cpp {llama_cpp_peer_of(name)}")
+        versus = (f"{statistics.median(p / k for p, k in zip(peer_runs, r)):.2f}x "
+                  f"{llama_cpp_peer_of(name)}" if peer_runs else "")
         rows.append([name, f"{weights[name] / 1e6:.0f}", f"{read / 1e6:.0f}", f"{t * 1e3:.1f}",
-                     f"{bf16 / t:.2f}x", f"{rate / 1e9:.1f}", f"{rate / probe:.2f}"])
+                     f"{bf16 / t:.2f}x", versus, f"{rate / 1e9:.1f}", f"{rate / probe:.2f}"])
     print(f"\n{args.model}: batch-1 decode, {args.decode_tokens} tokens after an 8-token prompt, "
           f"medians of {args.repeats}; torch.sum reads {bandwidth[0] / 1e9:.1f} GB/s before, "
           f"{bandwidth[1] / 1e9:.1f} after; peers: "
           + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in peer.items()))
     print(markdown_table(["weights", "MB held", "MB read a token", "TPOT ms", "vs bf16",
-                          "weight GB/s", "of probe"], rows))
+                          "vs llama.cpp", "weight GB/s", "of probe"], rows))
     return rows
 
 
