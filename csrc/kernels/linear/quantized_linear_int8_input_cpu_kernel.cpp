@@ -452,20 +452,21 @@ void int4_rows(const RoundedInput& x, const int8_t* const* xq, const float* cons
     if (b % 4 == 0) {  // a cache line a row for every 4 blocks; the R rows are contiguous
       for (int64_t r = 0; r < R; ++r) prefetch_ahead(rows[0] + (b / 4 * R + r) * 64);
     }
-    Int x_lo[TB], x_hi[TB];
-    Float x_scale[TB];
-    for (int64_t t = 0; t < TB; ++t) {
-      x_lo[t] = L::load(xq[t] + b * kBlock);
-      x_hi[t] = L::load(xq[t] + b * kBlock + kStep * 16);
-      x_scale[t] = L::floats(xp[t] + b * 4);
-    }
+    // The rows' weights unpacked once, then each token's inputs loaded once for all of them
+    // (so that registers hold R rows' weights, not TB tokens' inputs: AVX2 has 16).
+    Int lo[R], hi[R];
+    Float weight[R];
     for (int64_t r = 0; r < R; ++r) {
-      const Float weight =
+      weight[r] =
           per_group == 1 ? L::block_scales(scales[r] + b) : L::splat(scales[r][b / per_group]);
-      Int lo, hi;
-      L::nibbles(rows[r] + b * 16, lo, hi);
-      for (int64_t t = 0; t < TB; ++t) {
-        acc.v[r][t] = L::fmadd(L::dot(lo, hi, x_lo[t], x_hi[t]), L::mul(x_scale[t], weight),
+      L::nibbles(rows[r] + b * 16, lo[r], hi[r]);
+    }
+    for (int64_t t = 0; t < TB; ++t) {
+      const Int x_lo = L::load(xq[t] + b * kBlock);
+      const Int x_hi = L::load(xq[t] + b * kBlock + kStep * 16);
+      const Float x_scale = L::floats(xp[t] + b * 4);
+      for (int64_t r = 0; r < R; ++r) {
+        acc.v[r][t] = L::fmadd(L::dot(lo[r], hi[r], x_lo, x_hi), L::mul(x_scale, weight[r]),
                                acc.v[r][t]);
       }
     }
@@ -502,21 +503,21 @@ void int8_rows(const RoundedInput& x, const int8_t* const* xq, const float* cons
     if (b % 2 == 0) {  // a cache line a row for every 2 blocks; the R rows are contiguous
       for (int64_t r = 0; r < R; ++r) prefetch_ahead(rows[0] + (b / 2 * R + r) * 64);
     }
-    __m256i in[TB];
-    __m256 in_scale[TB];
-    for (int64_t t = 0; t < TB; ++t) {
-      in[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[t] + b * kBlock));
-      in_scale[t] = _mm256_broadcast_ss(xs[t] + b);
-    }
+    // The rows' weights loaded once, then each token's inputs once for all of them.
+    WeightBlock w[R];
+    __m256 weight[R];
     for (int64_t r = 0; r < R; ++r) {
-      const WeightBlock w = load_block<F::kInt8>(rows[r], b * kBlock);
-      __m256 weight;
-      if constexpr (decltype(with_weight)::value) weight = _mm256_broadcast_ss(scales[r] + b);
-      for (int64_t t = 0; t < TB; ++t) {
+      w[r] = load_block<F::kInt8>(rows[r], b * kBlock);
+      if constexpr (decltype(with_weight)::value) weight[r] = _mm256_broadcast_ss(scales[r] + b);
+    }
+    for (int64_t t = 0; t < TB; ++t) {
+      const __m256i in = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[t] + b * kBlock));
+      const __m256 in_scale = _mm256_broadcast_ss(xs[t] + b);
+      for (int64_t r = 0; r < R; ++r) {
         const __m256i dot =
-            dot_add(_mm256_setzero_si256(), w.magnitude, _mm256_sign_epi8(in[t], w.sign));
-        __m256 scale = in_scale[t];
-        if constexpr (decltype(with_weight)::value) scale = _mm256_mul_ps(scale, weight);
+            dot_add(_mm256_setzero_si256(), w[r].magnitude, _mm256_sign_epi8(in, w[r].sign));
+        __m256 scale = in_scale;
+        if constexpr (decltype(with_weight)::value) scale = _mm256_mul_ps(scale, weight[r]);
         acc.v[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc.v[r][t]);
       }
     }
