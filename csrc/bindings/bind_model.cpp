@@ -68,6 +68,8 @@ void bind_config(py::module_& m) {
       .def("num_ssm_layers", &ModelConfig::num_ssm_layers)
       .def("has_mixer", &ModelConfig::has_mixer, py::arg("layer"))
       .def("has_attention", &ModelConfig::has_attention, py::arg("layer"))
+      .def("mlp_only", &ModelConfig::mlp_only, py::arg("layer"))
+      .def("has_mlp", &ModelConfig::has_mlp, py::arg("layer"))
       .def("use_mla", &ModelConfig::use_mla)
       .def("is_moe_layer", &ModelConfig::is_moe_layer, py::arg("layer"))
       .def("validate", &ModelConfig::validate);

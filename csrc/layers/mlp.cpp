@@ -1,6 +1,7 @@
 #include "layers/mlp.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/relu.h>
 
 #include <algorithm>
 
@@ -53,6 +54,21 @@ at::Tensor GatedMLP::forward_chunk(const at::Tensor& x, const at::Tensor& lora_s
     ops::silu_and_mul(act, gate_up);
   }
   return down_proj_.forward(act, lora_slots);
+}
+
+UngatedMLP::UngatedMLP(const std::string& p, const WeightMap& w, const std::string& hidden_act)
+    : up_proj_(Linear::load(w, p + "up_proj")),
+      down_proj_(Linear::load_row_parallel(w, p + "down_proj")) {
+  if (hidden_act != "relu2") {
+    throw std::invalid_argument("UngatedMLP: hidden_act must be relu2, got " + hidden_act);
+  }
+}
+
+at::Tensor UngatedMLP::forward(const at::Tensor& x, const at::Tensor& lora_slots) const {
+  at::Tensor up = up_proj_.forward(x, lora_slots);
+  at::relu_(up);
+  up.mul_(up);  // relu(x)^2, in the activations' dtype as the reference's
+  return down_proj_.forward(up, lora_slots);
 }
 
 }  // namespace kvserve

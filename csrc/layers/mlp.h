@@ -1,6 +1,7 @@
 #pragma once
 // Gated MLP of the Llama family: down(act(gate(x)) * up(x)) with gate and up fused; act is SiLU
-// (SwiGLU) or tanh-approximated GELU (GeGLU, Gemma).
+// (SwiGLU) or tanh-approximated GELU (GeGLU, Gemma). And the MLP without a gate:
+// down(relu(up(x))^2) (Nemotron-H's squared ReLU).
 
 #include <ATen/core/Tensor.h>
 
@@ -41,6 +42,27 @@ class GatedMLP : public FeedForward {
   Linear gate_up_proj_;
   Linear down_proj_;
   bool gelu_ = false;  // GeGLU instead of SwiGLU
+};
+
+/// Weights: `<prefix>up_proj.weight` [intermediate, hidden], `<prefix>down_proj.weight` [hidden,
+/// intermediate], optional biases. Split over tensor-parallel ranks as GatedMLP is.
+class UngatedMLP : public FeedForward {
+ public:
+  /// hidden_act: "relu2" (relu(x)^2); throws std::invalid_argument otherwise.
+  UngatedMLP(const std::string& prefix, const WeightMap& weights,
+             const std::string& hidden_act = "relu2");
+
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& lora_slots) const override;
+  std::vector<LoraLinear> lora_linears() override {
+    return {{"up_proj", &up_proj_, 1}, {"down_proj", &down_proj_, 1}};
+  }
+  int64_t weight_bytes() const override {
+    return up_proj_.weight_bytes() + down_proj_.weight_bytes();
+  }
+
+ private:
+  Linear up_proj_;
+  Linear down_proj_;
 };
 
 }  // namespace kvserve

@@ -17,7 +17,9 @@ void require(bool ok, const std::string& message) {
 void ModelConfig::validate() const {
   require(vocab_size > 0, "vocab_size must be positive");
   require(hidden_size > 0, "hidden_size must be positive");
-  require(intermediate_size > 0 || !ssm.mlp, "intermediate_size must be positive");
+  bool any_mlp = false;
+  for (int64_t l = 0; l < num_layers && !any_mlp; ++l) any_mlp = has_mlp(l);
+  require(intermediate_size > 0 || !any_mlp, "intermediate_size must be positive");
   require(num_layers >= 0, "num_hidden_layers must be >= 0");
   require(num_heads > 0, "num_attention_heads must be positive");
   require(num_kv_heads > 0 && num_heads % num_kv_heads == 0,
@@ -28,8 +30,12 @@ void ModelConfig::validate() const {
   require(rope_theta > 0, "rope_theta must be positive");
   require(sliding_windows.empty() || static_cast<int64_t>(sliding_windows.size()) == num_layers,
           "sliding_windows must have one entry per layer");
-  require(hidden_act == "silu" || hidden_act == "gelu_pytorch_tanh",
-          "hidden_act must be silu or gelu_pytorch_tanh, got " + hidden_act);
+  if (gated_mlp) {
+    require(hidden_act == "silu" || hidden_act == "gelu_pytorch_tanh",
+            "hidden_act must be silu or gelu_pytorch_tanh, got " + hidden_act);
+  } else {
+    require(hidden_act == "relu2", "an MLP without a gate takes relu2, got " + hidden_act);
+  }
   require(rope_local_theta >= 0 && query_pre_attn_scalar >= 0 && attn_logit_softcap >= 0 &&
               final_logit_softcap >= 0 && embedding_multiplier > 0,
           "rope_local_theta, query_pre_attn_scalar and the soft-caps must be >= 0, "
@@ -87,8 +93,9 @@ void ModelConfig::validate() const {
     require(ssm.dt_min >= 0 && ssm.dt_max > ssm.dt_min,
             "the SSM mixer's time step limits must satisfy 0 <= min < max");
     for (int64_t l = 0; l < num_layers; ++l) {
-      require(ssm.layers[l] >= 0 && ssm.layers[l] <= 2,
-              "the SSM layer list holds 0 (attention), 1 (mixer) or 2 (both) per layer");
+      require(ssm.layers[l] >= 0 && ssm.layers[l] <= 3,
+              "the SSM layer list holds 0 (attention), 1 (mixer), 2 (both) or 3 (an MLP alone) "
+              "per layer");
       require(!has_mixer(l) || kv_sources.empty() || kv_sources[l] == l,
               "an SSM layer cannot share another layer's KV");
     }

@@ -142,8 +142,8 @@ class DecoderLM : public CausalLM {
  protected:
   struct Layer {
     Norm input_norm;  // before attention (none with post_norms)
-    std::unique_ptr<AttentionLayer> self_attn;  // null in a state-space layer
-    std::unique_ptr<Mamba2Mixer> mixer;         // null in an attention layer
+    std::unique_ptr<AttentionLayer> self_attn;  // null in a state-space layer or an MLP alone
+    std::unique_ptr<Mamba2Mixer> mixer;         // null in an attention layer or an MLP alone
     Norm attention_out_norm;  // sandwich or post norms only
     Norm mlp_norm;            // before the MLP (none with post_norms or a parallel block)
     std::unique_ptr<FeedForward> mlp;
@@ -190,11 +190,17 @@ class DecoderLM : public CausalLM {
   /// Layer `i` with this attention, a Mamba2Mixer (layers.<i>.mixer.) when it has a
   /// state-space mixer (config.ssm; attention null unless the layer has both, FalconH1's
   /// parallel form), its norms and its MLP (dense or MoE; none when config.ssm.mlp is false)
-  /// from the weights.
+  /// from the weights. A layer that is an MLP alone (ModelConfig::mlp_only) has its input norm
+  /// and its MLP only.
   void add_layer(int64_t i, std::unique_ptr<AttentionLayer> attention, const WeightMap& w) {
     const std::string p = "layers." + std::to_string(i) + ".";
     Layer layer;
     if (!config_.post_norms) layer.input_norm = norm(w, p + "input_layernorm.weight");
+    if (config_.mlp_only(i)) {
+      layer.mlp = feed_forward(i, p + "mlp.", w);
+      layers_.push_back(std::move(layer));
+      return;
+    }
     if (config_.has_mixer(i)) {
       layer.mixer = std::make_unique<Mamba2Mixer>(config_, p + "mixer.", w);
     }
@@ -210,12 +216,16 @@ class DecoderLM : public CausalLM {
     } else if (!config_.parallel_block) {
       layer.mlp_norm = norm(w, p + "post_attention_layernorm.weight");
     }
-    if (config_.is_moe_layer(i)) {
-      layer.mlp = std::make_unique<SparseMoE>(config_.moe, p + "mlp.", w);
-    } else {
-      layer.mlp = std::make_unique<GatedMLP>(p + "mlp.", w, config_.hidden_act);
-    }
+    layer.mlp = feed_forward(i, p + "mlp.", w);
     layers_.push_back(std::move(layer));
+  }
+
+  /// Layer `i`'s MLP under `prefix`: its mixture of experts, or its dense MLP, gated or not.
+  std::unique_ptr<FeedForward> feed_forward(int64_t i, const std::string& prefix,
+                                            const WeightMap& w) const {
+    if (config_.is_moe_layer(i)) return std::make_unique<SparseMoE>(config_.moe, prefix, w);
+    if (!config_.gated_mlp) return std::make_unique<UngatedMLP>(prefix, w, config_.hidden_act);
+    return std::make_unique<GatedMLP>(prefix, w, config_.hidden_act);
   }
 
   /// The norm of weight `name`: an RMSNorm with the config's epsilon and weight offset, or a
@@ -280,6 +290,11 @@ class DecoderLM : public CausalLM {
       } else {
         add_then_norm(layer.input_norm, hidden, residual);
         if (!kept.empty()) keep(static_cast<int64_t>(i), residual);
+      }
+      if (!layer.mixer && !layer.self_attn) {  // an MLP alone, on the input norm's output
+        hidden = layer.mlp->forward(hidden, lora_slots);
+        scale_residual(hidden);
+        continue;
       }
       at::Tensor mixed;  // the mixer's output, the attention's, or (FalconH1) their sum
       if (layer.mixer) mixed = layer.mixer->forward(hidden, metadata, kv_caches[state_index_[i]]);

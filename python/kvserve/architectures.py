@@ -192,6 +192,17 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
                            ssm_in_multiplier=1.1, ssm_out_multiplier=0.6,
                            ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.9],
                            mlp_multipliers=[1.4, 0.7])),
+    # Nemotron-H: Mamba2 mixers, NoPE attention and MLPs alone (squared ReLU, no gate), one per
+    # layer; odd sizes (12 mixer heads of 16, 3 groups of 10 states, 3 taps), the time step
+    # clamped below.
+    Architecture("NemotronHForCausalLM", prepare=families.prepare_nemotron_h,
+                 read_family=families.read_nemotron_h, read_ssm=families.read_nemotron_h_ssm,
+                 weight_names=families.NEMOTRON_H_WEIGHT_NAMES,
+                 tiny=dict(model_type="nemotron_h",
+                           layers_block_type=["linear_attention", "mlp", "full_attention",
+                                              "linear_attention", "mlp"],
+                           mamba_num_heads=12, mamba_head_dim=16, ssm_state_size=10, n_groups=3,
+                           conv_kernel=3, chunk_size=8, head_dim=24, time_step_min=0.05)),
 ]}
 
 

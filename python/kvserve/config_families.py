@@ -270,7 +270,8 @@ def _mixer_fields(c: _C.ModelConfig, f, keys: tuple[str, ...],
                   inner_key: str | None = None) -> _C.SSMConfig:
     """A Mamba2 mixer's sizes under the family's keys, checked. Its inner size is expand *
     hidden_size, or the inner_key field where the family has one and the file sets it
-    (FalconH1's mamba_d_ssm); a head size of "auto" is that size / heads (transformers' rule)."""
+    (FalconH1's mamba_d_ssm), or heads * head size where expand_key is None (Nemotron-H); a head
+    size of "auto" is that size / heads (transformers' rule)."""
     heads, head_dim, state, groups, kernel, expand_key, conv_bias, proj_bias = keys
     s = _C.SSMConfig()
     s.num_heads = f.integer(heads)
@@ -279,6 +280,9 @@ def _mixer_fields(c: _C.ModelConfig, f, keys: tuple[str, ...],
     s.conv_kernel = f.integer(kernel, 4)
     if inner_key is not None and f.values.get(inner_key) is not None:
         inner, inner_source = f.integer(inner_key), inner_key
+    elif expand_key is None:
+        inner = s.num_heads * f.integer(head_dim)
+        inner_source = f"{heads} * {head_dim}"
     else:
         expand = f.number(expand_key, 2)
         inner, inner_source = round(expand * c.hidden_size), f"{expand_key} * hidden_size"
@@ -433,6 +437,89 @@ def read_bamba_ssm(c: _C.ModelConfig, f) -> None:
     s.layers = [0 if i in indices else 1 for i in range(c.num_layers)]
     s.mlp = True
     c.ssm = s
+
+
+# Nemotron-H: every layer one block after its norm, by kind (transformers 5's layers_block_type;
+# checkpoints' hybrid_override_pattern, one letter a layer): a Mamba2 mixer, NoPE attention, or
+# an MLP alone (up, squared ReLU, down). Its mixture-of-experts layers (E) are not read yet.
+_NEMOTRON_H_KINDS = {"linear_attention": 1, "mamba": 1, "M": 1, "full_attention": 0,
+                     "attention": 0, "*": 0, "mlp": 3, "-": 3}
+_NEMOTRON_H_KEYS = ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups",
+                    "conv_kernel", None, "use_conv_bias", "use_bias")
+
+
+def nemotron_h_layer_kinds(hf: dict) -> object:
+    """Its layers' kinds as written: layers_block_type (or layer_types), else the letters of
+    hybrid_override_pattern; None when neither is there."""
+    kinds = hf.get("layers_block_type") or hf.get("layer_types")
+    pattern = hf.get("hybrid_override_pattern")
+    if kinds is None and isinstance(pattern, str):
+        kinds = list(pattern)
+    return kinds
+
+
+def prepare_nemotron_h(hf: dict) -> dict:
+    """The fields the common reader reads where Nemotron-H names them otherwise: the layer count
+    from its kinds (transformers 5 writes no num_hidden_layers), the norms' epsilon; its
+    layer_types are kinds of blocks, not attention windows."""
+    kinds = nemotron_h_layer_kinds(hf)
+    out = {key: value for key, value in hf.items() if key != "layer_types"}
+    out["rms_norm_eps"] = hf.get("layer_norm_epsilon", 1e-5)
+    if isinstance(kinds, list):
+        out["num_hidden_layers"] = len(kinds)
+    return out
+
+
+def read_nemotron_h(c: _C.ModelConfig, f, hf: dict) -> dict:
+    """Nemotron-H's MLP has no gate and squares its ReLU (mlp_hidden_act relu2); its attention
+    rotates nothing and has no biases, and its LM head is its own (transformers' code, whatever
+    attention_bias and tie_word_embeddings say)."""
+    act = hf.get("mlp_hidden_act", "relu2")
+    if act != "relu2":
+        raise f.error("mlp_hidden_act", f"is {act!r}; only relu2 is supported")
+    c.hidden_act, c.gated_mlp, c.no_rope = "relu2", False, True
+    return {**hf, "attention_bias": False, "tie_word_embeddings": False}
+
+
+def read_nemotron_h_ssm(c: _C.ModelConfig, f) -> None:
+    """Its layers' kinds and the mixers' mamba_* fields: in_proj and out_proj biased by use_bias,
+    the time step clamped below by time_step_min alone (transformers' mixer: (min, inf))."""
+    kinds = nemotron_h_layer_kinds(f.values)
+    key = "layers_block_type" if f.values.get("layers_block_type") else (
+        "layer_types" if f.values.get("layer_types") else "hybrid_override_pattern")
+    if not isinstance(kinds, list) or len(kinds) != c.num_layers:
+        raise f.error(key, f"must name a kind for each of the {c.num_layers} layers, got "
+                           f"{kinds!r}")
+    if any(k in ("moe", "E") for k in kinds):
+        raise f.error(key, "has mixture-of-experts layers (moe / E); kvserve reads Nemotron-H "
+                           "with Mamba2, attention and MLP layers only")
+    unknown = sorted({str(k) for k in kinds if k not in _NEMOTRON_H_KINDS})
+    if unknown:
+        raise f.error(key, f"names unknown layer kinds {unknown}; expected "
+                           "linear_attention / full_attention / mlp (M / * / -)")
+    act = f.values.get("mamba_hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise f.error("mamba_hidden_act", f"is {act!r}; only silu is supported")
+    s = _mixer_fields(c, f, _NEMOTRON_H_KEYS)
+    s.dt_min, s.dt_max = f.number("time_step_min", 0.001), 1e30
+    s.layers = [_NEMOTRON_H_KINDS[k] for k in kinds]
+    s.mlp = False
+    c.ssm = s
+
+
+# Nemotron-H's tensor names in kvserve's layout: every layer's block is its "mixer"; attention's
+# and the MLP's projections go where kvserve's layers read them. Checkpoints name the model
+# backbone; transformers 5 (and so a PEFT adapter trained on it) model.
+NEMOTRON_H_WEIGHT_NAMES = (
+    (r"^(?:backbone|model)\.embeddings\.", "model.embed_tokens."),
+    (r"^(?:backbone|model)\.norm_f\.", "model.norm."),
+    (r"^(?:backbone|model)\.layers\.(\d+)\.norm\.", r"model.layers.\1.input_layernorm."),
+    (r"^(?:backbone|model)\.layers\.(\d+)\.mixer\.([qkvo]_proj)\.",
+     r"model.layers.\1.self_attn.\2."),
+    (r"^(?:backbone|model)\.layers\.(\d+)\.mixer\.(up_proj|down_proj)\.",
+     r"model.layers.\1.mlp.\2."),
+    (r"^(?:backbone|model)\.layers\.(\d+)\.mixer\.", r"model.layers.\1.mixer."),
+)
 
 
 # FalconH1's tensor names in kvserve's layout: its mixer, its MLP (feed_forward), the norm before

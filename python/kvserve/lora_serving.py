@@ -149,7 +149,10 @@ class LoRAManager:
             # feed_forward is kvserve's mlp, Granite 4's shared_mlp.input_linear its gate_up_proj).
             weight = kvserve_name(f"{module}.weight", weight_names(self._config))
             base, _, leaf = weight.removesuffix(".weight").removeprefix("model.").rpartition(".")
-            target, part = FUSED.get(leaf, (leaf, 0))
+            # A projection kvserve holds as named takes the whole of it (Nemotron-H's up_proj,
+            # with no gate beside it); the others are parts of a fused one.
+            target, part = ((leaf, None) if f"{base}.{leaf}" in self._targets
+                            else FUSED.get(leaf, (leaf, 0)))
             name = f"{base}.{target}"
             if name not in self._targets:
                 raise ValueError(f"{path}: {module} is not a projection kvserve serves LoRA on "

@@ -153,11 +153,13 @@ def test_busy_slots_and_bad_adapters_are_clear_errors(adapters, tmp_path, checkp
 @pytest.mark.parametrize("architecture, targets", [
     ("Phi3ForCausalLM", ["qkv_proj", "gate_up_proj", "o_proj"]),  # stored fused: all parts
     ("BambaForCausalLM", ["q_proj", "v_proj", "gate_proj", "down_proj"]),  # feed_forward = mlp
+    ("NemotronHForCausalLM", ["q_proj", "o_proj", "up_proj", "down_proj"]),  # MLP, no gate
 ])
 def test_adapters_on_a_checkpoints_own_module_names(tmp_path, checkpoint_factory, architecture,
                                                     targets):
     """An adapter names the checkpoint's modules: Phi-3's fused qkv_proj / gate_up_proj (its B
-    covers every part), Bamba's feed_forward (kvserve's mlp). Greedy tokens equal transformers'
+    covers every part), Bamba's feed_forward (kvserve's mlp), Nemotron-H's mixer.* (kvserve's
+    self_attn and mlp; up_proj unfused, there being no gate). Greedy tokens equal transformers'
     with peft's merge of the adapter."""
     base = checkpoint_factory(architecture)
     reference = make_adapter(base, tmp_path / "adapter", r=4, lora_alpha=8,

@@ -1,7 +1,8 @@
 """The engine on models with state-space layers (Mamba2; Granite 4 and Bamba hybrids of Mamba2
-mixers and attention layers; FalconH1, both in every layer): every running sequence holds one state slot beside its blocks, so chunked
-prefill, batching, slot reuse, preemption and parallel samples must all give the tokens of
-transformers' whole-sequence forward (its pure-torch path)."""
+mixers and attention layers; FalconH1, both in every layer; Nemotron-H, mixers, attention and
+MLPs each a layer of its own): every running sequence holds one state slot beside its blocks, so
+chunked prefill, batching, slot reuse, preemption and parallel samples must all give the tokens
+of transformers' whole-sequence forward (its pure-torch path)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from tests.models.test_parity import PROMPTS, hf_greedy
 transformers = pytest.importorskip("transformers")
 
 MAMBA2 = "Mamba2ForCausalLM"
-MODELS = [MAMBA2, "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "FalconH1ForCausalLM"]
+MODELS = [MAMBA2, "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "FalconH1ForCausalLM",
+          "NemotronHForCausalLM"]
 NUM_TOKENS = 20
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
 
@@ -150,6 +152,24 @@ def test_falcon_h1_has_kv_and_a_state_in_every_layer(checkpoint_factory):
     c = e.config
     assert [c.kv_cache_index(i) for i in range(3)] == [0, 1, 2]
     assert [c.state_cache_index(i) for i in range(3)] == [3, 4, 5]
+
+
+def test_nemotron_h_mlp_layers_hold_neither_kv_nor_state(checkpoint_factory):
+    """Nemotron-H's layers (tiny: mixer, MLP, attention, mixer, MLP): one KV for its attention
+    layer, a state for each mixer, nothing for an MLP."""
+    e = engine(checkpoint_factory("NemotronHForCausalLM"), max_num_seqs=3)
+    c, kv = e.config, e.kv_cache
+    assert list(c.ssm.layers) == [1, 3, 0, 1, 3]
+    assert [c.mlp_only(i) for i in range(5)] == [False, True, False, False, True]
+    assert kv.layout.num_layers == 1 and list(kv.layout.state.layers) == [0, 3]
+    assert len(kv.key_caches) == 1 and len(kv.ssm_states) == 2
+    assert c.kv_cache_index(2) == 0 and [c.state_cache_index(i) for i in (0, 3)] == [1, 2]
+    s = c.ssm
+    per_layer = s.conv_dim * (s.conv_kernel - 1) * 4 + s.num_heads * s.head_dim * s.state_size * 4
+    kv_bytes_per_token = 2 * c.num_kv_heads * c.head_dim * 4  # K and V of one layer, fp32
+    plan = e.memory_plan()
+    assert f"at {kv_bytes_per_token} bytes/token" in plan
+    assert f"3 slots x {2 * per_layer:,} bytes/sequence" in plan and "2 state-space layers" in plan
 
 
 def test_lora_is_refused_where_multipliers_are_folded(checkpoint_factory):

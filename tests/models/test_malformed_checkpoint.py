@@ -259,6 +259,26 @@ FAMILY_CASES = [
     # A norm that config.json announces and the weights lack.
     ("FalconH1ForCausalLM", {"mamba_rms_norm": True}, "model.layers.0.mixer.norm.weight"),
     ("FalconH1ForCausalLM", {"projectors_bias": True}, "model.layers.0.mixer.out_proj.bias"),
+    # Nemotron-H (tiny: mixer, MLP, attention, mixer, MLP; 12 mixer heads of 16 in 3 groups).
+    ("NemotronHForCausalLM", {"layers_block_type": ["linear_attention", "moe", "full_attention",
+                                                    "linear_attention", "mlp"]},
+     "'layers_block_type' has mixture-of-experts layers (moe / E)"),
+    ("NemotronHForCausalLM", {"layers_block_type": ["linear_attention", "conv", "full_attention",
+                                                    "linear_attention", "mlp"]},
+     "'layers_block_type' names unknown layer kinds ['conv']"),
+    ("NemotronHForCausalLM", {"layers_block_type": None, "hybrid_override_pattern": "M-*ME"},
+     "'hybrid_override_pattern' has mixture-of-experts layers"),
+    ("NemotronHForCausalLM", {"layers_block_type": None, "hybrid_override_pattern": 5},
+     "missing required field 'num_hidden_layers'"),
+    ("NemotronHForCausalLM", {"mlp_hidden_act": "silu"}, "'mlp_hidden_act' is 'silu'; only relu2"),
+    ("NemotronHForCausalLM", {"mamba_hidden_act": "gelu"},
+     "'mamba_hidden_act' is 'gelu'; only silu"),
+    ("NemotronHForCausalLM", {"n_groups": 5}, "'n_groups' (5) must divide mamba_num_heads (12)"),
+    ("NemotronHForCausalLM", {"mamba_head_dim": 0}, "'mamba_head_dim' must be a positive integer"),
+    # An MLP layer's weights as another kind's: the mixer's tensors are missing.
+    ("NemotronHForCausalLM", {"layers_block_type": ["linear_attention", "linear_attention",
+                                                    "full_attention", "linear_attention", "mlp"]},
+     "model.layers.1.mixer.in_proj.weight"),
     ("GraniteForCausalLM", {"residual_multiplier": 0}, "'residual_multiplier' must be a finite"),
     ("GraniteForCausalLM", {"attention_multiplier": -0.1}, "'attention_multiplier' must be a "
                                                            "finite number > 0"),
@@ -752,3 +772,27 @@ def test_moe_weights_that_disagree_with_the_config(deepseek):
     edit_config(deepseek, n_routed_experts=4, num_experts_per_tok=2)
     expect_error(deepseek, ["model.layers.1.mlp.gate.weight", "shape [8, 96]",
                             "num_experts=4"])
+
+
+def test_model_config_checks_layer_kinds_and_mlp_activations(checkpoint_factory):
+    """ModelConfig's own checks, the backstop behind config.json's reader: a layer kind past 3
+    (an MLP alone), an MLP without a gate but relu2's, a gated one with relu2."""
+    from kvserve.config import load_checkpoint_info
+
+    def invalid(**changes):
+        c = load_checkpoint_info(checkpoint_factory("NemotronHForCausalLM")).config
+        for name, value in changes.items():
+            if name == "layers":
+                s = c.ssm
+                s.layers = value
+                c.ssm = s
+            else:
+                setattr(c, name, value)
+        with pytest.raises(ValueError) as e:
+            c.validate()
+        return str(e.value)
+
+    assert "holds 0 (attention), 1 (mixer), 2 (both) or 3 (an MLP alone)" in invalid(
+        layers=[1, 4, 0, 1, 3])
+    assert "an MLP without a gate takes relu2, got silu" in invalid(hidden_act="silu")
+    assert "hidden_act must be silu or gelu_pytorch_tanh, got relu2" in invalid(gated_mlp=True)

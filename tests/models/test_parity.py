@@ -111,6 +111,15 @@ VARIANTS = {
     "falcon-h1-norm-then-gate-head-dim-tied": ("FalconH1ForCausalLM", dict(
         mamba_rms_norm=True, mamba_norm_before_gate=True, head_dim=16,
         tie_word_embeddings=True)),
+    # Nemotron-H with attention first, two MLP layers in a row, every bias (the mixer's in and
+    # out projections: use_bias; its convolution's off), tie_word_embeddings (which its
+    # transformers code ignores: the head stays its own) and a time step clamped far above its
+    # random values.
+    "nemotron-h-attention-first-biases-tied": ("NemotronHForCausalLM", dict(
+        layers_block_type=["full_attention", "linear_attention", "mlp", "mlp",
+                           "linear_attention"],
+        mlp_bias=True, use_bias=True, use_conv_bias=False, tie_word_embeddings=True,
+        time_step_min=0.7)),
 }
 
 
@@ -246,6 +255,25 @@ def test_fp32_logits_and_greedy_match_transformers(checkpoint_factory, architect
 def test_config_variants_match_transformers(checkpoint_factory, variant):
     architecture, overrides = VARIANTS[variant]
     check_parity(checkpoint_factory(architecture, **overrides))
+
+
+def test_nemotron_h_reads_its_layers_as_letters(checkpoint_factory, tmp_path):
+    """Nemotron-H checkpoints name their layers in hybrid_override_pattern (M mixer, * attention,
+    - MLP), transformers 5 in layers_block_type: the same model either way."""
+    listed = checkpoint_factory("NemotronHForCausalLM")
+    lettered = tmp_path / "lettered"
+    shutil.copytree(listed, lettered)
+    config = json.loads((lettered / "config.json").read_text())
+    letters = {"linear_attention": "M", "full_attention": "*", "mlp": "-"}
+    config["hybrid_override_pattern"] = "".join(letters[k]
+                                                for k in config.pop("layers_block_type"))
+    config.pop("num_hidden_layers", None)
+    (lettered / "config.json").write_text(json.dumps(config))
+    a, b = (kvserve.LLM(path, dtype=torch.float32) for path in (listed, lettered))
+    assert list(b.config.ssm.layers) == [1, 3, 0, 1, 3] and b.config.num_layers == 5
+    for prompt in PROMPTS[:2]:
+        torch.testing.assert_close(kvserve_prompt_logits(b, prompt),
+                                   kvserve_prompt_logits(a, prompt), rtol=0, atol=0)
 
 
 def test_longrope_long_factors_past_the_original_context(checkpoint_factory):

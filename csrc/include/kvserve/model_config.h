@@ -92,7 +92,8 @@ struct MoEConfig {
 /// state [conv channels, conv_kernel - 1] and an SSM state [heads, head_dim, state_size] per
 /// mixer layer: fixed in size, whatever its length (KVCacheLayout's state group).
 #define KVSERVE_SSM_CONFIG_FIELDS(X)                                                        \
-  /* per layer: 0 = attention, 1 = SSM mixer, 2 = both in parallel (FalconH1) */            \
+  /* per layer: 0 = attention, 1 = SSM mixer, 2 = both in parallel (FalconH1), */           \
+  /* 3 = neither: the layer is its MLP alone (Nemotron-H) */                               \
   X(std::vector<int64_t>, layers, {})                                                       \
   X(int64_t, num_heads, 0)                                                                  \
   X(int64_t, head_dim, 0)                                                                   \
@@ -108,7 +109,8 @@ struct MoEConfig {
   X(bool, out_proj_bias, false) /* bias on out_proj */                                      \
   X(double, dt_min, 0.0)                                                                    \
   X(double, dt_max, 1e30)      /* time_step_limit; 1e30: none */                            \
-  X(bool, mlp, true)           /* every layer has an MLP after its mixer (Mamba2: none) */
+  X(bool, mlp, true)           /* every layer has an MLP after its mixer (Mamba2: none) */ \
+  /* (layers of kind 3 are an MLP whatever this says) */
 
 struct SSMConfig {
   KVSERVE_SSM_CONFIG_FIELDS(KVSERVE_DECLARE_FIELD)
@@ -162,7 +164,8 @@ struct QuantizationConfig {
   X(bool, qk_norm_full_width, false) /* qk_norm over all heads at once (OLMo 2) */           \
   X(std::vector<int64_t>, sliding_windows, {}) /* per layer, in tokens; 0 = full */         \
   X(double, rope_local_theta, 0.0) /* RoPE base of sliding layers (Gemma 3); 0 = global's */ \
-  X(std::string, hidden_act, "silu") /* silu (SwiGLU) | gelu_pytorch_tanh (GeGLU) */        \
+  X(std::string, hidden_act, "silu") /* silu (SwiGLU) | gelu_pytorch_tanh (GeGLU) | relu2 */ \
+  X(bool, gated_mlp, true) /* down(act(gate) * up); false: down(act(up)) (Nemotron-H) */   \
   X(double, norm_weight_offset, 0.0) /* RMSNorms scale by offset + weight (Gemma: 1 + w) */ \
   X(double, embedding_multiplier, 1.0) /* embeddings times this, in the weight dtype */     \
   X(bool, sandwich_norms, false) /* norms on the attention and MLP outputs (Gemma 2/3) */    \
@@ -197,11 +200,17 @@ struct ModelConfig {
     return !no_rope && (nope_layers.empty() || nope_layers.at(layer) == 0);
   }
   /// Whether `layer` has a state-space mixer (alone, or beside attention).
-  bool has_mixer(int64_t layer) const { return !ssm.layers.empty() && ssm.layers.at(layer) != 0; }
+  bool has_mixer(int64_t layer) const {
+    return !ssm.layers.empty() && (ssm.layers.at(layer) == 1 || ssm.layers.at(layer) == 2);
+  }
   /// Whether `layer` attends (alone, or beside a mixer).
   bool has_attention(int64_t layer) const {
-    return ssm.layers.empty() || ssm.layers.at(layer) != 1;
+    return ssm.layers.empty() || ssm.layers.at(layer) == 0 || ssm.layers.at(layer) == 2;
   }
+  /// Whether `layer` is an MLP alone: no mixer, no attention (Nemotron-H's "-" layers).
+  bool mlp_only(int64_t layer) const { return !ssm.layers.empty() && ssm.layers.at(layer) == 3; }
+  /// Whether `layer` has an MLP (or mixture of experts) after its mixer or attention, or alone.
+  bool has_mlp(int64_t layer) const { return ssm.mlp || mlp_only(layer); }
   /// Layers with a state-space mixer.
   int64_t num_ssm_layers() const;
   /// Layers that write K/V, each with a cache of its own: every attention layer but the sharing

@@ -182,6 +182,9 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
             _read_mla(read, config, p + "self_attn.", out + "self_attn.", w, shard)
         else:
             _read_attention(read, config, i, p + "self_attn.", out + "self_attn.", w, shard)
+        if config.mlp_only(i):  # Nemotron-H: the layer is its MLP, after the input norm
+            _read_ungated_mlp(read, config, p + "mlp.", out + "mlp.", w, shard)
+            continue
         if not config.ssm.mlp:
             continue
         if not config.parallel_block:  # Cohere: one norm before attention and MLP
@@ -193,6 +196,8 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
             w[out + norm + ".weight"] = read(p + norm + ".weight")
         if config.is_moe_layer(i):
             _read_moe(read, config, p, out + "mlp.", w, shard)
+        elif not config.gated_mlp:
+            _read_ungated_mlp(read, config, p + "mlp.", out + "mlp.", w, shard)
         elif ARCHITECTURES[config.architecture].fused_mlp:
             _read_fused_mlp(read, config, p + "mlp.", out + "mlp.", w, shard,
                             config.intermediate_size)
@@ -205,6 +210,21 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
     if fold is not None:
         fold(config, hf, w)
     return {name: t.to(device).contiguous() for name, t in w.items()}
+
+
+def _read_ungated_mlp(read: _TensorReader, c: _C.ModelConfig, mlp: str, out: str,
+                      w: dict[str, torch.Tensor], shard: Shard | None) -> None:
+    """An MLP without a gate (Nemotron-H): up [intermediate, hidden], down [hidden,
+    intermediate]."""
+    if shard is not None:
+        raise ValueError(f"{c.architecture}: tensor parallelism does not split an MLP without "
+                         "a gate yet")
+    inter, hidden = c.intermediate_size, c.hidden_size
+    read.put(w, out + "up_proj", [mlp + "up_proj"], [(inter, hidden)])
+    read.put(w, out + "down_proj", [mlp + "down_proj"], [(hidden, inter)])
+    if c.mlp_bias:
+        for name in ("up_proj", "down_proj"):
+            w[out + name + ".bias"] = read(mlp + name + ".bias")
 
 
 def _read_fused_mlp(read: _TensorReader, c: _C.ModelConfig, mlp: str, out: str,

@@ -35,6 +35,9 @@ def expected_shapes(c: _C.ModelConfig) -> dict[str, tuple[Dim, ...]]:
             shapes.update(_mixer_shapes(c, p + "mixer."))
         if c.has_attention(i):
             shapes.update(_mla_shapes(c, p) if c.use_mla() else _attention_shapes(c, p, i))
+        if c.mlp_only(i):  # Nemotron-H: the layer is its MLP, after the input norm
+            shapes.update(_dense_mlp_shapes(c, p + "mlp."))
+            continue
         if not c.ssm.mlp:
             continue
         if not c.parallel_block:  # Cohere: one norm before attention and MLP
@@ -49,8 +52,18 @@ def expected_shapes(c: _C.ModelConfig) -> dict[str, tuple[Dim, ...]]:
             shapes.update(_fused_mlp_shapes(p + "mlp.", ("intermediate_size",
                                                          c.intermediate_size), hidden, c.mlp_bias))
         else:
-            shapes.update(_mlp_shapes(p + "mlp.", ("intermediate_size", c.intermediate_size),
-                                      hidden, c.mlp_bias))
+            shapes.update(_dense_mlp_shapes(c, p + "mlp."))
+    return shapes
+
+
+def _dense_mlp_shapes(c: _C.ModelConfig, p: str) -> dict[str, tuple[Dim, ...]]:
+    """A dense MLP's tensors: gate, up and down, or up and down without a gate."""
+    inter, hidden = ("intermediate_size", c.intermediate_size), ("hidden_size", c.hidden_size)
+    if c.gated_mlp:
+        return _mlp_shapes(p, inter, hidden, c.mlp_bias)
+    shapes = {p + "up_proj.weight": (inter, hidden), p + "down_proj.weight": (hidden, inter)}
+    if c.mlp_bias:
+        shapes[p + "up_proj.bias"], shapes[p + "down_proj.bias"] = (inter,), (hidden,)
     return shapes
 
 
