@@ -50,6 +50,7 @@ import gc
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -308,8 +309,12 @@ def bench_throughput(args) -> list[list]:
     return rows
 
 
-def text_splits(data: Path, cache: Path) -> dict[str, tuple[Path, Path, Path]]:
-    """model -> (checkpoint, calibration text, evaluation text)."""
+def text_splits(data: Path, cache: Path,
+                stdlib: Path | None = None) -> dict[str, tuple[Path, Path, Path]]:
+    """model -> (checkpoint, calibration text, evaluation text). stdlib: the stdlib pair's
+    target (scripts/build_speculative_pair.sh), evaluated on the first 120,000 characters of its
+    own held-out 10% of the standard library's sources, calibrated on the first 200,000 of its
+    training 90%."""
     from kvserve.convert.llama2c import convert_llama2c
 
     cache.mkdir(parents=True, exist_ok=True)
@@ -323,13 +328,27 @@ def text_splits(data: Path, cache: Path) -> dict[str, tuple[Path, Path, Path]]:
     if not (stories260k / "config.json").is_file():
         convert_llama2c(data / "stories260K" / "stories260K.bin",
                         data / "stories260K" / "tok512.bin", stories260k)
-    return {
+    out = {
         "shakespeare-target": (HERE.parent / "models" / "shakespeare-target",
                                cache / "shakespeare-calibration.txt",
                                cache / "shakespeare-validation.txt"),
         "stories260K": (stories260k, cache / "stories-calibration.txt",
                         cache / "stories-evaluation.txt"),
     }
+    if stdlib is not None:
+        from kvserve.training import read_split
+
+        # scripts/train_tiny.py --corpus stdlib: this Python's sources, cached here
+        corpus = (Path.home() / ".cache" / "kvserve"
+                  / "python{}.{}-stdlib.txt".format(*sys.version_info[:2]))
+        if not corpus.is_file():
+            raise SystemExit(f"{corpus} not found: scripts/train_tiny.py --corpus stdlib writes it")
+        train, held_out = read_split(corpus)
+        (cache / "stdlib-calibration.txt").write_text(train[:200_000])
+        (cache / "stdlib-evaluation.txt").write_text(held_out[:120_000])
+        out["stdlib-target"] = (stdlib, cache / "stdlib-calibration.txt",
+                                cache / "stdlib-evaluation.txt")
+    return out
 
 
 def perplexity(path: Path, text: Path, kv_cache_dtype: str = "auto",
@@ -350,7 +369,8 @@ def perplexity(path: Path, text: Path, kv_cache_dtype: str = "auto",
 def bench_perplexity(args) -> list[list]:
     data = Path(os.environ.get("KVSERVE_SHARED_DATA", HERE.parent.parent / "shared" / "data"))
     rows = []
-    for name, (path, calibration, evaluation) in text_splits(data, args.cache_dir / "ppl").items():
+    splits = text_splits(data, args.cache_dir / "ppl", args.ppl_stdlib)
+    for name, (path, calibration, evaluation) in splits.items():
         if args.ppl_models and name not in args.ppl_models:
             continue
         base = perplexity(path, evaluation)
@@ -497,6 +517,9 @@ def main() -> None:
     p.add_argument("--kv-context", type=int, default=4096)
     p.add_argument("--ppl-models", nargs="*", default=None,
                    help="--only perplexity: these models only (shakespeare-target, stories260K)")
+    p.add_argument("--ppl-stdlib", type=Path, default=None, metavar="DIR",
+                   help="--only perplexity: also the stdlib pair's target in DIR "
+                        "(scripts/build_speculative_pair.sh)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--llama-cpp-convert", default=None, metavar="convert_hf_to_gguf.py",
                    help="llama.cpp's converter: adds llama.cpp F32 / BF16 / Q8_0 / Q4_0 to the "
