@@ -100,10 +100,12 @@ void pv_block(const float* probs, int64_t mp, const float* const* values, int64_
     for (int c = 0; c < C; ++c) o[r][c].store(acc + r * dp + col + c * Vec::size());
 }
 
-// acc [mp, dp] += probs^T [mp, n] values [n, dp]; mp is a multiple of kPvRows.
-void pv_tile(const float* probs, int64_t mp, const float* const* values, int64_t n, float* acc,
-             int64_t dp) {
-  for (int64_t r = 0; r < mp; r += kPvRows) {
+// acc [rows, dp] += probs^T [rows, n] values [n, dp] (probs' rows mp apart, mp a multiple of
+// kPvRows); rows past `rows` up to the next multiple of kPvRows are computed too (padding, never
+// read), the rest of mp not at all.
+void pv_tile(const float* probs, int64_t mp, int64_t rows, const float* const* values, int64_t n,
+             float* acc, int64_t dp) {
+  for (int64_t r = 0; r < round_up(rows, kPvRows); r += kPvRows) {
     int64_t col = 0;
     for (; col + kVecsPerBlock * Vec::size() <= dp; col += kVecsPerBlock * Vec::size()) {
       pv_block<kPvRows, kVecsPerBlock>(probs + r, mp, values, col, n, acc + r * dp, dp);
@@ -189,7 +191,7 @@ void attend_tiled(const PagedAttentionArgs& a, const Item& it, Scratch& s) {
     load_rows<T>(a, block_table, it.kv_head, k0, k0 + n, dvp, s);
     score_tile(s.keys.data(), n, s.q.data(), mp, d, s.scores.data());
     softmax_tile(a, k0, n, mp, k0 < all_from || k0 + n - 1 > all_to, s);
-    for (int64_t r = 0; r < mp; ++r) {
+    for (int64_t r = 0; r < rows; ++r) {
       const float corr = s.corr[r];
       if (corr == 1.0f) continue;
       float* acc = s.acc.data() + r * dvp;
@@ -197,7 +199,7 @@ void attend_tiled(const PagedAttentionArgs& a, const Item& it, Scratch& s) {
         (Vec::loadu(acc + i) * Vec(corr)).store(acc + i);
       }
     }
-    pv_tile(s.scores.data(), mp, s.values.data(), n, s.acc.data(), dvp);
+    pv_tile(s.scores.data(), mp, rows, s.values.data(), n, s.acc.data(), dvp);
   }
 
   T* out = static_cast<T*>(a.out);
