@@ -156,7 +156,8 @@ KVSERVE_CPU_STUB(gemv_packed_stub, GemvPackedFn);
 enum class QuantFormat : int { kInt8 = 0, kInt4 = 1, kFp8E4M3 = 2 };
 
 /// One quantized weight [n, k]: packed q, scales and zeros (nullable) [n, k / group_size], both
-/// fp32 or both fp16 (`half_params`; kernels widen a row's at a time: quantized_row_params).
+/// fp32 or both fp16 (`half_params`; kernels widen a row's at a time: quantized_row_params);
+/// with `shared_zero`, zeros is one value for every row and group.
 struct QuantizedWeight {
   QuantFormat format;
   const void* q;
@@ -164,6 +165,7 @@ struct QuantizedWeight {
   const void* zeros;
   bool half_params;
   int64_t n, k, group_size;
+  bool shared_zero = false;
 };
 
 /// out[t, o] = sum_j x[t, j] * w[o, j] in int32 for x int16 [m, k] (int8 values widened) and w

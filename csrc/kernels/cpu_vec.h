@@ -10,7 +10,11 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <vector>
+
+#include "kernels/cpu_kernels.h"
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
@@ -75,22 +79,41 @@ inline void convert_to_float(const T* src, float* dst, int64_t n) {
 
 /// Row o's scales and zeros (null without) of a quantized weight [n, groups] as fp32: pointers
 /// into the weight's own where they are fp32, else widened from fp16 into `buffer`
-/// (2 * groups floats): the few bytes a row's parameters take, next to its q.
+/// (2 * groups floats from quantized_row_params_buffer): the few bytes a row's parameters take,
+/// next to its q. A shared zero is the buffer's second half, filled once by
+/// quantized_row_params_buffer.
 struct QuantizedRowParams {
   const float* scales;
   const float* zeros;
 };
-inline QuantizedRowParams quantized_row_params(const void* scales, const void* zeros,
-                                               bool half, int64_t o, int64_t groups,
-                                               float* buffer) {
-  if (!half) {
-    return {static_cast<const float*>(scales) + o * groups,
-            zeros == nullptr ? nullptr : static_cast<const float*>(zeros) + o * groups};
+inline QuantizedRowParams quantized_row_params(const QuantizedWeight& w, int64_t o,
+                                               int64_t groups, float* buffer) {
+  const float* scales = static_cast<const float*>(w.scales) + o * groups;
+  if (w.half_params) {
+    convert_to_float(static_cast<const c10::Half*>(w.scales) + o * groups, buffer, groups);
+    scales = buffer;
   }
-  convert_to_float(static_cast<const c10::Half*>(scales) + o * groups, buffer, groups);
-  if (zeros == nullptr) return {buffer, nullptr};
-  convert_to_float(static_cast<const c10::Half*>(zeros) + o * groups, buffer + groups, groups);
-  return {buffer, buffer + groups};
+  if (w.zeros == nullptr) return {scales, nullptr};
+  if (w.shared_zero) return {scales, buffer + groups};
+  if (!w.half_params) return {scales, static_cast<const float*>(w.zeros) + o * groups};
+  convert_to_float(static_cast<const c10::Half*>(w.zeros) + o * groups, buffer + groups, groups);
+  return {scales, buffer + groups};
+}
+
+/// Scratch for quantized_row_params of `rows` rows at once (2 * groups floats a row, none where
+/// the weight's parameters are fp32 and its zeros its own), each row's zeros set to a shared zero.
+inline std::vector<float> quantized_row_params_buffer(const QuantizedWeight& w, int64_t groups,
+                                                      int64_t rows = 1) {
+  if (!w.half_params && !w.shared_zero) return {};
+  std::vector<float> buffer(2 * groups * rows);
+  if (w.shared_zero) {
+    const float zero = w.half_params ? static_cast<float>(*static_cast<const c10::Half*>(w.zeros))
+                                     : *static_cast<const float*>(w.zeros);
+    for (int64_t r = 0; r < rows; ++r) {
+      std::fill_n(buffer.data() + (2 * r + 1) * groups, groups, zero);
+    }
+  }
+  return buffer;
 }
 
 /// Converts n fp32 elements to T.

@@ -151,6 +151,14 @@ Linear::Linear(QuantizedLinearWeight weight, at::Tensor bias)
   in_features_ = q.size(1) * (quantized_.scheme == QuantScheme::kInt4 ? 2 : 1);
   TORCH_CHECK(!bias_.defined() || (bias_.dim() == 1 && bias_.size(0) == out_features_),
               "Linear: bias must be [", out_features_, "]");
+  // Zeros that are one value for every row and group (symmetric formats: llama.cpp's Q4_0 and
+  // GPTQ's sym=True store 8 for int4) are kept once, as quantized_linear takes them on the CPU:
+  // the kernels then read no zeros from memory.
+  at::Tensor& zeros = quantized_.zeros;
+  if (zeros.defined() && zeros.numel() > 1 && zeros.device().is_cpu()) {
+    const at::Tensor first = zeros.reshape({-1}).narrow(0, 0, 1);
+    if (zeros.eq(first.view({1, 1})).all().item<bool>()) zeros = first.clone();
+  }
 }
 
 Linear Linear::load_row_parallel(const WeightMap& w, const std::string& name) {
@@ -241,7 +249,10 @@ at::Tensor Linear::rows(const at::Tensor& ids, at::ScalarType dtype) const {
   }
   const at::Tensor scales = w.scales.dim() == 1 ? w.scales.unsqueeze(1) : w.scales;  // LLM.int8()
   at::Tensor values = q.to(at::kFloat).view({t, scales.size(1), -1});
-  if (w.zeros.defined()) values = values - w.zeros.index_select(0, ids).unsqueeze(2);
+  if (w.zeros.defined()) {  // one per row and group, or one for all
+    values = values - (w.zeros.dim() == 1 ? w.zeros.view({1, 1, 1})
+                                          : w.zeros.index_select(0, ids).unsqueeze(2));
+  }
   values = values * scales.index_select(0, ids).unsqueeze(2);
   return values.view({t, in_features_}).to(dtype);
 }

@@ -35,7 +35,7 @@ QuantScheme quant_scheme_from_name(const std::string& name);
 /// inputs; for kLlmInt8 one fp32 scale per row and the outlier threshold.
 struct QuantizedLinearWeight {
   QuantScheme scheme = QuantScheme::kNone;
-  at::Tensor qweight, scales, zeros;  // zeros may be undefined
+  at::Tensor qweight, scales, zeros;  // zeros may be undefined, or [1] (Linear: one for all)
   int64_t group_size = 0;
   double outlier_threshold = -1.0;  // kLlmInt8 only
   bool quantize_input = false;      // kInt8 / kInt4: QuantizationConfig::activation "int8"

@@ -154,9 +154,11 @@ def test_rejects_bad_expert_ids():
     (_set(5, [torch.zeros(40, 16, dtype=torch.uint8)] * 3), "w2 must have 64 rows"),
     (_set(0, torch.randn(4, 64).double()), "input must be fp32, bf16 or fp16"),
     (lambda a: [a[1].clear(), a[5].clear()], "at least one expert"),
+    (lambda a: a[7].__setitem__(slice(None), [torch.full((1,), 8.0, dtype=a[6][0].dtype)] * 3),
+     r"w2_zeros must be \[n, groups\] for each expert"),
 ], ids=["id-dtype", "weights-shape", "scales-count", "zeros-count",
         "mixed-format", "scales-shape", "w13-group", "w2-group", "hidden-width", "w2-rows",
-        "hidden-dtype", "no-experts"])
+        "hidden-dtype", "no-experts", "one-zero"])
 def test_rejects_bad_arguments(change, match):
     with pytest.raises(RuntimeError, match=match):
         ops.fused_moe_quantized(*bad(change))

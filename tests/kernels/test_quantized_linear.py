@@ -50,6 +50,13 @@ def half_params(q):
                    q.group_size)
 
 
+def one_zero(q, value):
+    """q with a single zero for every row and group, in its scales' dtype (llama.cpp's Q4_0 and
+    GPTQ's sym=True store 8 for int4)."""
+    return type(q)(q.qweight, q.scales, torch.tensor([value], dtype=q.scales.dtype),
+                   q.group_size)
+
+
 def operands(m, k, n, dtype, bias, seed=0, pad=0):
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(m, k + pad, generator=g).to(dtype)[:, :k]
@@ -93,6 +100,17 @@ def test_int4_without_zeros_and_with_fractional_zeros(m):
     check(q, x, b, torch.float32)
     check(half_params(q), x, b, torch.float32)
     check(half_params(quantized("int4", 40, 128, 32, zeros=False)), x, b, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
+@pytest.mark.parametrize("fmt, n, k, group_size", [c for c in CASES if c[0] != "fp8"])
+@pytest.mark.parametrize("m", TOKENS)
+def test_one_zero_for_every_row_and_group(fmt, n, k, group_size, m, dtype):
+    """zeros [1]: the same zero for every row and group, fp32 and fp16 (GEMV and dequantize)."""
+    x, b = operands(m, k, n, dtype, True, pad=3)
+    q = quantized(fmt, n, k, group_size)
+    check(one_zero(q, 8.0 if fmt == "int4" else -1.5), x, b, dtype)
+    check(one_zero(half_params(q), 7.25), x, b, dtype)
 
 
 @pytest.mark.parametrize("m", [1, 9])
@@ -159,6 +177,9 @@ def test_bad_arguments():
         ops.quantized_linear(x, q.qweight, q.scales.bfloat16(), q.zeros.bfloat16(), 32, None)
     with pytest.raises(RuntimeError, match="zeros must be Half"):  # the scales' dtype
         ops.quantized_linear(x, q.qweight, q.scales.half(), q.zeros, 32, None)
+    for zeros in (torch.full((2,), 8.0), torch.full((1, 1), 8.0), q.zeros[:1].contiguous()):
+        with pytest.raises(RuntimeError, match=r"zeros must be \[8, 2\].* or \[1\]"):
+            ops.quantized_linear(x, q.qweight, q.scales, zeros, 32, None)
     f = quantized("fp8", 8, 64, 64)
     with pytest.raises(RuntimeError, match="take no zeros"):
         ops.quantized_linear(x, f.qweight, f.scales, torch.zeros(8, 1), 64, None)
@@ -176,6 +197,9 @@ def capability_checks():
                 x, b = operands(m, k, n, dtype, True, seed=m)
                 check(quantized(fmt, n, k, group_size, seed=m), x, b, dtype)
                 check(half_params(quantized(fmt, n, k, group_size, seed=m)), x, b, dtype)
+                if fmt != "fp8":
+                    check(one_zero(half_params(quantized(fmt, n, k, group_size, seed=m)), 8.0),
+                          x, b, dtype)
     test_every_fp8_value_decodes_exactly(1)
     test_every_fp8_value_decodes_exactly(9)
 
@@ -224,6 +248,16 @@ def test_cuda_matches_reference_and_cpu(fmt, n, k, group_size, m, dtype, bias):
 def test_cuda_fp16_scales_and_zeros(fmt, n, k, group_size, m, dtype):
     x, b = operands(m, k, n, dtype, True, pad=3)
     check_cuda(half_params(quantized(fmt, n, k, group_size)), x, b, dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt, n, k, group_size", [c for c in CASES if c[0] != "fp8"])
+@pytest.mark.parametrize("m", [1, 9, 40])
+def test_cuda_one_zero_for_every_row_and_group(fmt, n, k, group_size, m):
+    x, b = operands(m, k, n, torch.bfloat16, True, pad=3)
+    q = quantized(fmt, n, k, group_size)
+    check_cuda(one_zero(q, 8.0), x, b, torch.bfloat16)
+    check_cuda(one_zero(half_params(q), 7.25), x, b, torch.bfloat16)
 
 
 @pytest.mark.cuda

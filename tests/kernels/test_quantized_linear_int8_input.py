@@ -53,6 +53,12 @@ def half_params(q):
                    q.group_size)
 
 
+def one_zero(q, value):
+    """q with a single zero for every row and group, in its scales' dtype (llama.cpp's Q4_0)."""
+    return type(q)(q.qweight, q.scales, torch.tensor([value], dtype=q.scales.dtype),
+                   q.group_size)
+
+
 def operands(m, k, n, dtype, bias, seed=0, pad=0):
     g = torch.Generator().manual_seed(seed + 1)
     x = (torch.randn(m, k + pad, generator=g) * torch.rand(m, k + pad, generator=g) * 4)
@@ -95,6 +101,17 @@ def test_int4_without_zeros_and_with_fractional_zeros(m):
     q = quantized("int4", 40, 128, 32)
     q.zeros = q.zeros + 0.375
     check(q, x, b, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt, n, k, group_size", CASES)
+@pytest.mark.parametrize("m", TOKENS)
+def test_one_zero_for_every_row_and_group(fmt, n, k, group_size, m, dtype):
+    """zeros [1] (Q4_0's 8), fp32 and fp16, through every row kernel and token block."""
+    x, b = operands(m, k, n, dtype, True, pad=3)
+    q = quantized(fmt, n, k, group_size)
+    check(one_zero(q, 8.0 if fmt == "int4" else -1.5), x, b, dtype)
+    check(one_zero(half_params(q), 7.25), x, b, dtype)
 
 
 def test_int8_extremes_do_not_saturate():
@@ -169,6 +186,8 @@ def capability_checks():
                 x, b = operands(m, k, n, dtype, True, seed=m)
                 check(quantized(fmt, n, k, group_size, seed=m), x, b, dtype)
                 check(half_params(quantized(fmt, n, k, group_size, seed=m)), x, b, dtype)
+                check(one_zero(half_params(quantized(fmt, n, k, group_size, seed=m)), 8.0),
+                      x, b, dtype)
     test_int8_extremes_do_not_saturate()
     for m in (1, 5):
         test_rounding_is_exactly_the_contracts(m, 90, 45)

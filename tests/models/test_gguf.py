@@ -257,6 +257,22 @@ def test_gguf_generates_as_transformers_reads_it(plain, tmp_path, mix):
     assert info.scheme == ("none" if mix in ("f32", "f16-bf16") else "mixed")
 
 
+def test_q4_0_zero_is_held_once(plain, tmp_path):
+    """Q4_0's zero 8, the same in every block, is kept once by the engine's layers: each Q4_0
+    projection (and the head) is held at the file's 18 bytes a block, and the model generates as
+    transformers reads the file (the integer kernels on a single zero:
+    tests/kernels/test_quantized_linear_int8_input.py)."""
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                   "lm_head")
+    path = tmp_path / "model-q4_0.gguf"
+    write_gguf(plain, path, {m: "Q4_0" for m in projections})
+    check_against_transformers(path)
+    want = sum(t.numel() * 18 // 32 if name.split(".")[-2] in projections else t.numel() * 4
+               for name, t in load_file(plain / "model.safetensors").items())
+    llm = kvserve.LLM(path, dtype=torch.float32)
+    assert want <= llm.model.weight_bytes <= want + 2 * 16  # and a 2-byte zero a projection
+
+
 def test_gguf_with_int8_inputs_and_tied_head(plain, tmp_path):
     path = tmp_path / "model-tied.gguf"
     write_gguf(plain, path, MIXES["q4_0-q4_1"], tied=True)
@@ -350,7 +366,8 @@ def test_block_types_mean_what_the_gguf_package_reads(kind):
     q = to_quantized(data, kind, rows, k)
     got = q.dequantize()
     torch.testing.assert_close(got, want, atol=1e-6 * want.abs().max().item(), rtol=1e-5)
-    # Q8_0 / Q4_0 keep the file's fp16 scales (and Q4_0 an fp16 zero 8): 34 and 20 bytes a block
+    # Q8_0 / Q4_0 keep the file's fp16 scales (and Q4_0 an fp16 zero 8 a block here, which the
+    # engine's layers keep once: test_q4_0_zero_is_held_once): 34 and 20 bytes a block
     half = kind in ("Q8_0", "Q4_0")
     assert q.scales.dtype == (torch.float16 if half else torch.float32)
     assert q.zeros is None or q.zeros.dtype == q.scales.dtype

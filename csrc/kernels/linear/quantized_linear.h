@@ -19,8 +19,10 @@ namespace kvserve::ops {
 ///     order of llama.cpp's Q4_0, so that a 16-byte load unpacks to 32 inputs in order).
 ///     k and g must be multiples of 32;
 ///   - float8_e4m3fn [n, k]: the E4M3 number (no infinities; 0x7f / 0xff are NaN).
-/// scales: fp32 or fp16 [n, k / g]; zeros: [n, k / g] in the scales' dtype, or none (0); fp16
-/// ones (AWQ's, GPTQ's and GGUF's as stored) are read as they are and widened in registers.
+/// scales: fp32 or fp16 [n, k / g]; zeros: [n, k / g] in the scales' dtype, a single one [1]
+/// for every row and group (symmetric formats: llama.cpp's Q4_0 and GPTQ's sym=True store 8 for
+/// int4), or none (0); fp16 ones (AWQ's, GPTQ's and GGUF's as stored) are read as they are and
+/// widened in registers. (On CUDA a single zero is expanded to [n, k / g] for the call.)
 /// bias: [n] in the input dtype.
 ///
 /// quantize_input (int8 and int4 weights only) rounds the input to int8 first and computes the

@@ -23,15 +23,24 @@ inline cpu::QuantFormat quantized_format_of(const at::Tensor& qweight) {
   }
 }
 
-/// Checks scales or zeros: contiguous [n, groups] in `dtype` (fp32 or fp16, scales' dtype).
+/// Checks scales or zeros: contiguous [n, groups] in `dtype` (fp32 or fp16, scales' dtype), or,
+/// where `one_for_all`, a single element [1].
 inline void check_quantized_params(const char* name, const at::Tensor& t, int64_t n,
-                                   int64_t groups, at::ScalarType dtype) {
+                                   int64_t groups, at::ScalarType dtype,
+                                   bool one_for_all = false) {
   constexpr const char* op = "quantized_linear";
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf, op,
               ": scales must be fp32 or fp16, got ", dtype);
   check_contiguous(op, name, t, dtype);
+  if (one_for_all && t.dim() == 1 && t.size(0) == 1) return;
   TORCH_CHECK(t.dim() == 2 && t.size(0) == n && t.size(1) == groups, op, ": ", name,
-              " must be [", n, ", ", groups, "] (one per output row and group), got ", t.sizes());
+              " must be [", n, ", ", groups, "] (one per output row and group)",
+              one_for_all ? " or [1] (one for all)" : "", ", got ", t.sizes());
+}
+
+/// Whether zeros is a single zero for every row and group ([1]; check_quantized_params).
+inline bool is_shared_zero(const std::optional<at::Tensor>& zeros) {
+  return zeros && zeros->dim() == 1;
 }
 
 /// Every shape, dtype, device and group size of quantized_linear.h; returns qweight's format.
@@ -64,7 +73,8 @@ inline cpu::QuantFormat check_quantized_linear(const at::Tensor& input, const at
   check_quantized_params("scales", scales, n, groups, scales.scalar_type());
   if (zeros) {
     TORCH_CHECK(format != cpu::QuantFormat::kFp8E4M3, op, ": fp8 weights take no zeros");
-    check_quantized_params("zeros", *zeros, n, groups, scales.scalar_type());
+    check_quantized_params("zeros", *zeros, n, groups, scales.scalar_type(),
+                           /*one_for_all=*/true);
   }
   if (bias) {
     check_like(op, "bias", *bias, input);

@@ -46,7 +46,8 @@ at::Tensor quantized_linear_cpu(const at::Tensor& input, const at::Tensor& qweig
                                scales.scalar_type() == at::kHalf,
                                n,
                                k,
-                               group_size};
+                               group_size,
+                               is_shared_zero(zeros)};
   if (quantize_input && m <= kMaxInt8InputTokens) {
     cpu::quantized_gemv_int8_input_stub.get()(dtype, input.data_ptr(), input.stride(0), w,
                                               bias ? bias->data_ptr() : nullptr, out.data_ptr(),

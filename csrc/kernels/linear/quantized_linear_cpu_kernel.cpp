@@ -175,11 +175,11 @@ void rows_for_tokens(const float* x, const float* xsum, const QuantizedWeight& w
   const int64_t k = w.k, g = w.group_size, groups = k / g;
   const int64_t row_bytes = byte_offset<f>(k);
   const auto* q = static_cast<const uint8_t*>(w.q);
-  std::vector<float> params(w.half_params ? 2 * groups : 0);
+  std::vector<float> params = quantized_row_params_buffer(w, groups);
   for (int64_t o = begin; o < end; ++o) {
     const uint8_t* row = q + o * row_bytes;
     const QuantizedRowParams p =
-        quantized_row_params(w.scales, w.zeros, w.half_params, o, groups, params.data());
+        quantized_row_params(w, o, groups, params.data());
     const float* scales = p.scales;
     Vec total[TB];
     float tail[TB] = {};
@@ -306,12 +306,12 @@ void dequantize_rows(const QuantizedWeight& w, int64_t row_begin, int64_t row_en
   const int64_t row_bytes = byte_offset<f>(k);
   const auto* q = static_cast<const uint8_t*>(w.q);
   at::parallel_for(row_begin, row_end, kRowGrain, [&](int64_t begin, int64_t end) {
-    std::vector<float> params(w.half_params ? 2 * groups : 0);
+    std::vector<float> params = quantized_row_params_buffer(w, groups);
     for (int64_t o = begin; o < end; ++o) {
       const uint8_t* row = q + o * row_bytes;
       float* out = dst + (o - row_begin) * k;
       const QuantizedRowParams p =
-          quantized_row_params(w.scales, w.zeros, w.half_params, o, groups, params.data());
+          quantized_row_params(w, o, groups, params.data());
       for (int64_t gi = 0; gi < groups; ++gi) {
         const float s = p.scales[gi] * kScaleFactor<f>;
         const float z = kZero ? p.zeros[gi] : 0.0f;

@@ -230,6 +230,13 @@ at::Tensor quantized_linear_cuda(const at::Tensor& input, const at::Tensor& qwei
     return at::empty({input.size(0), qweight.size(0)}, input.options());
   }
   const c10::cuda::CUDAGuard guard(input.device());
+  // A shared zero ([1]) as the kernels index zeros: [n, groups].
+  const std::optional<at::Tensor> row_zeros =
+      is_shared_zero(zeros)
+          ? std::optional<at::Tensor>(zeros->view({1, 1})
+                                          .expand({qweight.size(0), input.size(1) / group_size})
+                                          .contiguous())
+          : zeros;
   // quantize_input: no integer kernel here yet; the rounded input takes the exact paths.
   const at::Tensor source =
       quantize_input ? round_input_to_int8_blocks(input, group_size).to(input.scalar_type())
@@ -238,15 +245,15 @@ at::Tensor quantized_linear_cuda(const at::Tensor& input, const at::Tensor& qwei
   const auto by_format = [&]<typename T, typename P>() {
     switch (format) {
       case cpu::QuantFormat::kInt8:
-        out = run<T, cuda::QuantFormat::kInt8, P>(source, qweight, scales, zeros, group_size,
+        out = run<T, cuda::QuantFormat::kInt8, P>(source, qweight, scales, row_zeros, group_size,
                                                   bias);
         break;
       case cpu::QuantFormat::kInt4:
-        out = run<T, cuda::QuantFormat::kInt4, P>(source, qweight, scales, zeros, group_size,
+        out = run<T, cuda::QuantFormat::kInt4, P>(source, qweight, scales, row_zeros, group_size,
                                                   bias);
         break;
       case cpu::QuantFormat::kFp8E4M3:
-        out = run<T, cuda::QuantFormat::kFp8E4M3, P>(input, qweight, scales, zeros, group_size,
+        out = run<T, cuda::QuantFormat::kFp8E4M3, P>(input, qweight, scales, row_zeros, group_size,
                                                      bias);
         break;
     }

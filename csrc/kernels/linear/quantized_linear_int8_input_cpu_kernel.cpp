@@ -605,8 +605,7 @@ void rows_for_tokens(const RoundedInput& x, int64_t t0, const QuantizedWeight& w
       const uint8_t* row[R];
       const float* scales[R];
       for (int64_t r = 0; r < R; ++r) {
-        p[r] = quantized_row_params(w.scales, w.zeros, w.half_params, o + r, groups,
-                                    params + r * 2 * groups);
+        p[r] = quantized_row_params(w, o + r, groups, params + r * 2 * groups);
         row[r] = q + (o + r) * row_bytes;
         scales[r] = p[r].scales;
       }
@@ -641,7 +640,7 @@ void rows_for_tokens(const RoundedInput& x, int64_t t0, const QuantizedWeight& w
   for (; o < end; ++o) {
     const uint8_t* row = q + o * row_bytes;
     const QuantizedRowParams p =
-        quantized_row_params(w.scales, w.zeros, w.half_params, o, groups, params);
+        quantized_row_params(w, o, groups, params);
     const float* scales = p.scales;
     float sum[TB] = {};
 #if KVSERVE_INT8_DOT_SIMD
@@ -704,9 +703,9 @@ void rows_for_tokens(const RoundedInput& x, int64_t t0, const QuantizedWeight& w
 template <F f, bool kZero>
 void gemv_format(const RoundedInput& x, const QuantizedWeight& w, int64_t m, float* y) {
   at::parallel_for(0, w.n, kRowGrain, [&](int64_t begin, int64_t end) {
-    // The fp16 scales and zeros of the rows taken at once widened (quantized_row_params),
-    // allocated once per task.
-    std::vector<float> buffer(w.half_params ? 2 * x.groups * kMaxRowsAtOnce : 0);
+    // The fp16 scales and zeros of the rows taken at once widened (quantized_row_params), or a
+    // shared zero, allocated once per task.
+    std::vector<float> buffer = quantized_row_params_buffer(w, x.groups, kMaxRowsAtOnce);
     float* params = buffer.data();
     for (int64_t r0 = begin; r0 < end; r0 += kRowTile) {
       const int64_t r1 = std::min(end, r0 + kRowTile);

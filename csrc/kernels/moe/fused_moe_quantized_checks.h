@@ -58,6 +58,9 @@ inline std::pair<cpu::QuantFormat, cpu::QuantFormat> check_fused_moe_quantized(
   const int64_t inter = w13[0].size(0) / 2;
   const auto check = [&](const char* name, const at::Tensor& x, at::TensorList q,
                          at::TensorList scales, at::TensorList zeros, int64_t group_size) {
+    TORCH_CHECK(zeros.empty() || zeros[0].dim() == 2, op, ": ", name,
+                "_zeros must be [n, groups] for each expert (a single shared zero is "
+                "quantized_linear's only), got ", zeros[0].sizes());
     try {
       return check_quantized_linear(x, q[0], scales[0], moe_quantized_zeros(zeros, 0),
                                     group_size, std::nullopt);

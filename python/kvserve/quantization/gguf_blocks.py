@@ -16,9 +16,10 @@ what the file means (up to fp32 rounding of the derived zero):
 A sub-block whose scale is 0 but whose minimum is not (every input the same value) becomes
 q = 1, zero 0, scale = its value. Q5_K costs 8 bits a weight here against 5.5 in the file, Q6_K 8
 against 6.6 (kvserve has no 5- or 6-bit layout); the others keep their bits. Q8_0 and Q4_0
-keep their fp16 scales as they are (Q4_0 adds an fp16 zero: 20 bytes a block against 18);
-the others' derived scales and zeros (d * sc, -m / d) are not fp16 numbers and stay fp32. The
-layouts are ggml's (ggml-common.h: block_q4_K and friends).
+keep their fp16 scales as they are (Q4_0's zero 8, written out per block here, is kept once by
+the engine's CPU layers: 18 bytes a block, as in the file); the others' derived scales and zeros
+(d * sc, -m / d) are not fp16 numbers and stay fp32. The layouts are ggml's (ggml-common.h:
+block_q4_K and friends).
 """
 
 from __future__ import annotations

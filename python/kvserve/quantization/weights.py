@@ -49,8 +49,8 @@ class QuantizedWeight:
         n, k = q.shape
         groups = k // self.group_size
         q = q.view(n, groups, self.group_size)
-        if self.zeros is not None:
-            q = q - self.zeros.view(n, groups, 1)
+        if self.zeros is not None:  # [n, groups], or [1]: one for all
+            q = q - (self.zeros.view(n, groups, 1) if self.zeros.dim() == 2 else self.zeros)
         return (q * self.scales.view(n, groups, 1)).view(n, k)
 
     def narrow(self, dim: int, start: int, length: int, name: str = "the weight"
@@ -62,7 +62,8 @@ class QuantizedWeight:
         `name` otherwise."""
         n, k = self.shape
         if dim == 0:
-            zeros = None if self.zeros is None else self.zeros[start:start + length]
+            zeros = (self.zeros if self.zeros is None or self.zeros.dim() == 1
+                     else self.zeros[start:start + length])
             return QuantizedWeight(self.qweight[start:start + length].contiguous(),
                                    self.scales[start:start + length].contiguous(),
                                    None if zeros is None else zeros.contiguous(), self.group_size,
@@ -83,7 +84,8 @@ class QuantizedWeight:
                    else slice(start, start + length))
         groups = (slice(None) if whole_rows
                   else slice(start // self.group_size, (start + length) // self.group_size))
-        zeros = None if self.zeros is None else self.zeros[:, groups].contiguous()
+        zeros = (self.zeros if self.zeros is None or self.zeros.dim() == 1
+                 else self.zeros[:, groups].contiguous())
         return QuantizedWeight(self.qweight[:, columns].contiguous(),
                                self.scales[:, groups].contiguous(), zeros,
                                length if whole_rows else self.group_size, self.outlier_threshold)
@@ -96,7 +98,8 @@ class QuantizedWeight:
                 {p.zeros is None for p in parts}) != 1 or len(
                 {p.outlier_threshold for p in parts}) != 1:
             raise ValueError("cannot fuse quantized weights of different formats or group sizes")
-        zeros = None if parts[0].zeros is None else torch.cat([p.zeros for p in parts])
+        zeros = None if parts[0].zeros is None else torch.cat(  # a single zero each row's
+            [p.zeros.expand_as(p.scales) if p.zeros.dim() == 1 else p.zeros for p in parts])
         return QuantizedWeight(torch.cat([p.qweight for p in parts]),
                                torch.cat([p.scales for p in parts]), zeros, group_sizes.pop(),
                                parts[0].outlier_threshold)

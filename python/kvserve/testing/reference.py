@@ -117,9 +117,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 def quantized_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                      group_size: int) -> torch.Tensor:
     """What a quantized_linear weight means, fp64 [n, k]: (q[o, i] - zeros[o, i // g]) *
-    scales[o, i // g], with q read as the contract says: int8 as is; uint8 as int4 in chunks of 32
-    inputs, byte j of a chunk holding input j (low nibble) and input j + 16 (high nibble);
-    float8_e4m3fn through torch's own conversion."""
+    scales[o, i // g] (zeros [1]: that one for every row and group), with q read as the
+    contract says: int8 as is; uint8 as int4 in chunks of 32 inputs, byte j of a chunk holding
+    input j (low nibble) and input j + 16 (high nibble); float8_e4m3fn through torch's own
+    conversion."""
     if qweight.dtype == torch.uint8:
         n, k = qweight.shape[0], 2 * qweight.shape[1]
         q = torch.empty(n, k, dtype=torch.float64)
@@ -131,7 +132,12 @@ def quantized_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
         q = qweight.double()
         k = q.shape[1]
     group = torch.arange(k) // group_size
-    zero = 0.0 if zeros is None else zeros.double()[:, group]
+    if zeros is None:
+        zero = 0.0
+    elif zeros.dim() == 1:  # one for all
+        zero = float(zeros.double()[0])
+    else:
+        zero = zeros.double()[:, group]
     return (q - zero) * scales.double()[:, group]
 
 
