@@ -268,6 +268,22 @@ inline void prefetch_ahead(const uint8_t* p) {
 }
 #endif
 
+// sum over groups of scale * (the token's rounded input summed over the group): zero_part for a
+// zero shared by every group, less that zero.
+float scale_part(const float* scales, const float* sums, int64_t groups) {
+  int64_t gi = 0;
+  float part = 0.0f;
+#if KVSERVE_INT8_DOT_SIMD
+  __m256 acc = _mm256_setzero_ps();
+  for (; gi + 8 <= groups; gi += 8) {
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(scales + gi), _mm256_loadu_ps(sums + gi), acc);
+  }
+  part = sum_lanes(acc);
+#endif
+  for (; gi < groups; ++gi) part += scales[gi] * sums[gi];
+  return part;
+}
+
 // sum over groups of zero * scale * (the token's rounded input summed over the group).
 float zero_part(const float* zeros, const float* scales, const float* sums, int64_t groups) {
   int64_t gi = 0;
@@ -590,7 +606,11 @@ void rows_for_tokens(const RoundedInput& x, int64_t t0, const QuantizedWeight& w
     for (int64_t t = 0; t < TB; ++t) {
       float out = sum[t];
       if constexpr (kZero) {
-        out -= zero_part(zeros, scales, x.group_sum.data() + (t0 + t) * groups, groups);
+        if (w.shared_zero) {
+          out -= zeros[0] * scale_part(scales, x.group_sum.data() + (t0 + t) * groups, groups);
+        } else {
+          out -= zero_part(zeros, scales, x.group_sum.data() + (t0 + t) * groups, groups);
+        }
       }
       y[(t0 + t) * w.n + o] = out;
     }
