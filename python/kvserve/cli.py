@@ -152,12 +152,13 @@ def _train_eagle(args: argparse.Namespace) -> int:
         ttt_steps=args.ttt_steps, lr=args.lr, warmup_steps=args.warmup_steps,
         draft_vocab_size=args.draft_vocab_size, aux_layers=tuple(args.aux_layers or ()),
         eval_every=args.eval_every, eval_batches=args.eval_batches, patience=args.patience,
-        max_minutes=args.max_minutes, seed=args.seed, device=args.device)
+        max_minutes=args.max_minutes, seed=args.seed, device=args.device,
+        init_from=args.init_from or "")
     if args.threads is not None:
         import torch
 
         torch.set_num_threads(args.threads)
-    done = train_eagle(args.target, args.corpus, args.out, config)
+    done = train_eagle(args.target, args.corpus, args.out, config, resume=args.resume)
     agreement = " / ".join(f"{a:.2f}" for a in done["after"]["agreement"])
     print(f"wrote {args.out}: held-out loss {done['before']['validation_loss']:.3f} -> "
           f"{done['after']['validation_loss']:.3f}, agreement with the target's greedy token by "
@@ -357,6 +358,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: low, middle, high)")
     e.add_argument("--max-minutes", type=float, default=0.0,
                    help="stop after an evaluation once training took this long (0: no limit)")
+    e.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its training_state.pt (written at each "
+                   "evaluation) up to --steps, with the same other settings")
+    e.add_argument("--init-from", default=None, metavar="HEAD_DIR",
+                   help="start from a head written before (same target layers and draft "
+                   "vocabulary), with a fresh optimizer and learning-rate schedule")
     e.set_defaults(func=_train_eagle)
     v = sub.add_parser("serve", help="serve the OpenAI API over HTTP")
     v.add_argument("--model", required=True, help=_MODEL_HELP)

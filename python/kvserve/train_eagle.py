@@ -59,6 +59,7 @@ class EagleTrainConfig:
     max_minutes: float = 0.0     # stop (after an evaluation) once training took this long; 0: no
     seed: int = 0
     device: str = "cpu"
+    init_from: str = ""          # a written head to start from (fresh optimizer and schedule)
 
     def check(self) -> None:
         for name in ("steps", "batch_size", "eval_every", "ttt_steps"):
@@ -246,10 +247,15 @@ def ttt_loss(logits: list[torch.Tensor], target_logits: torch.Tensor, draft_ids:
 
 
 def train_eagle(target_dir: str | Path, corpus: str | Path, out_dir: str | Path,
-                config: EagleTrainConfig | None = None, *, progress: bool = True) -> dict:
+                config: EagleTrainConfig | None = None, *, progress: bool = True,
+                resume: bool = False) -> dict:
     """Trains an EAGLE-3 head for the target on the corpus and writes the best one (by held-out
     loss) to out_dir: config.json, model.safetensors, eagle_log.csv and eagle.json (the summary,
-    also returned)."""
+    also returned). At every evaluation the run's state (the head as it is, the optimizer, the
+    step, the best head so far, the sampler) goes to out_dir/training_state.pt; `resume`
+    continues from it up to config.steps (which may exceed the first run's), the log appended
+    to, max_minutes counting this run's time. config.init_from starts instead from the weights
+    of a head written before (the same draft vocabulary), with a fresh optimizer and schedule."""
     from tqdm import tqdm
 
     from kvserve.tokenizer import Tokenizer
@@ -290,6 +296,10 @@ def train_eagle(target_dir: str | Path, corpus: str | Path, out_dir: str | Path,
     head = Eagle3Draft(target.model.config, size, len(aux)).to(device).train()
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, betas=(0.9, 0.95),
                                   weight_decay=0.0)
+    state_path = out_dir / "training_state.pt"
+    saved = _load_state(state_path, config, size) if resume else None
+    if config.init_from and saved is None:
+        head.load_state_dict(_head_weights(Path(config.init_from), draft_ids, aux))
 
     def run(batch: torch.Tensor) -> tuple[torch.Tensor, list[float], float]:
         streams, embedded, target_logits = target(batch.to(device))
@@ -313,19 +323,38 @@ def train_eagle(target_dir: str | Path, corpus: str | Path, out_dir: str | Path,
         n = len(windows)
         return sum(losses) / n, [sum(col) / n for col in zip(*agreements)]
 
-    val_loss, val_agree = evaluate()
-    before = {"validation_loss": val_loss, "agreement": val_agree}
+    if saved is None:
+        val_loss, val_agree = evaluate()
+        before = {"validation_loss": val_loss, "agreement": val_agree}
+        best = (val_loss, 0, copy.deepcopy(head.state_dict()), val_agree)
+        stale, first, spent = 0, 0, 0.0
+    else:
+        head.load_state_dict(saved["head"])
+        optimizer.load_state_dict(saved["optimizer"])
+        gen.set_state(saved["generator"])
+        before, best, stale = saved["before"], saved["best"], saved["stale"]
+        first, spent = saved["step"], saved["elapsed_s"]
+        val_loss, val_agree = best[0], best[3]
+        evaluate()  # for the floor of the held-out windows, as a first run computes it
     floor = sum(floors) / len(windows)
-    best = (val_loss, 0, copy.deepcopy(head.state_dict()), val_agree)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stale, steps_run, stopped_early = 0, 0, False
-    with open(out_dir / "eagle_log.csv", "w", newline="") as log_file, \
-            tqdm(range(config.steps), desc="eagle-3", unit="step", file=sys.stderr,
+    steps_run, stopped_early = first, False
+
+    def save_state() -> None:
+        torch.save({"config": asdict(config), "draft_vocab_size": size, "step": steps_run,
+                    "head": head.state_dict(), "optimizer": optimizer.state_dict(),
+                    "generator": gen.get_state(), "before": before, "best": best,
+                    "stale": stale, "elapsed_s": spent + time.monotonic() - started},
+                   state_path)
+
+    with open(out_dir / "eagle_log.csv", "a" if saved else "w", newline="") as log_file, \
+            tqdm(range(first, config.steps), desc="eagle-3", unit="step", file=sys.stderr,
                  disable=not progress) as bar:
         log = csv.writer(log_file)
-        log.writerow(["step", "train_loss", "val_loss", "val_agreement", "lr", "elapsed_s"])
-        log.writerow([0, "", f"{val_loss:.4f}", " ".join(f"{a:.3f}" for a in val_agree), "",
-                      "0.0"])
+        if saved is None:
+            log.writerow(["step", "train_loss", "val_loss", "val_agreement", "lr", "elapsed_s"])
+            log.writerow([0, "", f"{val_loss:.4f}", " ".join(f"{a:.3f}" for a in val_agree),
+                          "", "0.0"])
         for step in bar:
             lr = training.schedule(optimizer, step, config.lr, config.steps,
                                    config.warmup_steps, config.min_lr_ratio)
@@ -347,11 +376,12 @@ def train_eagle(target_dir: str | Path, corpus: str | Path, out_dir: str | Path,
                                    val_agree), 0
                 else:
                     stale += 1
+                save_state()
             bar.set_postfix(loss=f"{loss.item():.3f}", val=f"{val_loss:.3f}",
                             agree=f"{val_agree[0]:.2f}")
             log.writerow([steps_run, f"{loss.item():.4f}", f"{val_loss:.4f}" if evaluated else "",
                           " ".join(f"{a:.3f}" for a in val_agree) if evaluated else "",
-                          f"{lr:.3e}", f"{time.monotonic() - started:.1f}"])
+                          f"{lr:.3e}", f"{spent + time.monotonic() - started:.1f}"])
             log_file.flush()
             if (evaluated and config.patience and stale >= config.patience) or out_of_time:
                 stopped_early = True
@@ -365,15 +395,52 @@ def train_eagle(target_dir: str | Path, corpus: str | Path, out_dir: str | Path,
         "train_tokens": len(train_ids), "validation_tokens": len(val_ids),
         "steps_run": steps_run, "stopped_early": stopped_early, "best_step": best_step,
         "tokens_seen": steps_run * config.batch_size * config.seq_len,
+        "resumed_from_step": first,
         "validation_loss_floor": round(floor, 4),
         "before": {"validation_loss": round(before["validation_loss"], 4),
                    "agreement": [round(a, 4) for a in before["agreement"]]},
         "after": {"validation_loss": round(best_loss, 4),
                   "agreement": [round(a, 4) for a in best_agree]},
-        "wall_time_s": round(time.monotonic() - started, 1),
+        "wall_time_s": round(spent + time.monotonic() - started, 1),
     }
     (out_dir / "eagle.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _load_state(path: Path, config: EagleTrainConfig, size: int) -> dict:
+    """A run's training_state.pt, checked against this run's config (all but the steps, the
+    time limit and the patience may not change)."""
+    if not path.is_file():
+        raise ValueError(f"--resume: {path} does not exist (a run writes it at each evaluation)")
+    saved = torch.load(path, weights_only=False)
+    free = {"steps", "max_minutes", "patience", "init_from"}
+    then, now = saved["config"], asdict(config)
+    changed = sorted(k for k in now if k not in free and then.get(k) != now[k])
+    if changed or saved["draft_vocab_size"] != size:
+        raise ValueError(f"--resume: the run in {path.parent} was trained with other settings "
+                         f"({', '.join(changed) or 'draft vocabulary'}); only --steps, "
+                         f"--max-minutes and --patience may change")
+    if saved["step"] >= config.steps:
+        raise ValueError(f"--resume: the run already took {saved['step']} steps; give --steps "
+                         f"more than that")
+    return saved
+
+
+def _head_weights(head_dir: Path, draft_ids: torch.Tensor, aux: list[int]) -> dict:
+    """The Eagle3Draft state of a head written by write_head, if it drafts this run's
+    vocabulary from the same target layers."""
+    from safetensors.torch import load_file
+
+    config = json.loads((head_dir / "config.json").read_text())
+    tensors = load_file(head_dir / "model.safetensors")
+    d2t = tensors.pop("d2t")
+    tensors.pop("t2d")
+    same_vocabulary = len(d2t) == len(draft_ids) and torch.equal(
+        d2t + torch.arange(len(d2t)), draft_ids.cpu())
+    if not same_vocabulary or config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] != aux:
+        raise ValueError(f"--init-from {head_dir}: that head drafts another vocabulary or reads "
+                         f"other layers than this run's")
+    return tensors
 
 
 def write_head(out_dir: str | Path, target: dict, aux: list[int], draft_ids: torch.Tensor,

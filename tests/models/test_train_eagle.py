@@ -2,7 +2,8 @@
 every training-time test step equals the head drafting at inference (the pure-torch port of
 test_eagle3.py, chained on the window's own tokens), so what trains is what drafts; training on a
 small corpus lowers the held-out loss, writes a head kvserve loads, whose greedy speculative
-output equals plain decoding with drafts accepted; bad arguments are clear errors."""
+output equals plain decoding with drafts accepted; a resumed run ends where the same run taken
+straight through does; bad arguments are clear errors."""
 
 from __future__ import annotations
 
@@ -181,3 +182,54 @@ def test_command_line(tmp_path, trained, capsys):
               "--eval-batches", "1", "--max-minutes", "1e-9"])
     timed = json.loads((tmp_path / "timed" / "eagle.json").read_text())
     assert timed["steps_run"] == 1 and timed["stopped_early"]
+
+
+def test_resume_continues_the_run_exactly(tmp_path, trained):
+    """A run stopped after its first step (a time limit) and resumed ends with the weights of
+    the same run taken straight through; the log goes on; only --steps, --max-minutes and
+    --patience may change."""
+    from dataclasses import replace
+
+    target, _, _ = trained
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("alpha beta gamma delta kappa\n" * 400)
+    config = EagleTrainConfig(steps=6, batch_size=2, seq_len=32, eval_every=3, eval_batches=1,
+                              draft_vocab_size=50, aux_layers=(0, 2, 3), ttt_steps=2,
+                              warmup_steps=2)
+    train_eagle(target, corpus, tmp_path / "straight", config, progress=False)
+    cut = train_eagle(target, corpus, tmp_path / "cut", replace(config, max_minutes=1e-9),
+                      progress=False)
+    assert cut["steps_run"] == 1 and cut["stopped_early"]
+    done = train_eagle(target, corpus, tmp_path / "cut", config, progress=False, resume=True)
+    assert done["steps_run"] == 6 and done["resumed_from_step"] == 1
+    assert done["before"] == cut["before"]
+    straight = torch.load(tmp_path / "straight" / "training_state.pt", weights_only=False)
+    resumed = torch.load(tmp_path / "cut" / "training_state.pt", weights_only=False)
+    for name, weight in straight["head"].items():
+        assert torch.equal(weight, resumed["head"][name]), name
+    log = (tmp_path / "cut" / "eagle_log.csv").read_text().splitlines()
+    assert [row.split(",")[0] for row in log[1:]] == [str(i) for i in range(7)]
+    with pytest.raises(ValueError, match=r"other settings \(lr\)"):
+        train_eagle(target, corpus, tmp_path / "cut", replace(config, steps=9, lr=0.5),
+                    progress=False, resume=True)
+    with pytest.raises(ValueError, match="already took 6 steps"):
+        train_eagle(target, corpus, tmp_path / "cut", config, progress=False, resume=True)
+    with pytest.raises(ValueError, match="does not exist"):
+        train_eagle(target, corpus, tmp_path / "none", config, progress=False, resume=True)
+
+
+def test_init_from_starts_at_a_written_head(tmp_path, trained):
+    """--init-from loads a written head: before its first step the run's held-out loss is the
+    head's own; a head of another draft vocabulary is refused."""
+    from dataclasses import replace
+
+    target, head, summary = trained
+    corpus = target.parent / "corpus.txt"
+    config = EagleTrainConfig(steps=1, batch_size=4, seq_len=48, eval_every=20, eval_batches=2,
+                              draft_vocab_size=200, warmup_steps=5, lr=3e-3, init_from=str(head))
+    again = train_eagle(target, corpus, tmp_path / "again", config, progress=False)
+    assert again["before"]["validation_loss"] == pytest.approx(
+        summary["after"]["validation_loss"], abs=2e-4)
+    with pytest.raises(ValueError, match="another vocabulary"):
+        train_eagle(target, corpus, tmp_path / "other", replace(config, draft_vocab_size=100),
+                    progress=False)
