@@ -157,7 +157,11 @@ enum class QuantFormat : int { kInt8 = 0, kInt4 = 1, kFp8E4M3 = 2 };
 
 /// One quantized weight [n, k]: packed q, scales and zeros (nullable) [n, k / group_size], both
 /// fp32 or both fp16 (`half_params`; kernels widen a row's at a time: quantized_row_params);
-/// with `shared_zero`, zeros is one value for every row and group.
+/// with `shared_zero`, zeros is one value for every row and group. With `super_scales`
+/// (two-level scales, llama.cpp's K-quants), scales and zeros are int8 integers per group under
+/// fp32 or fp16 (`half_params`) factors per super-block of `super_group` groups,
+/// super_scales and super_mins [n, groups / super_group]: a group's scale is
+/// super_scale * scale and its zero term (zero * scale in the one-level form) super_min * zero.
 struct QuantizedWeight {
   QuantFormat format;
   const void* q;
@@ -166,6 +170,9 @@ struct QuantizedWeight {
   bool half_params;
   int64_t n, k, group_size;
   bool shared_zero = false;
+  const void* super_scales = nullptr;
+  const void* super_mins = nullptr;
+  int64_t super_group = 0;
 };
 
 /// out[t, o] = sum_j x[t, j] * w[o, j] in int32 for x int16 [m, k] (int8 values widened) and w

@@ -81,13 +81,86 @@ inline void convert_to_float(const T* src, float* dst, int64_t n) {
 /// into the weight's own where they are fp32, else widened from fp16 into `buffer`
 /// (2 * groups floats from quantized_row_params_buffer): the few bytes a row's parameters take,
 /// next to its q. A shared zero is the buffer's second half, filled once by
-/// quantized_row_params_buffer.
+/// quantized_row_params_buffer. Two-level scales (QuantizedWeight::super_scales) come as each
+/// group's scale and, with zeros, `offsets`, each group's zero term (zero * scale in the
+/// one-level form, which these do not have: a K-quant sub-block's scale may be 0 where its
+/// minimum is not), zeros then null.
 struct QuantizedRowParams {
   const float* scales;
   const float* zeros;
+  const float* offsets = nullptr;
 };
+
+/// out[s * S + j] = factors[s] * ints[s * S + j] for `supers` super-blocks of S groups (factors
+/// fp32, widened first where fp16): with AVX2, eight groups a vector where S is a multiple of 8
+/// (the K-quants' 8 and 16, as constants); written out, as int8 pointers may alias the output
+/// for the compiler.
+template <int64_t kS>
+inline void widen_two_level(const float* factors, const int8_t* ints, int64_t supers, int64_t S,
+                            float* out) {
+  if constexpr (kS > 0) S = kS;
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  if (S % 8 == 0) {
+    for (int64_t s = 0; s < supers; ++s) {
+      const __m256 f = _mm256_broadcast_ss(factors + s);
+      for (int64_t j = s * S; j < (s + 1) * S; j += 8) {
+        const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(ints + j));
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(f, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t s = 0; s < supers; ++s) {
+    for (int64_t j = s * S; j < (s + 1) * S; ++j) out[j] = factors[s] * static_cast<float>(ints[j]);
+  }
+}
+
+/// The two-level scales of row o: buffer[g] = super_scales[o, g / S] * scales[o, g] and, with
+/// zeros, buffer[groups + g] = super_mins[o, g / S] * zeros[o, g] (S = super_group).
+template <typename P>
+inline QuantizedRowParams two_level_row_params(const QuantizedWeight& w, int64_t o,
+                                               int64_t groups, float* buffer) {
+  const int64_t S = w.super_group, supers = groups / S;
+  const auto widen = [&](const void* factors, const void* ints, float* out) {
+    const P* f = static_cast<const P*>(factors) + o * supers;
+    const int8_t* q = static_cast<const int8_t*>(ints) + o * groups;
+    for (int64_t s0 = 0; s0 < supers; s0 += 64) {  // 64 super-blocks' factors at a time
+      const int64_t count = std::min<int64_t>(64, supers - s0);
+      float wide[64];
+      if constexpr (std::is_same_v<P, float>) {
+        std::copy_n(f + s0, count, wide);
+      } else {
+        int64_t s = 0;
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+        for (; s + 8 <= count; s += 8) {
+          _mm256_storeu_ps(wide + s, _mm256_cvtph_ps(_mm_loadu_si128(
+                                         reinterpret_cast<const __m128i*>(f + s0 + s))));
+        }
+#endif
+        for (; s < count; ++s) wide[s] = static_cast<float>(f[s0 + s]);
+      }
+      const int8_t* qs = q + s0 * S;
+      float* os = out + s0 * S;
+      switch (S) {
+        case 8: widen_two_level<8>(wide, qs, count, S, os); break;
+        case 16: widen_two_level<16>(wide, qs, count, S, os); break;
+        default: widen_two_level<0>(wide, qs, count, S, os);
+      }
+    }
+  };
+  widen(w.super_scales, w.scales, buffer);
+  if (w.zeros == nullptr) return {buffer, nullptr};
+  widen(w.super_mins, w.zeros, buffer + groups);
+  return {buffer, nullptr, buffer + groups};
+}
+
 inline QuantizedRowParams quantized_row_params(const QuantizedWeight& w, int64_t o,
                                                int64_t groups, float* buffer) {
+  if (w.super_scales != nullptr) {
+    return w.half_params ? two_level_row_params<c10::Half>(w, o, groups, buffer)
+                         : two_level_row_params<float>(w, o, groups, buffer);
+  }
   const float* scales = static_cast<const float*>(w.scales) + o * groups;
   if (w.half_params) {
     convert_to_float(static_cast<const c10::Half*>(w.scales) + o * groups, buffer, groups);
@@ -104,7 +177,7 @@ inline QuantizedRowParams quantized_row_params(const QuantizedWeight& w, int64_t
 /// the weight's parameters are fp32 and its zeros its own), each row's zeros set to a shared zero.
 inline std::vector<float> quantized_row_params_buffer(const QuantizedWeight& w, int64_t groups,
                                                       int64_t rows = 1) {
-  if (!w.half_params && !w.shared_zero) return {};
+  if (!w.half_params && !w.shared_zero && w.super_scales == nullptr) return {};
   std::vector<float> buffer(2 * groups * rows);
   if (w.shared_zero) {
     const float zero = w.half_params ? static_cast<float>(*static_cast<const c10::Half*>(w.zeros))

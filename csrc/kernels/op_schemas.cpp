@@ -52,7 +52,8 @@ TORCH_LIBRARY(kvserve, m) {
       "Tensor scales) -> ()");
   m.def(
       "quantized_linear(Tensor input, Tensor qweight, Tensor scales, Tensor? zeros, int group_size, "
-      "Tensor? bias=None, bool quantize_input=False) -> Tensor");
+      "Tensor? bias=None, bool quantize_input=False, Tensor? super_scales=None, "
+      "Tensor? super_mins=None) -> Tensor");
   m.def(
       "llm_int8_linear(Tensor input, Tensor weight, Tensor weight_scales, float threshold, "
       "Tensor? bias=None) -> Tensor");
@@ -226,12 +227,16 @@ at::Tensor llm_int8_linear(const at::Tensor& input, const at::Tensor& weight,
 at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& qweight,
                             const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
                             int64_t group_size, const std::optional<at::Tensor>& bias,
-                            bool quantize_input) {
+                            bool quantize_input, const std::optional<at::Tensor>& super_scales,
+                            const std::optional<at::Tensor>& super_mins) {
   static const auto op =
       handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                         const std::optional<at::Tensor>&, int64_t,
-                        const std::optional<at::Tensor>&, bool)>("kvserve::quantized_linear");
-  return op.call(input, qweight, scales, zeros, group_size, bias, quantize_input);
+                        const std::optional<at::Tensor>&, bool,
+                        const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>(
+          "kvserve::quantized_linear");
+  return op.call(input, qweight, scales, zeros, group_size, bias, quantize_input, super_scales,
+                 super_mins);
 }
 
 void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,

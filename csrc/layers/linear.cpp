@@ -91,11 +91,24 @@ QuantizedLinearWeight QuantizedLinearWeight::load(const WeightMap& w, const std:
   q.qweight = w.get(name + ".qweight");
   q.scales = w.get(name + ".scales");
   q.zeros = w.get_optional(name + ".zeros");
+  q.super_scales = w.get_optional(name + ".super_scales");
+  q.super_mins = w.get_optional(name + ".super_mins");
   // Scales and zeros are read as they are where the kernels take them (fp32, or both fp16 as
-  // AWQ, GPTQ and GGUF store them); anything else is widened to fp32 (exact).
+  // AWQ, GPTQ and GGUF store them; two-level ones as int8 under fp32 or fp16 factors); anything
+  // else is widened to fp32 (exact).
   const bool half = q.scales.scalar_type() == at::kHalf &&
                     (!q.zeros.defined() || q.zeros.scalar_type() == at::kHalf);
-  if (!half) {
+  if (q.super_scales.defined()) {
+    TORCH_CHECK(q.scheme == QuantScheme::kInt8 || q.scheme == QuantScheme::kInt4, "Linear: ",
+                name, " has two-level scales, which int8 and int4 weights take, not ",
+                quant_scheme_name(q.scheme));
+    const bool half_super = q.super_scales.scalar_type() == at::kHalf &&
+                            (!q.super_mins.defined() || q.super_mins.scalar_type() == at::kHalf);
+    if (!half_super) {
+      q.super_scales = q.super_scales.to(at::kFloat);
+      if (q.super_mins.defined()) q.super_mins = q.super_mins.to(at::kFloat);
+    }
+  } else if (!half) {
     q.scales = q.scales.to(at::kFloat);
     if (q.zeros.defined()) q.zeros = q.zeros.to(at::kFloat);
   }
@@ -123,7 +136,7 @@ QuantizedLinearWeight QuantizedLinearWeight::load(const WeightMap& w, const std:
 
 int64_t QuantizedLinearWeight::nbytes() const {
   int64_t bytes = 0;
-  for (const at::Tensor* t : {&qweight, &scales, &zeros}) {
+  for (const at::Tensor* t : {&qweight, &scales, &zeros, &super_scales, &super_mins}) {
     if (t->defined()) bytes += static_cast<int64_t>(t->nbytes());
   }
   return bytes;
@@ -155,7 +168,8 @@ Linear::Linear(QuantizedLinearWeight weight, at::Tensor bias)
   // GPTQ's sym=True store 8 for int4) are kept once, as quantized_linear takes them on the CPU:
   // the kernels then read no zeros from memory.
   at::Tensor& zeros = quantized_.zeros;
-  if (zeros.defined() && zeros.numel() > 1 && zeros.device().is_cpu()) {
+  if (zeros.defined() && zeros.numel() > 1 && zeros.device().is_cpu() &&
+      !quantized_.super_scales.defined()) {
     const at::Tensor first = zeros.reshape({-1}).narrow(0, 0, 1);
     if (zeros.eq(first.view({1, 1})).all().item<bool>()) zeros = first.clone();
   }
@@ -183,9 +197,12 @@ at::Tensor Linear::local_forward(const at::Tensor& x) const {
     case QuantScheme::kInt8:
     case QuantScheme::kInt4:
     case QuantScheme::kFp8: {
-      const auto zeros = q.zeros.defined() ? std::optional<at::Tensor>(q.zeros) : std::nullopt;
-      return ops::quantized_linear(x, q.qweight, q.scales, zeros, q.group_size, bias,
-                                   q.quantize_input);
+      const auto optional = [](const at::Tensor& t) {
+        return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+      };
+      return ops::quantized_linear(x, q.qweight, q.scales, optional(q.zeros), q.group_size, bias,
+                                   q.quantize_input, optional(q.super_scales),
+                                   optional(q.super_mins));
     }
   }
   TORCH_CHECK(false, "Linear: unknown quantization scheme");
@@ -247,8 +264,19 @@ at::Tensor Linear::rows(const at::Tensor& ids, at::ScalarType dtype) const {
     const at::Tensor chunks = q.view({t, -1, 1, 16});
     q = at::cat({at::bitwise_and(chunks, 0x0f), at::bitwise_right_shift(chunks, 4)}, 2);
   }
+  at::Tensor values = q.to(at::kFloat).view({t, w.scales.dim() == 1 ? 1 : w.scales.size(1), -1});
+  if (w.super_scales.defined()) {  // two-level: q * super_scale * scale - super_min * zero
+    const int64_t supers = w.super_scales.size(1);
+    const auto per_group = [&](const at::Tensor& ints, const at::Tensor& factors) {
+      const at::Tensor f = factors.index_select(0, ids).to(at::kFloat).unsqueeze(2);
+      return (ints.index_select(0, ids).to(at::kFloat).view({t, supers, -1}) * f)
+          .view({t, -1, 1});
+    };
+    values = values * per_group(w.scales, w.super_scales);
+    if (w.zeros.defined()) values = values - per_group(w.zeros, w.super_mins);
+    return values.view({t, in_features_}).to(dtype);
+  }
   const at::Tensor scales = w.scales.dim() == 1 ? w.scales.unsqueeze(1) : w.scales;  // LLM.int8()
-  at::Tensor values = q.to(at::kFloat).view({t, scales.size(1), -1});
   if (w.zeros.defined()) {  // one per row and group, or one for all
     values = values - (w.zeros.dim() == 1 ? w.zeros.view({1, 1, 1})
                                           : w.zeros.index_select(0, ids).unsqueeze(2));

@@ -32,22 +32,26 @@ QuantScheme quant_scheme_from_name(const std::string& name);
 
 /// A quantized weight as its op reads it: q (int8, packed int4 or fp8 E4M3), scales and zeros
 /// (fp32, or both fp16 as the checkpoint stored them) per output row and group of group_size
-/// inputs; for kLlmInt8 one fp32 scale per row and the outlier threshold.
+/// inputs, or two-level (int8 scales and zeros under super_scales and super_mins per
+/// super-block: GGUF's K-quants; quantized_linear.h); for kLlmInt8 one fp32 scale per row and
+/// the outlier threshold.
 struct QuantizedLinearWeight {
   QuantScheme scheme = QuantScheme::kNone;
   at::Tensor qweight, scales, zeros;  // zeros may be undefined, or [1] (Linear: one for all)
+  at::Tensor super_scales, super_mins;  // undefined but for two-level scales
   int64_t group_size = 0;
   double outlier_threshold = -1.0;  // kLlmInt8 only
   bool quantize_input = false;      // kInt8 / kInt4: QuantizationConfig::activation "int8"
 
-  /// `<name>.qweight`, `<name>.scales` and optional `<name>.zeros` of a weight map (the group size
+  /// `<name>.qweight`, `<name>.scales`, optional `<name>.zeros` (and, for two-level scales,
+  /// `<name>.super_scales` and `<name>.super_mins`) of a weight map (the group size
   /// is in_features over the scales' columns), in the scheme the map's QuantizationConfig names;
   /// weight_only (routed experts): kLlmInt8 runs as kInt8. Throws std::invalid_argument on a
   /// missing tensor, a map that names no scheme, or a qweight dtype other than the scheme's;
   /// c10::Error on a bad shape.
   static QuantizedLinearWeight load(const WeightMap& weights, const std::string& name,
                                     bool weight_only = false);
-  /// Bytes of qweight, scales and zeros.
+  /// Bytes of qweight, scales, zeros and super-block factors.
   int64_t nbytes() const;
 };
 

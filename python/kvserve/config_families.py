@@ -616,8 +616,11 @@ def _scale(w: dict, module: str, weight_rows: torch.Tensor, bias_rows: torch.Ten
     [1] for all), each product rounded once to the tensor's dtype."""
     if torch.all(weight_rows == 1) and torch.all(bias_rows == 1):
         return
-    for suffix, factors in ((".weight", weight_rows), (".scales", weight_rows),
-                            (".bias", bias_rows)):
+    # Two-level scales (int8 under per-super-block factors) take the rows' factors in those.
+    two_level = module + ".super_scales" in w
+    scaled_params = ((".super_scales", weight_rows), (".super_mins", weight_rows)) if two_level \
+        else ((".scales", weight_rows),)
+    for suffix, factors in ((".weight", weight_rows), *scaled_params, (".bias", bias_rows)):
         t = w.get(module + suffix)
         if t is None:
             continue
@@ -626,7 +629,9 @@ def _scale(w: dict, module: str, weight_rows: torch.Tensor, bias_rows: torch.Ten
                              f"{t.shape[0]} rows")
         shape = (-1,) + (1,) * (t.dim() - 1)
         scaled = t.float() * factors.view(shape)
-        if suffix == ".scales":  # products of fp16 scales are kept in fp32, and the zeros too
+        if suffix in (".super_scales", ".super_mins"):  # products kept in fp32, both alike
+            w[module + suffix] = scaled
+        elif suffix == ".scales":  # products of fp16 scales are kept in fp32, and the zeros too
             w[module + suffix] = scaled
             if module + ".zeros" in w:
                 w[module + ".zeros"] = w[module + ".zeros"].float()

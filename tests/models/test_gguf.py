@@ -273,9 +273,29 @@ def test_q4_0_zero_is_held_once(plain, tmp_path):
     assert want <= llm.model.weight_bytes <= want + 2 * 16  # and a 2-byte zero a projection
 
 
-def test_gguf_with_int8_inputs_and_tied_head(plain, tmp_path):
+def test_k_quants_are_held_two_level(plain, tmp_path):
+    """Q4_K and Q6_K projections are held at their integer scales and minimums under fp16 factors
+    (tests/kernels/test_quantized_linear_two_level.py): 148 bytes a super-block of 256 Q4_K
+    weights (the file's 144), 274 for Q6_K (int8 q; the file's 210), and a projection that fuses
+    both (q/k beside a Q6_K v) as int8 groups of 16 with both: 292; the model generates as
+    transformers reads the file."""
+    path = tmp_path / "model-q4_k_m.gguf"
+    kinds = MIXES["q4_k_m"]
+    write_gguf(plain, path, kinds)
+    check_against_transformers(path)
+    per_256 = {"Q4_K": 148, "Q6_K": 274}
+    want = 0
+    for name, t in load_file(plain / "model.safetensors").items():
+        module = name.split(".")[-2]
+        kind = "fused" if module in ("q_proj", "k_proj", "v_proj") else kinds.get(module)
+        want += t.numel() * (292 if kind == "fused" else per_256.get(kind, 1024)) // 256
+    assert kvserve.LLM(path, dtype=torch.float32).model.weight_bytes == want
+
+
+@pytest.mark.parametrize("mix", ["q4_0-q4_1", "q4_k_m"])
+def test_gguf_with_int8_inputs_and_tied_head(plain, tmp_path, mix):
     path = tmp_path / "model-tied.gguf"
-    write_gguf(plain, path, MIXES["q4_0-q4_1"], tied=True)
+    write_gguf(plain, path, MIXES[mix], tied=True)
     llm = kvserve.LLM(path, dtype=torch.float32)
     assert llm.config.tie_word_embeddings and llm.config.quantization.activation == "int8"
     model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -366,14 +386,23 @@ def test_block_types_mean_what_the_gguf_package_reads(kind):
     q = to_quantized(data, kind, rows, k)
     got = q.dequantize()
     torch.testing.assert_close(got, want, atol=1e-6 * want.abs().max().item(), rtol=1e-5)
+    # and so does its one-level form (what CUDA takes)
+    torch.testing.assert_close(q.one_level().dequantize(), want,
+                               atol=1e-6 * want.abs().max().item(), rtol=1e-5)
     # Q8_0 / Q4_0 keep the file's fp16 scales (and Q4_0 an fp16 zero 8 a block here, which the
-    # engine's layers keep once: test_q4_0_zero_is_held_once): 34 and 20 bytes a block
-    half = kind in ("Q8_0", "Q4_0")
-    assert q.scales.dtype == (torch.float16 if half else torch.float32)
-    assert q.zeros is None or q.zeros.dtype == q.scales.dtype
-    if half:
-        nbytes = sum(t.nbytes for t in (q.qweight, q.scales, q.zeros) if t is not None)
-        assert nbytes == rows * k // 32 * {"Q8_0": 34, "Q4_0": 20}[kind]
+    # engine's layers keep once: test_q4_0_zero_is_held_once): 34 and 20 bytes a block; the
+    # K-quants their integer scales and minimums (a byte each) under the fp16 d and dmin
+    if kind == "Q4_1":
+        assert q.scales.dtype == q.zeros.dtype == torch.float32
+        return
+    two_level = kind.endswith("_K")
+    assert q.scales.dtype == (torch.int8 if two_level else torch.float16)
+    assert two_level == (q.super_scales is not None)
+    assert q.super_scales is None or q.super_scales.dtype == torch.float16
+    parts = (q.qweight, q.scales, q.zeros, q.super_scales, q.super_mins)
+    nbytes = sum(t.nbytes for t in parts if t is not None)
+    per_256 = {"Q8_0": 272, "Q4_0": 160, "Q4_K": 148, "Q5_K": 276, "Q6_K": 274}[kind]
+    assert nbytes == rows * k // 256 * per_256
 
 
 def test_flat_sub_blocks_keep_their_value():

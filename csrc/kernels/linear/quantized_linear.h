@@ -25,6 +25,18 @@ namespace kvserve::ops {
 /// widened in registers. (On CUDA a single zero is expanded to [n, k / g] for the call.)
 /// bias: [n] in the input dtype.
 ///
+/// Two-level scales (llama.cpp's K-quants, whose groups' scales are small integers under a
+/// factor per super-block of 256 inputs): with super_scales, scales are int8 [n, k / g] and
+/// super_scales fp32 or fp16 [n, supers] (supers dividing k / g; S = (k / g) / supers groups a
+/// super-block), and zeros, where given, are int8 [n, k / g] with super_mins as super_scales:
+///
+///   dequant(qweight)[o, i] = q[o, i] * super_scales[o, j / S] * scales[o, j]
+///                            - super_mins[o, j / S] * zeros[o, j]          (j = i / g)
+///
+/// which, unlike the one-level form, holds a group whose scale is 0 and whose minimum is not.
+/// The CPU runs it; CUDA refuses it (a loader expands such weights for CUDA:
+/// kvserve.quantization.weights.QuantizedWeight.one_level).
+///
 /// quantize_input (int8 and int4 weights only) rounds the input to int8 first and computes the
 /// same formula on the rounded input: per token, each group is cut into blocks of 32 inputs from
 /// its start (the last one shorter when g is not a multiple of 32), and a block with
@@ -41,7 +53,9 @@ namespace kvserve::ops {
 at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& qweight,
                             const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
                             int64_t group_size, const std::optional<at::Tensor>& bias,
-                            bool quantize_input = false);
+                            bool quantize_input = false,
+                            const std::optional<at::Tensor>& super_scales = std::nullopt,
+                            const std::optional<at::Tensor>& super_mins = std::nullopt);
 
 /// x' of quantize_input above, fp32 [T, k], for input [T, k] (any float dtype, any device): the
 /// rounding the CPU's integer kernels take, for the paths that multiply in floating point.

@@ -43,13 +43,47 @@ inline bool is_shared_zero(const std::optional<at::Tensor>& zeros) {
   return zeros && zeros->dim() == 1;
 }
 
+/// Checks two-level scales (quantized_linear.h): scales, and zeros if any, int8 [n, groups];
+/// super_scales, and super_mins exactly where there are zeros, [n, supers] in fp32 or fp16 with
+/// supers dividing groups. Returns the groups a super-block holds.
+inline int64_t check_two_level_params(const at::Tensor& scales,
+                                      const std::optional<at::Tensor>& zeros,
+                                      const at::Tensor& super_scales,
+                                      const std::optional<at::Tensor>& super_mins, int64_t n,
+                                      int64_t groups) {
+  constexpr const char* op = "quantized_linear";
+  check_contiguous(op, "scales", scales, at::kChar);
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == n && scales.size(1) == groups, op,
+              ": two-level scales must be int8 [", n, ", ", groups, "], got ", scales.sizes());
+  const at::ScalarType dtype = super_scales.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf, op,
+              ": super_scales must be fp32 or fp16, got ", dtype);
+  check_contiguous(op, "super_scales", super_scales, dtype);
+  TORCH_CHECK(super_scales.dim() == 2 && super_scales.size(0) == n && super_scales.size(1) > 0 &&
+                  groups % super_scales.size(1) == 0,
+              op, ": super_scales must be [", n, ", supers] with supers dividing the ", groups,
+              " groups, got ", super_scales.sizes());
+  TORCH_CHECK(zeros.has_value() == super_mins.has_value(), op,
+              ": two-level zeros and super_mins come together (or neither)");
+  if (zeros) {
+    check_contiguous(op, "zeros", *zeros, at::kChar);
+    TORCH_CHECK(zeros->sizes() == scales.sizes(), op, ": two-level zeros must be int8 [", n, ", ",
+                groups, "], got ", zeros->sizes());
+    check_contiguous(op, "super_mins", *super_mins, dtype);
+    TORCH_CHECK(super_mins->sizes() == super_scales.sizes(), op,
+                ": super_mins must be shaped as super_scales ", super_scales.sizes(), ", got ",
+                super_mins->sizes());
+  }
+  return groups / super_scales.size(1);
+}
+
 /// Every shape, dtype, device and group size of quantized_linear.h; returns qweight's format.
-inline cpu::QuantFormat check_quantized_linear(const at::Tensor& input, const at::Tensor& qweight,
-                                               const at::Tensor& scales,
-                                               const std::optional<at::Tensor>& zeros,
-                                               int64_t group_size,
-                                               const std::optional<at::Tensor>& bias,
-                                               bool quantize_input = false) {
+inline cpu::QuantFormat check_quantized_linear(
+    const at::Tensor& input, const at::Tensor& qweight, const at::Tensor& scales,
+    const std::optional<at::Tensor>& zeros, int64_t group_size,
+    const std::optional<at::Tensor>& bias, bool quantize_input = false,
+    const std::optional<at::Tensor>& super_scales = std::nullopt,
+    const std::optional<at::Tensor>& super_mins = std::nullopt) {
   constexpr const char* op = "quantized_linear";
   check_rows(op, "input", input, 2);
   const at::ScalarType dtype = input.scalar_type();
@@ -70,8 +104,15 @@ inline cpu::QuantFormat check_quantized_linear(const at::Tensor& input, const at
   TORCH_CHECK(!quantize_input || format != cpu::QuantFormat::kFp8E4M3, op,
               ": quantize_input takes int8 or int4 weights, not fp8");
   const int64_t groups = k / group_size;
-  check_quantized_params("scales", scales, n, groups, scales.scalar_type());
-  if (zeros) {
+  if (super_scales) {
+    TORCH_CHECK(format != cpu::QuantFormat::kFp8E4M3, op,
+                ": two-level scales take int8 or int4 weights, not fp8");
+    check_two_level_params(scales, zeros, *super_scales, super_mins, n, groups);
+  } else {
+    TORCH_CHECK(!super_mins, op, ": super_mins needs super_scales");
+    check_quantized_params("scales", scales, n, groups, scales.scalar_type());
+  }
+  if (zeros && !super_scales) {
     TORCH_CHECK(format != cpu::QuantFormat::kFp8E4M3, op, ": fp8 weights take no zeros");
     check_quantized_params("zeros", *zeros, n, groups, scales.scalar_type(),
                            /*one_for_all=*/true);
@@ -81,9 +122,13 @@ inline cpu::QuantFormat check_quantized_linear(const at::Tensor& input, const at
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(), op,
                 ": bias must be contiguous [", n, "]");
   }
-  TORCH_CHECK(qweight.device() == input.device() && scales.device() == input.device() &&
-                  (!zeros || zeros->device() == input.device()),
-              op, ": qweight, scales and zeros must be on the input's device");
+  for (const std::optional<at::Tensor>& t : {std::optional<at::Tensor>(qweight),
+                                             std::optional<at::Tensor>(scales), zeros,
+                                             super_scales, super_mins}) {
+    TORCH_CHECK(!t || t->device() == input.device(), op,
+                ": qweight, scales, zeros, super_scales and super_mins must be on the input's "
+                "device");
+  }
   return format;
 }
 

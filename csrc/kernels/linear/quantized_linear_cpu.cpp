@@ -32,22 +32,28 @@ constexpr int64_t kDequantBlockBytes = 4 << 20;
 at::Tensor quantized_linear_cpu(const at::Tensor& input, const at::Tensor& qweight,
                                 const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
                                 int64_t group_size, const std::optional<at::Tensor>& bias,
-                                bool quantize_input) {
-  const cpu::QuantFormat format =
-      check_quantized_linear(input, qweight, scales, zeros, group_size, bias, quantize_input);
+                                bool quantize_input,
+                                const std::optional<at::Tensor>& super_scales,
+                                const std::optional<at::Tensor>& super_mins) {
+  const cpu::QuantFormat format = check_quantized_linear(
+      input, qweight, scales, zeros, group_size, bias, quantize_input, super_scales, super_mins);
   const at::ScalarType dtype = input.scalar_type();
   const int64_t m = input.size(0), k = input.size(1), n = qweight.size(0);
   at::Tensor out = at::empty({m, n}, input.options());
   if (m == 0 || n == 0) return out;
+  const at::ScalarType params = super_scales ? super_scales->scalar_type() : scales.scalar_type();
   const cpu::QuantizedWeight w{format,
                                qweight.data_ptr(),
                                scales.data_ptr(),
                                zeros ? zeros->data_ptr() : nullptr,
-                               scales.scalar_type() == at::kHalf,
+                               params == at::kHalf,
                                n,
                                k,
                                group_size,
-                               is_shared_zero(zeros)};
+                               is_shared_zero(zeros),
+                               super_scales ? super_scales->data_ptr() : nullptr,
+                               super_mins ? super_mins->data_ptr() : nullptr,
+                               super_scales ? scales.size(1) / super_scales->size(1) : 0};
   if (quantize_input && m <= kMaxInt8InputTokens) {
     cpu::quantized_gemv_int8_input_stub.get()(dtype, input.data_ptr(), input.stride(0), w,
                                               bias ? bias->data_ptr() : nullptr, out.data_ptr(),

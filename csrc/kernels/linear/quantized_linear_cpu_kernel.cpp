@@ -219,15 +219,19 @@ void rows_for_tokens(const float* x, const float* xsum, const QuantizedWeight& w
       float zero_part = 0.0f;  // sum over groups of zero * scale * sum(x of the group)
       if constexpr (kZero) {
         const float* zeros = p.zeros;
+        const float* offsets = p.offsets;  // two-level: the zero terms as they are
         const float* sums = xsum + t * groups;
         Vec part(0.0f);
         int64_t gi = 0;
         for (; gi + kLanes <= groups; gi += kLanes) {
-          part = at::vec::fmadd(Vec::loadu(zeros + gi) * Vec::loadu(scales + gi),
-                                Vec::loadu(sums + gi), part);
+          const Vec term = offsets != nullptr ? Vec::loadu(offsets + gi)
+                                              : Vec::loadu(zeros + gi) * Vec::loadu(scales + gi);
+          part = at::vec::fmadd(term, Vec::loadu(sums + gi), part);
         }
         zero_part = reduce(part);
-        for (; gi < groups; ++gi) zero_part += zeros[gi] * scales[gi] * sums[gi];
+        for (; gi < groups; ++gi) {
+          zero_part += (offsets != nullptr ? offsets[gi] : zeros[gi] * scales[gi]) * sums[gi];
+        }
       }
       y[t * w.n + o] = reduce(total[t]) + tail[t] - zero_part;
     }
@@ -314,10 +318,23 @@ void dequantize_rows(const QuantizedWeight& w, int64_t row_begin, int64_t row_en
           quantized_row_params(w, o, groups, params.data());
       for (int64_t gi = 0; gi < groups; ++gi) {
         const float s = p.scales[gi] * kScaleFactor<f>;
-        const float z = kZero ? p.zeros[gi] : 0.0f;
-        const Vec scale(s), zero(z);
         int64_t i = gi * w.group_size;
         const int64_t group_end = i + w.group_size;
+        if (kZero && p.offsets != nullptr) {  // two-level: q * scale - offset
+          const float c = p.offsets[gi];
+          const Vec scale(s), offset(c);
+          for (; i + kChunk <= group_end; i += kChunk) {
+            Vec qv[kVecs];
+            load_chunk<f>(row, i, qv);
+            for (int64_t v = 0; v < kVecs; ++v) {
+              at::vec::fmsub(qv[v], scale, offset).store(out + i + v * kLanes);
+            }
+          }
+          for (; i < group_end; ++i) out[i] = load_one<f>(row, i) * s - c;
+          continue;
+        }
+        const float z = kZero ? p.zeros[gi] : 0.0f;
+        const Vec scale(s), zero(z);
         for (; i + kChunk <= group_end; i += kChunk) {
           Vec qv[kVecs];
           load_chunk<f>(row, i, qv);

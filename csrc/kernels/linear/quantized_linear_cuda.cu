@@ -223,9 +223,13 @@ at::Tensor run(const at::Tensor& input, const at::Tensor& qweight, const at::Ten
 at::Tensor quantized_linear_cuda(const at::Tensor& input, const at::Tensor& qweight,
                                  const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
                                  int64_t group_size, const std::optional<at::Tensor>& bias,
-                                 bool quantize_input) {
-  const cpu::QuantFormat format =
-      check_quantized_linear(input, qweight, scales, zeros, group_size, bias, quantize_input);
+                                 bool quantize_input,
+                                 const std::optional<at::Tensor>& super_scales,
+                                 const std::optional<at::Tensor>& super_mins) {
+  const cpu::QuantFormat format = check_quantized_linear(
+      input, qweight, scales, zeros, group_size, bias, quantize_input, super_scales, super_mins);
+  TORCH_CHECK(!super_scales, "quantized_linear: two-level scales (K-quants) run on the CPU; on "
+                             "CUDA give the one-level form (QuantizedWeight.one_level())");
   if (input.size(0) == 0 || qweight.size(0) == 0) {
     return at::empty({input.size(0), qweight.size(0)}, input.options());
   }

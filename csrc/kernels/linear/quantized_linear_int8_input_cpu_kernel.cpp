@@ -268,19 +268,20 @@ inline void prefetch_ahead(const uint8_t* p) {
 }
 #endif
 
-// sum over groups of scale * (the token's rounded input summed over the group): zero_part for a
-// zero shared by every group, less that zero.
-float scale_part(const float* scales, const float* sums, int64_t groups) {
+// sum over groups of factor * (the token's rounded input summed over the group): the zero term
+// of two-level offsets (factors = offsets), or, less the zero, of a zero shared by every group
+// (factors = scales).
+float group_dot(const float* factors, const float* sums, int64_t groups) {
   int64_t gi = 0;
   float part = 0.0f;
 #if KVSERVE_INT8_DOT_SIMD
   __m256 acc = _mm256_setzero_ps();
   for (; gi + 8 <= groups; gi += 8) {
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(scales + gi), _mm256_loadu_ps(sums + gi), acc);
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(factors + gi), _mm256_loadu_ps(sums + gi), acc);
   }
   part = sum_lanes(acc);
 #endif
-  for (; gi < groups; ++gi) part += scales[gi] * sums[gi];
+  for (; gi < groups; ++gi) part += factors[gi] * sums[gi];
   return part;
 }
 
@@ -602,14 +603,17 @@ void rows_for_tokens(const RoundedInput& x, int64_t t0, const QuantizedWeight& w
     xp[t] = x.pair_scale.data() + (t0 + t) * x.pair_stride;
   }
   // Row o's outputs: its sums less its zeros' part.
-  const auto store = [&](int64_t o, const float* zeros, const float* scales, const float* sum) {
+  const auto store = [&](int64_t o, const QuantizedRowParams& p, const float* sum) {
     for (int64_t t = 0; t < TB; ++t) {
       float out = sum[t];
       if constexpr (kZero) {
-        if (w.shared_zero) {
-          out -= zeros[0] * scale_part(scales, x.group_sum.data() + (t0 + t) * groups, groups);
+        const float* sums = x.group_sum.data() + (t0 + t) * groups;
+        if (p.offsets != nullptr) {
+          out -= group_dot(p.offsets, sums, groups);
+        } else if (w.shared_zero) {
+          out -= p.zeros[0] * group_dot(p.scales, sums, groups);
         } else {
-          out -= zero_part(zeros, scales, x.group_sum.data() + (t0 + t) * groups, groups);
+          out -= zero_part(p.zeros, p.scales, sums, groups);
         }
       }
       y[(t0 + t) * w.n + o] = out;
@@ -631,7 +635,7 @@ void rows_for_tokens(const RoundedInput& x, int64_t t0, const QuantizedWeight& w
       }
       float sum[R][TB];
       kernel(count, row, scales, sum);
-      for (int64_t r = 0; r < R; ++r) store(o + r, p[r].zeros, p[r].scales, sum[r]);
+      for (int64_t r = 0; r < R; ++r) store(o + r, p[r], sum[r]);
     }
   };
   // All rows: kRowsAtOnce at a time, then one at a time.
@@ -716,15 +720,15 @@ void rows_for_tokens(const RoundedInput& x, int64_t t0, const QuantizedWeight& w
         for (int64_t t = 0; t < TB; ++t) sum[t] += part[t] * scales[gi];
       }
     }
-    store(o, p.zeros, scales, sum);
+    store(o, p, sum);
   }
 }
 
 template <F f, bool kZero>
 void gemv_format(const RoundedInput& x, const QuantizedWeight& w, int64_t m, float* y) {
   at::parallel_for(0, w.n, kRowGrain, [&](int64_t begin, int64_t end) {
-    // The fp16 scales and zeros of the rows taken at once widened (quantized_row_params), or a
-    // shared zero, allocated once per task.
+    // The fp16 or two-level scales and zeros of the rows taken at once widened
+    // (quantized_row_params), or a shared zero, allocated once per task.
     std::vector<float> buffer = quantized_row_params_buffer(w, x.groups, kMaxRowsAtOnce);
     float* params = buffer.data();
     for (int64_t r0 = begin; r0 < end; r0 += kRowTile) {

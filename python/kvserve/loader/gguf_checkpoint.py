@@ -197,11 +197,7 @@ class GGUFCheckpoint:
         n, k = self.shape(name)
         q = to_quantized(np.asarray(self.tensors[name].data), self.kind(name), n, k)
         order = self._row_order(name)
-        if order is None:
-            return q
-        return QuantizedWeight(q.qweight[order].contiguous(), q.scales[order].contiguous(),
-                               None if q.zeros is None else q.zeros[order].contiguous(),
-                               q.group_size)
+        return q if order is None else q.take_rows(order)
 
     def is_quantized(self, name: str) -> bool:
         return name in self.tensors and self.kind(name) in BLOCKS
@@ -222,10 +218,12 @@ def _hf_name(name: str) -> str | None:
 class GGUFTensorReader(_TensorReader):
     """The safetensors loader's tensor reader over a GGUF file: plain tensors in the requested
     dtype, quantized projections as kvserve's layouts (a fused one's parts widened to one
-    layout when their types differ)."""
+    layout when their types differ; K-quants' two-level scales made one-level where the model
+    runs on a device whose kernels take only that: one_level)."""
 
-    def __init__(self, checkpoint: GGUFCheckpoint, dtype: torch.dtype):
+    def __init__(self, checkpoint: GGUFCheckpoint, dtype: torch.dtype, one_level: bool = False):
         self.checkpoint, self.dtype, self.quant, self.handles = checkpoint, dtype, None, {}
+        self.one_level = one_level
 
     def raw(self, name: str, dtype: torch.dtype | None = None,
             part: tuple[int, int, int] | None = None) -> torch.Tensor:
@@ -243,7 +241,8 @@ class GGUFTensorReader(_TensorReader):
         if got != tuple(shape):
             raise ValueError(f"{self.checkpoint.path}: {module} is {list(got)}, the metadata "
                              f"implies {list(shape)}")
-        return self.checkpoint.quantized_weight(module + ".weight")
+        q = self.checkpoint.quantized_weight(module + ".weight")
+        return q.one_level() if self.one_level else q
 
     def fusable(self, parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
         return widened(parts)

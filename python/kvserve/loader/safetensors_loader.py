@@ -96,8 +96,9 @@ class _TensorReader:
                 linears = [q.narrow(*part, name=m) for q, m, part in zip(linears, modules, parts)]
             q = QuantizedWeight.concat(self.fusable(linears))
             w[out + ".qweight"], w[out + ".scales"] = q.qweight, q.scales
-            if q.zeros is not None:
-                w[out + ".zeros"] = q.zeros
+            for name in ("zeros", "super_scales", "super_mins"):
+                if getattr(q, name) is not None:
+                    w[f"{out}.{name}"] = getattr(q, name)
         elif parts is not None:
             w[out + ".weight"] = torch.cat([self.part(m, s, part)
                                             for m, s, part in zip(modules, shapes, parts)])
@@ -142,7 +143,9 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
         from kvserve.loader.gguf_checkpoint import GGUFCheckpoint, GGUFTensorReader
 
         checkpoint = GGUFCheckpoint(model_dir)
-        hf, read = checkpoint.hf_config, GGUFTensorReader(checkpoint, dtype)
+        # CUDA's quantized kernels take one level of scales (quantized_linear.h).
+        one_level = torch.device(device).type != "cpu"
+        hf, read = checkpoint.hf_config, GGUFTensorReader(checkpoint, dtype, one_level)
     else:
         config_path = model_dir / "config.json"
         hf = json.loads(config_path.read_text())
@@ -287,17 +290,11 @@ def _vocab_matrix(read: _TensorReader, module: str, out: str, config: _C.ModelCo
     if shard is not None:
         first, n = local_vocab(config, shard)
         held = max(0, min(n, config.vocab_size - first))
-        parts = [q.narrow(0, first, held, name=module)] if held else []
-        if held < n:
-            parts.append(QuantizedWeight(
-                torch.zeros(n - held, q.qweight.shape[1], dtype=q.qweight.dtype),
-                torch.zeros(n - held, q.scales.shape[1]),
-                None if q.zeros is None else torch.zeros(n - held, q.zeros.shape[1]),
-                q.group_size, q.outlier_threshold))
-        q = QuantizedWeight.concat(parts)
+        q = q.narrow(0, first, held, name=module).padded(n - held)
     w[out + ".qweight"], w[out + ".scales"] = q.qweight, q.scales
-    if q.zeros is not None:
-        w[out + ".zeros"] = q.zeros
+    for name in ("zeros", "super_scales", "super_mins"):
+        if getattr(q, name) is not None:
+            w[f"{out}.{name}"] = getattr(q, name)
 
 
 def _read_attention(read: _TensorReader, c: _C.ModelConfig, layer: int, attn: str, out: str,

@@ -1,25 +1,27 @@
 """llama.cpp's GGUF weight blocks as kvserve's quantized weights, exactly.
 
 Every block type read here stores, per sub-block of 16 or 32 inputs, integers q and an affine map
-`value = a * q + b`, so each maps onto `QuantizedWeight` (w = (q - zero) * scale) with no loss of
-what the file means (up to fp32 rounding of the derived zero):
+`value = a * q + b`, so each maps onto `QuantizedWeight` with no loss of what the file means.
+The K-quants' sub-block scales and minimums are small integers under fp16 factors per
+super-block of 256 inputs, and are held so, as two-level scales (`super_scales`,
+`super_mins`; kvserve.quantization.weights), which the CPU kernels widen a row at a time:
 
 | GGUF type | block | kvserve weight |
 |---|---|---|
 | Q8_0 | 32 int8 and an fp16 scale d | int8, groups of 32, scale d (fp16) |
 | Q4_0 | 32 nibbles (byte j: inputs j, j + 16) and d; value d * (q - 8) | int4 (the same bytes), groups of 32, zero 8 (fp16 scales and zeros) |
-| Q4_1 | 32 nibbles, d and a minimum m; value d * q + m | int4, groups of 32, zero -m / d |
-| Q4_K | 256 inputs: 8 sub-blocks of 32 nibbles with 6-bit scales and minimums under fp16 d, dmin; value d * sc * q - dmin * m | int4, groups of 32, scale d * sc, zero dmin * m / (d * sc) |
-| Q5_K | as Q4_K with a fifth bit per input (q in 0..31) | int8 (q as is), groups of 32 |
-| Q6_K | 256 inputs: 16 sub-blocks of 16 six-bit q with int8 scales under fp16 d; value d * sc * (q - 32) | int8 (q - 32), groups of 16, scale d * sc |
+| Q4_1 | 32 nibbles, d and a minimum m; value d * q + m | int4, groups of 32, zero -m / d (fp32) |
+| Q4_K | 256 inputs: 8 sub-blocks of 32 nibbles with 6-bit scales sc and minimums m under fp16 d, dmin; value d * sc * q - dmin * m | int4, groups of 32, two-level: scales sc, zeros m, super_scales d, super_mins dmin |
+| Q5_K | as Q4_K with a fifth bit per input (q in 0..31) | int8 (q as is), groups of 32, two-level as Q4_K |
+| Q6_K | 256 inputs: 16 sub-blocks of 16 six-bit q with int8 scales sc under fp16 d; value d * sc * (q - 32) | int8 (q - 32), groups of 16, two-level: scales sc, super_scales d |
 
-A sub-block whose scale is 0 but whose minimum is not (every input the same value) becomes
-q = 1, zero 0, scale = its value. Q5_K costs 8 bits a weight here against 5.5 in the file, Q6_K 8
-against 6.6 (kvserve has no 5- or 6-bit layout); the others keep their bits. Q8_0 and Q4_0
-keep their fp16 scales as they are (Q4_0's zero 8, written out per block here, is kept once by
-the engine's CPU layers: 18 bytes a block, as in the file); the others' derived scales and zeros
-(d * sc, -m / d) are not fp16 numbers and stay fp32. The layouts are ggml's (ggml-common.h:
-block_q4_K and friends).
+Bits a weight, file against kvserve: Q4_K 4.5 against 4.625 (the 6-bit scales and minimums
+take a byte each), Q5_K 5.5 against 8.625 and Q6_K 6.56 against 8.56 (kvserve has no 5- or
+6-bit layout); the others keep theirs. Q8_0 and Q4_0 keep their fp16 scales as they are
+(Q4_0's zero 8, written out per block here, is kept once by the engine's CPU layers: 18 bytes a
+block, as in the file); Q4_1's derived zero (-m / d) is not an fp16 number and stays fp32.
+`QuantizedWeight.one_level()` turns the two-level ones into fp32 scales and zero points (what
+CUDA takes). The layouts are ggml's (ggml-common.h: block_q4_K and friends).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import math
 import numpy as np
 import torch
 
-from kvserve.quantization.weights import QuantizedWeight, pack_int4, unpack_int4
+from kvserve.quantization.weights import (QuantizedWeight, affine_groups, pack_int4,
+                                           unpack_int4)
 
 QK_K = 256  # inputs of a K-quant super-block
 # name -> (inputs per block, bytes per block)
@@ -67,17 +70,6 @@ def _k_scales(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return low.float(), mins.float()
 
 
-def _affine(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """value = scale * q + offset per sub-block (q [..., size], scale and offset [...]) as
-    (q, scale, zero) with value = (q - zero) * scale; a sub-block with scale 0 becomes q = 1,
-    zero 0, scale = offset."""
-    flat = scale == 0
-    zero = torch.where(flat, torch.zeros_like(scale), -offset / torch.where(flat, 1.0, scale))
-    q = torch.where(flat[..., None], torch.ones_like(q), q)
-    return q, torch.where(flat, offset, scale), zero
-
-
 def _k_nibbles(qs: torch.Tensor) -> torch.Tensor:
     """A Q4_K / Q5_K super-block's 128 bytes [..., 128] -> the low 4 bits of its 256 inputs
     [..., 8, 32]: each 32 bytes hold sub-block 2c in their low nibbles, 2c + 1 in their high."""
@@ -99,26 +91,22 @@ def to_quantized(data: np.ndarray, kind: str, n: int, k: int) -> QuantizedWeight
     if kind == "Q4_1":
         d, m = _f16(b[..., 0:2]), _f16(b[..., 2:4])
         q = unpack_int4(b[..., 4:].reshape(n, k // 2).contiguous()).view(n, k // 32, 32)
-        q, scale, zero = _affine(q.float(), d, m)
+        q, scale, zero = affine_groups(q.float(), d, m)
         return QuantizedWeight(pack_int4(q.reshape(n, k).to(torch.uint8)), scale, zero, 32)
     if kind in ("Q4_K", "Q5_K"):
-        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
         sc, mins = _k_scales(b[..., 4:16])
         if kind == "Q4_K":
-            q = _k_nibbles(b[..., 16:144])
+            q = pack_int4(_k_nibbles(b[..., 16:144]).reshape(n, k))
         else:  # the fifth bit of input i of sub-block j: bit j of qh[i]
             qh = b[..., 16:48].long()
             high = torch.stack([(qh >> j) & 1 for j in range(8)], dim=-2)
-            q = _k_nibbles(b[..., 48:176]).long() | (high << 4)
-        q, scale, zero = _affine(q.float(), d[..., None] * sc, -(dmin[..., None] * mins))
-        q, scale, zero = (q.reshape(n, k), scale.reshape(n, k // 32), zero.reshape(n, k // 32))
-        if kind == "Q4_K":
-            return QuantizedWeight(pack_int4(q.to(torch.uint8)), scale, zero, 32)
-        return QuantizedWeight(q.to(torch.int8), scale, zero, 32)
+            q = (_k_nibbles(b[..., 48:176]).long() | (high << 4)).reshape(n, k).to(torch.int8)
+        return QuantizedWeight(q, sc.reshape(n, k // 32).to(torch.int8),
+                               mins.reshape(n, k // 32).to(torch.int8), 32,
+                               super_scales=_half(b[..., 0:2]), super_mins=_half(b[..., 2:4]))
     if kind == "Q6_K":
         ql, qh = b[..., 0:128].long(), b[..., 128:192].long()
-        sc = b[..., 192:208].contiguous().view(torch.int8).float()
-        d = _f16(b[..., 208:210])
+        sc = b[..., 192:208].contiguous().view(torch.int8).reshape(n, k // 16)
         # Each half of 128 inputs: 64 bytes of low nibbles (inputs 0-63 low, 64-127 high) and 32
         # bytes of 2-bit pairs (inputs i, i + 32, i + 64, i + 96 in bits 0-1, 2-3, 4-5, 6-7).
         low = ql.reshape(n, k // QK_K, 2, 1, 64)
@@ -126,7 +114,8 @@ def to_quantized(data: np.ndarray, kind: str, n: int, k: int) -> QuantizedWeight
         high = qh.reshape(n, k // QK_K, 2, 1, 32)
         high = torch.cat([(high >> s) & 3 for s in (0, 2, 4, 6)], dim=-2)
         q = ((low | (high << 4)) - 32).reshape(n, k)
-        return QuantizedWeight(q.to(torch.int8), (d[..., None] * sc).reshape(n, k // 16), None, 16)
+        return QuantizedWeight(q.to(torch.int8), sc.contiguous(), None, 16,
+                               super_scales=_half(b[..., 208:210]))
     raise ValueError(f"GGUF block type {kind} is not one kvserve converts")
 
 
@@ -134,15 +123,27 @@ def widened(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
     """Weights of different GGUF types that one fused projection stacks (a Q4_K_M file's q/k in
     Q4_K beside v in Q6_K), converted to one layout exactly when they differ: int8 at the
     smallest group size, int4 values widened to int8, scales and zeros repeated for the smaller
-    groups, a missing zero point as 0."""
-    if len({(p.qweight.dtype, p.group_size, p.zeros is None) for p in parts}) == 1:
+    groups, a missing zero as 0. Two-level parts whose super-blocks are the same inputs stay
+    two-level; others are made one-level first."""
+    if len({(p.qweight.dtype, p.group_size, p.zeros is None, p.super_group) for p in parts}) == 1:
         return parts
+    two_level = {p.group_size * p.super_group for p in parts}
+    if 0 in two_level or len(two_level) > 1:
+        parts = [p.one_level() for p in parts]
+        if len({(p.qweight.dtype, p.group_size, p.zeros is None) for p in parts}) == 1:
+            return parts
     group = math.gcd(*(p.group_size for p in parts))
     out = []
     for p in parts:
         q = unpack_int4(p.qweight).to(torch.int8) if p.qweight.dtype == torch.uint8 else p.qweight
         repeat = p.group_size // group
         zeros = torch.zeros_like(p.scales) if p.zeros is None else p.zeros
+        if p.super_scales is None:
+            out.append(QuantizedWeight(q, p.scales.repeat_interleave(repeat, dim=1),
+                                       zeros.repeat_interleave(repeat, dim=1), group))
+            continue
+        mins = torch.zeros_like(p.super_scales) if p.super_mins is None else p.super_mins
         out.append(QuantizedWeight(q, p.scales.repeat_interleave(repeat, dim=1),
-                                   zeros.repeat_interleave(repeat, dim=1), group))
+                                   zeros.repeat_interleave(repeat, dim=1), group,
+                                   super_scales=p.super_scales, super_mins=mins))
     return out

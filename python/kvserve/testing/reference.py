@@ -115,12 +115,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def quantized_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                     group_size: int) -> torch.Tensor:
+                     group_size: int, super_scales: torch.Tensor | None = None,
+                     super_mins: torch.Tensor | None = None) -> torch.Tensor:
     """What a quantized_linear weight means, fp64 [n, k]: (q[o, i] - zeros[o, i // g]) *
     scales[o, i // g] (zeros [1]: that one for every row and group), with q read as the
     contract says: int8 as is; uint8 as int4 in chunks of 32 inputs, byte j of a chunk holding
     input j (low nibble) and input j + 16 (high nibble); float8_e4m3fn through torch's own
-    conversion."""
+    conversion. With two-level scales: q[o, i] * super_scales[o, j // S] * scales[o, j] -
+    super_mins[o, j // S] * zeros[o, j], j = i // g, S = groups / super_scales.shape[1]."""
     if qweight.dtype == torch.uint8:
         n, k = qweight.shape[0], 2 * qweight.shape[1]
         q = torch.empty(n, k, dtype=torch.float64)
@@ -132,6 +134,13 @@ def quantized_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
         q = qweight.double()
         k = q.shape[1]
     group = torch.arange(k) // group_size
+    if super_scales is not None:
+        per_super = scales.shape[1] // super_scales.shape[1]
+        block = group // per_super
+        w = q * (super_scales.double()[:, block] * scales.double()[:, group])
+        if zeros is not None:
+            w = w - super_mins.double()[:, block] * zeros.double()[:, group]
+        return w
     if zeros is None:
         zero = 0.0
     elif zeros.dim() == 1:  # one for all
@@ -164,12 +173,15 @@ def round_input_to_int8_blocks(x: torch.Tensor, group_size: int) -> torch.Tensor
 
 def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                      zeros: torch.Tensor | None, group_size: int,
-                     bias: torch.Tensor | None, quantize_input: bool = False) -> torch.Tensor:
+                     bias: torch.Tensor | None, quantize_input: bool = False,
+                     super_scales: torch.Tensor | None = None,
+                     super_mins: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, k] @ quantized_weight(...)^T + bias -> fp64 [T, n]; with quantize_input, x rounded
     by round_input_to_int8_blocks first (the block-quantized product, in fp64)."""
     if quantize_input:
         x = round_input_to_int8_blocks(x, group_size)
-    return linear(x, quantized_weight(qweight, scales, zeros, group_size), bias)
+    return linear(x, quantized_weight(qweight, scales, zeros, group_size, super_scales,
+                                      super_mins), bias)
 
 
 def llm_int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scales: torch.Tensor,
