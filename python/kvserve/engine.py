@@ -36,7 +36,7 @@ from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.loader.eagle3_weights import eagle3_config, eagle3_head, load_eagle3_weights
 from kvserve.loader.mtp_weights import load_mtp_weights, mtp_configs, mtp_head
-from kvserve.speculative import load_draft_info
+from kvserve.speculative import load_draft_info, quantize_drafter
 from kvserve.tensor_parallel import TensorParallelRanks, load_rank_model
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -208,13 +208,20 @@ class LLMEngine:
         if draft_info is not None:  # in the target's dtype
             weights = load_weights(Path(args.speculative_model), draft_info.config, self.dtype,
                                    device)
+            if args.speculative_quantization is not None:
+                quantize_drafter(weights, draft_info.config, args.speculative_quantization,
+                                 args.speculative_model)
+                set_quantized_activation(draft_info.config, args.quantized_activation, device)
             self.draft_model = _C.create_causal_lm(draft_info.config, weights,
                                                    self.max_model_len)
             del weights
         if eagle3 and args.speculative_model is not None:
-            self.draft_model = eagle3_head(
-                load_eagle3_weights(args.speculative_model, info.config, self.dtype, device),
-                self.model, self.max_model_len)
+            head = load_eagle3_weights(args.speculative_model, info.config, self.dtype, device)
+            if args.speculative_quantization is not None:
+                quantize_drafter(head.weights, head.config, args.speculative_quantization,
+                                 args.speculative_model)
+                set_quantized_activation(head.config, args.quantized_activation, device)
+            self.draft_model = eagle3_head(head, self.model, self.max_model_len)
         if mtp:
             self.draft_model = mtp_head(
                 load_mtp_weights(self.model_dir, info.hf_config, info.config, self.dtype, device),

@@ -42,6 +42,9 @@ def speculative_config(args) -> _C.SpeculativeConfig:
                              f'speculative_method="{method}"')
     elif method is not None and SPECULATIVE_METHODS[method] and method not in TARGET_DRAFTS:
         raise ValueError(f'speculative_method="{method}" needs speculative_model=DIR')
+    if args.speculative_quantization is not None and args.speculative_model is None:
+        raise ValueError("speculative_quantization rounds a draft model or an EAGLE-3 head: it "
+                         "needs speculative_model=DIR")
     if method is None:
         if args.num_speculative_tokens is not None:
             raise ValueError("num_speculative_tokens needs speculative_model or "
@@ -81,3 +84,26 @@ def load_draft_info(draft_dir: str | Path, target_config, target_tokenizer: Toke
                          f"({len(differ)} token/id pairs differ, e.g. {differ[0]!r}): a draft "
                          "must share the target's tokenizer")
     return info
+
+
+def quantize_drafter(weights: dict, config: _C.ModelConfig, scheme: str, path) -> None:
+    """speculative_quantization: the drafter's projections and LM head (2-D `*_proj.weight`,
+    `fc.weight`, `lm_head.weight`; not its embedding, norms or routed experts) rounded in place
+    to `scheme` ("int8": symmetric, per output channel; quantize_int8), and config's scheme set
+    so that its layers read them (their inputs as quantized_activation says: set it after).
+    The drafter's tokens only propose; verification keeps the output the target's. Raises
+    ValueError for a drafter whose checkpoint is quantized already."""
+    from kvserve.quantization import quantize_int8
+
+    if config.quantization.scheme != "none":
+        raise ValueError(f"speculative_quantization: {path} is quantized already "
+                         f"({config.quantization.scheme})")
+    names = [n for n, t in weights.items() if t.dim() == 2 and "experts" not in n and (
+        n.endswith("_proj.weight") or n in ("fc.weight", "lm_head.weight"))]
+    for name in names:
+        q = quantize_int8(weights.pop(name))
+        module = name[:-len(".weight")]
+        weights[module + ".qweight"], weights[module + ".scales"] = q.qweight, q.scales
+    quantization = config.quantization
+    quantization.scheme = scheme
+    config.quantization = quantization

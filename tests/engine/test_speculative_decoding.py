@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.quantization.quantize import quantize_checkpoint
 from tests.engine_loop import drain, fp32_engine
 from tests.engine_loop import run_arrivals as run
 
@@ -30,6 +31,9 @@ UNLIMITED = dict(speculative_disable_batch_size=0, speculative_max_verify_tokens
 SPECULATION = {
     "draft": dict(speculative_model=DRAFT, num_speculative_tokens=4,
                   **UNLIMITED),
+    # The draft's projections and head rounded to int8 as they load (cheaper draft steps).
+    "draft-int8": dict(speculative_model=DRAFT, speculative_quantization="int8",
+                       num_speculative_tokens=4, **UNLIMITED),
     # The target as its own draft: almost every draft is accepted (the bonus-token path).
     "self-draft": dict(speculative_model=TARGET, num_speculative_tokens=3,
                        **UNLIMITED),
@@ -188,12 +192,15 @@ def engine_counts(path: Path, speculation: dict, sampling: dict) -> dict[tuple, 
 
 
 @pytest.mark.parametrize("filters", sorted(FILTERS))
-@pytest.mark.parametrize("method", ["draft", "ngram"])
+@pytest.mark.parametrize("method", ["draft", "draft-int8", "ngram"])
 def test_sampled_tokens_follow_the_target_distribution(tiny_pair, method, filters):
     target, draft = tiny_pair
-    speculation = (dict(speculative_model=draft, num_speculative_tokens=3) if method == "draft"
+    speculation = (dict(speculative_model=draft, num_speculative_tokens=3)
+                   if method.startswith("draft")
                    else dict(speculative_method="ngram", num_speculative_tokens=3,
                              prompt_lookup_min=1, prompt_lookup_max=2))
+    if method == "draft-int8":  # the rounded draft's own distribution, still the target's output
+        speculation["speculative_quantization"] = "int8"
     speculation.update(UNLIMITED)  # 12,000 requests run 256 at a time
     expected = joint(conditionals(target, FILTERS[filters]))
     counts = engine_counts(target, speculation, FILTERS[filters])
@@ -331,12 +338,19 @@ def test_speculation_pauses_at_the_batch_size_limit():
 
 
 def test_bad_options_and_mismatched_drafts_are_rejected_at_start(checkpoint_factory, tmp_path):
+    int8_draft = tmp_path / "draft-int8"
+    quantize_checkpoint(DRAFT, int8_draft, "int8")
     cases = [
         (dict(speculative_method="bogus"), "speculative_method must be"),
         (dict(speculative_method="ngram", num_speculative_tokens=0), "num_speculative_tokens"),
         (dict(speculative_method="ngram", prompt_lookup_min=3, prompt_lookup_max=2),
          "prompt_lookup_min"),
         (dict(num_speculative_tokens=3), "needs speculative_model"),
+        (dict(speculative_quantization="int8"), "needs speculative_model=DIR"),
+        (dict(speculative_model=DRAFT, speculative_quantization="int4"),
+         "speculative_quantization must be"),
+        (dict(speculative_model=int8_draft, speculative_quantization="int8"),
+         "quantized already"),
         (dict(speculative_method="draft_model"), "needs speculative_model"),
         (dict(speculative_model=DRAFT, speculative_method="ngram"), "cannot be used"),
         (dict(speculative_model=checkpoint_factory("LlamaForCausalLM")), "vocabulary"),
@@ -370,3 +384,15 @@ def test_defaults_follow_the_documented_rule():
             spec.max_verify_tokens) == ("draft_model", DEFAULT_NUM_SPECULATIVE_TOKENS,
                                         DEFAULT_DISABLE_BATCH_SIZE, DEFAULT_MAX_VERIFY_TOKENS)
     assert not fp32_engine(TARGET).engine.config.speculative.enabled
+
+
+def test_int8_draft_holds_int8_projections():
+    """speculative_quantization="int8" rounds the draft's projections and head as they load:
+    the draft model holds about a quarter of their fp32 bytes (its embedding stays)."""
+    fp32 = LLM(TARGET, dtype="float32", speculative_model=DRAFT).llm_engine.draft_model
+    int8 = LLM(TARGET, dtype="float32", speculative_model=DRAFT,
+               speculative_quantization="int8").llm_engine.draft_model
+    config = json.loads((DRAFT / "config.json").read_text())
+    embedding = config["vocab_size"] * config["hidden_size"] * 4
+    projections = fp32.weight_bytes - embedding
+    assert int8.weight_bytes - embedding < 0.3 * projections

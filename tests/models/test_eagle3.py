@@ -192,6 +192,26 @@ def test_greedy_eagle3_equals_plain_decoding(pair, k):
     assert s.num_drafts > 0 and 0 < s.num_accepted_tokens <= s.num_draft_tokens
 
 
+def test_int8_head_equals_plain_decoding(pair):
+    """speculative_quantization="int8": the head's projections and LM head in int8 (about a
+    quarter of their fp32 bytes) propose; greedy output stays plain decoding's."""
+    target_dir, head_dir = pair
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    prompts = [PROMPT, PROMPT[:3], [1, 10, 11, 12]]
+    want = [o.outputs[0].token_ids for o in
+            LLM(target_dir, dtype="float32").generate(prompts, params, use_tqdm=False)]
+    heads = {q: LLM(target_dir, dtype="float32", speculative_method="eagle3",
+                    speculative_model=head_dir, num_speculative_tokens=3,
+                    speculative_quantization=q) for q in (None, "int8")}
+    llm = heads["int8"]
+    got = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert got == want
+    s = llm.llm_engine.get_stats()
+    assert s.num_drafts > 0 and 0 < s.num_accepted_tokens <= s.num_draft_tokens
+    fp32_bytes = heads[None].llm_engine.draft_model.weight_bytes
+    assert llm.llm_engine.draft_model.weight_bytes < 0.35 * fp32_bytes
+
+
 @pytest.fixture(scope="module")
 def alone(pair):
     """Each of mixed_requests' outputs decoded alone, without speculation."""
