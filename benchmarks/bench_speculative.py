@@ -46,6 +46,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--draft", type=Path, default=REPO / "models" / "shakespeare-draft")
     p.add_argument("--eagle3", type=Path, default=None,
                    help="an EAGLE-3 head for the target: its rows beside the draft model's")
+    p.add_argument("--speculative-quantization", default=None, choices=["int8"],
+                   help="the draft model and the head with int8 projections (EngineArgs')")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8],
                    help="draft tokens per step for the draft model")
@@ -98,17 +100,24 @@ def prompts_for(workload: str, tokenizer, text: str, count: int, length: int,
 CONFIGS = {
     "plain": lambda args, k: {},
     "draft": lambda args, k: dict(speculative_model=args.draft, num_speculative_tokens=k,
-                                  speculative_max_verify_tokens=0),
+                                  speculative_max_verify_tokens=0, **drafter(args)),
     # What LLM(speculative_model=...) does with no other option: its default k and batch rule.
-    "draft default": lambda args, k: dict(speculative_model=args.draft),
+    "draft default": lambda args, k: dict(speculative_model=args.draft, **drafter(args)),
     "ngram": lambda args, k: dict(speculative_method="ngram", num_speculative_tokens=k,
                                   speculative_max_verify_tokens=0),
     "ngram default": lambda args, k: dict(speculative_method="ngram"),
     "eagle3": lambda args, k: dict(speculative_method="eagle3", speculative_model=args.eagle3,
-                                   num_speculative_tokens=k, speculative_max_verify_tokens=0),
+                                   num_speculative_tokens=k, speculative_max_verify_tokens=0,
+                                   **drafter(args)),
     "eagle3 default": lambda args, k: dict(speculative_method="eagle3",
-                                           speculative_model=args.eagle3),
+                                           speculative_model=args.eagle3, **drafter(args)),
 }
+
+
+def drafter(args) -> dict:
+    """The draft model's and the head's options beyond the method (--speculative-quantization)."""
+    q = args.speculative_quantization
+    return {} if q is None else dict(speculative_quantization=q)
 
 
 def configs_for(workload: str, args) -> list[tuple[str, int]]:
@@ -247,7 +256,9 @@ def main() -> None:
 
     print(f"\n## kvserve: {args.target.name} ({model['weights_mib']:.0f} MiB of weights) with "
           f"draft {args.draft.name}"
-          + (f", EAGLE-3 head {args.eagle3.name}" if args.eagle3 else "") +
+          + (f", EAGLE-3 head {args.eagle3.name}" if args.eagle3 else "")
+          + (f", drafters in {args.speculative_quantization}"
+             if args.speculative_quantization else "") +
           f", {args.dtype}, {args.max_tokens} new tokens, greedy, "
           f"median of {args.repeats}\n")
     print(markdown_table(
