@@ -24,11 +24,12 @@ TOLERANCES = {
 # of 2); 40 rounds the input and takes the GEMM.
 TOKENS = [1, 3, 6, 32, 40]
 # (format, n, k, group_size): per row and grouped; int8 groups that are not multiples of 32 end
-# in a short block (groups of 16, GGUF's Q6_K, run two at a time; an odd count ends in one).
+# in a short block (groups of 16, GGUF's Q6_K, run four at a time on AVX-512, then two; an odd
+# count ends in one).
 CASES = [
     ("int8", 1, 1, 1), ("int8", 7, 45, 45), ("int8", 33, 96, 48), ("int8", 130, 100, 100),
     ("int8", 64, 256, 32), ("int8", 21, 192, 64), ("int8", 19, 2048, 2048), ("int8", 9, 48, 16),
-    ("int8", 33, 256, 16),
+    ("int8", 33, 256, 16), ("int8", 5, 112, 16), ("int8", 12, 352, 16),
     ("int4", 1, 32, 32), ("int4", 7, 96, 32), ("int4", 33, 128, 64), ("int4", 130, 256, 128),
     ("int4", 17, 160, 160), ("int4", 9, 288, 96), ("int4", 5, 768, 384),
     # AVX-512 takes int4 rows four blocks at a time where k is a multiple of 128 (groups of 32
@@ -114,18 +115,19 @@ def test_one_zero_for_every_row_and_group(fmt, n, k, group_size, m, dtype):
     check(one_zero(half_params(q), 7.25), x, b, dtype)
 
 
-def test_int8_extremes_do_not_saturate():
+@pytest.mark.parametrize("group_size", [64, 16])
+def test_int8_extremes_do_not_saturate(group_size):
     """Weights of -128 and 127 against inputs of +-127 (the largest int16 pair sums of
-    maddubs) give the exact integer products."""
-    k = 64
+    maddubs) give the exact integer products, per row and in groups of 16."""
+    k = 192
     w = torch.full((4, k), 127, dtype=torch.int8)
     w[1] = -128
     w[2, ::2] = -128
     w[3, 1::2] = -128
     x = torch.full((2, k), 1.0)
     x[1, ::2] = -1.0
-    scales = torch.ones(4, 1)
-    out = ops.quantized_linear(x, w, scales, None, k, None, True)
+    scales = torch.ones(4, k // group_size)
+    out = ops.quantized_linear(x, w, scales, None, group_size, None, True)
     exact = (x.double() @ w.double().T)  # x rounds to +-127 with d = 1 / 127
     torch.testing.assert_close(out.double(), exact, atol=1e-4, rtol=1e-6)
 
@@ -179,7 +181,7 @@ def test_bad_arguments():
 def capability_checks():
     for dtype in TOLERANCES:
         for fmt, n, k, group_size in (("int8", 37, 100, 50), ("int8", 37, 128, 64),
-                                      ("int8", 37, 80, 16),
+                                      ("int8", 37, 80, 16), ("int8", 37, 224, 16),
                                       ("int4", 37, 128, 32), ("int4", 37, 256, 128),
                                       ("int4", 37, 224, 32)):
             for m in (1, 2, 3, 5, 9):
@@ -188,7 +190,8 @@ def capability_checks():
                 check(half_params(quantized(fmt, n, k, group_size, seed=m)), x, b, dtype)
                 check(one_zero(half_params(quantized(fmt, n, k, group_size, seed=m)), 8.0),
                       x, b, dtype)
-    test_int8_extremes_do_not_saturate()
+    for group_size in (64, 16):
+        test_int8_extremes_do_not_saturate(group_size)
     for m in (1, 5):
         test_rounding_is_exactly_the_contracts(m, 90, 45)
 

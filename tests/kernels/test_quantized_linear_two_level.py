@@ -24,12 +24,16 @@ TOKENS = [1, 3, 6, 9, 40]
 # (format, n, k, group_size, groups a super-block, zeros): Q4_K's layout (int4, groups of 32,
 # 8 a super-block, minimums), Q5_K's (int8 q in 0..31), Q6_K's (int8, groups of 16, 16 a
 # super-block, no minimums), and awkward ones (super-blocks of one or two groups, groups of 48
-# that end in a short block of 16, an odd number of groups of 16).
+# that end in a short block of 16, an odd number of groups of 16). The integer kernels widen
+# the scales of int4 in groups of 32 and int8 in groups of 16 a step at a time where
+# super-blocks are a power of two groups from 8 on (with minimums, without, 8 and 16 a
+# super-block: the last three), the others' a row at a time first.
 CASES = [
     ("int4", 1, 256, 32, 8, True), ("int4", 7, 512, 32, 8, True), ("int4", 33, 768, 32, 8, True),
     ("int8", 7, 256, 32, 8, True), ("int8", 130, 512, 16, 16, False), ("int8", 9, 48, 16, 3, False),
     ("int4", 5, 384, 64, 2, True), ("int4", 6, 128, 32, 1, False), ("int8", 11, 192, 48, 2, True),
     ("int8", 3, 80, 16, 5, True),
+    ("int8", 5, 512, 16, 16, True), ("int4", 4, 1024, 32, 16, False), ("int8", 3, 256, 16, 8, True),
 ]
 
 

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <limits>
 #include <vector>
@@ -329,6 +330,12 @@ struct Pairs {
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 #endif
   }
+  // int8 weights w: |w|, the unsigned operand, and the inputs x with w's signs.
+  static Int magnitude(Int w) { return _mm256_sign_epi8(w, w); }
+  static Int signed_input(Int x, Int w) { return _mm256_sign_epi8(x, w); }
+  // Unsigned u times signed s summed four products a lane, as floats (|u| <= 128, |s| <= 127:
+  // maddubs's int16 pairs do not saturate).
+  static Float dot(Int u, Int s) { return _mm256_cvtepi32_ps(dot_add(_mm256_setzero_si256(), u, s)); }
   static Float floats(const float* p) { return _mm256_loadu_ps(p); }
   static Float splat(float v) { return _mm256_set1_ps(v); }
   // The step's blocks' weight scales (groups of 32: llama.cpp's Q4_0 / Q4_1), each on its lanes.
@@ -338,6 +345,16 @@ struct Pairs {
         _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales)));
     return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two),
                                     _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0));
+  }
+  // Two-level scales: the step's groups' int8 scales times their super-block's factor, each on
+  // its lanes.
+  static Float sub_scales(const int8_t* ints, float factor) {
+    int16_t two;
+    std::memcpy(&two, ints, sizeof(two));
+    const __m128i spread = _mm_shuffle_epi8(_mm_cvtsi32_si128(two),
+                                            _mm_set_epi64x(0, 0x0101010100000000));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(spread)),
+                         _mm256_set1_ps(factor));
   }
   static Float add(Float a, Float b) { return _mm256_add_ps(a, b); }
   static Float mul(Float a, Float b) { return _mm256_mul_ps(a, b); }
@@ -366,11 +383,31 @@ struct Quads {
     return _mm512_cvtepi32_ps(_mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
 #endif
   }
+  // AVX-512 has no sign_epi8: the inputs are negated where w's sign bit is set.
+  static Int magnitude(Int w) { return _mm512_abs_epi8(w); }
+  static Int signed_input(Int x, Int w) {
+    return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+  }
+  static Float dot(Int u, Int s) {
+#if defined(CPU_CAPABILITY_VNNI)
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s));
+#else
+    return _mm512_cvtepi32_ps(_mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+  }
   static Float floats(const float* p) { return _mm512_loadu_ps(p); }
   static Float splat(float v) { return _mm512_set1_ps(v); }
   static Float block_scales(const float* scales) {
     const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     return _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(scales)));
+  }
+  static Float sub_scales(const int8_t* ints, float factor) {
+    int32_t four;
+    std::memcpy(&four, ints, sizeof(four));
+    const __m128i spread = _mm_shuffle_epi8(
+        _mm_cvtsi32_si128(four), _mm_set_epi64x(0x0303030302020202, 0x0101010100000000));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(spread)),
+                         _mm512_set1_ps(factor));
   }
   static Float add(Float a, Float b) { return _mm512_add_ps(a, b); }
   static Float mul(Float a, Float b) { return _mm512_mul_ps(a, b); }
@@ -393,6 +430,129 @@ struct Sums {
     return s;
   }
 };
+
+// A row's weight scales as the row kernels read them: fp32 a group (`scales`: the weight's own,
+// or widened from fp16 by quantized_row_params), or two-level a step at a time (stepwise
+// below): the row's int8 scales as stored (`ints`) times their super-block's factor, widened
+// where a step needs them rather than in a pass over the row first (which cost GGUF's Q4_K
+// 1.5x Q4_0's time a byte), and likewise the minimums' term (two_level_offsets).
+struct RowScales {
+  const float* scales = nullptr;
+  const int8_t* ints = nullptr;
+  const float* factors = nullptr;      // [supers], fp32
+  const int8_t* mins = nullptr;        // int8 minimums, or null
+  const float* min_factors = nullptr;  // [supers], fp32
+  int shift = 0;                       // log2 of the groups a super-block
+  // Groups b .. b + L::kBlocks - 1 (each one block; within one super-block), on their lanes.
+  template <typename L, bool kTwoLevel>
+  typename L::Float blocks(int64_t b) const {
+    if constexpr (kTwoLevel) {
+      return L::sub_scales(ints + b, factors[b >> shift]);
+    } else {
+      return L::block_scales(scales + b);
+    }
+  }
+};
+
+// Whether the row kernels take w's two-level scales a step at a time: int4 in groups of 32
+// (GGUF's Q4_K; int4_rows) and int8 in groups of 16 (Q6_K; sixteens_row), super-blocks of a
+// power of two groups from 8 on, so that a step (2 or 4 groups) lies in one super-block and
+// whole steps cover the row.
+bool stepwise(const QuantizedWeight& w) {
+  const int64_t S = w.super_group;
+  return w.super_scales != nullptr && S >= 8 && (S & (S - 1)) == 0 &&
+         ((w.format == F::kInt4 && w.group_size == kBlock) ||
+          (w.format == F::kInt8 && w.group_size == kBlock / 2));
+}
+
+// `count` super-block factors of row o (P: fp32 or fp16) as fp32: the weight's own, or widened
+// into out.
+template <typename P>
+const float* row_factors(const void* factors, int64_t o, int64_t count, float* out) {
+  const P* f = static_cast<const P*>(factors) + o * count;
+  if constexpr (std::is_same_v<P, float>) {
+    return f;
+  } else {
+    int64_t s = 0;
+    for (; s + 8 <= count; s += 8) {
+      _mm256_storeu_ps(out + s,
+                       _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(f + s))));
+    }
+    for (; s < count; ++s) out[s] = _cvtsh_ss(f[s].x);
+    return out;
+  }
+}
+
+// Row o's scales for the kernels when stepwise(w): its int8 scales and minimums as stored, its
+// factors widened into buffer (2 * supers floats).
+RowScales stepwise_row_scales(const QuantizedWeight& w, int64_t o, int64_t groups,
+                              float* buffer) {
+  const int64_t supers = groups / w.super_group;
+  RowScales s;
+  s.ints = static_cast<const int8_t*>(w.scales) + o * groups;
+  s.shift = __builtin_ctzll(static_cast<uint64_t>(w.super_group));
+  const auto widen = [&](const void* factors, float* out) {
+    return w.half_params ? row_factors<c10::Half>(factors, o, supers, out)
+                         : row_factors<float>(factors, o, supers, out);
+  };
+  s.factors = widen(w.super_scales, buffer);
+  if (w.zeros != nullptr) {
+    s.mins = static_cast<const int8_t*>(w.zeros) + o * groups;
+    s.min_factors = widen(w.super_mins, buffer + supers);
+  }
+  return s;
+}
+
+// sum over groups of min factor * min * (the token's rounded input summed over the group): a
+// stepwise two-level row's minimums' term, a super-block (a multiple of 8 groups) at a time.
+float two_level_offsets(const RowScales& s, const float* sums, int64_t groups) {
+  const int64_t S = int64_t{1} << s.shift;
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t begin = 0; begin < groups; begin += S) {
+    __m256 part = _mm256_setzero_ps();
+    for (int64_t j = begin; j < begin + S; j += 8) {
+      const __m128i m = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s.mins + j));
+      part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(m)),
+                             _mm256_loadu_ps(sums + j), part);
+    }
+    acc = _mm256_fmadd_ps(part, _mm256_set1_ps(s.min_factors[begin >> s.shift]), acc);
+  }
+  return sum_lanes(acc);
+}
+
+// sum[t] plus one int8 row in groups of 16 (GGUF's Q6_K; a group is also an input block) times
+// TB tokens, L::kBlocks groups a load (Pairs: 2, Quads: 4) from group b on while whole loads
+// last; returns the first group left. Each group's int32 sums (four lanes) take its input scale
+// times its weight scale in one FMA, into two accumulators a token in turn (one would wait on
+// its FMA every load).
+template <typename L, int64_t TB, bool kTwoLevel>
+int64_t sixteens_row(const int8_t* const* xq, const float* const* xs, const uint8_t* row,
+                     const RowScales& scales, int64_t b, int64_t groups, float* sum) {
+  using Float = typename L::Float;
+  using Acc = Sums<L, 1, TB>;
+  constexpr int64_t kStep = L::kBlocks;
+  // acc plus the load of groups from b.
+  const auto step = [&](Acc acc, int64_t b) {
+    if (b % 4 == 0) prefetch_ahead(row + b * 16);
+    const typename L::Int w = L::load(row + b * 16);
+    const typename L::Int magnitude = L::magnitude(w);
+    const Float weight = scales.blocks<L, kTwoLevel>(b);
+    for (int64_t t = 0; t < TB; ++t) {
+      const Float dot = L::dot(magnitude, L::signed_input(L::load(xq[t] + b * 16), w));
+      acc.v[0][t] = L::fmadd(dot, L::mul(L::block_scales(xs[t] + b), weight), acc.v[0][t]);
+    }
+    return acc;
+  };
+  if (b + kStep > groups) return b;
+  Acc acc0 = Acc::zero(), acc1 = Acc::zero();
+  for (; b + 2 * kStep <= groups; b += 2 * kStep) {
+    acc0 = step(acc0, b);
+    acc1 = step(acc1, b + kStep);
+  }
+  if (b + kStep <= groups) acc0 = step(acc0, b), b += kStep;
+  for (int64_t t = 0; t < TB; ++t) sum[t] += L::sum(L::add(acc0.v[0][t], acc1.v[0][t]));
+  return b;
+}
 
 // The weight scales of the pair of blocks (b, b + 1) in the lanes of their sums.
 __m256 pair_weight_scales(const float* scales, const int32_t* group, int64_t b,
@@ -455,9 +615,9 @@ constexpr int64_t kRowsAtOnce = TB == 1 ? 1 : kMaxRowsAtOnce;
 // Every step's sums take its input scales times the weight scale of its blocks (groups of 32)
 // or of its group in one FMA, into one accumulator per row and token, or two taken in turn
 // where there are fewer than four chains.
-template <typename L, int64_t TB, int64_t R>
+template <typename L, int64_t TB, int64_t R, bool kTwoLevel>
 void int4_rows(const RoundedInput& x, const int8_t* const* xq, const float* const* xp,
-               const uint8_t* const* rows, const float* const* scales, float (*sum)[TB]) {
+               const uint8_t* const* rows, const RowScales* scales, float (*sum)[TB]) {
   using Int = typename L::Int;
   using Float = typename L::Float;
   using Acc = Sums<L, R, TB>;
@@ -474,8 +634,12 @@ void int4_rows(const RoundedInput& x, const int8_t* const* xq, const float* cons
     Int lo[R], hi[R];
     Float weight[R];
     for (int64_t r = 0; r < R; ++r) {
-      weight[r] =
-          per_group == 1 ? L::block_scales(scales[r] + b) : L::splat(scales[r][b / per_group]);
+      if constexpr (kTwoLevel) {
+        weight[r] = scales[r].blocks<L, true>(b);
+      } else {
+        weight[r] = per_group == 1 ? scales[r].blocks<L, false>(b)
+                                   : L::splat(scales[r].scales[b / per_group]);
+      }
       L::nibbles(rows[r] + b * 16, lo[r], hi[r]);
     }
     for (int64_t t = 0; t < TB; ++t) {
@@ -512,7 +676,7 @@ void int4_rows(const RoundedInput& x, const int8_t* const* xq, const float* cons
 // row and token, or two taken in turn where there are fewer than four chains.
 template <int64_t TB, int64_t R>
 void int8_rows(const RoundedInput& x, const int8_t* const* xq, const float* const* xs,
-               const uint8_t* const* rows, const float* const* scales, float (*sum)[TB]) {
+               const uint8_t* const* rows, const RowScales* scales, float (*sum)[TB]) {
   constexpr int64_t kSets = R * TB < 4 ? 2 : 1;
   using Acc = Sums<Pairs, R, TB>;  // 256-bit, as Pairs
   // acc plus block b of the R rows; with_weight: its input scales times its weight scales.
@@ -525,7 +689,7 @@ void int8_rows(const RoundedInput& x, const int8_t* const* xq, const float* cons
     __m256 weight[R];
     for (int64_t r = 0; r < R; ++r) {
       w[r] = load_block<F::kInt8>(rows[r], b * kBlock);
-      if constexpr (decltype(with_weight)::value) weight[r] = _mm256_broadcast_ss(scales[r] + b);
+      if constexpr (decltype(with_weight)::value) weight[r] = _mm256_broadcast_ss(scales[r].scales + b);
     }
     for (int64_t t = 0; t < TB; ++t) {
       const __m256i in = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[t] + b * kBlock));
@@ -567,7 +731,7 @@ void int8_rows(const RoundedInput& x, const int8_t* const* xq, const float* cons
   for (int64_t gi = 0; gi < x.groups; ++gi) {
     blocks(std::false_type{}, b, (gi + 1) * per_group);
     for (int64_t r = 0; r < R; ++r) {
-      const __m256 weight = _mm256_broadcast_ss(scales[r] + gi);
+      const __m256 weight = _mm256_broadcast_ss(scales[r].scales + gi);
       for (int64_t t = 0; t < TB; ++t) {
         total.v[r][t] = _mm256_fmadd_ps(both(r, t), weight, total.v[r][t]);
       }
@@ -582,9 +746,9 @@ void int8_rows(const RoundedInput& x, const int8_t* const* xq, const float* cons
 
 // y[t * n + o] for TB tokens from t0 and rows [begin, end). A block's weights are loaded (and
 // int4 unpacked) once for all TB tokens. Groups that are multiples of 32 run through int4_rows /
-// int8_rows (int4_row the int4 shapes those do not take); int8 groups of 16 (GGUF's Q6_K) two at a time, each pair's sums taking its two
-// blocks' input-times-weight scales in one FMA; other int8 groups with a shorter last block go a
-// group at a time, the short block in scalar code.
+// int8_rows (int4_row the int4 shapes those do not take); int8 groups of 16 (GGUF's Q6_K)
+// through sixteens_row; other int8 groups with a shorter last block go a group at a time, the
+// short block in scalar code.
 template <F f, bool kZero, int64_t TB>
 void rows_for_tokens(const RoundedInput& x, int64_t t0, const QuantizedWeight& w, int64_t begin,
                      int64_t end, float* params, float* y) {
@@ -602,12 +766,18 @@ void rows_for_tokens(const RoundedInput& x, int64_t t0, const QuantizedWeight& w
     xs[t] = x.scale.data() + (t0 + t) * x.blocks;
     xp[t] = x.pair_scale.data() + (t0 + t) * x.pair_stride;
   }
-  // Row o's outputs: its sums less its zeros' part.
-  const auto store = [&](int64_t o, const QuantizedRowParams& p, const float* sum) {
+  // Row o's outputs: its sums less its zeros' part (p's, or stepwise two-level minimums').
+  const auto store = [&](int64_t o, const QuantizedRowParams& p, const auto& scales,
+                         const float* sum) {
     for (int64_t t = 0; t < TB; ++t) {
       float out = sum[t];
       if constexpr (kZero) {
         const float* sums = x.group_sum.data() + (t0 + t) * groups;
+#if KVSERVE_INT8_DOT_SIMD
+        if (scales.mins != nullptr) {
+          out -= two_level_offsets(scales, sums, groups);
+        } else
+#endif
         if (p.offsets != nullptr) {
           out -= group_dot(p.offsets, sums, groups);
         } else if (w.shared_zero) {
@@ -621,21 +791,29 @@ void rows_for_tokens(const RoundedInput& x, int64_t t0, const QuantizedWeight& w
   };
   int64_t o = begin;
 #if KVSERVE_INT8_DOT_SIMD
+  const bool two_level = stepwise(w);
+  // Row o's scales as its kernel reads them (and p its parameters for store), in buffer.
+  const auto row_scales = [&](int64_t o, float* buffer, QuantizedRowParams& p) {
+    if (two_level) return stepwise_row_scales(w, o, groups, buffer);
+    p = quantized_row_params(w, o, groups, buffer);
+    RowScales s;
+    s.scales = p.scales;
+    return s;
+  };
   // Rows `count` at a time through kernel(count, rows, scales, sums) while they last.
   const auto rows_at_once = [&](auto count, const auto& kernel) {
     constexpr int64_t R = decltype(count)::value;
     for (; o + R <= end; o += R) {
-      QuantizedRowParams p[R];
+      QuantizedRowParams p[R] = {};
+      RowScales scales[R];
       const uint8_t* row[R];
-      const float* scales[R];
       for (int64_t r = 0; r < R; ++r) {
-        p[r] = quantized_row_params(w, o + r, groups, params + r * 2 * groups);
+        scales[r] = row_scales(o + r, params + r * 2 * groups, p[r]);
         row[r] = q + (o + r) * row_bytes;
-        scales[r] = p[r].scales;
       }
       float sum[R][TB];
       kernel(count, row, scales, sum);
-      for (int64_t r = 0; r < R; ++r) store(o + r, p[r], sum[r]);
+      for (int64_t r = 0; r < R; ++r) store(o + r, p[r], scales[r], sum[r]);
     }
   };
   // All rows: kRowsAtOnce at a time, then one at a time.
@@ -645,9 +823,12 @@ void rows_for_tokens(const RoundedInput& x, int64_t t0, const QuantizedWeight& w
   };
   if constexpr (f == F::kInt4) {
     const auto int4_in = [&](auto lanes) {
-      all_rows([&](auto count, const uint8_t* const* row, const float* const* scales,
+      all_rows([&](auto count, const uint8_t* const* row, const RowScales* scales,
                    float (*sum)[TB]) {
-        int4_rows<decltype(lanes), TB, decltype(count)::value>(x, xq, xp, row, scales, sum);
+        constexpr int64_t R = decltype(count)::value;
+        using L = decltype(lanes);
+        two_level ? int4_rows<L, TB, R, true>(x, xq, xp, row, scales, sum)
+                  : int4_rows<L, TB, R, false>(x, xq, xp, row, scales, sum);
       });
     };
 #if KVSERVE_INT4_QUADS
@@ -655,7 +836,7 @@ void rows_for_tokens(const RoundedInput& x, int64_t t0, const QuantizedWeight& w
 #endif
     if (aligned && x.blocks % 2 == 0 && (per_group == 1 || per_group % 2 == 0)) int4_in(Pairs{});
   } else if (aligned) {
-    all_rows([&](auto count, const uint8_t* const* row, const float* const* scales,
+    all_rows([&](auto count, const uint8_t* const* row, const RowScales* scales,
                  float (*sum)[TB]) {
       int8_rows<TB, decltype(count)::value>(x, xq, xs, row, scales, sum);
     });
@@ -663,34 +844,34 @@ void rows_for_tokens(const RoundedInput& x, int64_t t0, const QuantizedWeight& w
 #endif
   for (; o < end; ++o) {
     const uint8_t* row = q + o * row_bytes;
-    const QuantizedRowParams p =
-        quantized_row_params(w, o, groups, params);
+    QuantizedRowParams p = {};
+#if KVSERVE_INT8_DOT_SIMD
+    const RowScales row_scale = row_scales(o, params, p);
+#else
+    p = quantized_row_params(w, o, groups, params);
+    struct {
+      const int8_t* mins = nullptr;
+    } row_scale;
+#endif
     const float* scales = p.scales;
     float sum[TB] = {};
 #if KVSERVE_INT8_DOT_SIMD
     if (sixteens) {
-      // int8 groups (and blocks) of 16: a pair per 32-byte load, lanes 0-3 of the sums block
-      // b's, lanes 4-7 block b + 1's; an odd last one in scalar code.
-      // Two accumulators a token, pairs in turn: one would wait on its FMA every 32 bytes.
-      __m256 acc[2][TB];
-      for (int64_t t = 0; t < TB; ++t) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
+      // int8 groups (and blocks) of 16: four a 64-byte load (AVX-512), two a 32-byte one, an
+      // odd last one in scalar code (never stepwise: its super-blocks are whole steps).
+      const auto in = [&](auto lanes, int64_t b) {
+        using L = decltype(lanes);
+        return two_level ? sixteens_row<L, TB, true>(xq, xs, row, row_scale, b, groups, sum)
+                         : sixteens_row<L, TB, false>(xq, xs, row, row_scale, b, groups, sum);
+      };
       int64_t b = 0;
-      for (; b + 2 <= groups; b += 2) {
-        if (b % 4 == 0) prefetch_ahead(row + b * 16);
-        const WeightBlock pair = load_block<f>(row, b * 16);
-        __m256* into = acc[b / 2 % 2];
+#if KVSERVE_INT4_QUADS
+      b = in(Quads{}, b);
+#endif
+      b = in(Pairs{}, b);
+      for (; b < groups; ++b) {
         for (int64_t t = 0; t < TB; ++t) {
-          const __m256 dot = _mm256_cvtepi32_ps(dot_block<f>(pair, xq[t] + b * 16));
-          const __m256 scale = _mm256_set_m128(_mm_set1_ps(xs[t][b + 1] * scales[b + 1]),
-                                               _mm_set1_ps(xs[t][b] * scales[b]));
-          into[t] = _mm256_fmadd_ps(dot, scale, into[t]);
-        }
-      }
-      for (int64_t t = 0; t < TB; ++t) {
-        sum[t] = sum_lanes(_mm256_add_ps(acc[0][t], acc[1][t]));
-        if (b < groups) {
-          const int32_t dot = dot_scalar<f>(row, xq[t], b * 16, 16);
-          sum[t] += xs[t][b] * scales[b] * static_cast<float>(dot);
+          sum[t] += xs[t][b] * scales[b] * static_cast<float>(dot_scalar<f>(row, xq[t], b * 16, 16));
         }
       }
     } else if (aligned) {  // int4 rows int4_rows does not take (int8's all went through int8_rows)
@@ -720,7 +901,7 @@ void rows_for_tokens(const RoundedInput& x, int64_t t0, const QuantizedWeight& w
         for (int64_t t = 0; t < TB; ++t) sum[t] += part[t] * scales[gi];
       }
     }
-    store(o, p, sum);
+    store(o, p, row_scale, sum);
   }
 }
 
