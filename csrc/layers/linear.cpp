@@ -1,5 +1,6 @@
 #include "layers/linear.h"
 
+#include <ATen/ops/cat.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
 
@@ -27,6 +28,14 @@ at::Tensor WeightMap::get_optional(const std::string& name) const {
 
 Linear Linear::load(const WeightMap& w, const std::string& name) {
   at::Tensor bias = w.get_optional(name + ".bias");
+  const auto part = [&](size_t i) { return name + ".parts." + std::to_string(i); };
+  if (w.get_optional(part(0) + ".qweight").defined()) {
+    std::vector<Linear> parts;
+    while (w.get_optional(part(parts.size()) + ".qweight").defined()) {
+      parts.emplace_back(QuantizedLinearWeight::load(w, part(parts.size())), at::Tensor());
+    }
+    return Linear(std::move(parts), std::move(bias));
+  }
   at::Tensor plain = w.get_optional(name + ".weight");
   if (plain.defined() || !w.get_optional(name + ".qweight").defined()) {
     return Linear(w.get(name + ".weight"), std::move(bias));
@@ -175,6 +184,26 @@ Linear::Linear(QuantizedLinearWeight weight, at::Tensor bias)
   }
 }
 
+Linear::Linear(std::vector<Linear> parts, at::Tensor bias) : parts_(std::move(parts)) {
+  TORCH_CHECK(!parts_.empty(), "Linear: parts must not be empty");
+  in_features_ = parts_.front().in_features_;
+  for (const Linear& part : parts_) {
+    TORCH_CHECK(part.quantized_.scheme != QuantScheme::kNone && !part.bias_.defined() &&
+                    part.in_features_ == in_features_,
+                "Linear: parts must be quantized weights of ", in_features_,
+                " inputs without a bias, got one of ", part.in_features_);
+    out_features_ += part.out_features_;
+  }
+  TORCH_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == out_features_),
+              "Linear: bias must be [", out_features_, "]");
+  if (!bias.defined()) return;
+  int64_t start = 0;
+  for (Linear& part : parts_) {
+    part.bias_ = bias.narrow(0, start, part.out_features_);
+    start += part.out_features_;
+  }
+}
+
 Linear Linear::load_row_parallel(const WeightMap& w, const std::string& name) {
   Linear linear = load(w, name);
   if (w.communicator()->size() > 1) linear.reduce_ = w.communicator();
@@ -188,6 +217,12 @@ at::Tensor Linear::forward(const at::Tensor& x) const {
 }
 
 at::Tensor Linear::local_forward(const at::Tensor& x) const {
+  if (!parts_.empty()) {
+    std::vector<at::Tensor> outputs;
+    outputs.reserve(parts_.size());
+    for (const Linear& part : parts_) outputs.push_back(part.local_forward(x));
+    return at::cat(outputs, 1);
+  }
   const auto bias = bias_.defined() ? std::optional<at::Tensor>(bias_) : std::nullopt;
   const QuantizedLinearWeight& q = quantized_;
   switch (q.scheme) {
@@ -256,6 +291,7 @@ void Linear::clear_lora(int64_t slot) {
 }
 
 at::Tensor Linear::rows(const at::Tensor& ids, at::ScalarType dtype) const {
+  TORCH_CHECK(parts_.empty(), "Linear: rows of a weight held in parts");
   if (!quantized()) return ops::linear_gather_rows(weight_, ids);
   const QuantizedLinearWeight& w = quantized_;
   at::Tensor q = w.qweight.index_select(0, ids);
@@ -289,6 +325,11 @@ int64_t Linear::weight_bytes() const {
   const auto bytes = [](const at::Tensor& t) {
     return t.defined() ? static_cast<int64_t>(t.nbytes()) : int64_t{0};
   };
+  if (!parts_.empty()) {
+    int64_t total = 0;
+    for (const Linear& part : parts_) total += part.weight_bytes();
+    return total;
+  }
   const int64_t weight = quantized()           ? quantized_.nbytes()
                          : weight_.defined() ? ops::linear_weight_nbytes(weight_)
                                              : 0;

@@ -5,6 +5,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "kvserve/communicator.h"
 #include "layers/weights.h"
@@ -73,8 +74,9 @@ class Linear {
   Linear() = default;
   /// The projection `name` of a weight map: `<name>.weight` (plain), or `<name>.qweight`,
   /// `<name>.scales` and optional `<name>.zeros` (quantized; the group size is in_features over
-  /// the scales' columns; the scheme is the map's QuantizationConfig's); `<name>.bias`
-  /// optional. Throws std::invalid_argument when neither is there.
+  /// the scales' columns; the scheme is the map's QuantizationConfig's), or quantized parts
+  /// `<name>.parts.<i>.qweight`, ... from i = 0 (a fused projection whose parts' layouts
+  /// differ); `<name>.bias` optional. Throws std::invalid_argument when none is there.
   static Linear load(const WeightMap& weights, const std::string& name);
   /// The same for a row-parallel projection (o_proj, down_proj): when the map's weights are
   /// split over several ranks, each holds the columns of its share of the inputs (and rank 0
@@ -87,6 +89,11 @@ class Linear {
   Linear(at::Tensor weight, at::Tensor bias);
   /// A quantized weight [out_features, in_features] and bias [out_features] or undefined.
   Linear(QuantizedLinearWeight weight, at::Tensor bias);
+  /// Quantized projections of one input stacked along the output (a GGUF file's q and k in
+  /// Q4_K beside v in Q6_K): each multiplied in its own layout, the outputs concatenated, rather
+  /// than all widened to the widest (which read a Q4_K_M file's q/k/v at twice the bytes);
+  /// bias [the parts' out_features summed] or undefined.
+  Linear(std::vector<Linear> parts, at::Tensor bias);
 
   /// x [T, in_features] -> [T, out_features], in the weight dtype (summed over the ranks for a
   /// row-parallel projection).
@@ -116,8 +123,9 @@ class Linear {
   int64_t in_features() const { return in_features_; }
   int64_t out_features() const { return out_features_; }
   bool packed() const { return weight_.defined() && weight_.is_mkldnn(); }
+  /// The scheme of a weight held whole (kNone for a plain one and for parts).
   QuantScheme scheme() const { return quantized_.scheme; }
-  bool quantized() const { return quantized_.scheme != QuantScheme::kNone; }
+  bool quantized() const { return quantized_.scheme != QuantScheme::kNone || !parts_.empty(); }
   bool defined() const { return weight_.defined() || quantized(); }
   /// Bytes of the weight as held (a packed one pads its blocks) and the bias; 0 when undefined.
   int64_t weight_bytes() const;
@@ -129,6 +137,7 @@ class Linear {
 
   at::Tensor weight_;  // plain [out, in], or packed by ops::linear_prepack; or undefined
   QuantizedLinearWeight quantized_;  // or this
+  std::vector<Linear> parts_;        // or these, each with its rows of the bias
   at::Tensor bias_;
   int64_t in_features_ = 0, out_features_ = 0;
   // LoRA factors by slot (ops::lora_add): [slots, rank, in], [slots, rank, out], fp32 [slots]

@@ -616,6 +616,18 @@ def _scale(w: dict, module: str, weight_rows: torch.Tensor, bias_rows: torch.Ten
     [1] for all), each product rounded once to the tensor's dtype."""
     if torch.all(weight_rows == 1) and torch.all(bias_rows == 1):
         return
+    parts = []  # a fused projection held in parts (QuantizedWeight.runs): each its rows
+    while f"{module}.parts.{len(parts)}.qweight" in w:
+        parts.append(f"{module}.parts.{len(parts)}")
+    if parts:
+        sizes = [w[part + ".qweight"].shape[0] for part in parts]
+        if len(weight_rows) not in (1, sum(sizes)):
+            raise ValueError(f"{module}: cannot fold {len(weight_rows)} multipliers into "
+                             f"{sum(sizes)} rows")
+        rows = [weight_rows] * len(parts) if len(weight_rows) == 1 else weight_rows.split(sizes)
+        for part, part_rows in zip(parts, rows):
+            _scale(w, part, part_rows, torch.ones(1))
+        weight_rows = torch.ones(1)  # the bias, below, is the whole projection's
     # Two-level scales (int8 under per-super-block factors) take the rows' factors in those.
     two_level = module + ".super_scales" in w
     scaled_params = ((".super_scales", weight_rows), (".super_mins", weight_rows)) if two_level \

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from kvserve.loader.safetensors_loader import _TensorReader
-from kvserve.quantization.gguf_blocks import BLOCKS, to_quantized, widened
+from kvserve.quantization.gguf_blocks import BLOCKS, to_quantized
 from kvserve.quantization.weights import QuantizedWeight
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", *BLOCKS)
@@ -217,9 +217,9 @@ def _hf_name(name: str) -> str | None:
 
 class GGUFTensorReader(_TensorReader):
     """The safetensors loader's tensor reader over a GGUF file: plain tensors in the requested
-    dtype, quantized projections as kvserve's layouts (a fused one's parts widened to one
-    layout when their types differ; K-quants' two-level scales made one-level where the model
-    runs on a device whose kernels take only that: one_level)."""
+    dtype, quantized projections as kvserve's layouts (a fused one held in parts where their
+    types differ; K-quants' two-level scales made one-level where the model runs on a device
+    whose kernels take only that: one_level)."""
 
     def __init__(self, checkpoint: GGUFCheckpoint, dtype: torch.dtype, one_level: bool = False):
         self.checkpoint, self.dtype, self.quant, self.handles = checkpoint, dtype, None, {}
@@ -243,9 +243,6 @@ class GGUFTensorReader(_TensorReader):
                              f"implies {list(shape)}")
         q = self.checkpoint.quantized_weight(module + ".weight")
         return q.one_level() if self.one_level else q
-
-    def fusable(self, parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
-        return widened(parts)
 
 
 def llama3_rope_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict | None:

@@ -10,7 +10,9 @@ as they are). The returned names drop the ``model.`` prefix.
 
 A quantized checkpoint (``quantization_config``: AWQ, GPTQ, compressed-tensors) has its attention
 and MLP projections converted to the layout the quantized_linear op reads: ``<name>.qweight``,
-``.scales``, ``.zeros`` instead of ``<name>.weight`` (fused the same way); routed experts too,
+``.scales``, ``.zeros`` instead of ``<name>.weight`` (fused the same way, or, where the fused
+layers' layouts differ, as a GGUF file's types may, held in parts ``<name>.parts.<i>.*``, each
+run of one layout stacked: ``QuantizedWeight.runs``); routed experts too,
 when every expert's projections are quantized: fused_moe_quantized runs them weight-only (int8
 experts of an LLM.int8() or W8A8 checkpoint keep their activations in the model's dtype). The
 projections the C++ layers transform at load (MLA's) are dequantized to the model's dtype.
@@ -94,21 +96,19 @@ class _TensorReader:
             linears = [self.linear(m, s) for m, s in zip(modules, shapes)]
             if parts is not None:
                 linears = [q.narrow(*part, name=m) for q, m, part in zip(linears, modules, parts)]
-            q = QuantizedWeight.concat(self.fusable(linears))
-            w[out + ".qweight"], w[out + ".scales"] = q.qweight, q.scales
-            for name in ("zeros", "super_scales", "super_mins"):
-                if getattr(q, name) is not None:
-                    w[f"{out}.{name}"] = getattr(q, name)
+            runs = QuantizedWeight.runs(linears)
+            for i, run in enumerate(runs):
+                q = QuantizedWeight.concat(run)
+                name = out if len(runs) == 1 else f"{out}.parts.{i}"
+                w[name + ".qweight"], w[name + ".scales"] = q.qweight, q.scales
+                for field in ("zeros", "super_scales", "super_mins"):
+                    if getattr(q, field) is not None:
+                        w[f"{name}.{field}"] = getattr(q, field)
         elif parts is not None:
             w[out + ".weight"] = torch.cat([self.part(m, s, part)
                                             for m, s, part in zip(modules, shapes, parts)])
         else:
             w[out + ".weight"] = torch.cat([self.weight(m, s) for m, s in zip(modules, shapes)])
-
-    def fusable(self, parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
-        """Quantized parts of one fused projection, in one layout (a format whose parts may
-        differ converts them here)."""
-        return parts
 
     def part(self, module: str, shape: tuple[int, int], part: tuple[int, int, int]
              ) -> torch.Tensor:

@@ -4,7 +4,9 @@ Every block type read here stores, per sub-block of 16 or 32 inputs, integers q 
 `value = a * q + b`, so each maps onto `QuantizedWeight` with no loss of what the file means.
 The K-quants' sub-block scales and minimums are small integers under fp16 factors per
 super-block of 256 inputs, and are held so, as two-level scales (`super_scales`,
-`super_mins`; kvserve.quantization.weights), which the CPU kernels widen a row at a time:
+`super_mins`; kvserve.quantization.weights), which the CPU's integer kernels widen a step at
+a time. A fused projection whose parts differ in type (a Q4_K_M file's q and k in Q4_K, v in
+Q6_K) is held in parts, each in its own layout (the loader's `QuantizedWeight.runs`):
 
 | GGUF type | block | kvserve weight |
 |---|---|---|
@@ -26,7 +28,6 @@ CUDA takes). The layouts are ggml's (ggml-common.h: block_q4_K and friends).
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import torch
@@ -117,33 +118,3 @@ def to_quantized(data: np.ndarray, kind: str, n: int, k: int) -> QuantizedWeight
         return QuantizedWeight(q.to(torch.int8), sc.contiguous(), None, 16,
                                super_scales=_half(b[..., 208:210]))
     raise ValueError(f"GGUF block type {kind} is not one kvserve converts")
-
-
-def widened(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
-    """Weights of different GGUF types that one fused projection stacks (a Q4_K_M file's q/k in
-    Q4_K beside v in Q6_K), converted to one layout exactly when they differ: int8 at the
-    smallest group size, int4 values widened to int8, scales and zeros repeated for the smaller
-    groups, a missing zero as 0. Two-level parts whose super-blocks are the same inputs stay
-    two-level; others are made one-level first."""
-    if len({(p.qweight.dtype, p.group_size, p.zeros is None, p.super_group) for p in parts}) == 1:
-        return parts
-    two_level = {p.group_size * p.super_group for p in parts}
-    if 0 in two_level or len(two_level) > 1:
-        parts = [p.one_level() for p in parts]
-        if len({(p.qweight.dtype, p.group_size, p.zeros is None) for p in parts}) == 1:
-            return parts
-    group = math.gcd(*(p.group_size for p in parts))
-    out = []
-    for p in parts:
-        q = unpack_int4(p.qweight).to(torch.int8) if p.qweight.dtype == torch.uint8 else p.qweight
-        repeat = p.group_size // group
-        zeros = torch.zeros_like(p.scales) if p.zeros is None else p.zeros
-        if p.super_scales is None:
-            out.append(QuantizedWeight(q, p.scales.repeat_interleave(repeat, dim=1),
-                                       zeros.repeat_interleave(repeat, dim=1), group))
-            continue
-        mins = torch.zeros_like(p.super_scales) if p.super_mins is None else p.super_mins
-        out.append(QuantizedWeight(q, p.scales.repeat_interleave(repeat, dim=1),
-                                   zeros.repeat_interleave(repeat, dim=1), group,
-                                   super_scales=p.super_scales, super_mins=mins))
-    return out

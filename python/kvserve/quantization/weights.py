@@ -161,14 +161,31 @@ class QuantizedWeight:
                                *(None if t is None else t[:, supers].contiguous()
                                  for t in (self.super_scales, self.super_mins)))
 
+    @property
+    def layout(self) -> tuple:
+        """What weights must share to be stacked into one (concat): storage dtype, group size,
+        zeros or none, outlier threshold, groups a super-block."""
+        return (self.qweight.dtype, self.group_size, self.zeros is None, self.outlier_threshold,
+                self.super_group)
+
+    @staticmethod
+    def runs(parts: list[QuantizedWeight]) -> list[list[QuantizedWeight]]:
+        """parts in runs of consecutive weights of one layout (a GGUF file's q and k in Q4_K,
+        then v in Q6_K): each run stacks (concat); a fused projection of several runs is held
+        in parts (the C++ Linear's `<name>.parts.<i>`)."""
+        out: list[list[QuantizedWeight]] = []
+        for p in parts:
+            if out and out[-1][-1].layout == p.layout:
+                out[-1].append(p)
+            else:
+                out.append([p])
+        return out
+
     @staticmethod
     def concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
         """The weights stacked along the output dimension (q/k/v into qkv, gate/up into gate_up)."""
         group_sizes = {p.group_size for p in parts}
-        if len(group_sizes) != 1 or len({p.qweight.dtype for p in parts}) != 1 or len(
-                {p.zeros is None for p in parts}) != 1 or len(
-                {p.outlier_threshold for p in parts}) != 1 or len(
-                {p.super_group for p in parts}) != 1:
+        if len({p.layout for p in parts}) != 1:
             raise ValueError("cannot fuse quantized weights of different formats or group sizes")
         zeros = None if parts[0].zeros is None else torch.cat(  # a single zero each row's
             [p.zeros.expand_as(p.scales) if p.zeros.dim() == 1 else p.zeros for p in parts])
