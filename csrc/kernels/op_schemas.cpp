@@ -79,7 +79,8 @@ TORCH_LIBRARY(kvserve, m) {
   m.def(
       "fused_moe_quantized(Tensor hidden, Tensor[] w13, Tensor[] w13_scales, Tensor[] w13_zeros, "
       "int w13_group_size, Tensor[] w2, Tensor[] w2_scales, Tensor[] w2_zeros, "
-      "int w2_group_size, Tensor topk_weights, Tensor topk_ids) -> Tensor");
+      "int w2_group_size, Tensor topk_weights, Tensor topk_ids, str activation='silu') "
+      "-> Tensor");
   m.def(
       "moe_routing(Tensor router_logits, Tensor? correction_bias, int top_k, str scoring_func, "
       "int n_group, int topk_group, bool renormalize, float routed_scaling_factor) "
@@ -303,13 +304,15 @@ at::Tensor fused_moe_quantized(const at::Tensor& hidden, at::TensorList w13,
                                at::TensorList w13_scales, at::TensorList w13_zeros,
                                int64_t w13_group_size, at::TensorList w2, at::TensorList w2_scales,
                                at::TensorList w2_zeros, int64_t w2_group_size,
-                               const at::Tensor& topk_weights, const at::Tensor& topk_ids) {
+                               const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                               std::string_view activation) {
   static const auto op =
       handle<at::Tensor(const at::Tensor&, at::TensorList, at::TensorList, at::TensorList, int64_t,
                         at::TensorList, at::TensorList, at::TensorList, int64_t,
-                        const at::Tensor&, const at::Tensor&)>("kvserve::fused_moe_quantized");
+                        const at::Tensor&, const at::Tensor&, c10::string_view)>(
+          "kvserve::fused_moe_quantized");
   return op.call(hidden, w13, w13_scales, w13_zeros, w13_group_size, w2, w2_scales, w2_zeros,
-                 w2_group_size, topk_weights, topk_ids);
+                 w2_group_size, topk_weights, topk_ids, activation);
 }
 
 std::tuple<at::Tensor, at::Tensor> moe_routing(const at::Tensor& router_logits,

@@ -121,6 +121,11 @@ void ModelConfig::validate() const {
     require(moe.shared_intermediate_size >= 0, "the shared experts' size must be >= 0");
     require(moe.scoring_func == "softmax" || moe.scoring_func == "sigmoid",
             "scoring_func must be softmax or sigmoid, got " + moe.scoring_func);
+    require(moe.activation == "silu" || moe.activation == "clamped_swiglu" ||
+                moe.activation == "relu2",
+            "the experts' activation must be silu, clamped_swiglu or relu2, got " +
+                moe.activation);
+    require(moe.latent_size >= 0, "the experts' latent size must be >= 0");
     require(moe.n_group >= 1 && moe.num_experts % moe.n_group == 0,
             "n_group must divide the number of routed experts");
     require(moe.topk_group >= 1 && moe.topk_group <= moe.n_group,

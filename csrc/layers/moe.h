@@ -2,7 +2,8 @@
 // Mixture-of-experts MLP: a router picks num_experts_per_tok of num_experts gated MLPs per token
 // (softmax top-k as Mixtral and Qwen3-MoE; DeepSeek-V2's group-limited greedy; DeepSeek-V3's
 // sigmoid scores with a correction bias and group top-2 sums), fused_moe runs them, and
-// DeepSeek's shared experts add a dense MLP that every token takes.
+// DeepSeek's shared experts add a dense MLP that every token takes. Nemotron-H's experts have no
+// gate (relu(up)^2) and may run in a latent space between two projections.
 
 #include <ATen/core/Tensor.h>
 
@@ -22,11 +23,15 @@ namespace kvserve {
 /// config.router_bias gate.bias [num_experts],
 /// gate.e_score_correction_bias [num_experts] (sigmoid scoring only),
 /// experts.<e>.gate_up_proj.weight [2 * moe_intermediate, hidden] and
-/// experts.<e>.down_proj.weight [hidden, moe_intermediate] per expert (with config.expert_bias
+/// experts.<e>.down_proj.weight [hidden, moe_intermediate] per expert (activation relu2:
+/// experts.<e>.up_proj.weight [moe_intermediate, hidden] in place of gate_up; with
+/// config.latent_size, latent in place of hidden, and fc1_latent_proj [latent, hidden] and
+/// fc2_latent_proj [hidden, latent] Linears around the routed experts; with config.expert_bias
 /// their .bias [2 * moe_intermediate] / [hidden]: plain experts only), or, for weight-only
 /// quantized experts (every expert's projections or none), their .qweight / .scales / .zeros as
-/// Linear::load reads them (run by fused_moe_quantized), and shared_experts.* of a GatedMLP when
-/// the config has shared experts. Split over tensor-parallel ranks (the weights' communicator),
+/// Linear::load reads them (run by fused_moe_quantized), and shared_experts.* of a GatedMLP (an
+/// UngatedMLP for relu2) when the config has shared experts. Split over tensor-parallel ranks
+/// (the weights' communicator; not the latent projections),
 /// every expert (and the shared one) holds this rank's columns of the intermediate size, the
 /// router is replicated, and the combined output is summed over the ranks once.
 class SparseMoE : public FeedForward {
@@ -53,7 +58,8 @@ class SparseMoE : public FeedForward {
   std::vector<at::Tensor> w13_, w2_;  // per expert, plain or packed (ops::linear_prepack)
   at::Tensor w13_bias_, w2_bias_;  // [num_experts, 2 * inter] / [num_experts, hidden], or none
   std::vector<QuantizedLinearWeight> w13_quantized_, w2_quantized_;  // or these
-  std::unique_ptr<GatedMLP> shared_;
+  Linear latent_in_, latent_out_;  // fc1 / fc2 latent projections, or undefined
+  std::unique_ptr<FeedForward> shared_;
   std::shared_ptr<Communicator> reduce_;  // null: one rank
 };
 

@@ -197,6 +197,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     # clamped below.
     Architecture("NemotronHForCausalLM", prepare=families.prepare_nemotron_h,
                  read_family=families.read_nemotron_h, read_ssm=families.read_nemotron_h_ssm,
+                 read_moe=families.read_nemotron_h_moe,
                  weight_names=families.NEMOTRON_H_WEIGHT_NAMES,
                  tiny=dict(model_type="nemotron_h",
                            layers_block_type=["linear_attention", "mlp", "full_attention",

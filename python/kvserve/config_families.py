@@ -440,10 +440,12 @@ def read_bamba_ssm(c: _C.ModelConfig, f) -> None:
 
 
 # Nemotron-H: every layer one block after its norm, by kind (transformers 5's layers_block_type;
-# checkpoints' hybrid_override_pattern, one letter a layer): a Mamba2 mixer, NoPE attention, or
-# an MLP alone (up, squared ReLU, down). Its mixture-of-experts layers (E) are not read yet.
+# checkpoints' hybrid_override_pattern, one letter a layer): a Mamba2 mixer, NoPE attention, an
+# MLP alone (up, squared ReLU, down), or a mixture of experts alone (E: experts of that MLP's
+# form, DeepSeek-V3's router, a shared expert; read_nemotron_h_moe).
 _NEMOTRON_H_KINDS = {"linear_attention": 1, "mamba": 1, "M": 1, "full_attention": 0,
-                     "attention": 0, "*": 0, "mlp": 3, "-": 3}
+                     "attention": 0, "*": 0, "mlp": 3, "-": 3, "moe": 3, "E": 3}
+_NEMOTRON_H_MOE = ("moe", "E")
 _NEMOTRON_H_KEYS = ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups",
                     "conv_kernel", None, "use_conv_bias", "use_bias")
 
@@ -490,13 +492,10 @@ def read_nemotron_h_ssm(c: _C.ModelConfig, f) -> None:
     if not isinstance(kinds, list) or len(kinds) != c.num_layers:
         raise f.error(key, f"must name a kind for each of the {c.num_layers} layers, got "
                            f"{kinds!r}")
-    if any(k in ("moe", "E") for k in kinds):
-        raise f.error(key, "has mixture-of-experts layers (moe / E); kvserve reads Nemotron-H "
-                           "with Mamba2, attention and MLP layers only")
     unknown = sorted({str(k) for k in kinds if k not in _NEMOTRON_H_KINDS})
     if unknown:
         raise f.error(key, f"names unknown layer kinds {unknown}; expected "
-                           "linear_attention / full_attention / mlp (M / * / -)")
+                           "linear_attention / full_attention / mlp / moe (M / * / - / E)")
     act = f.values.get("mamba_hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise f.error("mamba_hidden_act", f"is {act!r}; only silu is supported")
@@ -505,6 +504,29 @@ def read_nemotron_h_ssm(c: _C.ModelConfig, f) -> None:
     s.layers = [_NEMOTRON_H_KINDS[k] for k in kinds]
     s.mlp = False
     c.ssm = s
+
+
+def read_nemotron_h_moe(c: _C.ModelConfig, f) -> None:
+    """Its mixture-of-experts layers (moe / E), when it has any: n_routed_experts experts of
+    moe_intermediate_size without a gate (relu2, as its MLP), DeepSeek-V3's router (sigmoid
+    scores with a correction bias, n_group groups ranked by their best two, norm_topk_prob,
+    routed_scaling_factor; logits in fp32), one shared expert of
+    moe_shared_expert_intermediate_size (transformers' model has it whatever n_shared_experts
+    says), and, with moe_latent_size, the routed experts in that latent space."""
+    kinds = nemotron_h_layer_kinds(f.values)
+    if not isinstance(kinds, list) or not any(k in _NEMOTRON_H_MOE for k in kinds):
+        return
+    m = _C.MoEConfig()
+    m.num_experts = f.integer("n_routed_experts", minimum=1)
+    m.shared_intermediate_size = f.integer("moe_shared_expert_intermediate_size", minimum=1)
+    m.scoring_func, m.fp32_router, m.activation = "sigmoid", True, "relu2"
+    m.norm_topk_prob = f.flag("norm_topk_prob", True)
+    m.routed_scaling_factor = f.number("routed_scaling_factor", 1.0)
+    m.n_group = f.integer("n_group", 1)
+    m.topk_group = f.integer("topk_group", 1)
+    if f.values.get("moe_latent_size") is not None:
+        m.latent_size = f.integer("moe_latent_size", minimum=1)
+    _finish_moe(c, f, m, [int(k in _NEMOTRON_H_MOE) for k in kinds])
 
 
 # Nemotron-H's tensor names in kvserve's layout: every layer's block is its "mixer"; attention's
@@ -517,6 +539,9 @@ NEMOTRON_H_WEIGHT_NAMES = (
     (r"^(?:backbone|model)\.layers\.(\d+)\.mixer\.([qkvo]_proj)\.",
      r"model.layers.\1.self_attn.\2."),
     (r"^(?:backbone|model)\.layers\.(\d+)\.mixer\.(up_proj|down_proj)\.",
+     r"model.layers.\1.mlp.\2."),
+    (r"^(?:backbone|model)\.layers\.(\d+)\.mixer\."
+     r"(experts|gate|shared_experts|fc1_latent_proj|fc2_latent_proj)\.",
      r"model.layers.\1.mlp.\2."),
     (r"^(?:backbone|model)\.layers\.(\d+)\.mixer\.", r"model.layers.\1.mixer."),
 )

@@ -2,7 +2,7 @@
 // run by the CUDA emulator (cuda_emulator.h) with the launcher's block shape, against the CPU
 // op: int8, int4 with zeros and fp8 experts, weight rows read by 16-byte vectors and by 4-byte
 // words (the fallback, here for hidden rows off 16 bytes), an expert id outside the table
-// (contributes nothing), each input dtype.
+// (contributes nothing), each input dtype; SwiGLU experts and experts without a gate (relu2).
 #include "cuda_emulator.h"
 
 #include <ATen/ops/empty.h>
@@ -60,11 +60,11 @@ Experts<P> experts(int64_t num_experts, int64_t rows, int64_t k, int64_t g, bool
   return e;
 }
 
-// P13 / P2: each projection's scales' dtype (float or __half).
+// P13 / P2: each projection's scales' dtype (float or __half); gated: SwiGLU, else relu2.
 template <typename T, QuantFormat F, typename P13 = float, typename P2 = float>
 void run_case(at::ScalarType dtype, int64_t hidden_size, int64_t inter, int64_t group,
-              bool zeros, bool vector, double tolerance) {
-  SCOPED_TRACE(std::string(c10::toString(dtype)) + " format " +
+              bool zeros, bool vector, double tolerance, bool gated = true) {
+  SCOPED_TRACE(std::string(gated ? "silu " : "relu2 ") + c10::toString(dtype) + " format " +
                std::to_string(static_cast<int>(F)) + " hidden " + std::to_string(hidden_size) +
                " inter " + std::to_string(inter) + " group " + std::to_string(group) +
                (zeros ? " zeros" : "") + (vector ? " vectors" : " words") +
@@ -72,7 +72,9 @@ void run_case(at::ScalarType dtype, int64_t hidden_size, int64_t inter, int64_t 
                (std::is_same_v<P2, float> ? "" : " fp16 w2 scales"));
   at::manual_seed(7);
   const int64_t num_tokens = 3, k = 2, num_experts = 3;
-  const Experts<P13> w13 = experts<F, P13>(num_experts, 2 * inter, hidden_size, group, zeros);
+  const Experts<P13> w13 =
+      experts<F, P13>(num_experts, (gated ? 2 : 1) * inter, hidden_size, group, zeros);
+  const char* activation = gated ? "silu" : "relu2";
   const Experts<P2> w2 = experts<F, P2>(num_experts, hidden_size, inter, group, zeros);
   // Rows one element apart from 16 bytes when the words path is tested.
   const at::Tensor wide = at::randn({num_tokens, hidden_size + 1}).to(dtype);
@@ -84,7 +86,7 @@ void run_case(at::ScalarType dtype, int64_t hidden_size, int64_t inter, int64_t 
   const at::Tensor weights = at::rand({num_tokens, k});
   const at::Tensor expected =
       ops::fused_moe_quantized(hidden, w13.q, w13.scales, w13.zeros, group, w2.q, w2.scales,
-                               w2.zeros, group, weights, ids);
+                               w2.zeros, group, weights, ids, activation);
   // One more id, outside the table, in a copy run by the kernels alone: it adds nothing.
   at::Tensor bad_ids = ids.clone();
   bad_ids.data_ptr<int64_t>()[1] = num_experts;
@@ -98,7 +100,7 @@ void run_case(at::ScalarType dtype, int64_t hidden_size, int64_t inter, int64_t 
                 dim3(num_tokens * k, static_cast<unsigned int>((inter + kWarps - 1) / kWarps)),
                 dim3(32 * kWarps), 0, static_cast<const T*>(hidden.data_ptr()), hidden.stride(0),
                 w13.q_ptr.data(), w13.scale_ptr.data(), w13.zero_ptr.data(), true, vector,
-                used.data_ptr<int64_t>(), k, num_experts, hidden_size, inter, group,
+                used.data_ptr<int64_t>(), k, num_experts, hidden_size, inter, group, gated,
                 act.data_ptr<float>());
     emu::launch(cuda::moe_quantized_down_combine_kernel<T, F, P2>,
                 dim3(num_tokens, static_cast<unsigned int>((hidden_size + kWarps - 1) / kWarps)),
@@ -113,7 +115,7 @@ void run_case(at::ScalarType dtype, int64_t hidden_size, int64_t inter, int64_t 
       bad_weights.data_ptr<float>()[1] = 0.0f;
       const at::Tensor without =
           ops::fused_moe_quantized(hidden, w13.q, w13.scales, w13.zeros, group, w2.q,
-                                   w2.scales, w2.zeros, group, bad_weights, ids);
+                                   w2.scales, w2.zeros, group, bad_weights, ids, activation);
       EXPECT_LE(test_util::worst_relative_error(without, out), tolerance);
     }
   }
@@ -130,6 +132,10 @@ void run_all(at::ScalarType dtype, double tolerance) {
   run_case<T, QuantFormat::kInt4, __half, float>(dtype, 128, 96, 32, true, true, tolerance);
   run_case<T, QuantFormat::kInt8, float, __half>(dtype, 64, 48, 16, false, true, tolerance);
   run_case<T, QuantFormat::kInt4, __half, __half>(dtype, 64, 32, 32, true, false, tolerance);
+  // experts without a gate
+  run_case<T, QuantFormat::kInt8>(dtype, 64, 48, 16, false, true, tolerance, false);
+  run_case<T, QuantFormat::kInt4, __half, float>(dtype, 64, 32, 32, true, false, tolerance,
+                                                 false);
 }
 
 TEST(FusedMoeQuantizedEmulated, MatchesTheCpuOpByVectorsAndWords) {

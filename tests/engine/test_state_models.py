@@ -1,6 +1,6 @@
 """The engine on models with state-space layers (Mamba2; Granite 4 and Bamba hybrids of Mamba2
 mixers and attention layers; FalconH1, both in every layer; Nemotron-H, mixers, attention and
-MLPs each a layer of its own): every running sequence holds one state slot beside its blocks, so
+MLPs or mixtures of experts each a layer of its own): every running sequence holds one state slot beside its blocks, so
 chunked prefill, batching, slot reuse, preemption and parallel samples must all give the tokens
 of transformers' whole-sequence forward (its pure-torch path)."""
 
@@ -22,14 +22,21 @@ transformers = pytest.importorskip("transformers")
 
 MAMBA2 = "Mamba2ForCausalLM"
 MODELS = [MAMBA2, "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "FalconH1ForCausalLM",
-          "NemotronHForCausalLM"]
+          "NemotronHForCausalLM", "NemotronHForCausalLM+moe"]
+# Overrides of an architecture's tiny config, by the name after "+": Nemotron 3's mixtures of
+# experts in place of its MLP layers (grouped routing, a shared expert).
+VARIANTS = {"moe": dict(layers_block_type=["linear_attention", "moe", "full_attention",
+                                           "linear_attention", "moe"],
+                        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                        moe_shared_expert_intermediate_size=40, n_group=2, topk_group=1)}
 NUM_TOKENS = 20
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
 
 
 @pytest.fixture(scope="module", params=MODELS)
 def model(checkpoint_factory, request):
-    return checkpoint_factory(request.param)
+    architecture, _, variant = request.param.partition("+")
+    return checkpoint_factory(architecture, **VARIANTS.get(variant, {}))
 
 
 @pytest.fixture(scope="module")

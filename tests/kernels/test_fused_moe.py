@@ -18,6 +18,8 @@ TOLERANCES = {
     torch.float16: dict(atol=4e-3, rtol=4e-3),
 }
 DTYPES = list(TOLERANCES)
+# relu2 squares the rounded up output: twice its relative rounding error.
+SQUARED_TOLERANCES = {d: {key: 2 * v for key, v in t.items()} for d, t in TOLERANCES.items()}
 # (hidden, inter, num_experts, k): sizes that are no multiple of a vector, one expert, top-1,
 # and DeepSeek-like many small experts with top-6.
 SHAPES = [(40, 24, 3, 2), (72, 56, 8, 2), (33, 17, 1, 1), (64, 20, 16, 6)]
@@ -154,13 +156,48 @@ def test_biases_and_clamped_swiglu(hidden, inter, num_experts, k, tokens, dtype)
     (lambda e: dict(w2_bias=torch.zeros(3, 41)), "w2_bias must be contiguous"),
     (lambda e: dict(w2_bias=torch.zeros(41, 3).T), "w2_bias must be contiguous"),
     (lambda e: dict(w13_bias=e["w13_bias"].double()), "w13_bias must have"),
-    (lambda e: dict(activation="gelu"), "activation must be silu or clamped_swiglu"),
+    (lambda e: dict(activation="gelu"), "activation must be silu, clamped_swiglu or relu2"),
+    # relu2's w13 is the up rows alone: [24, 40] here, not [48, 40]
+    (lambda e: dict(activation="relu2"), "every w2 must be .40, 48."),
     (lambda e: dict(limit=0.0), "positive alpha and limit"),
 ])
 def test_rejects_bad_biases_and_activations(change, match):
     args, extra, _ = make_biased(3, 40, 24, 3, 2, torch.float32)
     with pytest.raises(RuntimeError, match=match):
         ops.fused_moe(*args, **{**extra, **change(extra)})
+
+
+def make_ungated(tokens, hidden, inter, num_experts, k, dtype, bias, seed=6):
+    """Experts without a gate (Nemotron-H's relu2): w13 the up rows alone [inter, hidden], with
+    biases per expert or none."""
+    args, _ = make(tokens, hidden, inter, num_experts, k, dtype, seed=seed)
+    args[1] = [w[:inter].contiguous() for w in args[1]]
+    g = torch.Generator().manual_seed(seed + 1)
+    extra = dict(activation="relu2")
+    if bias:
+        extra.update(w13_bias=torch.randn(num_experts, inter, generator=g).to(dtype),
+                     w2_bias=torch.randn(num_experts, hidden, generator=g).to(dtype))
+    return args, extra, reference.fused_moe(*args, **extra)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 17, 50])
+@pytest.mark.parametrize("hidden, inter, num_experts, k", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_relu2_experts_without_a_gate(hidden, inter, num_experts, k, tokens, dtype, bias):
+    args, extra, want = make_ungated(tokens, hidden, inter, num_experts, k, dtype, bias)
+    out = ops.fused_moe(*args, **extra)
+    assert out.dtype == dtype and out.shape == (tokens, hidden)
+    torch.testing.assert_close(out.double(), want, **SQUARED_TOLERANCES[dtype])
+
+
+@pytest.mark.cpu_only  # linear_prepack's packed layouts are CPU (oneDNN) tensors
+def test_relu2_packed_weights():
+    args, extra, want = make_ungated(40, 72, 56, 8, 2, torch.float32, bias=False)
+    args[1] = [ops.linear_prepack(w) if ops.linear_prepack(w) is not None else w for w in args[1]]
+    args[2] = [ops.linear_prepack(w) if ops.linear_prepack(w) is not None else w for w in args[2]]
+    torch.testing.assert_close(ops.fused_moe(*args, **extra).double(), want,
+                               **TOLERANCES[torch.float32])
 
 
 # ------------------------------------------------------------------ every CPU capability variant
@@ -173,6 +210,7 @@ def capability_checks():
             args, want = make(tokens, 40, 24, 3, 2, dtype)
             torch.testing.assert_close(ops.fused_moe(*args).double(), want, **TOLERANCES[dtype])
         test_biases_and_clamped_swiglu(40, 24, 3, 2, 17, dtype)
+        test_relu2_experts_without_a_gate(40, 24, 3, 2, 17, dtype, True)
 
 
 @pytest.mark.parametrize("capability", CAPABILITIES)
@@ -198,6 +236,17 @@ def test_cuda_matches_reference_and_cpu(hidden, inter, num_experts, k, tokens, d
     assert out.is_cuda and out.dtype == dtype and out.shape == (tokens, hidden)
     torch.testing.assert_close(out.cpu().double(), want, **TOLERANCES[dtype])
     torch.testing.assert_close(out.cpu(), ops.fused_moe(*args), **TOLERANCES[dtype])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 17])
+@pytest.mark.parametrize("bias", [False, True])
+def test_cuda_relu2_experts_without_a_gate(tokens, dtype, bias):
+    args, extra, want = make_ungated(tokens, 72, 56, 8, 2, dtype, bias)
+    extra = {key: v.cuda() if torch.is_tensor(v) else v for key, v in extra.items()}
+    out = ops.fused_moe(*on_cuda(args), **extra)
+    torch.testing.assert_close(out.cpu().double(), want, **SQUARED_TOLERANCES[dtype])
 
 
 @pytest.mark.cuda

@@ -21,6 +21,8 @@ TOLERANCES = {
     torch.float16: dict(atol=4e-3, rtol=4e-3),
 }
 DTYPES = list(TOLERANCES)
+# relu2 squares the rounded up output: twice its relative rounding error.
+SQUARED_TOLERANCES = {d: {key: 2 * v for key, v in t.items()} for d, t in TOLERANCES.items()}
 # (format, hidden, inter, num_experts, k, w13 group, w2 group): per-row and grouped scales, one
 # expert, top-1, and DeepSeek-like many small experts with top-6; int4 needs multiples of 32.
 CASES = [
@@ -42,12 +44,14 @@ def quantize(fmt, w, group_size, zeros):
 
 
 def make(fmt, hidden, inter, num_experts, k, g13, g2, tokens, dtype, zeros=True, seed=0,
-         half13=False, half2=False):
+         half13=False, half2=False, activation="silu"):
     """The op's arguments and the reference's output; half13 / half2: that projection's scales
-    and zeros in fp16."""
+    and zeros in fp16; activation relu2: experts without a gate (w13 the up rows alone), the
+    last argument."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
-    w13 = [quantize(fmt, torch.randn(2 * inter, hidden, generator=g) / hidden ** 0.5, g13, zeros)
+    rows = inter if activation == "relu2" else 2 * inter
+    w13 = [quantize(fmt, torch.randn(rows, hidden, generator=g) / hidden ** 0.5, g13, zeros)
            for _ in range(num_experts)]
     w2 = [quantize(fmt, torch.randn(hidden, inter, generator=g) / inter ** 0.5, g2, zeros)
           for _ in range(num_experts)]
@@ -60,6 +64,8 @@ def make(fmt, hidden, inter, num_experts, k, g13, g2, tokens, dtype, zeros=True,
         return ([q.qweight for q in qs], [cast(q.scales) for q in qs],
                 [cast(q.zeros) for q in qs if q.zeros is not None], qs[0].group_size)
     args = [x, *lists(w13, half13), *lists(w2, half2), weights, ids]
+    if activation != "silu":
+        args.append(activation)
     return args, reference.fused_moe_quantized(*args)
 
 
@@ -164,6 +170,24 @@ def test_rejects_bad_arguments(change, match):
         ops.fused_moe_quantized(*bad(change))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_relu2_experts_without_a_gate(case, tokens, dtype):
+    """Nemotron-H's experts: relu(up)^2, no gate rows (fused_moe's relu2)."""
+    args, want = make(*case, tokens, dtype, activation="relu2")
+    out = ops.fused_moe_quantized(*args)
+    torch.testing.assert_close(out.double(), want, **SQUARED_TOLERANCES[dtype])
+
+
+def test_relu2_rejects_gated_shapes_and_other_activations():
+    args, _ = make(*CASES[0], 3, torch.float32)  # w13 [48, 40]: gate and up rows
+    with pytest.raises(RuntimeError, match="w2: .*48"):
+        ops.fused_moe_quantized(*args, "relu2")
+    with pytest.raises(RuntimeError, match="activation must be silu or relu2, got gelu"):
+        ops.fused_moe_quantized(*args, "gelu")
+
+
 # ------------------------------------------------------------------ every CPU capability variant
 
 
@@ -176,6 +200,7 @@ def capability_checks():
                     args, want = make(*case, tokens, dtype, half13=half, half2=half)
                     torch.testing.assert_close(ops.fused_moe_quantized(*args).double(), want,
                                                **TOLERANCES[dtype])
+                test_relu2_experts_without_a_gate(case, tokens, dtype)
 
 
 @pytest.mark.parametrize("capability", CAPABILITIES)
@@ -205,6 +230,16 @@ def test_cuda_matches_reference_and_cpu(case, tokens, dtype):
     assert out.is_cuda and out.dtype == dtype and out.shape == (tokens, case[1])
     torch.testing.assert_close(out.cpu().double(), want, **TOLERANCES[dtype])
     torch.testing.assert_close(out.cpu(), ops.fused_moe_quantized(*args), **TOLERANCES[dtype])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 17])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_cuda_relu2_experts_without_a_gate(case, tokens, dtype):
+    args, want = make(*case, tokens, dtype, activation="relu2")
+    out = ops.fused_moe_quantized(*on_cuda(args))
+    torch.testing.assert_close(out.cpu().double(), want, **SQUARED_TOLERANCES[dtype])
 
 
 @pytest.mark.cuda

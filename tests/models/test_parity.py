@@ -120,6 +120,20 @@ VARIANTS = {
                            "linear_attention"],
         mlp_bias=True, use_bias=True, use_conv_bias=False, tie_word_embeddings=True,
         time_step_min=0.7)),
+    # Nemotron-H's mixture-of-experts layers (E): experts without a gate, DeepSeek-V3's router
+    # (8 experts in 4 groups, the best 2 groups compete, weights renormalised and scaled) and a
+    # shared expert; then in a latent space (fc1 / fc2 latent projections), with biases where
+    # transformers has them (the shared expert, the latent projections), plain top-2.
+    "nemotron-h-moe-grouped": ("NemotronHForCausalLM", dict(
+        layers_block_type=["linear_attention", "moe", "full_attention", "moe", "mlp"],
+        n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=24,
+        moe_shared_expert_intermediate_size=40, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5)),
+    "nemotron-h-moe-latent-biases": ("NemotronHForCausalLM", dict(
+        layers_block_type=["moe", "linear_attention", "full_attention", "moe", "mlp"],
+        n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=20,
+        moe_shared_expert_intermediate_size=28, moe_latent_size=16, mlp_bias=True,
+        norm_topk_prob=False)),
 }
 
 

@@ -1,5 +1,6 @@
 """Quantized mixture-of-experts checkpoints end to end: `kvserve quantize` (int8 / fp8 as
-compressed-tensors, int4 in AWQ's gemm layout) of Mixtral, Qwen3-MoE and DeepSeek-V2 keeps the
+compressed-tensors, int4 in AWQ's gemm layout) of Mixtral, Qwen3-MoE, DeepSeek-V2 and
+Nemotron-H (experts without a gate) keeps the
 routed experts quantized (fused_moe_quantized runs them), and generation matches transformers
 running the same model on the weights the files mean (written out as a plain checkpoint)."""
 
@@ -22,7 +23,12 @@ from kvserve.testing.checkpoints import make_checkpoint  # noqa: E402
 GROUP = 32
 # Expert sizes that int4 groups of 32 divide (else quantize keeps them plain).
 SHAPES = {"MixtralForCausalLM": {}, "Qwen3MoeForCausalLM": dict(moe_intermediate_size=64),
-          "DeepseekV2ForCausalLM": {}}
+          "DeepseekV2ForCausalLM": {},
+          # Nemotron 3's experts without a gate (relu2), beside its mixers and attention
+          "NemotronHForCausalLM": dict(
+              layers_block_type=["linear_attention", "moe", "full_attention", "moe", "mlp"],
+              n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+              moe_shared_expert_intermediate_size=64, intermediate_size=64)}
 
 
 def meaning(quantized, method: str) -> dict[str, torch.Tensor]:

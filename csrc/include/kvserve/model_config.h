@@ -72,10 +72,14 @@ struct MLAConfig {
   X(bool, fp32_router, false) /* router logits from fp32 hidden states (DeepSeek) */        \
   X(bool, router_bias, false) /* the router has a bias (gpt-oss) */                         \
   X(bool, expert_bias, false) /* each expert's projections have biases (gpt-oss) */         \
-  /* the experts' gate: silu (SwiGLU) | clamped_swiglu (gpt-oss, with alpha and limit) */   \
+  /* the experts' gate: silu (SwiGLU) | clamped_swiglu (gpt-oss, with alpha and limit) | */ \
+  /* relu2 (Nemotron-H: no gate, relu(up)^2, the shared expert likewise) */                 \
   X(std::string, activation, "silu")                                                        \
   X(double, swiglu_alpha, 1.702)                                                            \
   X(double, swiglu_limit, 7.0)                                                              \
+  /* routed experts in a latent space of this size (Nemotron-H's fc1 / fc2 latent */        \
+  /* projections around them); 0: on the hidden state */                                    \
+  X(int64_t, latent_size, 0)                                                                \
   X(std::vector<int64_t>, layers, {}) /* per layer: 1 = MoE MLP, 0 = dense MLP */
 
 struct MoEConfig {

@@ -52,33 +52,40 @@ inline void check_moe_biases(const char* name, const std::optional<at::Tensor>& 
               op, ": ", name, " must have hidden's dtype and device");
 }
 
-/// The experts' gate: "silu" or "clamped_swiglu" with positive alpha and limit.
-inline void check_moe_activation(c10::string_view activation, double alpha, double limit) {
-  TORCH_CHECK(activation == "silu" || activation == "clamped_swiglu",
-              "fused_moe: activation must be silu or clamped_swiglu, got ", activation);
-  TORCH_CHECK(activation == "silu" || (alpha > 0 && limit > 0),
-              "fused_moe: clamped_swiglu needs positive alpha and limit, got ", alpha, " and ",
-              limit);
+/// The experts' activation: gated, "silu" or "clamped_swiglu" with positive alpha and limit
+/// (w13 holds gate rows then up rows), or "relu2" without a gate (w13 the up rows alone,
+/// relu(up)^2: Nemotron-H's experts). Returns whether it is gated.
+inline bool check_moe_activation(const char* op, c10::string_view activation, double alpha,
+                                 double limit) {
+  TORCH_CHECK(activation == "silu" || activation == "clamped_swiglu" || activation == "relu2",
+              op, ": activation must be silu, clamped_swiglu or relu2, got ", activation);
+  TORCH_CHECK(activation != "clamped_swiglu" || (alpha > 0 && limit > 0), op,
+              ": clamped_swiglu needs positive alpha and limit, got ", alpha, " and ", limit);
+  return activation != "relu2";
 }
 
-/// hidden [T, hidden_size] (last dim contiguous), one w13 [2 * inter, hidden_size] and one w2
-/// [hidden_size, inter] per expert, and the routing tensors (see fused_moe.h).
-inline void check_fused_moe(const at::Tensor& hidden, at::TensorList w13, at::TensorList w2,
-                            const at::Tensor& topk_weights, const at::Tensor& topk_ids,
-                            const std::optional<at::Tensor>& w13_bias = std::nullopt,
-                            const std::optional<at::Tensor>& w2_bias = std::nullopt) {
+/// hidden [T, hidden_size] (last dim contiguous), one w13 [2 * inter, hidden_size] (gated; [inter,
+/// hidden_size] without a gate) and one w2 [hidden_size, inter] per expert, and the routing
+/// tensors (see fused_moe.h). Returns inter.
+inline int64_t check_fused_moe(const at::Tensor& hidden, at::TensorList w13, at::TensorList w2,
+                               const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                               const std::optional<at::Tensor>& w13_bias = std::nullopt,
+                               const std::optional<at::Tensor>& w2_bias = std::nullopt,
+                               bool gated = true) {
   constexpr const char* op = "fused_moe";
   check_rows(op, "hidden", hidden, 2);
   TORCH_CHECK(!w13.empty() && w2.size() == w13.size(), op,
               ": need one w13 and one w2 per expert, got ", w13.size(), " and ", w2.size());
-  const int64_t inter2 = w13[0].size(0);
-  TORCH_CHECK(w13[0].dim() == 2 && inter2 % 2 == 0, op,
-              ": w13 must be [2 * inter, hidden_size], got ", w13[0].sizes());
-  check_moe_experts("w13", w13, inter2, hidden.size(1), hidden);
-  check_moe_experts("w2", w2, hidden.size(1), inter2 / 2, hidden);
-  check_moe_biases("w13_bias", w13_bias, static_cast<int64_t>(w13.size()), inter2, hidden);
+  const int64_t rows = w13[0].size(0);
+  TORCH_CHECK(w13[0].dim() == 2 && (!gated || rows % 2 == 0), op, ": w13 must be [",
+              gated ? "2 * inter" : "inter", ", hidden_size], got ", w13[0].sizes());
+  const int64_t inter = gated ? rows / 2 : rows;
+  check_moe_experts("w13", w13, rows, hidden.size(1), hidden);
+  check_moe_experts("w2", w2, hidden.size(1), inter, hidden);
+  check_moe_biases("w13_bias", w13_bias, static_cast<int64_t>(w13.size()), rows, hidden);
   check_moe_biases("w2_bias", w2_bias, static_cast<int64_t>(w13.size()), hidden.size(1), hidden);
   check_moe_topk(op, hidden, topk_weights, topk_ids);
+  return inter;
 }
 
 }  // namespace kvserve::ops

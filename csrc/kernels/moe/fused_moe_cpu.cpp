@@ -1,4 +1,5 @@
-// CPU launcher for fused_moe: each active expert's gate_up projection, SwiGLU and down projection
+// CPU launcher for fused_moe: each active expert's gate_up projection, its gate (SwiGLU; or the
+// squared ReLU of an up projection alone) and down projection
 // run on its tokens through the linear op (GEMV for a few tokens, oneDNN GEMM on packed weights
 // for more); routed_experts_cpu groups the tokens and sums the weighted outputs.
 #include <ATen/ops/empty.h>
@@ -26,15 +27,16 @@ at::Tensor fused_moe_cpu(const at::Tensor& hidden, at::TensorList w13, at::Tenso
                          const std::optional<at::Tensor>& w13_bias,
                          const std::optional<at::Tensor>& w2_bias, c10::string_view activation,
                          double alpha, double limit) {
-  check_fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias);
-  check_moe_activation(activation, alpha, limit);
+  const bool gated = check_moe_activation(kOp, activation, alpha, limit);
+  const int64_t inter =
+      check_fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, gated);
   const bool clamped = activation == "clamped_swiglu";
   const int64_t num_experts = static_cast<int64_t>(w13.size());
-  const int64_t inter2 = w13[0].size(0);
   return routed_experts_cpu(
       kOp, hidden, num_experts, topk_weights, topk_ids, [&](int64_t e, const at::Tensor& x) {
         const at::Tensor gate_up = linear(x, w13[e], bias_of(w13_bias, e));
-        at::Tensor act = at::empty({x.size(0), inter2 / 2}, x.options());
+        if (!gated) return linear(squared_relu_(gate_up), w2[e], bias_of(w2_bias, e));
+        at::Tensor act = at::empty({x.size(0), inter}, x.options());
         if (clamped) {
           clamped_swiglu_and_mul(act, gate_up, alpha, limit);
         } else {

@@ -1,5 +1,5 @@
 // CUDA launcher for fused_moe: the shared checks, the experts' weight pointers uploaded as one
-// table, then the body's two passes (SwiGLU per token-slot pair, down projection and weighted
+// table, then the body's two passes (the gate per token-slot pair, down projection and weighted
 // sum per token). The ids stay on the device (reading them would synchronise); the body skips one
 // outside [0, num_experts), where the CPU launcher throws.
 #include <ATen/ops/empty.h>
@@ -32,11 +32,13 @@ at::Tensor fused_moe_cuda(const at::Tensor& hidden, at::TensorList w13, at::Tens
                           const std::optional<at::Tensor>& w13_bias,
                           const std::optional<at::Tensor>& w2_bias, c10::string_view activation,
                           double alpha, double limit) {
-  check_fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias);
-  check_moe_activation(activation, alpha, limit);
+  const bool gated = check_moe_activation(kFusedMoe, activation, alpha, limit);
+  const int64_t inter =
+      check_fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, gated);
   // limit 0: the plain SwiGLU.
   const cuda::MoeGate gate{static_cast<float>(alpha),
-                           activation == "clamped_swiglu" ? static_cast<float>(limit) : 0.0f};
+                           activation == "clamped_swiglu" ? static_cast<float>(limit) : 0.0f,
+                           !gated};
   for (at::TensorList list : {w13, w2}) {
     for (const at::Tensor& w : list) {
       TORCH_CHECK(w.is_contiguous(), kFusedMoe, ": expert weights must be contiguous on CUDA");
@@ -44,7 +46,6 @@ at::Tensor fused_moe_cuda(const at::Tensor& hidden, at::TensorList w13, at::Tens
   }
   const int64_t num_tokens = hidden.size(0), hidden_size = hidden.size(1);
   const int64_t num_experts = static_cast<int64_t>(w13.size()), k = topk_ids.size(1);
-  const int64_t inter = w13[0].size(0) / 2;
   at::Tensor out = at::empty({num_tokens, hidden_size}, hidden.options());
   if (out.numel() == 0) return out;
   if (k == 0 || inter == 0) return out.zero_();  // no expert adds anything

@@ -21,10 +21,13 @@
 namespace kvserve::cuda {
 
 /// The experts' gate of a gate value g and an up value u: silu(g) * u (limit 0), or gpt-oss's
-/// clamped SwiGLU (clamped_swiglu_and_mul.h).
+/// clamped SwiGLU (clamped_swiglu_and_mul.h); ungated (Nemotron-H's relu2), relu(u)^2 of an up
+/// value alone.
 struct MoeGate {
   float alpha, limit;
+  bool ungated = false;
   __device__ float operator()(float g, float u) const {
+    if (ungated) return u > 0.0f ? u * u : 0.0f;
     if (limit <= 0.0f) return g / (1.0f + __expf(-g)) * u;
     g = fminf(g, limit);
     u = fminf(fmaxf(u, -limit), limit);
@@ -34,9 +37,10 @@ struct MoeGate {
 
 /// act[p, i] = gate(x . gate_e[i] (+ bias), x . up_e[i] (+ bias)) for pair p = t * k + j,
 /// e = topk_ids[p], biases row e of b13 [num_experts, 2 * inter] (null: none),
-/// x = hidden[t] (row stride hidden_stride), gate / up rows i and inter + i of w13[e]; 0 for an
-/// id outside [0, num_experts). Grid (num_pairs, ceil(inter / warps per block)), block a
-/// multiple of 32 threads. act: fp32 [num_pairs, inter].
+/// x = hidden[t] (row stride hidden_stride), gate / up rows i and inter + i of w13[e]; ungated,
+/// row i of w13[e] is the up row (b13 [num_experts, inter]); 0 for an id outside
+/// [0, num_experts). Grid (num_pairs, ceil(inter / warps per block)), block a multiple of 32
+/// threads. act: fp32 [num_pairs, inter].
 template <typename T>
 __global__ void moe_gate_up_kernel(const T* hidden, int64_t hidden_stride, const T* const* w13,
                                    const T* b13, const int64_t* topk_ids, int64_t k,
@@ -53,17 +57,23 @@ __global__ void moe_gate_up_kernel(const T* hidden, int64_t hidden_stride, const
   }
   const T* x = hidden + (pair / k) * hidden_stride;
   const T* gate_row = w13[e] + i * hidden_size;
-  const T* up_row = gate_row + inter * hidden_size;
   float gate = 0.0f, up = 0.0f;
-  for (int64_t c = lane; c < hidden_size; c += 32) {
-    const float v = to_float(x[c]);
-    gate += v * to_float(gate_row[c]);
-    up += v * to_float(up_row[c]);
+  if (moe_gate.ungated) {
+    for (int64_t c = lane; c < hidden_size; c += 32) up += to_float(x[c]) * to_float(gate_row[c]);
+  } else {
+    const T* up_row = gate_row + inter * hidden_size;
+    for (int64_t c = lane; c < hidden_size; c += 32) {
+      const float v = to_float(x[c]);
+      gate += v * to_float(gate_row[c]);
+      up += v * to_float(up_row[c]);
+    }
   }
   gate = warp_sum(gate);
   up = warp_sum(up);
   if (lane == 0) {
-    if (b13) {
+    if (b13 && moe_gate.ungated) {
+      up += to_float(b13[e * inter + i]);
+    } else if (b13) {
       gate += to_float(b13[e * 2 * inter + i]);
       up += to_float(b13[e * 2 * inter + inter + i]);
     }

@@ -35,15 +35,24 @@ inline void check_moe_quantized_list(const char* name, at::TensorList list, size
   }
 }
 
-/// Every argument of fused_moe_quantized.h but the ids' values; returns the formats of w13 and
-/// w2. Expert 0's projections go through quantized_linear's checks (on an input of no tokens),
-/// which then hold for every expert.
-inline std::pair<cpu::QuantFormat, cpu::QuantFormat> check_fused_moe_quantized(
+/// The formats of w13 and w2, and the experts' intermediate size.
+struct MoeQuantizedShape {
+  cpu::QuantFormat format13, format2;
+  int64_t inter;
+};
+
+/// Every argument of fused_moe_quantized.h but the ids' values (gated: silu; else relu2, w13 the
+/// up rows alone). Expert 0's projections go through quantized_linear's checks (on an input of
+/// no tokens), which then hold for every expert.
+inline MoeQuantizedShape check_fused_moe_quantized(
     const at::Tensor& hidden, at::TensorList w13, at::TensorList w13_scales,
     at::TensorList w13_zeros, int64_t w13_group_size, at::TensorList w2,
     at::TensorList w2_scales, at::TensorList w2_zeros, int64_t w2_group_size,
-    const at::Tensor& topk_weights, const at::Tensor& topk_ids) {
+    const at::Tensor& topk_weights, const at::Tensor& topk_ids, c10::string_view activation) {
   constexpr const char* op = "fused_moe_quantized";
+  TORCH_CHECK(activation == "silu" || activation == "relu2", op,
+              ": activation must be silu or relu2, got ", activation);
+  const bool gated = activation == "silu";
   check_rows(op, "hidden", hidden, 2);
   const size_t num_experts = w13.size();
   TORCH_CHECK(num_experts > 0, op, ": needs at least one expert");
@@ -53,9 +62,9 @@ inline std::pair<cpu::QuantFormat, cpu::QuantFormat> check_fused_moe_quantized(
   }
   if (!w13_zeros.empty()) check_moe_quantized_list("w13_zeros", w13_zeros, num_experts);
   if (!w2_zeros.empty()) check_moe_quantized_list("w2_zeros", w2_zeros, num_experts);
-  TORCH_CHECK(w13[0].dim() == 2 && w13[0].size(0) % 2 == 0, op,
-              ": w13 must be [2 * inter, packed hidden_size], got ", w13[0].sizes());
-  const int64_t inter = w13[0].size(0) / 2;
+  TORCH_CHECK(w13[0].dim() == 2 && (!gated || w13[0].size(0) % 2 == 0), op, ": w13 must be [",
+              gated ? "2 * inter" : "inter", ", packed hidden_size], got ", w13[0].sizes());
+  const int64_t inter = gated ? w13[0].size(0) / 2 : w13[0].size(0);
   const auto check = [&](const char* name, const at::Tensor& x, at::TensorList q,
                          at::TensorList scales, at::TensorList zeros, int64_t group_size) {
     TORCH_CHECK(zeros.empty() || zeros[0].dim() == 2, op, ": ", name,
@@ -75,7 +84,7 @@ inline std::pair<cpu::QuantFormat, cpu::QuantFormat> check_fused_moe_quantized(
   const cpu::QuantFormat format2 = check("w2", at::empty({0, inter}, hidden.options()), w2,
                                          w2_scales, w2_zeros, w2_group_size);
   check_moe_topk(op, hidden, topk_weights, topk_ids);
-  return {format13, format2};
+  return {format13, format2, inter};
 }
 
 }  // namespace kvserve::ops

@@ -61,7 +61,8 @@ at::Tensor device_pointers(Projection& p13, Projection& p2, int64_t num_experts,
 
 template <typename T, cuda::QuantFormat F, typename P>
 void gate_up(const at::Tensor& hidden, const int64_t* table, const Projection& p,
-             const at::Tensor& topk_ids, int64_t num_experts, int64_t inter, at::Tensor& act) {
+             const at::Tensor& topk_ids, int64_t num_experts, int64_t inter, bool gated,
+             at::Tensor& act) {
   const int64_t k = topk_ids.size(1);
   const dim3 grid(act.size(0), cuda::blocks_for(inter, kFusedMoeQuantizedWarps));
   const int64_t* t = table + p.offset;
@@ -72,7 +73,7 @@ void gate_up(const at::Tensor& hidden, const int64_t* table, const Projection& p
       reinterpret_cast<const P* const*>(t + num_experts),
       reinterpret_cast<const P* const*>(t + 2 * num_experts), p.aligned,
       vectors<F>(p, hidden.data_ptr(), hidden.stride(0) * hidden.element_size(), hidden.size(1)),
-      topk_ids.data_ptr<int64_t>(), k, num_experts, hidden.size(1), inter, p.group_size,
+      topk_ids.data_ptr<int64_t>(), k, num_experts, hidden.size(1), inter, p.group_size, gated,
       act.data_ptr<float>());
   KVSERVE_CUDA_CHECK_LAUNCH();
 }
@@ -114,13 +115,14 @@ at::Tensor fused_moe_quantized_cuda(const at::Tensor& hidden, at::TensorList w13
                                     int64_t w13_group_size, at::TensorList w2,
                                     at::TensorList w2_scales, at::TensorList w2_zeros,
                                     int64_t w2_group_size, const at::Tensor& topk_weights,
-                                    const at::Tensor& topk_ids) {
-  const auto [format13, format2] =
+                                    const at::Tensor& topk_ids, c10::string_view activation) {
+  const auto [format13, format2, inter] =
       check_fused_moe_quantized(hidden, w13, w13_scales, w13_zeros, w13_group_size, w2,
-                                w2_scales, w2_zeros, w2_group_size, topk_weights, topk_ids);
+                                w2_scales, w2_zeros, w2_group_size, topk_weights, topk_ids,
+                                activation);
+  const bool gated = activation == "silu";
   const int64_t num_tokens = hidden.size(0), hidden_size = hidden.size(1);
   const int64_t num_experts = static_cast<int64_t>(w13.size()), k = topk_ids.size(1);
-  const int64_t inter = w13[0].size(0) / 2;
   at::Tensor out = at::empty({num_tokens, hidden_size}, hidden.options());
   if (out.numel() == 0) return out;
   if (k == 0 || inter == 0) return out.zero_();  // no expert adds anything
@@ -135,9 +137,9 @@ at::Tensor fused_moe_quantized_cuda(const at::Tensor& hidden, at::TensorList w13
     dispatch_format(format13, [&](auto f) {
       constexpr cuda::QuantFormat F = decltype(f)::value;
       if (w13_scales[0].scalar_type() == at::kHalf) {
-        gate_up<T, F, __half>(hidden, table, p13, topk_ids, num_experts, inter, act);
+        gate_up<T, F, __half>(hidden, table, p13, topk_ids, num_experts, inter, gated, act);
       } else {
-        gate_up<T, F, float>(hidden, table, p13, topk_ids, num_experts, inter, act);
+        gate_up<T, F, float>(hidden, table, p13, topk_ids, num_experts, inter, gated, act);
       }
     });
     dispatch_format(format2, [&](auto f) {

@@ -25,7 +25,8 @@
 namespace kvserve::cuda {
 
 /// act[p, i] = silu(x . gate_e[i]) * (x . up_e[i]) for pair p = t * k + j, e = topk_ids[p],
-/// x = hidden[t], gate / up rows i and inter + i of expert e's dequantized w13; 0 for a bad id.
+/// x = hidden[t], gate / up rows i and inter + i of expert e's dequantized w13; without a gate
+/// (gated false: relu2), relu(x . up_e[i])^2 with up row i; 0 for a bad id.
 /// Grid (num_pairs, ceil(inter / warps per block)), block a multiple of 32 threads. act: fp32
 /// [num_pairs, inter]. aligned13: every q13[e] starts at a multiple of 4 and its rows are whole
 /// words; vector13: the rows are read by 16-byte vectors (vector_gemv_applies to every q13[e]
@@ -38,7 +39,8 @@ __global__ void moe_quantized_gate_up_kernel(const T* hidden, int64_t hidden_str
                                              bool vector13,
                                              const int64_t* topk_ids, int64_t k,
                                              int64_t num_experts, int64_t hidden_size,
-                                             int64_t inter, int64_t group_size, float* act) {
+                                             int64_t inter, int64_t group_size, bool gated,
+                                             float* act) {
   const int lane = threadIdx.x % 32;
   const int64_t pair = blockIdx.x;
   const int64_t i = static_cast<int64_t>(blockIdx.y) * (blockDim.x / 32) + threadIdx.x / 32;
@@ -50,20 +52,28 @@ __global__ void moe_quantized_gate_up_kernel(const T* hidden, int64_t hidden_str
   }
   const T* x = hidden + (pair / k) * hidden_stride;
   float gate = 0.0f, up = 0.0f;
-  if (vector13) {
-    quantized_row_dot_vectors<F>(x, q13[e], scales13[e], zeros13[e], i, hidden_size, group_size,
-                                 lane, &gate);
-    quantized_row_dot_vectors<F>(x, q13[e], scales13[e], zeros13[e], inter + i, hidden_size,
-                                 group_size, lane, &up);
+  // Row `row` of the expert's w13 dotted with x, into *sum.
+  const auto dot = [&](int64_t row, float* sum) {
+    if (vector13) {
+      quantized_row_dot_vectors<F>(x, q13[e], scales13[e], zeros13[e], row, hidden_size,
+                                   group_size, lane, sum);
+    } else {
+      quantized_row_dot<F, 1>(x, 0, 1, q13[e], scales13[e], zeros13[e], row, hidden_size,
+                              group_size, aligned13, lane, sum);
+    }
+  };
+  if (gated) {
+    dot(i, &gate);
+    dot(inter + i, &up);
   } else {
-    quantized_row_dot<F, 1>(x, 0, 1, q13[e], scales13[e], zeros13[e], i, hidden_size,
-                            group_size, aligned13, lane, &gate);
-    quantized_row_dot<F, 1>(x, 0, 1, q13[e], scales13[e], zeros13[e], inter + i, hidden_size,
-                            group_size, aligned13, lane, &up);
+    dot(i, &up);
   }
   gate = warp_sum(gate);
   up = warp_sum(up);
-  if (lane == 0) act[pair * inter + i] = gate / (1.0f + __expf(-gate)) * up;
+  if (lane == 0) {
+    act[pair * inter + i] = gated ? gate / (1.0f + __expf(-gate)) * up
+                                  : (up > 0.0f ? up * up : 0.0f);
+  }
 }
 
 /// out[t, c] = sum_j topk_weights[t, j] * (act[t * k + j] . down_e[c]), e = topk_ids[t * k + j],

@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/relu.h>
 
 #include <algorithm>
 #include <cstring>
@@ -41,6 +42,11 @@ Routing group_by_expert(const char* op, const int64_t* ids, int64_t num_pairs,
 }
 
 }  // namespace
+
+at::Tensor squared_relu_(at::Tensor up) {
+  at::relu_(up);
+  return up.mul_(up);
+}
 
 at::Tensor routed_experts_cpu(const char* op, const at::Tensor& hidden, int64_t num_experts,
                               const at::Tensor& topk_weights, const at::Tensor& topk_ids,

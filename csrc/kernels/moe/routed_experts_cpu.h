@@ -19,6 +19,10 @@ using ExpertMlp = std::function<at::Tensor(int64_t expert, const at::Tensor& x)>
 /// in fp32 in slot order j. topk_weights: fp32 [T, k]; topk_ids: int64 [T, k], both contiguous,
 /// as the caller checked them (check_moe_topk). Throws c10::Error, naming `op`, on an expert id
 /// outside [0, num_experts), before any expert runs.
+/// relu(up)^2 in place, in up's dtype (the reference's rounding): the activation of experts
+/// without a gate (fused_moe's "relu2"). Returns up.
+at::Tensor squared_relu_(at::Tensor up);
+
 at::Tensor routed_experts_cpu(const char* op, const at::Tensor& hidden, int64_t num_experts,
                               const at::Tensor& topk_weights, const at::Tensor& topk_ids,
                               const ExpertMlp& mlp);

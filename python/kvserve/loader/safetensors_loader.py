@@ -185,6 +185,9 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
             _read_mla(read, config, p + "self_attn.", out + "self_attn.", w, shard)
         else:
             _read_attention(read, config, i, p + "self_attn.", out + "self_attn.", w, shard)
+        if config.mlp_only(i) and config.is_moe_layer(i):  # Nemotron-H: an MoE alone
+            _read_moe(read, config, p, out + "mlp.", w, shard)
+            continue
         if config.mlp_only(i):  # Nemotron-H: the layer is its MLP, after the input norm
             _read_ungated_mlp(read, config, p + "mlp.", out + "mlp.", w, shard)
             continue
@@ -216,18 +219,46 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
 
 
 def _read_ungated_mlp(read: _TensorReader, c: _C.ModelConfig, mlp: str, out: str,
-                      w: dict[str, torch.Tensor], shard: Shard | None) -> None:
+                      w: dict[str, torch.Tensor], shard: Shard | None,
+                      sizes: tuple[int, int] | None = None, bias: bool | None = None,
+                      plain: bool = False) -> None:
     """An MLP without a gate (Nemotron-H): up [intermediate, hidden], down [hidden,
-    intermediate]."""
+    intermediate]; sizes (intermediate, hidden) and bias default to the dense MLP's. plain:
+    dequantized (routed experts that fused_moe runs)."""
     if shard is not None:
         raise ValueError(f"{c.architecture}: tensor parallelism does not split an MLP without "
                          "a gate yet")
-    inter, hidden = c.intermediate_size, c.hidden_size
-    read.put(w, out + "up_proj", [mlp + "up_proj"], [(inter, hidden)])
-    read.put(w, out + "down_proj", [mlp + "down_proj"], [(hidden, inter)])
-    if c.mlp_bias:
+    inter, hidden = sizes or (c.intermediate_size, c.hidden_size)
+    for name, shape in (("up_proj", (inter, hidden)), ("down_proj", (hidden, inter))):
+        if plain:
+            w[out + name + ".weight"] = read.weight(mlp + name, shape)
+        else:
+            read.put(w, out + name, [mlp + name], [shape])
+    if c.mlp_bias if bias is None else bias:
         for name in ("up_proj", "down_proj"):
             w[out + name + ".bias"] = read(mlp + name + ".bias")
+
+
+def _read_ungated_moe(read: _TensorReader, c: _C.ModelConfig, prefix: str, out: str,
+                      w: dict[str, torch.Tensor], shard: Shard | None) -> None:
+    """Nemotron-H's experts (up and down, no gate, no biases; on the latent projection of the
+    hidden state with moe_latent_size), its shared expert of that form and the latent
+    projections. The experts stay quantized when every one is, else are dequantized."""
+    m, hidden = c.moe, c.hidden_size
+    width = m.latent_size or hidden
+    experts = [f"{prefix}experts.{e}." for e in range(m.num_experts)]
+    plain = not all(read.quantized(x + name) for x in experts for name in ("up_proj", "down_proj"))
+    for e, expert in enumerate(experts):
+        _read_ungated_mlp(read, c, expert, f"{out}experts.{e}.", w, shard,
+                          (m.moe_intermediate_size, width), bias=False, plain=plain)
+    _read_ungated_mlp(read, c, prefix + "shared_experts.", out + "shared_experts.", w, shard,
+                      (m.shared_intermediate_size, hidden))
+    if m.latent_size:
+        for name, shape in (("fc1_latent_proj", (width, hidden)),
+                            ("fc2_latent_proj", (hidden, width))):
+            read.put(w, out + name, [prefix + name], [shape])
+            if c.mlp_bias:
+                w[out + name + ".bias"] = read(prefix + name + ".bias")
 
 
 def _read_fused_mlp(read: _TensorReader, c: _C.ModelConfig, mlp: str, out: str,
@@ -436,7 +467,9 @@ def _read_moe(read: _TensorReader, c: _C.ModelConfig, layer: str, out: str,
         w[out + "gate.e_score_correction_bias"] = read(prefix + "gate.e_score_correction_bias",
                                                        torch.float32)
     arch = ARCHITECTURES[c.architecture]
-    if arch.stacked_experts:
+    if c.moe.activation == "relu2":
+        _read_ungated_moe(read, c, prefix, out, w, shard)
+    elif arch.stacked_experts:
         _read_stacked_experts(read, c, prefix + "experts.", out + "experts.", w, shard)
     else:
         experts = [f"{prefix}experts.{e}." for e in range(c.moe.num_experts)]
@@ -446,7 +479,9 @@ def _read_moe(read: _TensorReader, c: _C.ModelConfig, layer: str, out: str,
             _read_mlp(read, expert, f"{out}experts.{e}.", False, w,
                       (c.moe.moe_intermediate_size, c.hidden_size), names, plain=plain,
                       shard=columns(c.moe.moe_intermediate_size))
-    if c.moe.shared_intermediate_size and arch.fused_mlp:
+    if c.moe.activation == "relu2":
+        pass  # its shared expert read with its experts
+    elif c.moe.shared_intermediate_size and arch.fused_mlp:
         _read_fused_mlp(read, c, prefix + "shared_experts.", out + "shared_experts.", w, shard,
                         c.moe.shared_intermediate_size)
     elif c.moe.shared_intermediate_size:

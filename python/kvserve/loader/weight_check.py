@@ -35,8 +35,9 @@ def expected_shapes(c: _C.ModelConfig) -> dict[str, tuple[Dim, ...]]:
             shapes.update(_mixer_shapes(c, p + "mixer."))
         if c.has_attention(i):
             shapes.update(_mla_shapes(c, p) if c.use_mla() else _attention_shapes(c, p, i))
-        if c.mlp_only(i):  # Nemotron-H: the layer is its MLP, after the input norm
-            shapes.update(_dense_mlp_shapes(c, p + "mlp."))
+        if c.mlp_only(i):  # Nemotron-H: the layer is its MLP (or MoE), after the input norm
+            shapes.update(_moe_shapes(c, p) if c.is_moe_layer(i)
+                          else _dense_mlp_shapes(c, p + "mlp."))
             continue
         if not c.ssm.mlp:
             continue
@@ -184,6 +185,8 @@ def _moe_shapes(c: _C.ModelConfig, p: str) -> dict[str, tuple[Dim, ...]]:
         shapes[prefix + "gate.e_score_correction_bias"] = (experts,)
     inter = ("moe_intermediate_size", m.moe_intermediate_size)
     arch = ARCHITECTURES[c.architecture]
+    if m.activation == "relu2":  # Nemotron-H: no gate, maybe a latent space
+        return {**shapes, **_ungated_moe_shapes(c, prefix)}
     inter2 = ("2*moe_intermediate_size", 2 * m.moe_intermediate_size)
     if arch.stacked_experts == "columns":  # gpt-oss: transposed, with biases
         shapes[prefix + "experts.gate_up_proj.weight"] = (experts, hidden, inter2)
@@ -204,6 +207,31 @@ def _moe_shapes(c: _C.ModelConfig, p: str) -> dict[str, tuple[Dim, ...]]:
                                             ("shared_intermediate_size", shared[1]), hidden, False))
         else:
             shapes.update(_mlp_shapes(prefix + "shared_experts.", shared, hidden, False))
+    return shapes
+
+
+def _ungated_moe_shapes(c: _C.ModelConfig, prefix: str) -> dict[str, tuple[Dim, ...]]:
+    """Experts without a gate (up, down) on the hidden state or its latent projection
+    (fc1_latent_proj, fc2_latent_proj), and the shared expert of that form."""
+    m, shapes = c.moe, {}
+    hidden = ("hidden_size", c.hidden_size)
+    width = ("moe_latent_size", m.latent_size) if m.latent_size else hidden
+    inter = ("moe_intermediate_size", m.moe_intermediate_size)
+    for e in range(m.num_experts):
+        shapes[f"{prefix}experts.{e}.up_proj.weight"] = (inter, width)
+        shapes[f"{prefix}experts.{e}.down_proj.weight"] = (width, inter)
+    shared = ("moe_shared_expert_intermediate_size", m.shared_intermediate_size)
+    for name, shape in (("shared_experts.up_proj", (shared, hidden)),
+                        ("shared_experts.down_proj", (hidden, shared))):
+        shapes[f"{prefix}{name}.weight"] = shape
+        if c.mlp_bias:
+            shapes[f"{prefix}{name}.bias"] = shape[:1]
+    if m.latent_size:
+        for name, shape in (("fc1_latent_proj", (width, hidden)),
+                            ("fc2_latent_proj", (hidden, width))):
+            shapes[f"{prefix}{name}.weight"] = shape
+            if c.mlp_bias:
+                shapes[f"{prefix}{name}.bias"] = shape[:1]
     return shapes
 
 

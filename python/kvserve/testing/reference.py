@@ -432,8 +432,8 @@ def fused_moe(hidden: torch.Tensor, w13: list[torch.Tensor], w2: list[torch.Tens
     """out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with
     e = topk_ids[t, j], one token and slot at a time. hidden [T, H]; w13[e] [2I, H] (gate rows,
     then up rows); w2[e] [H, I]; topk_weights, topk_ids [T, k]; optional biases [E, 2I] /
-    [E, H]; activation "clamped_swiglu": clamped_swiglu_and_mul's gate. Returns fp64
-    [T, H]."""
+    [E, H]; activation "clamped_swiglu": clamped_swiglu_and_mul's gate; "relu2": no gate,
+    w13[e] [I, H] the up rows, relu(up)^2 (in fp64 here). Returns fp64 [T, H]."""
     x = hidden.double()
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.size(0)):
@@ -443,7 +443,9 @@ def fused_moe(hidden: torch.Tensor, w13: list[torch.Tensor], w2: list[torch.Tens
             if w13_bias is not None:
                 gate_up = gate_up + w13_bias[e].double()
             inter = gate_up.numel() // 2
-            if activation == "clamped_swiglu":
+            if activation == "relu2":
+                act = torch.relu(gate_up) ** 2
+            elif activation == "clamped_swiglu":
                 act = clamped_swiglu_and_mul(gate_up[None], alpha, limit)[0]
             else:
                 act = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
@@ -459,14 +461,15 @@ def fused_moe_quantized(hidden: torch.Tensor, w13: list[torch.Tensor],
                         w13_group_size: int, w2: list[torch.Tensor],
                         w2_scales: list[torch.Tensor], w2_zeros: list[torch.Tensor],
                         w2_group_size: int, topk_weights: torch.Tensor,
-                        topk_ids: torch.Tensor) -> torch.Tensor:
+                        topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """fused_moe on each expert's dequantized weights (quantized_weight; empty zeros lists for
-    none). Returns fp64 [T, H]."""
+    none), SwiGLU or (activation "relu2") no gate. Returns fp64 [T, H]."""
     def weights(q, scales, zeros, group_size):
         return [quantized_weight(q[e], scales[e], zeros[e] if zeros else None, group_size)
                 for e in range(len(q))]
     return fused_moe(hidden, weights(w13, w13_scales, w13_zeros, w13_group_size),
-                     weights(w2, w2_scales, w2_zeros, w2_group_size), topk_weights, topk_ids)
+                     weights(w2, w2_scales, w2_zeros, w2_group_size), topk_weights, topk_ids,
+                     activation=activation)
 
 
 def moe_routing(router_logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int,
