@@ -18,6 +18,14 @@ def test_every_entry_is_tested_and_has_a_cpp_family():
     assert {a.family for a in ARCHITECTURES.values()} <= set(_C.model_families())
 
 
+# Architectures whose mixtures of experts are layers of some configs only (Nemotron-H's E,
+# which its tiny config has none of): the overrides that give one.
+MOE_IN_SOME_CONFIGS = {"NemotronHForCausalLM": dict(
+    layers_block_type=["linear_attention", "moe", "full_attention", "linear_attention", "mlp"],
+    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+    moe_shared_expert_intermediate_size=16)}
+
+
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_a_checkpoint_parses_to_its_entry(checkpoint_factory, name):
     entry = ARCHITECTURES[name]
@@ -28,6 +36,11 @@ def test_a_checkpoint_parses_to_its_entry(checkpoint_factory, name):
     written = json.loads((path / "config.json").read_text()).get("attention_bias", False)
     assert c.qkv_bias == (entry.qkv_bias or written)
     assert c.use_mla() == (entry.read_attention is not None)
+    if name in MOE_IN_SOME_CONFIGS:
+        assert c.moe.num_experts == 0 and entry.read_moe is not None
+        variant = checkpoint_factory(name, **MOE_IN_SOME_CONFIGS[name])
+        assert load_checkpoint_info(variant).config.moe.num_experts > 0
+        return
     assert (c.moe.num_experts > 0) == (entry.read_moe is not None)
 
 
