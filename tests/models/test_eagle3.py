@@ -212,6 +212,19 @@ def test_int8_head_equals_plain_decoding(pair):
     assert llm.llm_engine.draft_model.weight_bytes < 0.35 * fp32_bytes
 
 
+def test_default_k_is_the_heads_own(pair):
+    """Without num_speculative_tokens an EAGLE-3 head drafts its own default k (3), under the
+    batch rule the other proposers follow."""
+    from kvserve.speculative import (DEFAULT_MAX_VERIFY_TOKENS,
+                                     DEFAULT_NUM_SPECULATIVE_TOKENS_BY_METHOD)
+    target_dir, head_dir = pair
+    spec = LLM(target_dir, dtype="float32", speculative_method="eagle3",
+               speculative_model=head_dir).llm_engine.engine.config.speculative
+    assert (spec.method, spec.num_speculative_tokens, spec.max_verify_tokens) == (
+        "eagle3", DEFAULT_NUM_SPECULATIVE_TOKENS_BY_METHOD["eagle3"], DEFAULT_MAX_VERIFY_TOKENS)
+    assert spec.num_speculative_tokens == 3
+
+
 @pytest.fixture(scope="module")
 def alone(pair):
     """Each of mixed_requests' outputs decoded alone, without speculation."""
