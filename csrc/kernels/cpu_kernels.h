@@ -263,11 +263,11 @@ struct SsmScanArgs {
   int64_t B_stride;
   const void* C;
   int64_t C_stride;
-  const float* A;
+  const float* A;  // [heads], or [heads, state_size] with A_per_state
   const float* D;
   const float* dt_bias;
   void* state;
-  bool fp32_state;
+  bool fp32_state, A_per_state;
   const int32_t* cu_seqlens;
   const int32_t* slots;
   const bool* has_initial_state;

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve import config_families as families
+from kvserve import config_ssm as ssm
 
 
 @dataclass(frozen=True)
@@ -148,8 +149,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
                            sliding_window_pattern=2, logit_scale=0.4, vocab_size=381)),
     # Mamba2: every layer a state-space mixer, no MLP; odd sizes (3 layers, 20 heads of 12,
     # 3 groups of 10 states) against kernels tuned for powers of two.
-    Architecture("Mamba2ForCausalLM", prepare=families.prepare_mamba2,
-                 read_ssm=families.read_mamba2_ssm, weight_names=families.MAMBA2_WEIGHT_NAMES,
+    Architecture("Mamba2ForCausalLM", prepare=ssm.prepare_mamba2,
+                 read_ssm=ssm.read_mamba2_ssm, weight_names=ssm.MAMBA2_WEIGHT_NAMES,
                  tiny=dict(model_type="mamba2", hidden_size=120, num_hidden_layers=3,
                            num_heads=20, head_dim=12, expand=2, state_size=10, n_groups=5,
                            conv_kernel=4, chunk_size=8, layer_norm_epsilon=1e-5,
@@ -157,9 +158,9 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     # Granite 4 hybrids: Mamba2 mixers and NoPE attention layers, a shared MLP beside 4 routed
     # experts (top 2) in every layer, Granite's multipliers; the dense form is a variant in
     # tests/models/test_parity.py.
-    Architecture("GraniteMoeHybridForCausalLM", read_family=families.read_granite_hybrid,
-                 read_moe=families.read_granite_moe, read_ssm=families.read_granite_ssm,
-                 weight_names=families.granite_weight_names, fused_mlp=True,
+    Architecture("GraniteMoeHybridForCausalLM", read_family=ssm.read_granite_hybrid,
+                 read_moe=ssm.read_granite_moe, read_ssm=ssm.read_granite_ssm,
+                 weight_names=ssm.granite_weight_names, fused_mlp=True,
                  stacked_experts="rows",
                  tiny=dict(model_type="granitemoehybrid", num_hidden_layers=4,
                            layer_types=["mamba", "attention", "mamba", "mamba"],
@@ -171,8 +172,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
                            residual_multiplier=0.6, logits_scaling=2.5,
                            position_embedding_type="nope")),
     # Bamba: Mamba2 mixers but in attn_layer_indices, whose attention rotates half of each head.
-    Architecture("BambaForCausalLM", read_family=families.read_bamba,
-                 read_ssm=families.read_bamba_ssm, weight_names=families.BAMBA_WEIGHT_NAMES,
+    Architecture("BambaForCausalLM", read_family=ssm.read_bamba,
+                 read_ssm=ssm.read_bamba_ssm, weight_names=ssm.BAMBA_WEIGHT_NAMES,
                  partial_rotary=True,
                  tiny=dict(model_type="bamba", num_hidden_layers=4, attn_layer_indices=[1],
                            mamba_n_heads=12, mamba_d_head=16, mamba_expand=2, mamba_d_state=10,
@@ -180,10 +181,10 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     # FalconH1: attention and a Mamba2 mixer side by side in every layer, every multiplier away
     # from 1; the mixer's inner size (mamba_d_ssm) is not expand * hidden_size, and it has no
     # norm (its normed forms are variants in tests/models/test_parity.py).
-    Architecture("FalconH1ForCausalLM", read_family=families.read_falcon_h1,
-                 read_ssm=families.read_falcon_h1_ssm,
-                 weight_names=families.FALCON_H1_WEIGHT_NAMES,
-                 fold_weights=families.fold_falcon_h1,
+    Architecture("FalconH1ForCausalLM", read_family=ssm.read_falcon_h1,
+                 read_ssm=ssm.read_falcon_h1_ssm,
+                 weight_names=ssm.FALCON_H1_WEIGHT_NAMES,
+                 fold_weights=ssm.fold_falcon_h1,
                  tiny=dict(model_type="falcon_h1", num_hidden_layers=3, mamba_n_heads=10,
                            mamba_d_ssm=120, mamba_d_head="auto", mamba_d_state=10,
                            mamba_n_groups=5, mamba_d_conv=3, mamba_chunk_size=8,
@@ -195,10 +196,10 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     # Nemotron-H: Mamba2 mixers, NoPE attention and MLPs alone (squared ReLU, no gate), one per
     # layer; odd sizes (12 mixer heads of 16, 3 groups of 10 states, 3 taps), the time step
     # clamped below.
-    Architecture("NemotronHForCausalLM", prepare=families.prepare_nemotron_h,
-                 read_family=families.read_nemotron_h, read_ssm=families.read_nemotron_h_ssm,
-                 read_moe=families.read_nemotron_h_moe,
-                 weight_names=families.NEMOTRON_H_WEIGHT_NAMES,
+    Architecture("NemotronHForCausalLM", prepare=ssm.prepare_nemotron_h,
+                 read_family=ssm.read_nemotron_h, read_ssm=ssm.read_nemotron_h_ssm,
+                 read_moe=ssm.read_nemotron_h_moe,
+                 weight_names=ssm.NEMOTRON_H_WEIGHT_NAMES,
                  tiny=dict(model_type="nemotron_h",
                            layers_block_type=["linear_attention", "mlp", "full_attention",
                                               "linear_attention", "mlp"],

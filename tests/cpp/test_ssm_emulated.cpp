@@ -1,6 +1,6 @@
 // The state-space mixer's CUDA bodies run by the CUDA emulator (cuda_emulator.h) with their
-// launchers' block sizes, against the CPU ops: ssm_scan's recurrent and chunked forms,
-// ssm_causal_conv1d and rms_norm_gated. Sequences of 0, 1, 3 tokens, exactly a chunk, and over
+// launchers' block sizes, against the CPU ops: ssm_scan's recurrent and chunked forms (Mamba's
+// per-state decay: recurrent only), ssm_causal_conv1d and rms_norm_gated. Sequences of 0, 1, 3 tokens, exactly a chunk, and over
 // two chunks in one batch, in permuted slots of a larger pool, some with an initial state;
 // strided rows; sizes that are not powers of two; fp32 and model-dtype state pools; each dtype.
 #include "cuda_emulator.h"
@@ -62,6 +62,7 @@ at::Tensor strided_rows(int64_t rows, int64_t cols, at::ScalarType dtype, double
 struct ScanCase {
   int64_t heads, groups, head_dim, state_size;
   bool softplus, with_d_and_bias;
+  bool per_state = false;  // Mamba's A [heads, state_size]: the recurrent form alone
 };
 
 template <typename T, typename S>
@@ -77,7 +78,7 @@ void run_scan(at::ScalarType dtype, at::ScalarType state_type, const ScanCase& c
   const at::Tensor dt = strided_rows(T_, H, dtype);
   const at::Tensor B = strided_rows(T_, c.groups * N, dtype).view({T_, c.groups, N});
   const at::Tensor C = strided_rows(T_, c.groups * N, dtype).view({T_, c.groups, N});
-  const at::Tensor A = at::rand({H}).mul_(-2.0).sub_(0.1);
+  const at::Tensor A = (c.per_state ? at::rand({H, N}) : at::rand({H})).mul_(-2.0).sub_(0.1);
   const at::Tensor D = at::randn({H});
   const at::Tensor dt_bias = at::randn({H}).mul_(0.5);
   const std::optional<at::Tensor> d = c.with_d_and_bias ? std::optional<at::Tensor>(D)
@@ -93,6 +94,7 @@ void run_scan(at::ScalarType dtype, at::ScalarType state_type, const ScanCase& c
                 b.has_initial_state, c.softplus, dt_min, dt_max);
 
   for (const bool chunked : {false, true}) {
+    if (chunked && c.per_state) continue;
     SCOPED_TRACE(chunked ? "chunked" : "recurrent");
     at::Tensor out = at::zeros({T_, H, P}).to(dtype);
     at::Tensor state = pool.clone();
@@ -108,6 +110,7 @@ void run_scan(at::ScalarType dtype, at::ScalarType state_type, const ScanCase& c
     p.C = static_cast<const T*>(C.data_ptr());
     p.C_stride = C.stride(0);
     p.A = A.data_ptr<float>();
+    p.A_per_state = c.per_state;
     p.D = c.with_d_and_bias ? D.data_ptr<float>() : nullptr;
     p.dt_bias = c.with_d_and_bias ? dt_bias.data_ptr<float>() : nullptr;
     p.state = static_cast<S*>(state.data_ptr());
@@ -128,7 +131,8 @@ void run_scan(at::ScalarType dtype, at::ScalarType state_type, const ScanCase& c
       emu::launch(cuda::ssm_chunk_scan_kernel<T, S>, grid, dim3(256),
                   cuda::ssm_chunk_scan_shared_floats(P, N) * sizeof(float), p);
     } else {
-      emu::launch(cuda::ssm_scan_kernel<T, S>, grid, dim3(256), P * N * sizeof(float), p);
+      emu::launch(cuda::ssm_scan_kernel<T, S>, grid, dim3(cuda::ssm_scan_threads(P)),
+                  P * N * sizeof(float), p);
     }
     EXPECT_LE(test_util::worst_relative_error(expected, out), tolerance) << "outputs";
     EXPECT_LE(test_util::worst_relative_error(expected_state, state), tolerance) << "states";
@@ -137,7 +141,9 @@ void run_scan(at::ScalarType dtype, at::ScalarType state_type, const ScanCase& c
 
 TEST(SsmScanEmulated, BothFormsMatchTheCpuOp) {
   const std::vector<ScanCase> cases = {{6, 3, 12, 10, true, true}, {4, 1, 16, 33, false, false},
-                                       {2, 2, 5, 64, true, false}};
+                                       {2, 2, 5, 64, true, false},
+                                       {37, 1, 1, 16, true, true, true},
+                                       {5, 1, 3, 40, true, false, true}};
   for (const ScanCase& c : cases) {
     run_scan<float, float>(at::kFloat, at::kFloat, c, 1e-4);
     run_scan<__nv_bfloat16, float>(at::kBFloat16, at::kFloat, c, 2e-2);

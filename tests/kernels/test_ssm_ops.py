@@ -87,7 +87,9 @@ def test_causal_conv1d_chunks_equal_the_whole(dtype):
 
 # --------------------------------------------------------------------------------- ssm_scan
 
-def scan_operands(lengths, heads, head_dim, groups, state_size, dtype, seed=0):
+def scan_operands(lengths, heads, head_dim, groups, state_size, dtype, seed=0,
+                  per_state=False):
+    """x, dt, A, B, C, D, dt_bias; A [heads, state_size] with per_state (Mamba's)."""
     tokens = sum(lengths)
     # x, B and C as views of one projection output, as the model slices them.
     width = heads * head_dim + 2 * groups * state_size + 3
@@ -99,19 +101,23 @@ def scan_operands(lengths, heads, head_dim, groups, state_size, dtype, seed=0):
     C = proj[:, b0 + groups * state_size:b0 + 2 * groups * state_size].unflatten(
         1, (groups, state_size))
     dt = rand(tokens, heads + 1, dtype=dtype, seed=seed + 1)[:, :heads]
-    A = -torch.rand(heads, generator=torch.Generator().manual_seed(seed + 2)) - 0.1
+    A = -torch.rand(heads, *([state_size] if per_state else []),
+                    generator=torch.Generator().manual_seed(seed + 2)) - 0.1
     D, dt_bias = rand(heads, seed=seed + 3), rand(heads, seed=seed + 4, scale=0.5)
     return x, dt, A, B, C, D, dt_bias
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lengths", LENGTHS)
-@pytest.mark.parametrize("heads, head_dim, groups, state_size",
-                         [(1, 1, 1, 1), (4, 3, 2, 5), (6, 16, 3, 33)])
+# Mamba2's heads, and Mamba's channels (heads of one with a decay per state entry; head_dim 3
+# is beyond Mamba, but the contract allows it).
+@pytest.mark.parametrize("heads, head_dim, groups, state_size, per_state",
+                         [(1, 1, 1, 1, False), (4, 3, 2, 5, False), (6, 16, 3, 33, False),
+                          (37, 1, 1, 16, True), (5, 3, 1, 7, True)])
 @pytest.mark.parametrize("state_dtype", ["fp32", "same"])
-def test_ssm_scan(lengths, heads, head_dim, groups, state_size, dtype, state_dtype):
+def test_ssm_scan(lengths, heads, head_dim, groups, state_size, per_state, dtype, state_dtype):
     x, dt, A, B, C, D, dt_bias = scan_operands(lengths, heads, head_dim, groups, state_size,
-                                               dtype)
+                                               dtype, per_state=per_state)
     num_slots = len(lengths) + 1
     sdtype = torch.float32 if state_dtype == "fp32" else dtype
     state = rand(num_slots, heads, head_dim, state_size, dtype=sdtype, seed=9, scale=0.5)
@@ -142,9 +148,11 @@ def test_ssm_scan_dt_limits_and_no_softplus(dt_min, dt_max):
     torch.testing.assert_close(out, want, **TOLERANCES[torch.float32])
 
 
-def test_ssm_scan_chunks_equal_the_whole():
+@pytest.mark.parametrize("per_state", [False, True])
+def test_ssm_scan_chunks_equal_the_whole(per_state):
     """Chunks of 7 and 1-token steps through the state slot equal one pass (fp32)."""
-    x, dt, A, B, C, D, dt_bias = scan_operands([20], 4, 8, 2, 16, torch.float32)
+    x, dt, A, B, C, D, dt_bias = scan_operands([20], 4, 8, 2, 16, torch.float32,
+                                               per_state=per_state)
     one, cu = torch.tensor([2], dtype=torch.int32), torch.tensor([0, 20], dtype=torch.int32)
     state = torch.zeros(3, 4, 8, 16)
     whole = torch.empty(20, 4, 8)
@@ -250,6 +258,8 @@ def scan_args(**change):
 @pytest.mark.parametrize("change, match", [
     (dict(B=torch.randn(6, 3, 5)), "groups dividing"),
     (dict(A=torch.randn(4).double()), "A must be Float"),
+    (dict(A=torch.randn(4, 6)), r"A must be \[4\] or \[4, 5\]"),
+    (dict(A=torch.randn(5)), r"A must be \[4\] or"),
     (dict(state=torch.zeros(3, 4, 3, 6)), "state must be contiguous"),
     (dict(dt=torch.randn(6, 5)), "dt must be"),
     (dict(dt_min=1.0, dt_max=0.5), "at most dt_max"),
@@ -318,11 +328,43 @@ def test_references_equal_transformers_mamba2_paths():
                                    norm(xx, zz).detach())
 
 
+def test_reference_equals_transformers_mamba_paths():
+    """Mamba's scan (a decay per channel and state entry) against transformers' pure-torch
+    selective scan and its one-token update (used when mamba_ssm is absent, as it is here)."""
+    hub = pytest.importorskip("transformers.models.mamba.modeling_mamba")
+    T, channels, N = 9, 7, 5
+    xs, dt, A, B, C, D, dtb = scan_operands([T], channels, 1, 1, N, torch.float32,
+                                            per_state=True)
+    z = rand(T, channels, seed=11)
+    y, final = hub.mamba_selective_scan(
+        xs[:, :, 0].T[None].contiguous(), dt.T[None].contiguous(), A, B[:, 0].T[None].contiguous(),
+        C[:, 0].T[None].contiguous(), D=D, z=z.T[None].contiguous(), delta_bias=dtb,
+        delta_softplus=True, return_last_state=True, use_mambapy=False,
+        use_associative_scan=False)
+    pool = torch.zeros(2, channels, 1, N)
+    yr, new_pool = ref.ssm_scan(xs, dt, A, B, C, D, dtb, pool, torch.tensor([0, T]),
+                                torch.tensor([1]), torch.tensor([False]))
+    gated = yr[:, :, 0] * torch.nn.functional.silu(z)
+    torch.testing.assert_close(gated, y[0].T, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(new_pool[1, :, 0], final[0], atol=1e-5, rtol=1e-5)
+    state = final.clone()
+    x1, dt1, _, B1, C1, _, _ = scan_operands([1], channels, 1, 1, N, torch.float32, seed=20)
+    z1 = rand(1, channels, seed=21)
+    yu = hub.mamba_selective_state_update(state, x1[:, :, 0], dt1, A, B1[:, 0], C1[:, 0], D,
+                                          z=z1, dt_bias=dtb, dt_softplus=True)
+    y1, after = ref.ssm_scan(x1, dt1, A, B1, C1, D, dtb, new_pool, torch.tensor([0, 1]),
+                             torch.tensor([1]), torch.tensor([True]))
+    torch.testing.assert_close(y1[:, :, 0] * torch.nn.functional.silu(z1), yu, atol=1e-5,
+                               rtol=1e-5)
+    torch.testing.assert_close(after[1, :, 0], state[0], atol=1e-5, rtol=1e-5)
+
+
 def capability_checks():
     """A subset of the checks above, run once per CPU capability."""
     for dtype in DTYPES:
         test_causal_conv1d([5, 0, 1, 13], 70, 3, dtype, "fp32")
-        test_ssm_scan([5, 0, 1, 13], 6, 16, 3, 33, dtype, "fp32")
+        test_ssm_scan([5, 0, 1, 13], 6, 16, 3, 33, False, dtype, "fp32")
+        test_ssm_scan([5, 0, 1, 13], 37, 1, 1, 16, True, dtype, "fp32")
         for order in ORDERS:
             test_rms_norm_gated(330, 33, dtype, True, order)
 

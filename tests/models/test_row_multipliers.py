@@ -1,10 +1,10 @@
-"""Row multipliers folded into a projection's weights at load (config_families._scale, as
+"""Row multipliers folded into a projection's weights at load (config_families.scale_rows, as
 FalconH1's multipliers are): a fused projection held in parts (QuantizedWeight.runs) takes each
 part's rows of them, and its bias the whole projection's."""
 
 import torch
 
-from kvserve.config_families import _scale
+from kvserve.config_families import scale_rows
 from kvserve.quantization import quantize_int4, quantize_int8
 from kvserve.quantization.weights import QuantizedWeight
 
@@ -20,7 +20,7 @@ def test_row_multipliers_fold_into_each_part():
                 w[f"m.parts.{i}.{field}"] = getattr(q, field)
     rows, bias_rows = torch.rand(96, generator=g) + 0.5, torch.rand(96, generator=g)
     bias = w["m.bias"].clone()
-    _scale(w, "m", rows, bias_rows)
+    scale_rows(w, "m", rows, bias_rows)
     for i, (q, part_rows) in enumerate(zip(parts, rows.split([64, 32]))):
         got = QuantizedWeight(w[f"m.parts.{i}.qweight"], w[f"m.parts.{i}.scales"],
                               w.get(f"m.parts.{i}.zeros"), 32)

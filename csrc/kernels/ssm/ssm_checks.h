@@ -148,8 +148,10 @@ inline int64_t check_ssm_scan(const at::Tensor& out, const at::Tensor& x, const 
               op, ": dt must be ", dtype, " [", tokens, ", ", heads,
               "] contiguous but for its token stride, got ", dt.scalar_type(), " ", dt.sizes());
   check_contiguous(op, "A", A, at::kFloat);
-  TORCH_CHECK(A.dim() == 1 && A.size(0) == heads && A.device() == device, op, ": A must be [",
-              heads, "] on ", device);
+  TORCH_CHECK((A.dim() == 1 || (A.dim() == 2 && A.size(1) == state_size)) && A.size(0) == heads &&
+                  A.device() == device,
+              op, ": A must be [", heads, "] or [", heads, ", ", state_size, "] on ", device,
+              ", got ", A.sizes());
   if (D) check_ssm_param(op, "D", *D, dtype, {heads}, device);
   if (dt_bias) check_ssm_param(op, "dt_bias", *dt_bias, dtype, {heads}, device);
   TORCH_CHECK(state.scalar_type() == at::kFloat || state.scalar_type() == dtype, op,

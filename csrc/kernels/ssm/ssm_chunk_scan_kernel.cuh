@@ -54,7 +54,7 @@ __global__ void ssm_chunk_scan_kernel(SsmScanParams<T, S> p) {
   for (int64_t k = tid; k < P * N; k += threads) {
     h[(k / N) * row + k % N] = p.has_initial_state[s] ? to_float(state[k]) : 0.0f;
   }
-  const float A = p.A[head], D = p.D ? p.D[head] : 0.0f;
+  const float A = p.A[head], D = p.D ? p.D[head] : 0.0f;  // never A_per_state (the launcher's)
   const float bias = p.dt_bias ? p.dt_bias[head] : 0.0f;
   for (int64_t t0 = begin; t0 < end; t0 += L) {
     const int64_t len = end - t0 < L ? end - t0 : L;

@@ -15,7 +15,8 @@ inline cpu::SsmScanArgs ssm_scan_args(at::Tensor& out, const at::Tensor& x, cons
                                       const at::Tensor& B, const at::Tensor& C,
                                       at::Tensor& state, const at::Tensor& cu_seqlens,
                                       const at::Tensor& slots, const at::Tensor& has_initial_state,
-                                      int64_t num_seqs, const float* A, const float* D,
+                                      int64_t num_seqs, const float* A, bool A_per_state,
+                                      const float* D,
                                       const float* dt_bias, bool dt_softplus, double dt_min,
                                       double dt_max) {
   cpu::SsmScanArgs a{};
@@ -30,6 +31,7 @@ inline cpu::SsmScanArgs ssm_scan_args(at::Tensor& out, const at::Tensor& x, cons
   a.C = C.data_ptr();
   a.C_stride = C.stride(0);
   a.A = A;
+  a.A_per_state = A_per_state;
   a.D = D;
   a.dt_bias = dt_bias;
   a.state = state.data_ptr();

@@ -26,7 +26,7 @@ void ssm_scan_cpu(at::Tensor& out, const at::Tensor& x, const at::Tensor& dt, co
   cpu::ssm_scan_stub.get()(
       x.scalar_type(),
       ssm_scan_args(out, x, dt, B, C, state, cu_seqlens, slots, has_initial_state, num_seqs,
-                    A.data_ptr<float>(), d ? d->data_ptr<float>() : nullptr,
+                    A.data_ptr<float>(), A.dim() == 2, d ? d->data_ptr<float>() : nullptr,
                     bias ? bias->data_ptr<float>() : nullptr, dt_softplus, dt_min, dt_max));
 }
 

@@ -1,5 +1,6 @@
 // ssm_scan's body; compiled once per CPU capability (see kernels/cpu_dispatch.h). Each
-// (sequence, head) runs its tokens in order (the recurrent form), the pairs in parallel.
+// (sequence, head) runs its tokens in order (the recurrent form), the pairs in parallel; a
+// Mamba head (A per state entry) is one channel, its decay a vector over the state.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -15,7 +16,7 @@ namespace {
 
 inline float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }
 
-template <typename T, typename S>
+template <typename T, typename S, bool kPerState>
 void scan(const SsmScanArgs& a) {
   const int64_t heads = a.heads, P = a.head_dim, N = a.state_size;
   const int64_t per_group = heads / a.groups;
@@ -26,21 +27,25 @@ void scan(const SsmScanArgs& a) {
   auto* out = static_cast<T*>(a.out);
   auto* pool = static_cast<S*>(a.state);
   at::parallel_for(0, a.num_seqs * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> h(P * N), b(N), c(N);
+    std::vector<float> h(P * N), b(N), c(N), decays(kPerState ? N : 0);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t s = i / heads, head = i % heads, g = head / per_group;
       S* state = pool + (static_cast<int64_t>(a.slots[s]) * heads + head) * P * N;
       for (int64_t k = 0; k < P * N; ++k) {
         h[k] = a.has_initial_state[s] ? static_cast<float>(state[k]) : 0.0f;
       }
-      const float A = a.A[head];
+      const float A = kPerState ? 0.0f : a.A[head];
+      const float* A_row = a.A + head * N;  // kPerState
       const float D = a.D ? a.D[head] : 0.0f;
       const float bias = a.dt_bias ? a.dt_bias[head] : 0.0f;
       for (int64_t t = a.cu_seqlens[s]; t < a.cu_seqlens[s + 1]; ++t) {
         float d = static_cast<float>(dt[t * a.dt_stride + head]) + bias;
         if (a.dt_softplus) d = softplus(d);
         d = std::min(std::max(d, a.dt_min), a.dt_max);
-        const float decay = std::exp(d * A);
+        const float decay = kPerState ? 0.0f : std::exp(d * A);
+        if constexpr (kPerState) {
+          for (int64_t n = 0; n < N; ++n) decays[n] = std::exp(d * A_row[n]);
+        }
         const T* bt = B + t * a.B_stride + g * N;
         const T* ct = C + t * a.C_stride + g * N;
         for (int64_t n = 0; n < N; ++n) {
@@ -54,7 +59,7 @@ void scan(const SsmScanArgs& a) {
           float* row = h.data() + p * N;
           float y = 0.0f;
           for (int64_t n = 0; n < N; ++n) {
-            row[n] = decay * row[n] + xp * b[n];
+            row[n] = (kPerState ? decays[n] : decay) * row[n] + xp * b[n];
             y += row[n] * c[n];
           }
           yt[p] = static_cast<T>(y + D * xp);
@@ -68,9 +73,10 @@ void scan(const SsmScanArgs& a) {
 void ssm_scan_impl(c10::ScalarType dtype, const SsmScanArgs& args) {
   KVSERVE_DISPATCH_FLOATING(dtype, [&] {
     if (args.fp32_state) {
-      scan<scalar_t, float>(args);
+      args.A_per_state ? scan<scalar_t, float, true>(args) : scan<scalar_t, float, false>(args);
     } else {
-      scan<scalar_t, scalar_t>(args);
+      args.A_per_state ? scan<scalar_t, scalar_t, true>(args)
+                       : scan<scalar_t, scalar_t, false>(args);
     }
   });
 }

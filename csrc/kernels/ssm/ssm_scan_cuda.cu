@@ -2,7 +2,8 @@
 // slots, which the kernel bounds), then a block per (sequence, head) on the current stream with
 // the head's state in shared memory: in the recurrent form when every sequence has one token
 // (decode), else in the chunked form (ssm_chunk_scan_kernel.cuh) when its chunk fits in shared
-// memory. Which one runs is decided from the shapes alone (no copy of cu_seqlens to the host).
+// memory and A has a rate a head (Mamba2; Mamba's per-state A runs the recurrent form). Which one
+// runs is decided from the shapes alone (no copy of cu_seqlens to the host).
 #include <torch/library.h>
 
 #include <type_traits>
@@ -39,10 +40,10 @@ void ssm_scan_cuda(at::Tensor& out, const at::Tensor& x, const at::Tensor& dt, c
   TORCH_CHECK(recurrent_shared <= max_shared, "ssm_scan: a head's state of ", x.size(2), " x ",
               B.size(2), " floats exceeds the ", max_shared,
               " bytes of shared memory a block may have");
-  const bool chunked = x.size(0) > num_seqs && chunked_shared <= max_shared;
+  const bool chunked = x.size(0) > num_seqs && chunked_shared <= max_shared && A.dim() == 1;
   const int64_t shared = chunked ? chunked_shared : recurrent_shared;
   const dim3 grid(static_cast<unsigned>(x.size(1)), static_cast<unsigned>(num_seqs));
-  constexpr int kThreads = 256;
+  const int threads = chunked ? 256 : cuda::ssm_scan_threads(x.size(2));
   cuda::dispatch_float(x.scalar_type(), "ssm_scan", [&](auto type) {
     using T = typename decltype(type)::type;
     const auto launch = [&](auto* pool) {
@@ -59,6 +60,7 @@ void ssm_scan_cuda(at::Tensor& out, const at::Tensor& x, const at::Tensor& dt, c
       p.C = static_cast<const T*>(C.data_ptr());
       p.C_stride = C.stride(0);
       p.A = A.data_ptr<float>();
+      p.A_per_state = A.dim() == 2;
       p.D = d ? d->data_ptr<float>() : nullptr;
       p.dt_bias = bias ? bias->data_ptr<float>() : nullptr;
       p.state = pool;
@@ -80,7 +82,7 @@ void ssm_scan_cuda(at::Tensor& out, const at::Tensor& x, const at::Tensor& dt, c
         C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(shared)));
       }
-      kernel<<<grid, kThreads, shared, cuda::current_stream()>>>(p);
+      kernel<<<grid, threads, shared, cuda::current_stream()>>>(p);
     };
     if (state.scalar_type() == at::kFloat) {
       launch(static_cast<float*>(state.data_ptr()));

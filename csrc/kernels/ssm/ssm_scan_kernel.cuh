@@ -14,7 +14,8 @@
 
 namespace kvserve::cuda {
 
-/// The operands, token strides in elements; A, D, dt_bias fp32 (D, dt_bias may be null).
+/// The operands, token strides in elements; A, D, dt_bias fp32 (D, dt_bias may be null); A
+/// [heads], or [heads, state_size] with A_per_state (Mamba; the recurrent form only).
 template <typename T, typename S>
 struct SsmScanParams {
   T* out;
@@ -28,6 +29,7 @@ struct SsmScanParams {
   const T* C;
   int64_t C_stride;
   const float* A;
+  bool A_per_state;
   const float* D;
   const float* dt_bias;
   S* state;
@@ -39,7 +41,13 @@ struct SsmScanParams {
   float dt_min, dt_max;
 };
 
-/// grid (heads, num_seqs); dynamic shared memory head_dim * state_size floats.
+/// Threads a block of the recurrent form: a warp a row of the state, up to eight.
+inline int ssm_scan_threads(int64_t head_dim) {
+  return 32 * static_cast<int>(head_dim < 8 ? head_dim : 8);
+}
+
+/// grid (heads, num_seqs), ssm_scan_threads(head_dim) threads; dynamic shared memory head_dim *
+/// state_size floats.
 template <typename T, typename S>
 __global__ void ssm_scan_kernel(SsmScanParams<T, S> p) {
   float* h = static_cast<float*>(dynamic_shared_memory());
@@ -54,13 +62,14 @@ __global__ void ssm_scan_kernel(SsmScanParams<T, S> p) {
   }
   __syncthreads();
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  const float A = p.A[head], D = p.D ? p.D[head] : 0.0f;
+  const float A = p.A_per_state ? 0.0f : p.A[head], D = p.D ? p.D[head] : 0.0f;
   const float bias = p.dt_bias ? p.dt_bias[head] : 0.0f;
   for (int64_t t = begin; t < end; ++t) {
     float d = to_float(p.dt[t * p.dt_stride + head]) + bias;
     if (p.dt_softplus) d = d > 20.0f ? d : log1pf(__expf(d));
     d = fminf(fmaxf(d, p.dt_min), p.dt_max);
-    const float decay = __expf(d * A);
+    const float decay = __expf(d * A);  // unless A_per_state
+    const float* A_row = p.A + head * N;
     const T* bt = p.B + t * p.B_stride + g * N;
     const T* ct = p.C + t * p.C_stride + g * N;
     const T* xt = p.x + t * p.x_stride + head * P;
@@ -70,7 +79,8 @@ __global__ void ssm_scan_kernel(SsmScanParams<T, S> p) {
       float* hr = h + row * N;
       float y = 0.0f;
       for (int64_t n = lane; n < N; n += 32) {
-        const float v = decay * hr[n] + d * xp * to_float(bt[n]);
+        const float rate = p.A_per_state ? __expf(d * A_row[n]) : decay;
+        const float v = rate * hr[n] + d * xp * to_float(bt[n]);
         hr[n] = v;
         y += v * to_float(ct[n]);
       }

@@ -47,11 +47,12 @@ def ssm_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
              has_initial_state: torch.Tensor, dt_softplus: bool = True,
              dt_min: float = 0.0, dt_max: float = float("inf")
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mamba2's selective scan, one token at a time. x [tokens, heads, head_dim]; dt [tokens,
-    heads] (dt_bias added, then softplus, then clamped to [dt_min, dt_max]); A [heads]; B, C
-    [tokens, groups, state_size] (heads split evenly over groups); D [heads]; state
-    [num_slots, heads, head_dim, state_size]. Per token: h = exp(dt * A) h + dt * x B^T,
-    y = h C + D x. Returns (y [tokens, heads, head_dim], the new state)."""
+    """The selective scan, one token at a time. x [tokens, heads, head_dim]; dt [tokens,
+    heads] (dt_bias added, then softplus, then clamped to [dt_min, dt_max]); A [heads] (Mamba2)
+    or [heads, state_size] (Mamba, a head a channel); B, C [tokens, groups, state_size] (heads
+    split evenly over groups); D [heads]; state [num_slots, heads, head_dim, state_size]. Per
+    token: h = exp(dt * A) h + dt * x B^T, y = h C + D x. Returns (y [tokens, heads, head_dim],
+    the new state)."""
     heads, groups = x.shape[1], B.shape[1]
     per_group = heads // groups
     y = torch.empty(x.shape, dtype=torch.float64)
@@ -69,8 +70,9 @@ def ssm_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
         for t in range(start, end):
             b = B[t].double()[group_of]  # [heads, state_size]
             c = C[t].double()[group_of]
-            decay = torch.exp(dt[t] * A.double())  # [heads]
-            h = decay[:, None, None] * h + (dt[t][:, None, None] * x[t].double()[:, :, None]
+            rate = A.double() if A.dim() == 2 else A.double()[:, None]  # [heads, 1 or N]
+            decay = torch.exp(dt[t][:, None] * rate)
+            h = decay[:, None, :] * h + (dt[t][:, None, None] * x[t].double()[:, :, None]
                                             * b[:, None, :])
             y[t] = (h * c[:, None, :]).sum(-1)
             if D is not None:
