@@ -123,7 +123,7 @@ def main() -> None:
             f"{args.steps} steps (median step), on random fp32 checkpoints of similar size: "
             + ", ".join(f"{name} ({weights[name] / 2**20:.0f} MiB of weights)" for name in names)
             + ". The Mamba2 keeps one fixed state per sequence ([models.md](models.md"
-            "#state-space-models-mamba2-and-hybrids)), the hybrid that state "
+            "#state-space-models-mamba-mamba2-and-hybrids)), the hybrid that state "
             "in its mixer layers and KV in its two attention layers; the Llama's KV cache and "
             "attention reads grow with the context in all 8 layers."),
         tables=[dict(title="Decode step and memory per sequence", columns=columns, rows=rows,

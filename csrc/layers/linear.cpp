@@ -1,5 +1,8 @@
 #include "layers/linear.h"
 
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/bitwise_and.h>
+#include <ATen/ops/bitwise_right_shift.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>

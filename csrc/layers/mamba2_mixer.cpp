@@ -11,17 +11,6 @@
 #include "kernels/ssm/ssm_scan.h"
 
 namespace kvserve {
-namespace {
-
-at::Tensor vector_of(const WeightMap& w, const std::string& name, int64_t size) {
-  const at::Tensor& t = w.get(name);
-  if (t.dim() != 1 || t.size(0) != size) {
-    throw std::invalid_argument(name + " must be [" + std::to_string(size) + "]");
-  }
-  return t.contiguous();
-}
-
-}  // namespace
 
 Mamba2Mixer::Mamba2Mixer(const ModelConfig& config, const std::string& p, const WeightMap& w)
     : ssm_(config.ssm),
@@ -30,28 +19,15 @@ Mamba2Mixer::Mamba2Mixer(const ModelConfig& config, const std::string& p, const 
       out_proj_(Linear::load(w, p + "out_proj")) {
   const SSMConfig& c = ssm_;
   const int64_t inner = c.inner_size(), conv_dim = c.conv_dim();
-  if (in_proj_.in_features() != config.hidden_size ||
-      in_proj_.out_features() != inner + conv_dim + c.num_heads) {
-    throw std::invalid_argument(p + "in_proj must be [" +
-                                std::to_string(inner + conv_dim + c.num_heads) + ", " +
-                                std::to_string(config.hidden_size) + "]");
-  }
-  if (out_proj_.in_features() != inner || out_proj_.out_features() != config.hidden_size) {
-    throw std::invalid_argument(p + "out_proj must be [" + std::to_string(config.hidden_size) +
-                                ", " + std::to_string(inner) + "]");
-  }
-  conv_weight_ = w.get(p + "conv1d.weight").contiguous();
-  if (conv_weight_.dim() != 2 || conv_weight_.size(0) != conv_dim ||
-      conv_weight_.size(1) != c.conv_kernel) {
-    throw std::invalid_argument(p + "conv1d.weight must be [" + std::to_string(conv_dim) + ", " +
-                                std::to_string(c.conv_kernel) + "]");
-  }
-  if (c.conv_bias) conv_bias_ = vector_of(w, p + "conv1d.bias", conv_dim);
+  check_linear_shape(in_proj_, p + "in_proj", inner + conv_dim + c.num_heads, config.hidden_size);
+  check_linear_shape(out_proj_, p + "out_proj", config.hidden_size, inner);
+  conv_weight_ = ssm_weight(w, p + "conv1d.weight", {conv_dim, c.conv_kernel});
+  if (c.conv_bias) conv_bias_ = ssm_weight(w, p + "conv1d.bias", {conv_dim});
   // A in fp32 whatever the weights' dtype, as the reference computes it.
-  A_ = -at::exp(vector_of(w, p + "A_log", c.num_heads).to(at::kFloat));
-  D_ = vector_of(w, p + "D", c.num_heads);
-  dt_bias_ = vector_of(w, p + "dt_bias", c.num_heads);
-  if (c.norm != "gate_only") norm_weight_ = vector_of(w, p + "norm.weight", inner);
+  A_ = -at::exp(ssm_weight(w, p + "A_log", {c.num_heads}).to(at::kFloat));
+  D_ = ssm_weight(w, p + "D", {c.num_heads});
+  dt_bias_ = ssm_weight(w, p + "dt_bias", {c.num_heads});
+  if (c.norm != "gate_only") norm_weight_ = ssm_weight(w, p + "norm.weight", {inner});
 }
 
 at::Tensor Mamba2Mixer::forward(const at::Tensor& hidden, const AttentionMetadata& metadata,

@@ -11,6 +11,7 @@
 #include "kvserve/attention_metadata.h"
 #include "kvserve/model_config.h"
 #include "layers/linear.h"
+#include "layers/ssm_mixer.h"
 #include "layers/weights.h"
 
 namespace kvserve {
@@ -20,18 +21,14 @@ namespace kvserve {
 /// [conv_dim, kernel] (+ conv1d.bias), dt_bias [H], A_log [H] (A = -exp(A_log)), D [H],
 /// norm.weight [inner] (none when ssm.norm is gate_only), out_proj.weight [hidden, inner]
 /// (+ bias with ssm.out_proj_bias).
-class Mamba2Mixer {
+class Mamba2Mixer : public SsmMixer {
  public:
   Mamba2Mixer(const ModelConfig& config, const std::string& prefix, const WeightMap& weights);
 
-  /// hidden [T, hidden_size] -> [T, hidden_size] for the batch's sequences
-  /// (metadata.query_start_loc), each continuing from the state in its slot
-  /// (metadata.state_slots, when metadata.has_initial_state) and leaving its new state there.
-  /// state: the layer's entry of the pool (key: conv states, value: SSM states).
   at::Tensor forward(const at::Tensor& hidden, const AttentionMetadata& metadata,
-                     const LayerKVCache& state) const;
+                     const LayerKVCache& state) const override;
 
-  int64_t weight_bytes() const;
+  int64_t weight_bytes() const override;
 
  private:
   SSMConfig ssm_;

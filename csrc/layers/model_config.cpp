@@ -92,6 +92,18 @@ void ModelConfig::validate() const {
             "the SSM mixer's conv_kernel must be in [2, 16]");
     require(ssm.dt_min >= 0 && ssm.dt_max > ssm.dt_min,
             "the SSM mixer's time step limits must satisfy 0 <= min < max");
+    require(ssm.kind == "mamba2" || ssm.kind == "mamba",
+            "the SSM mixer's kind must be mamba2 or mamba");
+    require(ssm.dt_bc_norm == "none" || ssm.dt_bc_norm == "weighted" || ssm.dt_bc_norm == "plain",
+            "the SSM mixer's dt_bc_norm must be none, weighted or plain");
+    if (ssm.kind == "mamba") {
+      require(ssm.head_dim == 1 && ssm.n_groups == 1 && ssm.norm == "gate_only",
+              "a Mamba mixer has a head a channel (head_dim 1), one group and the gate alone");
+      require(ssm.time_step_rank > 0, "a Mamba mixer's time_step_rank must be positive");
+      require(ssm.dt_bc_norm_eps > 0, "a Mamba mixer's dt/B/C norm epsilon must be positive");
+    } else {
+      require(ssm.dt_bc_norm == "none", "dt_bc_norm is a Mamba mixer's option");
+    }
     for (int64_t l = 0; l < num_layers; ++l) {
       require(ssm.layers[l] >= 0 && ssm.layers[l] <= 3,
               "the SSM layer list holds 0 (attention), 1 (mixer), 2 (both) or 3 (an MLP alone) "

@@ -19,7 +19,7 @@
 #include "kvserve/causal_lm.h"
 #include "layers/feed_forward.h"
 #include "layers/linear.h"
-#include "layers/mamba2_mixer.h"
+#include "layers/ssm_mixer.h"
 #include "layers/mlp.h"
 #include "layers/moe.h"
 #include "layers/norm.h"
@@ -143,7 +143,7 @@ class DecoderLM : public CausalLM {
   struct Layer {
     Norm input_norm;  // before attention (none with post_norms)
     std::unique_ptr<AttentionLayer> self_attn;  // null in a state-space layer or an MLP alone
-    std::unique_ptr<Mamba2Mixer> mixer;         // null in an attention layer or an MLP alone
+    std::unique_ptr<SsmMixer> mixer;            // null in an attention layer or an MLP alone
     Norm attention_out_norm;  // sandwich or post norms only
     Norm mlp_norm;            // before the MLP (none with post_norms or a parallel block)
     std::unique_ptr<FeedForward> mlp;
@@ -187,7 +187,7 @@ class DecoderLM : public CausalLM {
     }
   }
 
-  /// Layer `i` with this attention, a Mamba2Mixer (layers.<i>.mixer.) when it has a
+  /// Layer `i` with this attention, a state-space mixer (layers.<i>.mixer.) when it has a
   /// state-space mixer (config.ssm; attention null unless the layer has both, FalconH1's
   /// parallel form), its norms and its MLP (dense or MoE; none when config.ssm.mlp is false)
   /// from the weights. A layer that is an MLP alone (ModelConfig::mlp_only) has its input norm
@@ -202,7 +202,7 @@ class DecoderLM : public CausalLM {
       return;
     }
     if (config_.has_mixer(i)) {
-      layer.mixer = std::make_unique<Mamba2Mixer>(config_, p + "mixer.", w);
+      layer.mixer = make_ssm_mixer(config_, p + "mixer.", w);
     }
     layer.self_attn = std::move(attention);
     if (!config_.ssm.mlp) {

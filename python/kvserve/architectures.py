@@ -155,6 +155,21 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
                            num_heads=20, head_dim=12, expand=2, state_size=10, n_groups=5,
                            conv_kernel=4, chunk_size=8, layer_norm_epsilon=1e-5,
                            use_conv_bias=True, use_bias=False, residual_in_fp32=False)),
+    # Mamba: every layer Mamba's mixer (a decay per channel and state entry), no MLP; odd sizes
+    # (88 channels of 10 states, not 2 * hidden_size; a time step of rank 5, 3 taps).
+    Architecture("MambaForCausalLM", prepare=ssm.prepare_mamba2, read_ssm=ssm.read_mamba_ssm,
+                 weight_names=ssm.MAMBA2_WEIGHT_NAMES,
+                 tiny=dict(model_type="mamba", hidden_size=48, num_hidden_layers=3, expand=2,
+                           intermediate_size=88, state_size=10, conv_kernel=3, time_step_rank=5,
+                           layer_norm_epsilon=1e-5, use_conv_bias=True, use_bias=False,
+                           residual_in_fp32=False)),
+    # FalconMamba: Mamba with its time step, B and C RMS-normed (no weights) in the mixer.
+    Architecture("FalconMambaForCausalLM", prepare=ssm.prepare_mamba2,
+                 read_ssm=ssm.read_falcon_mamba_ssm, weight_names=ssm.MAMBA2_WEIGHT_NAMES,
+                 tiny=dict(model_type="falcon_mamba", hidden_size=48, num_hidden_layers=3,
+                           expand=2, intermediate_size=88, state_size=10, conv_kernel=3, time_step_rank=5,
+                           mixer_rms_eps=1e-3, use_conv_bias=False, use_bias=True,
+                           residual_in_fp32=False)),
     # Granite 4 hybrids: Mamba2 mixers and NoPE attention layers, a shared MLP beside 4 routed
     # experts (top 2) in every layer, Granite's multipliers; the dense form is a variant in
     # tests/models/test_parity.py.

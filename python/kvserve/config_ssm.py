@@ -1,6 +1,6 @@
-"""The config.json fields of the state-space and hybrid families: Mamba2's mixers in every layer,
-and the hybrids that mix them with attention and MLPs (Granite 4, Bamba, Nemotron-H, FalconH1);
-their tensor names in kvserve's layout.
+"""The config.json fields of the state-space and hybrid families: Mamba2's and Mamba's mixers in
+every layer (Mamba2, Mamba, FalconMamba), and the hybrids that mix them with attention and MLPs
+(Granite 4, Bamba, Nemotron-H, FalconH1); their tensor names in kvserve's layout.
 
 `f` is config.py's typed reader of the file (its errors name the file and the field).
 """
@@ -44,6 +44,59 @@ def read_mamba2_ssm(c: _C.ModelConfig, f) -> None:
     s.layers = [1] * c.num_layers
     s.mlp = False
     c.ssm = s
+
+
+def read_mamba_ssm(c: _C.ModelConfig, f) -> None:
+    """Mamba's mixer (S6) in every layer (transformers' MambaConfig; Mamba has no attention and
+    no MLP: Mamba2's placeholders, prepare_mamba2)."""
+    s = _mamba_mixer_fields(c, f, _MAMBA_KEYS)
+    s.layers = [1] * c.num_layers
+    s.mlp = False
+    c.ssm = s
+
+
+def read_falcon_mamba_ssm(c: _C.ModelConfig, f) -> None:
+    """FalconMamba: Mamba's mixer with its time step, B and C RMS-normed without weights
+    (mixer_rms_eps) before use."""
+    s = _mamba_mixer_fields(c, f, _MAMBA_KEYS)
+    s.dt_bc_norm = "plain"
+    s.dt_bc_norm_eps = f.number("mixer_rms_eps", 1e-6)
+    s.layers = [1] * c.num_layers
+    s.mlp = False
+    c.ssm = s
+
+
+# Mamba's mixer keys: inner size, states, convolution taps, time step rank, conv bias, projection
+# bias.
+_MAMBA_KEYS = ("intermediate_size", "state_size", "conv_kernel", "time_step_rank",
+               "use_conv_bias", "use_bias")
+
+
+def _mamba_mixer_fields(c: _C.ModelConfig, f, keys: tuple[str, ...]) -> _C.SSMConfig:
+    """A Mamba mixer's sizes under the family's keys, checked: a head a channel of its inner
+    size (expand * hidden_size where the file names none), one group, the gate alone after the
+    scan; a time step rank of "auto" is ceil(hidden_size / 16) (transformers' rule)."""
+    inner_key, state, kernel, rank, conv_bias, proj_bias = keys
+    s = _C.SSMConfig()
+    s.kind = "mamba"
+    if f.values.get(inner_key) is not None:
+        s.num_heads = f.integer(inner_key)
+    else:
+        s.num_heads = round(f.number("expand", 2) * c.hidden_size)
+    s.head_dim = s.n_groups = s.norm_groups = 1
+    s.state_size = f.integer(state)
+    s.conv_kernel = f.integer(kernel, 4)
+    if not 2 <= s.conv_kernel <= 16:
+        raise f.error(kernel, f"is {s.conv_kernel}; kvserve runs kernels of 2 to 16 taps")
+    if f.values.get(rank, "auto") == "auto":
+        s.time_step_rank = math.ceil(c.hidden_size / 16)
+    else:
+        s.time_step_rank = f.integer(rank)
+    s.norm = "gate_only"
+    s.conv_bias = f.flag(conv_bias, True)
+    s.proj_bias = s.out_proj_bias = f.flag(proj_bias, False)
+    s.dt_min, s.dt_max = _time_step_limit(f)
+    return s
 
 
 # Where each family's config.json keeps the mixer's sizes: heads, head size, states, groups,

@@ -1,6 +1,7 @@
-"""The engine on models with state-space layers (Mamba2; Granite 4 and Bamba hybrids of Mamba2
-mixers and attention layers; FalconH1, both in every layer; Nemotron-H, mixers, attention and
-MLPs or mixtures of experts each a layer of its own): every running sequence holds one state slot beside its blocks, so
+"""The engine on models with state-space layers (Mamba2; Mamba and FalconMamba, whose mixers
+decay per channel and state entry; Granite 4 and Bamba hybrids of Mamba2 mixers and attention
+layers; FalconH1, both in every layer; Nemotron-H, mixers, attention and MLPs or mixtures of
+experts each a layer of its own): every running sequence holds one state slot beside its blocks, so
 chunked prefill, batching, slot reuse, preemption and parallel samples must all give the tokens
 of transformers' whole-sequence forward (its pure-torch path)."""
 
@@ -21,7 +22,7 @@ from tests.models.test_parity import PROMPTS, hf_greedy
 transformers = pytest.importorskip("transformers")
 
 MAMBA2 = "Mamba2ForCausalLM"
-MODELS = [MAMBA2, "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "FalconH1ForCausalLM",
+MODELS = [MAMBA2, "MambaForCausalLM", "FalconMambaForCausalLM", "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "FalconH1ForCausalLM",
           "NemotronHForCausalLM", "NemotronHForCausalLM+moe"]
 # Overrides of an architecture's tiny config, by the name after "+": Nemotron 3's mixtures of
 # experts in place of its MLP layers (grouped routing, a shared expert).
@@ -202,6 +203,17 @@ def test_memory_plan_shows_the_fixed_state_per_sequence(mamba2):
                              mamba_ssm_cache_dtype="auto")
     assert half.kv_cache.ssm_states[0].dtype == torch.bfloat16
     assert half.kv_cache.state_bytes_per_sequence < kv.state_bytes_per_sequence
+
+
+def test_mamba_states_hold_a_row_per_channel(checkpoint_factory):
+    """Mamba's state: its conv channels are x's alone, its SSM state a row a channel (a head of
+    one), [inner, state_size] a layer."""
+    e = engine(checkpoint_factory("MambaForCausalLM"), max_num_seqs=3)
+    s, kv = e.config.ssm, e.kv_cache
+    assert s.kind == "mamba" and s.head_dim == 1 and s.conv_dim == s.inner_size == 88
+    assert [tuple(t.shape) for t in kv.ssm_states] == [(3, 88, 1, 10)] * 3
+    assert [tuple(t.shape) for t in kv.conv_states] == [(3, 88, 2)] * 3
+    assert kv.state_bytes_per_sequence == 3 * (88 * 2 + 88 * 10) * 4
 
 
 @pytest.mark.parametrize("options, message", [

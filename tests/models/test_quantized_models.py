@@ -133,6 +133,17 @@ def test_falcon_h1_multipliers_fold_into_quantized_projections(tmp_path, method)
     assert_same_generation(out, reference_model(original, weights))
 
 
+def test_mamba_mixer_projections_quantize(tmp_path):
+    """Mamba's four mixer projections quantized (x_proj's and dt_proj's small ranks too): the
+    generation of transformers' model on the weights the file means."""
+    original = make_checkpoint(tmp_path / "plain", "MambaForCausalLM")
+    out = tmp_path / "int8"
+    quantize_checkpoint(original, out, "int8", group_size=32)
+    weights = meant_weights(load_file(out / "model.safetensors"), "int8")
+    assert {m.rpartition(".")[2] for m in weights} == {"in_proj", "x_proj", "dt_proj", "out_proj"}
+    assert_same_generation(out, reference_model(original, weights))
+
+
 @pytest.mark.parametrize("architecture, experts", [
     ("GptOssForCausalLM", ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
     ("GraniteMoeHybridForCausalLM", ["block_sparse_moe.input_linear",

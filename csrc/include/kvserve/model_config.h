@@ -86,15 +86,20 @@ struct MoEConfig {
   KVSERVE_MOE_CONFIG_FIELDS(KVSERVE_DECLARE_FIELD)
 };
 
-/// State-space (Mamba2) mixers in place of attention, in some layers (hybrids: Bamba, Granite 4)
-/// or all (Mamba2), or beside attention in every layer (FalconH1: the two run on the same normed
-/// input and their outputs are summed). layers empty: none. A mixer projects the hidden state to
+/// State-space mixers in place of attention, in some layers (hybrids: Bamba, Granite 4, Jamba)
+/// or all (Mamba2, Mamba), or beside attention in every layer (FalconH1: the two run on the same
+/// normed input and their outputs are summed). layers empty: none. A Mamba2 mixer projects the
+/// hidden state to
 /// a gate z [heads * head_dim], the convolved channels (x [heads * head_dim], B and C [groups *
 /// state_size] each) and dt [heads]; runs the depthwise causal convolution of conv_kernel taps
 /// with SiLU, the selective scan (ops/ssm_scan.h, dt clamped to [dt_min, dt_max]), the gated
 /// output (`norm`, over norm_groups groups) and the output projection. Each sequence keeps a conv
 /// state [conv channels, conv_kernel - 1] and an SSM state [heads, head_dim, state_size] per
-/// mixer layer: fixed in size, whatever its length (KVCacheLayout's state group).
+/// mixer layer: fixed in size, whatever its length (KVCacheLayout's state group). A Mamba
+/// (kind "mamba", Gu & Dao 2023) mixer is the same with a head a channel (head_dim 1, num_heads
+/// its inner size, one group): x and the gate from the input, B, C and a low-rank dt from the
+/// convolved x (x_proj, then dt_proj up to a dt a channel), a decay per channel and state entry,
+/// the gate alone after the scan; its conv channels are x's alone.
 #define KVSERVE_SSM_CONFIG_FIELDS(X)                                                        \
   /* per layer: 0 = attention, 1 = SSM mixer, 2 = both in parallel (FalconH1), */           \
   /* 3 = neither: the layer is its MLP alone (Nemotron-H) */                               \
@@ -114,13 +119,21 @@ struct MoEConfig {
   X(double, dt_min, 0.0)                                                                    \
   X(double, dt_max, 1e30)      /* time_step_limit; 1e30: none */                            \
   X(bool, mlp, true)           /* every layer has an MLP after its mixer (Mamba2: none) */ \
-  /* (layers of kind 3 are an MLP whatever this says) */
+  /* (layers of kind 3 are an MLP whatever this says) */                                    \
+  X(std::string, kind, "mamba2") /* or "mamba" (S6) */                                      \
+  X(int64_t, time_step_rank, 0)  /* mamba: dt's rank before dt_proj */                      \
+  /* mamba: dt, B and C each RMS-normed before use: "weighted" (Jamba: dt_norm, B_norm and */ \
+  /* C_norm weights), "plain" (FalconMamba: no weights), "none" */                          \
+  X(std::string, dt_bc_norm, "none")                                                        \
+  X(double, dt_bc_norm_eps, 1e-6)
 
 struct SSMConfig {
   KVSERVE_SSM_CONFIG_FIELDS(KVSERVE_DECLARE_FIELD)
   int64_t inner_size() const { return num_heads * head_dim; }
-  /// Channels of the causal convolution: x, B and C.
-  int64_t conv_dim() const { return inner_size() + 2 * n_groups * state_size; }
+  /// Channels of the causal convolution: x, B and C (Mamba2); x alone (Mamba).
+  int64_t conv_dim() const {
+    return kind == "mamba" ? inner_size() : inner_size() + 2 * n_groups * state_size;
+  }
 };
 
 /// How the checkpoint's quantized projections hold their weights, as the loader names it from

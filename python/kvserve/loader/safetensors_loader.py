@@ -277,10 +277,13 @@ def _read_fused_mlp(read: _TensorReader, c: _C.ModelConfig, mlp: str, out: str,
 
 def _read_mixer(read: _TensorReader, c: _C.ModelConfig, mixer: str, out: str,
                 w: dict[str, torch.Tensor]) -> None:
-    """A state-space mixer's weights (csrc/layers/mamba2_mixer.h): its projections plain or
-    quantized, the convolution's [conv_dim, 1, kernel] weight as [conv_dim, kernel]; A_log in
-    fp32, as the reference keeps it."""
+    """A state-space mixer's weights (csrc/layers/mamba2_mixer.h, mamba_mixer.h): its
+    projections plain or quantized, the convolution's [conv_dim, 1, kernel] weight as [conv_dim,
+    kernel]; A_log in fp32, as the reference keeps it."""
     s = c.ssm
+    if s.kind == "mamba":
+        _read_mamba_mixer(read, c, mixer, out, w)
+        return
     for proj, shape, bias in (("in_proj", (2 * s.inner_size + 2 * s.n_groups * s.state_size
                                            + s.num_heads, c.hidden_size), s.proj_bias),
                               ("out_proj", (c.hidden_size, s.inner_size), s.out_proj_bias)):
@@ -293,6 +296,35 @@ def _read_mixer(read: _TensorReader, c: _C.ModelConfig, mixer: str, out: str,
     w[out + "A_log"] = read(mixer + "A_log", torch.float32)
     for name in ("D", "dt_bias") + (("norm.weight",) if s.norm != "gate_only" else ()):
         w[out + name] = read(mixer + name)
+
+
+# A Mamba mixer's RMSNorms of dt, B and C (dt_bc_norm "weighted"): the checkpoint's names (Jamba's)
+# and kvserve's.
+_DT_BC_NORMS = (("dt_layernorm", "dt_norm"), ("b_layernorm", "B_norm"), ("c_layernorm", "C_norm"))
+
+
+def _read_mamba_mixer(read: _TensorReader, c: _C.ModelConfig, mixer: str, out: str,
+                      w: dict[str, torch.Tensor]) -> None:
+    """A Mamba mixer's weights (csrc/layers/mamba_mixer.h): dt_proj's bias as the scan's
+    dt_bias; the norms of dt, B and C where it has weighted ones."""
+    s = c.ssm
+    inner, states, rank = s.inner_size, s.state_size, s.time_step_rank
+    for proj, shape, bias in (("in_proj", (2 * inner, c.hidden_size), s.proj_bias),
+                              ("x_proj", (rank + 2 * states, inner), False),
+                              ("dt_proj", (inner, rank), False),
+                              ("out_proj", (c.hidden_size, inner), s.out_proj_bias)):
+        read.put(w, out + proj, [mixer + proj], [shape])  # quantized if the file is
+        if bias:
+            w[out + proj + ".bias"] = read(mixer + proj + ".bias")
+    w[out + "conv1d.weight"] = read(mixer + "conv1d.weight").squeeze(1)
+    if s.conv_bias:
+        w[out + "conv1d.bias"] = read(mixer + "conv1d.bias")
+    w[out + "A_log"] = read(mixer + "A_log", torch.float32)
+    w[out + "D"] = read(mixer + "D")
+    w[out + "dt_bias"] = read(mixer + "dt_proj.bias")
+    if s.dt_bc_norm == "weighted":
+        for name, ours in _DT_BC_NORMS:
+            w[out + ours + ".weight"] = read(mixer + name + ".weight")
 
 
 def _vocab_rows(read: _TensorReader, name: str, config: _C.ModelConfig,

@@ -69,8 +69,10 @@ def _dense_mlp_shapes(c: _C.ModelConfig, p: str) -> dict[str, tuple[Dim, ...]]:
 
 
 def _mixer_shapes(c: _C.ModelConfig, p: str) -> dict[str, tuple[Dim, ...]]:
-    """A state-space (Mamba2) mixer's tensors."""
+    """A state-space mixer's tensors (Mamba2's, or Mamba's: _mamba_mixer_shapes)."""
     s = c.ssm
+    if s.kind == "mamba":
+        return _mamba_mixer_shapes(c, p)
     hidden = ("hidden_size", c.hidden_size)
     heads = ("num_heads", s.num_heads)
     inner = ("num_heads*head_dim", s.inner_size)
@@ -88,6 +90,31 @@ def _mixer_shapes(c: _C.ModelConfig, p: str) -> dict[str, tuple[Dim, ...]]:
         shapes[p + "in_proj.bias"] = (projected,)
     if s.out_proj_bias:
         shapes[p + "out_proj.bias"] = (hidden,)
+    return shapes
+
+
+def _mamba_mixer_shapes(c: _C.ModelConfig, p: str) -> dict[str, tuple[Dim, ...]]:
+    """A Mamba mixer's tensors, as the checkpoint names them."""
+    s = c.ssm
+    hidden = ("hidden_size", c.hidden_size)
+    inner, states = ("intermediate_size", s.inner_size), ("state_size", s.state_size)
+    rank = ("time_step_rank", s.time_step_rank)
+    shapes = {p + "in_proj.weight": (("2*intermediate_size", 2 * s.inner_size), hidden),
+              p + "x_proj.weight": (("time_step_rank+2*state_size",
+                                     s.time_step_rank + 2 * s.state_size), inner),
+              p + "dt_proj.weight": (inner, rank), p + "dt_proj.bias": (inner,),
+              p + "out_proj.weight": (hidden, inner),
+              p + "conv1d.weight": (inner, ("1", 1), ("conv_kernel", s.conv_kernel)),
+              p + "A_log": (inner, states), p + "D": (inner,)}
+    if s.conv_bias:
+        shapes[p + "conv1d.bias"] = (inner,)
+    if s.proj_bias:
+        shapes[p + "in_proj.bias"] = (("2*intermediate_size", 2 * s.inner_size),)
+    if s.out_proj_bias:
+        shapes[p + "out_proj.bias"] = (hidden,)
+    if s.dt_bc_norm == "weighted":
+        shapes.update({p + "dt_layernorm.weight": (rank,), p + "b_layernorm.weight": (states,),
+                       p + "c_layernorm.weight": (states,)})
     return shapes
 
 
