@@ -170,6 +170,15 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
                            expand=2, intermediate_size=88, state_size=10, conv_kernel=3, time_step_rank=5,
                            mixer_rms_eps=1e-3, use_conv_bias=False, use_bias=True,
                            residual_in_fp32=False)),
+    # Jamba: Mamba mixers (dt, B and C normed) in layers 0 and 2, NoPE attention in 1 and 3, each
+    # followed by experts (8, top 2, not renormalized) in 1 and 3 (Jamba's offset), a dense MLP
+    # in 0 and 2.
+    Architecture("JambaForCausalLM", read_family=ssm.read_jamba, read_ssm=ssm.read_jamba_ssm,
+                 read_moe=ssm.read_jamba_moe, weight_names=ssm.JAMBA_WEIGHT_NAMES,
+                 tiny=dict(model_type="jamba", num_hidden_layers=4, attn_layer_period=2,
+                           attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                           num_experts=8, num_experts_per_tok=2, mamba_d_state=10,
+                           mamba_d_conv=3, mamba_expand=2, mamba_dt_rank=5)),
     # Granite 4 hybrids: Mamba2 mixers and NoPE attention layers, a shared MLP beside 4 routed
     # experts (top 2) in every layer, Granite's multipliers; the dense form is a variant in
     # tests/models/test_parity.py.

@@ -40,7 +40,7 @@ _LIMITS = {
     "num_heads": 1 << 12, "state_size": 1 << 12, "n_groups": 1 << 12,
     "mamba_n_heads": 1 << 12, "mamba_d_head": 1 << 12, "mamba_d_state": 1 << 12,
     "mamba_n_groups": 1 << 12, "shared_intermediate_size": 1 << 22, "mamba_d_ssm": 1 << 20,
-    "time_step_rank": 1 << 16, "mamba_dt_rank": 1 << 16,
+    "time_step_rank": 1 << 16, "mamba_dt_rank": 1 << 16, "mamba_d_conv": 1 << 8,
 }
 _REQUIRED = object()
 

@@ -1,6 +1,7 @@
 """The config.json fields of the state-space and hybrid families: Mamba2's and Mamba's mixers in
 every layer (Mamba2, Mamba, FalconMamba), and the hybrids that mix them with attention and MLPs
-(Granite 4, Bamba, Nemotron-H, FalconH1); their tensor names in kvserve's layout.
+(Granite 4, Bamba, Nemotron-H, FalconH1 with Mamba2's; Jamba with Mamba's); their tensor names in
+kvserve's layout.
 
 `f` is config.py's typed reader of the file (its errors name the file and the field).
 """
@@ -66,23 +67,26 @@ def read_falcon_mamba_ssm(c: _C.ModelConfig, f) -> None:
     c.ssm = s
 
 
-# Mamba's mixer keys: inner size, states, convolution taps, time step rank, conv bias, projection
+# Where each family's config.json keeps a Mamba mixer's sizes: inner size (None: expand *
+# hidden_size alone), expansion, states, convolution taps, time step rank, conv bias, projection
 # bias.
-_MAMBA_KEYS = ("intermediate_size", "state_size", "conv_kernel", "time_step_rank",
+_MAMBA_KEYS = ("intermediate_size", "expand", "state_size", "conv_kernel", "time_step_rank",
                "use_conv_bias", "use_bias")
+_JAMBA_KEYS = (None, "mamba_expand", "mamba_d_state", "mamba_d_conv", "mamba_dt_rank",
+               "mamba_conv_bias", "mamba_proj_bias")
 
 
 def _mamba_mixer_fields(c: _C.ModelConfig, f, keys: tuple[str, ...]) -> _C.SSMConfig:
     """A Mamba mixer's sizes under the family's keys, checked: a head a channel of its inner
     size (expand * hidden_size where the file names none), one group, the gate alone after the
     scan; a time step rank of "auto" is ceil(hidden_size / 16) (transformers' rule)."""
-    inner_key, state, kernel, rank, conv_bias, proj_bias = keys
+    inner_key, expand_key, state, kernel, rank, conv_bias, proj_bias = keys
     s = _C.SSMConfig()
     s.kind = "mamba"
-    if f.values.get(inner_key) is not None:
+    if inner_key is not None and f.values.get(inner_key) is not None:
         s.num_heads = f.integer(inner_key)
     else:
-        s.num_heads = round(f.number("expand", 2) * c.hidden_size)
+        s.num_heads = round(f.number(expand_key, 2) * c.hidden_size)
     s.head_dim = s.n_groups = s.norm_groups = 1
     s.state_size = f.integer(state)
     s.conv_kernel = f.integer(kernel, 4)
@@ -97,6 +101,58 @@ def _mamba_mixer_fields(c: _C.ModelConfig, f, keys: tuple[str, ...]) -> _C.SSMCo
     s.proj_bias = s.out_proj_bias = f.flag(proj_bias, False)
     s.dt_min, s.dt_max = _time_step_limit(f)
     return s
+
+
+# Jamba's tensor names in kvserve's layout: its mixer (mamba), its MLP or mixture of experts
+# (feed_forward, the router as the gate), the norm before it and the final one.
+JAMBA_WEIGHT_NAMES = (
+    (r"^model\.layers\.(\d+)\.mamba\.", r"model.layers.\1.mixer."),
+    (r"^model\.layers\.(\d+)\.feed_forward\.router\.", r"model.layers.\1.mlp.gate."),
+    (r"^model\.layers\.(\d+)\.feed_forward\.", r"model.layers.\1.mlp."),
+    (r"^model\.layers\.(\d+)\.pre_ff_layernorm\.", r"model.layers.\1.post_attention_layernorm."),
+    (r"^model\.final_layernorm\.", "model.norm."),
+)
+
+
+def read_jamba(c: _C.ModelConfig, f, hf: dict) -> dict:
+    """Jamba: attention without positions (no RoPE), SiLU MLPs and experts."""
+    require_silu(f, hf)
+    c.no_rope = True
+    return hf
+
+
+def read_jamba_ssm(c: _C.ModelConfig, f) -> None:
+    """Mamba mixers (dt, B and C RMS-normed with weights, at rms_norm_eps) in every layer but
+    those at attn_layer_offset of each attn_layer_period, each followed by an MLP or experts."""
+    period = f.integer("attn_layer_period", 8)
+    offset = f.integer("attn_layer_offset", 4, minimum=0)
+    if offset >= period:
+        raise f.error("attn_layer_offset", f"({offset}) must be less than attn_layer_period "
+                                           f"({period})")
+    s = _mamba_mixer_fields(c, f, _JAMBA_KEYS)
+    s.dt_bc_norm = "weighted"
+    s.dt_bc_norm_eps = c.rms_norm_eps
+    s.layers = [0 if i % period == offset else 1 for i in range(c.num_layers)]
+    s.mlp = True
+    c.ssm = s
+
+
+def read_jamba_moe(c: _C.ModelConfig, f) -> None:
+    """Jamba's experts (num_experts of intermediate_size) in the layers at expert_layer_offset of
+    each expert_layer_period: softmax over the router's logits, the top-k weights not
+    renormalized. One expert (or none) is a dense MLP everywhere."""
+    m = _C.MoEConfig()
+    m.num_experts = f.integer("num_experts", 16, minimum=0)
+    if m.num_experts <= 1:
+        return
+    period = f.integer("expert_layer_period", 2)
+    offset = f.integer("expert_layer_offset", 1, minimum=0)
+    if offset >= period:
+        raise f.error("expert_layer_offset", f"({offset}) must be less than "
+                                             f"expert_layer_period ({period})")
+    m.moe_intermediate_size = c.intermediate_size
+    m.norm_topk_prob = False
+    finish_moe(c, f, m, [int(i % period == offset) for i in range(c.num_layers)])
 
 
 # Where each family's config.json keeps the mixer's sizes: heads, head size, states, groups,

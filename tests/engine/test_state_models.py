@@ -1,6 +1,6 @@
 """The engine on models with state-space layers (Mamba2; Mamba and FalconMamba, whose mixers
-decay per channel and state entry; Granite 4 and Bamba hybrids of Mamba2 mixers and attention
-layers; FalconH1, both in every layer; Nemotron-H, mixers, attention and MLPs or mixtures of
+decay per channel and state entry, and Jamba's hybrid of them with attention and experts;
+Granite 4 and Bamba hybrids of Mamba2 mixers and attention layers; FalconH1, both in every layer; Nemotron-H, mixers, attention and MLPs or mixtures of
 experts each a layer of its own): every running sequence holds one state slot beside its blocks, so
 chunked prefill, batching, slot reuse, preemption and parallel samples must all give the tokens
 of transformers' whole-sequence forward (its pure-torch path)."""
@@ -22,7 +22,8 @@ from tests.models.test_parity import PROMPTS, hf_greedy
 transformers = pytest.importorskip("transformers")
 
 MAMBA2 = "Mamba2ForCausalLM"
-MODELS = [MAMBA2, "MambaForCausalLM", "FalconMambaForCausalLM", "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "FalconH1ForCausalLM",
+MODELS = [MAMBA2, "MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM",
+          "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "FalconH1ForCausalLM",
           "NemotronHForCausalLM", "NemotronHForCausalLM+moe"]
 # Overrides of an architecture's tiny config, by the name after "+": Nemotron 3's mixtures of
 # experts in place of its MLP layers (grouped routing, a shared expert).
@@ -149,6 +150,16 @@ def test_hybrid_memory_plan_has_kv_for_its_attention_layer_and_states_for_the_re
     assert len(e.kv_cache.key_caches) == 1 and len(e.kv_cache.ssm_states) == 3
     plan = e.memory_plan()
     assert "KV cache" in plan and "3 slots x" in plan and "3 state-space layers" in plan
+
+
+def test_jamba_memory_plan_has_kv_for_attention_and_mamba_states_for_the_rest(
+        checkpoint_factory):
+    e = engine(checkpoint_factory("JambaForCausalLM"), max_num_seqs=3)
+    layout, kv, s = e.kv_cache.layout, e.kv_cache, e.config.ssm
+    assert layout.num_layers == 2 and list(layout.state.layers) == [0, 2]
+    assert [tuple(t.shape) for t in kv.ssm_states] == [(3, s.inner_size, 1, 10)] * 2
+    assert list(e.config.moe.layers) == [0, 1, 0, 1]
+    assert "KV cache" in e.memory_plan() and "2 state-space layers" in e.memory_plan()
 
 
 def test_falcon_h1_has_kv_and_a_state_in_every_layer(checkpoint_factory):

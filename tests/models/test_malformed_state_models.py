@@ -102,6 +102,18 @@ CASES = [
     ("MambaForCausalLM", {"state_size": 12}, "model.layers.0.mixer."),
     ("MambaForCausalLM", {"use_bias": True}, "model.layers.0.mixer.in_proj.bias"),
     ("FalconMambaForCausalLM", {"mixer_rms_eps": 0}, "'mixer_rms_eps' must be a finite number"),
+    # Jamba (tiny: mixers in layers 0 and 2, attention in 1 and 3 with 8 experts after them).
+    ("JambaForCausalLM", {"attn_layer_offset": 2}, "'attn_layer_offset' (2) must be less than "
+                                                   "attn_layer_period (2)"),
+    ("JambaForCausalLM", {"expert_layer_period": 0}, "'expert_layer_period' must be a positive"),
+    ("JambaForCausalLM", {"num_experts_per_tok": 9}, "'num_experts_per_tok' (9) exceeds the "
+                                                     "number of experts (8)"),
+    ("JambaForCausalLM", {"mamba_dt_rank": "5"}, "'mamba_dt_rank' must be a positive integer"),
+    ("JambaForCausalLM", {"hidden_act": "gelu"}, "'hidden_act' is 'gelu'; only silu"),
+    # Layers the config moves: experts, attention and mixers where the weights have others.
+    ("JambaForCausalLM", {"expert_layer_offset": 0}, "model.layers.0.mlp.gate.weight"),
+    ("JambaForCausalLM", {"attn_layer_offset": 0}, "model.layers.0.self_attn.q_proj.weight"),
+    ("JambaForCausalLM", {"num_experts": 1}, "mlp.experts"),
 ]
 
 
