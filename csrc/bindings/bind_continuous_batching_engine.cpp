@@ -201,9 +201,11 @@ void bind_continuous_batching_engine(py::module_& m) {
                        std::optional<at::ScalarType> kv_cache_dtype,
                        int64_t cuda_graph_max_batch, int64_t max_stop_strings,
                        int64_t max_stop_string_length, int64_t max_waiting_requests,
-                       std::optional<at::ScalarType> ssm_state_dtype) {
+                       std::optional<at::ScalarType> ssm_state_dtype,
+                       int64_t num_state_snapshots) {
              EngineConfig c;
              c.ssm_state_dtype = ssm_state_dtype;
+             c.num_state_snapshots = num_state_snapshots;
              c.max_num_seqs = max_num_seqs;
              c.max_num_batched_tokens = max_num_batched_tokens;
              c.max_model_len = max_model_len;
@@ -235,8 +237,10 @@ void bind_continuous_batching_engine(py::module_& m) {
            py::arg("max_stop_strings") = defaults.max_stop_strings,
            py::arg("max_stop_string_length") = defaults.max_stop_string_length,
            py::arg("max_waiting_requests") = defaults.max_waiting_requests,
-           py::arg("ssm_state_dtype") = py::none())
+           py::arg("ssm_state_dtype") = py::none(),
+           py::arg("num_state_snapshots") = defaults.num_state_snapshots)
       .def_readonly("ssm_state_dtype", &EngineConfig::ssm_state_dtype)
+      .def_readonly("num_state_snapshots", &EngineConfig::num_state_snapshots)
       .def_readonly("kv_cache_memory", &EngineConfig::kv_cache_memory)
       .def_readonly("max_num_seqs", &EngineConfig::max_num_seqs)
       .def_readonly("max_num_batched_tokens", &EngineConfig::max_num_batched_tokens)

@@ -56,7 +56,8 @@ ContinuousBatchingEngine::ContinuousBatchingEngine(std::shared_ptr<CausalLM> mod
                               .group_windows(),
                       .num_state_slots = model_->config().num_ssm_layers() > 0
                                              ? config_.max_num_seqs
-                                             : 0}),
+                                             : 0,
+                      .num_state_snapshots = config_.num_state_snapshots}),
       scheduler_(SchedulerConfig{config_.max_num_seqs, config_.max_num_batched_tokens,
                                  config_.max_model_len},
                  block_manager_, sequences_),
@@ -70,7 +71,7 @@ ContinuousBatchingEngine::ContinuousBatchingEngine(std::shared_ptr<CausalLM> mod
                .group_windows = block_manager_.group_windows(),
                .speculator = speculator_.get(),
                .kv_cache_dtype = config_.kv_cache_dtype,
-               .num_state_slots = block_manager_.num_state_slots(),
+               .num_state_slots = block_manager_.num_state_pool_slots(),
                .ssm_state_dtype = config_.ssm_state_dtype,
                .cuda_graph_max_batch = config_.cuda_graph_max_batch,
                .max_model_len = config_.max_model_len,
@@ -104,6 +105,7 @@ std::vector<RequestOutput> ContinuousBatchingEngine::step(bool finished_only) {
     const StepSamples samples = plan_samples(work);
     const ModelRunnerOutput result = execute(work, samples);
     update_from_output(work, samples, result, outputs, finished_only);
+    block_manager_.commit_state_snapshots();  // states saved this step now serve prefix hits
   }
   publish_stats();
   return outputs;

@@ -93,9 +93,17 @@ EngineConfig resolve_engine_config(EngineConfig c, const ModelConfig& model, at:
       bad("speculative decoding is not supported for models with state-space layers (" +
           model.architecture + "): it would need a state per draft position");
     }
-    c.enable_prefix_caching = false;  // no state saved at block boundaries
+    if (c.num_state_snapshots < 0) {
+      bad("num_state_snapshots must be >= 0, got " + number(c.num_state_snapshots));
+    }
+    // A hit needs a state saved at its boundary, and the snapshots' blocks a group of full
+    // attention to be named by (a model whose every attention layer slides has none).
+    const std::vector<int64_t> windows = layout.group_windows();
+    const bool full_group = windows.empty() || windows.front() == 0;
+    c.enable_prefix_caching = c.enable_prefix_caching && c.num_state_snapshots > 0 && full_group;
+    if (!c.enable_prefix_caching) c.num_state_snapshots = 0;
     c.cuda_graph_max_batch = 0;       // the graphs capture attention-only batches
-    state_bytes = c.max_num_seqs *
+    state_bytes = (c.max_num_seqs + c.num_state_snapshots) *
                   layout.state.bytes_per_sequence(dtype, c.ssm_state_dtype.value_or(at::kFloat));
   }
   if (c.num_blocks == 0) {

@@ -210,6 +210,10 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
     const ForwardBatch batch = builder.build(model_->device());
     hidden = model_->forward(batch.input_ids, batch.positions, batch.metadata, kv_cache_.layers());
   }
+  // States saved at block boundaries, now that the forward has written them.
+  std::vector<std::pair<int32_t, int32_t>> snapshots;
+  for (const StateCopy& c : work.state_snapshots) snapshots.emplace_back(c.src, c.dst);
+  kv_cache_.copy_states(snapshots);
   if (speculator_) {  // a proposer that drafts from the target's hidden states keeps them
     std::vector<int64_t> bounds = starts;
     bounds.push_back(num_rows);

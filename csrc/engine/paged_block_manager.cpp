@@ -57,13 +57,26 @@ PagedBlockManager::PagedBlockManager(BlockManagerOptions options)
     throw std::invalid_argument("PagedBlockManager: num_state_slots must be in [0, 2^31), got " +
                                 std::to_string(options.num_state_slots));
   }
-  if (options.num_state_slots > 0 && enable_prefix_caching_) {
-    throw std::invalid_argument("PagedBlockManager: prefix caching is not supported with state "
-                                "slots (a cached block has no state saved at its boundary)");
+  const int64_t snapshots = options.num_state_snapshots;
+  if (snapshots < 0 || snapshots > std::numeric_limits<int32_t>::max() - options.num_state_slots ||
+      (snapshots > 0 && (options.num_state_slots == 0 || !enable_prefix_caching_))) {
+    throw std::invalid_argument("PagedBlockManager: num_state_snapshots must be >= 0, and > 0 "
+                                "only with state slots and prefix caching, got " +
+                                std::to_string(snapshots));
+  }
+  if (options.num_state_slots > 0 && enable_prefix_caching_ &&
+      (snapshots == 0 || !groups_[0].chains_parents())) {
+    throw std::invalid_argument("PagedBlockManager: prefix caching with state slots needs state "
+                                "snapshots (a hit must end where a state was saved) and a first "
+                                "group of full attention");
   }
   num_state_slots_ = options.num_state_slots;
   for (int64_t slot = num_state_slots_ - 1; slot >= 0; --slot) {
     free_states_.push_back(static_cast<int32_t>(slot));
+  }
+  num_state_snapshots_ = snapshots;
+  for (int64_t slot = num_state_pool_slots() - 1; slot >= num_state_slots_; --slot) {
+    free_snapshots_.push_back(static_cast<int32_t>(slot));
   }
 }
 
@@ -220,6 +233,10 @@ int64_t PagedBlockManager::allocate(int64_t seq_id, const std::vector<int32_t>& 
   seq.num_computed = hit;
   seq.num_hashed = match.num_blocks;
   seq.chain_hash = match.last_hash;
+  if (match.state_source >= 0) {  // the state at the hit's end, before the step reads it
+    state_copies_.push_back({match.state_source, seq.state_slot});
+    snapshots_.at(match.last_hash).last_used = ++snapshot_clock_;
+  }
   if (enable_prefix_caching_) {
     prefix_cache_queries_ += num_prompt;
     prefix_cache_hits_ += hit;
@@ -394,6 +411,7 @@ void PagedBlockManager::mark_computed(int64_t seq_id, int64_t num_computed_token
     }
     seq.chain_hash = hash;
   }
+  if (num_state_snapshots_ > 0) ready_state_snapshot(seq_id, seq);
 }
 
 void PagedBlockManager::fork(int64_t parent_id, int64_t child_id) {
@@ -434,6 +452,15 @@ void PagedBlockManager::fork(int64_t parent_id, int64_t child_id) {
 
 void PagedBlockManager::free(int64_t seq_id) {
   const Sequence& seq = sequence(seq_id);
+  // A snapshot planned and not ready was to be taken from this sequence's state: drop it.
+  for (auto it = planned_snapshots_.begin(); it != planned_snapshots_.end();) {
+    if (it->seq_id == seq_id && !it->ready) {
+      free_snapshots_.push_back(it->slot);
+      it = planned_snapshots_.erase(it);
+    } else {
+      ++it;
+    }
+  }
   // Last blocks first: they are the least likely to be shared, so they end up evicted first.
   for (const std::vector<int32_t>& table : seq.tables) {
     for (auto it = table.rbegin(); it != table.rend(); ++it) {

@@ -107,6 +107,27 @@ void PagedBlockManager::check_invariants() const {
   for (int64_t slot = 0; slot < num_state_slots_; ++slot) {
     if (holders[slot] == 0) fail("state slot " + std::to_string(slot) + " is lost");
   }
+  // Snapshot slots: each one free, planned for this step, or holding one snapshot (under its
+  // hash).
+  std::vector<int> snapshot_holders(num_state_snapshots_, 0);
+  const auto keep = [&](int32_t slot, const std::string& who) {
+    const int64_t i = slot - num_state_slots_;
+    if (i < 0 || i >= num_state_snapshots_) {
+      fail(who + " holds snapshot slot " + std::to_string(slot));
+    }
+    if (snapshot_holders[i]++) fail("snapshot slot " + std::to_string(slot) + " is held twice");
+  };
+  for (int32_t slot : free_snapshots_) keep(slot, "the free snapshot list");
+  for (const PlannedSnapshot& p : planned_snapshots_) {
+    keep(p.slot, "a planned snapshot");
+    if (!has_sequence(p.seq_id) && !p.ready) fail("a planned snapshot's sequence is gone");
+  }
+  for (const auto& [hash, snapshot] : snapshots_) keep(snapshot.slot, "a snapshot");
+  for (int64_t i = 0; i < num_state_snapshots_; ++i) {
+    if (snapshot_holders[i] == 0) {
+      fail("snapshot slot " + std::to_string(num_state_slots_ + i) + " is lost");
+    }
+  }
 }
 
 }  // namespace kvserve

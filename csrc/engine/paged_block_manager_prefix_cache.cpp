@@ -38,9 +38,11 @@ PagedBlockManager::PrefixMatch PagedBlockManager::match_prefix(const std::vector
     match_full_group(tokens, extra_key, g, num, hashes, match.blocks[g]);
     num = static_cast<int64_t>(match.blocks[g].size());
   }
-  // The longest prefix whose window every sliding group still holds.
+  // The longest prefix whose window every sliding group still holds (and, with a state pool,
+  // whose last block has a snapshot of the state there).
   for (;; --num) {
-    bool all = true;
+    bool all = num_state_snapshots_ == 0 || num == 0 ||
+               snapshot_at(hashes[num - 1], match.blocks[0][num - 1]) != nullptr;
     for (int64_t g = 0; g < num_groups() && all; ++g) {
       if (!groups_[g].chains_parents())
         all = match_window(tokens, extra_key, g, num, hashes, match.blocks[g]);
@@ -56,6 +58,9 @@ PagedBlockManager::PrefixMatch PagedBlockManager::match_prefix(const std::vector
     }
   }
   match.last_hash = num > 0 ? hashes[num - 1] : kRootHash;
+  if (num > 0 && num_state_snapshots_ > 0) {
+    match.state_source = snapshot_at(match.last_hash, match.blocks[0][num - 1])->slot;
+  }
   return match;
 }
 

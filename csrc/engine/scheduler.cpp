@@ -105,6 +105,8 @@ SchedulerOutput Scheduler::schedule(int64_t num_speculative_tokens) {
     throw std::invalid_argument("num_speculative_tokens must be >= 0");
   }
   SchedulerOutput out;
+  // Snapshots planned for a step that did not run hold states never written.
+  blocks_.discard_state_snapshots();
   int64_t budget = config_.max_num_batched_tokens;
   schedule_running(/*decodes=*/true, budget, out, num_speculative_tokens);
   schedule_running(/*decodes=*/false, budget, out, 0);
@@ -128,6 +130,9 @@ void Scheduler::describe(SchedulerOutput& out) const {
     }
     sched.lora_slot = s.lora_slot;
     sched.state_slot = blocks_.state_slot(sched.seq_id);
+    const std::optional<StateCopy> snapshot =
+        blocks_.snapshot_state(sched.seq_id, sched.num_computed + sched.num_new_tokens);
+    if (snapshot) out.state_snapshots.push_back(*snapshot);
   }
   out.state_copies = blocks_.take_state_copies();
 }
@@ -149,7 +154,7 @@ void Scheduler::schedule_running(bool decodes, int64_t& budget, SchedulerOutput&
     for (const auto& sched : out.scheduled) {
       budget -= sched.num_new_tokens + sched.num_speculative_tokens;
     }
-    const int64_t chunk = std::min(remaining, budget);
+    const int64_t chunk = aligned_chunk(s.num_computed_tokens, std::min(remaining, budget));
     if (chunk == 0) return;
     // Sliding-window groups reserve prefill chunks as they come (a no-op otherwise, and for a
     // decode whose slot append_slots reserved).
@@ -161,6 +166,13 @@ void Scheduler::schedule_running(bool decodes, int64_t& budget, SchedulerOutput&
                              .num_speculative_tokens = drafts});
     budget -= chunk + drafts;
   }
+}
+
+int64_t Scheduler::aligned_chunk(int64_t num_computed, int64_t chunk) const {
+  if (blocks_.num_state_snapshots() == 0) return chunk;
+  const int64_t block = blocks_.block_size();
+  const int64_t boundary = (num_computed + chunk) / block * block;
+  return boundary > num_computed ? boundary - num_computed : chunk;
 }
 
 int64_t Scheduler::reserve_draft_slots(int64_t seq_id, int64_t wanted, int64_t budget,
@@ -269,7 +281,7 @@ void Scheduler::admit_waiting(int64_t& budget, SchedulerOutput& out) {
     s.num_cached_tokens = cached;
     ++s.num_admissions;
     const int64_t remaining = s.num_tokens() - cached;
-    const int64_t chunk = std::min(remaining, budget);
+    const int64_t chunk = aligned_chunk(cached, std::min(remaining, budget));
     out.scheduled.push_back({.seq_id = id,
                              .num_computed = cached,
                              .num_new_tokens = chunk,

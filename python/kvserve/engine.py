@@ -280,15 +280,17 @@ class LLMEngine:
             full_len, full_len, self.engine.config.max_num_batched_tokens)
         concurrent = (kv.num_blocks - 1) // per_sequence
         plan = f"kvserve: weights {self.model.weight_bytes / 2**20:.1f} MiB ({self.dtype}); "
+        running = self.engine.block_manager.num_state_slots()  # a state slot each
+        snapshots = self.engine.block_manager.num_state_snapshots()
         if kv.layout.num_layers == 0:  # every layer keeps a state (Mamba2): blocks count tokens
-            plan += (f"no KV cache (no attention layers); {kv.num_state_slots} sequences of "
+            plan += (f"no KV cache (no attention layers); {running} sequences of "
                      f"max_model_len {full_len} fit at once")
         else:
             kv_bytes = kv.nbytes - kv.num_state_slots * kv.state_bytes_per_sequence
             plan += (f"KV cache {kv_bytes / 2**20:.1f} MiB = {kv.num_blocks - 1} blocks x "
                      f"{kv.block_size} tokens = {kv.capacity_tokens:,} tokens at "
                      f"{kv.bytes_per_token:,} bytes/token; "
-                     f"{min(concurrent, kv.num_state_slots or concurrent)} sequences of "
+                     f"{min(concurrent, running or concurrent)} sequences of "
                      f"max_model_len {full_len} fit at once")
         if self.kv_cache_dtype != self.dtype:
             plain = kv.layout.bytes_per_slot_token(self.dtype)
@@ -308,7 +310,10 @@ class LLMEngine:
                      f"layers: conv [{state.conv_dim}, {state.conv_kernel - 1}] in "
                      f"{str(self.dtype).removeprefix('torch.')}, "
                      f"SSM [{state.num_heads}, {state.head_dim}, {state.state_size}] in "
-                     f"{str(ssm).removeprefix('torch.')}); prefix caching off")
+                     f"{str(ssm).removeprefix('torch.')})")
+            plan += (f"; prefix caching on: {snapshots} of the slots keep states saved at block "
+                     "boundaries" if snapshots else
+                     "; prefix caching off (num_state_snapshots saves states for it)")
         if kv.layout.groups:
             local = [g for g in kv.layout.groups if g.sliding_window]
             kinds = (f"{len(kv.layout.groups) - len(local)} global, {len(local)} local (window "

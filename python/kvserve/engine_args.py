@@ -75,6 +75,10 @@ class EngineArgs:
         "float32", "state-space layers' SSM states (one per running sequence): float32, or auto "
         "(the model's dtype: half the state memory, a rounding per step)",
         choices=("float32", "auto", "bfloat16", "float16"))
+    num_state_snapshots: int = option(
+        0, "state-space layers: states saved at block boundaries, beyond one per running "
+        "sequence, so that prefix caching can resume from them (prefill chunks then end at block "
+        "boundaries); 0: prefix caching off for such models")
     quantized_activation: str = option(
         "auto", "int8 / int4 weights: round each projection's input to int8 blocks of 32 and "
         "multiply in integers (int8, llama.cpp's scheme), or multiply the dequantized weight "
@@ -194,7 +198,8 @@ class EngineArgs:
             max_stop_string_length=self.max_stop_string_length,
             max_waiting_requests=self.max_waiting_requests,
             ssm_state_dtype=(dtype if self.mamba_ssm_cache_dtype == "auto"
-                             else getattr(torch, self.mamba_ssm_cache_dtype)))
+                             else getattr(torch, self.mamba_ssm_cache_dtype)),
+            num_state_snapshots=self.num_state_snapshots)
         return _C.resolve_engine_config(c, config, dtype, draft_config)
 
 

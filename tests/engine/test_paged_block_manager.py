@@ -182,9 +182,70 @@ def test_state_slots_beside_the_blocks():
     plain = PagedBlockManager(num_blocks=8)
     plain.allocate(1, [1, 2])
     assert plain.state_slot(1) == -1 and plain.num_state_slots() == 0
-    with pytest.raises(ValueError, match="prefix caching is not supported with state slots"):
+    with pytest.raises(ValueError, match="prefix caching with state slots needs state snapshots"):
         PagedBlockManager(num_blocks=8, num_state_slots=2)
+    with pytest.raises(ValueError, match="num_state_snapshots must be >= 0, and > 0 only with"):
+        PagedBlockManager(num_blocks=8, num_state_snapshots=2)
+    with pytest.raises(ValueError, match="and a first group of full attention"):
+        PagedBlockManager(num_blocks=8, num_state_slots=2, num_state_snapshots=1,
+                          group_windows=[6, 0])
     with pytest.raises(ValueError, match="num_state_slots must be in"):
         PagedBlockManager(num_blocks=8, enable_prefix_caching=False, num_state_slots=-1)
     with pytest.raises(ValueError, match="num_states must be >= 1"):
         m.allocate(4, [1], num_states=0)
+
+
+def test_state_snapshots_serve_prefix_hits_from_the_step_after():
+    """Prefix caching with state slots: snapshot_state plans the copy of a sequence's state at a
+    block boundary into a snapshot slot (after the step's forward); once committed it serves
+    hits, which end only at a block with a snapshot and queue its copy into the new sequence's
+    slot. A sequence admitted in the planning step sees none (its state is not written yet); a
+    step that did not run gives its slots back; the least recently used snapshot makes room."""
+    from kvserve._C import StateCopy
+
+    m = PagedBlockManager(num_blocks=40, block_size=4, num_state_slots=3, num_state_snapshots=2)
+    assert (m.num_state_pool_slots(), m.num_state_snapshots()) == (5, 2)
+    prompt = list(range(10, 23))  # 13 tokens: boundaries at 4, 8, 12
+    assert m.allocate(1, prompt) == 0
+    m.mark_computed(1, 12)  # the scheduler's chunk, ended at the last boundary
+    assert m.snapshot_state(1, 12) == StateCopy(0, 3)
+    assert m.snapshot_state(1, 12) is None  # one a step
+    assert m.snapshot_state(1, 10) is None  # not a boundary
+    assert m.allocate(2, prompt + [99]) == 0  # the same step: the state is not written yet
+    m.check_invariants()
+    m.commit_state_snapshots()
+    assert m.num_cached_states() == 1
+    m.free(2)
+    assert m.allocate(3, prompt + [98]) == 12
+    assert m.take_state_copies() == [StateCopy(3, m.state_slot(3))]
+    # No snapshot at 8: a prompt that shares two blocks only gets no hit.
+    assert m.allocate(4, prompt[:9] + [77, 78]) == 0
+    m.free(4)
+    # A running sequence: planned before its step, ready when marked computed after it.
+    m.mark_computed(1, 13)
+    for token in (50, 51, 52):
+        m.append_slots(1, [token])
+        planned = m.snapshot_state(1, m.num_tokens(1))
+        m.mark_computed(1, m.num_tokens(1))
+    assert planned == StateCopy(0, 4)
+    m.commit_state_snapshots()
+    assert m.num_cached_states() == 2
+    assert m.allocate(5, prompt + [50, 51, 52, 7]) == 16
+    assert m.take_state_copies() == [StateCopy(4, m.state_slot(5))]
+    m.free(5)
+    # Planned, then the step did not run: the slot comes back.
+    m.snapshot_state(3, 12)
+    m.discard_state_snapshots()
+    m.check_invariants()
+    # A third snapshot takes the least recently used one's slot (the hit at 16 used it last).
+    other = list(range(200, 209))
+    m.free(3)
+    m.allocate(6, other)
+    m.mark_computed(6, 8)
+    assert m.snapshot_state(6, 8) == StateCopy(m.state_slot(6), 3)
+    m.commit_state_snapshots()
+    assert m.num_cached_states() == 2
+    assert m.allocate(7, prompt + [1]) == 0  # the snapshot at 12 is gone
+    m.free(7)
+    assert m.allocate(8, prompt + [50, 51, 52, 8]) == 16
+    m.check_invariants()

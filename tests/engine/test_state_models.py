@@ -84,6 +84,56 @@ def test_greedy_tokens_and_logprobs_equal_transformers(model, reference, chunk):
         assert ours == pytest.approx(logprobs, abs=1e-4)
 
 
+# Prefix caching on: states saved at the boundaries of blocks of 8 tokens (the test prompts have
+# 11, 2, 21 and 7 tokens: hits at 8 and 16).
+SNAPSHOTS = dict(num_state_snapshots=16, block_size=8)
+
+
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_prefix_hits_resume_from_saved_states(model, reference, chunk):
+    """Each prompt again after all ran once: it resumes from the state saved at its last cached
+    block (and, in a hybrid, that prefix's KV), to transformers' tokens and log-probabilities."""
+    extra = {} if chunk is None else dict(max_num_batched_tokens=chunk, max_num_seqs=chunk)
+    llm = kvserve.LLM(model, dtype="float32", **SNAPSHOTS, **extra)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)
+    for _ in range(2):
+        outs = generate(llm, params=params)
+        for out, (tokens, logprobs) in zip(outs, reference):
+            assert out.outputs[0].token_ids == tokens
+            ours = [lp.logprob for lp in out.outputs[0].logprobs]
+            assert ours == pytest.approx(logprobs, abs=1e-4)
+    assert [out.num_cached_tokens for out in outs] == [8, 0, 16, 0]
+
+
+@pytest.mark.parametrize("snapshots", [1, 16])
+def test_prefix_hits_with_mixed_arrivals_equal_alone(model, reference, snapshots):
+    """Prompts sharing prefixes arrive while others prefill and decode, twice each (the second
+    copy in the same step as the first, which must not read a state the step has not written
+    yet); one snapshot slot evicts all the time. Every request gives its solo tokens."""
+    e = engine(model, max_num_batched_tokens=9, num_state_snapshots=snapshots, block_size=8)
+    requests = [(prompt, NUM_TOKENS, arrival) for prompt, arrival in zip(PROMPTS, (0, 2, 3, 9))]
+    requests += [(prompt, NUM_TOKENS, arrival) for prompt, arrival in zip(PROMPTS, (0, 5, 12, 30))]
+    requests.append((PROMPTS[0], NUM_TOKENS, 20))
+    got = run(e, requests)
+    solo = [tokens for tokens, _ in reference]
+    assert [got[str(i)] for i in range(len(requests))] == solo + solo + solo[:1]
+    assert e.block_manager.prefix_cache_hits() > 0 or snapshots == 1
+    e.block_manager.check_invariants()
+
+
+def test_prefix_hits_survive_preemption(model, reference):
+    """A pool too small for every sequence: preempted sequences come back through the prefix
+    cache, resuming from the states saved before."""
+    e = engine(model, block_size=4, num_blocks=12, max_num_batched_tokens=16,
+               num_state_snapshots=4)
+    for i, prompt in enumerate(PROMPTS):
+        e.add_request(str(i), prompt, GREEDY)
+    final = drain(e)
+    assert e.scheduler.num_preemptions > 0
+    assert [final[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))] == [
+        tokens for tokens, _ in reference]
+
+
 def test_batched_with_mixed_arrivals_equals_alone(model, reference):
     """Requests arriving while others prefill or decode: each gives its solo tokens."""
     e = engine(model, max_num_batched_tokens=9)
@@ -209,7 +259,12 @@ def test_memory_plan_shows_the_fixed_state_per_sequence(mamba2):
                                                          s.state_size)] * 3
     plan = e.memory_plan()
     assert f"5 slots x {3 * per_layer:,} bytes/sequence, whatever its length" in plan
-    assert "prefix caching off" in plan
+    assert "prefix caching off (num_state_snapshots saves states for it)" in plan
+    cached = engine(mamba2, max_num_seqs=5, num_state_snapshots=3)
+    assert cached.kv_cache.num_state_slots == 8 and cached.engine.config.enable_prefix_caching
+    assert cached.kv_cache.state_bytes_per_sequence == 3 * per_layer
+    assert "prefix caching on: 3 of the slots keep states saved at block boundaries" in (
+        cached.memory_plan())
     half = kvserve.LLMEngine(mamba2, dtype="bfloat16", max_num_seqs=5, log_memory_plan=False,
                              mamba_ssm_cache_dtype="auto")
     assert half.kv_cache.ssm_states[0].dtype == torch.bfloat16

@@ -43,9 +43,13 @@ struct EngineConfig {
   /// (vLLM's --mamba-ssm-cache-dtype). The pool holds one state per running sequence
   /// (max_num_seqs), within kv_cache_memory when that is given.
   std::optional<at::ScalarType> ssm_state_dtype;
-  /// Reuse of cached prompt blocks; always off for a model with state-space layers (no state is
-  /// saved at block boundaries to resume from).
+  /// Reuse of cached prompt blocks. For a model with state-space layers only with
+  /// num_state_snapshots > 0 (a hit resumes from a state saved at its last block); off otherwise.
   bool enable_prefix_caching = true;
+  /// A model with state-space layers: slots of the state pool, beyond max_num_seqs, that keep
+  /// states saved at block boundaries for prefix hits (PagedBlockManager's snapshots; prefill
+  /// chunks then end at block boundaries). 0: prefix caching off for such a model.
+  int64_t num_state_snapshots = 0;
   std::vector<int64_t> eos_token_ids;
   int64_t max_logprobs = 20;  ///< SamplingParams::logprobs at most (vLLM's default)
   SpeculativeConfig speculative;  ///< off unless speculative.method is set

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
@@ -59,9 +60,14 @@ struct BlockManagerOptions {
   /// default is one full-attention group.
   std::vector<int64_t> group_windows = {0};
   /// State slots of a model with state-space layers (KVCacheLayout's state group), 0 for none:
-  /// every sequence holds one from allocate (or fork) to free. Prefix caching must then be off
-  /// (a cached block has no state saved at its boundary).
+  /// every sequence holds one from allocate (or fork) to free.
   int64_t num_state_slots = 0;
+  /// With state slots, prefix caching needs states saved at block boundaries (snapshots; vLLM's
+  /// "align" mode): this many more slots of the state pool (ids from num_state_slots on) hold
+  /// the state of a cached block's prefix, and a prefix hit ends only at a block that has one.
+  /// Prefix caching with state slots needs at least one, and a first group of full attention
+  /// (whose blocks identify the prefix).
+  int64_t num_state_snapshots = 0;
 };
 
 /// Copy state slot `src` into `dst` (every state layer) before the step: a forked sequence
@@ -140,11 +146,30 @@ class PagedBlockManager {
 
   /// The state slot of `seq_id` (-1 without a state pool).
   int32_t state_slot(int64_t seq_id) const { return sequence(seq_id).state_slot; }
-  /// The state copies queued by fork since the last call, to apply before the next step.
+  /// The state copies queued by fork and by prefix hits (a snapshot into the new sequence's
+  /// slot) since the last call, to apply before the next step.
   std::vector<StateCopy> take_state_copies();
-  /// State slots in the pool (0: none), and those no sequence holds or keeps.
+  /// State slots in the pool for sequences (0: none), and those no sequence holds or keeps.
   int64_t num_state_slots() const { return num_state_slots_; }
   int64_t num_free_state_slots() const { return static_cast<int64_t>(free_states_.size()); }
+
+  /// State snapshots (BlockManagerOptions::num_state_snapshots). The next step computes the
+  /// tokens of `seq_id` up to position `end`: where `end` is a block boundary, takes a snapshot
+  /// slot (a free one, one whose block left the prefix cache, else the least recently used) and
+  /// returns the copy of the sequence's state into it, to apply after the step's forward; the
+  /// snapshot serves prefix hits once the step is committed (commit_state_snapshots). Returns
+  /// nothing otherwise (no snapshots, not a boundary, the boundary block not cacheable).
+  std::optional<StateCopy> snapshot_state(int64_t seq_id, int64_t end);
+  /// After a step ran and its sequences were marked computed: its snapshots whose blocks entered
+  /// the prefix cache become hits; the others' slots are free again.
+  void commit_state_snapshots();
+  /// Gives back the slots of snapshots planned and not committed (a step that did not run).
+  void discard_state_snapshots();
+  /// Snapshot slots in the pool, and those holding a committed snapshot.
+  int64_t num_state_snapshots() const { return num_state_snapshots_; }
+  int64_t num_cached_states() const { return static_cast<int64_t>(snapshots_.size()); }
+  /// Slots of the state pool: sequences' and snapshots'.
+  int64_t num_state_pool_slots() const { return num_state_slots_ + num_state_snapshots_; }
 
   /// Drops `seq_id`; blocks no longer referenced go back to the free queue (cached ones stay
   /// reusable by prefix hits until evicted).
@@ -237,12 +262,32 @@ class PagedBlockManager {
 
   /// Longest verified cached prefix of a prompt (full blocks within its first len-1 tokens):
   /// num_blocks blocks; per group the hit blocks (a sliding-window group's: those of its window
-  /// before the hit, from index first[group] on).
+  /// before the hit, from index first[group] on). With a state pool, one whose last block has a
+  /// snapshot of the state there (state_source, its slot).
   struct PrefixMatch {
     int64_t num_blocks = 0;
     std::vector<std::vector<int32_t>> blocks;
     std::vector<int64_t> first;
     uint64_t last_hash = 0;
+    int32_t state_source = -1;
+  };
+
+  /// A state saved at a cached block's end: its slot, the block (first group) whose prefix it
+  /// is the state of (a hit must match that very block), when it last served a hit.
+  struct StateSnapshot {
+    int32_t slot;
+    BlockRef block;
+    uint64_t last_used;
+  };
+  /// A snapshot planned for a step: the sequence, the boundary; its hash and block once that
+  /// block is cached (ready).
+  struct PlannedSnapshot {
+    int64_t seq_id;
+    int64_t end;
+    int32_t slot;
+    bool ready = false;
+    uint64_t hash = 0;
+    BlockRef block{0, 0};
   };
 
   const Sequence& sequence(int64_t seq_id) const;
@@ -294,6 +339,18 @@ class PagedBlockManager {
   int64_t num_state_slots_ = 0;
   std::vector<int32_t> free_states_;  // the last is handed out next
   std::vector<StateCopy> state_copies_;
+  int64_t num_state_snapshots_ = 0;
+  std::unordered_map<uint64_t, StateSnapshot> snapshots_;  // by the block's chained hash
+  std::vector<int32_t> free_snapshots_;
+  std::vector<PlannedSnapshot> planned_snapshots_;
+  uint64_t snapshot_clock_ = 0;
+  /// The snapshot of the prefix ending with block `index` (hash `hash`, matched as block
+  /// `block_id` in the first group), or nullptr.
+  const StateSnapshot* snapshot_at(uint64_t hash, int32_t block_id) const;
+  /// A snapshot slot for a new snapshot, or -1 (every one planned this step).
+  int32_t take_snapshot_slot();
+  /// Marks `seq`'s planned snapshot at its last hashed block ready (mark_computed).
+  void ready_state_snapshot(int64_t seq_id, const Sequence& seq);
   int64_t prefix_cache_queries_ = 0;
   int64_t prefix_cache_hits_ = 0;
 };

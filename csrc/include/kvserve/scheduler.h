@@ -52,7 +52,10 @@ struct ScheduledSequence {
 struct SchedulerOutput {
   std::vector<ScheduledSequence> scheduled;
   std::vector<BlockCopy> block_copies;  ///< copy-on-write copies to do before the forward
-  std::vector<StateCopy> state_copies;  ///< forked sequences' states, also before the forward
+  std::vector<StateCopy> state_copies;  ///< forked sequences' and prefix hits' states, also before
+                                        ///< the forward
+  /// States saved at block boundaries (PagedBlockManager::snapshot_state), after the forward.
+  std::vector<StateCopy> state_snapshots;
   std::vector<int64_t> preempted;       ///< sent back to the waiting queue this step
   /// Sequences admitted this step whose prompt KV is loaded from elsewhere (add's load_prompt):
   /// their blocks are allocated; the step computes nothing for them.
@@ -178,6 +181,10 @@ class Scheduler {
   /// Draft slots for a decoding sequence: up to `wanted`, within its limits and the budget, if
   /// the pool has them without preempting. Reserves them with its new token; 0 if none.
   int64_t reserve_draft_slots(int64_t seq_id, int64_t wanted, int64_t budget, SchedulerOutput& out);
+  /// A prefill chunk of `chunk` tokens after `num_computed`, ended at the last block boundary it
+  /// crosses where states are saved at boundaries (PagedBlockManager::snapshot_state), so that
+  /// the state there can be saved; the rest follows in the next step.
+  int64_t aligned_chunk(int64_t num_computed, int64_t chunk) const;
   void preempt_last(SchedulerOutput& out);
   void schedule_running(bool decodes, int64_t& budget, SchedulerOutput& out,
                         int64_t num_speculative_tokens);

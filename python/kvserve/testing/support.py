@@ -20,7 +20,8 @@ sentence). What "ok" means, per feature:
 - speculative: n-gram lookup, a draft model (the checkpoint drafting for itself) and, for the
   architectures whose checkpoints carry multi-token-prediction modules, those (random modules
   written into a copy): greedy tokens equal plain decoding's.
-- prefix_caching: a repeated prompt reuses cached blocks and gives the same tokens.
+- prefix_caching: a repeated prompt reuses cached blocks and gives the same tokens (a model with
+  state-space layers with 4 state snapshots, its states saved at block boundaries).
 - cuda_graphs: whether the engine's resolved config keeps decode graphs for the model (the rule
   the engine applies; replay itself needs a GPU: tests/e2e/test_cuda_engine.py).
 - tensor_parallel: two Gloo ranks (`tensor_parallel_size=2`) give plain decoding's greedy tokens.
@@ -220,11 +221,12 @@ def _prefix_caching(path: Path, work: Path, plain: list[int]) -> dict[str, str]:
 
     prompt = [1] + [(7 * i) % 200 + 3 for i in range(40)]  # two full blocks of 16
     llm = _llm(path, enable_prefix_caching=True)
+    if llm.llm_engine.config.num_ssm_layers():  # states saved at block boundaries
+        llm = _llm(path, enable_prefix_caching=True, num_state_snapshots=4)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     first, again = (llm.generate([prompt], params, use_tqdm=False)[0] for _ in range(2))
     if again.num_cached_tokens == 0:
-        return {"yes": "off: no state is saved at block boundaries"
-                if llm.llm_engine.config.num_ssm_layers() else "a repeated prompt reused no block"}
+        return {"yes": "a repeated prompt reused no block"}
     if again.outputs[0].token_ids != first.outputs[0].token_ids:
         return {"yes": "a cached prefix changed the tokens"}
     return {"yes": OK}
