@@ -52,6 +52,7 @@ ORDER = [
     "cpu_quantized_kv",
     "paged_kv_cache",
     "state_models",
+    "state_prefix_cache",
     "cpu_sampling",
     "lora_serving",
     "pruning_distillation",

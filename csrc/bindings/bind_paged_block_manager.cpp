@@ -65,6 +65,7 @@ void bind_paged_block_manager(py::module_& m) {
       .def("snapshot_state", &M::snapshot_state, py::arg("seq_id"), py::arg("end"),
            "The StateCopy into a snapshot slot to do after the step, or None.")
       .def("commit_state_snapshots", &M::commit_state_snapshots)
+      .def("snapshot_boundary", &M::snapshot_boundary, py::arg("seq_id"))
       .def("discard_state_snapshots", &M::discard_state_snapshots)
       .def("num_state_snapshots", &M::num_state_snapshots)
       .def("num_cached_states", &M::num_cached_states)

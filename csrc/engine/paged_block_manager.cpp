@@ -233,6 +233,9 @@ int64_t PagedBlockManager::allocate(int64_t seq_id, const std::vector<int32_t>& 
   seq.num_computed = hit;
   seq.num_hashed = match.num_blocks;
   seq.chain_hash = match.last_hash;
+  if (num_state_snapshots_ > 0 && match.num_shared_blocks > match.num_blocks) {
+    seq.snapshot_end = match.num_shared_blocks * block_size_;
+  }
   if (match.state_source >= 0) {  // the state at the hit's end, before the step reads it
     state_copies_.push_back({match.state_source, seq.state_slot});
     snapshots_.at(match.last_hash).last_used = ++snapshot_clock_;

@@ -38,6 +38,7 @@ PagedBlockManager::PrefixMatch PagedBlockManager::match_prefix(const std::vector
     match_full_group(tokens, extra_key, g, num, hashes, match.blocks[g]);
     num = static_cast<int64_t>(match.blocks[g].size());
   }
+  match.num_shared_blocks = num;
   // The longest prefix whose window every sliding group still holds (and, with a state pool,
   // whose last block has a snapshot of the state there).
   for (;; --num) {

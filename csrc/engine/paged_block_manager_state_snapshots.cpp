@@ -86,6 +86,11 @@ void PagedBlockManager::ready_state_snapshot(int64_t seq_id, const Sequence& seq
   }
 }
 
+int64_t PagedBlockManager::snapshot_boundary(int64_t seq_id) const {
+  const Sequence& seq = sequence(seq_id);
+  return seq.snapshot_end > seq.num_computed ? seq.snapshot_end : 0;
+}
+
 void PagedBlockManager::commit_state_snapshots() {
   for (const PlannedSnapshot& p : planned_snapshots_) {
     const auto it = snapshots_.find(p.hash);

@@ -154,7 +154,7 @@ void Scheduler::schedule_running(bool decodes, int64_t& budget, SchedulerOutput&
     for (const auto& sched : out.scheduled) {
       budget -= sched.num_new_tokens + sched.num_speculative_tokens;
     }
-    const int64_t chunk = aligned_chunk(s.num_computed_tokens, std::min(remaining, budget));
+    const int64_t chunk = aligned_chunk(id, s.num_computed_tokens, std::min(remaining, budget));
     if (chunk == 0) return;
     // Sliding-window groups reserve prefill chunks as they come (a no-op otherwise, and for a
     // decode whose slot append_slots reserved).
@@ -168,8 +168,10 @@ void Scheduler::schedule_running(bool decodes, int64_t& budget, SchedulerOutput&
   }
 }
 
-int64_t Scheduler::aligned_chunk(int64_t num_computed, int64_t chunk) const {
+int64_t Scheduler::aligned_chunk(int64_t seq_id, int64_t num_computed, int64_t chunk) const {
   if (blocks_.num_state_snapshots() == 0) return chunk;
+  const int64_t shared = blocks_.snapshot_boundary(seq_id);
+  if (shared > num_computed && shared < num_computed + chunk) return shared - num_computed;
   const int64_t block = blocks_.block_size();
   const int64_t boundary = (num_computed + chunk) / block * block;
   return boundary > num_computed ? boundary - num_computed : chunk;
@@ -281,7 +283,7 @@ void Scheduler::admit_waiting(int64_t& budget, SchedulerOutput& out) {
     s.num_cached_tokens = cached;
     ++s.num_admissions;
     const int64_t remaining = s.num_tokens() - cached;
-    const int64_t chunk = aligned_chunk(cached, std::min(remaining, budget));
+    const int64_t chunk = aligned_chunk(id, cached, std::min(remaining, budget));
     out.scheduled.push_back({.seq_id = id,
                              .num_computed = cached,
                              .num_new_tokens = chunk,

@@ -249,3 +249,14 @@ def test_state_snapshots_serve_prefix_hits_from_the_step_after():
     m.free(7)
     assert m.allocate(8, prompt + [50, 51, 52, 8]) == 16
     m.check_invariants()
+    # A prompt sharing blocks with the cache past its hit: its next chunk should end where they
+    # end (snapshot_boundary), so that the state there is saved for the next such prompt.
+    for seq in (1, 6, 8):
+        m.free(seq)
+    assert m.allocate(9, other[:8] + [5] * 5) == 8  # from the snapshot at 8
+    assert m.snapshot_boundary(9) == 0
+    m.mark_computed(9, 12)  # no snapshot planned: block 3 cached without a state
+    assert m.allocate(10, other[:8] + [5] * 4 + [6] * 3) == 8
+    assert m.snapshot_boundary(10) == 12  # where it parts from seq 9
+    m.mark_computed(10, 12)
+    assert m.snapshot_boundary(10) == 0

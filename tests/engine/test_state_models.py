@@ -105,6 +105,21 @@ def test_prefix_hits_resume_from_saved_states(model, reference, chunk):
     assert [out.num_cached_tokens for out in outs] == [8, 0, 16, 0]
 
 
+def test_a_shared_prefix_is_saved_where_prompts_part(model):
+    """Three prompts share 21 tokens (2 full blocks of 8) and part after: the first saves its
+    state at its own end only; the second finds those 2 blocks without a state, ends a prefill
+    chunk there and saves one; the third resumes from it. Each gives its tokens without caching."""
+    shared = PROMPTS[2]
+    prompts = [shared + [40 + i, 41 + i, 42] for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    alone = [o.outputs[0].token_ids
+             for o in generate(kvserve.LLM(model, dtype="float32"), prompts, params)]
+    llm = kvserve.LLM(model, dtype="float32", **SNAPSHOTS)
+    outs = [generate(llm, [prompt], params)[0] for prompt in prompts]
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 16]
+    assert [o.outputs[0].token_ids for o in outs] == alone
+
+
 @pytest.mark.parametrize("snapshots", [1, 16])
 def test_prefix_hits_with_mixed_arrivals_equal_alone(model, reference, snapshots):
     """Prompts sharing prefixes arrive while others prefill and decode, twice each (the second

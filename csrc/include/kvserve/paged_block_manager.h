@@ -165,6 +165,11 @@ class PagedBlockManager {
   void commit_state_snapshots();
   /// Gives back the slots of snapshots planned and not committed (a step that did not run).
   void discard_state_snapshots();
+  /// Where the next prefill chunk of `seq_id` should end so that its state there is saved: the
+  /// end of the blocks its prompt shares with the prefix cache past its hit (another request
+  /// computed them without a snapshot where this one's prompt parts from it), or 0. The next
+  /// request sharing that prefix then resumes from there.
+  int64_t snapshot_boundary(int64_t seq_id) const;
   /// Snapshot slots in the pool, and those holding a committed snapshot.
   int64_t num_state_snapshots() const { return num_state_snapshots_; }
   int64_t num_cached_states() const { return static_cast<int64_t>(snapshots_.size()); }
@@ -251,6 +256,7 @@ class PagedBlockManager {
     int64_t num_computed = 0;
     uint64_t extra_key = 0;
     int32_t state_slot = -1;                 // -1: no state pool
+    int64_t snapshot_end = 0;                // see snapshot_boundary
     std::vector<int32_t> reserved_states;    // kept for the sequences forked from this one
     // Prefix-cache chain over the first num_hashed full computed blocks: the last block's hash,
     // and per full-attention group the cached block holding its content (parent of the next
@@ -270,6 +276,7 @@ class PagedBlockManager {
     std::vector<int64_t> first;
     uint64_t last_hash = 0;
     int32_t state_source = -1;
+    int64_t num_shared_blocks = 0;  // the full groups' verified blocks, before the state's cut
   };
 
   /// A state saved at a cached block's end: its slot, the block (first group) whose prefix it

@@ -181,10 +181,12 @@ class Scheduler {
   /// Draft slots for a decoding sequence: up to `wanted`, within its limits and the budget, if
   /// the pool has them without preempting. Reserves them with its new token; 0 if none.
   int64_t reserve_draft_slots(int64_t seq_id, int64_t wanted, int64_t budget, SchedulerOutput& out);
-  /// A prefill chunk of `chunk` tokens after `num_computed`, ended at the last block boundary it
-  /// crosses where states are saved at boundaries (PagedBlockManager::snapshot_state), so that
-  /// the state there can be saved; the rest follows in the next step.
-  int64_t aligned_chunk(int64_t num_computed, int64_t chunk) const;
+  /// A prefill chunk of `chunk` tokens of `seq_id` after `num_computed`, where states are saved
+  /// at boundaries (PagedBlockManager::snapshot_state): ended at the end of the prefix it shares
+  /// with the cache past its hit (PagedBlockManager::snapshot_boundary) if the chunk crosses it,
+  /// else at the last block boundary it crosses, so that the state there can be saved; the rest
+  /// follows in the next step.
+  int64_t aligned_chunk(int64_t seq_id, int64_t num_computed, int64_t chunk) const;
   void preempt_last(SchedulerOutput& out);
   void schedule_running(bool decodes, int64_t& budget, SchedulerOutput& out,
                         int64_t num_speculative_tokens);
