@@ -84,6 +84,10 @@ EngineConfig resolve_engine_config(EngineConfig c, const ModelConfig& model, at:
   }
   const KVCacheLayout layout = KVCacheLayout::for_model(model);
   int64_t state_bytes = 0;
+  if (!layout.has_state() && c.num_state_snapshots != 0) {
+    bad("num_state_snapshots is for models with state-space layers; " + model.architecture +
+        " has none");
+  }
   if (layout.has_state()) {
     if (c.ssm_state_dtype && *c.ssm_state_dtype != at::kFloat && *c.ssm_state_dtype != dtype) {
       bad("ssm_state_dtype must be float32 or the model's dtype, got " +
@@ -93,8 +97,9 @@ EngineConfig resolve_engine_config(EngineConfig c, const ModelConfig& model, at:
       bad("speculative decoding is not supported for models with state-space layers (" +
           model.architecture + "): it would need a state per draft position");
     }
-    if (c.num_state_snapshots < 0) {
-      bad("num_state_snapshots must be >= 0, got " + number(c.num_state_snapshots));
+    if (c.num_state_snapshots < 0 || c.num_state_snapshots > kMaxStateSnapshots) {
+      bad("num_state_snapshots must be in [0, " + number(kMaxStateSnapshots) + "], got " +
+          number(c.num_state_snapshots));
     }
     // A hit needs a state saved at its boundary, and the snapshots' blocks a group of full
     // attention to be named by (a model whose every attention layer slides has none).
@@ -103,8 +108,19 @@ EngineConfig resolve_engine_config(EngineConfig c, const ModelConfig& model, at:
     c.enable_prefix_caching = c.enable_prefix_caching && c.num_state_snapshots > 0 && full_group;
     if (!c.enable_prefix_caching) c.num_state_snapshots = 0;
     c.cuda_graph_max_batch = 0;       // the graphs capture attention-only batches
-    state_bytes = (c.max_num_seqs + c.num_state_snapshots) *
-                  layout.state.bytes_per_sequence(dtype, c.ssm_state_dtype.value_or(at::kFloat));
+    const int64_t per_state =
+        layout.state.bytes_per_sequence(dtype, c.ssm_state_dtype.value_or(at::kFloat));
+    const int64_t states = c.max_num_seqs + c.num_state_snapshots;
+    // Without a budget, the states alone may take what the default KV budget would.
+    const int64_t budget = c.kv_cache_memory > 0 ? c.kv_cache_memory : kDefaultKVCacheMemory;
+    if (per_state > 0 && states > budget / per_state) {
+      bad("the state pool (max_num_seqs " + number(c.max_num_seqs) + " + num_state_snapshots " +
+          number(c.num_state_snapshots) + " states of " + number(per_state) +
+          " bytes) exceeds " + (c.kv_cache_memory > 0 ? "kv_cache_memory (" : "the default budget (") +
+          number(budget) + " bytes): lower them" +
+          (c.kv_cache_memory > 0 ? "" : ", or set kv_cache_memory"));
+    }
+    state_bytes = states * per_state;
   }
   if (c.num_blocks == 0) {
     c.num_blocks = pool_blocks(c, model, dtype, draft, state_bytes);

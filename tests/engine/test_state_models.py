@@ -303,7 +303,22 @@ def test_mamba_states_hold_a_row_per_channel(checkpoint_factory):
     (dict(tensor_parallel_size=2), "tensor_parallel_size > 1 is not supported for models with "
      "state-space layers"),
     (dict(kv_role="producer"), "kv_role .* is not supported for models with state-space"),
+    (dict(num_state_snapshots=-1), r"num_state_snapshots must be in \[0, 1048576\], got -1"),
+    (dict(num_state_snapshots=10**9), r"num_state_snapshots must be in \[0, 1048576\]"),
+    # Memory: the states alone past the default budget, or past the one given.
+    (dict(max_num_seqs=10**6), r"the state pool \(max_num_seqs 1000000 \+ num_state_snapshots 0 "
+     r"states of 41040 bytes\) exceeds the default budget \(4294967296 bytes\): lower them, or "
+     "set kv_cache_memory"),
+    (dict(num_state_snapshots=1 << 20), "exceeds the default budget"),
+    (dict(num_state_snapshots=100, kv_cache_memory=1 << 20),
+     r"exceeds kv_cache_memory \(1048576 bytes\): lower them$"),
 ])
 def test_unsupported_options_are_refused_clearly(mamba2, options, message):
     with pytest.raises(ValueError, match=message):
         engine(mamba2, **options)
+
+
+def test_state_snapshots_are_refused_for_a_model_without_states(checkpoint_factory):
+    with pytest.raises(ValueError, match="num_state_snapshots is for models with state-space "
+                                         "layers; LlamaForCausalLM has none"):
+        engine(checkpoint_factory("LlamaForCausalLM"), num_state_snapshots=4)

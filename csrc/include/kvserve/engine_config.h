@@ -17,6 +17,8 @@ namespace kvserve {
 /// The KV pool's byte budget when neither num_blocks nor kv_cache_memory is given (vLLM's CPU
 /// backend defaults to 4 GiB too); pages are committed only when first written.
 constexpr int64_t kDefaultKVCacheMemory = int64_t{4} << 30;
+/// EngineConfig::num_state_snapshots at most.
+constexpr int64_t kMaxStateSnapshots = int64_t{1} << 20;
 
 /// max_model_len's default for a model without attention layers (no position limit of its own).
 constexpr int64_t kDefaultStateModelLen = 32768;
@@ -41,7 +43,8 @@ struct EngineConfig {
   std::optional<at::ScalarType> kv_cache_dtype;
   /// The SSM states of a model with state-space layers: fp32 when unset, or the model's dtype
   /// (vLLM's --mamba-ssm-cache-dtype). The pool holds one state per running sequence
-  /// (max_num_seqs), within kv_cache_memory when that is given.
+  /// (max_num_seqs) and num_state_snapshots more, within kv_cache_memory when that is given,
+  /// else within kDefaultKVCacheMemory (more is refused).
   std::optional<at::ScalarType> ssm_state_dtype;
   /// Reuse of cached prompt blocks. For a model with state-space layers only with
   /// num_state_snapshots > 0 (a hit resumes from a state saved at its last block); off otherwise.
