@@ -136,19 +136,6 @@ def test_prefix_hits_with_mixed_arrivals_equal_alone(model, reference, snapshots
     e.block_manager.check_invariants()
 
 
-def test_prefix_hits_survive_preemption(model, reference):
-    """A pool too small for every sequence: preempted sequences come back through the prefix
-    cache, resuming from the states saved before."""
-    e = engine(model, block_size=4, num_blocks=12, max_num_batched_tokens=16,
-               num_state_snapshots=4)
-    for i, prompt in enumerate(PROMPTS):
-        e.add_request(str(i), prompt, GREEDY)
-    final = drain(e)
-    assert e.scheduler.num_preemptions > 0
-    assert [final[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))] == [
-        tokens for tokens, _ in reference]
-
-
 def test_batched_with_mixed_arrivals_equals_alone(model, reference):
     """Requests arriving while others prefill or decode: each gives its solo tokens."""
     e = engine(model, max_num_batched_tokens=9)
@@ -170,10 +157,13 @@ def test_a_reused_slot_gives_the_new_request_its_solo_tokens(model, reference):
     assert e.block_manager.num_free_state_slots() == 1
 
 
-def test_preemption_recomputes_the_state(model, reference):
+@pytest.mark.parametrize("snapshots", [0, 4])
+def test_preemption_recomputes_the_state(model, reference, snapshots):
     """A pool too small for every sequence at once: preempted sequences free their slot and
-    blocks and are recomputed from their tokens, to the same output."""
-    e = engine(model, block_size=4, num_blocks=12, max_num_batched_tokens=16)
+    blocks and are recomputed from their tokens (with snapshots, from the states saved before
+    through the prefix cache), to the same output."""
+    e = engine(model, block_size=4, num_blocks=12, max_num_batched_tokens=16,
+               num_state_snapshots=snapshots)
     for i, prompt in enumerate(PROMPTS):
         e.add_request(str(i), prompt, GREEDY)
     final = drain(e)

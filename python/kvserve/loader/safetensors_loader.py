@@ -284,18 +284,26 @@ def _read_mixer(read: _TensorReader, c: _C.ModelConfig, mixer: str, out: str,
     if s.kind == "mamba":
         _read_mamba_mixer(read, c, mixer, out, w)
         return
-    for proj, shape, bias in (("in_proj", (2 * s.inner_size + 2 * s.n_groups * s.state_size
-                                           + s.num_heads, c.hidden_size), s.proj_bias),
-                              ("out_proj", (c.hidden_size, s.inner_size), s.out_proj_bias)):
+    _read_mixer_common(read, c, mixer, out, w, (
+        ("in_proj", (2 * s.inner_size + 2 * s.n_groups * s.state_size + s.num_heads,
+                     c.hidden_size), s.proj_bias),
+        ("out_proj", (c.hidden_size, s.inner_size), s.out_proj_bias)))
+    for name in ("D", "dt_bias") + (("norm.weight",) if s.norm != "gate_only" else ()):
+        w[out + name] = read(mixer + name)
+
+
+def _read_mixer_common(read: _TensorReader, c: _C.ModelConfig, mixer: str, out: str,
+                       w: dict[str, torch.Tensor], projections: tuple) -> None:
+    """What both mixers hold: the (name, [out, in], bias) projections, plain or quantized, the
+    convolution, A_log in fp32."""
+    for proj, shape, bias in projections:
         read.put(w, out + proj, [mixer + proj], [shape])  # quantized if the file is
         if bias:
             w[out + proj + ".bias"] = read(mixer + proj + ".bias")
     w[out + "conv1d.weight"] = read(mixer + "conv1d.weight").squeeze(1)
-    if s.conv_bias:
+    if c.ssm.conv_bias:
         w[out + "conv1d.bias"] = read(mixer + "conv1d.bias")
     w[out + "A_log"] = read(mixer + "A_log", torch.float32)
-    for name in ("D", "dt_bias") + (("norm.weight",) if s.norm != "gate_only" else ()):
-        w[out + name] = read(mixer + name)
 
 
 # A Mamba mixer's RMSNorms of dt, B and C (dt_bc_norm "weighted"): the checkpoint's names (Jamba's)
@@ -309,17 +317,11 @@ def _read_mamba_mixer(read: _TensorReader, c: _C.ModelConfig, mixer: str, out: s
     dt_bias; the norms of dt, B and C where it has weighted ones."""
     s = c.ssm
     inner, states, rank = s.inner_size, s.state_size, s.time_step_rank
-    for proj, shape, bias in (("in_proj", (2 * inner, c.hidden_size), s.proj_bias),
-                              ("x_proj", (rank + 2 * states, inner), False),
-                              ("dt_proj", (inner, rank), False),
-                              ("out_proj", (c.hidden_size, inner), s.out_proj_bias)):
-        read.put(w, out + proj, [mixer + proj], [shape])  # quantized if the file is
-        if bias:
-            w[out + proj + ".bias"] = read(mixer + proj + ".bias")
-    w[out + "conv1d.weight"] = read(mixer + "conv1d.weight").squeeze(1)
-    if s.conv_bias:
-        w[out + "conv1d.bias"] = read(mixer + "conv1d.bias")
-    w[out + "A_log"] = read(mixer + "A_log", torch.float32)
+    _read_mixer_common(read, c, mixer, out, w, (
+        ("in_proj", (2 * inner, c.hidden_size), s.proj_bias),
+        ("x_proj", (rank + 2 * states, inner), False),
+        ("dt_proj", (inner, rank), False),
+        ("out_proj", (c.hidden_size, inner), s.out_proj_bias)))
     w[out + "D"] = read(mixer + "D")
     w[out + "dt_bias"] = read(mixer + "dt_proj.bias")
     if s.dt_bc_norm == "weighted":
