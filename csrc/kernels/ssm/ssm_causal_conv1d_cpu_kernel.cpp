@@ -1,7 +1,8 @@
 // ssm_causal_conv1d's body; compiled once per CPU capability (see kernels/cpu_dispatch.h).
-// Each (sequence, channel) runs its tokens in order, the pairs in parallel.
+// Each (sequence, tile of channels) runs its tokens in order, the pairs in parallel.
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "kernels/cpu_kernels.h"
@@ -13,30 +14,59 @@ namespace {
 
 inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
 
+// Channels a task takes through its sequence's tokens together: each token's inputs for them
+// are one contiguous load (the channels of a token are adjacent; its tokens are rows apart), and
+// every step is a loop over the tile's channels that the compiler vectorizes.
+constexpr int64_t kTile = 256;
+
 template <typename T, typename S>
 void causal_conv1d(T* out, int64_t out_stride, const T* x, int64_t x_stride, const float* weight,
                    const float* bias, S* conv_state, const int32_t* cu, const int32_t* slots,
                    const bool* has_initial_state, int64_t num_seqs, int64_t dim, int64_t kernel,
                    bool silu_out) {
   const int64_t history = kernel - 1;
-  at::parallel_for(0, num_seqs * dim, 64, [&](int64_t begin, int64_t end) {
-    float window[16];  // the channel's last kernel values, oldest first
+  const int64_t tiles = (dim + kTile - 1) / kTile;
+  at::parallel_for(0, num_seqs * tiles, 1, [&](int64_t begin, int64_t end) {
+    // A ring of the tile's last `kernel` inputs: row (oldest + j) % kernel holds the j-th
+    // oldest; w[j] the j-th tap of each channel; acc the outputs of one token.
+    alignas(64) float window[16][kTile];
+    alignas(64) float w[16][kTile];
+    alignas(64) float acc[kTile];
+    const Vec one(1.0f);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t s = i / dim, c = i % dim;
-      S* state = conv_state + (static_cast<int64_t>(slots[s]) * dim + c) * history;
-      for (int64_t j = 0; j < history; ++j) {
-        window[j] = has_initial_state[s] ? static_cast<float>(state[j]) : 0.0f;
+      const int64_t s = i / tiles, c0 = (i % tiles) * kTile, n = std::min(kTile, dim - c0);
+      S* state = conv_state + (static_cast<int64_t>(slots[s]) * dim + c0) * history;
+      for (int64_t c = 0; c < n; ++c) {
+        for (int64_t j = 0; j < history; ++j) {
+          window[j][c] = has_initial_state[s] ? static_cast<float>(state[c * history + j]) : 0.0f;
+        }
+        for (int64_t j = 0; j < kernel; ++j) w[j][c] = weight[(c0 + c) * kernel + j];
       }
-      const float* w = weight + c * kernel;
-      const float b = bias ? bias[c] : 0.0f;
+      int64_t oldest = 0;
       for (int64_t t = cu[s]; t < cu[s + 1]; ++t) {
-        window[history] = static_cast<float>(x[t * x_stride + c]);
-        float v = b;
-        for (int64_t j = 0; j < kernel; ++j) v += w[j] * window[j];
-        out[t * out_stride + c] = static_cast<T>(silu_out ? silu(v) : v);
-        for (int64_t j = 0; j < history; ++j) window[j] = window[j + 1];
+        convert_to_float(x + t * x_stride + c0, window[(oldest + history) % kernel], n);
+        for (int64_t c = 0; c < n; ++c) acc[c] = bias ? bias[c0 + c] : 0.0f;
+        for (int64_t j = 0; j < kernel; ++j) {
+          const float* row = window[(oldest + j) % kernel];
+          const float* tap = w[j];
+          for (int64_t c = 0; c < n; ++c) acc[c] += tap[c] * row[c];
+        }
+        if (silu_out) {
+          int64_t c = 0;
+          for (; c + Vec::size() <= n; c += Vec::size()) {
+            const Vec v = Vec::loadu(acc + c);
+            (v / (one + v.neg().exp())).store(acc + c);
+          }
+          for (; c < n; ++c) acc[c] = silu(acc[c]);
+        }
+        convert_from_float(acc, out + t * out_stride + c0, n);
+        oldest = (oldest + 1) % kernel;
       }
-      for (int64_t j = 0; j < history; ++j) state[j] = static_cast<S>(window[j]);
+      for (int64_t c = 0; c < n; ++c) {
+        for (int64_t j = 0; j < history; ++j) {
+          state[c * history + j] = static_cast<S>(window[(oldest + j) % kernel][c]);
+        }
+      }
     }
   });
 }

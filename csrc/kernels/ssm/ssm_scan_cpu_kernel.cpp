@@ -1,6 +1,7 @@
 // ssm_scan's body; compiled once per CPU capability (see kernels/cpu_dispatch.h). Each
-// (sequence, head) runs its tokens in order (the recurrent form), the pairs in parallel; a
-// Mamba head (A per state entry) is one channel, its decay a vector over the state.
+// (sequence, head) runs its tokens in order (the recurrent form), the pairs in parallel, a row of
+// the state a vector of states at a time; a Mamba head (A per state entry) is one channel, its
+// decay a vector over the state.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -44,7 +45,11 @@ void scan(const SsmScanArgs& a) {
         d = std::min(std::max(d, a.dt_min), a.dt_max);
         const float decay = kPerState ? 0.0f : std::exp(d * A);
         if constexpr (kPerState) {
-          for (int64_t n = 0; n < N; ++n) decays[n] = std::exp(d * A_row[n]);
+          int64_t n = 0;
+          for (; n + Vec::size() <= N; n += Vec::size()) {
+            (Vec(d) * Vec::loadu(A_row + n)).exp().store(decays.data() + n);
+          }
+          for (; n < N; ++n) decays[n] = std::exp(d * A_row[n]);
         }
         const T* bt = B + t * a.B_stride + g * N;
         const T* ct = C + t * a.C_stride + g * N;
@@ -57,8 +62,18 @@ void scan(const SsmScanArgs& a) {
         for (int64_t p = 0; p < P; ++p) {
           const float xp = static_cast<float>(xt[p]);
           float* row = h.data() + p * N;
-          float y = 0.0f;
-          for (int64_t n = 0; n < N; ++n) {
+          // The row's update and its dot with C, a vector of states at a time.
+          const Vec xv(xp), decay_v(decay);
+          Vec yv(0.0f);
+          int64_t n = 0;
+          for (; n + Vec::size() <= N; n += Vec::size()) {
+            const Vec rate = kPerState ? Vec::loadu(decays.data() + n) : decay_v;
+            const Vec r = at::vec::fmadd(rate, Vec::loadu(row + n), xv * Vec::loadu(b.data() + n));
+            r.store(row + n);
+            yv = at::vec::fmadd(r, Vec::loadu(c.data() + n), yv);
+          }
+          float y = at::vec::vec_reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, yv);
+          for (; n < N; ++n) {
             row[n] = (kPerState ? decays[n] : decay) * row[n] + xp * b[n];
             y += row[n] * c[n];
           }
