@@ -215,6 +215,7 @@ ModelRunnerOutput ContinuousBatchingEngine::execute(const SchedulerOutput& work,
                               message_of(std::current_exception());
     for (const std::string& id : failed) end_request(id, "error", error);
     block_manager_.reset_prefix_cache();
+    block_manager_.discard_state_snapshots();  // states the step did not finish writing
     publish_stats();
     throw;
   }

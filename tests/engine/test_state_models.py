@@ -120,6 +120,25 @@ def test_a_shared_prefix_is_saved_where_prompts_part(model):
     assert [o.outputs[0].token_ids for o in outs] == alone
 
 
+def test_a_failed_step_publishes_no_state(model, reference):
+    """A step that fails while it saves a state (its copy never made): the request ends with an
+    error, and the same prompt afterwards neither hits that snapshot nor gives other tokens."""
+    e = engine(model, **SNAPSHOTS)
+    prompt, (tokens, _) = PROMPTS[2], reference[2]
+    e.engine.inject_step_failures(1)
+    e.add_request("failed", prompt, GREEDY)
+    with pytest.raises(RuntimeError, match="injected step failure"):
+        e.step()
+    failed = drain(e)
+    assert failed["failed"].outputs[0].finish_reason == "error"
+    assert e.block_manager.num_cached_states() == 0
+    for i in range(2):
+        e.add_request(str(i), prompt, GREEDY)
+        assert drain(e)[str(i)].outputs[0].token_ids == tokens
+    assert e.block_manager.num_cached_states() > 0
+    e.block_manager.check_invariants()
+
+
 @pytest.mark.parametrize("snapshots", [1, 16])
 def test_prefix_hits_with_mixed_arrivals_equal_alone(model, reference, snapshots):
     """Prompts sharing prefixes arrive while others prefill and decode, twice each (the second
