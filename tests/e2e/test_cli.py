@@ -31,6 +31,23 @@ def test_generate_prints_text_and_metrics(checkpoint_factory):
         assert metric in result.stderr
 
 
+def test_generate_a_state_space_model_with_state_snapshots(checkpoint_factory):
+    """--num-state-snapshots reaches the engine (prefix caching of a hybrid of Mamba mixers and
+    attention); the text is the one without."""
+    path = checkpoint_factory("JambaForCausalLM")
+    result = run_cli("generate", "--model", str(path), "--prompt", "Once upon a time there was",
+                     "--max-tokens", "8", "--temperature", "0", "--ignore-eos",
+                     "--num-state-snapshots", "4", "--block-size", "4")
+    assert result.returncode == 0, result.stderr
+    expected = kvserve.LLM(path).generate("Once upon a time there was", kvserve.SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].text
+    assert result.stdout.startswith("Once upon a time there was" + expected)
+    bad = run_cli("generate", "--model", str(checkpoint_factory("LlamaForCausalLM")), "--prompt",
+                  "x", "--num-state-snapshots", "4")
+    assert bad.returncode != 0
+    assert "num_state_snapshots is for models with state-space layers" in bad.stderr
+
+
 MODELS = Path(__file__).resolve().parents[2] / "models"
 DRAFT = str(MODELS / "shakespeare-draft")
 
