@@ -175,12 +175,14 @@ struct QuantizedWeight {
   int64_t super_group = 0;
 };
 
-/// out[t, o] = sum_j x[t, j] * w[o, j] in int32 for x int16 [m, k] (int8 values widened) and w
-/// int8 [n, k], both contiguous, out int32 [m, n]: LLM.int8()'s integer product
-/// (kernels/linear/llm_int8_linear.h).
-using Int8GemmFn = void (*)(const int16_t* x, int64_t m, const int8_t* w, int64_t n, int64_t k,
-                            int32_t* out);
-KVSERVE_CPU_STUB(int8_gemm_stub, Int8GemmFn);
+/// LLM.int8()'s integer part (kernels/linear/llm_int8_linear.h): each token's row of x (fp32
+/// [m, k], contiguous, its outliers already zeroed) rounded to int8 at s_t = max|x_t| / 127 (round
+/// half to even; s_t = 0 for a row of zeros, NaN for a row holding a NaN or an infinity), then
+/// out[t, o] = float(sum_j q[t, j] * w[o, j]) * s_t * w_scales[o], the sum in int32, for w int8
+/// [n, k] contiguous and w_scales fp32 [n]; out fp32 [m, n], contiguous.
+using Int8LinearFn = void (*)(const float* x, int64_t m, int64_t k, const int8_t* w, int64_t n,
+                              const float* w_scales, float* out);
+KVSERVE_CPU_STUB(int8_linear_stub, Int8LinearFn);
 
 /// out [m, n] = input [m, k] (`dtype`, row stride input_stride) @ dequant(w)^T + bias [n]
 /// (nullable, `dtype`), fp32 accumulation, for small m: the weight is streamed once per block of

@@ -1,6 +1,6 @@
 """llm_int8_linear (LLM.int8(): outlier activations in floating point, the rest int8 x int8) against
 the reference decomposition in kvserve.testing.reference, in every dtype and CPU capability, with
-sizes around the kernel's blocks (16 / 32 inputs per vector, 4 tokens x 2 rows); and the point of
+sizes around the kernel's blocks (32 / 64 inputs per vector, 4 tokens x 2 rows); and the point of
 the method: with outliers in the activations it stays close to the float product where plain
 per-token int8 (threshold 0) does not."""
 
@@ -23,7 +23,7 @@ TOLERANCES = {
 }
 TOKENS = [1, 3, 4, 5, 9]
 # (n, k): a single row and input, tails past whole vectors and blocks of rows
-SHAPES = [(1, 1), (2, 16), (3, 45), (7, 100), (33, 257), (64, 512)]
+SHAPES = [(1, 1), (2, 16), (3, 45), (5, 64), (7, 100), (6, 130), (33, 257), (64, 512), (9, 1000)]
 
 
 def operands(m, n, k, dtype, outlier_columns=(), bias=False, seed=0):
@@ -84,6 +84,31 @@ def test_threshold_edges():
     assert torch.equal(out[1], torch.zeros(2))
 
 
+def test_extreme_products_stay_exact():
+    """Weights of -128 (|w| = 128 as the unsigned operand) and 127 against inputs that round to
+    +-127: the largest products and pair sums the integer dot products take, exact in int32."""
+    g = torch.Generator().manual_seed(3)
+    k = 1000
+    w = torch.where(torch.rand(5, k, generator=g) < 0.5, -128, 127).to(torch.int8)
+    x = torch.where(torch.rand(4, k, generator=g) < 0.5, -1.0, 1.0)
+    s = torch.full((5,), 1e-3)
+    out = ops.llm_int8_linear(x, w, s, 0.0, None)
+    integer = (x.round().long() * 127) @ w.long().T  # every input rounds to +-127
+    want = integer.double() * (1.0 / 127.0) * 1e-3
+    torch.testing.assert_close(out.double(), want, rtol=1e-6, atol=0)
+
+
+def test_a_non_finite_token_is_nan_and_leaves_the_others():
+    x, w, s, _ = operands(3, 33, 257, torch.float32)
+    for bad_value in (float("nan"), float("inf")):
+        x_bad = x.clone()
+        x_bad[1, 100] = bad_value
+        out = ops.llm_int8_linear(x_bad, w, s, 0.0, None)
+        assert out[1].isnan().all()
+        want = ops.llm_int8_linear(x[[0, 2]], w, s, 0.0, None)
+        assert torch.equal(out[[0, 2]], want)
+
+
 def test_empty_batch():
     out = ops.llm_int8_linear(torch.empty(0, 8), torch.zeros(3, 8, dtype=torch.int8),
                               torch.ones(3), 6.0, None)
@@ -116,12 +141,15 @@ def test_rejects_bad_arguments(args, match):
 def capability_checks():
     for dtype in TOLERANCES:
         for m in (1, 5):
-            for n, k in [(3, 45), (33, 257)]:
+            for n, k in [(3, 45), (6, 130), (33, 257)]:
                 x, w, s, b = operands(m, n, k, dtype, outlier_columns=(0, 40), bias=True)
                 check(x, w, s, 6.0, b)
+                check(x, w, s, 0.0, b)
+    test_extreme_products_stay_exact()
+    test_a_non_finite_token_is_nan_and_leaves_the_others()
 
 
-# The VNNI variants too (vpdpbusd / vpdpwssd): tests/kernels/capability.py.
+# The VNNI variants too (vpdpbusd): tests/kernels/capability.py.
 CPU_CAPABILITIES = ALL_CAPABILITIES
 
 

@@ -16,7 +16,8 @@ namespace kvserve::ops {
 ///   C_t = { j : |input[t, j]| >= threshold }                          (token t's outliers)
 ///   s_t = max_{j not in C_t} |input[t, j]| / 127,
 ///   x_q[t, j] = round_half_even(input[t, j] / s_t) for j not in C_t (0 in C_t; s_t = 0 and
-///         x_q = 0 for a row without inliers)
+///         x_q = 0 for a row without inliers; s_t = NaN for inliers holding a NaN or an
+///         infinity, which makes the token's outputs NaN)
 ///   out[t, o] = s_t * weight_scales[o] * sum_{j not in C_t} x_q[t, j] * weight[o, j]  (int32)
 ///             + sum_{j in C_t} input[t, j] * weight[o, j] * weight_scales[o]           (fp32)
 ///             + bias[o]

@@ -1,12 +1,9 @@
-// CPU launcher for llm_int8_linear: checks, the outliers and the per-token int8 rounding of the
-// rest (ATen, vectorized), the integer product (int8_gemm_stub, per CPU capability), then
-// scales, the outlier columns' fp32 product and the bias.
+// CPU launcher for llm_int8_linear: checks, the outliers (ATen), the per-token int8 rounding of
+// the rest with the integer product and its scales (int8_linear_stub, per CPU capability), then
+// the outlier columns' fp32 product and the bias.
 #include <ATen/Parallel.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/ones_like.h>
-#include <ATen/ops/round.h>
-#include <ATen/ops/where.h>
 #include <torch/library.h>
 
 #include "kernels/cpu_kernels.h"
@@ -31,13 +28,9 @@ at::Tensor llm_int8_linear_cpu(const at::Tensor& input, const at::Tensor& weight
     outliers = mask.any(0).nonzero().squeeze(1);  // columns with an outlier in some token
     if (outliers.numel() > 0) inliers = x.masked_fill(mask, 0.0);
   }
-  const at::Tensor scale = inliers.abs().amax(1) / 127.0f;  // [m]
-  const at::Tensor safe = at::where(scale > 0, scale, at::ones_like(scale));
-  const at::Tensor xq = at::round(inliers / safe.unsqueeze(1)).clamp_(-127, 127).to(at::kShort);
-  at::Tensor acc = at::empty({m, n}, x.options().dtype(at::kInt));
-  cpu::int8_gemm_stub.get()(xq.data_ptr<int16_t>(), m, weight.data_ptr<int8_t>(), n, k,
-                            acc.data_ptr<int32_t>());
-  at::Tensor out = acc.to(at::kFloat).mul_(scale.unsqueeze(1)).mul_(weight_scales.unsqueeze(0));
+  at::Tensor out = at::empty({m, n}, x.options());
+  cpu::int8_linear_stub.get()(inliers.data_ptr<float>(), m, k, weight.data_ptr<int8_t>(), n,
+                              weight_scales.data_ptr<float>(), out.data_ptr<float>());
   if (outliers.defined() && outliers.numel() > 0) {
     // Each token adds x[t, j] times weight column j for its own outliers j, in ascending j: the
     // same operations whatever else is in the batch (a GEMM over the batch's columns would
