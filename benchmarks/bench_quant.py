@@ -15,7 +15,8 @@ memory limit.
    bf16 baseline (activations, embeddings, LM head unless quantized); and kvserve loading
    llama.cpp's Q8_0, Q4_0 and Q4_K_M files as they are ("GGUF a8"). Weights in MB as the engine
    holds them, TPOT, speed-up over bf16, weight GB/s (bytes held / TPOT) and its share of the
-   bandwidth probe (taken before and after, averaged). In the same run, llama.cpp
+   bandwidth probe (taken before every round and after the last; a row's share is the median
+   over rounds of its rate against its round's probes). In the same run, llama.cpp
    (llama-cpp-python) on the same weights as F32, BF16, Q8_0, Q4_0 and Q4_K_M GGUF files
    (benchmarks/llama_cpp_peer.py; its file size as MB). Variants interleaved per repeat; medians.
    `--only throughput`: batched greedy decode of --batch sequences, tokens per second, the same
@@ -229,8 +230,13 @@ def bench_model(args) -> list[list]:
     embedding.update({f"llama.cpp {f}": llama_cpp_peer.tensor_bytes(path, "token_embd.weight")
                       for f, path in gguf.items()})
     threads = torch.get_num_threads()
+    # The probe before every round and after the last: a row's share of it is taken against its
+    # own round's (the mean of the probes either side), since this VM's bandwidth moves by up to
+    # 1.6x within a run.
     bandwidth = [memory_read_bandwidth()]
     for _ in range(args.repeats):
+        if len(bandwidth) > 1:
+            print(f"probe {bandwidth[-1] / 1e9:.1f} GB/s", flush=True)
         for name, (path, dtype, activation) in paths.items():
             tpot, weights[name] = decode_tpot(path, dtype, args, prompt, activation)
             runs[name].append(tpot)
@@ -239,25 +245,27 @@ def bench_model(args) -> list[list]:
             tpot = llama_cpp_peer.decode_tpot(path, prompt, args.decode_tokens, threads)
             runs[f"llama.cpp {fmt}"].append(tpot)
             print(f"llama.cpp {fmt}", f"{tpot * 1e3:.1f} ms", flush=True)
-    bandwidth.append(memory_read_bandwidth())
-    probe = statistics.mean(bandwidth)
-    bf16 = statistics.median(runs["bf16"])
+        bandwidth.append(memory_read_bandwidth())
+    round_probe = [(a + b) / 2 for a, b in zip(bandwidth, bandwidth[1:])]
     peer = {name: statistics.median(r) for name, r in runs.items() if name.startswith("llama")}
     rows = []
     for name, r in runs.items():
         t = statistics.median(r)
         read = weights[name] - embedding[name]
         rate = read / t  # every weight byte but the embedding's read once per token
-        # Against llama.cpp: the median of each round's ratio, so that the VM's drift from one
-        # round to the next does not enter it.
+        # Against bf16 and llama.cpp: the median of each round's ratio, so that the VM's drift
+        # from one round to the next does not enter it.
+        over_bf16 = statistics.median(b / k for b, k in zip(runs["bf16"], r))
         peer_runs = runs.get(f"llama.cpp {llama_cpp_peer_of(name)}")
         versus = (f"{statistics.median(p / k for p, k in zip(peer_runs, r)):.2f}x "
                   f"{llama_cpp_peer_of(name)}" if peer_runs else "")
+        share = statistics.median(read / k / b for k, b in zip(r, round_probe))
         rows.append([name, f"{weights[name] / 1e6:.0f}", f"{read / 1e6:.0f}", f"{t * 1e3:.1f}",
-                     f"{bf16 / t:.2f}x", versus, f"{rate / 1e9:.1f}", f"{rate / probe:.2f}"])
+                     f"{over_bf16:.2f}x", versus, f"{rate / 1e9:.1f}", f"{share:.2f}"])
     print(f"\n{args.model}: batch-1 decode, {args.decode_tokens} tokens after an 8-token prompt, "
-          f"medians of {args.repeats}; torch.sum reads {bandwidth[0] / 1e9:.1f} GB/s before, "
-          f"{bandwidth[1] / 1e9:.1f} after; peers: "
+          f"medians of {args.repeats}; torch.sum reads "
+          f"{', '.join(f'{b / 1e9:.1f}' for b in bandwidth)} GB/s before each round and after "
+          f"the last; peers: "
           + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in peer.items()))
     print(markdown_table(["weights", "MB held", "MB read a token", "TPOT ms", "vs bf16",
                           "vs llama.cpp", "weight GB/s", "of probe"], rows))
