@@ -30,6 +30,9 @@ CASES = [
     ("int8", 1, 1, 1), ("int8", 7, 45, 45), ("int8", 33, 96, 48), ("int8", 130, 100, 100),
     ("int8", 64, 256, 32), ("int8", 21, 192, 64), ("int8", 19, 2048, 2048), ("int8", 9, 48, 16),
     ("int8", 33, 256, 16), ("int8", 5, 112, 16), ("int8", 12, 352, 16),
+    # AVX-512 takes int8 rows two blocks a load where they pair up within groups (or are groups
+    # of their own); an odd count of one-block groups, or groups of an odd count, one at a time.
+    ("int8", 10, 96, 32), ("int8", 11, 192, 96),
     ("int4", 1, 32, 32), ("int4", 7, 96, 32), ("int4", 33, 128, 64), ("int4", 130, 256, 128),
     ("int4", 17, 160, 160), ("int4", 9, 288, 96), ("int4", 5, 768, 384),
     # AVX-512 takes int4 rows four blocks at a time where k is a multiple of 128 (groups of 32
@@ -181,6 +184,8 @@ def test_bad_arguments():
 def capability_checks():
     for dtype in TOLERANCES:
         for fmt, n, k, group_size in (("int8", 37, 100, 50), ("int8", 37, 128, 64),
+                                      ("int8", 37, 256, 32), ("int8", 37, 96, 32),
+                                      ("int8", 37, 192, 96), ("int8", 37, 2048, 2048),
                                       ("int8", 37, 80, 16), ("int8", 37, 224, 16),
                                       ("int4", 37, 128, 32), ("int4", 37, 256, 128),
                                       ("int4", 37, 224, 32)):

@@ -58,8 +58,11 @@ struct RoundedInput {
   // int4 weights: each pair of blocks' scales where the pair's sums have them, four lanes each
   // (int4_row), [m, pair_stride].
   std::vector<float> pair_scale;
+  // int8 weights on AVX-512: each block's scale on eight lanes (int8_rows, two blocks a load),
+  // [m, lane_stride].
+  std::vector<float> lane_scale;
   std::vector<int32_t> block_group;  // [blocks]: the group each block belongs to
-  int64_t k = 0, blocks = 0, groups = 0, pair_stride = 0;
+  int64_t k = 0, blocks = 0, groups = 0, pair_stride = 0, lane_stride = 0;
   // int4 on AVX-512, k a multiple of 128 in groups of 32 or of a multiple of 128: q
   // interleaved by fours of blocks (interleave), the rows taken by int4_rows as Quads.
   bool quads = false;

@@ -1,7 +1,7 @@
 // The integer-dot row kernels (quantized_linear_int8_input_cpu_kernel.cpp, which includes this
 // once per CPU capability): a row of int8 groups of 16 (sixteens_row), int4 rows a step of
-// Pairs or Quads at a time (int4_row, int4_rows) and int8 rows in blocks of 32 (int8_rows), each
-// for a block of tokens.
+// Pairs or Quads at a time (int4_row, int4_rows) and int8 rows one or two blocks of 32 a load
+// (int8_rows), each for a block of tokens.
 #pragma once
 
 #include "kernels/linear/quantized_linear_int8_input_lanes.h"
@@ -94,10 +94,12 @@ void int4_row(const RoundedInput& x, const int8_t* const* xq, const float* const
 }
 
 // Rows int4_rows and int8_rows take at once for TB tokens: one, streamed alone, reads fastest for
-// a single token; from two tokens on, kMaxRowsAtOnce rows cut the loads of inputs per weight
-// byte (int4 at four tokens: 1.3-2.8x one row at a time on a Zen 4 with AVX-512).
-template <int64_t TB>
-constexpr int64_t kRowsAtOnce = TB == 1 ? 1 : kMaxRowsAtOnce;
+// a single token; from two tokens on, int4 takes kMaxRowsAtOnce rows, which cut the loads of
+// inputs per weight byte (at four tokens: 1.3-2.8x one row at a time on a Zen 4 with AVX-512).
+// int8 stays at one: in-process A/B on a Zen 4, a [5632, 2048] projection at 4 and 16 tokens,
+// one row at a time was 1.1-1.45x two (two blocks a load) and 1.1-1.2x (one block a load).
+template <QuantFormat f, int64_t TB>
+constexpr int64_t kRowsAtOnce = TB == 1 || f == QuantFormat::kInt8 ? 1 : kMaxRowsAtOnce;
 
 // The sums of R int4 rows times TB tokens, L::kBlocks blocks (one load a row) at a time: groups
 // of 32, or of an even number of blocks (Pairs) or a multiple of four (Quads). Each token's
@@ -158,39 +160,70 @@ void int4_rows(const RoundedInput& x, const int8_t* const* xq, const float* cons
   }
 }
 
-// The sums of R int8 rows (groups a multiple of 32) times TB tokens, a block at a time: each
-// token's block of inputs and its scale are loaded once for all R rows, and each row's weights
-// once for all TB tokens (its sign moved onto the inputs: load_block). Each block's sums take
-// its input scale; groups of one block (llama.cpp's Q8_0) the weight's scale with it, larger
-// groups theirs once per group (once per row for per-channel weights): a group's sum waits on
-// the FMAs before it, which for one block a group would bound the loop. One accumulator per
-// row and token, or two taken in turn where there are fewer than four chains.
-template <int64_t TB, int64_t R>
+// A row's weight scales of the blocks at b for the int32 sums of L's width that int8_rows takes a
+// load of weights into (Q8_0's groups of one block): one block (Pairs' 256 bits) on all eight
+// lanes, or two (Quads' 512 bits) on eight lanes each.
+template <typename L>
+typename L::Float int8_block_scales(const float* p) {
+#if KVSERVE_INT4_QUADS
+  if constexpr (std::is_same_v<L, Quads>) {
+    return _mm512_insertf32x8(_mm512_set1_ps(p[0]), _mm256_set1_ps(p[1]), 1);
+  } else
+#endif
+  {
+    return _mm256_broadcast_ss(p);
+  }
+}
+
+// The sums of R int8 rows (groups a multiple of 32) times TB tokens, a load of L's width at a
+// time (Pairs: one block of 32; Quads: two, where the blocks come in pairs that share a group or
+// are groups of their own): each token's inputs and their scales are loaded once for all R rows,
+// and each row's weights once for all TB tokens (its sign moved onto the inputs). Each load's sums
+// take their blocks' input scales; groups of one block (llama.cpp's Q8_0) the weight's scales
+// with them, larger groups theirs once per group (once per row for per-channel weights): a group's
+// sum waits on the FMAs before it, which for one block a group would bound the loop. One
+// accumulator per row and token, or two taken in turn where there are fewer than four chains.
+// AVX-512's two blocks a load take half the instructions per weight of one (a [5632, 2048]
+// projection at 4 and 16 tokens 1.2-1.5x faster).
+// xs: each token's block scales, one a block (Pairs) or spread eight lanes a block (Quads:
+// x.lane_scale).
+template <typename L, int64_t TB, int64_t R>
 void int8_rows(const RoundedInput& x, const int8_t* const* xq, const float* const* xs,
                const uint8_t* const* rows, const RowScales* scales, float (*sum)[TB]) {
+  using Int = typename L::Int;
+  using Float = typename L::Float;
   constexpr int64_t kSets = R * TB < 4 ? 2 : 1;
-  using Acc = Sums<Pairs, R, TB>;  // 256-bit, as Pairs
-  // acc plus block b of the R rows; with_weight: its input scales times its weight scales.
+  constexpr int64_t kSpan = static_cast<int64_t>(sizeof(Int)) / kBlock;  // blocks a load
+  using Acc = Sums<L, R, TB>;
+  // acc plus the load at block b of the R rows; with_weight: its input scales times its weight
+  // scales.
   const auto block = [&](auto with_weight, Acc acc, int64_t b) {
     if (b % 2 == 0) {  // a cache line a row for every 2 blocks; the R rows are contiguous
       for (int64_t r = 0; r < R; ++r) prefetch_ahead(rows[0] + (b / 2 * R + r) * 64);
     }
     // The rows' weights loaded once, then each token's inputs once for all of them.
-    WeightBlock w[R];
-    __m256 weight[R];
+    Int w[R], magnitude[R];
+    Float weight[R];
     for (int64_t r = 0; r < R; ++r) {
-      w[r] = load_block<F::kInt8>(rows[r], b * kBlock);
-      if constexpr (decltype(with_weight)::value) weight[r] = _mm256_broadcast_ss(scales[r].scales + b);
+      w[r] = L::load(rows[r] + b * kBlock);
+      magnitude[r] = L::magnitude(w[r]);
+      if constexpr (decltype(with_weight)::value) {
+        weight[r] = int8_block_scales<L>(scales[r].scales + b);
+      }
     }
     for (int64_t t = 0; t < TB; ++t) {
-      const __m256i in = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[t] + b * kBlock));
-      const __m256 in_scale = _mm256_broadcast_ss(xs[t] + b);
+      const Int in = L::load(xq[t] + b * kBlock);
+      Float in_scale;
+      if constexpr (kSpan == 1) {
+        in_scale = int8_block_scales<L>(xs[t] + b);
+      } else {
+        in_scale = L::floats(xs[t] + b * 8);
+      }
       for (int64_t r = 0; r < R; ++r) {
-        const __m256i dot =
-            dot_add(_mm256_setzero_si256(), w[r].magnitude, _mm256_sign_epi8(in, w[r].sign));
-        __m256 scale = in_scale;
-        if constexpr (decltype(with_weight)::value) scale = _mm256_mul_ps(scale, weight[r]);
-        acc.v[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc.v[r][t]);
+        const Float dot = L::dot(magnitude[r], L::signed_input(in, w[r]));
+        Float scale = in_scale;
+        if constexpr (decltype(with_weight)::value) scale = L::mul(scale, weight[r]);
+        acc.v[r][t] = L::fmadd(dot, scale, acc.v[r][t]);
       }
     }
     return acc;
@@ -198,22 +231,22 @@ void int8_rows(const RoundedInput& x, const int8_t* const* xq, const float* cons
   Acc acc0, acc1, total;
   // Blocks [b, last) into acc0 (and acc1 in turn).
   const auto blocks = [&](auto with_weight, int64_t& b, int64_t last) {
-    for (; b + kSets <= last; b += kSets) {
+    for (; b + kSets * kSpan <= last; b += kSets * kSpan) {
       acc0 = block(with_weight, acc0, b);
-      if constexpr (kSets == 2) acc1 = block(with_weight, acc1, b + 1);
+      if constexpr (kSets == 2) acc1 = block(with_weight, acc1, b + kSpan);
     }
-    if (b < last) acc0 = block(with_weight, acc0, b++);
+    if (b < last) acc0 = block(with_weight, acc0, b), b += kSpan;
   };
   // acc0 (plus acc1) [r][t].
   const auto both = [&](int64_t r, int64_t t) {
-    return kSets == 2 ? _mm256_add_ps(acc0.v[r][t], acc1.v[r][t]) : acc0.v[r][t];
+    return kSets == 2 ? L::add(acc0.v[r][t], acc1.v[r][t]) : acc0.v[r][t];
   };
   acc0 = acc1 = Acc::zero();
   int64_t b = 0;
   if (x.blocks == x.groups) {  // groups of one block
     blocks(std::true_type{}, b, x.blocks);
     for (int64_t r = 0; r < R; ++r) {
-      for (int64_t t = 0; t < TB; ++t) sum[r][t] = sum_lanes(both(r, t));
+      for (int64_t t = 0; t < TB; ++t) sum[r][t] = L::sum(both(r, t));
     }
     return;
   }
@@ -222,15 +255,15 @@ void int8_rows(const RoundedInput& x, const int8_t* const* xq, const float* cons
   for (int64_t gi = 0; gi < x.groups; ++gi) {
     blocks(std::false_type{}, b, (gi + 1) * per_group);
     for (int64_t r = 0; r < R; ++r) {
-      const __m256 weight = _mm256_broadcast_ss(scales[r].scales + gi);
+      const Float weight = L::splat(scales[r].scales[gi]);
       for (int64_t t = 0; t < TB; ++t) {
-        total.v[r][t] = _mm256_fmadd_ps(both(r, t), weight, total.v[r][t]);
+        total.v[r][t] = L::fmadd(both(r, t), weight, total.v[r][t]);
       }
     }
     acc0 = acc1 = Acc::zero();
   }
   for (int64_t r = 0; r < R; ++r) {
-    for (int64_t t = 0; t < TB; ++t) sum[r][t] = sum_lanes(total.v[r][t]);
+    for (int64_t t = 0; t < TB; ++t) sum[r][t] = L::sum(total.v[r][t]);
   }
 }
 #endif
