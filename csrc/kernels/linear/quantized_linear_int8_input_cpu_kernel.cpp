@@ -121,11 +121,7 @@ RoundedInput round_input(c10::ScalarType dtype, const void* input, int64_t strid
 #endif
     }
   });
-  // int8 rows two blocks a load (AVX-512) where a call has more than one block of tokens, whose
-  // rows the later blocks read from cache: there a [5632, 2048] projection at 16 tokens ran
-  // 1.1-1.45x faster than one block a load; streamed at 4 tokens it ran at half the speed in some
-  // runs (not understood yet), so up to 4 tokens the rows take one block a load.
-  if (KVSERVE_INT4_QUADS && w.format == F::kInt8 && x.blocks % 2 == 0 && m > kTokenBlock) {
+  if (KVSERVE_INT4_QUADS && w.format == F::kInt8 && x.blocks % 2 == 0) {
     x.lane_stride = x.blocks * 8;
     x.lane_scale.resize(m * x.lane_stride);
     for (int64_t t = 0; t < m; ++t) {

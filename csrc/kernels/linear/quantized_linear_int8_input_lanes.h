@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
+#include <new>
 #include <vector>
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
@@ -50,17 +52,38 @@ constexpr int64_t kPrefetchAhead = 8192;
 
 using F = QuantFormat;
 
+// std::allocator's alignment for T, raised to a cache line: the row kernels load 64 bytes of the
+// rounded input and of its spread scales at a time, which from a 16-byte-aligned buffer would
+// straddle two lines at every other load.
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(size_t n) {
+    return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64}));
+  }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t{64}); }
+  template <typename U>
+  bool operator==(const CacheLineAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const CacheLineAllocator<U>&) const { return false; }
+};
+template <typename T>
+using LineVector = std::vector<T, CacheLineAllocator<T>>;
+
 // The input of m tokens rounded to int8: q [m, k] in the input's order, the scale of each block
 // [m, blocks], and (weights with zeros) the rounded input's sum over each group [m, groups].
 struct RoundedInput {
-  std::vector<int8_t> q;
+  LineVector<int8_t> q;
   std::vector<float> scale, group_sum;
   // int4 weights: each pair of blocks' scales where the pair's sums have them, four lanes each
   // (int4_row), [m, pair_stride].
-  std::vector<float> pair_scale;
+  LineVector<float> pair_scale;
   // int8 weights on AVX-512: each block's scale on eight lanes (int8_rows, two blocks a load),
   // [m, lane_stride].
-  std::vector<float> lane_scale;
+  LineVector<float> lane_scale;
   std::vector<int32_t> block_group;  // [blocks]: the group each block belongs to
   int64_t k = 0, blocks = 0, groups = 0, pair_stride = 0, lane_stride = 0;
   // int4 on AVX-512, k a multiple of 128 in groups of 32 or of a multiple of 128: q
