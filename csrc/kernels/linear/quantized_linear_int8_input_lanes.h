@@ -53,8 +53,8 @@ constexpr int64_t kPrefetchAhead = 8192;
 using F = QuantFormat;
 
 // std::allocator's alignment for T, raised to a cache line: the row kernels load 64 bytes of the
-// rounded input and of its spread scales at a time, which from a 16-byte-aligned buffer would
-// straddle two lines at every other load.
+// rounded input and of its spread scales at a time, each of which straddles two lines when the
+// buffer starts off a line (std::vector's 16-byte alignment: three calls in four).
 template <typename T>
 struct CacheLineAllocator {
   using value_type = T;
