@@ -27,6 +27,7 @@
 #endif
 
 #include "kernels/cpu_kernels.h"
+#include "kernels/cpu_vec.h"
 
 namespace kvserve::cpu {
 inline namespace CPU_CAPABILITY {
@@ -154,7 +155,7 @@ void rows_block(const int8_t* x, int64_t m, const int8_t* w, int64_t k, int64_t 
 
 void int8_linear_impl(const float* x, int64_t m, int64_t k, const int8_t* w, int64_t n,
                       const float* w_scales, float* out) {
-  std::vector<int8_t> q(static_cast<size_t>(m * k));
+  LineVector<int8_t> q(static_cast<size_t>(m * k));
   std::vector<float> x_scales(static_cast<size_t>(m));
   at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)),
                    [&](int64_t begin, int64_t end) {

@@ -6,9 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstddef>
 #include <cstdint>
-#include <new>
 #include <vector>
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
@@ -51,27 +49,6 @@ constexpr int64_t kMaxRowsAtOnce = 1;
 constexpr int64_t kPrefetchAhead = 8192;
 
 using F = QuantFormat;
-
-// std::allocator's alignment for T, raised to a cache line: the row kernels load 64 bytes of the
-// rounded input and of its spread scales at a time, each of which straddles two lines when the
-// buffer starts off a line (std::vector's 16-byte alignment: three calls in four).
-template <typename T>
-struct CacheLineAllocator {
-  using value_type = T;
-  CacheLineAllocator() = default;
-  template <typename U>
-  CacheLineAllocator(const CacheLineAllocator<U>&) {}
-  T* allocate(size_t n) {
-    return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64}));
-  }
-  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t{64}); }
-  template <typename U>
-  bool operator==(const CacheLineAllocator<U>&) const { return true; }
-  template <typename U>
-  bool operator!=(const CacheLineAllocator<U>&) const { return false; }
-};
-template <typename T>
-using LineVector = std::vector<T, CacheLineAllocator<T>>;
 
 // The input of m tokens rounded to int8: q [m, k] in the input's order, the scale of each block
 // [m, blocks], and (weights with zeros) the rounded input's sum over each group [m, groups].
