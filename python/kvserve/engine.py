@@ -472,6 +472,11 @@ class LLMEngine:
 
     def _step(self, finished_only: bool) -> list[RequestOutput]:
         outputs = []
+        if self.ranks is not None:
+            # A spawned rank that has exited fails the step now: its collectives would otherwise
+            # fail only when Gloo notices the closed connection, which under load has taken the
+            # whole distributed_timeout.
+            self.ranks.check_alive()
         # finished_only: the C++ engine reports only finished requests and those with stop strings;
         # the others' tokens arrive at once in their final output.
         raws = self.engine.step(finished_only)

@@ -173,9 +173,9 @@ def test_a_worker_that_dies_is_an_error_not_a_hang(tmp_path):
         worker.kill()
         worker.join(10)
         started = time.monotonic()
-        with pytest.raises(RuntimeError):
+        with pytest.raises(RuntimeError, match="rank 1 exited"):
             llm.generate(PROMPTS, SamplingParams(max_tokens=4), use_tqdm=False)
-        assert time.monotonic() - started < 30.0
+        assert time.monotonic() - started < 5.0
     finally:
         llm.llm_engine.shutdown()
 
