@@ -117,6 +117,7 @@ void int4_rows(const RoundedInput& x, const int8_t* const* xq, const float* cons
   constexpr int64_t kSets = R * TB < 4 ? 2 : 1;
   constexpr int64_t kStep = L::kBlocks;
   const int64_t blocks = x.blocks, per_group = blocks / x.groups;
+  const int32_t* group = x.block_group.data();  // (a load, not a division, each step)
   // acc plus the step of blocks from b of the R rows.
   const auto step = [&](Acc acc, int64_t b) {
     if (b % 4 == 0) {  // a cache line a row for every 4 blocks; the R rows are contiguous
@@ -131,7 +132,7 @@ void int4_rows(const RoundedInput& x, const int8_t* const* xq, const float* cons
         weight[r] = scales[r].blocks<L, true>(b);
       } else {
         weight[r] = per_group == 1 ? scales[r].blocks<L, false>(b)
-                                   : L::splat(scales[r].scales[b / per_group]);
+                                   : L::splat(scales[r].scales[group[b]]);
       }
       L::nibbles(rows[r] + b * 16, lo[r], hi[r]);
     }
