@@ -276,8 +276,8 @@ void rows_for_tokens(const RoundedInput& x, int64_t t0, const QuantizedWeight& w
                    float (*sum)[TB]) {
         constexpr int64_t R = decltype(count)::value;
         using L = decltype(lanes);
-        two_level ? int4_rows<L, TB, R, true>(x, xq, xp, row, scales, sum)
-                  : int4_rows<L, TB, R, false>(x, xq, xp, row, scales, sum);
+        two_level ? int4_rows<L, TB, R, true>(x, xq, xs, xp, row, scales, sum)
+                  : int4_rows<L, TB, R, false>(x, xq, xs, xp, row, scales, sum);
       });
     };
 #if KVSERVE_INT4_QUADS

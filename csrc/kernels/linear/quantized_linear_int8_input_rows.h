@@ -107,10 +107,12 @@ constexpr int64_t kRowsAtOnce = TB == 1 || f == QuantFormat::kInt8 ? 1 : kMaxRow
 // the weight's bytes, and with several tokens they, not the weight's, bound a row taken alone.
 // Every step's sums take its input scales times the weight scale of its blocks (groups of 32)
 // or of its group in one FMA, into one accumulator per row and token, or two taken in turn
-// where there are fewer than four chains.
+// where there are fewer than four chains. One token on AVX-512 takes the product of the two
+// scales on 128 bits, then spreads it (L::kNarrowScales; xs: its block scales, xp: spread).
 template <typename L, int64_t TB, int64_t R, bool kTwoLevel>
-void int4_rows(const RoundedInput& x, const int8_t* const* xq, const float* const* xp,
-               const uint8_t* const* rows, const RowScales* scales, float (*sum)[TB]) {
+void int4_rows(const RoundedInput& x, const int8_t* const* xq, const float* const* xs,
+               const float* const* xp, const uint8_t* const* rows, const RowScales* scales,
+               float (*sum)[TB]) {
   using Int = typename L::Int;
   using Float = typename L::Float;
   using Acc = Sums<L, R, TB>;
@@ -126,6 +128,24 @@ void int4_rows(const RoundedInput& x, const int8_t* const* xq, const float* cons
     // The rows' weights unpacked once, then each token's inputs loaded once for all of them
     // (so that registers hold R rows' weights, not TB tokens' inputs: AVX2 has 16).
     Int lo[R], hi[R];
+    for (int64_t r = 0; r < R; ++r) L::nibbles(rows[r] + b * 16, lo[r], hi[r]);
+    if constexpr (TB == 1 && L::kNarrowScales) {
+      const __m128 x_scale = L::narrow(xs[0] + b);
+      const Int x_lo = L::load(xq[0] + b * kBlock);
+      const Int x_hi = L::load(xq[0] + b * kBlock + kStep * 16);
+      for (int64_t r = 0; r < R; ++r) {
+        __m128 weight;
+        if constexpr (kTwoLevel) {
+          weight = scales[r].narrow<L, true>(b);
+        } else {
+          weight = per_group == 1 ? scales[r].narrow<L, false>(b)
+                                  : _mm_set1_ps(scales[r].scales[group[b]]);
+        }
+        acc.v[r][0] = L::fmadd(L::dot(lo[r], hi[r], x_lo, x_hi),
+                               L::spread(_mm_mul_ps(x_scale, weight)), acc.v[r][0]);
+      }
+      return acc;
+    }
     Float weight[R];
     for (int64_t r = 0; r < R; ++r) {
       if constexpr (kTwoLevel) {
@@ -134,7 +154,6 @@ void int4_rows(const RoundedInput& x, const int8_t* const* xq, const float* cons
         weight[r] = per_group == 1 ? scales[r].blocks<L, false>(b)
                                    : L::splat(scales[r].scales[group[b]]);
       }
-      L::nibbles(rows[r] + b * 16, lo[r], hi[r]);
     }
     for (int64_t t = 0; t < TB; ++t) {
       const Int x_lo = L::load(xq[t] + b * kBlock);
