@@ -185,17 +185,18 @@ def checkpoints(args) -> dict[str, tuple[Path, str, str]]:
 
 
 def decode_tpot(path: Path, dtype: str, args, prompt: list[int],
-                activation: str = "exact") -> tuple[float, int]:
+                activation: str = "exact") -> tuple[float, int, int]:
+    """(TPOT, bytes of weights held, of which the embedding's) of a batch-1 greedy decode."""
     llm = kvserve.LLM(path, dtype=dtype, max_model_len=len(prompt) + args.decode_tokens,
                       enable_prefix_caching=False, max_num_seqs=1,
                       quantized_activation=activation)
     params = kvserve.SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
     llm.generate([prompt], kvserve.SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     out = llm.generate([prompt], params)[0]
-    nbytes = llm.model.weight_bytes
+    nbytes, embedding = llm.model.weight_bytes, llm.model.embedding_bytes
     del llm
     gc.collect()
-    return out.metrics.time_per_output_token, nbytes
+    return out.metrics.time_per_output_token, nbytes, embedding
 
 
 def llama_cpp_peer_of(name: str) -> str | None:
@@ -223,12 +224,10 @@ def bench_model(args) -> list[list]:
             paths[f"{fmt} GGUF a8"] = (gguf[fmt], "bfloat16", "int8")
     runs = {name: [] for name in [*paths, *(f"llama.cpp {f}" for f in gguf)]}
     weights = {f"llama.cpp {f}": path.stat().st_size for f, path in gguf.items()}
-    # Bytes a decode step reads: what is held but the embedding, of which it reads one row.
-    cfg = MODELS[args.model]
-    embedding = {name: cfg["vocab_size"] * cfg["hidden_size"] * (4 if dtype == "float32" else 2)
-                 for name, (_, dtype, _) in paths.items()}
-    embedding.update({f"llama.cpp {f}": llama_cpp_peer.tensor_bytes(path, "token_embd.weight")
-                      for f, path in gguf.items()})
+    # Bytes a decode step reads: what is held but the embedding, of which it reads one row
+    # (kvserve's as its model holds it: a GGUF file's quantized embedding stays quantized).
+    embedding = {f"llama.cpp {f}": llama_cpp_peer.tensor_bytes(path, "token_embd.weight")
+                 for f, path in gguf.items()}
     threads = torch.get_num_threads()
     # The probe before every round and after the last: a row's share of it is taken against its
     # own round's (the mean of the probes either side), since this VM's bandwidth moves by up to
@@ -238,7 +237,8 @@ def bench_model(args) -> list[list]:
         if len(bandwidth) > 1:
             print(f"probe {bandwidth[-1] / 1e9:.1f} GB/s", flush=True)
         for name, (path, dtype, activation) in paths.items():
-            tpot, weights[name] = decode_tpot(path, dtype, args, prompt, activation)
+            tpot, weights[name], embedding[name] = decode_tpot(path, dtype, args, prompt,
+                                                               activation)
             runs[name].append(tpot)
             print(name, f"{tpot * 1e3:.1f} ms", flush=True)
         for fmt, path in gguf.items():

@@ -155,6 +155,7 @@ void bind_causal_lm(py::module_& m) {
       .def_property_readonly("dtype", &CausalLM::dtype)
       .def_property_readonly("device", &CausalLM::device)
       .def_property_readonly("weight_bytes", &CausalLM::weight_bytes)
+      .def_property_readonly("embedding_bytes", &CausalLM::embedding_bytes)
       .def(
           "lora_targets",
           [](CausalLM& model) {

@@ -123,12 +123,14 @@ class DecoderLM : public CausalLM {
     for (const LoraLinear& l : lora_linears()) l.linear->clear_lora(slot);
   }
 
+  int64_t embedding_bytes() const override {
+    if (config_.tie_word_embeddings) return 0;
+    return embed_tokens_.defined() ? embed_tokens_.nbytes() : embedding_.weight_bytes();
+  }
+
   int64_t weight_bytes() const override {
     // A tied LM head shares the embedding matrix (or holds it alone, packed).
-    int64_t bytes = norm_.weight_bytes() + lm_head_.weight_bytes();
-    if (!config_.tie_word_embeddings) {
-      bytes += embed_tokens_.defined() ? embed_tokens_.nbytes() : embedding_.weight_bytes();
-    }
+    int64_t bytes = norm_.weight_bytes() + lm_head_.weight_bytes() + embedding_bytes();
     for (const Layer& layer : layers_) {
       bytes += layer.input_norm.weight_bytes() + layer.attention_out_norm.weight_bytes() +
                layer.mlp_norm.weight_bytes() + layer.mlp_out_norm.weight_bytes();

@@ -307,11 +307,15 @@ def test_k_quants_are_held_two_level(plain, tmp_path):
     write_gguf(plain, path, kinds)
     check_against_transformers(path)
     per_256 = {"Q4_K": 148, "Q6_K": 274}
-    want = 0
+    want = embedding = 0
     for name, t in load_file(plain / "model.safetensors").items():
         module = name.split(".")[-2]
-        want += t.numel() * per_256.get(kinds.get(module), 1024) // 256
-    assert kvserve.LLM(path, dtype=torch.float32).model.weight_bytes == want
+        held = t.numel() * per_256.get(kinds.get(module), 1024) // 256
+        want += held
+        embedding += held if module == "embed_tokens" else 0
+    model = kvserve.LLM(path, dtype=torch.float32).model
+    assert model.weight_bytes == want
+    assert model.embedding_bytes == embedding  # Q4_K, held as the file stores it
 
 
 def round_projection_inputs(model, kinds: dict[str, str], tied: bool) -> None:

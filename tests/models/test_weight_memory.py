@@ -43,6 +43,10 @@ def test_weight_bytes_are_the_checkpoint_size(checkpoint_factory, tied, dtype):
     want = checkpoint_bytes(path, dtype)
     assert want * 0.999 <= llm.model.weight_bytes <= want * 1.02
     assert f"weights {llm.model.weight_bytes / 2**20:.1f} MiB" in llm.llm_engine.memory_plan()
+    # The embedding held apart from the LM head (a decode step reads one row of it): none when
+    # tied, else the checkpoint's matrix in the model's dtype.
+    embedding = SHAPE["vocab_size"] * SHAPE["hidden_size"] * dtype.itemsize
+    assert llm.model.embedding_bytes == (0 if tied else embedding)
     # The tied embedding reads the LM head's packed rows: the text must not change.
     greedy = kvserve.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     out = llm.generate([[1, 5, 9]], greedy, use_tqdm=False)[0].outputs[0].token_ids

@@ -77,6 +77,9 @@ class CausalLM {
 
   /// Bytes of all weights (what one decode step reads at least once).
   virtual int64_t weight_bytes() const = 0;
+  /// The part of weight_bytes() that is the input embedding held apart from the LM head (0 when
+  /// the two are tied): a decode step reads one row of it a token, and every byte of the rest.
+  virtual int64_t embedding_bytes() const { return 0; }
 
   // LoRA adapters served without merging: every target projection holds `slots` adapters of rank
   // up to `rank`; a token runs with the adapter of its slot (AttentionMetadata::lora_slots).
