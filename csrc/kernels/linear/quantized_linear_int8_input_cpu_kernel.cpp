@@ -26,54 +26,17 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/linear/int8_rounding.h"
 #include "kernels/linear/quantized_linear_int8_input_rows.h"
 
 namespace kvserve::cpu {
 inline namespace CPU_CAPABILITY {
 namespace {
 
-#if KVSERVE_INT8_DOT_SIMD
-// A whole block v (32 fp32 inputs) rounded as round_token's scalar code does: q and its sum, d;
-// false (nothing written) if the block holds a NaN or an infinity. max|v| in eight lanes, then
-// v * (127 / max|v|) to int32 by cvtps (the default rounding, half to even, as nearbyint) and
-// packed to bytes.
-bool round_block(const float* v, int8_t* q, float& d, int32_t& sum) {
-  const __m256 magnitude_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  const __m256 infinity = _mm256_set1_ps(std::numeric_limits<float>::infinity());
-  __m256 x[4], amax = _mm256_setzero_ps(), finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
-  for (int j = 0; j < 4; ++j) {
-    x[j] = _mm256_loadu_ps(v + 8 * j);
-    const __m256 a = _mm256_and_ps(x[j], magnitude_mask);
-    finite = _mm256_and_ps(finite, _mm256_cmp_ps(a, infinity, _CMP_LT_OQ));  // false for NaN
-    amax = _mm256_max_ps(amax, a);
-  }
-  if (_mm256_movemask_ps(finite) != 0xff) return false;
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  const float top = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-  d = top / 127.0f;
-  const __m256 inverse = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
-  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
-  __m256i r[4], total = _mm256_setzero_si256();
-  for (int j = 0; j < 4; ++j) {
-    r[j] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(x[j], inverse)),
-                                             lo), hi);
-    total = _mm256_add_epi32(total, r[j]);
-  }
-  // packs works within 128-bit halves: the dwords come out in the order 0 4 1 5 2 6 3 7.
-  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]),
-                                           _mm256_packs_epi32(r[2], r[3]));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
-                      _mm256_permutevar8x32_epi32(bytes, _mm256_set_epi32(7, 3, 6, 2, 5, 1, 4, 0)));
-  sum = sum_lanes_int(total);
-  return true;
-}
-#endif
-
 // Rounds one token's k inputs: per block, d = max|x| / 127 and q = round(x * (127 / max|x|))
-// (round half to even, in fp32, as quantized_linear.h states); a block holding a NaN or an
-// infinity gets q = 0 and d = NaN, so that the outputs that read it are NaN as the exact
-// product's would be. Whole blocks in vector code (round_block), short ones written out.
+// (round half to even, in fp32, as quantized_linear.h states; int8_rounding.h); a block holding a
+// NaN or an infinity gets q = 0 and d = NaN, so that the outputs that read it are NaN as the
+// exact product's would be.
 template <typename T>
 void round_token(const T* x, int64_t k, int64_t g, int8_t* q, float* scale, float* group_sum) {
   int64_t b = 0;
@@ -82,39 +45,18 @@ void round_token(const T* x, int64_t k, int64_t g, int8_t* q, float* scale, floa
     for (int64_t i = begin; i < begin + g; i += kBlock, ++b) {
       const int64_t len = std::min(kBlock, begin + g - i);
       float v[kBlock];
-#if KVSERVE_INT8_DOT_SIMD
-      if (len == kBlock) {
-        convert_to_float(x + i, v, kBlock);
-        int32_t block_sum = 0;
-        if (round_block(v, q + i, scale[b], block_sum)) {
-          sum += scale[b] * static_cast<float>(block_sum);
-          continue;
-        }
-      }
-#endif
-      float amax = 0.0f;
-      bool finite = true;
-      for (int64_t j = 0; j < len; ++j) {
-        v[j] = static_cast<float>(x[i + j]);
-        finite = finite && std::isfinite(v[j]);
-        amax = std::max(amax, std::fabs(v[j]));
-      }
+      convert_to_float(x + i, v, len);
+      bool finite;
+      const float amax = abs_max(v, len, finite);
       if (!finite) {
         std::fill(q + i, q + i + len, int8_t{0});
         scale[b] = std::numeric_limits<float>::quiet_NaN();
         sum = scale[b];
         continue;
       }
-      const float d = amax / 127.0f;
       const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-      int32_t block_sum = 0;
-      for (int64_t j = 0; j < len; ++j) {
-        const float r = std::clamp(std::nearbyint(v[j] * inverse), -127.0f, 127.0f);
-        q[i + j] = static_cast<int8_t>(r);
-        block_sum += q[i + j];
-      }
-      scale[b] = d;
-      sum += d * static_cast<float>(block_sum);
+      scale[b] = amax / 127.0f;
+      sum += scale[b] * static_cast<float>(round_to_int8<false>(v, len, inverse, q + i));
     }
     if (group_sum != nullptr) group_sum[begin / g] = sum;
   }
