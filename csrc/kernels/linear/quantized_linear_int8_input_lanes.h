@@ -302,18 +302,6 @@ struct Quads {
   }
   static Float floats(const float* p) { return _mm512_loadu_ps(p); }
   static Float splat(float v) { return _mm512_set1_ps(v); }
-  static Float block_scales(const float* scales) {
-    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    return _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(scales)));
-  }
-  static Float sub_scales(const int8_t* ints, float factor) {
-    int32_t four;
-    std::memcpy(&four, ints, sizeof(four));
-    const __m128i spread = _mm_shuffle_epi8(
-        _mm_cvtsi32_si128(four), _mm_set_epi64x(0x0303030302020202, 0x0101010100000000));
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(spread)),
-                         _mm512_set1_ps(factor));
-  }
   // One token's step scales as int4_rows takes them (kNarrowScales): the product of the input's
   // and the weight's on 128 bits, one block a lane (narrow: from fp32, or two-level as
   // sub_scales), then spread on the blocks' lanes, instead of a 64-byte load of the input's
@@ -330,6 +318,11 @@ struct Quads {
   static Float spread(__m128 v) {
     const __m512i lanes = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(v));
+  }
+  // The wide forms (Pairs' interface): the narrow ones spread.
+  static Float block_scales(const float* scales) { return spread(narrow(scales)); }
+  static Float sub_scales(const int8_t* ints, float factor) {
+    return spread(narrow_sub_scales(ints, factor));
   }
   static Float add(Float a, Float b) { return _mm512_add_ps(a, b); }
   static Float mul(Float a, Float b) { return _mm512_mul_ps(a, b); }
