@@ -15,8 +15,8 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "cpu_capability",
       [] { return kvserve::cpu::capability_name(kvserve::cpu::cpu_capability()); },
-      "Vector instruction set the CPU kernels use: default, avx2, avx2_vnni, avx512 or "
-      "avx512_vnni (a kernel without a variant for it runs the best one below).");
+      "Vector instruction set the CPU kernels use: default, avx2, avx2_vnni, avx512, "
+      "avx512_vnni or avx512_amx (a kernel without a variant for it runs the best one below).");
   m.def(
       "supported_cpu_capabilities",
       [] {

@@ -6,8 +6,29 @@
 #include <cstdlib>
 #include <cstring>
 
+#if defined(__linux__) && (defined(__x86_64__) || defined(_M_X64))
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace kvserve::cpu {
 namespace {
+
+// AMX-TILE and AMX-INT8 (CPUID leaf 7: EDX bits 24, 25), with Linux letting this process use the
+// tiles' 8 KB of state (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, feature 18; without it the
+// first tile instruction faults). The request holds for every thread of the process.
+bool amx_int8_usable() {
+#if defined(__linux__) && (defined(__x86_64__) || defined(_M_X64))
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  if (!(edx & (1u << 24)) || !(edx & (1u << 25))) return false;
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
 
 // The same tests as cmake/host_cpu_capability.cpp, which picks the variants a build holds.
 bool detect(Capability capability) {
@@ -22,6 +43,8 @@ bool detect(Capability capability) {
     case Capability::kAvx2Vnni: return avx2 && __builtin_cpu_supports("avxvnni");
     case Capability::kAvx512: return avx512;
     case Capability::kAvx512Vnni: return avx512 && __builtin_cpu_supports("avx512vnni");
+    case Capability::kAvx512Amx:
+      return avx512 && __builtin_cpu_supports("avx512vnni") && amx_int8_usable();
   }
   return false;
 #else
@@ -81,6 +104,7 @@ bool has_native_gemm(c10::ScalarType dtype) {
 
 const char* capability_name(Capability capability) {
   switch (capability) {
+    case Capability::kAvx512Amx: return "avx512_amx";
     case Capability::kAvx512Vnni: return "avx512_vnni";
     case Capability::kAvx512: return "avx512";
     case Capability::kAvx2Vnni: return "avx2_vnni";

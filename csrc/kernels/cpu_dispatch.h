@@ -4,8 +4,9 @@
 // Each `*_cpu_kernel.cpp` is compiled once per base capability (DEFAULT, AVX2, AVX512 on x86-64),
 // with CPU_CAPABILITY naming the variant, and registers its function into a CpuKernelStub. The
 // kernels whose integer dot products have an instruction of their own (vpdpbusd) are compiled
-// for the extensions too: AVX2_VNNI (AVX-VNNI: Alder Lake, Zen 5) and AVX512_VNNI (Cascade Lake,
-// Ice Lake, Sapphire Rapids, Zen 4). The launcher calls `stub.get()`, which returns the best
+// for the extensions too: AVX2_VNNI (AVX-VNNI: Alder Lake, Zen 5), AVX512_VNNI (Cascade Lake,
+// Ice Lake, Sapphire Rapids, Zen 4) and AVX512_AMX (AVX-512 VNNI with AMX int8 tiles: Sapphire
+// Rapids and later, where the kernel's process may use the tiles). The launcher calls `stub.get()`, which returns the best
 // variant the running CPU supports. No -march=native.
 
 #include <c10/core/ScalarType.h>
@@ -21,8 +22,9 @@ enum class Capability : int {
   kAvx2Vnni = 2,  // AVX2 + AVX-VNNI (VEX vpdpbusd)
   kAvx512 = 3,    // AVX-512 F, BW, VL, DQ
   kAvx512Vnni = 4,  // AVX512 + AVX-512 VNNI
+  kAvx512Amx = 5,   // AVX512_VNNI + AMX-TILE and AMX-INT8, the tiles granted by the OS
 };
-inline constexpr int kNumCapabilities = 5;
+inline constexpr int kNumCapabilities = 6;
 
 /// Whether this CPU runs `capability`'s instructions (detected once).
 bool supports(Capability capability);
@@ -32,7 +34,7 @@ bool supports(Capability capability);
 /// or below it. Detected once.
 Capability cpu_capability();
 
-/// "default", "avx2", "avx2_vnni", "avx512" or "avx512_vnni".
+/// "default", "avx2", "avx2_vnni", "avx512", "avx512_vnni" or "avx512_amx".
 const char* capability_name(Capability capability);
 
 /// Whether the CPU multiplies `dtype` natively in a GEMM: always for fp32; bf16 with AVX-512 BF16

@@ -15,9 +15,9 @@ import pytest
 
 import kvserve
 
-# Every variant, in kvserve::cpu::Capability's order; the VNNI extensions hold only the integer
-# dot-product kernels (modules that test them set CPU_CAPABILITIES = ALL_CAPABILITIES).
-ALL_CAPABILITIES = ["default", "avx2", "avx2_vnni", "avx512", "avx512_vnni"]
+# Every variant, in kvserve::cpu::Capability's order; the VNNI and AMX extensions hold only the
+# integer dot-product kernels (modules that test them set CPU_CAPABILITIES = ALL_CAPABILITIES).
+ALL_CAPABILITIES = ["default", "avx2", "avx2_vnni", "avx512", "avx512_vnni", "avx512_amx"]
 CAPABILITIES = ["default", "avx2", "avx512"]
 
 

@@ -1,6 +1,7 @@
 """llm_int8_linear (LLM.int8(): outlier activations in floating point, the rest int8 x int8) against
 the reference decomposition in kvserve.testing.reference, in every dtype and CPU capability, with
-sizes around the kernel's blocks (32 / 64 inputs per vector, 4 tokens x 2 rows); and the point of
+sizes around the kernel's blocks (32 / 64 inputs per vector, 4 tokens x 2 rows; on AMX, tiles of
+16 rows x 16 tokens x 64 inputs); and the point of
 the method: with outliers in the activations it stays close to the float product where plain
 per-token int8 (threshold 0) does not."""
 
@@ -21,9 +22,11 @@ TOLERANCES = {
     torch.bfloat16: dict(atol=3e-2, rtol=2e-2),
     torch.float16: dict(atol=3e-3, rtol=3e-3),
 }
-TOKENS = [1, 3, 4, 5, 9]
-# (n, k): a single row and input, tails past whole vectors and blocks of rows
-SHAPES = [(1, 1), (2, 16), (3, 45), (5, 64), (7, 100), (6, 130), (33, 257), (64, 512), (9, 1000)]
+TOKENS = [1, 3, 4, 5, 9, 16, 37]
+# (n, k): a single row and input, tails past whole vectors and blocks of rows, and (k a multiple
+# of 64) whole tiles with rows past them
+SHAPES = [(1, 1), (2, 16), (3, 45), (5, 64), (7, 100), (6, 130), (33, 257), (64, 512), (9, 1000),
+          (16, 64), (53, 192)]
 
 
 def operands(m, n, k, dtype, outlier_columns=(), bias=False, seed=0):
@@ -63,13 +66,15 @@ def test_outlier_columns_keep_the_product_close():
     assert error[6.0] < 0.04 and error[0.0] > 3 * error[6.0], error
 
 
-def test_a_token_does_not_depend_on_its_batch():
-    """Outliers are chosen per token: each row equals the same token run alone, bit for bit."""
-    x, w, s, b = operands(6, 33, 257, torch.float32, outlier_columns=(0, 40), bias=True)
+@pytest.mark.parametrize("m, n, k", [(6, 33, 257), (40, 53, 192)])
+def test_a_token_does_not_depend_on_its_batch(m, n, k):
+    """Outliers are chosen per token: each row equals the same token run alone, bit for bit (k =
+    192: AMX tiles for the first 48 rows where the CPU has them, the vector rows for the rest)."""
+    x, w, s, b = operands(m, n, k, torch.float32, outlier_columns=(0, 40), bias=True)
     x = x.clone()
     x[2, 100] = 9.0  # an outlier in one token only
     batched = ops.llm_int8_linear(x, w, s, 6.0, b)
-    for t in range(6):
+    for t in range(m):
         assert torch.equal(ops.llm_int8_linear(x[t:t + 1], w, s, 6.0, b)[0], batched[t])
 
 
@@ -84,29 +89,31 @@ def test_threshold_edges():
     assert torch.equal(out[1], torch.zeros(2))
 
 
-def test_extreme_products_stay_exact():
+@pytest.mark.parametrize("m, n, k", [(4, 5, 1000), (20, 37, 1024)])
+def test_extreme_products_stay_exact(m, n, k):
     """Weights of -128 (|w| = 128 as the unsigned operand) and 127 against inputs that round to
     +-127: the largest products and pair sums the integer dot products take, exact in int32."""
     g = torch.Generator().manual_seed(3)
-    k = 1000
-    w = torch.where(torch.rand(5, k, generator=g) < 0.5, -128, 127).to(torch.int8)
-    x = torch.where(torch.rand(4, k, generator=g) < 0.5, -1.0, 1.0)
-    s = torch.full((5,), 1e-3)
+    w = torch.where(torch.rand(n, k, generator=g) < 0.5, -128, 127).to(torch.int8)
+    x = torch.where(torch.rand(m, k, generator=g) < 0.5, -1.0, 1.0)
+    s = torch.full((n,), 1e-3)
     out = ops.llm_int8_linear(x, w, s, 0.0, None)
     integer = (x.round().long() * 127) @ w.long().T  # every input rounds to +-127
     want = integer.double() * (1.0 / 127.0) * 1e-3
     torch.testing.assert_close(out.double(), want, rtol=1e-6, atol=0)
 
 
-def test_a_non_finite_token_is_nan_and_leaves_the_others():
-    x, w, s, _ = operands(3, 33, 257, torch.float32)
+@pytest.mark.parametrize("m, n, k", [(3, 33, 257), (20, 40, 256)])
+def test_a_non_finite_token_is_nan_and_leaves_the_others(m, n, k):
+    x, w, s, _ = operands(m, n, k, torch.float32)
     for bad_value in (float("nan"), float("inf")):
         x_bad = x.clone()
         x_bad[1, 100] = bad_value
         out = ops.llm_int8_linear(x_bad, w, s, 0.0, None)
         assert out[1].isnan().all()
-        want = ops.llm_int8_linear(x[[0, 2]], w, s, 0.0, None)
-        assert torch.equal(out[[0, 2]], want)
+        others = [t for t in range(m) if t != 1]
+        want = torch.stack([ops.llm_int8_linear(x[t:t + 1], w, s, 0.0, None)[0] for t in others])
+        assert torch.equal(out[others], want)
 
 
 def test_empty_batch():
@@ -140,13 +147,15 @@ def test_rejects_bad_arguments(args, match):
 
 def capability_checks():
     for dtype in TOLERANCES:
-        for m in (1, 5):
-            for n, k in [(3, 45), (6, 130), (33, 257)]:
+        for m in (1, 5, 20):
+            for n, k in [(3, 45), (6, 130), (33, 257), (53, 192)]:
                 x, w, s, b = operands(m, n, k, dtype, outlier_columns=(0, 40), bias=True)
                 check(x, w, s, 6.0, b)
                 check(x, w, s, 0.0, b)
-    test_extreme_products_stay_exact()
-    test_a_non_finite_token_is_nan_and_leaves_the_others()
+    for m, n, k in [(4, 5, 1000), (20, 37, 1024)]:
+        test_extreme_products_stay_exact(m, n, k)
+    for m, n, k in [(3, 33, 257), (20, 40, 256)]:
+        test_a_non_finite_token_is_nan_and_leaves_the_others(m, n, k)
 
 
 # The VNNI variants too (vpdpbusd): tests/kernels/capability.py.

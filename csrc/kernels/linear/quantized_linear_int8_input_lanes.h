@@ -122,7 +122,7 @@ WeightBlock load_block(const uint8_t* row, int64_t i) {
 // s (vpdpbusd; without VNNI, maddubs into int16 pairs, which the callers keep from saturating,
 // then madd by ones).
 inline __m256i dot_add(__m256i acc, __m256i u, __m256i s) {
-#if defined(CPU_CAPABILITY_AVX512_VNNI)
+#if defined(CPU_CAPABILITY_AVX512) && defined(CPU_CAPABILITY_VNNI)  // AVX512_VNNI, AVX512_AMX
   return _mm256_dpbusd_epi32(acc, u, s);
 #elif defined(CPU_CAPABILITY_AVX2_VNNI)
   return _mm256_dpbusd_avx_epi32(acc, u, s);
