@@ -196,6 +196,12 @@ KVSERVE_CPU_STUB(quantized_gemv_stub, QuantizedGemvFn);
 /// of the weight with each token's block (maddubs on AVX2), scaled per block and group.
 KVSERVE_CPU_STUB(quantized_gemv_int8_input_stub, QuantizedGemvFn);
 
+/// The most tokens this capability's quantized_gemv_int8_input takes for w (the launcher rounds
+/// more and runs the dequantizing GEMM): 32 for the vector kernels; any number where AMX tiles
+/// take w (quantized_linear_int8_input_tiles.h).
+using QuantizedInt8InputTokensFn = int64_t (*)(const QuantizedWeight& w);
+KVSERVE_CPU_STUB(quantized_int8_input_tokens_stub, QuantizedInt8InputTokensFn);
+
 /// The order in which this capability's kernels unpack a row of w's format: order[j] (j < k) is
 /// the input that position j holds. Within each 32-input chunk the vector code takes q in the
 /// lane order its shifts give (no shuffles); a dot product does not care, so the prefill path

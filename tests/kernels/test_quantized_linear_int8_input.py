@@ -20,9 +20,11 @@ TOLERANCES = {
     torch.bfloat16: dict(atol=3e-2, rtol=2e-2),
     torch.float16: dict(atol=3e-3, rtol=3e-3),
 }
-# Up to 32 tokens run the integer kernels (blocks of up to 4 tokens: 6 is a block of 4 and one
-# of 2); 40 rounds the input and takes the GEMM.
-TOKENS = [1, 3, 6, 32, 40]
+# Up to 32 tokens run the vector integer kernels (blocks of up to 4 tokens: 6 is a block of 4 and
+# one of 2); 40 rounds the input and takes the GEMM. With AMX, groups of whole blocks of 32 run
+# in tiles at any count: 17 and 40 end in a part of a 16-token tile, 70 in a lone one after
+# pairs.
+TOKENS = [1, 3, 6, 17, 32, 40, 70]
 # (format, n, k, group_size): per row and grouped; int8 groups that are not multiples of 32 end
 # in a short block (groups of 16, GGUF's Q6_K, run four at a time on AVX-512, then two; an odd
 # count ends in one).
@@ -189,7 +191,7 @@ def capability_checks():
                                       ("int8", 37, 80, 16), ("int8", 37, 224, 16),
                                       ("int4", 37, 128, 32), ("int4", 37, 256, 128),
                                       ("int4", 37, 224, 32)):
-            for m in (1, 2, 3, 5, 9):
+            for m in (1, 2, 3, 5, 9, 40):
                 x, b = operands(m, k, n, dtype, True, seed=m)
                 check(quantized(fmt, n, k, group_size, seed=m), x, b, dtype)
                 check(half_params(quantized(fmt, n, k, group_size, seed=m)), x, b, dtype)

@@ -28,36 +28,37 @@ constexpr int64_t kTileSize = kTileRows * kTileBytes;  // bytes of a packed B ti
 /// Blocks of 16 tokens that m tokens take.
 inline int64_t token_tiles(int64_t m) { return (m + kTileRows - 1) / kTileRows; }
 
-/// Tokens' int8 inputs q [m, k] (row stride k, k a multiple of kTileBytes) as B tiles: for each
-/// block of 16 tokens and each step of 64 inputs, 1 KB whose row r holds tokens 0..15's inputs
-/// 4r .. 4r + 3. Tokens past m are zeros. `packed` holds token_tiles(m) * (k / 64) * kTileSize
-/// bytes.
-inline void pack_tokens(const int8_t* q, int64_t m, int64_t k, int8_t* packed) {
-  const int64_t steps = k / kTileBytes;
+/// Tokens' int8 inputs q [m, k] (row stride k, k a multiple of `step`, which is 64 or 32) as B
+/// tiles of `step` inputs: for each block of 16 tokens and each step, step / 4 rows of 64 bytes
+/// (16 * step bytes), row r holding tokens 0..15's inputs 4r .. 4r + 3 of the step. Tokens past
+/// m are zeros. `packed` holds token_tiles(m) * k * 16 bytes.
+inline void pack_tokens(const int8_t* q, int64_t m, int64_t k, int64_t step, int8_t* packed) {
+  const int64_t steps = k / step, groups = step / 4;
   for (int64_t tb = 0; tb < token_tiles(m); ++tb) {
     for (int64_t s = 0; s < steps; ++s) {
-      auto* tile = reinterpret_cast<int32_t*>(packed + (tb * steps + s) * kTileSize);
+      auto* tile = reinterpret_cast<int32_t*>(packed + (tb * steps + s) * kTileRows * step);
       for (int64_t t = 0; t < kTileRows; ++t) {
         const int64_t token = tb * kTileRows + t;
-        int32_t groups[kTileRows] = {};
-        if (token < m) std::memcpy(groups, q + token * k + s * kTileBytes, kTileBytes);
-        for (int64_t r = 0; r < kTileRows; ++r) tile[r * kTileRows + t] = groups[r];
+        int32_t four[kTileRows] = {};
+        if (token < m) std::memcpy(four, q + token * k + s * step, step);
+        for (int64_t r = 0; r < groups; ++r) tile[r * kTileRows + t] = four[r];
       }
     }
   }
 }
 
-/// The tile configuration every task of a kernel loads (palette 1): tiles 0-3 C (16 rows x 64
-/// bytes of int32), 4-5 A and 6-7 B (16 rows x 64 bytes). A task loads it before its first tile
-/// instruction and releases the tiles after its last (tile state is per thread).
+/// The tile configuration every task of a kernel loads (palette 1), for steps of `step` inputs
+/// (64, or 32 for blocks of 32 with a scale each): tiles 0-3 C (16 rows x 16 int32), 4-5 A (16
+/// rows x step bytes) and 6-7 B (step / 4 rows x 64 bytes). A task loads it before its first
+/// tile instruction and releases the tiles after its last (tile state is per thread).
 struct TileTasks {
   alignas(64) uint8_t config[64] = {};
-  TileTasks() {
+  explicit TileTasks(int64_t step = kTileBytes) {
     config[0] = 1;  // palette
     for (int tile = 0; tile < 8; ++tile) {
-      const uint16_t bytes = kTileBytes;
-      std::memcpy(config + 16 + 2 * tile, &bytes, 2);  // bytes a row
-      config[48 + tile] = kTileRows;                   // rows
+      const uint16_t bytes = tile == 4 || tile == 5 ? step : kTileBytes;  // bytes a row
+      std::memcpy(config + 16 + 2 * tile, &bytes, 2);
+      config[48 + tile] = tile >= 6 ? step / 4 : kTileRows;  // rows
     }
   }
   void begin() const { _tile_loadconfig(config); }

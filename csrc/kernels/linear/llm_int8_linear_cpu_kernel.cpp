@@ -196,7 +196,7 @@ void tile_linear(const int8_t* q, int64_t m, int64_t k, const int8_t* w, int64_t
   LineVector<int8_t> packed(static_cast<size_t>(tiles * steps * kTileSize));
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     const int64_t first = begin * kTileRows, count = std::min(m, end * kTileRows) - first;
-    pack_tokens(q + first * k, count, k, packed.data() + begin * steps * kTileSize);
+    pack_tokens(q + first * k, count, k, kTileBytes, packed.data() + begin * steps * kTileSize);
   });
   static const TileTasks tasks;
   at::parallel_for(0, (row_tiles + 1) / 2, 1, [&](int64_t begin, int64_t end) {

@@ -23,9 +23,6 @@ constexpr int64_t kMaxGemvTokens = 8;
 // the input and the weight blocks, and the GEMV wins up to ~32 tokens (int8 [5632, 2048] on the
 // AVX2 VM: 6.6 against 16.0 ms at 16 tokens, 10.4 against 19.6 at 32).
 constexpr int64_t kMaxGemvTokensNoNativeGemm = 32;
-// With quantize_input, up to this many tokens run the integer kernels (which read the weight once
-// per four tokens and keep it in cache across them); more round the input and take the GEMM.
-constexpr int64_t kMaxInt8InputTokens = 32;
 // Rows dequantized per GEMM call: a few MiB of fp32 that stay in cache while the GEMM reads them.
 constexpr int64_t kDequantBlockBytes = 4 << 20;
 
@@ -54,7 +51,10 @@ at::Tensor quantized_linear_cpu(const at::Tensor& input, const at::Tensor& qweig
                                super_scales ? super_scales->data_ptr() : nullptr,
                                super_mins ? super_mins->data_ptr() : nullptr,
                                super_scales ? scales.size(1) / super_scales->size(1) : 0};
-  if (quantize_input && m <= kMaxInt8InputTokens) {
+  // With quantize_input, the integer kernels take as many tokens as they are fast for (32 for
+  // the vector ones, which read the weight once per four tokens; any number in AMX tiles); more
+  // round the input and take the GEMM.
+  if (quantize_input && m <= cpu::quantized_int8_input_tokens_stub.get()(w)) {
     cpu::quantized_gemv_int8_input_stub.get()(dtype, input.data_ptr(), input.stride(0), w,
                                               bias ? bias->data_ptr() : nullptr, out.data_ptr(),
                                               m);
