@@ -59,6 +59,47 @@ void widen_rows(const QuantizedWeight& w, int64_t o0, int8_t* a) {
   }
 }
 
+/// acc[i] (row i of a 16-row A tile, its 16 tokens in the lanes) = sum over the blocks b of
+/// float(rows . tokens over block b) * d[b * stride + lane] * s[(b / per_group) * 32 + i]: A's
+/// block b at a + 2 * b * kBlockTile, B's at tokens + b * kBlockTile. Four blocks go through
+/// the four C tiles in turn (A and B through two tiles each), so that one block's tile product
+/// runs while the sums before it are scaled; the accumulators stay in registers.
+inline void output_tile(const int8_t* a, const int8_t* tokens, const float* d, int64_t stride,
+                        const float* s, int64_t blocks, int64_t per_group, int32_t* dots,
+                        __m512* acc) {
+  for (int64_t i = 0; i < kTileRows; ++i) acc[i] = _mm512_setzero_ps();
+  const auto scale_add = [&](int64_t b, const int32_t* sums) {
+    const __m512 db = _mm512_loadu_ps(d + b * stride);
+    const float* sb = s + (b / per_group) * 2 * kTileRows;
+    for (int64_t i = 0; i < kTileRows; ++i) {
+      const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums + i * kTileRows)),
+                                     db);
+      acc[i] = _mm512_fmadd_ps(v, _mm512_set1_ps(sb[i]), acc[i]);
+    }
+  };
+  constexpr int64_t kC = kTileRows * kTileRows;  // int32 of a C tile
+  constexpr int64_t kStride = kTileRows * sizeof(int32_t);
+#define KVSERVE_BLOCK_TILE(c, ta, tb, b)                                 \
+  _tile_zero(c);                                                        \
+  _tile_loadd(ta, a + 2 * (b) * kBlockTile, kBlock);                    \
+  _tile_loadd(tb, tokens + (b) * kBlockTile, kTileBytes);               \
+  _tile_dpbssd(c, ta, tb);                                              \
+  _tile_stored(c, dots + (c) * kC, kStride)
+  int64_t b = 0;
+  for (; b + 4 <= blocks; b += 4) {
+    KVSERVE_BLOCK_TILE(0, 4, 6, b);
+    KVSERVE_BLOCK_TILE(1, 5, 7, b + 1);
+    KVSERVE_BLOCK_TILE(2, 4, 6, b + 2);
+    KVSERVE_BLOCK_TILE(3, 5, 7, b + 3);
+    for (int64_t j = 0; j < 4; ++j) scale_add(b + j, dots + j * kC);
+  }
+  for (; b < blocks; ++b) {
+    KVSERVE_BLOCK_TILE(0, 4, 6, b);
+    scale_add(b, dots);
+  }
+#undef KVSERVE_BLOCK_TILE
+}
+
 /// y [m, n] (fp32) = the int8-input product of x (rounded in blocks, in input order) and w.
 template <F f>
 void tile_product(const RoundedInput& x, const QuantizedWeight& w, int64_t m, float* y) {
@@ -92,7 +133,6 @@ void tile_product(const RoundedInput& x, const QuantizedWeight& w, int64_t m, fl
     std::vector<float> params = quantized_row_params_buffer(w, groups);
     if (params.empty()) params.resize(2 * groups);
     alignas(64) int32_t dots[4 * kTileRows * kTileRows];
-    alignas(64) float acc[2 * kTileRows][2 * kTileRows];
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t o0 = pair * 2 * kTileRows, rows = std::min(2 * kTileRows, n - o0);
       const int rb = rows > kTileRows ? 2 : 1;
@@ -108,57 +148,25 @@ void tile_product(const RoundedInput& x, const QuantizedWeight& w, int64_t m, fl
           }
         }
       }
-      for (int64_t tb = 0; tb < tiles; tb += 2) {
-        const int tt = tb + 2 <= tiles ? 2 : 1;
-        const int64_t t0 = tb * kTileRows, columns = tt * kTileRows;
-        for (int64_t i = 0; i < rb * kTileRows; ++i) {
-          for (int64_t j = 0; j < columns; j += kTileRows) {
-            _mm512_store_ps(&acc[i][j], _mm512_setzero_ps());
-          }
-        }
-        for (int64_t b = 0; b < blocks; ++b) {
-          const TileOperand rows_b{a.data() + 2 * b * kBlockTile, kBlock, 0, kBlockTile};
-          const TileOperand tokens{packed.data() + (tb * blocks + b) * kBlockTile, kTileBytes, 0,
-                                   blocks * kBlockTile};
-          if (rb == 2) {
-            tt == 2 ? tile_dots<2, 2>(rows_b, tokens, 1, dots)
-                    : tile_dots<2, 1>(rows_b, tokens, 1, dots);
-          } else {
-            tt == 2 ? tile_dots<1, 2>(rows_b, tokens, 1, dots)
-                    : tile_dots<1, 1>(rows_b, tokens, 1, dots);
-          }
-          const float* s = scales.data() + (b / per_group) * 2 * kTileRows;
-          for (int64_t j = 0; j < columns; j += kTileRows) {
-            const __m512 d = _mm512_loadu_ps(scale.data() + b * padded + t0 + j);
-            for (int64_t i = 0; i < rb * kTileRows; ++i) {
-              const __m512 v = _mm512_mul_ps(
-                  _mm512_cvtepi32_ps(_mm512_load_si512(dots + i * columns + j)), d);
-              _mm512_store_ps(&acc[i][j], _mm512_fmadd_ps(v, _mm512_set1_ps(s[i]),
-                                                          _mm512_load_ps(&acc[i][j])));
+      for (int r = 0; r < rb; ++r) {
+        const int64_t count = std::min(kTileRows, rows - r * kTileRows);
+        const auto mask = static_cast<__mmask16>((1u << count) - 1);
+        for (int64_t tb = 0; tb < tiles; ++tb) {
+          const int64_t t0 = tb * kTileRows;
+          __m512 acc[kTileRows];
+          output_tile(a.data() + r * kBlockTile, packed.data() + tb * blocks * kBlockTile,
+                      scale.data() + t0, padded, scales.data() + r * kTileRows, blocks,
+                      per_group, dots, acc);
+          for (int64_t g = 0; zero && g < groups; ++g) {  // the zeros' part
+            const float* off = offsets.data() + g * 2 * kTileRows + r * kTileRows;
+            const __m512 total = _mm512_loadu_ps(sums.data() + g * padded + t0);
+            for (int64_t i = 0; i < kTileRows; ++i) {
+              acc[i] = _mm512_fnmadd_ps(_mm512_set1_ps(off[i]), total, acc[i]);
             }
           }
-        }
-        for (int64_t g = 0; zero && g < groups; ++g) {
-          const float* off = offsets.data() + g * 2 * kTileRows;
-          for (int64_t j = 0; j < columns; j += kTileRows) {
-            const __m512 total = _mm512_loadu_ps(sums.data() + g * padded + t0 + j);
-            for (int64_t i = 0; i < rb * kTileRows; ++i) {
-              _mm512_store_ps(&acc[i][j], _mm512_fnmadd_ps(_mm512_set1_ps(off[i]), total,
-                                                           _mm512_load_ps(&acc[i][j])));
-            }
-          }
-        }
-        // Each 16 x 16 to the rows of y: token t's outputs o0 + 16r .. (those below n).
-        for (int r = 0; r < rb; ++r) {
-          const int64_t count = std::min(kTileRows, rows - r * kTileRows);
-          const auto mask = static_cast<__mmask16>((1u << count) - 1);
-          for (int64_t j = 0; j < columns; j += kTileRows) {
-            __m512 v[kTileRows];
-            for (int64_t i = 0; i < kTileRows; ++i) v[i] = _mm512_load_ps(&acc[r * kTileRows + i][j]);
-            transpose16(v);
-            for (int64_t c = 0; c < kTileRows && t0 + j + c < m; ++c) {
-              _mm512_mask_storeu_ps(y + (t0 + j + c) * n + o0 + r * kTileRows, mask, v[c]);
-            }
+          transpose16(acc);  // token c's outputs o0 + 16r .. (those below n)
+          for (int64_t c = 0; c < kTileRows && t0 + c < m; ++c) {
+            _mm512_mask_storeu_ps(y + (t0 + c) * n + o0 + r * kTileRows, mask, acc[c]);
           }
         }
       }
