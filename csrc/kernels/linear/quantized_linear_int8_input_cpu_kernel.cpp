@@ -336,10 +336,10 @@ void gemv_format(const RoundedInput& x, const QuantizedWeight& w, int64_t m, flo
 constexpr int64_t kMaxVectorTokens = 32;
 #if defined(CPU_CAPABILITY_AMX)
 // Tokens from which the tiles take the product where they take w: below, the vector rows, which
-// stream a [5632, 2048] int4 projection 2x faster at one token (the tiles spend a 16 x 16 block's
+// take a [5632, 2048] int4 projection 2x faster at one token (the tiles spend a 16 x 16 block's
 // conversion and scaling on each 32 inputs whatever the tokens); at four the two are even for
 // int4 and the tiles 1.2x faster for int8 in groups of 32, at 8-32 tokens 1.7-3.6x (Emerald
-// Rapids VM).
+// Rapids VM, copies of the weight taken in turn from its 300 MB L3).
 constexpr int64_t kTileMinTokens = 4;
 #endif
 
