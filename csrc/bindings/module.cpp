@@ -18,6 +18,11 @@ PYBIND11_MODULE(_C, m) {
       "Vector instruction set the CPU kernels use: default, avx2, avx2_vnni, avx512, "
       "avx512_vnni or avx512_amx (a kernel without a variant for it runs the best one below).");
   m.def(
+      "cpu_prefetch",
+      [] { return kvserve::cpu::stream_prefetch_name(kvserve::cpu::stream_prefetch()); },
+      "How the CPU kernels ask for a weight's lines ahead of their reads: nta (non-temporal, "
+      "AMD CPUs) or t1 (into L2, the others); KVSERVE_CPU_PREFETCH may name either.");
+  m.def(
       "supported_cpu_capabilities",
       [] {
         std::vector<std::string> names;

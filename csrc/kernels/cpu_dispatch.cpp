@@ -86,6 +86,26 @@ Capability cpu_capability() {
   return capability;
 }
 
+StreamPrefetch stream_prefetch() {
+  static const StreamPrefetch prefetch = [] {
+    if (const char* requested = std::getenv("KVSERVE_CPU_PREFETCH")) {
+      for (StreamPrefetch p : {StreamPrefetch::kNonTemporal, StreamPrefetch::kL2}) {
+        if (std::strcmp(requested, stream_prefetch_name(p)) == 0) return p;
+      }
+    }
+#if defined(__x86_64__) || defined(_M_X64)
+    __builtin_cpu_init();
+    if (__builtin_cpu_is("amd")) return StreamPrefetch::kNonTemporal;
+#endif
+    return StreamPrefetch::kL2;
+  }();
+  return prefetch;
+}
+
+const char* stream_prefetch_name(StreamPrefetch prefetch) {
+  return prefetch == StreamPrefetch::kNonTemporal ? "nta" : "t1";
+}
+
 bool has_native_gemm(c10::ScalarType dtype) {
   static const auto flags = at::cpu::get_cpu_capabilities();
   const auto has = [](const char* name) {

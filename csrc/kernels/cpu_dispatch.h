@@ -43,6 +43,24 @@ const char* capability_name(Capability capability);
 /// Zen 4 VM, benchmarks/bench_quant.py --only prefill), so launchers run those products in fp32.
 bool has_native_gemm(c10::ScalarType dtype);
 
+/// How kernels that read a weight once a call ask for its lines ahead of their reads
+/// (prefetch_stream in cpu_vec.h). Measured at one token on a streamed [5632, 2048] int8 and
+/// int4 projection with int8 inputs (2 threads, interleaved processes): on a Zen 4 VM
+/// non-temporal requests read it 1.05-1.2x faster than prefetcht0, and t1 / t2 were slower than
+/// t0; on an Intel Xeon (Emerald Rapids) VM they read it at half the speed of t0, t1 or t2
+/// (6.6-9.9 GB/s against 13-20), t1 the best of those by a little.
+enum class StreamPrefetch : int {
+  kNonTemporal = 0,  // prefetchnta: into L1, past the other levels
+  kL2 = 1,           // prefetcht1: into L2
+};
+
+/// kNonTemporal on AMD CPUs, kL2 on the others; the environment variable KVSERVE_CPU_PREFETCH
+/// ("nta" or "t1") overrides it (benchmarks). Detected once.
+StreamPrefetch stream_prefetch();
+
+/// "nta" or "t1".
+const char* stream_prefetch_name(StreamPrefetch prefetch);
+
 /// One kernel, compiled once per capability; a slot stays null when that variant was not built.
 template <typename Fn>
 struct CpuKernelStub {

@@ -16,6 +16,7 @@
 #include <new>
 #include <vector>
 
+#include "kernels/cpu_dispatch.h"
 #include "kernels/cpu_kernels.h"
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
@@ -24,6 +25,22 @@
 
 namespace kvserve::cpu {
 inline namespace CPU_CAPABILITY {
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+/// stream_prefetch(), read once when the library loads (a load, not a call, in the loops).
+inline const StreamPrefetch kStreamPrefetch = stream_prefetch();
+
+/// Asks for the cache line at `line` of a weight read once a call, as stream_prefetch() says
+/// (no fault past the weight's end).
+inline void prefetch_stream(const void* line) {
+  const char* p = static_cast<const char*>(line);
+  if (kStreamPrefetch == StreamPrefetch::kNonTemporal) {
+    _mm_prefetch(p, _MM_HINT_NTA);
+  } else {
+    _mm_prefetch(p, _MM_HINT_T1);
+  }
+}
+#endif
 
 /// std::allocator's alignment for T, raised to a cache line, for buffers that kernels load 64
 /// bytes at a time (AVX-512): from a buffer that starts off a line (std::vector's 16-byte

@@ -3,6 +3,11 @@ of 32 and multiplied in integers on the CPU, llama.cpp's Q8_0 activations) again
 reference's block rounding written out and an fp64 product on the rounded input; the rounding
 itself exactly, ties, empty and non-finite blocks included."""
 
+import os
+import subprocess
+import sys
+import tempfile
+
 import pytest
 import torch
 
@@ -22,8 +27,8 @@ TOLERANCES = {
 }
 # Up to 32 tokens run the vector integer kernels (blocks of up to 4 tokens: 6 is a block of 4 and
 # one of 2); 40 rounds the input and takes the GEMM. With AMX, groups of whole blocks of 32 run
-# in tiles at any count: 17 and 40 end in a part of a 16-token tile, 70 in a lone one after
-# pairs.
+# in tiles at any count from 8 tokens (int8) or 16 (int4): 17 and 40 end in a part of a 16-token
+# tile, 70 in a lone one after pairs.
 TOKENS = [1, 3, 6, 17, 32, 40, 70]
 # (format, n, k, group_size): per row and grouped; int8 groups that are not multiples of 32 end
 # in a short block (groups of 16, GGUF's Q6_K, run four at a time on AVX-512, then two; an odd
@@ -201,6 +206,38 @@ def capability_checks():
         test_int8_extremes_do_not_saturate(group_size)
     for m in (1, 5):
         test_rounding_is_exactly_the_contracts(m, 90, 45)
+
+
+def test_prefetch_hint_changes_no_result():
+    """KVSERVE_CPU_PREFETCH (how the kernels ask for weight lines ahead) changes no output bit:
+    each hint in a process of its own against this one's outputs; an unknown name keeps the
+    CPU's default."""
+    script = (
+        "import sys, torch, kvserve\n"
+        "from kvserve.quantization import quantize_int4, quantize_int8\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "w = torch.randn(100, 256, generator=g)\n"
+        "x = torch.randn(5, 256, generator=g).bfloat16()\n"
+        "outs = [torch.ops.kvserve.quantized_linear(x, q.qweight, q.scales, q.zeros,\n"
+        "        q.group_size, None, True) for q in (quantize_int8(w), quantize_int4(w, 32))]\n"
+        "outs.append(torch.ops.kvserve.llm_int8_linear(x, quantize_int8(w).qweight,\n"
+        "            quantize_int8(w).scales.view(-1), 0.0, None))\n"
+        "torch.save(outs, sys.argv[1])\n"
+        "print('prefetch=' + kvserve._C.cpu_prefetch())\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        results = {}
+        for hint in ("nta", "t1", "bogus"):
+            path = f"{tmp}/{hint}.pt"
+            env = {**os.environ, "KVSERVE_CPU_PREFETCH": hint, "OMP_NUM_THREADS": "1"}
+            run = subprocess.run([sys.executable, "-c", script, path], env=env, text=True,
+                                 capture_output=True, timeout=300)
+            assert run.returncode == 0, run.stderr
+            shown = run.stdout.strip().rpartition("prefetch=")[2]
+            assert shown == (kvserve._C.cpu_prefetch() if hint == "bogus" else hint)
+            results[hint] = torch.load(path)
+    for outs in results.values():
+        for got, want in zip(outs, results["t1"]):
+            assert torch.equal(got, want)
 
 
 # The VNNI variants too (vpdpbusd / vpdpwssd): tests/kernels/capability.py.

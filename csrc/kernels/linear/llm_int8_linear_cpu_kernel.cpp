@@ -12,17 +12,16 @@
 //
 // Blocks of 4 tokens x 2 weight rows share every load (each row's bytes and magnitude once for the
 // 4 tokens, each token's inputs once for the 2 rows); the rows ask for their bytes 8 KB ahead of
-// their reads, non-temporally (as the int8-input kernels of quantized_linear do, which read a
-// streamed projection 1.1-1.25x faster for it, and 1.05-1.2x faster again with prefetchnta than
-// with prefetcht0). Rows go to the threads in blocks.
+// their reads (as the int8-input kernels of quantized_linear do, which read a streamed projection
+// 1.1-1.25x faster for it), as prefetch_stream says for the CPU. Rows go to the threads in blocks.
 //
 // The AVX512_AMX variant multiplies in AMX tiles instead (amx_int8_tiles.h) wherever k is a
 // multiple of 64: 32 weight rows by 32 tokens a block, four tdpbssd a step of 64 inputs, each
 // 16 x 16 x 64 products; the sums are the same int32 and take the same scales in the same order,
-// so the outputs are the vector blocks' bit for bit. It does so from one token on: a token's
-// tile wastes 15 of its 16 columns, but the tiles still read a streamed [5632, 2048] weight
-// 1.45-1.7x faster than the vector rows at 1-8 tokens on a Xeon (Emerald Rapids) VM, and multiply
-// 4-5x faster from 16 tokens (benchmarks/bench_quant.py --only prefill).
+// so the outputs are the vector blocks' bit for bit. It does so from 8 tokens on
+// (kTileMinTokens): below, the vector rows read the weight faster, as the tiles waste most of
+// their columns; from 16 tokens the tiles multiply 4-5x faster (benchmarks/bench_quant.py --only
+// prefill).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -48,6 +47,12 @@ constexpr int64_t kTokens = 4;   // tokens per block
 constexpr int64_t kRows = 2;     // weight rows per block
 constexpr int64_t kRowGrain = 16;
 constexpr int64_t kPrefetchAhead = 8192;
+#if defined(CPU_CAPABILITY_AMX)
+// Tokens from which the tiles take the product (tile_linear); below, the vector blocks, which
+// read a streamed [5632, 2048] weight faster at 1 and 4 tokens (18 and 16 GB/s against 15-17 and
+// 14-15), as fast at 6, and slower at 8 (10-11 against 14-16; Emerald Rapids VM).
+constexpr int64_t kTileMinTokens = 8;
+#endif
 
 #if defined(CPU_CAPABILITY_AVX512)
 using IVec = __m512i;
@@ -122,8 +127,7 @@ void block(const int8_t* x, const int8_t* w, int64_t k, int64_t t0, int64_t o0, 
     IVec wr[R], mag[R];
     for (int r = 0; r < R; ++r) {
       const int8_t* row = w + (o0 + r) * k + i;
-      if (i % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchAhead),
-                                    _MM_HINT_NTA);
+      if (i % 64 == 0) prefetch_stream(row + kPrefetchAhead);
       wr[r] = load(row);
       mag[r] = magnitude(wr[r]);
     }
@@ -239,7 +243,7 @@ void int8_linear_impl(const float* x, int64_t m, int64_t k, const int8_t* w, int
     for (int64_t t = begin; t < end; ++t) round_row(x + t * k, k, q.data() + t * k, &x_scales[t]);
   });
 #if defined(CPU_CAPABILITY_AMX)
-  if (k % kTileBytes == 0 && n >= kTileRows) {
+  if (m >= kTileMinTokens && k % kTileBytes == 0 && n >= kTileRows) {
     tile_linear(q.data(), m, k, w, n, x_scales.data(), w_scales, out);
     return;
   }

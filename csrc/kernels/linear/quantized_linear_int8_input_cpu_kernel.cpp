@@ -335,12 +335,12 @@ void gemv_format(const RoundedInput& x, const QuantizedWeight& w, int64_t m, flo
 // Tokens the vector kernels take at most: more run the GEMM (int8_input_tokens).
 constexpr int64_t kMaxVectorTokens = 32;
 #if defined(CPU_CAPABILITY_AMX)
-// Tokens from which the tiles take the product where they take w: below, the vector rows, which
-// take a [5632, 2048] int4 projection 2x faster at one token (the tiles spend a 16 x 16 block's
-// conversion and scaling on each 32 inputs whatever the tokens); at four the two are even for
-// int4 and the tiles 1.2x faster for int8 in groups of 32, at 8-32 tokens 1.7-3.6x (Emerald
-// Rapids VM, copies of the weight taken in turn from its 300 MB L3).
-constexpr int64_t kTileMinTokens = 4;
+// Tokens from which the tiles take the product where they take w: below, the vector rows. The
+// tiles spend a 16 x 16 block's conversion and scaling on each 32 inputs whatever the tokens; the
+// rows read the weight at up to the memory's speed. A streamed [5632, 2048] projection on an
+// Emerald Rapids VM, rows against tiles (GB/s of weights): int8 at 4 / 8 / 16 tokens 13-15 / 8 /
+// 4-5 against 7.4 / 8-9 / 7.5, int4 (groups of 128) 10-11 / 4.4-6 / 2-3 against 4 / 4-4.4 / 4.1.
+int64_t tile_min_tokens(F f) { return f == F::kInt8 ? 8 : 16; }
 #endif
 
 int64_t int8_input_tokens(const QuantizedWeight& w) {
@@ -356,7 +356,7 @@ void quantized_gemv_int8_input_impl(c10::ScalarType dtype, const void* input,
                                     const void* bias, void* out, int64_t m) {
   std::vector<float> y(m * w.n);
 #if defined(CPU_CAPABILITY_AMX)
-  if (m >= kTileMinTokens && tiles_take(w)) {
+  if (tiles_take(w) && m >= tile_min_tokens(w.format)) {
     const RoundedInput x = round_input(dtype, input, input_stride, m, w, true);
     w.format == F::kInt8 ? tile_product<F::kInt8>(x, w, m, y.data())
                          : tile_product<F::kInt4>(x, w, m, y.data());

@@ -46,9 +46,8 @@ constexpr int64_t kMaxRowsAtOnce = 1;
 // read front to back, one after another, yet on a Zen 4 VM asking for them ahead reads a
 // streamed projection 1.1-1.25x faster at one token (int8 and int4, every row kernel) and up to
 // 2x at four (2 threads, interleaved calls with and without); 4 and 8 KB measured the same.
-// They are asked for as non-temporal (prefetchnta: into L1 without displacing the rest of the
-// caches, where the inputs stay): int4 at one token 1.05-1.2x faster streamed than prefetcht0 (a
-// [5632, 2048] projection, interleaved builds); T1 / T2 were slower than T0.
+// How they are asked for depends on the CPU (prefetch_stream, StreamPrefetch): non-temporally on
+// AMD, into L2 elsewhere.
 constexpr int64_t kPrefetchAhead = 8192;
 
 using F = QuantFormat;
@@ -156,7 +155,7 @@ float sum_lanes(__m256 v) {
 #if KVSERVE_INT8_DOT_SIMD
 // Asks for the cache line kPrefetchAhead bytes past p (no fault if past the weight's end).
 inline void prefetch_ahead(const uint8_t* p) {
-  _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchAhead), _MM_HINT_NTA);
+  prefetch_stream(p + kPrefetchAhead);
 }
 #endif
 

@@ -38,6 +38,7 @@ def machine_info() -> dict:
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "kvserve": __version__,
         "kvserve_cpu_capability": _C.cpu_capability(),
+        "kvserve_cpu_prefetch": _C.cpu_prefetch(),
         "python": platform.python_version(),
         "loadavg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
