@@ -210,18 +210,20 @@ def capability_checks():
 
 def test_prefetch_hint_changes_no_result():
     """KVSERVE_CPU_PREFETCH (how the kernels ask for weight lines ahead) changes no output bit:
-    each hint in a process of its own against this one's outputs; an unknown name keeps the
-    CPU's default."""
+    each hint in a process of its own, the vector rows (5 tokens) and, with AMX, the tiles (17);
+    an unknown name keeps the CPU's default."""
     script = (
         "import sys, torch, kvserve\n"
         "from kvserve.quantization import quantize_int4, quantize_int8\n"
         "g = torch.Generator().manual_seed(0)\n"
         "w = torch.randn(100, 256, generator=g)\n"
-        "x = torch.randn(5, 256, generator=g).bfloat16()\n"
-        "outs = [torch.ops.kvserve.quantized_linear(x, q.qweight, q.scales, q.zeros,\n"
-        "        q.group_size, None, True) for q in (quantize_int8(w), quantize_int4(w, 32))]\n"
-        "outs.append(torch.ops.kvserve.llm_int8_linear(x, quantize_int8(w).qweight,\n"
-        "            quantize_int8(w).scales.view(-1), 0.0, None))\n"
+        "outs = []\n"
+        "for m in (5, 17):\n"
+        "    x = torch.randn(m, 256, generator=g).bfloat16()\n"
+        "    outs += [torch.ops.kvserve.quantized_linear(x, q.qweight, q.scales, q.zeros,\n"
+        "             q.group_size, None, True) for q in (quantize_int8(w), quantize_int4(w, 32))]\n"
+        "    outs.append(torch.ops.kvserve.llm_int8_linear(x, quantize_int8(w).qweight,\n"
+        "                quantize_int8(w).scales.view(-1), 0.0, None))\n"
         "torch.save(outs, sys.argv[1])\n"
         "print('prefetch=' + kvserve._C.cpu_prefetch())\n")
     with tempfile.TemporaryDirectory() as tmp:
