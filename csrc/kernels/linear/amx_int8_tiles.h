@@ -17,8 +17,6 @@
 #include <cstdint>
 #include <cstring>
 
-#include "kernels/cpu_vec.h"
-
 namespace kvserve::cpu {
 inline namespace CPU_CAPABILITY {
 namespace {
@@ -26,7 +24,6 @@ namespace {
 constexpr int64_t kTileRows = 16;   // weight rows (and tokens) a tile
 constexpr int64_t kTileBytes = 64;  // inputs a tile step: one A row of bytes
 constexpr int64_t kTileSize = kTileRows * kTileBytes;  // bytes of a packed B tile
-constexpr int64_t kTilePrefetchAhead = 8192;  // bytes ahead that pack_rows asks for
 
 /// Blocks of 16 tokens that m tokens take.
 inline int64_t token_tiles(int64_t m) { return (m + kTileRows - 1) / kTileRows; }
@@ -76,16 +73,14 @@ struct TileOperand {
 };
 
 /// Weight rows [16 * RB) (k inputs, row stride k bytes) copied as contiguous A tiles: step s's
-/// tile r at packed + (s * RB + r) * kTileSize. The rows are read one after another, each front
-/// to back, asking for the bytes kTilePrefetchAhead ahead (prefetch_stream). Read once, the copy is what every block of
+/// tile r at packed + (s * RB + r) * kTileSize. Read once, the copy is what every block of
 /// tokens then loads: 1 KB tiles in a row instead of 16 lines k bytes apart, which the L1 cache
 /// holds in few sets (k a multiple of 4 KB puts all 16 in one).
 template <int RB>
 inline TileOperand pack_rows(const int8_t* rows, int64_t k, int8_t* packed) {
   const int64_t steps = k / kTileBytes;
-  for (int64_t r = 0; r < RB * kTileRows; ++r) {
-    for (int64_t s = 0; s < steps; ++s) {
-      prefetch_stream(rows + r * k + s * kTileBytes + kTilePrefetchAhead);
+  for (int64_t s = 0; s < steps; ++s) {
+    for (int64_t r = 0; r < RB * kTileRows; ++r) {
       std::memcpy(packed + (s * RB * kTileRows + r) * kTileBytes, rows + r * k + s * kTileBytes,
                   kTileBytes);
     }

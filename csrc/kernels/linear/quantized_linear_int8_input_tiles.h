@@ -34,8 +34,7 @@ inline bool tiles_take(const QuantizedWeight& w) {
 }
 
 /// Rows [o0, o0 + 32) of w (those below n; zeros past it) as int8 A tiles, block b's 16-row tile
-/// r at a + (2 * b + r) * kBlockTile, each row's 32 inputs in order; the rows read front to back,
-/// asking for their lines ahead (prefetch_ahead).
+/// r at a + (2 * b + r) * kBlockTile, each row's 32 inputs in order.
 template <F f>
 void widen_rows(const QuantizedWeight& w, int64_t o0, int8_t* a) {
   const int64_t k = w.k, blocks = k / kBlock;
@@ -43,9 +42,6 @@ void widen_rows(const QuantizedWeight& w, int64_t o0, int8_t* a) {
   for (int64_t i = 0; i < 2 * kTileRows; ++i) {
     const int64_t o = o0 + i, r = i / kTileRows, row = i % kTileRows;
     for (int64_t b = 0; b < blocks; ++b) {
-      if (o < w.n && b % (f == F::kInt8 ? 2 : 4) == 0) {  // a line of the row
-        prefetch_ahead(q + o * byte_offset<f>(k) + byte_offset<f>(b * kBlock));
-      }
       int8_t* dst = a + (2 * b + r) * kBlockTile + row * kBlock;
       if (o >= w.n) {
         std::memset(dst, 0, kBlock);
