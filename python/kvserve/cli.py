@@ -357,7 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the target layers whose entering streams the head reads "
                    "(default: low, middle, high)")
     e.add_argument("--max-minutes", type=float, default=0.0,
-                   help="stop after an evaluation once training took this long (0: no limit)")
+                   help="stop after an evaluation once training took this long (0: no limit); "
+                   "the learning-rate schedule spans the steps that fit (timed over the first "
+                   "five)")
     e.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its training_state.pt (written at each "
                    "evaluation) up to --steps, with the same other settings")

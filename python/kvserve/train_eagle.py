@@ -57,6 +57,8 @@ class EagleTrainConfig:
     eval_batches: int = 8        # batches of held-out windows per evaluation (0: all)
     patience: int = 4            # evaluations without a better held-out loss before stopping
     max_minutes: float = 0.0     # stop (after an evaluation) once training took this long; 0: no
+    # limit. With a limit the learning-rate schedule spans the steps that fit in it (measured
+    # over the first steps), so that it decays fully before the time runs out.
     seed: int = 0
     device: str = "cpu"
     init_from: str = ""          # a written head to start from (fresh optimizer and schedule)
@@ -323,6 +325,7 @@ def train_eagle(target_dir: str | Path, corpus: str | Path, out_dir: str | Path,
         n = len(windows)
         return sum(losses) / n, [sum(col) / n for col in zip(*agreements)]
 
+    evaluation_started = time.monotonic()
     if saved is None:
         val_loss, val_agree = evaluate()
         before = {"validation_loss": val_loss, "agreement": val_agree}
@@ -336,9 +339,13 @@ def train_eagle(target_dir: str | Path, corpus: str | Path, out_dir: str | Path,
         first, spent = saved["step"], saved["elapsed_s"]
         val_loss, val_agree = best[0], best[3]
         evaluate()  # for the floor of the held-out windows, as a first run computes it
+    evaluation_s = time.monotonic() - evaluation_started
     floor = sum(floors) / len(windows)
     out_dir.mkdir(parents=True, exist_ok=True)
     steps_run, stopped_early = first, False
+    # The schedule's length: config.steps, or with a time limit the steps that fit in it.
+    total, warmup, fitted_at = config.steps, config.warmup_steps, first + 5
+    loop_started = time.monotonic()
 
     def save_state() -> None:
         torch.save({"config": asdict(config), "draft_vocab_size": size, "step": steps_run,
@@ -356,8 +363,18 @@ def train_eagle(target_dir: str | Path, corpus: str | Path, out_dir: str | Path,
             log.writerow([0, "", f"{val_loss:.4f}", " ".join(f"{a:.3f}" for a in val_agree),
                           "", "0.0"])
         for step in bar:
-            lr = training.schedule(optimizer, step, config.lr, config.steps,
-                                   config.warmup_steps, config.min_lr_ratio)
+            if config.max_minutes and step == fitted_at:
+                total = training.steps_in_budget(
+                    done=step, total=config.steps,
+                    per_step_s=(time.monotonic() - loop_started) / (step - first),
+                    budget_s=60 * config.max_minutes - (time.monotonic() - started),
+                    evaluation_s=evaluation_s, eval_every=config.eval_every)
+                warmup = min(warmup, total // 10)
+                bar.total = total
+            if step >= total:
+                break
+            lr = training.schedule(optimizer, step, config.lr, total, warmup,
+                                   config.min_lr_ratio)
             batch = training.sample_batch(train_ids, config.batch_size, config.seq_len, gen, bos)
             loss, _, _ = run(batch)
             optimizer.zero_grad(set_to_none=True)
@@ -367,7 +384,7 @@ def train_eagle(target_dir: str | Path, corpus: str | Path, out_dir: str | Path,
             steps_run = step + 1
             out_of_time = bool(config.max_minutes) and \
                 time.monotonic() - started > 60 * config.max_minutes
-            evaluated = (steps_run % config.eval_every == 0 or steps_run == config.steps
+            evaluated = (steps_run % config.eval_every == 0 or steps_run == total
                          or out_of_time)
             if evaluated:
                 val_loss, val_agree = evaluate()
@@ -393,7 +410,8 @@ def train_eagle(target_dir: str | Path, corpus: str | Path, out_dir: str | Path,
         "aux_layers": aux, "draft_vocab_size": size,
         "parameters": sum(p.numel() for p in head.parameters()),
         "train_tokens": len(train_ids), "validation_tokens": len(val_ids),
-        "steps_run": steps_run, "stopped_early": stopped_early, "best_step": best_step,
+        "steps_run": steps_run, "schedule_steps": total, "stopped_early": stopped_early,
+        "best_step": best_step,
         "tokens_seen": steps_run * config.batch_size * config.seq_len,
         "resumed_from_step": first,
         "validation_loss_floor": round(floor, 4),

@@ -56,6 +56,15 @@ def learning_rate(step: int, lr: float, steps: int, warmup_steps: int,
     return floor + 0.5 * (lr - floor) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def steps_in_budget(done: int, total: int, per_step_s: float, budget_s: float,
+                    evaluation_s: float = 0.0, eval_every: int = 0, margin: float = 1.05) -> int:
+    """The schedule length that fits a time budget: `done` steps run, `budget_s` seconds left,
+    a step taking per_step_s and an evaluation (every eval_every steps) evaluation_s; at most
+    `total`, at least one step more than `done`."""
+    per_step = per_step_s + (evaluation_s / eval_every if eval_every else 0.0)
+    return max(done + 1, min(total, done + int(max(0.0, budget_s) / (per_step * margin))))
+
+
 def schedule(optimizer, step: int, lr: float, steps: int, warmup_steps: int,
              min_lr_ratio: float) -> float:
     """Sets every parameter group's learning rate to learning_rate(step, ...); returns it."""

@@ -233,3 +233,34 @@ def test_init_from_starts_at_a_written_head(tmp_path, trained):
     with pytest.raises(ValueError, match="another vocabulary"):
         train_eagle(target, corpus, tmp_path / "other", replace(config, draft_vocab_size=100),
                     progress=False)
+
+
+def test_steps_in_budget():
+    from kvserve.training import steps_in_budget
+
+    # 5 steps run, 100 s left, 1 s a step and 5 s an evaluation every 10 steps: 1.5 s a step.
+    assert steps_in_budget(5, 1000, 1.0, 100.0, 5.0, 10, margin=1.0) == 5 + 66
+    assert steps_in_budget(5, 40, 1.0, 100.0, 5.0, 10) == 40  # all fit
+    assert steps_in_budget(5, 1000, 1.0, -3.0) == 6  # out of time: at least one more step
+
+
+def test_time_limit_fits_the_schedule(tmp_path, trained):
+    """With --max-minutes the cosine schedule spans the steps that fit (timed over the first
+    five), not --steps: the learning rate the log records follows that length."""
+    from kvserve.training import learning_rate
+
+    target, _, _ = trained
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("alpha beta gamma delta kappa\n" * 400)
+    config = EagleTrainConfig(steps=10**6, batch_size=2, seq_len=32, eval_every=20,
+                              eval_batches=1, draft_vocab_size=50, aux_layers=(0, 2, 3),
+                              ttt_steps=2, warmup_steps=30, max_minutes=0.1, patience=0)
+    done = train_eagle(target, corpus, tmp_path / "head", config, progress=False)
+    total = done["schedule_steps"]
+    assert 5 < total < 10**6 and done["steps_run"] <= total
+    warmup = min(config.warmup_steps, total // 10)
+    rows = (tmp_path / "head" / "eagle_log.csv").read_text().splitlines()[2:]
+    for row in rows[5:]:
+        step, lr = int(row.split(",")[0]), float(row.split(",")[4])
+        assert lr == pytest.approx(learning_rate(step - 1, config.lr, total, warmup,
+                                                 config.min_lr_ratio), rel=1e-3)
