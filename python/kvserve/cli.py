@@ -153,7 +153,8 @@ def _train_eagle(args: argparse.Namespace) -> int:
         draft_vocab_size=args.draft_vocab_size, aux_layers=tuple(args.aux_layers or ()),
         eval_every=args.eval_every, eval_batches=args.eval_batches, patience=args.patience,
         max_minutes=args.max_minutes, seed=args.seed, device=args.device,
-        init_from=args.init_from or "")
+        init_from=args.init_from or "", generated_windows=args.generated_windows,
+        generate_temperature=args.generate_temperature)
     if args.threads is not None:
         import torch
 
@@ -360,6 +361,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop after an evaluation once training took this long (0: no limit); "
                    "the learning-rate schedule spans the steps that fit (timed over the first "
                    "five)")
+    e.add_argument("--generated-windows", type=int, default=0, metavar="N",
+                   help="self-distillation: train on N windows the target wrote itself "
+                   "(continuations of corpus prompts, generated with kvserve before training) "
+                   "instead of corpus windows (0: corpus)")
+    e.add_argument("--generate-temperature", type=float, default=0.0,
+                   help="the temperature those continuations are sampled at (0: greedy)")
     e.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its training_state.pt (written at each "
                    "evaluation) up to --steps, with the same other settings")

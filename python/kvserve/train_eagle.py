@@ -16,6 +16,10 @@ output of step j - 1 at row i (not the target's state), sits at position i + j a
 i + 2 + j; it attends to the step-0 rows at positions <= i and to its own chain's rows of steps
 1..j, which is what it sees when drafting. Step j's loss is weighted 0.8^j (the paper's).
 
+Self-distillation (generated_windows > 0): the windows are then the target's own continuations
+of corpus prompts, generated with kvserve before training, so the head learns on the text it
+will draft for.
+
 The draft vocabulary is the `draft_vocab_size` most frequent tokens of the training text (all of
 them when it is the target's size), mapped to target ids by `d2t`.
 
@@ -62,6 +66,12 @@ class EagleTrainConfig:
     seed: int = 0
     device: str = "cpu"
     init_from: str = ""          # a written head to start from (fresh optimizer and schedule)
+    # Windows the target wrote itself (self-distillation): 0 trains on corpus windows; N > 0
+    # trains on N windows of the target's continuations of corpus prompts (sampled at
+    # generate_temperature; 0: greedy), generated once with kvserve before training, and
+    # validates on continuations of held-out prompts.
+    generated_windows: int = 0
+    generate_temperature: float = 0.0
 
     def check(self) -> None:
         for name in ("steps", "batch_size", "eval_every", "ttt_steps"):
@@ -78,6 +88,12 @@ class EagleTrainConfig:
                              "non-negative")
         if self.draft_vocab_size < 0:
             raise ValueError(f"draft_vocab_size must be >= 0, got {self.draft_vocab_size}")
+        if not isinstance(self.generated_windows, int) or self.generated_windows < 0:
+            raise ValueError(f"generated_windows must be an integer >= 0, got "
+                             f"{self.generated_windows!r}")
+        if not self.generate_temperature >= 0:
+            raise ValueError(f"generate_temperature must be >= 0, got "
+                             f"{self.generate_temperature}")
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -289,6 +305,15 @@ def train_eagle(target_dir: str | Path, corpus: str | Path, out_dir: str | Path,
     train_ids = torch.tensor(tokenizer.encode(train_text, add_special_tokens=False))
     val_ids = torch.tensor(tokenizer.encode(val_text, add_special_tokens=False))
     val_windows = training.validation_windows(val_ids, config.seq_len, bos)
+    train_windows, generation_s = None, 0.0
+    if config.generated_windows:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        held_out = (config.eval_batches or 8) * config.batch_size
+        generation_started = time.monotonic()
+        train_windows, val_windows = _generated(
+            out_dir / "generated_windows.pt", target_dir, config, train_ids, val_ids,
+            held_out, bos, device)
+        generation_s = time.monotonic() - generation_started
     vocab = target.model.config.vocab_size
     size = config.draft_vocab_size or vocab
     if size > vocab:
@@ -375,7 +400,10 @@ def train_eagle(target_dir: str | Path, corpus: str | Path, out_dir: str | Path,
                 break
             lr = training.schedule(optimizer, step, config.lr, total, warmup,
                                    config.min_lr_ratio)
-            batch = training.sample_batch(train_ids, config.batch_size, config.seq_len, gen, bos)
+            batch = training.sample_batch(train_ids, config.batch_size, config.seq_len, gen, bos) \
+                if train_windows is None else \
+                train_windows[torch.randint(len(train_windows), (config.batch_size,),
+                                            generator=gen)]
             loss, _, _ = run(batch)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -410,6 +438,7 @@ def train_eagle(target_dir: str | Path, corpus: str | Path, out_dir: str | Path,
         "aux_layers": aux, "draft_vocab_size": size,
         "parameters": sum(p.numel() for p in head.parameters()),
         "train_tokens": len(train_ids), "validation_tokens": len(val_ids),
+        "generated_windows": config.generated_windows, "generation_s": round(generation_s, 1),
         "steps_run": steps_run, "schedule_steps": total, "stopped_early": stopped_early,
         "best_step": best_step,
         "tokens_seen": steps_run * config.batch_size * config.seq_len,
@@ -442,6 +471,52 @@ def _load_state(path: Path, config: EagleTrainConfig, size: int) -> dict:
         raise ValueError(f"--resume: the run already took {saved['step']} steps; give --steps "
                          f"more than that")
     return saved
+
+
+def generate_windows(target_dir: Path, ids: torch.Tensor, count: int, seq_len: int, bos: int,
+                     temperature: float, seed: int, device: torch.device) -> torch.Tensor:
+    """[count, seq_len] windows the target wrote: BOS, a run of 8 to seq_len / 2 tokens of `ids`
+    from a random offset (the prompt), then the target's own continuation up to seq_len tokens
+    (kvserve, batched; greedy at temperature 0, else sampled with a seed per window)."""
+    import random
+
+    from kvserve import LLM, SamplingParams
+
+    longest = max(8, seq_len // 2)
+    if len(ids) < longest:
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than a prompt of {longest}")
+    rng = random.Random(seed)
+    prompts, params = [], []
+    for i in range(count):
+        length = rng.randint(8, longest)
+        start = rng.randrange(0, len(ids) - length + 1)
+        prompts.append([bos] + ids[start:start + length].tolist())
+        params.append(SamplingParams(temperature=temperature, seed=seed * 1_000_003 + i,
+                                     max_tokens=seq_len - 1 - length, ignore_eos=True))
+    llm = LLM(target_dir, dtype="float32", device=str(device), max_model_len=seq_len,
+              max_num_seqs=64)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return torch.tensor([p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outputs)],
+                        dtype=torch.long)
+
+
+def _generated(path: Path, target_dir: Path, config: EagleTrainConfig, train_ids: torch.Tensor,
+               val_ids: torch.Tensor, held_out: int, bos: int, device: torch.device
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The run's generated training and held-out windows: read from `path` when a run with the
+    same settings wrote them there (a resumed run), else generated and written there."""
+    key = {"count": config.generated_windows, "held_out": held_out, "seq_len": config.seq_len,
+           "temperature": config.generate_temperature, "seed": config.seed}
+    if path.is_file():
+        saved = torch.load(path, weights_only=True)
+        if saved["key"] == key:
+            return saved["train"], saved["validation"]
+    train = generate_windows(target_dir, train_ids, config.generated_windows, config.seq_len,
+                             bos, config.generate_temperature, config.seed, device)
+    validation = generate_windows(target_dir, val_ids, held_out, config.seq_len, bos,
+                                  config.generate_temperature, config.seed + 1, device)
+    torch.save({"key": key, "train": train, "validation": validation}, path)
+    return train, validation
 
 
 def _head_weights(head_dir: Path, draft_ids: torch.Tensor, aux: list[int]) -> dict:

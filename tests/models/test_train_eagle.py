@@ -264,3 +264,38 @@ def test_time_limit_fits_the_schedule(tmp_path, trained):
         step, lr = int(row.split(",")[0]), float(row.split(",")[4])
         assert lr == pytest.approx(learning_rate(step - 1, config.lr, total, warmup,
                                                  config.min_lr_ratio), rel=1e-3)
+
+
+def test_generated_windows_are_the_targets_own_continuations(tmp_path, trained):
+    """--generated-windows: the windows are a corpus prompt then the target's greedy
+    continuation (what plain greedy decoding of that prompt gives), written beside the head and
+    read back by a run with the same settings; training on them runs and records them."""
+    from kvserve.train_eagle import generate_windows
+
+    target, _, _ = trained
+    ids = torch.arange(3, 300) % 97 + 3
+    windows = generate_windows(target, ids, 5, 24, 1, 0.0, 0, torch.device("cpu"))
+    assert windows.shape == (5, 24) and bool((windows[:, 0] == 1).all())
+    plain = LLM(target, dtype="float32")
+
+    def greedy(prompt, n):
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        return plain.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+
+    def is_run(seq):  # consecutive in ids
+        return all(b - 3 == (a - 3 + 1) % 97 for a, b in zip(seq, seq[1:]))
+
+    for row in windows.tolist():  # a prompt of 8 to 12 tokens, then its greedy continuation
+        assert any(is_run(row[1:1 + n]) and greedy(row[:1 + n], 23 - n) == row[1 + n:]
+                   for n in range(8, 13)), row
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("alpha beta gamma delta kappa\n" * 400)
+    config = EagleTrainConfig(steps=3, batch_size=2, seq_len=32, eval_every=3, eval_batches=1,
+                              draft_vocab_size=50, aux_layers=(0, 2, 3), ttt_steps=2,
+                              warmup_steps=1, generated_windows=6)
+    done = train_eagle(target, corpus, tmp_path / "head", config, progress=False)
+    assert done["generated_windows"] == 6 and done["steps_run"] == 3
+    saved = torch.load(tmp_path / "head" / "generated_windows.pt", weights_only=True)
+    assert saved["train"].shape == (6, 32) and saved["validation"].shape == (2, 32)
+    with pytest.raises(ValueError, match="generated_windows must be an integer >= 0"):
+        train_eagle(target, corpus, tmp_path / "o", EagleTrainConfig(generated_windows=-1))
