@@ -46,8 +46,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--draft", type=Path, default=REPO / "models" / "shakespeare-draft")
     p.add_argument("--eagle3", type=Path, default=None,
                    help="an EAGLE-3 head for the target: its rows beside the draft model's")
-    p.add_argument("--speculative-quantization", default=None, choices=["int8"],
-                   help="the draft model and the head with int8 projections (EngineArgs')")
+    p.add_argument("--speculative-quantization", default=None, choices=["int8", "int4"],
+                   help="the draft model and the head with int8 or int4 projections (EngineArgs')")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8],
                    help="draft tokens per step for the draft model")

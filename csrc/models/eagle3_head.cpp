@@ -1,5 +1,6 @@
 #include "models/eagle3_head.h"
 
+#include <ATen/ops/any.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/embedding.h>
@@ -58,6 +59,8 @@ Eagle3Head::Eagle3Head(ModelConfig config, std::shared_ptr<CausalLM> target,
   const int64_t low = target_ids_.min().item<int64_t>(), high = target_ids_.max().item<int64_t>();
   require(low >= 0 && high < config_.vocab_size,
           "d2t maps draft tokens outside the target's vocabulary");
+  // A head over the whole vocabulary in the target's order (d2t all zero) needs no scatter.
+  whole_vocabulary_ = d2t.size(0) == config_.vocab_size && !d2t.any().item<bool>();
 }
 
 at::Tensor Eagle3Head::target_states(const at::Tensor& hidden) {
@@ -89,6 +92,7 @@ DraftHead::Output Eagle3Head::forward_depth(int64_t depth, const at::Tensor& inp
 
 at::Tensor Eagle3Head::compute_logits(const at::Tensor& hidden) {
   const at::Tensor draft = lm_head_.forward(hidden).to(at::kFloat);
+  if (whole_vocabulary_) return draft;
   at::Tensor logits = at::full({hidden.size(0), config_.vocab_size},
                                -std::numeric_limits<float>::infinity(), draft.options());
   logits.index_copy_(1, target_ids_, draft);

@@ -60,6 +60,7 @@ class Eagle3Head : public DraftHead {
   std::unique_ptr<GatedMLP> mlp_;
   Linear lm_head_;
   at::Tensor target_ids_;  // int64 [draft vocab]: each draft id's target id
+  bool whole_vocabulary_ = false;  // target_ids_ is 0, 1, ..., vocab_size - 1
 };
 
 }  // namespace kvserve

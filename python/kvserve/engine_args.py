@@ -31,7 +31,7 @@ KV_CACHE_DTYPES = KV_CACHE_DTYPE_NAMES
 # The proposer registry's methods (C++): {name: whether it drafts with speculative_model}.
 SPECULATIVE_METHODS = dict(_C.speculative_methods())
 # How speculative_quantization may round a drafter's weights as they load (kvserve.speculative).
-SPECULATIVE_QUANTIZATIONS = ("int8",)
+SPECULATIVE_QUANTIZATIONS = ("int8", "int4")
 # Decode steps of up to this many sequences replay CUDA graphs on a GPU (vLLM captures up to 512).
 CUDA_GRAPH_MAX_BATCH = 256
 
@@ -101,9 +101,9 @@ class EngineArgs:
     num_speculative_tokens: int | None = option(
         None, "draft tokens per step at most (default 2)")
     speculative_quantization: str | None = option(
-        None, "int8: the draft model's or EAGLE-3 head's projections and LM head rounded to int8 "
-              "per output channel as they load (cheaper drafts; verification keeps the output "
-              "the target's)",
+        None, "int8 / int4: the draft model's or EAGLE-3 head's projections and LM head "
+              "rounded to int8 per output channel, or int4 per group of 128 inputs, as they load "
+              "(cheaper drafts; verification keeps the output the target's)",
         choices=SPECULATIVE_QUANTIZATIONS)
     prompt_lookup_min: int = option(1, "shortest suffix n-gram speculation looks up")
     prompt_lookup_max: int = option(4, "longest suffix n-gram speculation looks up")

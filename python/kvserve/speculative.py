@@ -99,11 +99,13 @@ def load_draft_info(draft_dir: str | Path, target_config, target_tokenizer: Toke
 def quantize_drafter(weights: dict, config: _C.ModelConfig, scheme: str, path) -> None:
     """speculative_quantization: the drafter's projections and LM head (2-D `*_proj.weight`,
     `fc.weight`, `lm_head.weight`; not its embedding, norms or routed experts) rounded in place
-    to `scheme` ("int8": symmetric, per output channel; quantize_int8), and config's scheme set
-    so that its layers read them (their inputs as quantized_activation says: set it after).
-    The drafter's tokens only propose; verification keeps the output the target's. Raises
-    ValueError for a drafter whose checkpoint is quantized already."""
-    from kvserve.quantization import quantize_int8
+    to `scheme` ("int8": symmetric, per output channel, quantize_int8; "int4": asymmetric per
+    group of 128 inputs, or 64 or 32 where 128 does not divide them, quantize_int4; a
+    projection none of them divides stays as it is), and config's scheme set so that its layers
+    read them (their inputs as quantized_activation says: set it after). The drafter's tokens
+    only propose; verification keeps the output the target's. Raises ValueError for a drafter
+    whose checkpoint is quantized already."""
+    from kvserve.quantization import quantize_int4, quantize_int8
 
     if config.quantization.scheme != "none":
         raise ValueError(f"speculative_quantization: {path} is quantized already "
@@ -111,9 +113,18 @@ def quantize_drafter(weights: dict, config: _C.ModelConfig, scheme: str, path) -
     names = [n for n, t in weights.items() if t.dim() == 2 and "experts" not in n and (
         n.endswith("_proj.weight") or n in ("fc.weight", "lm_head.weight"))]
     for name in names:
-        q = quantize_int8(weights.pop(name))
+        k = weights[name].shape[1]
+        if scheme == "int8":
+            q = quantize_int8(weights.pop(name))
+        else:
+            group = next((g for g in (128, 64, 32) if k % g == 0), None)
+            if group is None:
+                continue
+            q = quantize_int4(weights.pop(name), group)
         module = name[:-len(".weight")]
         weights[module + ".qweight"], weights[module + ".scales"] = q.qweight, q.scales
+        if q.zeros is not None:
+            weights[module + ".zeros"] = q.zeros
     quantization = config.quantization
     quantization.scheme = scheme
     config.quantization = quantization

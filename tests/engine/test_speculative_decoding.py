@@ -347,7 +347,7 @@ def test_bad_options_and_mismatched_drafts_are_rejected_at_start(checkpoint_fact
          "prompt_lookup_min"),
         (dict(num_speculative_tokens=3), "needs speculative_model"),
         (dict(speculative_quantization="int8"), "needs speculative_model=DIR"),
-        (dict(speculative_model=DRAFT, speculative_quantization="int4"),
+        (dict(speculative_model=DRAFT, speculative_quantization="int2"),
          "speculative_quantization must be"),
         (dict(speculative_model=int8_draft, speculative_quantization="int8"),
          "quantized already"),

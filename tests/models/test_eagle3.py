@@ -129,9 +129,19 @@ def kvserve_pair(target_dir, head_dir):
     return info, target, head
 
 
+@pytest.fixture(scope="module")
+def whole_vocabulary_head(pair, tmp_path_factory):
+    """A head over all 16 tokens in the target's order (d2t all zero: no scatter)."""
+    return make_eagle3_head(tmp_path_factory.mktemp("whole") / "head", pair[0],
+                            draft_vocab_size=VOCAB, aux_layers=AUX, seed=3)
+
+
 @pytest.mark.parametrize("chunks", [None, (4, 1, 7)], ids=["whole", "chunks"])
-def test_head_equals_the_torch_port(pair, chunks):
+@pytest.mark.parametrize("vocabulary", ["draft", "all"])
+def test_head_equals_the_torch_port(pair, whole_vocabulary_head, chunks, vocabulary):
     target_dir, head_dir = pair
+    if vocabulary == "all":
+        head_dir = whole_vocabulary_head
     port = Port(target_dir, head_dir)
     info, target, head = kvserve_pair(target_dir, head_dir)
     n = len(PROMPT)
@@ -192,9 +202,11 @@ def test_greedy_eagle3_equals_plain_decoding(pair, k):
     assert s.num_drafts > 0 and 0 < s.num_accepted_tokens <= s.num_draft_tokens
 
 
-def test_int8_head_equals_plain_decoding(pair):
-    """speculative_quantization="int8": the head's projections and LM head in int8 (about a
-    quarter of their fp32 bytes) propose; greedy output stays plain decoding's."""
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_head_equals_plain_decoding(pair, scheme):
+    """speculative_quantization="int8" / "int4": the head's projections and LM head in int8
+    (about a quarter of their fp32 bytes) or int4 (groups of 32 inputs here: under a quarter)
+    propose; greedy output stays plain decoding's."""
     target_dir, head_dir = pair
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     prompts = [PROMPT, PROMPT[:3], [1, 10, 11, 12]]
@@ -202,14 +214,15 @@ def test_int8_head_equals_plain_decoding(pair):
             LLM(target_dir, dtype="float32").generate(prompts, params, use_tqdm=False)]
     heads = {q: LLM(target_dir, dtype="float32", speculative_method="eagle3",
                     speculative_model=head_dir, num_speculative_tokens=3,
-                    speculative_quantization=q) for q in (None, "int8")}
-    llm = heads["int8"]
+                    speculative_quantization=q) for q in (None, scheme)}
+    llm = heads[scheme]
     got = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     assert got == want
     s = llm.llm_engine.get_stats()
     assert s.num_drafts > 0 and 0 < s.num_accepted_tokens <= s.num_draft_tokens
     fp32_bytes = heads[None].llm_engine.draft_model.weight_bytes
-    assert llm.llm_engine.draft_model.weight_bytes < 0.35 * fp32_bytes
+    bound = 0.35 if scheme == "int8" else 0.25  # int4: a byte per two, fp32 scales and zeros
+    assert llm.llm_engine.draft_model.weight_bytes < bound * fp32_bytes
 
 
 def test_default_k_is_the_heads_own(pair):
