@@ -474,10 +474,12 @@ def _load_state(path: Path, config: EagleTrainConfig, size: int) -> dict:
 
 
 def generate_windows(target_dir: Path, ids: torch.Tensor, count: int, seq_len: int, bos: int,
-                     temperature: float, seed: int, device: torch.device) -> torch.Tensor:
+                     temperature: float, seed: int, device: torch.device, llm=None
+                     ) -> torch.Tensor:
     """[count, seq_len] windows the target wrote: BOS, a run of 8 to seq_len / 2 tokens of `ids`
     from a random offset (the prompt), then the target's own continuation up to seq_len tokens
-    (kvserve, batched; greedy at temperature 0, else sampled with a seed per window)."""
+    (kvserve, batched; greedy at temperature 0, else sampled with a seed per window). llm: the
+    target loaded already (a kvserve.LLM with max_model_len >= seq_len), else it is loaded."""
     import random
 
     from kvserve import LLM, SamplingParams
@@ -493,8 +495,9 @@ def generate_windows(target_dir: Path, ids: torch.Tensor, count: int, seq_len: i
         prompts.append([bos] + ids[start:start + length].tolist())
         params.append(SamplingParams(temperature=temperature, seed=seed * 1_000_003 + i,
                                      max_tokens=seq_len - 1 - length, ignore_eos=True))
-    llm = LLM(target_dir, dtype="float32", device=str(device), max_model_len=seq_len,
-              max_num_seqs=64)
+    if llm is None:
+        llm = LLM(target_dir, dtype="float32", device=str(device), max_model_len=seq_len,
+                  max_num_seqs=64)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     return torch.tensor([p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outputs)],
                         dtype=torch.long)
@@ -505,16 +508,21 @@ def _generated(path: Path, target_dir: Path, config: EagleTrainConfig, train_ids
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """The run's generated training and held-out windows: read from `path` when a run with the
     same settings wrote them there (a resumed run), else generated and written there."""
-    key = {"count": config.generated_windows, "held_out": held_out, "seq_len": config.seq_len,
+    from kvserve import LLM
+
+    key = {"target": str(target_dir.resolve()), "count": config.generated_windows,
+           "held_out": held_out, "seq_len": config.seq_len,
            "temperature": config.generate_temperature, "seed": config.seed}
     if path.is_file():
         saved = torch.load(path, weights_only=True)
         if saved["key"] == key:
             return saved["train"], saved["validation"]
+    llm = LLM(target_dir, dtype="float32", device=str(device), max_model_len=config.seq_len,
+              max_num_seqs=64)
     train = generate_windows(target_dir, train_ids, config.generated_windows, config.seq_len,
-                             bos, config.generate_temperature, config.seed, device)
+                             bos, config.generate_temperature, config.seed, device, llm)
     validation = generate_windows(target_dir, val_ids, held_out, config.seq_len, bos,
-                                  config.generate_temperature, config.seed + 1, device)
+                                  config.generate_temperature, config.seed + 1, device, llm)
     torch.save({"key": key, "train": train, "validation": validation}, path)
     return train, validation
 
