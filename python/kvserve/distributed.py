@@ -117,6 +117,10 @@ def init_parallel_groups(world_size: int, rank: int, init_method: str = "env://"
     dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank,
                             timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout)
+    # Group creation is collective but not synchronizing: a rank that returns and exits at once
+    # (its work failed, or there was none) would close the sockets another rank still needs to
+    # finish making the control group. No rank leaves before every rank holds both groups.
+    dist.barrier(group=control)
     return ParallelGroups(rank, world_size, backend, dist.group.WORLD.group_name,
                           control.group_name)
 
