@@ -18,7 +18,10 @@ TOLERANCES = {
     torch.float16: dict(atol=2e-3, rtol=2e-3),
 }
 SHAPES = [(1, 1), (7, 5), (33, 16), (64, 100), (130, 257), (96, 1024)]  # (n, k)
-TOKENS = [1, 2, 3, 4, 5, 8, 9, 33]  # <= 8 (<= 2 packed; <= 32 bf16 / fp16 without a GEMM) GEMV
+TOKENS = [1, 2, 3, 4, 5, 8, 9, 33]  # <= 8 (<= 32 bf16 / fp16 without a GEMM) GEMV
+# Packed: the GEMV up to 16 tokens in fp32, in register blocks of 1..8 tokens (one or more passes
+# over each block of outputs); oneDNN beyond. bf16 up to 8 (2 over 4 MiB).
+PACKED_TOKENS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 33, 300]
 PACKABLE = [torch.float32, torch.bfloat16]  # oneDNN packs these on CPU
 
 
@@ -43,7 +46,7 @@ def test_linear_matches_reference(m, n, k, dtype, bias):
 
 @pytest.mark.parametrize("dtype", PACKABLE)
 @pytest.mark.parametrize("n, k", SHAPES)
-@pytest.mark.parametrize("m", [1, 2, 3, 9, 33, 300])
+@pytest.mark.parametrize("m", PACKED_TOKENS)
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_weight_matches_reference(m, n, k, dtype, bias):
     x, w, b = operands(m, n, k, dtype, bias, pad=3)  # strided rows
@@ -58,10 +61,10 @@ def test_packed_weight_matches_reference(m, n, k, dtype, bias):
 
 
 @pytest.mark.parametrize("dtype", PACKABLE)
-@pytest.mark.parametrize("m", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("m", [2, 3, 4, 5, 8, 9, 16, 17])
 def test_packed_big_weight_on_both_sides_of_the_gemv_limit(m, dtype):
-    """Weights over 4 MiB go to oneDNN from 5 tokens on in fp32 and from 3 in bf16 (smaller ones
-    keep the GEMV up to 8)."""
+    """Packed fp32 weights go to oneDNN from 17 tokens on; bf16 ones over 4 MiB from 3 (smaller
+    ones keep the GEMV up to 8)."""
     x, w, b = operands(m, 2304, 1024 if dtype == torch.float32 else 2048, dtype, True)
     assert w.nbytes > 4 << 20
     packed = ops.linear_prepack(w)  # None where the CPU has no packed layout for the dtype
@@ -134,12 +137,13 @@ def capability_checks():
             x, w, b = operands(m, 37, 130, dtype, True, seed=m)
             torch.testing.assert_close(ops.linear(x, w, b).double(), reference.linear(x, w, b),
                                        **TOLERANCES[dtype])
-            if dtype in PACKABLE:  # the packed GEMV is compiled per capability too
-                for n, k in ((37, 131), (130, 64)):
-                    x, w, b = operands(m, n, k, dtype, True, seed=m)
-                    packed = ops.linear_prepack(w)
-                    torch.testing.assert_close(ops.linear(x, w if packed is None else packed, b).double(),
-                                               reference.linear(x, w, b), **TOLERANCES[dtype])
+    for dtype in PACKABLE:  # the packed GEMV is compiled per capability too
+        for m in (1, 3, 4, 6, 7, 9, 16):
+            for n, k in ((37, 131), (130, 64)):
+                x, w, b = operands(m, n, k, dtype, True, seed=m)
+                packed = ops.linear_prepack(w)
+                torch.testing.assert_close(ops.linear(x, w if packed is None else packed, b).double(),
+                                           reference.linear(x, w, b), **TOLERANCES[dtype])
 
 
 @pytest.mark.parametrize("capability", CAPABILITIES)

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -118,30 +119,48 @@ void block_bf16(const float* x, int64_t k, const c10::BFloat16* w, float* y) {
     for (int64_t v = 0; v < V; ++v) acc[t][v].store(y + t * B + v * kVS);
 }
 
-// Tokens in register blocks of up to 4 (2 when a block needs 8 vectors per token), so that the
-// accumulators fit the vector registers.
+// The most tokens a register block holds: TB x V accumulators, V weight vectors and a broadcast
+// in the vector registers. fp32 blocks on AVX-512 (32 registers) take up to 8 tokens, so a
+// verification's 5-9 tokens read the block's weights once or twice; elsewhere (bf16 splits its
+// FMA chains, AVX2 has 16 registers) 4, or 2 when a block needs 8 vectors per token.
+template <typename T, int64_t V>
+constexpr int64_t max_token_block() {
+  if (std::is_same_v<T, float> && kVS == 16) return std::min<int64_t>(8, (32 - 1 - V) / V);
+  return V >= 8 ? 2 : 4;
+}
+
+template <typename T, int64_t V, int64_t TB>
+void run_block(const float* x, int64_t k, const T* w, float* y) {
+  if constexpr (std::is_same_v<T, float>) {
+    block_fp32<V, TB>(x, k, w, y);
+  } else {
+    block_bf16<V, TB>(x, k, w, y);
+  }
+}
+
+// One block's outputs for every token, in register blocks of up to max_token_block() tokens.
 template <typename T, int64_t V>
 void block_all_tokens(const float* x, int64_t m, int64_t k, const T* w, float* y) {
-  constexpr int64_t kMaxTB = V >= 8 ? 2 : 4;
+  constexpr int64_t kMaxTB = max_token_block<T, V>();
   constexpr int64_t B = V * kVS;
   for (int64_t t0 = 0; t0 < m; t0 += kMaxTB) {
     const float* xt = x + t0 * k;
     float* yt = y + t0 * B;
+    const int64_t tokens = std::min<int64_t>(kMaxTB, m - t0);
     auto run = [&](auto tb) {
       constexpr int64_t TB = decltype(tb)::value;
-      if constexpr (std::is_same_v<T, float>) {
-        block_fp32<V, TB>(xt, k, w, yt);
-      } else {
-        block_bf16<V, TB>(xt, k, w, yt);
+      if constexpr (TB <= kMaxTB) {
+        if (tokens == TB) run_block<T, V, TB>(xt, k, w, yt);
       }
     };
-    const int64_t tokens = std::min<int64_t>(kMaxTB, m - t0);
-    if (tokens == 1) run(std::integral_constant<int64_t, 1>{});
-    if (tokens == 2) run(std::integral_constant<int64_t, 2>{});
-    if constexpr (kMaxTB == 4) {
-      if (tokens == 3) run(std::integral_constant<int64_t, 3>{});
-      if (tokens == 4) run(std::integral_constant<int64_t, 4>{});
-    }
+    run(std::integral_constant<int64_t, 1>{});
+    run(std::integral_constant<int64_t, 2>{});
+    run(std::integral_constant<int64_t, 3>{});
+    run(std::integral_constant<int64_t, 4>{});
+    run(std::integral_constant<int64_t, 5>{});
+    run(std::integral_constant<int64_t, 6>{});
+    run(std::integral_constant<int64_t, 7>{});
+    run(std::integral_constant<int64_t, 8>{});
   }
 }
 
