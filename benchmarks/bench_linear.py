@@ -3,6 +3,7 @@
 For each weight shape and dtype, and each number of tokens M, one call of y = x W^T on:
   * kvserve: `linear` as the engine calls it, on the packed weight (`linear_prepack`, the only
     copy the engine keeps): the streaming GEMV reading the packed layout up to 16 tokens in fp32
+    with AVX-512 (4 for weights over 4 MiB without)
     and 2 in bf16 (up to 8 for bf16 weights of at most 4 MiB), oneDNN's GEMM on it above;
   * kvserve, plain weight: the GEMV on the row-major weight up to 8 tokens, ATen's GEMM above
     (what a CPU whose oneDNN layout the GEMV cannot read gets);

@@ -19,8 +19,9 @@ TOLERANCES = {
 }
 SHAPES = [(1, 1), (7, 5), (33, 16), (64, 100), (130, 257), (96, 1024)]  # (n, k)
 TOKENS = [1, 2, 3, 4, 5, 8, 9, 33]  # <= 8 (<= 32 bf16 / fp16 without a GEMM) GEMV
-# Packed: the GEMV up to 16 tokens in fp32, in register blocks of 1..8 tokens (one or more passes
-# over each block of outputs); oneDNN beyond. bf16 up to 8 (2 over 4 MiB).
+# Packed: the GEMV up to 16 tokens in fp32 on AVX-512, in register blocks of 1..8 tokens (one or
+# more passes over each block of outputs), else up to 4 over 4 MiB; oneDNN beyond. bf16 up to 8
+# (2 over 4 MiB).
 PACKED_TOKENS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 33, 300]
 PACKABLE = [torch.float32, torch.bfloat16]  # oneDNN packs these on CPU
 
@@ -63,8 +64,8 @@ def test_packed_weight_matches_reference(m, n, k, dtype, bias):
 @pytest.mark.parametrize("dtype", PACKABLE)
 @pytest.mark.parametrize("m", [2, 3, 4, 5, 8, 9, 16, 17])
 def test_packed_big_weight_on_both_sides_of_the_gemv_limit(m, dtype):
-    """Packed fp32 weights go to oneDNN from 17 tokens on; bf16 ones over 4 MiB from 3 (smaller
-    ones keep the GEMV up to 8)."""
+    """Packed fp32 weights go to oneDNN from 17 tokens on with AVX-512 (from 5 over 4 MiB
+    without); bf16 ones over 4 MiB from 3 (smaller ones keep the GEMV up to 8)."""
     x, w, b = operands(m, 2304, 1024 if dtype == torch.float32 else 2048, dtype, True)
     assert w.nbytes > 4 << 20
     packed = ops.linear_prepack(w)  # None where the CPU has no packed layout for the dtype

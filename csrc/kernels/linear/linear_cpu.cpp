@@ -33,14 +33,16 @@ namespace {
 // time is the weight's bytes over memory bandwidth. Against ATen's GEMM, which repacks the weight
 // on every call (MKL's small-M one runs on one core here), it wins up to 8 tokens. Over oneDNN's
 // packed fp32 layout a thread streams each block of outputs once and keeps up to 8 tokens in
-// registers per pass (6 for 64-output blocks), re-reading the block from L2 for the next tokens:
-// it beats oneDNN's GEMM on the same weight up to 16 tokens, by 5-30% at the 5-9 tokens of a
-// speculative verification, and by oneDNN's tens of microseconds per call on small weights
-// (benchmarks/bench_linear.py). In bf16 it wins only up to 2 tokens once the weight is bigger
+// registers per pass on AVX-512 (6 for 64-output blocks), re-reading the block from L2 for the
+// next tokens: it beats oneDNN's GEMM on the same weight up to 16 tokens, by 5-30% at the 5-9
+// tokens of a speculative verification, and by oneDNN's tens of microseconds per call on small
+// weights (an Emerald Rapids VM). With AVX2's 16 registers (2-4 tokens a pass) it wins up to 4
+// tokens once the weight is over kSmallWeightBytes (1.2-1.5x at 3-4). In bf16 it wins only up to 2 tokens once the weight is bigger
 // than kSmallWeightBytes, where oneDNN's kernel converts faster; below, oneDNN's cost per call
 // outweighs what the GEMV loses by reading the weight again per token block.
 constexpr int64_t kMaxGemvTokens = 8;
 constexpr int64_t kMaxGemvTokensPackedFp32 = 16;
+constexpr int64_t kMaxGemvTokensPackedFp32Avx2 = 4;
 constexpr int64_t kMaxGemvTokensPackedBf16 = 2;
 // Where the CPU has no bf16 / fp16 GEMM, the GEMV (a pass over the weight per 4 tokens) beats
 // converting the weight to fp32 for a GEMM up to ~32 tokens ([5632, 2048] bf16 on the AVX2 VM:
@@ -153,10 +155,12 @@ at::Tensor linear_cpu(const at::Tensor& input, const at::Tensor& weight,
   }
   const bool big = weight.numel() * static_cast<int64_t>(weight.element_size()) > kSmallWeightBytes;
   int64_t max_gemv = kMaxGemvTokens;
-  if (packed && input.scalar_type() == at::kFloat) {
+  if (packed && input.scalar_type() == at::kFloat &&
+      cpu::cpu_capability() >= cpu::Capability::kAvx512) {
     max_gemv = kMaxGemvTokensPackedFp32;
   } else if (packed && big) {
-    max_gemv = kMaxGemvTokensPackedBf16;
+    max_gemv = input.scalar_type() == at::kFloat ? kMaxGemvTokensPackedFp32Avx2
+                                                 : kMaxGemvTokensPackedBf16;
   } else if (!packed && !cpu::has_native_gemm(input.scalar_type())) {
     max_gemv = kMaxGemvTokensNoNativeGemm;
   }
