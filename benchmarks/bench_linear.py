@@ -7,7 +7,9 @@ For each weight shape and dtype, and each number of tokens M, one call of y = x 
     and 2 in bf16 (up to 8 for bf16 weights of at most 4 MiB), oneDNN's GEMM on it above;
   * kvserve, plain weight: the GEMV on the row-major weight up to 8 tokens, ATen's GEMM above
     (what a CPU whose oneDNN layout the GEMV cannot read gets);
-  * ATen: `torch.nn.functional.linear`, which repacks the weight on every call.
+  * ATen: `torch.nn.functional.linear`, which repacks the weight on every call;
+  * oneDNN: its GEMM on the same packed weight at every token count (where the GEMV's limit is
+    set).
 Each timing cycles through enough copies of the weight to exceed the last-level cache, as a model's
 layers do. A few tokens are bound by reading the weight (GB/s against the measured read
 bandwidth), many by arithmetic (GFLOP/s against a square 2048 torch.mm, which also repacks its
@@ -36,6 +38,12 @@ SHAPES = {  # name: (out_features, in_features), the ~100M Llama of bench_throug
     "lm_head 768->32000": (32000, 768),
 }
 WORKING_SET = 96 << 20  # bytes of weight copies cycled through per timing
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """oneDNN's GEMM on a weight linear_prepack packed (what kvserve's linear calls past its
+    GEMV's token limit)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 def time_per_call(fn, weights) -> float:
@@ -68,17 +76,22 @@ def main() -> None:
                     kvserve=time_per_call(lambda w: ops.linear(x, packed[id(w)], None), weights),
                     unpacked=time_per_call(lambda w: ops.linear(x, w, None), weights),
                     aten=time_per_call(lambda w: F.linear(x, w), weights))
+                if packed[id(weights[0])].is_mkldnn:  # oneDNN's GEMM on the same packed weight
+                    t["onednn"] = time_per_call(lambda w: onednn_linear(x, packed[id(w)]), weights)
                 flops, nbytes = 2 * m * n * k, n * k * dtype.itemsize
                 results.append(dict(dtype=dtype_name, shape=shape, tokens=m, seconds=t,
                                     peak_flops=peak, bandwidth=bandwidth))
                 rows.append([dtype_name, shape, m]
-                            + [f"{flops / s / 1e9:.0f}" for s in t.values()]
+                            + [f"{flops / t[c] / 1e9:.0f}" if c in t else "-"
+                               for c in ("kvserve", "unpacked", "aten", "onednn")]
                             + [f"{t['aten'] / t['kvserve']:.2f}",
+                               f"{t['onednn'] / t['kvserve']:.2f}" if "onednn" in t else "-",
                                f"{flops / t['kvserve'] / peak:.0%}",
                                f"{nbytes / t['kvserve'] / bandwidth:.0%}"])
                 print(rows[-1], flush=True)
     print(markdown_table(["dtype", "weight", "tokens", "kvserve GFLOP/s", "plain weight GFLOP/s",
-                          "ATen GFLOP/s", "ATen time / kvserve", "of torch.mm 2048² FLOP/s",
+                          "ATen GFLOP/s", "oneDNN packed GFLOP/s", "ATen time / kvserve",
+                          "oneDNN time / kvserve", "of torch.mm 2048² FLOP/s",
                           "of read bandwidth"], rows))
     path = write_json(HERE / "results" / "linear.json",
                       dict(machine=machine_info(), args=vars(args), results=results))
