@@ -47,9 +47,9 @@ inline void unpack_pairs(const c10::BFloat16* p, Vec& even, Vec& odd) {
 #endif
 }
 
-// y[t][0, V * kVS) = sum_i x[t][i] * W[block][i] for TB tokens, fp32 weights (P = 1).
+// y[t * ldy + [0, V * kVS)] = sum_i x[t][i] * W[block][i] for TB tokens, fp32 weights (P = 1).
 template <int64_t V, int64_t TB>
-void block_fp32(const float* x, int64_t k, const float* w, float* y) {
+void block_fp32(const float* x, int64_t ldx, int64_t k, const float* w, float* y, int64_t ldy) {
   constexpr int64_t B = V * kVS;
   Vec acc[TB][V];
   for (int64_t t = 0; t < TB; ++t)
@@ -61,18 +61,19 @@ void block_fp32(const float* x, int64_t k, const float* w, float* y) {
       wv[v] = Vec::loadu(w + v * kVS);
     }
     for (int64_t t = 0; t < TB; ++t) {
-      const Vec xt(x[t * k + i]);
+      const Vec xt(x[t * ldx + i]);
       for (int64_t v = 0; v < V; ++v) acc[t][v] = at::vec::fmadd(wv[v], xt, acc[t][v]);
     }
   }
   for (int64_t t = 0; t < TB; ++t)
-    for (int64_t v = 0; v < V; ++v) acc[t][v].store(y + t * B + v * kVS);
+    for (int64_t v = 0; v < V; ++v) acc[t][v].store(y + t * ldy + v * kVS);
 }
 
 // The same for bf16 weights in pairs (P = 2). An odd k's last pair uses its even half only (the
 // odd half is padding).
 template <int64_t V, int64_t TB>
-void block_bf16(const float* x, int64_t k, const c10::BFloat16* w, float* y) {
+void block_bf16(const float* x, int64_t ldx, int64_t k, const c10::BFloat16* w, float* y,
+                int64_t ldy) {
   constexpr int64_t B = V * kVS;
   // The odd inputs accumulate apart while registers allow: two FMA chains per output vector.
   constexpr bool kSplit = TB * V <= 8;
@@ -91,7 +92,7 @@ void block_bf16(const float* x, int64_t k, const c10::BFloat16* w, float* y) {
       unpack_pairs(w + 2 * v * kVS, even[v], odd[v]);
     }
     for (int64_t t = 0; t < TB; ++t) {
-      const Vec x0(x[t * k + 2 * j]), x1(x[t * k + 2 * j + 1]);
+      const Vec x0(x[t * ldx + 2 * j]), x1(x[t * ldx + 2 * j + 1]);
       for (int64_t v = 0; v < V; ++v) {
         acc[t][v] = at::vec::fmadd(even[v], x0, acc[t][v]);
         if constexpr (kSplit) {
@@ -107,7 +108,7 @@ void block_bf16(const float* x, int64_t k, const c10::BFloat16* w, float* y) {
       Vec even, odd;
       unpack_pairs(w + 2 * v * kVS, even, odd);
       for (int64_t t = 0; t < TB; ++t) {
-        acc[t][v] = at::vec::fmadd(even, Vec(x[t * k + k - 1]), acc[t][v]);
+        acc[t][v] = at::vec::fmadd(even, Vec(x[t * ldx + k - 1]), acc[t][v]);
       }
     }
   }
@@ -116,7 +117,7 @@ void block_bf16(const float* x, int64_t k, const c10::BFloat16* w, float* y) {
       for (int64_t v = 0; v < V; ++v) acc[t][v] = acc[t][v] + acc_odd[t][v];
   }
   for (int64_t t = 0; t < TB; ++t)
-    for (int64_t v = 0; v < V; ++v) acc[t][v].store(y + t * B + v * kVS);
+    for (int64_t v = 0; v < V; ++v) acc[t][v].store(y + t * ldy + v * kVS);
 }
 
 // The most tokens a register block holds: TB x V accumulators, V weight vectors and a broadcast
@@ -130,27 +131,28 @@ constexpr int64_t max_token_block() {
 }
 
 template <typename T, int64_t V, int64_t TB>
-void run_block(const float* x, int64_t k, const T* w, float* y) {
+void run_block(const float* x, int64_t ldx, int64_t k, const T* w, float* y, int64_t ldy) {
   if constexpr (std::is_same_v<T, float>) {
-    block_fp32<V, TB>(x, k, w, y);
+    block_fp32<V, TB>(x, ldx, k, w, y, ldy);
   } else {
-    block_bf16<V, TB>(x, k, w, y);
+    block_bf16<V, TB>(x, ldx, k, w, y, ldy);
   }
 }
 
-// One block's outputs for every token, in register blocks of up to max_token_block() tokens.
+// One block's outputs for every token (token t's at y + t * ldy), in register blocks of up to
+// max_token_block() tokens. x holds the tokens' inputs, ldx apart.
 template <typename T, int64_t V>
-void block_all_tokens(const float* x, int64_t m, int64_t k, const T* w, float* y) {
+void block_all_tokens(const float* x, int64_t ldx, int64_t m, int64_t k, const T* w, float* y,
+                      int64_t ldy) {
   constexpr int64_t kMaxTB = max_token_block<T, V>();
-  constexpr int64_t B = V * kVS;
   for (int64_t t0 = 0; t0 < m; t0 += kMaxTB) {
-    const float* xt = x + t0 * k;
-    float* yt = y + t0 * B;
+    const float* xt = x + t0 * ldx;
+    float* yt = y + t0 * ldy;
     const int64_t tokens = std::min<int64_t>(kMaxTB, m - t0);
     auto run = [&](auto tb) {
       constexpr int64_t TB = decltype(tb)::value;
       if constexpr (TB <= kMaxTB) {
-        if (tokens == TB) run_block<T, V, TB>(xt, k, w, yt);
+        if (tokens == TB) run_block<T, V, TB>(xt, ldx, k, w, yt, ldy);
       }
     };
     run(std::integral_constant<int64_t, 1>{});
@@ -168,34 +170,57 @@ template <typename T>
 void gemv_packed_typed(const T* input, int64_t input_stride, const T* weight, const T* bias,
                        T* out, int64_t m, int64_t n, int64_t k, int64_t block_out,
                        int64_t k_padded) {
-  std::vector<float> x(m * k), y(m * n);
-  for (int64_t t = 0; t < m; ++t) convert_to_float(input + t * input_stride, x.data() + t * k, k);
+  // fp32 reads its input rows in place and writes every whole block of outputs into `out`; a
+  // bf16 input is converted to fp32 once and its fp32 result converted at the end.
+  constexpr bool kFloat = std::is_same_v<T, float>;
+  std::vector<float> x_buffer(kFloat ? 0 : m * k), y_buffer(kFloat ? 0 : m * n);
+  const float* x;
+  float* y;
+  int64_t ldx;
+  if constexpr (kFloat) {
+    x = input;
+    y = out;
+    ldx = input_stride;
+  } else {
+    for (int64_t t = 0; t < m; ++t) {
+      convert_to_float(input + t * input_stride, x_buffer.data() + t * k, k);
+    }
+    x = x_buffer.data();
+    y = y_buffer.data();
+    ldx = k;
+  }
   const int64_t blocks = (n + block_out - 1) / block_out;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> tile(m * block_out);
+    std::vector<float> tile;  // a last block whose outputs pass n
     for (int64_t b = begin; b < end; ++b) {
       const T* w = weight + b * k_padded * block_out;
+      const int64_t o0 = b * block_out, count = std::min(block_out, n - o0);
+      const bool whole = count == block_out;
+      if (!whole) tile.resize(m * block_out);
+      float* yb = whole ? y + o0 : tile.data();
+      const int64_t ldy = whole ? n : block_out;
       switch (block_out / kVS) {
-        case 1: block_all_tokens<T, 1>(x.data(), m, k, w, tile.data()); break;
-        case 2: block_all_tokens<T, 2>(x.data(), m, k, w, tile.data()); break;
-        case 3: block_all_tokens<T, 3>(x.data(), m, k, w, tile.data()); break;
-        case 4: block_all_tokens<T, 4>(x.data(), m, k, w, tile.data()); break;
-        case 6: block_all_tokens<T, 6>(x.data(), m, k, w, tile.data()); break;
-        case 8: block_all_tokens<T, 8>(x.data(), m, k, w, tile.data()); break;
+        case 1: block_all_tokens<T, 1>(x, ldx, m, k, w, yb, ldy); break;
+        case 2: block_all_tokens<T, 2>(x, ldx, m, k, w, yb, ldy); break;
+        case 3: block_all_tokens<T, 3>(x, ldx, m, k, w, yb, ldy); break;
+        case 4: block_all_tokens<T, 4>(x, ldx, m, k, w, yb, ldy); break;
+        case 6: block_all_tokens<T, 6>(x, ldx, m, k, w, yb, ldy); break;
+        case 8: block_all_tokens<T, 8>(x, ldx, m, k, w, yb, ldy); break;
         default: TORCH_CHECK(false, "gemv_packed: unsupported block of ", block_out, " outputs");
       }
-      const int64_t o0 = b * block_out, count = std::min(block_out, n - o0);
-      for (int64_t t = 0; t < m; ++t) {
-        std::memcpy(y.data() + t * n + o0, tile.data() + t * block_out, count * sizeof(float));
+      if (!whole) {
+        for (int64_t t = 0; t < m; ++t) {
+          std::memcpy(y + t * n + o0, tile.data() + t * block_out, count * sizeof(float));
+        }
       }
     }
   });
   for (int64_t t = 0; t < m; ++t) {
-    float* row = y.data() + t * n;
+    float* row = y + t * n;
     if (bias != nullptr) {
       for (int64_t j = 0; j < n; ++j) row[j] += static_cast<float>(bias[j]);
     }
-    convert_from_float(row, out + t * n, n);
+    if constexpr (!kFloat) convert_from_float(row, out + t * n, n);
   }
 }
 
