@@ -226,7 +226,7 @@ def test_quantized_head_equals_plain_decoding(pair, scheme):
 
 
 def test_default_k_is_the_heads_own(pair):
-    """Without num_speculative_tokens an EAGLE-3 head drafts its own default k (3), under the
+    """Without num_speculative_tokens an EAGLE-3 head drafts its own default k (4), under the
     batch rule the other proposers follow."""
     from kvserve.speculative import (DEFAULT_MAX_VERIFY_TOKENS,
                                      DEFAULT_NUM_SPECULATIVE_TOKENS_BY_METHOD)
@@ -235,7 +235,7 @@ def test_default_k_is_the_heads_own(pair):
                speculative_model=head_dir).llm_engine.engine.config.speculative
     assert (spec.method, spec.num_speculative_tokens, spec.max_verify_tokens) == (
         "eagle3", DEFAULT_NUM_SPECULATIVE_TOKENS_BY_METHOD["eagle3"], DEFAULT_MAX_VERIFY_TOKENS)
-    assert spec.num_speculative_tokens == 3
+    assert spec.num_speculative_tokens == 4
 
 
 @pytest.fixture(scope="module")
