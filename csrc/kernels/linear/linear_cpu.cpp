@@ -34,11 +34,11 @@ namespace {
 // on every call (MKL's small-M one runs on one core here), it wins up to 8 tokens. Over oneDNN's
 // packed fp32 layout a thread streams each block of outputs once and keeps up to 8 tokens in
 // registers per pass on AVX-512 (6 for 64-output blocks), re-reading the block from L2 for the
-// next tokens: it beats oneDNN's GEMM on the same weight up to 16 tokens, by 5-30% at the 5-9
-// tokens of a speculative verification, and by oneDNN's tens of microseconds per call on small
-// weights (an Emerald Rapids VM). With AVX2's 16 registers (2-4 tokens a pass) it wins up to 4
-// tokens once the weight is over kSmallWeightBytes (1.2-1.5x at 3-4). In bf16 it wins only up to 2 tokens once the weight is bigger
-// than kSmallWeightBytes, where oneDNN's kernel converts faster; below, oneDNN's cost per call
+// next tokens: oneDNN's GEMM on the same weight takes 1.1-1.9x its time at the 5-9 tokens of a
+// speculative verification and 1.0-1.2x at 16 (an Emerald Rapids VM, benchmarks/bench_linear.py).
+// With AVX2's 16 registers (2-4 tokens a pass) it wins up to 4 tokens once the weight is over
+// kSmallWeightBytes (1.2-1.5x at 3-4). In bf16 it wins only up to 2 tokens once the weight is
+// over kSmallWeightBytes, where oneDNN's kernel converts faster; below, oneDNN's cost per call
 // outweighs what the GEMV loses by reading the weight again per token block.
 constexpr int64_t kMaxGemvTokens = 8;
 constexpr int64_t kMaxGemvTokensPackedFp32 = 16;
