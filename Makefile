@@ -45,8 +45,12 @@ test-cpp: build-tests
 # The Python suite: the tests that share the machine on every core (pytest-xdist), then those
 # that need it to themselves (the `serial` marker: tests/e2e, torchrun launches), one at a time.
 # --durations: the slowest tests, in the log, for keeping CI within its time.
-PYTEST_SUITE := $(PYTHON) -m pytest -q -m "not serial" -n $$(nproc) --durations=15 && \
-	$(PYTHON) -m pytest -q -m serial --durations=25
+# MARKERS=EXPR narrows both passes to the tests that match a marker expression: .ci/run's
+# `make test MARKERS=unsanitized` runs those that make test-asan leaves out, so that CI runs each
+# test once (the rest sanitized).
+SELECT := $(if $(MARKERS),($(MARKERS)) and ,)
+PYTEST_SUITE := $(PYTHON) -m pytest -q -m "$(SELECT)not serial" -n $$(nproc) --durations=15 && \
+	$(PYTHON) -m pytest -q -m "$(SELECT)serial" --durations=25
 
 test-python: build-tests
 	$(PYTEST_SUITE)
@@ -65,45 +69,12 @@ ASAN_ENV := ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:detect_odr_violation=0 
 # To keep CI short, the instrumented build is -O1 with line tables only, holds just the CPU
 # kernel variant this machine runs (the only one the sanitized process uses) and no emulated
 # CUDA kernel tests (make test runs them; tests/cpp/CMakeLists.txt), ctest runs two at a time,
-# and the Python
-# suite leaves out the tests whose work happens in subprocesses, which import the installed,
-# uninstrumented build anyway: the command line (and `serve`), the notebooks and the
-# per-capability variants, the ranks of tests/distributed;
-# the quantized checkpoints end to end (their ops' kernel tests run the C++ sanitized), the support
-# table's trials (every feature's own tests run sanitized), and other
-# tests whose time goes to Python or transformers, which the sanitizer does not see: llama2.c
-# conversion, GGUF files (read and converted to kvserve's layouts in Python), perplexity against transformers, resident memory, detokenization, distillation
-# scripts/train_tiny.py and `kvserve train-eagle` (PyTorch training around forwards the other
-# tests cover), and
-# the
-# speculative sampler's statistical tests (the same C++ as its exact ones);
-# the config variants of the parity tests (the same layers as each architecture's own parity test,
-# which runs sanitized, with other config values);
-# speculative greedy equality runs once per proposer, in the mixed-arrivals form (its single-request
-# form and the target-as-its-own-draft case run the same C++ paths with fewer requests); and the
-# server's suites (answers, bad input, chaos, the router's workers in subprocesses), whose work is
-# HTTP and Python (the C++ paths they reach, aborts between a step and its finish, failed steps,
-# limits, KV loads and holds, run sanitized in tests/engine and ctest).
-ASAN_SKIP := --ignore=tests/e2e/test_cli.py --ignore=tests/e2e/test_notebooks.py \
-	--ignore=tests/models/test_quantized_models.py --ignore=tests/models/test_awq.py \
-	--ignore=tests/models/test_llm_int8.py --ignore=tests/models/test_quantized_moe.py \
-	--ignore=tests/models/test_w8a8.py --ignore=tests/models/test_support_matrix.py \
-	--ignore=tests/convert \
-	--ignore=tests/models/test_perplexity.py --ignore=tests/models/test_weight_memory.py \
-	--ignore=tests/engine/test_detokenizer.py --ignore=tests/models/test_distill.py \
-	--ignore=tests/models/test_train_tiny.py --ignore=tests/models/test_gguf.py \
-	--ignore=tests/models/test_train_eagle.py \
-	--ignore=tests/e2e/test_server_chaos.py --ignore=tests/e2e/test_server_errors.py \
-	--ignore=tests/e2e/test_server.py --ignore=tests/e2e/test_router.py \
-	--ignore=tests/distributed \
-	-k "not test_cpu_capability_variants and not test_train_tiny and not ten_thousand_tokens \
-	and not test_bf16_logits_within_tolerance and not follow_the_target_distribution \
-	and not test_greedy_single_requests_equal_plain_decoding and not self-draft \
-	and not test_the_serve_command and not test_config_variants_match_transformers"
+# and the Python suite leaves out the tests marked `unsanitized` (work in subprocesses or in
+# Python and transformers, which the sanitizer does not see; tests/conftest.py gives each reason).
 # pytest on the sanitized build in two passes, as make test's (the workers too load that build).
 ASAN_PYTEST := $(ASAN_ENV) LD_PRELOAD="$$(gcc -print-file-name=libasan.so) \
 	$$(gcc -print-file-name=libubsan.so)" $(PYTHON) scripts/asan_pytest.py $(ASAN_BUILD) -q \
-	-p no:cacheprovider $(ASAN_SKIP)
+	-p no:cacheprovider
 
 # What test-asan needs first: the package installed with its tests (CI, right after make test,
 # passes ASAN_DEPS= to skip the reinstall).
@@ -117,8 +88,8 @@ test-asan: $(ASAN_DEPS)
 	cmake --build $(ASAN_BUILD)
 	@date +"%T asan built"
 	$(ASAN_ENV) ctest --test-dir $(ASAN_BUILD) --output-on-failure -j2
-	$(ASAN_PYTEST) -m "not serial" -n $$(nproc) --durations=15
-	$(ASAN_PYTEST) -m serial
+	$(ASAN_PYTEST) -m "not unsanitized and not serial" -n $$(nproc) --durations=15
+	$(ASAN_PYTEST) -m "not unsanitized and serial"
 
 # Compile-checks every CUDA kernel body (nvcc alone) and launcher (against the installed torch).
 check-cuda:

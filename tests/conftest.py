@@ -50,10 +50,47 @@ SERIAL = ("tests/e2e/", "tests/distributed/test_tensor_parallel_launch.py",
           "tests/engine/test_async_backpressure.py")
 
 
+# Tests the sanitized pass (make test-asan) leaves out, marked `unsanitized`: those whose work
+# happens in subprocesses, which import the installed, uninstrumented build anyway (the command
+# line and `serve`, the notebooks, the per-CPU-capability variants, the ranks of
+# tests/distributed); the quantized checkpoints end to end (their ops' kernel tests run
+# sanitized); the support table's trials (every feature's own tests run sanitized); and tests
+# whose time goes to Python or transformers, which the sanitizer does not see: llama2.c
+# conversion, GGUF files (read and converted to kvserve's layouts in Python), perplexity against
+# transformers, resident memory, detokenization, distillation, scripts/train_tiny.py and
+# `kvserve train-eagle` (PyTorch training around forwards the other tests cover), the
+# speculative sampler's statistical tests (the same C++ as its exact ones), the config variants
+# of the parity tests (each architecture's own parity test runs sanitized), speculative greedy
+# equality in its single-request and target-as-its-own-draft forms (the mixed-arrivals form
+# runs the same C++ paths sanitized), and the server's suites (answers, bad input, chaos, the
+# router's workers in subprocesses), whose work is HTTP and Python (the C++ paths they reach run
+# sanitized in tests/engine and ctest). CI runs each test once: these in make test, the others
+# sanitized (.ci/run).
+UNSANITIZED_FILES = (
+    "tests/e2e/test_cli.py", "tests/e2e/test_notebooks.py", "tests/e2e/test_server.py",
+    "tests/e2e/test_server_chaos.py", "tests/e2e/test_server_errors.py",
+    "tests/e2e/test_router.py", "tests/distributed/", "tests/convert/",
+    "tests/models/test_quantized_models.py", "tests/models/test_awq.py",
+    "tests/models/test_llm_int8.py", "tests/models/test_quantized_moe.py",
+    "tests/models/test_w8a8.py", "tests/models/test_support_matrix.py",
+    "tests/models/test_perplexity.py", "tests/models/test_weight_memory.py",
+    "tests/models/test_gguf.py", "tests/models/test_distill.py",
+    "tests/models/test_train_tiny.py", "tests/models/test_train_eagle.py",
+    "tests/engine/test_detokenizer.py")
+UNSANITIZED_NAMES = (
+    "test_cpu_capability_variants", "test_train_tiny", "ten_thousand_tokens",
+    "test_bf16_logits_within_tolerance", "follow_the_target_distribution",
+    "test_greedy_single_requests_equal_plain_decoding", "self-draft", "test_the_serve_command",
+    "test_config_variants_match_transformers")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.startswith(SERIAL):
             item.add_marker(pytest.mark.serial)
+        if item.nodeid.startswith(UNSANITIZED_FILES) or any(
+                name in item.nodeid for name in UNSANITIZED_NAMES):
+            item.add_marker(pytest.mark.unsanitized)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; none is visible")
