@@ -99,7 +99,8 @@ class EngineArgs:
               "(an EAGLE-3 head in --speculative-model)",
         choices=tuple(SPECULATIVE_METHODS), aliases=("--ngram",))
     num_speculative_tokens: int | None = option(
-        None, "draft tokens per step at most (default 2)")
+        None, "draft tokens per step at most (default 3 with a draft model, 4 with an "
+        "EAGLE-3 head, else 2)")
     speculative_quantization: str | None = option(
         None, "int8 / int4: the draft model's or EAGLE-3 head's projections and LM head "
               "rounded to int8 per output channel, or int4 per group of 128 inputs, as they load "

@@ -377,12 +377,16 @@ def test_bad_options_and_mismatched_drafts_are_rejected_at_start(checkpoint_fact
 
 def test_defaults_follow_the_documented_rule():
     from kvserve.speculative import (DEFAULT_DISABLE_BATCH_SIZE, DEFAULT_MAX_VERIFY_TOKENS,
-                                     DEFAULT_NUM_SPECULATIVE_TOKENS)
+                                     DEFAULT_NUM_SPECULATIVE_TOKENS,
+                                     DEFAULT_NUM_SPECULATIVE_TOKENS_BY_METHOD)
 
     spec = fp32_engine(TARGET, speculative_model=DRAFT).engine.config.speculative
     assert (spec.method, spec.num_speculative_tokens, spec.disable_batch_size,
-            spec.max_verify_tokens) == ("draft_model", DEFAULT_NUM_SPECULATIVE_TOKENS,
+            spec.max_verify_tokens) == ("draft_model",
+                                        DEFAULT_NUM_SPECULATIVE_TOKENS_BY_METHOD["draft_model"],
                                         DEFAULT_DISABLE_BATCH_SIZE, DEFAULT_MAX_VERIFY_TOKENS)
+    spec = fp32_engine(TARGET, speculative_method="ngram").engine.config.speculative
+    assert (spec.method, spec.num_speculative_tokens) == ("ngram", DEFAULT_NUM_SPECULATIVE_TOKENS)
     assert not fp32_engine(TARGET).engine.config.speculative.enabled
 
 
