@@ -27,7 +27,7 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = 2
 # (glibc), about what k = 5..8 gave, with fewer drafts wasted where a head is accepted less.
 # A draft model: k = 3 beat k = 2 at batch 1 in each table of the stdlib pair (fp32 draft 1.50x
 # against 1.33x, int8 1.63x against 1.61x, int4 1.66x / 1.70x against 1.54x / 1.51x under glibc
-# / jemalloc), and k = 4 and more only under jemalloc. N-gram lookup keeps 2 (copy prompts:
+# / jemalloc); k = 4 and beyond beat k = 3 only under jemalloc. N-gram lookup keeps 2 (copy prompts:
 # 1.62x against k = 4's 1.40x).
 DEFAULT_NUM_SPECULATIVE_TOKENS_BY_METHOD = {"draft_model": 3, "eagle3": 4}
 DEFAULT_MAX_VERIFY_TOKENS = 8
