@@ -309,6 +309,27 @@ def test_logprobs_with_speculation_equal_plain_logprobs(plain):
     assert llm.llm_engine.get_stats().num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("name", ["draft", "ngram"])
+def test_seeded_samples_do_not_depend_on_the_batch_at_a_fixed_k(name):
+    # Each request draws its drafts and verification numbers from its own stream, so at a fixed
+    # k (UNLIMITED; a pool that holds every draft) its tokens are those it samples alone.
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(temperature=0.9, top_k=[-1, 20][i % 2], max_tokens=24,
+                              ignore_eos=True, seed=100 + i, n=1 + i % 2,
+                              repetition_penalty=[1.0, 1.2][i % 2])
+
+    def sample(requests: list[int]):
+        e = fp32_engine(TARGET, **SPECULATION[name])
+        for i in requests:
+            e.add_request(str(i), PROMPTS[i], params(i))
+        out = {int(i): [c.token_ids for c in o.outputs] for i, o in drain(e).items()}
+        return out, e.get_stats().num_accepted_tokens
+
+    alone = {i: sample([i])[0][i] for i in range(len(PROMPTS))}
+    together, accepted = sample(list(range(len(PROMPTS))))
+    assert together == alone and accepted > 0
+
+
 def test_k_shrinks_with_the_number_of_running_sequences():
     e = fp32_engine(TARGET, speculative_method="ngram", num_speculative_tokens=4,
                     prompt_lookup_min=1, speculative_max_verify_tokens=6)
