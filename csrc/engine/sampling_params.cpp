@@ -19,8 +19,8 @@ void SamplingParams::validate() const {
           "n must be in [1, " + std::to_string(kMaxN) + "], got " + std::to_string(n));
   require(std::isfinite(temperature) && temperature >= 0.0,
           "temperature must be a finite number >= 0, got " + std::to_string(temperature));
-  require(top_k == -1 || (top_k >= 1 && top_k <= kMaxTopK),
-          "top_k must be -1 (off) or in [1, " + std::to_string(kMaxTopK) + "], got " +
+  require(top_k >= -1 && top_k <= kMaxTopK,
+          "top_k must be -1 or 0 (off) or in [1, " + std::to_string(kMaxTopK) + "], got " +
               std::to_string(top_k));
   require(top_p > 0.0 && top_p <= 1.0, "top_p must be in (0, 1], got " + std::to_string(top_p));
   require(min_p >= 0.0 && min_p <= 1.0, "min_p must be in [0, 1], got " + std::to_string(min_p));

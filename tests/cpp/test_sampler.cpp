@@ -15,6 +15,9 @@ namespace {
 
 TEST(SamplingParams, ValidatesEachField) {
   EXPECT_NO_THROW(SamplingParams{}.validate());
+  SamplingParams top_k_off;
+  top_k_off.top_k = 0;  // off, as -1 (transformers' and vLLM's reading)
+  EXPECT_NO_THROW(top_k_off.validate());
   auto invalid = [](auto mutate) {
     SamplingParams p;
     mutate(p);
@@ -22,7 +25,7 @@ TEST(SamplingParams, ValidatesEachField) {
   };
   invalid([](SamplingParams& p) { p.temperature = -1.0; });
   invalid([](SamplingParams& p) { p.temperature = std::nan(""); });
-  invalid([](SamplingParams& p) { p.top_k = 0; });
+  invalid([](SamplingParams& p) { p.top_k = -2; });
   invalid([](SamplingParams& p) { p.top_p = 0.0; });
   invalid([](SamplingParams& p) { p.top_p = 1.01; });
   invalid([](SamplingParams& p) { p.min_p = -0.1; });

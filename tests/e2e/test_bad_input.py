@@ -118,7 +118,7 @@ def test_bad_llm_arguments(checkpoint_factory, kwargs, message):
     ({"temperature": float("nan")}, "temperature"),
     ({"top_p": 0.0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
-    ({"top_k": 0}, "top_k"),
+    ({"top_k": -2}, "top_k"),
     ({"min_p": 2.0}, "min_p"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"stop_token_ids": [-3]}, "stop_token_ids"),

@@ -51,7 +51,7 @@ def param_tensors(params):
 
 PARAM_GRID = [
     SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
-    for t, k, p, m in itertools.product([0.25, 0.8, 1.0, 1.9], [-1, 1, 3, 10, 50],
+    for t, k, p, m in itertools.product([0.25, 0.8, 1.0, 1.9], [-1, 0, 1, 3, 10, 50],
                                         [1.0, 0.95, 0.7, 0.3, 0.05], [0.0, 0.02, 0.2, 0.9])
 ]
 
@@ -219,9 +219,8 @@ def test_sampler_rejects_mismatched_rows():
         (dict(top_p=1.01), r"top_p must be in \(0, 1\]"),
         (dict(top_p=-0.5), r"top_p must be in \(0, 1\]"),
         (dict(top_p=math.nan), r"top_p must be in \(0, 1\]"),
-        (dict(top_k=0), r"top_k must be -1 \(off\) or in \[1, 2147483647\]"),
-        (dict(top_k=-2), r"top_k must be -1 \(off\) or in \[1, 2147483647\]"),
-        (dict(top_k=2**31), r"top_k must be -1 \(off\) or in \[1, 2147483647\]"),
+        (dict(top_k=-2), r"top_k must be -1 or 0 \(off\) or in \[1, 2147483647\]"),
+        (dict(top_k=2**31), r"top_k must be -1 or 0 \(off\) or in \[1, 2147483647\]"),
         (dict(min_p=-0.01), r"min_p must be in \[0, 1\]"),
         (dict(min_p=1.5), r"min_p must be in \[0, 1\]"),
         (dict(min_p=math.nan), r"min_p must be in \[0, 1\]"),
@@ -257,7 +256,8 @@ def test_invalid_sampling_params_raise_value_error(kwargs, match):
 
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=0.0), dict(top_p=1.0), dict(top_p=1e-6),
-                                    dict(top_k=-1), dict(top_k=1), dict(min_p=0.0),
+                                    dict(top_k=-1), dict(top_k=0), dict(top_k=1),
+                                    dict(min_p=0.0),
                                     dict(min_p=1.0), dict(max_tokens=1), dict(n=1), dict(n=8),
                                     dict(repetition_penalty=1e-3),
                                     dict(repetition_penalty=1.0),

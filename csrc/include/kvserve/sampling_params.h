@@ -18,7 +18,9 @@ struct SamplingParams {
 
   int64_t n = 1;  ///< samples per prompt (the engine forks the sequence); in [1, kMaxN]
   double temperature = 1.0;  ///< finite, >= 0; below kGreedyTemperature: greedy
-  int64_t top_k = -1;   ///< -1: off; in [1, kMaxTopK], values >= the vocabulary keep every token
+  /// -1 or 0: off (0 as in transformers and vLLM); in [1, kMaxTopK], values >= the vocabulary
+  /// keep every token.
+  int64_t top_k = -1;
   double top_p = 1.0;   ///< in (0, 1]; 1: off
   double min_p = 0.0;   ///< in [0, 1]; 0: off
   /// > 0; 1: off. Every token id in the prompt or the output so far: a positive logit is divided
