@@ -2,6 +2,7 @@
 #include <torch/csrc/utils/pybind.h>
 #include <pybind11/stl.h>
 
+#include <map>
 #include <sstream>
 #include <string>
 #include <variant>
@@ -42,7 +43,8 @@ void bind_sampler(py::module_& m) {
                        std::optional<std::vector<int64_t>> stop_token_ids,
                        std::optional<std::variant<std::string, std::vector<std::string>>> stop,
                        bool include_stop_str_in_output, std::optional<int64_t> logprobs,
-                       std::optional<int64_t> prompt_logprobs) {
+                       std::optional<int64_t> prompt_logprobs,
+                       std::optional<std::map<int64_t, double>> logit_bias) {
              SamplingParams p;
              p.n = n;
              p.temperature = temperature;
@@ -65,6 +67,7 @@ void bind_sampler(py::module_& m) {
              p.include_stop_str_in_output = include_stop_str_in_output;
              p.logprobs = logprobs;
              p.prompt_logprobs = prompt_logprobs;
+             p.logit_bias = logit_bias.value_or(std::map<int64_t, double>{});
              p.validate();
              return p;
            }),
@@ -74,7 +77,8 @@ void bind_sampler(py::module_& m) {
            py::arg("seed") = py::none(), py::arg("max_tokens") = 16, py::arg("min_tokens") = 0,
            py::arg("ignore_eos") = false, py::arg("stop_token_ids") = py::none(),
            py::arg("stop") = py::none(), py::arg("include_stop_str_in_output") = false,
-           py::arg("logprobs") = py::none(), py::arg("prompt_logprobs") = py::none())
+           py::arg("logprobs") = py::none(), py::arg("prompt_logprobs") = py::none(),
+           py::arg("logit_bias") = py::none())
       .def_readwrite("n", &SamplingParams::n)
       .def_readwrite("temperature", &SamplingParams::temperature)
       .def_readwrite("top_k", &SamplingParams::top_k)
@@ -94,6 +98,7 @@ void bind_sampler(py::module_& m) {
       .def_readwrite("include_stop_str_in_output", &SamplingParams::include_stop_str_in_output)
       .def_readwrite("logprobs", &SamplingParams::logprobs)
       .def_readwrite("prompt_logprobs", &SamplingParams::prompt_logprobs)
+      .def_readwrite("logit_bias", &SamplingParams::logit_bias)
       .def("validate", &SamplingParams::validate);  // __repr__: kvserve/sampling_params.py
 
   py::class_<TokenLogprobs>(m, "TokenLogprobs",

@@ -75,6 +75,12 @@ void ContinuousBatchingEngine::validate(const std::string& request_id,
                                   " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
     }
   }
+  // At most one entry per vocabulary entry (a map), so no larger than the logits it changes.
+  if (!params.logit_bias.empty() && params.logit_bias.rbegin()->first >= vocab) {
+    throw std::invalid_argument("logit_bias token id " +
+                                std::to_string(params.logit_bias.rbegin()->first) +
+                                " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
+  }
   const int64_t max_logprobs = std::min(config_.max_logprobs, vocab);
   for (const auto& [name, asked] : {std::pair{"logprobs", params.logprobs},
                                      std::pair{"prompt_logprobs", params.prompt_logprobs}}) {

@@ -26,7 +26,7 @@ DraftRounds::DraftRounds(const ProposalContext& context, Proposals& out,
   for (size_t entry : drafting) {
     const SamplingParams& params = *context.rows[entry]->params;
     greedy_ = greedy_ && params.temperature < SamplingParams::kGreedyTemperature;
-    argmax_only_ = argmax_only_ && !params.needs_token_history();
+    argmax_only_ = argmax_only_ && !params.changes_logits();
   }
   argmax_only_ = argmax_only_ && greedy_;
 }

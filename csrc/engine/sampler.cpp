@@ -114,7 +114,30 @@ void mask_until_min_tokens(at::Tensor& logits, const std::vector<SamplingRow>& r
   logits.index_put_(index, at::scalar_tensor(kNegInf, logits.options()));
 }
 
-// Applies min_tokens, then the repetition penalty, then presence/frequency, in place.
+// Adds each row's logit_bias to its logits (ids outside the vocabulary: an error; the engine
+// refuses them when the request arrives).
+void add_logit_bias(at::Tensor& logits, const std::vector<SamplingRow>& rows) {
+  const int64_t vocab = logits.size(1);
+  std::vector<int64_t> bias_row, bias_token;
+  std::vector<float> bias;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    for (const auto& [id, value] : rows[r].params->logit_bias) {
+      TORCH_CHECK(id >= 0 && id < vocab, "Sampler: row ", r, " has logit_bias token id ", id,
+                  " outside the vocabulary [0, ", vocab, ")");
+      bias_row.push_back(static_cast<int64_t>(r));
+      bias_token.push_back(id);
+      bias.push_back(static_cast<float>(value));
+    }
+  }
+  if (bias_row.empty()) return;
+  const at::Device device = logits.device();
+  const c10::List<std::optional<at::Tensor>> index{to_tensor(bias_row, device),
+                                                   to_tensor(bias_token, device)};
+  logits.index_put_(index, to_tensor(bias, device), /*accumulate=*/true);
+}
+
+// Applies min_tokens, then logit_bias, then the repetition penalty, then presence/frequency, in
+// place (vLLM's order).
 void apply_history(at::Tensor& logits, const std::vector<SamplingRow>& rows) {
   const int64_t vocab = logits.size(1);
   std::vector<int64_t> slot;
@@ -129,7 +152,8 @@ void apply_history(at::Tensor& logits, const std::vector<SamplingRow>& rows) {
       add_penalty_cells(static_cast<int64_t>(r), rows[r], vocab, slot, cells);
     }
   }
-  mask_until_min_tokens(logits, rows);  // -inf stays -inf through the penalties below
+  mask_until_min_tokens(logits, rows);  // -inf stays -inf through the bias and penalties below
+  add_logit_bias(logits, rows);
   apply_cells(logits, cells);
 }
 

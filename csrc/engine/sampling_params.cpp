@@ -44,11 +44,21 @@ void SamplingParams::validate() const {
   require(!prompt_logprobs || *prompt_logprobs >= 0,
           "prompt_logprobs must be None or >= 0, got " +
               std::to_string(prompt_logprobs.value_or(0)));
+  for (const auto& [id, bias] : logit_bias) {
+    require(id >= 0, "logit_bias token ids must be non-negative, got " + std::to_string(id));
+    require(std::isfinite(bias) && std::abs(bias) <= kMaxLogitBias,
+            "logit_bias values must be in [-100, 100], got " + std::to_string(bias) +
+                " for token " + std::to_string(id));
+  }
 }
 
 bool SamplingParams::needs_token_history() const {
   return repetition_penalty != 1.0 || presence_penalty != 0.0 || frequency_penalty != 0.0 ||
          min_tokens > 0;
+}
+
+bool SamplingParams::changes_logits() const {
+  return needs_token_history() || !logit_bias.empty();
 }
 
 }  // namespace kvserve

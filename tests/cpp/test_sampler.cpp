@@ -26,6 +26,9 @@ TEST(SamplingParams, ValidatesEachField) {
   invalid([](SamplingParams& p) { p.temperature = -1.0; });
   invalid([](SamplingParams& p) { p.temperature = std::nan(""); });
   invalid([](SamplingParams& p) { p.top_k = -2; });
+  invalid([](SamplingParams& p) { p.logit_bias = {{3, 100.5}}; });
+  invalid([](SamplingParams& p) { p.logit_bias = {{3, std::nan("")}}; });
+  invalid([](SamplingParams& p) { p.logit_bias = {{-1, 1.0}}; });
   invalid([](SamplingParams& p) { p.top_p = 0.0; });
   invalid([](SamplingParams& p) { p.top_p = 1.01; });
   invalid([](SamplingParams& p) { p.min_p = -0.1; });

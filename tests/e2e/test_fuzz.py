@@ -37,6 +37,8 @@ sampling_kwargs = st.fixed_dictionaries({}, optional={
                                 st.just(list(range(5000)))),
     "include_stop_str_in_output": st.booleans(),
     "logprobs": st.one_of(st.none(), extreme_ints),
+    "logit_bias": st.one_of(st.none(), st.dictionaries(extreme_ints, extreme_floats, max_size=4),
+                            st.just({i: 100.0 for i in range(5000)})),
 })
 
 prompts = st.one_of(

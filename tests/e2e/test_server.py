@@ -118,6 +118,26 @@ def test_stop_strings_and_logprobs(client, offline):
     assert r.choices[0].text == want.text[:want.text.index(stop)]
 
 
+def test_logit_bias_as_openai_sends_it(client, offline):
+    """Token ids as JSON strings; the same tokens and (raw) logprobs as LLM.generate's."""
+    plain = offline.generate([PROMPTS[1]], kvserve.SamplingParams(temperature=0, max_tokens=8),
+                             use_tqdm=False)[0].outputs[0].token_ids
+    bias = {plain[0]: -100.0, plain[2]: 100.0}
+    want = offline.generate([PROMPTS[1]], kvserve.SamplingParams(
+        temperature=0, max_tokens=8, logprobs=1, logit_bias=bias), use_tqdm=False)[0].outputs[0]
+    assert want.token_ids == [plain[2]] * 8
+    r = client.completions.create(model=NAME, prompt=PROMPTS[1], logprobs=1,
+                                  logit_bias={str(t): b for t, b in bias.items()},
+                                  temperature=0, max_tokens=8)
+    assert r.choices[0].text == want.text
+    assert r.choices[0].logprobs.token_logprobs == pytest.approx(
+        [t.logprob for t in want.logprobs], abs=1e-5)
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}],
+                                       temperature=0, max_tokens=4,
+                                       logit_bias={str(plain[2]): 100})
+    assert r.choices[0].message.content == offline.tokenizer.decode([plain[2]] * 4)
+
+
 def test_echo_puts_the_prompt_and_its_logprobs_first(client, offline):
     """echo with logprobs, as lm-evaluation-harness scores a continuation: the prompt's text and
     tokens lead each choice, the first token's logprob null, the others the prompt logprobs of
@@ -204,7 +224,11 @@ def test_chat_without_a_template_is_a_400(server, client):
     (dict(prompt=[[1, 5, 9], [10 ** 9]], max_tokens=200), "BadRequestError", "vocabulary"),
     (dict(suffix="the end"), "BadRequestError", "suffix"),
     (dict(echo=True, logprobs=10 ** 6), "BadRequestError", "logprobs must be at most"),
-    (dict(logit_bias={"5": 1.0}), "BadRequestError", "logit_bias"),
+    (dict(logit_bias={"five": 1.0}), "BadRequestError", "logit_bias keys must be token ids"),
+    (dict(logit_bias={"1" * 30: 1.0}), "BadRequestError", "logit_bias keys must be token ids"),
+    (dict(logit_bias={"5": 101}), "BadRequestError", r"logit_bias values must be in \[-100"),
+    (dict(logit_bias={"-5": 1}), "BadRequestError", "non-negative"),
+    (dict(logit_bias={"99999": 1}), "BadRequestError", "outside the vocabulary"),
     (dict(model="gpt-4"), "NotFoundError", "does not exist"),
 ])
 def test_bad_requests_get_openai_errors(client, engine, kwargs, error, match):

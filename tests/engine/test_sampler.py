@@ -2,7 +2,8 @@
 SamplingParams validation. Masks are checked against kvserve.testing.reference and against
 Hugging Face transformers' logits warpers; sampled tokens against the filtered distribution with
 chi-square tests. Penalties against reference.apply_penalties and transformers'
-RepetitionPenaltyLogitsProcessor; logprobs against torch.log_softmax of the raw logits."""
+RepetitionPenaltyLogitsProcessor; logit_bias against transformers' SequenceBiasLogitsProcessor;
+logprobs against torch.log_softmax of the raw logits."""
 
 import itertools
 import math
@@ -13,6 +14,7 @@ import torch
 from scipy import stats
 from transformers.generation.logits_process import (MinPLogitsWarper,
                                                     RepetitionPenaltyLogitsProcessor,
+                                                    SequenceBiasLogitsProcessor,
                                                     TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
@@ -247,6 +249,11 @@ def test_sampler_rejects_mismatched_rows():
         (dict(stop=["ok", ""]), "stop strings must be non-empty"),
         (dict(stop=""), "stop strings must be non-empty"),
         (dict(stop_token_ids=[3, -1]), "stop_token_ids must be non-negative"),
+        (dict(logit_bias={3: 100.5}), r"logit_bias values must be in \[-100, 100\]"),
+        (dict(logit_bias={3: -101.0}), r"logit_bias values must be in \[-100, 100\]"),
+        (dict(logit_bias={3: math.nan}), r"logit_bias values must be in \[-100, 100\]"),
+        (dict(logit_bias={3: math.inf}), r"logit_bias values must be in \[-100, 100\]"),
+        (dict(logit_bias={-1: 1.0}), "logit_bias token ids must be non-negative"),
     ],
     ids=lambda v: str(v) if isinstance(v, dict) else "",
 )
@@ -266,6 +273,7 @@ def test_invalid_sampling_params_raise_value_error(kwargs, match):
                                     dict(frequency_penalty=2.0), dict(min_tokens=0),
                                     dict(min_tokens=16), dict(logprobs=0), dict(logprobs=20),
                                     dict(stop=["\n\n", "END"]), dict(stop=[]),
+                                    dict(logit_bias={}), dict(logit_bias={0: -100.0, 7: 100.0}),
                                     dict(include_stop_str_in_output=True)], ids=str)
 def test_boundary_sampling_params_are_valid(kwargs):
     params = SamplingParams(**kwargs)
@@ -282,7 +290,8 @@ def test_new_fields_default_off_and_keywords_only():
     params = SamplingParams()
     assert (params.n, params.repetition_penalty, params.presence_penalty,
             params.frequency_penalty, params.min_tokens, params.logprobs, params.stop,
-            params.include_stop_str_in_output) == (1, 1.0, 0.0, 0.0, 0, None, [], False)
+            params.include_stop_str_in_output, params.logit_bias) == (1, 1.0, 0.0, 0.0, 0, None,
+                                                                     [], False, {})
     with pytest.raises(TypeError):
         SamplingParams(1.0)  # keyword-only
 
@@ -292,13 +301,14 @@ def test_sampling_params_keywords_and_repr():
                             repetition_penalty=1.1, presence_penalty=-0.5,
                             frequency_penalty=0.25, seed=9, max_tokens=30, min_tokens=4,
                             ignore_eos=True, stop_token_ids=[7, 8],
-                            include_stop_str_in_output=True)
+                            include_stop_str_in_output=True, logit_bias={9: -1.5, 2: 3.0})
     assert (params.n, params.logprobs, params.stop, params.min_tokens) == (2, 3, ["\n\n", "it's"], 4)
     assert repr(params) == (
         "SamplingParams(n=2, temperature=0.7, top_k=5, top_p=1.0, min_p=0.0, "
         "repetition_penalty=1.1, presence_penalty=-0.5, frequency_penalty=0.25, seed=9, "
         "max_tokens=30, min_tokens=4, ignore_eos=True, stop=['\\n\\n', \"it's\"], "
-        "stop_token_ids=[7, 8], include_stop_str_in_output=True, logprobs=3, prompt_logprobs=None)")
+        "stop_token_ids=[7, 8], include_stop_str_in_output=True, logprobs=3, prompt_logprobs=None, "
+        "logit_bias={2: 3.0, 9: -1.5})")
     assert SamplingParams(stop="###").stop == ["###"], "a single stop string, as in the OpenAI API"
     assert "logprobs=None" in repr(SamplingParams())
     # The repr (Python's, kvserve.sampling_params) lists every field the C++ struct binds.
@@ -431,6 +441,72 @@ def test_min_tokens_mask_holds_for_sampled_rows():
     assert EOS[0] not in tokens.tolist() and len(set(tokens.tolist())) > 4
     tokens, _ = Sampler().sample_rows(logits.clone(), params, randoms, None, [[1, 1]] * rows, EOS)
     assert (tokens == EOS[0]).float().mean() > 0.8
+
+
+@pytest.mark.parametrize("vocab", [3, 50, 1000])
+def test_logit_bias_equals_transformers_then_penalties(vocab):
+    """The bias (transformers' SequenceBiasLogitsProcessor on one-token sequences) comes before
+    the penalties, whose sign rule then sees the biased logits (vLLM's order)."""
+    g = torch.Generator().manual_seed(vocab)
+    rows = 6
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    prompts, outputs = random_history(g, rows, vocab, 20)
+    biases = [{int(t): float(b) for t, b in zip(torch.randint(0, vocab, (n,), generator=g),
+                                                  torch.empty(n).uniform_(-100, 100, generator=g))}
+              for n in (0, 1, 2, vocab // 2, vocab, 3)]
+    penalties = [(1.0, 0.0, 0.0), (1.3, 0.0, 0.0), (1.0, 0.5, 0.2), (0.7, -1.0, 0.4),
+                 (1.0, 0.0, 0.0), (2.0, 1.0, 1.0)]
+    params = [SamplingParams(temperature=0.0, logit_bias=b, repetition_penalty=rep,
+                             presence_penalty=pres, frequency_penalty=freq)
+              for b, (rep, pres, freq) in zip(biases, penalties)]
+    got = logits.clone()
+    tokens, _ = Sampler().sample_rows(got, params, [RequestRandom(0)] * rows, prompts, outputs)
+    biased = logits.clone()
+    for r, bias in enumerate(biases):
+        if bias:
+            hf = SequenceBiasLogitsProcessor([[[t], b] for t, b in bias.items()])
+            biased[r] = hf(torch.tensor([[0]]), logits[r:r + 1].clone())[0]
+    want = reference.apply_penalties(biased, prompts, outputs, *zip(*penalties))
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-6)
+    assert torch.equal(tokens, want.argmax(1))
+    assert (want.argmax(1) != logits.argmax(1)).sum() >= 3, "the biases must move most argmaxes"
+
+
+def test_logit_bias_leaves_min_tokens_masked_and_logprobs_raw():
+    vocab = 12
+    logits = torch.zeros(1, vocab)
+    params = SamplingParams(temperature=0.0, min_tokens=2, max_tokens=4, logprobs=2,
+                            logit_bias={EOS[0]: 100.0, 3: 50.0})
+    got = logits.clone()
+    tokens, logprobs = Sampler().sample_rows(got, [params], [RequestRandom(0)], [[1]], [[4]], EOS)
+    assert got[0, EOS[0]].isneginf() and tokens.tolist() == [3]
+    assert logprobs[0].logprob == pytest.approx(-math.log(vocab), abs=1e-5)  # the raw logits'
+    tokens, _ = Sampler().sample_rows(logits.clone(), [params], [RequestRandom(0)], [[1]],
+                                      [[4, 4]], EOS)
+    assert tokens.tolist() == [EOS[0]]  # min_tokens reached: the +100 wins
+
+
+def test_biased_sampling_matches_biased_distribution():
+    """Seeded sampling with a bias and filters samples softmax(filter(logits + bias))."""
+    bias = {0: 2.5, 3: -100.0, 7: 1.0, int(CHI_LOGITS.argmax()): -3.0}
+    params = SamplingParams(temperature=0.9, top_p=0.95, logit_bias=bias)
+    biased = CHI_LOGITS.clone()
+    for t, b in bias.items():
+        biased[t] += b
+    num_requests, num_steps = 200, NUM_DRAWS // 200
+    randoms = [RequestRandom(seed) for seed in range(num_requests)]
+    sampler = Sampler()
+    tokens = torch.cat([
+        sampler.sample_rows(CHI_LOGITS.repeat(num_requests, 1), [params] * num_requests,
+                            randoms, None, None)[0]
+        for _ in range(num_steps)])
+    probs = reference.sampling_probs(biased[None], *param_tensors([params]))[0].numpy()
+    unbiased = reference.sampling_probs(CHI_LOGITS[None], *param_tensors([params]))[0].numpy()
+    counts = np.bincount(tokens.numpy(), minlength=CHI_LOGITS.numel())
+    kept = probs > 0
+    assert counts[~kept].sum() == 0
+    assert stats.chisquare(counts[kept], probs[kept] * len(tokens)).pvalue > P_VALUE
+    assert np.abs(probs - unbiased).max() > 0.1  # the bias moves the target far
 
 
 def test_penalized_sampling_matches_penalized_distribution():

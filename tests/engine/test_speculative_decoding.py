@@ -309,6 +309,24 @@ def test_logprobs_with_speculation_equal_plain_logprobs(plain):
     assert llm.llm_engine.get_stats().num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("name", ["draft", "self-draft", "ngram"])
+def test_greedy_with_logit_bias_equals_plain_decoding(plain, name):
+    # A bias moves the greedy argmax: the drafts must see it too (no raw-argmax shortcut), or
+    # nearly every one is rejected; the output is plain decoding's under the same bias.
+    unbiased = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    first = tokens(plain.generate(PROMPTS[1:3], unbiased, use_tqdm=False))
+    bias = {t: -4.0 for t in {*first[0][:6], *first[1][:6]}}
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logit_bias=bias)
+    want = tokens(plain.generate(PROMPTS[1:3], params, use_tqdm=False))
+    assert want != first
+    llm = LLM(TARGET, dtype="float32", **SPECULATION[name])
+    assert tokens(llm.generate(PROMPTS[1:3], params, use_tqdm=False)) == want
+    s = llm.llm_engine.get_stats()
+    assert s.num_accepted_tokens > 0
+    if name == "self-draft":
+        assert s.acceptance_rate > 0.9
+
+
 @pytest.mark.parametrize("name", ["draft", "ngram"])
 def test_seeded_samples_do_not_depend_on_the_batch_at_a_fixed_k(name):
     # Each request draws its drafts and verification numbers from its own stream, so at a fixed

@@ -3,6 +3,7 @@
 // kvserve.SamplingParams (same names). Penalties and logprobs follow vLLM (v1) and the OpenAI API.
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -15,6 +16,8 @@ struct SamplingParams {
   static constexpr int64_t kMaxTopK = (int64_t{1} << 31) - 1;
   /// Temperatures below this sample greedily (dividing by them would overflow fp32), as in vLLM.
   static constexpr double kGreedyTemperature = 1e-5;
+  /// A logit_bias value's bound either way (OpenAI's).
+  static constexpr double kMaxLogitBias = 100.0;
 
   int64_t n = 1;  ///< samples per prompt (the engine forks the sequence); in [1, kMaxN]
   double temperature = 1.0;  ///< finite, >= 0; below kGreedyTemperature: greedy
@@ -48,6 +51,10 @@ struct SamplingParams {
   /// OpenAI completion's echo). Such a request reads no cached prefix: it computes its whole
   /// prompt. The engine bounds N by its max_logprobs.
   std::optional<int64_t> prompt_logprobs;
+  /// Token id -> a value in [-100, 100] added to its logit after the min_tokens mask and before
+  /// the penalties, for every token sampled (OpenAI's logit_bias; logprobs stay those of the raw
+  /// logits, as vLLM's). The engine checks the ids against the vocabulary.
+  std::map<int64_t, double> logit_bias;
 
   /// Throws std::invalid_argument (Python ValueError) naming the first invalid field. Limits that
   /// depend on the model (max_tokens vs max_model_len, logprobs vs vocabulary) are the engine's.
@@ -55,6 +62,9 @@ struct SamplingParams {
 
   /// True when the penalties or min_tokens need the request's token history.
   bool needs_token_history() const;
+  /// True when the logits change before temperature and the filters: penalties, min_tokens or
+  /// logit_bias (a greedy draw then is not the raw logits' argmax).
+  bool changes_logits() const;
 };
 
 }  // namespace kvserve

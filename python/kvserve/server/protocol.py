@@ -3,13 +3,13 @@ translation into SamplingParams, and OpenAI's error shape.
 
 Fields outside the API that vLLM also takes: top_k, min_p, repetition_penalty, ignore_eos.
 Fields of the API that kvserve does not implement are a 400 when set to anything but their
-default (suffix, best_of != n, logit_bias, tools, non-text response_format), never silently
-ignored. A completion's echo puts the prompt before each choice's text, and with logprobs its
+default (suffix, best_of != n, tools, non-text response_format), never silently ignored. A completion's echo puts the prompt before each choice's text, and with logprobs its
 tokens' logprobs before the generated ones' (the first prompt token's are null): the engine's
 prompt_logprobs."""
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -22,6 +22,8 @@ from kvserve.engine import SamplingParams
 Int64 = Annotated[int, Field(ge=-2**63, le=2**63 - 1)]
 Seed = Annotated[int, Field(ge=0, le=2**64 - 1)]
 MaxTokens = Annotated[int, Field(ge=1, le=2**63 - 1)]
+# A logit_bias key: a token id as a JSON string (19 digits at most: within int64).
+_TOKEN_ID = re.compile(r"-?[0-9]{1,19}")
 
 
 class APIError(Exception):
@@ -72,14 +74,12 @@ class _Sampling(BaseModel):
                         prompt_logprobs: int | None = None) -> SamplingParams:
         """The engine's parameters; raises APIError(400) for unsupported fields and ValueError
         (SamplingParams' own checks) for bad values."""
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
         if self.n < 1:
             raise APIError(400, f"n must be at least 1, got {self.n}", param="n")
         values: dict[str, Any] = dict(
             n=self.n, stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            seed=self.seed)
+            seed=self.seed, logit_bias=self.token_biases())
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             if getattr(self, name) is not None:
@@ -89,6 +89,18 @@ class _Sampling(BaseModel):
         params = SamplingParams(**values)
         params.validate()
         return params
+
+    def token_biases(self) -> dict[int, float] | None:
+        """logit_bias with its keys (token ids as JSON strings, as OpenAI's) as integers."""
+        if not self.logit_bias:
+            return None
+        biases = {}
+        for key, value in self.logit_bias.items():
+            if not _TOKEN_ID.fullmatch(key):
+                raise APIError(400, f"logit_bias keys must be token ids, got {key[:32]!r}",
+                               param="logit_bias")
+            biases[int(key)] = value
+        return biases
 
 
 class CompletionRequest(_Sampling):
