@@ -62,8 +62,11 @@ def _generate(args: argparse.Namespace) -> int:
 
     llm = LLM.from_engine_args(EngineArgs.from_cli_args(
         args, model=args.model or _default_model(), log_memory_plan=False))
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
+    # A flag given, else the checkpoint's generation_config.json, else temperature 0.8.
+    given = {name: getattr(args, name) for name in ("temperature", "top_k", "top_p", "min_p")
+             if getattr(args, name) is not None}
+    params = SamplingParams(**({"temperature": 0.8} | llm.llm_engine.default_sampling | given),
+                            seed=args.seed, max_tokens=args.max_tokens,
                             ignore_eos=args.ignore_eos)
     out = llm.generate([args.prompt], params)[0]
     completion, m = out.outputs[0], out.metrics
@@ -269,10 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "else models/shakespeare-target when run from a source checkout)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--min-p", type=float, default=0.0)
+    sampling = ("(default: the checkpoint's generation_config.json, else %s; "
+                "--generation-config none ignores the file)")
+    g.add_argument("--temperature", type=float, default=None, help=sampling % "0.8")
+    g.add_argument("--top-k", type=int, default=None, help=sampling % "off")
+    g.add_argument("--top-p", type=float, default=None, help=sampling % "1: off")
+    g.add_argument("--min-p", type=float, default=None, help=sampling % "0: off")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
     EngineArgs.add_cli_args(g, exclude={"model"})

@@ -33,7 +33,7 @@ from kvserve.kv_transfer.params import KVTransferParams
 from kvserve.loader import load_weights
 from kvserve.lora_serving import LoRAManager, LoRARequest
 from kvserve.outputs import CompletionOutput, RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, generation_defaults
 from kvserve.loader.eagle3_weights import eagle3_config, eagle3_head, load_eagle3_weights
 from kvserve.loader.mtp_weights import load_mtp_weights, mtp_configs, mtp_head
 from kvserve.speculative import load_draft_info, quantize_drafter
@@ -150,6 +150,9 @@ class LLMEngine:
         self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         self.eos_token_ids = info.eos_token_ids
         self.tokenizer = Tokenizer.from_model_dir(args.model)
+        # What a request's unset sampling fields default to (LLM.generate without parameters,
+        # the server's requests).
+        self.default_sampling = generation_defaults(args.generation_config, args.model)
         eagle3 = args.speculative_method == "eagle3"
         draft_info = (load_draft_info(args.speculative_model, info.config, self.tokenizer)
                       if args.speculative_model is not None and not eagle3 else None)
@@ -247,6 +250,21 @@ class LLMEngine:
         self._step_lock = threading.Lock()
         if args.log_memory_plan:
             print(self.memory_plan(), file=sys.stderr)
+            if self.default_sampling:
+                print(self.default_sampling_note(), file=sys.stderr)
+
+    def default_sampling_note(self) -> str:
+        """One line for a start-up log: the defaults generation_config.json gives, if any."""
+        if not self.default_sampling:
+            return "default sampling parameters: SamplingParams' own"
+        given = ", ".join(f"{k}={v}" for k, v in self.default_sampling.items())
+        return (f"default sampling parameters from generation_config.json: {given} "
+                "(generation_config none: SamplingParams' own)")
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the defaults of generation_config (the checkpoint's
+        generation_config.json unless the engine was made with another or none)."""
+        return SamplingParams(**self.default_sampling)
 
     @staticmethod
     def _check_tensor_parallel(args: EngineArgs) -> None:
@@ -365,7 +383,7 @@ class LLMEngine:
                     output_kind: str = "cumulative",
                     kv_transfer_params: dict | KVTransferParams | None = None) -> None:
         """Queues a prompt (text, or token ids), with a LoRA adapter if given (an engine made
-        with enable_lora). output_kind "cumulative": each output's text, token_ids and logprobs
+        with enable_lora); params None: get_default_sampling_params(). output_kind "cumulative": each output's text, token_ids and logprobs
         are everything so far; "delta": only what the step added (a server streaming a long
         output copies nothing per step). kv_transfer_params (an engine with a kv_role):
         do_remote_decode holds the prompt's KV for a consumer when the request finishes (its
@@ -379,7 +397,7 @@ class LLMEngine:
             raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
         if request_id in self._requests:
             raise ValueError(f"request id '{request_id}' is already in use")
-        params = SamplingParams() if params is None else params
+        params = self.get_default_sampling_params() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self._tokenize(prompt)

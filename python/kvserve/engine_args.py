@@ -91,6 +91,11 @@ class EngineArgs:
         _CONFIG.enable_prefix_caching, "reuse the KV of identical prompt prefixes (full blocks)",
         aliases=("--no-prefix-caching",))
     max_logprobs: int = option(_CONFIG.max_logprobs, "logprobs a request may ask for at most")
+    generation_config: str = option(
+        "auto", "the default sampling parameters of requests that leave them unset: auto (the "
+        "checkpoint's generation_config.json: temperature, top_p, top_k, min_p, "
+        "repetition_penalty, as vLLM reads it), none (SamplingParams' own: temperature 1), or "
+        "a directory holding a generation_config.json")
     speculative_model: str | Path | None = option(
         None, "speculative decoding with this draft checkpoint (the target's tokenizer)")
     speculative_method: str | None = option(

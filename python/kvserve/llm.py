@@ -71,6 +71,7 @@ class LLM:
 
         prompts: a string, a list of strings, or a list of token-id lists.
         sampling_params: one SamplingParams for all prompts or one per prompt (default:
+            get_default_sampling_params(): the checkpoint's generation_config.json, else
             SamplingParams(), i.e. temperature 1, 16 tokens).
         use_tqdm: a progress bar over finished prompts with the output tokens/s.
         lora: a LoRA adapter for all prompts, or one (or None) per prompt (enable_lora=True).
@@ -134,10 +135,15 @@ class LLM:
             raise TypeError("prompts must be a list of prompts: wrap one token-id list in a list")
         return list(prompts)
 
-    @staticmethod
-    def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate uses without sampling_params: the checkpoint's generation_config.json
+        (temperature, top_p, top_k, min_p, repetition_penalty; EngineArgs.generation_config),
+        SamplingParams' defaults for the rest."""
+        return self.llm_engine.get_default_sampling_params()
+
+    def _params_per_prompt(self, sampling_params, count: int) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * count
+            return [self.get_default_sampling_params()] * count
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * count
         params = list(sampling_params)

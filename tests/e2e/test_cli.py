@@ -146,3 +146,19 @@ def test_generate_model_from_the_environment(monkeypatch, capsys, checkpoint_fac
     assert code == 0 and "2 generated" in err
     code, out, err = run_cli_here(capsys, *args)
     assert code == 2 and "KVSERVE_MODEL=" in err and "is not a directory" in err
+
+
+@pytest.mark.parametrize("flags, params", [
+    ((), dict(temperature=0.8, top_k=50)),  # the shipped model's generation_config.json
+    (("--top-k", "5"), dict(temperature=0.8, top_k=5)),  # a flag wins
+    (("--generation-config", "none"), dict(temperature=0.8)),  # the command's own default
+])
+def test_generate_samples_with_the_generation_config_unless_told(monkeypatch, capsys, flags,
+                                                                  params):
+    model = MODELS / "shakespeare-target"
+    code, out, err = run_cli_here(capsys, "generate", "--model", str(model), "--prompt", "ROMEO:",
+                                  "--max-tokens", "12", "--seed", "4", *flags)
+    assert code == 0, err
+    want = kvserve.LLM(model).generate("ROMEO:", kvserve.SamplingParams(
+        seed=4, max_tokens=12, **params), use_tqdm=False)[0].outputs[0].text
+    assert out.startswith("ROMEO:" + want)

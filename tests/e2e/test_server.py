@@ -138,6 +138,23 @@ def test_logit_bias_as_openai_sends_it(client, offline):
     assert r.choices[0].message.content == offline.tokenizer.decode([plain[2]] * 4)
 
 
+def test_unset_fields_take_the_generation_config_defaults(client, offline):
+    """The shipped model's generation_config.json says temperature 0.8 and top_k 50: a request
+    that leaves them unset samples with them (vLLM's server does the same); a field it sets
+    wins."""
+    def sampled(**params):
+        return offline.generate([PROMPTS[0]], kvserve.SamplingParams(
+            seed=7, max_tokens=12, **params), use_tqdm=False)[0].outputs[0].text
+
+    want = sampled(temperature=0.8, top_k=50)
+    assert want != sampled(temperature=1.0)
+    r = client.completions.create(model=NAME, prompt=PROMPTS[0], seed=7, max_tokens=12)
+    assert r.choices[0].text == want
+    r = client.completions.create(model=NAME, prompt=PROMPTS[0], seed=7, max_tokens=12,
+                                  temperature=1.0, extra_body={"top_k": -1})
+    assert r.choices[0].text == sampled(temperature=1.0)
+
+
 def test_echo_puts_the_prompt_and_its_logprobs_first(client, offline):
     """echo with logprobs, as lm-evaluation-harness scores a continuation: the prompt's text and
     tokens lead each choice, the first token's logprob null, the others the prompt logprobs of
@@ -434,6 +451,9 @@ def test_the_serve_command(tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=30)
+    # The start-up log names the sampling defaults the model's generation_config.json gives.
+    assert ("default sampling parameters from generation_config.json: temperature=0.8, top_k=50"
+            in server.stdout.read())
 
 
 def test_speculative_counters_appear_with_speculation():

@@ -139,7 +139,8 @@ def build_app(state: ServerState) -> FastAPI:
         body.check_supported()
         prompts = body.prompts()
         state.limits.check_prompts(prompts)
-        params = _params(body, body.max_tokens, body.logprobs, body.requested_prompt_logprobs())
+        params = _params(state, body, body.max_tokens, body.logprobs,
+                         body.requested_prompt_logprobs())
         return await _serve(state, request, "cmpl", "text_completion", body, params, prompts,
                             chat=False, lora=lora)
 
@@ -161,7 +162,7 @@ def build_app(state: ServerState) -> FastAPI:
         max_tokens = body.requested_max_tokens()
         if max_tokens is None:  # the rest of the context
             max_tokens = max(1, engine.engine.max_model_len - len(prompt))
-        params = _params(body, max_tokens, body.requested_logprobs())
+        params = _params(state, body, max_tokens, body.requested_logprobs())
         return await _serve(state, request, "chatcmpl", "chat.completion", body, params,
                             [prompt], chat=True, lora=lora)
 
@@ -211,9 +212,10 @@ def _chat_prompt(state: ServerState, messages: list[dict], add_generation_prompt
     return state.engine.engine.tokenizer.encode(text, add_special_tokens=False)
 
 
-def _params(body, max_tokens, logprobs, prompt_logprobs=None):
+def _params(state: ServerState, body, max_tokens, logprobs, prompt_logprobs=None):
     try:
-        return body.sampling_params(max_tokens, logprobs, prompt_logprobs)
+        return body.sampling_params(max_tokens, logprobs, prompt_logprobs,
+                                    defaults=state.engine.engine.default_sampling)
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e)) from e
 

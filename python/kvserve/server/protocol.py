@@ -71,9 +71,13 @@ class _Sampling(BaseModel):
     kv_transfer_params: dict | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
-        """The engine's parameters; raises APIError(400) for unsupported fields and ValueError
-        (SamplingParams' own checks) for bad values."""
+                        prompt_logprobs: int | None = None,
+                        defaults: dict | None = None) -> SamplingParams:
+        """The engine's parameters, a field the request leaves unset taken from `defaults` (the
+        model's generation_config.json, as vLLM's server takes it) when there; raises
+        APIError(400) for unsupported fields and ValueError (SamplingParams' own checks) for bad
+        values."""
+        defaults = defaults or {}
         if self.n < 1:
             raise APIError(400, f"n must be at least 1, got {self.n}", param="n")
         values: dict[str, Any] = dict(
@@ -82,8 +86,11 @@ class _Sampling(BaseModel):
             seed=self.seed, logit_bias=self.token_biases())
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
-            if getattr(self, name) is not None:
-                values[name] = getattr(self, name)
+            value = getattr(self, name)
+            if value is None:
+                value = defaults.get(name)
+            if value is not None:
+                values[name] = value
         if max_tokens is not None:
             values["max_tokens"] = max_tokens
         params = SamplingParams(**values)

@@ -24,7 +24,10 @@ def load_into(state: ServerState, args: AsyncEngineArgs, chat_template: str | Pa
 
     try:
         template = ChatTemplate.from_model_dir(args.model, chat_template)
-        state.ready(AsyncLLMEngine.from_engine_args(args), template)
+        engine = AsyncLLMEngine.from_engine_args(args)
+        state.ready(engine, template)
+        if engine.engine.default_sampling:  # as vLLM warns: requests may sample otherwise
+            print(f"kvserve serve: {engine.engine.default_sampling_note()}", file=sys.stderr)
     except BaseException as e:  # reported on every request instead
         state.load_error = e
         print(f"kvserve serve: the model failed to load: {e}", file=sys.stderr)
