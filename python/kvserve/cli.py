@@ -62,12 +62,14 @@ def _generate(args: argparse.Namespace) -> int:
 
     llm = LLM.from_engine_args(EngineArgs.from_cli_args(
         args, model=args.model or _default_model(), log_memory_plan=False))
-    # A flag given, else the checkpoint's generation_config.json, else temperature 0.8.
+    # A flag given, else the checkpoint's generation_config.json, else temperature 0.8 and 64
+    # tokens.
     given = {name: getattr(args, name) for name in ("temperature", "top_k", "top_p", "min_p")
              if getattr(args, name) is not None}
-    params = SamplingParams(**({"temperature": 0.8} | llm.llm_engine.default_sampling | given),
-                            seed=args.seed, max_tokens=args.max_tokens,
-                            ignore_eos=args.ignore_eos)
+    given = given | ({} if args.max_tokens is None else {"max_tokens": args.max_tokens})
+    params = SamplingParams(**({"temperature": 0.8, "max_tokens": 64}
+                               | llm.llm_engine.default_sampling | given),
+                            seed=args.seed, ignore_eos=args.ignore_eos)
     out = llm.generate([args.prompt], params)[0]
     completion, m = out.outputs[0], out.metrics
     print(args.prompt + completion.text)
@@ -271,7 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", help="Hugging Face checkpoint directory (default: $KVSERVE_MODEL, "
                    "else models/shakespeare-target when run from a source checkout)")
     g.add_argument("--prompt", required=True)
-    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help="(default: the checkpoint's generation_config.json max_new_tokens, else "
+                   "64)")
     sampling = ("(default: the checkpoint's generation_config.json, else %s; "
                 "--generation-config none ignores the file)")
     g.add_argument("--temperature", type=float, default=None, help=sampling % "0.8")

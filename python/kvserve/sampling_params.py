@@ -25,16 +25,18 @@ def _repr(params: SamplingParams) -> str:
 SamplingParams.__repr__ = _repr
 
 # The fields of a checkpoint's generation_config.json that set its default sampling parameters,
-# as vLLM reads them (its --generation-config auto); do_sample is not one (vLLM ignores it too).
-GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# as vLLM reads them (its --generation-config auto), with max_new_tokens as max_tokens; do_sample
+# is not one (vLLM ignores it too).
+GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                            "max_new_tokens")
 GENERATION_CONFIG_OFF = ("none", "vllm")  # "vllm": vLLM's spelling of the engine's own defaults
 
 
 def generation_defaults(source: str, model: str | Path) -> dict:
-    """The default sampling fields that `source` gives (EngineArgs.generation_config): "auto"
-    reads generation_config.json beside the model (a GGUF file has none), "none" or "vllm"
-    nothing, any other value names a directory that holds one. The fields it does not set keep
-    SamplingParams' defaults. Raises ValueError naming the file for a value SamplingParams
+    """The default SamplingParams fields that `source` gives (EngineArgs.generation_config):
+    "auto" reads generation_config.json beside the model (a GGUF file has none), "none" or
+    "vllm" nothing, any other value names a directory that holds one. The fields it does not set
+    keep SamplingParams' defaults. Raises ValueError naming the file for a value SamplingParams
     refuses."""
     if source in GENERATION_CONFIG_OFF:
         return {}
@@ -60,9 +62,13 @@ def generation_defaults(source: str, model: str | Path) -> dict:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{path}: {name} must be a number, got {value!r}")
-        if name == "top_k" and value != int(value):
-            raise ValueError(f"{path}: top_k must be an integer, got {value!r}")
-        fields[name] = int(value) if name == "top_k" else float(value)
+        integer = name in ("top_k", "max_new_tokens")
+        if integer and value != int(value):
+            raise ValueError(f"{path}: {name} must be an integer, got {value!r}")
+        if name == "max_new_tokens":
+            fields["max_tokens"] = int(value)
+        else:
+            fields[name] = int(value) if integer else float(value)
     try:
         SamplingParams(**fields)
     except (ValueError, TypeError) as e:

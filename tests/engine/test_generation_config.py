@@ -1,7 +1,8 @@
 """Default sampling parameters from a checkpoint's generation_config.json (vLLM's
 --generation-config auto): read as vLLM reads the file, used by LLM.generate without
-parameters, LLMEngine.add_request and the server's requests that leave a field unset, and by
-`kvserve generate`; off with generation_config="none"; a bad file is a ValueError naming it."""
+parameters, LLMEngine.add_request and the server's requests that leave a field unset (max_tokens
+from max_new_tokens), and by `kvserve generate`; off with generation_config="none"; a bad file is
+a ValueError naming it."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def test_the_fields_vllm_reads_and_nothing_else(tmp_path):
                                "repetition_penalty": 1.05, "do_sample": False, "bos_token_id": 1,
                                "max_new_tokens": 512, "presence_penalty": 1.5, "top_a": None})
     assert generation_defaults("auto", d) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20,
-                                              "min_p": 0.0, "repetition_penalty": 1.05}
+                                              "min_p": 0.0, "repetition_penalty": 1.05,
+                                              "max_tokens": 512}
     assert generation_defaults("auto", tmp_path / "elsewhere") == {}  # no file: no defaults
     assert generation_defaults(str(d), tmp_path / "elsewhere")["top_k"] == 20  # a directory
     for off in ("none", "vllm"):
@@ -45,6 +47,8 @@ def test_the_fields_vllm_reads_and_nothing_else(tmp_path):
     ({"temperature": -1}, "temperature must be a finite number >= 0"),
     ({"top_p": 0}, r"top_p must be in \(0, 1\]"),
     ({"top_k": 2.5}, "top_k must be an integer"),
+    ({"max_new_tokens": 0}, "max_tokens must be >= 1"),
+    ({"max_new_tokens": 1.5}, "max_new_tokens must be an integer"),
     ({"top_k": 10**30}, "top_k"),
     ({"temperature": "hot"}, "temperature must be a number"),
     ({"repetition_penalty": True}, "repetition_penalty must be a number"),
@@ -90,3 +94,31 @@ def test_an_engine_with_a_bad_file_does_not_start(tmp_path):
     with pytest.raises(ValueError, match="generation_config.json: SamplingParams: temperature"):
         kvserve.LLM(model, dtype="float32")
     assert kvserve.LLM(model, dtype="float32", generation_config="none")  # the file ignored
+
+
+def test_max_new_tokens_is_the_default_length_everywhere(tmp_path):
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from kvserve.async_engine import AsyncLLMEngine
+    from kvserve.server import ServerState
+    from kvserve.server.chat_template import ChatTemplate
+    from kvserve.server.serve import BackgroundServer
+
+    model = tmp_path / "model"
+    shutil.copytree(SHIPPED, model)
+    write(model, {"temperature": 0.0, "max_new_tokens": 5})
+    llm = kvserve.LLM(model, dtype="float32", max_model_len=128)
+    assert llm.get_default_sampling_params().max_tokens == 5
+    assert len(llm.generate(PROMPT, use_tqdm=False)[0].outputs[0].token_ids) == 5
+    with AsyncLLMEngine(model, dtype="float32", max_model_len=128) as engine:
+        state = ServerState("m")
+        state.ready(engine, ChatTemplate("{{ messages[0]['content'] }}", {}))
+        with BackgroundServer(state) as server:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
+            r = client.completions.create(model="m", prompt=PROMPT)
+            assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+            r = client.completions.create(model="m", prompt=PROMPT, max_tokens=7)
+            assert r.usage.completion_tokens == 7  # the request's own wins
+            r = client.chat.completions.create(model="m", messages=[{"role": "user",
+                                                                     "content": PROMPT}])
+            assert r.usage.completion_tokens == 5  # at most max_new_tokens of the context

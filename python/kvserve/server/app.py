@@ -31,7 +31,8 @@ from kvserve.server.chat_template import ChatTemplate, ChatTemplateError
 from kvserve.server.guard import RequestGuard
 from kvserve.server.limits import ServerLimits
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from kvserve.server.protocol import (COMPLETION_MAX_TOKENS, APIError, ChatCompletionRequest,
+                                     CompletionRequest)
 from kvserve.server.responses import Choices
 
 
@@ -134,13 +135,15 @@ def build_app(state: ServerState) -> FastAPI:
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
-        _engine(state)
+        engine = _engine(state)
         lora = _check_model(state, body.model)
         body.check_supported()
         prompts = body.prompts()
         state.limits.check_prompts(prompts)
-        params = _params(state, body, body.max_tokens, body.logprobs,
-                         body.requested_prompt_logprobs())
+        max_tokens = body.max_tokens
+        if max_tokens is None:  # the model's max_new_tokens, else OpenAI's 16
+            max_tokens = engine.engine.default_sampling.get("max_tokens", COMPLETION_MAX_TOKENS)
+        params = _params(state, body, max_tokens, body.logprobs, body.requested_prompt_logprobs())
         return await _serve(state, request, "cmpl", "text_completion", body, params, prompts,
                             chat=False, lora=lora)
 
@@ -160,8 +163,10 @@ def build_app(state: ServerState) -> FastAPI:
         prompt = await asyncio.to_thread(_chat_prompt, state, messages,
                                          body.add_generation_prompt)
         max_tokens = body.requested_max_tokens()
-        if max_tokens is None:  # the rest of the context
+        if max_tokens is None:  # the rest of the context, at most the model's max_new_tokens
             max_tokens = max(1, engine.engine.max_model_len - len(prompt))
+            max_tokens = min(max_tokens, engine.engine.default_sampling.get("max_tokens",
+                                                                            max_tokens))
         params = _params(state, body, max_tokens, body.requested_logprobs())
         return await _serve(state, request, "chatcmpl", "chat.completion", body, params,
                             [prompt], chat=True, lora=lora)

@@ -110,11 +110,16 @@ class _Sampling(BaseModel):
         return biases
 
 
+# A completion's max_tokens when neither the request nor the model's generation_config.json
+# (max_new_tokens) gives one: OpenAI's default.
+COMPLETION_MAX_TOKENS = 16
+
+
 class CompletionRequest(_Sampling):
     """POST /v1/completions."""
 
     prompt: str | list[str] | list[Int64] | list[list[Int64]]
-    max_tokens: MaxTokens | None = 16
+    max_tokens: MaxTokens | None = None
     logprobs: Int64 | None = None
     echo: bool = False
     suffix: str | None = None
