@@ -118,6 +118,28 @@ def test_stop_strings_and_logprobs(client, offline):
     assert r.choices[0].text == want.text[:want.text.index(stop)]
 
 
+def test_vllms_stop_fields(client, offline):
+    """min_tokens, stop_token_ids and include_stop_str_in_output, as vLLM takes them."""
+    def offline_text(**params):
+        return offline.generate([PROMPTS[2]], kvserve.SamplingParams(
+            temperature=0, max_tokens=16, **params), use_tqdm=False)[0].outputs[0]
+
+    plain = offline_text()
+    stop_id = plain.token_ids[2]
+    for params in (dict(stop_token_ids=[stop_id]), dict(stop_token_ids=[stop_id], min_tokens=6),
+                   dict(stop=[plain.text[4:7]], include_stop_str_in_output=True)):
+        want = offline_text(**params)
+        r = client.completions.create(model=NAME, prompt=PROMPTS[2], temperature=0,
+                                      max_tokens=16, extra_body=params)
+        assert (r.choices[0].text, r.choices[0].finish_reason) == (want.text, want.finish_reason)
+        assert r.usage.completion_tokens == len(want.token_ids)
+    assert offline_text(stop_token_ids=[stop_id]).token_ids == plain.token_ids[:3]
+    assert len(offline_text(stop_token_ids=[stop_id], min_tokens=6).token_ids) > 3
+    with pytest.raises(openai.BadRequestError, match="min_tokens must be in"):
+        client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=4,
+                                  extra_body={"min_tokens": 5})
+
+
 def test_logit_bias_as_openai_sends_it(client, offline):
     """Token ids as JSON strings; the same tokens and (raw) logprobs as LLM.generate's."""
     plain = offline.generate([PROMPTS[1]], kvserve.SamplingParams(temperature=0, max_tokens=8),
