@@ -33,7 +33,7 @@ std::string message_of(std::exception_ptr error) {
 
 const char* kNoDistribution =
     "the model's logits held no token with a non-zero probability (NaN or inf in the logits, or "
-    "every token masked by min_tokens, stop_token_ids and the filters)";
+    "every token masked by allowed_token_ids, min_tokens, stop_token_ids and the filters)";
 const char* kNeverScheduled =
     "the request could not be scheduled: nothing ran for two steps while it waited";
 

@@ -75,6 +75,21 @@ void ContinuousBatchingEngine::validate(const std::string& request_id,
                                   " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
     }
   }
+  if (params.allowed_token_ids) {
+    const auto& allowed = *params.allowed_token_ids;
+    if (static_cast<int64_t>(allowed.size()) > vocab) {
+      throw std::invalid_argument("at most " + std::to_string(vocab) +
+                                  " allowed token ids (the vocabulary size), got " +
+                                  std::to_string(allowed.size()));
+    }
+    for (int64_t id : allowed) {
+      if (id >= vocab) {
+        throw std::invalid_argument("allowed token id " + std::to_string(id) +
+                                    " is outside the vocabulary [0, " + std::to_string(vocab) +
+                                    ")");
+      }
+    }
+  }
   // At most one entry per vocabulary entry (a map), so no larger than the logits it changes.
   if (!params.logit_bias.empty() && params.logit_bias.rbegin()->first >= vocab) {
     throw std::invalid_argument("logit_bias token id " +

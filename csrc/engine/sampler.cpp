@@ -114,6 +114,31 @@ void mask_until_min_tokens(at::Tensor& logits, const std::vector<SamplingRow>& r
   logits.index_put_(index, at::scalar_tensor(kNegInf, logits.options()));
 }
 
+// Masks to -inf every logit of a row with allowed_token_ids but those ids' (kept values gathered,
+// the rows filled, the kept values scattered back).
+void keep_allowed_tokens(at::Tensor& logits, const std::vector<SamplingRow>& rows) {
+  const int64_t vocab = logits.size(1);
+  std::vector<int64_t> masked_rows, keep_row, keep_token;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const auto& allowed = rows[r].params->allowed_token_ids;
+    if (!allowed) continue;
+    masked_rows.push_back(static_cast<int64_t>(r));
+    for (int64_t id : *allowed) {
+      TORCH_CHECK(id >= 0 && id < vocab, "Sampler: row ", r, " allows token id ", id,
+                  " outside the vocabulary [0, ", vocab, ")");
+      keep_row.push_back(static_cast<int64_t>(r));
+      keep_token.push_back(id);
+    }
+  }
+  if (masked_rows.empty()) return;
+  const at::Device device = logits.device();
+  const c10::List<std::optional<at::Tensor>> index{to_tensor(keep_row, device),
+                                                   to_tensor(keep_token, device)};
+  const at::Tensor kept = logits.index(index);
+  logits.index_fill_(0, to_tensor(masked_rows, device), kNegInf);
+  logits.index_put_(index, kept);
+}
+
 // Adds each row's logit_bias to its logits (ids outside the vocabulary: an error; the engine
 // refuses them when the request arrives).
 void add_logit_bias(at::Tensor& logits, const std::vector<SamplingRow>& rows) {
@@ -136,8 +161,8 @@ void add_logit_bias(at::Tensor& logits, const std::vector<SamplingRow>& rows) {
   logits.index_put_(index, to_tensor(bias, device), /*accumulate=*/true);
 }
 
-// Applies min_tokens, then logit_bias, then the repetition penalty, then presence/frequency, in
-// place (vLLM's order).
+// Applies allowed_token_ids, min_tokens, then logit_bias, then the repetition penalty, then
+// presence/frequency, in place (vLLM's order).
 void apply_history(at::Tensor& logits, const std::vector<SamplingRow>& rows) {
   const int64_t vocab = logits.size(1);
   std::vector<int64_t> slot;
@@ -152,6 +177,7 @@ void apply_history(at::Tensor& logits, const std::vector<SamplingRow>& rows) {
       add_penalty_cells(static_cast<int64_t>(r), rows[r], vocab, slot, cells);
     }
   }
+  keep_allowed_tokens(logits, rows);
   mask_until_min_tokens(logits, rows);  // -inf stays -inf through the bias and penalties below
   add_logit_bias(logits, rows);
   apply_cells(logits, cells);

@@ -44,6 +44,12 @@ void SamplingParams::validate() const {
   require(!prompt_logprobs || *prompt_logprobs >= 0,
           "prompt_logprobs must be None or >= 0, got " +
               std::to_string(prompt_logprobs.value_or(0)));
+  if (allowed_token_ids) {
+    require(!allowed_token_ids->empty(), "allowed_token_ids must not be empty (None: every token)");
+    for (int64_t id : *allowed_token_ids) {
+      require(id >= 0, "allowed_token_ids must be non-negative, got " + std::to_string(id));
+    }
+  }
   for (const auto& [id, bias] : logit_bias) {
     require(id >= 0, "logit_bias token ids must be non-negative, got " + std::to_string(id));
     require(std::isfinite(bias) && std::abs(bias) <= kMaxLogitBias,
@@ -58,7 +64,7 @@ bool SamplingParams::needs_token_history() const {
 }
 
 bool SamplingParams::changes_logits() const {
-  return needs_token_history() || !logit_bias.empty();
+  return needs_token_history() || !logit_bias.empty() || allowed_token_ids.has_value();
 }
 
 }  // namespace kvserve

@@ -29,6 +29,8 @@ TEST(SamplingParams, ValidatesEachField) {
   invalid([](SamplingParams& p) { p.logit_bias = {{3, 100.5}}; });
   invalid([](SamplingParams& p) { p.logit_bias = {{3, std::nan("")}}; });
   invalid([](SamplingParams& p) { p.logit_bias = {{-1, 1.0}}; });
+  invalid([](SamplingParams& p) { p.allowed_token_ids = std::vector<int64_t>{}; });
+  invalid([](SamplingParams& p) { p.allowed_token_ids = std::vector<int64_t>{3, -1}; });
   invalid([](SamplingParams& p) { p.top_p = 0.0; });
   invalid([](SamplingParams& p) { p.top_p = 1.01; });
   invalid([](SamplingParams& p) { p.min_p = -0.1; });

@@ -39,6 +39,8 @@ sampling_kwargs = st.fixed_dictionaries({}, optional={
     "logprobs": st.one_of(st.none(), extreme_ints),
     "logit_bias": st.one_of(st.none(), st.dictionaries(extreme_ints, extreme_floats, max_size=4),
                             st.just({i: 100.0 for i in range(5000)})),
+    "allowed_token_ids": st.one_of(st.none(), st.lists(extreme_ints, max_size=4),
+                                   st.just(list(range(5000)))),
 })
 
 prompts = st.one_of(

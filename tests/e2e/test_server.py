@@ -119,7 +119,8 @@ def test_stop_strings_and_logprobs(client, offline):
 
 
 def test_vllms_stop_fields(client, offline):
-    """min_tokens, stop_token_ids and include_stop_str_in_output, as vLLM takes them."""
+    """min_tokens, stop_token_ids, include_stop_str_in_output and allowed_token_ids, as vLLM
+    takes them."""
     def offline_text(**params):
         return offline.generate([PROMPTS[2]], kvserve.SamplingParams(
             temperature=0, max_tokens=16, **params), use_tqdm=False)[0].outputs[0]
@@ -135,6 +136,15 @@ def test_vllms_stop_fields(client, offline):
         assert r.usage.completion_tokens == len(want.token_ids)
     assert offline_text(stop_token_ids=[stop_id]).token_ids == plain.token_ids[:3]
     assert len(offline_text(stop_token_ids=[stop_id], min_tokens=6).token_ids) > 3
+    allowed = plain.token_ids[3:5]
+    want = offline_text(allowed_token_ids=allowed)
+    assert set(want.token_ids) <= set(allowed)
+    r = client.completions.create(model=NAME, prompt=PROMPTS[2], temperature=0, max_tokens=16,
+                                  extra_body={"allowed_token_ids": allowed})
+    assert r.choices[0].text == want.text
+    with pytest.raises(openai.BadRequestError, match="allowed_token_ids must not be empty"):
+        client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=4,
+                                  extra_body={"allowed_token_ids": []})
     with pytest.raises(openai.BadRequestError, match="min_tokens must be in"):
         client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=4,
                                   extra_body={"min_tokens": 5})

@@ -12,6 +12,7 @@ import torch
 import kvserve
 from kvserve import SamplingParams
 from kvserve.config import load_checkpoint_info
+from tests.engine_loop import drain
 from tests.engine_loop import fp32_engine as engine
 from tests.engine_loop import run_arrivals as run
 
@@ -300,6 +301,12 @@ def test_abort_frees_everything_and_reports_once(path):
     (("v", [1, -3], SamplingParams()), ValueError, "outside the vocabulary"),
     (("long", [1] * 250, SamplingParams(max_tokens=10)), ValueError, "exceeds max_model_len"),
     (("lp", [1, 2], SamplingParams(logprobs=10**6)), ValueError, "logprobs"),
+    (("a", [1, 2], SamplingParams(allowed_token_ids=[3, 10**6])), ValueError,
+     "allowed token id 1000000 is outside the vocabulary"),
+    (("a", [1, 2], SamplingParams(allowed_token_ids=list(range(10**4)))), ValueError,
+     "at most .* allowed token ids"),
+    (("b", [1, 2], SamplingParams(logit_bias={10**6: 1.0})), ValueError,
+     "logit_bias token id 1000000 is outside the vocabulary"),
     ((1, [1, 2], SamplingParams()), TypeError, "request_id"),
     (("p", [1, 2], "greedy"), TypeError, "SamplingParams"),
 ])
@@ -312,6 +319,19 @@ def test_bad_input_is_rejected_and_the_engine_keeps_serving(path, args, error, m
     while e.has_unfinished_requests():
         outputs += e.step()
     assert outputs[-1].request_id == "dup" and len(outputs[-1].outputs[0].token_ids) == 4
+
+
+def test_allowed_tokens_that_min_tokens_masks_end_the_request_with_an_error(path):
+    e = engine(path)
+    e.add_request("ok", [1, 2, 3], SamplingParams(max_tokens=4, **GREEDY))
+    stop_first = dict(max_tokens=4, min_tokens=2, stop_token_ids=[5], temperature=0.0)
+    e.add_request("only-stop", [1, 2, 3], SamplingParams(allowed_token_ids=[5], **stop_first))
+    e.add_request("stop-or-9", [1, 2, 3], SamplingParams(allowed_token_ids=[5, 9], **stop_first))
+    final = drain(e)
+    assert final["only-stop"].outputs[0].finish_reason == "error"
+    assert "allowed_token_ids" in final["only-stop"].error
+    assert final["stop-or-9"].outputs[0].token_ids[:2] == [9, 9]
+    assert len(final["ok"].outputs[0].token_ids) == 4
 
 
 def test_a_request_larger_than_the_pool_is_rejected(path):

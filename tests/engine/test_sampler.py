@@ -254,6 +254,8 @@ def test_sampler_rejects_mismatched_rows():
         (dict(logit_bias={3: math.nan}), r"logit_bias values must be in \[-100, 100\]"),
         (dict(logit_bias={3: math.inf}), r"logit_bias values must be in \[-100, 100\]"),
         (dict(logit_bias={-1: 1.0}), "logit_bias token ids must be non-negative"),
+        (dict(allowed_token_ids=[]), "allowed_token_ids must not be empty"),
+        (dict(allowed_token_ids=[3, -2]), "allowed_token_ids must be non-negative"),
     ],
     ids=lambda v: str(v) if isinstance(v, dict) else "",
 )
@@ -274,6 +276,8 @@ def test_invalid_sampling_params_raise_value_error(kwargs, match):
                                     dict(min_tokens=16), dict(logprobs=0), dict(logprobs=20),
                                     dict(stop=["\n\n", "END"]), dict(stop=[]),
                                     dict(logit_bias={}), dict(logit_bias={0: -100.0, 7: 100.0}),
+                                    dict(allowed_token_ids=[5]),
+                                    dict(allowed_token_ids=[5, 5, 0]),
                                     dict(include_stop_str_in_output=True)], ids=str)
 def test_boundary_sampling_params_are_valid(kwargs):
     params = SamplingParams(**kwargs)
@@ -290,8 +294,8 @@ def test_new_fields_default_off_and_keywords_only():
     params = SamplingParams()
     assert (params.n, params.repetition_penalty, params.presence_penalty,
             params.frequency_penalty, params.min_tokens, params.logprobs, params.stop,
-            params.include_stop_str_in_output, params.logit_bias) == (1, 1.0, 0.0, 0.0, 0, None,
-                                                                     [], False, {})
+            params.include_stop_str_in_output, params.logit_bias,
+            params.allowed_token_ids) == (1, 1.0, 0.0, 0.0, 0, None, [], False, {}, None)
     with pytest.raises(TypeError):
         SamplingParams(1.0)  # keyword-only
 
@@ -308,7 +312,7 @@ def test_sampling_params_keywords_and_repr():
         "repetition_penalty=1.1, presence_penalty=-0.5, frequency_penalty=0.25, seed=9, "
         "max_tokens=30, min_tokens=4, ignore_eos=True, stop=['\\n\\n', \"it's\"], "
         "stop_token_ids=[7, 8], include_stop_str_in_output=True, logprobs=3, prompt_logprobs=None, "
-        "logit_bias={2: 3.0, 9: -1.5})")
+        "logit_bias={2: 3.0, 9: -1.5}, allowed_token_ids=None)")
     assert SamplingParams(stop="###").stop == ["###"], "a single stop string, as in the OpenAI API"
     assert "logprobs=None" in repr(SamplingParams())
     # The repr (Python's, kvserve.sampling_params) lists every field the C++ struct binds.
@@ -484,6 +488,35 @@ def test_logit_bias_leaves_min_tokens_masked_and_logprobs_raw():
     tokens, _ = Sampler().sample_rows(logits.clone(), [params], [RequestRandom(0)], [[1]],
                                       [[4, 4]], EOS)
     assert tokens.tolist() == [EOS[0]]  # min_tokens reached: the +100 wins
+
+
+def test_allowed_token_ids_mask_everything_else_first():
+    """Only the allowed ids keep their logits (the bias and penalties then apply to those);
+    sampled rows draw nothing else; logprobs stay the raw logits'."""
+    g = torch.Generator().manual_seed(3)
+    vocab, rows = 300, 200
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    allowed = [7, 250, 7, 31]
+    params = [SamplingParams(temperature=1.0, seed=s, allowed_token_ids=allowed, logprobs=1)
+              for s in range(rows)]
+    got = logits.clone()
+    tokens, logprobs = Sampler().sample_rows(got, params, [RequestRandom(s) for s in range(rows)],
+                                             None, None)
+    assert set(tokens.tolist()) == {7, 250, 31}
+    others = [i for i in range(vocab) if i not in allowed]
+    assert got[:, others].isneginf().all()
+    want = torch.log_softmax(logits, 1).gather(1, tokens[:, None])[:, 0]
+    assert [lp.logprob for lp in logprobs] == pytest.approx(want.tolist(), abs=1e-5)
+    # greedy: the best allowed one, after the bias (the allowed set is masked first)
+    row = logits[:1].clone()
+    best = max(allowed, key=lambda t: row[0, t])
+    worst = min(allowed, key=lambda t: row[0, t])
+    greedy = SamplingParams(temperature=0.0, allowed_token_ids=allowed)
+    assert Sampler().sample_rows(row.clone(), [greedy], [RequestRandom(0)], None,
+                                 None)[0].tolist() == [best]
+    biased = SamplingParams(temperature=0.0, allowed_token_ids=allowed, logit_bias={worst: 100.0})
+    assert Sampler().sample_rows(row.clone(), [biased], [RequestRandom(0)], None,
+                                 None)[0].tolist() == [worst]
 
 
 def test_biased_sampling_matches_biased_distribution():

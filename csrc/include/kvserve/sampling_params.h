@@ -55,6 +55,9 @@ struct SamplingParams {
   /// the penalties, for every token sampled (OpenAI's logit_bias; logprobs stay those of the raw
   /// logits, as vLLM's). The engine checks the ids against the vocabulary.
   std::map<int64_t, double> logit_bias;
+  /// Set: only these token ids can be sampled, every other logit masked to -inf first (vLLM's
+  /// allowed_token_ids); not empty. The engine checks them against the vocabulary.
+  std::optional<std::vector<int64_t>> allowed_token_ids;
 
   /// Throws std::invalid_argument (Python ValueError) naming the first invalid field. Limits that
   /// depend on the model (max_tokens vs max_model_len, logprobs vs vocabulary) are the engine's.
@@ -62,8 +65,8 @@ struct SamplingParams {
 
   /// True when the penalties or min_tokens need the request's token history.
   bool needs_token_history() const;
-  /// True when the logits change before temperature and the filters: penalties, min_tokens or
-  /// logit_bias (a greedy draw then is not the raw logits' argmax).
+  /// True when the logits change before temperature and the filters: allowed_token_ids,
+  /// penalties, min_tokens or logit_bias (a greedy draw then is not the raw logits' argmax).
   bool changes_logits() const;
 };
 

@@ -2,7 +2,7 @@
 translation into SamplingParams, and OpenAI's error shape.
 
 Fields outside the API that vLLM also takes: top_k, min_p, repetition_penalty, ignore_eos,
-min_tokens, stop_token_ids, include_stop_str_in_output.
+min_tokens, stop_token_ids, include_stop_str_in_output, allowed_token_ids.
 Fields of the API that kvserve does not implement are a 400 when set to anything but their
 default (suffix, best_of != n, tools, non-text response_format), never silently ignored. A completion's echo puts the prompt before each choice's text, and with logprobs its
 tokens' logprobs before the generated ones' (the first prompt token's are null): the engine's
@@ -67,6 +67,7 @@ class _Sampling(BaseModel):
     min_tokens: Int64 = 0
     stop_token_ids: list[Int64] | None = None
     include_stop_str_in_output: bool = False
+    allowed_token_ids: list[Int64] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
@@ -89,7 +90,8 @@ class _Sampling(BaseModel):
             ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             seed=self.seed, logit_bias=self.token_biases(), min_tokens=self.min_tokens,
             stop_token_ids=self.stop_token_ids,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            allowed_token_ids=self.allowed_token_ids)
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
