@@ -250,6 +250,26 @@ def test_chat_renders_the_template_and_streams(client, offline):
                for t in content)
 
 
+@pytest.mark.parametrize("extra, param", [
+    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    (dict(functions=[{"name": "f", "parameters": {}}]), "functions"),
+    (dict(function_call={"name": "f"}), "function_call"),
+    (dict(modalities=["text", "audio"]), "modalities"),
+    (dict(audio={"voice": "alloy", "format": "wav"}), "audio"),
+    (dict(response_format={"type": "json_object"}), "response_format"),
+])
+def test_chat_fields_that_would_change_the_answer_are_a_400_not_ignored(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=2, extra_body=extra)
+    assert info.value.body["param"] == param
+    # Their defaults are no request for anything: answered.
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=2, temperature=0, extra_body=dict(
+                                           function_call="none", modalities=["text"]))
+    assert r.choices[0].finish_reason in ("length", "stop")
+
+
 def test_chat_without_a_template_is_a_400(server, client):
     template, server.state.chat_template = server.state.chat_template, None
     try:

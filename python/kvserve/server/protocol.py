@@ -4,7 +4,8 @@ translation into SamplingParams, and OpenAI's error shape.
 Fields outside the API that vLLM also takes: top_k, min_p, repetition_penalty, ignore_eos,
 min_tokens, stop_token_ids, include_stop_str_in_output, allowed_token_ids.
 Fields of the API that kvserve does not implement are a 400 when set to anything but their
-default (suffix, best_of != n, tools, non-text response_format), never silently ignored. A completion's echo puts the prompt before each choice's text, and with logprobs its
+default (suffix, best_of != n, tools and the older functions, non-text response_format or
+modalities, audio output), never silently ignored. A completion's echo puts the prompt before each choice's text, and with logprobs its
 tokens' logprobs before the generated ones' (the first prompt token's are null): the engine's
 prompt_logprobs."""
 
@@ -184,12 +185,23 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Int64 | None = None
     tools: list[dict] | None = None
+    functions: list[dict] | None = None  # the API's older form of tools
+    function_call: str | dict | None = None
     response_format: ResponseFormat | None = None
+    modalities: list[str] | None = None
+    audio: dict | None = None
     add_generation_prompt: bool = True
 
     def check_supported(self) -> None:
         if self.tools:
             raise APIError(400, "tools are not supported", param="tools")
+        if self.functions or self.function_call not in (None, "none"):
+            raise APIError(400, "functions are not supported",
+                           param="functions" if self.functions else "function_call")
+        if self.modalities and any(m != "text" for m in self.modalities):
+            raise APIError(400, "only the text modality is supported", param="modalities")
+        if self.audio is not None:
+            raise APIError(400, "audio output is not supported", param="audio")
         if self.response_format is not None and self.response_format.type != "text":
             raise APIError(400, "only response_format text is supported",
                            param="response_format")
