@@ -45,7 +45,8 @@ void bind_sampler(py::module_& m) {
                        bool include_stop_str_in_output, std::optional<int64_t> logprobs,
                        std::optional<int64_t> prompt_logprobs,
                        std::optional<std::map<int64_t, double>> logit_bias,
-                       std::optional<std::vector<int64_t>> allowed_token_ids) {
+                       std::optional<std::vector<int64_t>> allowed_token_ids,
+                       std::optional<int64_t> truncate_prompt_tokens) {
              SamplingParams p;
              p.n = n;
              p.temperature = temperature;
@@ -70,6 +71,7 @@ void bind_sampler(py::module_& m) {
              p.prompt_logprobs = prompt_logprobs;
              p.logit_bias = logit_bias.value_or(std::map<int64_t, double>{});
              p.allowed_token_ids = std::move(allowed_token_ids);
+             p.truncate_prompt_tokens = truncate_prompt_tokens;
              p.validate();
              return p;
            }),
@@ -80,7 +82,8 @@ void bind_sampler(py::module_& m) {
            py::arg("ignore_eos") = false, py::arg("stop_token_ids") = py::none(),
            py::arg("stop") = py::none(), py::arg("include_stop_str_in_output") = false,
            py::arg("logprobs") = py::none(), py::arg("prompt_logprobs") = py::none(),
-           py::arg("logit_bias") = py::none(), py::arg("allowed_token_ids") = py::none())
+           py::arg("logit_bias") = py::none(), py::arg("allowed_token_ids") = py::none(),
+           py::arg("truncate_prompt_tokens") = py::none())
       .def_readwrite("n", &SamplingParams::n)
       .def_readwrite("temperature", &SamplingParams::temperature)
       .def_readwrite("top_k", &SamplingParams::top_k)
@@ -102,6 +105,7 @@ void bind_sampler(py::module_& m) {
       .def_readwrite("prompt_logprobs", &SamplingParams::prompt_logprobs)
       .def_readwrite("logit_bias", &SamplingParams::logit_bias)
       .def_readwrite("allowed_token_ids", &SamplingParams::allowed_token_ids)
+      .def_readwrite("truncate_prompt_tokens", &SamplingParams::truncate_prompt_tokens)
       .def("validate", &SamplingParams::validate);  // __repr__: kvserve/sampling_params.py
 
   py::class_<TokenLogprobs>(m, "TokenLogprobs",

@@ -44,6 +44,9 @@ void SamplingParams::validate() const {
   require(!prompt_logprobs || *prompt_logprobs >= 0,
           "prompt_logprobs must be None or >= 0, got " +
               std::to_string(prompt_logprobs.value_or(0)));
+  require(!truncate_prompt_tokens || *truncate_prompt_tokens == -1 || *truncate_prompt_tokens >= 1,
+          "truncate_prompt_tokens must be None, -1 (max_model_len) or >= 1, got " +
+              std::to_string(truncate_prompt_tokens.value_or(0)));
   if (allowed_token_ids) {
     require(!allowed_token_ids->empty(), "allowed_token_ids must not be empty (None: every token)");
     for (int64_t id : *allowed_token_ids) {

@@ -401,6 +401,10 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self._tokenize(prompt)
+        kept = self.truncate_prompt(ids, params)
+        if len(kept) < len(ids):  # the output's prompt text is what was kept
+            ids = kept
+            text = self.tokenizer.decode(ids) if text is not None else None
         kv = self._kv_transfer(KVTransferParams.from_dict(kv_transfer_params), params)
         slot, key = -1, 0
         if lora is not None:
@@ -441,6 +445,16 @@ class LLMEngine:
                              "kv_role")
         self.kv_connector.check_request(kv, params)
         return (_C.KVTransfer.HOLD if kv.do_remote_decode else _C.KVTransfer.LOAD), kv
+
+    def truncate_prompt(self, ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt's last truncate_prompt_tokens tokens (-1: max_model_len), as vLLM keeps
+        them; the whole prompt when it is not set. A truncated text prompt is reported as the
+        text of the tokens kept (RequestOutput.prompt)."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        keep = self.max_model_len if keep == -1 else keep
+        return ids[-keep:] if len(ids) > keep else ids
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -41,6 +41,7 @@ sampling_kwargs = st.fixed_dictionaries({}, optional={
                             st.just({i: 100.0 for i in range(5000)})),
     "allowed_token_ids": st.one_of(st.none(), st.lists(extreme_ints, max_size=4),
                                    st.just(list(range(5000)))),
+    "truncate_prompt_tokens": st.one_of(st.none(), extreme_ints),
 })
 
 prompts = st.one_of(

@@ -142,6 +142,20 @@ def test_vllms_stop_fields(client, offline):
     r = client.completions.create(model=NAME, prompt=PROMPTS[2], temperature=0, max_tokens=16,
                                   extra_body={"allowed_token_ids": allowed})
     assert r.choices[0].text == want.text
+    long = PROMPTS[2] * 40  # past max_model_len (256) unless truncated
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        client.completions.create(model=NAME, prompt=long, max_tokens=4)
+    r = client.completions.create(model=NAME, prompt=long, max_tokens=4, temperature=0,
+                                  extra_body={"truncate_prompt_tokens": 100})
+    want = offline.generate([offline.tokenizer.encode(long)[-100:]], kvserve.SamplingParams(
+        temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0]
+    assert r.choices[0].text == want.text and r.usage.prompt_tokens == 100
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": long}],
+                                       temperature=0, extra_body={"truncate_prompt_tokens": 50})
+    assert r.usage.prompt_tokens == 50 and r.usage.completion_tokens >= 1
+    with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens must be"):
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}],
+                                       extra_body={"truncate_prompt_tokens": 0})
     with pytest.raises(openai.BadRequestError, match="allowed_token_ids must not be empty"):
         client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=4,
                                   extra_body={"allowed_token_ids": []})

@@ -334,6 +334,32 @@ def test_allowed_tokens_that_min_tokens_masks_end_the_request_with_an_error(path
     assert len(final["ok"].outputs[0].token_ids) == 4
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(path):
+    e = engine(path, max_model_len=64)
+    long = list(range(3, 103))  # 100 tokens: more than max_model_len
+    with pytest.raises(ValueError, match="exceeds max_model_len"):
+        e.add_request("whole", long, SamplingParams(max_tokens=4))
+    greedy = dict(max_tokens=4, **GREEDY)
+    e.add_request("last-10", long, SamplingParams(truncate_prompt_tokens=10, **greedy))
+    e.add_request("tail", long[-10:], SamplingParams(**greedy))
+    e.add_request("short", long[:5], SamplingParams(truncate_prompt_tokens=10, **greedy))
+    final = drain(e)
+    assert final["last-10"].prompt_token_ids == long[-10:]
+    assert final["last-10"].outputs[0].token_ids == final["tail"].outputs[0].token_ids
+    assert final["short"].prompt_token_ids == long[:5]
+    # A text prompt cut is reported as the text of the tokens kept.
+    text = "Once upon a time there was a little engine that served tokens"
+    e.add_request("text", text, SamplingParams(truncate_prompt_tokens=3, **greedy))
+    out = drain(e)["text"]
+    assert len(out.prompt_token_ids) == 3 and out.prompt_token_ids == e.tokenizer.encode(text)[-3:]
+    assert out.prompt == e.tokenizer.decode(out.prompt_token_ids) and text.endswith(out.prompt)
+    # -1: the last max_model_len tokens (vLLM's), which leave no room for an output.
+    with pytest.raises(ValueError, match=r"the prompt \(64 tokens\) \+ max_tokens \(1\)"):
+        e.add_request("most", long, SamplingParams(truncate_prompt_tokens=-1, max_tokens=1))
+    e.add_request("fits", long[:20], SamplingParams(truncate_prompt_tokens=-1, max_tokens=1))
+    assert drain(e)["fits"].prompt_token_ids == long[:20]
+
+
 def test_a_request_larger_than_the_pool_is_rejected(path):
     e = engine(path, block_size=4, num_blocks=6)  # 20 tokens
     with pytest.raises(ValueError, match="KV blocks"):

@@ -256,6 +256,8 @@ def test_sampler_rejects_mismatched_rows():
         (dict(logit_bias={-1: 1.0}), "logit_bias token ids must be non-negative"),
         (dict(allowed_token_ids=[]), "allowed_token_ids must not be empty"),
         (dict(allowed_token_ids=[3, -2]), "allowed_token_ids must be non-negative"),
+        (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens must be None, -1"),
+        (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens must be None, -1"),
     ],
     ids=lambda v: str(v) if isinstance(v, dict) else "",
 )
@@ -312,7 +314,7 @@ def test_sampling_params_keywords_and_repr():
         "repetition_penalty=1.1, presence_penalty=-0.5, frequency_penalty=0.25, seed=9, "
         "max_tokens=30, min_tokens=4, ignore_eos=True, stop=['\\n\\n', \"it's\"], "
         "stop_token_ids=[7, 8], include_stop_str_in_output=True, logprobs=3, prompt_logprobs=None, "
-        "logit_bias={2: 3.0, 9: -1.5}, allowed_token_ids=None)")
+        "logit_bias={2: 3.0, 9: -1.5}, allowed_token_ids=None, truncate_prompt_tokens=None)")
     assert SamplingParams(stop="###").stop == ["###"], "a single stop string, as in the OpenAI API"
     assert "logprobs=None" in repr(SamplingParams())
     # The repr (Python's, kvserve.sampling_params) lists every field the C++ struct binds.

@@ -58,6 +58,9 @@ struct SamplingParams {
   /// Set: only these token ids can be sampled, every other logit masked to -inf first (vLLM's
   /// allowed_token_ids); not empty. The engine checks them against the vocabulary.
   std::optional<std::vector<int64_t>> allowed_token_ids;
+  /// Set: only the prompt's last N tokens are kept (-1: the last max_model_len; vLLM's
+  /// truncate_prompt_tokens). Applied by the Python engine when it tokenizes the prompt.
+  std::optional<int64_t> truncate_prompt_tokens;
 
   /// Throws std::invalid_argument (Python ValueError) naming the first invalid field. Limits that
   /// depend on the model (max_tokens vs max_model_len, logprobs vs vocabulary) are the engine's.

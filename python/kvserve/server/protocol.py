@@ -2,7 +2,8 @@
 translation into SamplingParams, and OpenAI's error shape.
 
 Fields outside the API that vLLM also takes: top_k, min_p, repetition_penalty, ignore_eos,
-min_tokens, stop_token_ids, include_stop_str_in_output, allowed_token_ids.
+min_tokens, stop_token_ids, include_stop_str_in_output, allowed_token_ids,
+truncate_prompt_tokens.
 Fields of the API that kvserve does not implement are a 400 when set to anything but their
 default (suffix, best_of != n, tools and the older functions, non-text response_format or
 modalities, audio output), never silently ignored. A completion's echo puts the prompt before each choice's text, and with logprobs its
@@ -69,6 +70,7 @@ class _Sampling(BaseModel):
     stop_token_ids: list[Int64] | None = None
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[Int64] | None = None
+    truncate_prompt_tokens: Int64 | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
@@ -92,7 +94,8 @@ class _Sampling(BaseModel):
             seed=self.seed, logit_bias=self.token_biases(), min_tokens=self.min_tokens,
             stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            allowed_token_ids=self.allowed_token_ids)
+            allowed_token_ids=self.allowed_token_ids,
+            truncate_prompt_tokens=self.truncate_prompt_tokens)
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
