@@ -34,8 +34,8 @@ class DraftRounds {
  public:
   /// drafting: the scheduled entries that draft this step. When every one of them is greedy the
   /// drafts are argmaxes, point masses: no distributions are computed or kept; and when none of
-  /// them has penalties, min_tokens or logit_bias either, each position is one argmax over the
-  /// logits, with no sampler pass. Drafts never compute logprobs.
+  /// them has penalties, min_tokens, logit_bias or allowed_token_ids either, each position is one
+  /// argmax over the logits, with no sampler pass. Drafts never compute logprobs.
   DraftRounds(const ProposalContext& context, Proposals& out,
               const std::vector<size_t>& drafting);
 

@@ -383,9 +383,10 @@ class LLMEngine:
                     output_kind: str = "cumulative",
                     kv_transfer_params: dict | KVTransferParams | None = None) -> None:
         """Queues a prompt (text, or token ids), with a LoRA adapter if given (an engine made
-        with enable_lora); params None: get_default_sampling_params(). output_kind "cumulative": each output's text, token_ids and logprobs
-        are everything so far; "delta": only what the step added (a server streaming a long
-        output copies nothing per step). kv_transfer_params (an engine with a kv_role):
+        with enable_lora); params None: get_default_sampling_params(). output_kind
+        "cumulative": each output's text, token_ids and logprobs are everything so far;
+        "delta": only what the step added (a server streaming a long output copies nothing per
+        step). kv_transfer_params (an engine with a kv_role):
         do_remote_decode holds the prompt's KV for a consumer when the request finishes (its
         final output's kv_transfer_params say where); do_remote_prefill pulls it from the
         producer they name instead of computing it. Raises ValueError / TypeError for bad input, and

@@ -94,8 +94,8 @@ class EngineArgs:
     generation_config: str = option(
         "auto", "the default sampling parameters of requests that leave them unset: auto (the "
         "checkpoint's generation_config.json: temperature, top_p, top_k, min_p, "
-        "repetition_penalty, as vLLM reads it), none (SamplingParams' own: temperature 1), or "
-        "a directory holding a generation_config.json")
+        "repetition_penalty and max_new_tokens, as vLLM reads it), none (SamplingParams' own: "
+        "temperature 1; vllm is the same), or a directory holding a generation_config.json")
     speculative_model: str | Path | None = option(
         None, "speculative decoding with this draft checkpoint (the target's tokenizer)")
     speculative_method: str | None = option(

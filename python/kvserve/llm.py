@@ -137,8 +137,8 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate uses without sampling_params: the checkpoint's generation_config.json
-        (temperature, top_p, top_k, min_p, repetition_penalty; EngineArgs.generation_config),
-        SamplingParams' defaults for the rest."""
+        (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens;
+        EngineArgs.generation_config), SamplingParams' defaults for the rest."""
         return self.llm_engine.get_default_sampling_params()
 
     def _params_per_prompt(self, sampling_params, count: int) -> list[SamplingParams]:

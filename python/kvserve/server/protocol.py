@@ -6,9 +6,9 @@ min_tokens, stop_token_ids, include_stop_str_in_output, allowed_token_ids,
 truncate_prompt_tokens.
 Fields of the API that kvserve does not implement are a 400 when set to anything but their
 default (suffix, best_of != n, tools and the older functions, non-text response_format or
-modalities, audio output), never silently ignored. A completion's echo puts the prompt before each choice's text, and with logprobs its
-tokens' logprobs before the generated ones' (the first prompt token's are null): the engine's
-prompt_logprobs."""
+modalities, audio output), never silently ignored. A completion's echo puts the prompt before
+each choice's text, and with logprobs its tokens' logprobs before the generated ones' (the first
+prompt token's are null): the engine's prompt_logprobs."""
 
 from __future__ import annotations
 
