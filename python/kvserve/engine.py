@@ -402,7 +402,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self._tokenize(prompt)
-        kept = self.truncate_prompt(ids, params)
+        kept = self.truncate_prompt(ids, params.truncate_prompt_tokens)
         if len(kept) < len(ids):  # the output's prompt text is what was kept
             ids = kept
             text = self.tokenizer.decode(ids) if text is not None else None
@@ -447,13 +447,16 @@ class LLMEngine:
         self.kv_connector.check_request(kv, params)
         return (_C.KVTransfer.HOLD if kv.do_remote_decode else _C.KVTransfer.LOAD), kv
 
-    def truncate_prompt(self, ids: list[int], params: SamplingParams) -> list[int]:
-        """The prompt's last truncate_prompt_tokens tokens (-1: max_model_len), as vLLM keeps
-        them; the whole prompt when it is not set. A truncated text prompt is reported as the
-        text of the tokens kept (RequestOutput.prompt)."""
-        keep = params.truncate_prompt_tokens
+    def truncate_prompt(self, ids: list[int], keep: int | None) -> list[int]:
+        """The prompt's last `keep` tokens (truncate_prompt_tokens: -1 is max_model_len), as
+        vLLM keeps them; the whole prompt when it is None. A truncated text prompt is reported
+        as the text of the tokens kept (RequestOutput.prompt). ValueError for any other count
+        (SamplingParams' own check, for a caller that truncates before it builds them)."""
         if keep is None:
             return ids
+        if keep == 0 or keep < -1:
+            raise ValueError("truncate_prompt_tokens must be -1 (max_model_len) or >= 1, "
+                             f"got {keep}")
         keep = self.max_model_len if keep == -1 else keep
         return ids[-keep:] if len(ids) > keep else ids
 

@@ -162,14 +162,10 @@ def build_app(state: ServerState) -> FastAPI:
         # Rendering and tokenizing a long conversation take time: off the event loop.
         prompt = await asyncio.to_thread(_chat_prompt, state, messages,
                                          body.add_generation_prompt)
-        if body.truncate_prompt_tokens is not None:  # before the rest of the context is counted
-            if body.truncate_prompt_tokens < -1 or body.truncate_prompt_tokens == 0:
-                raise APIError(400, "truncate_prompt_tokens must be -1 (max_model_len) or >= 1, "
-                               f"got {body.truncate_prompt_tokens}",
-                               param="truncate_prompt_tokens")
-            keep = body.truncate_prompt_tokens
-            keep = engine.engine.max_model_len if keep == -1 else keep
-            prompt = prompt[-keep:]
+        try:  # before the rest of the context is counted
+            prompt = engine.engine.truncate_prompt(prompt, body.truncate_prompt_tokens)
+        except ValueError as e:
+            raise APIError(400, str(e), param="truncate_prompt_tokens") from e
         max_tokens = body.requested_max_tokens()
         if max_tokens is None:  # the rest of the context, at most the model's max_new_tokens
             max_tokens = max(1, engine.engine.max_model_len - len(prompt))
