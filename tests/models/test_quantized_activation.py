@@ -2,7 +2,8 @@
 against transformers running the weights the files mean, each quantized projection's input
 rounded to int8 blocks by the reference's own rounding (a forward pre-hook): logits and greedy
 tokens, up to the rounding flips that fp32 noise decides; the default resolves to int8 on the
-CPU, and only for int8 / int4 weights."""
+CPU, and only for int8 / int4 weights; what shares a step moves int8 inputs' logprobs by at most
+such a flip, and the exact path's not at all."""
 
 from __future__ import annotations
 
@@ -99,3 +100,55 @@ def test_default_is_int8_on_the_cpu_for_int8_and_int4_only(original, tmp_path): 
     assert kvserve.LLM(original).config.quantization.activation == "exact"
     with pytest.raises(ValueError, match="quantized_activation must be one of"):
         kvserve.LLM(tmp_path / "int4", quantized_activation="int4")
+
+
+def run_with_logprobs(engine, requests) -> dict[str, tuple[list[int], list[float]]]:
+    """Each (prompt, max_tokens, arrival step) run greedily on engine: tokens and their
+    logprobs by request index."""
+    pending = sorted((arrival, i) for i, (_, _, arrival) in enumerate(requests))
+    out, step = {}, 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] <= step:
+            _, i = pending.pop(0)
+            prompt, n, _ = requests[i]
+            engine.add_request(str(i), prompt, kvserve.SamplingParams(
+                temperature=0, max_tokens=n, ignore_eos=True, logprobs=0))
+        for o in engine.step():
+            if o.finished:
+                c = o.outputs[0]
+                out[o.request_id] = (c.token_ids, [lp.logprob for lp in c.logprobs])
+        step += 1
+    return out
+
+
+@pytest.mark.parametrize("activation", ["exact", "int8"])
+def test_what_shares_a_step_moves_int8_inputs_only_by_a_rounding(original, tmp_path,  # noqa: F811
+                                                                 activation):
+    """Each request alone, then all of them arriving over time with prefills cut into 16-token
+    chunks. A token's int8-input product is summed in another order when another number of
+    tokens shares the call (and by the AMX tiles from 16 tokens), and the next layer's rounding
+    can turn that last bit into a whole step of an input: the logprobs move by at most a rounding
+    flip's reach (docs/quantization.md). The exact path stays within fp32 noise, tokens equal."""
+    out = tmp_path / "int4"
+    quantize_checkpoint(original, out, "int4", group_size=32)
+    requests = [([1] + [3 + (37 * i + 11 * j) % 300 for j in range(5 + 7 * i)], 12, i)
+                for i in range(8)]
+
+    def engine(**kwargs):
+        return kvserve.LLMEngine(out, dtype="float32", log_memory_plan=False,
+                                 quantized_activation=activation, **kwargs)
+
+    solo = engine()
+    alone = {str(i): run_with_logprobs(solo, [(p, n, 0)])["0"]
+             for i, (p, n, _) in enumerate(requests)}
+    mixed = run_with_logprobs(engine(max_num_batched_tokens=16), requests)
+    for key, (tokens, logprobs) in alone.items():
+        got_tokens, got_logprobs = mixed[key]
+        if activation == "exact":
+            assert got_tokens == tokens
+            torch.testing.assert_close(got_logprobs, logprobs, rtol=0, atol=1e-4)
+            continue
+        same = next((j for j, (a, b) in enumerate(zip(tokens, got_tokens)) if a != b),
+                    len(tokens))  # up to a greedy near-tie the rounding decided otherwise
+        for a, b in zip(logprobs[:same], got_logprobs[:same]):
+            assert abs(a - b) <= 0.1, (key, logprobs, got_logprobs)
