@@ -263,6 +263,7 @@ void bind_continuous_batching_engine(py::module_& m) {
         "model's config, with max_model_len and num_blocks derived where 0; ValueError names "
         "the first bad option.");
   m.attr("DEFAULT_KV_CACHE_MEMORY") = kDefaultKVCacheMemory;
+  m.attr("LORA_PENDING") = Scheduler::kLoraPending;
 
   py::register_exception<EngineOverloaded>(m, "EngineOverloadedError", PyExc_RuntimeError);
 
@@ -329,6 +330,10 @@ void bind_continuous_batching_engine(py::module_& m) {
       .def("has_unfinished_requests", &ContinuousBatchingEngine::has_unfinished_requests)
       .def("abort_request", &ContinuousBatchingEngine::abort_request, py::arg("request_id"),
            py::call_guard<py::gil_scoped_release>())
+      .def("assign_lora", &ContinuousBatchingEngine::assign_lora, py::arg("request_id"),
+           py::arg("lora_slot"), py::arg("lora_key"), py::call_guard<py::gil_scoped_release>(),
+           "The adapter slot and key of a request added with lora_slot=LORA_PENDING; False "
+           "when it is no longer unfinished.")
       .def("finish_completion", &ContinuousBatchingEngine::finish_completion,
            py::arg("request_id"), py::arg("index"), py::arg("reason"),
            py::call_guard<py::gil_scoped_release>())

@@ -157,7 +157,8 @@ void ContinuousBatchingEngine::add_request(const std::string& request_id,
     throw std::invalid_argument("a loaded prompt brings no hidden states for the MTP modules: "
                                 "KV loading and MTP speculation do not combine (n-gram does)");
   }
-  if (lora_slot < -1 || lora_slot >= model_->num_lora_slots()) {
+  const bool pending = lora_slot == Scheduler::kLoraPending && model_->num_lora_slots() > 0;
+  if (!pending && (lora_slot < -1 || lora_slot >= model_->num_lora_slots())) {
     throw std::invalid_argument("lora_slot " + std::to_string(lora_slot) + " is outside [-1, " +
                                 std::to_string(model_->num_lora_slots()) + ")");
   }
@@ -211,6 +212,25 @@ void ContinuousBatchingEngine::set_lora(int64_t slot, const LoraFactors& factors
   }
 }
 
+bool ContinuousBatchingEngine::assign_lora(const std::string& request_id, int32_t lora_slot,
+                                           uint64_t lora_key) {
+  if (lora_slot < 0 || lora_slot >= model_->num_lora_slots()) {
+    throw std::invalid_argument("assign_lora: slot " + std::to_string(lora_slot) +
+                                " is outside [0, " + std::to_string(model_->num_lora_slots()) +
+                                ")");
+  }
+  {
+    std::lock_guard<std::mutex> lock(inbox_mutex_);
+    if (!live_ids_.count(request_id) || unreported_ids_.count(request_id)) return false;
+    inbox_.push_back(Command{.kind = Command::Kind::kAssignLora,
+                             .id = request_id,
+                             .lora_slot = lora_slot,
+                             .lora_key = lora_key});
+  }
+  try_apply_commands();
+  return true;
+}
+
 bool ContinuousBatchingEngine::abort_request(const std::string& request_id) {
   {
     std::lock_guard<std::mutex> lock(inbox_mutex_);
@@ -246,6 +266,9 @@ void ContinuousBatchingEngine::apply_commands() {
       case Command::Kind::kLoadFailed:
         end_load(c);
         break;
+      case Command::Kind::kAssignLora:
+        assign_lora_now(c);
+        break;
       case Command::Kind::kRelease: {
         std::lock_guard<std::mutex> lock(inbox_mutex_);
         auto it = held_.find(c.id);
@@ -258,23 +281,37 @@ void ContinuousBatchingEngine::apply_commands() {
   }
 }
 
-void ContinuousBatchingEngine::admit(std::unique_ptr<Request> request) {
-  const int64_t seq_id = next_seq_id_++;
+uint64_t ContinuousBatchingEngine::cache_key(const Request& request, int64_t seq_id) {
   // A request that scores its prompt must compute all of it (as in vLLM): a salt of its own
   // keeps its blocks' hashes apart from every other sequence's, so no cached prefix is read.
-  const uint64_t cache_key =
-      request->params.prompt_logprobs
-          ? PagedBlockManager::default_block_hash(request->lora_key, nullptr, 0,
-                                                  static_cast<uint64_t>(seq_id) + 1)
-          : request->lora_key;
+  return request.params.prompt_logprobs
+             ? PagedBlockManager::default_block_hash(request.lora_key, nullptr, 0,
+                                                     static_cast<uint64_t>(seq_id) + 1)
+             : request.lora_key;
+}
+
+void ContinuousBatchingEngine::admit(std::unique_ptr<Request> request) {
+  const int64_t seq_id = next_seq_id_++;
   scheduler_.add(seq_id, std::vector<int32_t>(request->prompt.begin(), request->prompt.end()),
-                 request->priority, request->params.max_tokens, request->lora_slot, cache_key,
-                 request->kv_transfer == KVTransfer::kLoad, request->params.n);
+                 request->priority, request->params.max_tokens, request->lora_slot,
+                 cache_key(*request, seq_id), request->kv_transfer == KVTransfer::kLoad,
+                 request->params.n);
   request->completions.push_back(
       {seq_id, CompletionOutput{}, 0, RequestRandom(request->params.seed), true});
   where_[seq_id] = {request.get(), 0};
   const std::string id = request->id;
   requests_.emplace(id, std::move(request));
+}
+
+void ContinuousBatchingEngine::assign_lora_now(const Command& c) {
+  auto it = requests_.find(c.id);
+  if (it == requests_.end()) return;  // it finished (an abort) before its adapter loaded
+  Request& request = *it->second;
+  if (request.lora_slot != Scheduler::kLoraPending || request.completions.empty()) return;
+  request.lora_slot = c.lora_slot;
+  request.lora_key = c.lora_key;
+  const int64_t seq_id = request.completions.front().seq_id;
+  scheduler_.set_lora(seq_id, c.lora_slot, cache_key(request, seq_id));
 }
 
 void ContinuousBatchingEngine::abort_now(const std::string& request_id) {

@@ -80,6 +80,16 @@ void Scheduler::add(int64_t seq_id, std::vector<int32_t> prompt_token_ids, int64
   enqueue_waiting(seq_id, /*preempted=*/false);
 }
 
+void Scheduler::set_lora(int64_t seq_id, int32_t lora_slot, uint64_t cache_key) {
+  Entry& e = entry(seq_id);
+  if (e.allocated) {
+    throw std::logic_error("sequence " + std::to_string(seq_id) +
+                           " holds blocks: its adapter cannot change");
+  }
+  e.state->lora_slot = lora_slot;
+  e.state->cache_key = cache_key;
+}
+
 void Scheduler::enqueue_waiting(int64_t seq_id, bool preempted) {
   Entry& e = entry(seq_id);
   // A preempted sequence goes back to the front, ahead of every new one, whatever its priority.
@@ -254,12 +264,20 @@ void Scheduler::preempt_last(SchedulerOutput& out) {
 }
 
 void Scheduler::admit_waiting(int64_t& budget, SchedulerOutput& out) {
-  while (!waiting_.empty() && budget > 0 &&
+  // Sequences whose adapter waits for a slot are passed over, not waited on.
+  auto next = waiting_.begin();
+  while (next != waiting_.end() && budget > 0 &&
          static_cast<int64_t>(running_.size() + loading_.size()) < config_.max_num_seqs) {
-    const int64_t id = std::get<3>(*waiting_.begin());
+    const int64_t id = std::get<3>(*next);
     SequenceState& s = *entry(id).state;
+    if (s.lora_slot == kLoraPending) {
+      ++next;
+      continue;
+    }
     if (entry(id).load_prompt && s.num_output_tokens() == 0) {
+      const auto after = std::next(next);  // (admit_load takes it off waiting_)
       if (!admit_load(id)) return;
+      next = after;
       out.loads.push_back(id);
       continue;
     }
@@ -277,7 +295,7 @@ void Scheduler::admit_waiting(int64_t& budget, SchedulerOutput& out) {
     } catch (const std::runtime_error&) {
       return;  // not enough free blocks (only reachable with nothing running)
     }
-    waiting_.erase(waiting_.begin());
+    next = waiting_.erase(next);
     start_running(id);
     s.num_computed_tokens = cached;
     s.num_cached_tokens = cached;

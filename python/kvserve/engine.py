@@ -246,6 +246,9 @@ class LLMEngine:
             self.kv_connector = TorchDistributedConnector(
                 self.engine, args.kv_role, args.kv_host, args.kv_port, args.kv_transfer_timeout)
         self._requests: dict[str, _Request] = {}  # under _lock
+        # Requests whose adapter waits for a free LoRA slot, first come first served (under
+        # _lock): the C++ engine holds them as waiting (Scheduler::kLoraPending).
+        self._lora_waiting: dict[str, LoRARequest] = {}
         self._lock = threading.Lock()
         self._step_lock = threading.Lock()
         if args.log_memory_plan:
@@ -408,19 +411,23 @@ class LLMEngine:
             text = self.tokenizer.decode(ids) if text is not None else None
         kv = self._kv_transfer(KVTransferParams.from_dict(kv_transfer_params), params)
         slot, key = -1, 0
+        held = None  # the adapter whose slot this request holds
         if lora is not None:
             if self.lora_manager is None:
                 raise ValueError("a LoRA adapter needs an engine made with enable_lora=True")
-            slot, key = self.lora_manager.acquire(lora)
+            acquired = self.lora_manager.acquire(lora)
+            if acquired is None:  # every slot is held: it waits for one (_assign_waiting_loras)
+                slot = _C.LORA_PENDING
+            else:
+                (slot, key), held = acquired, lora.name
         # Registered first: once the C++ engine has it, a step on another thread may report it.
         with self._lock:
             if request_id in self._requests:
-                if lora is not None:
-                    self.lora_manager.release(lora.name)
+                if held is not None:
+                    self.lora_manager.release(held)
                 raise ValueError(f"request id '{request_id}' is already in use")
             self._requests[request_id] = _Request(
-                text, ids, params, tuple(params.stop), output_kind == "delta",
-                lora=lora.name if lora is not None else None,
+                text, ids, params, tuple(params.stop), output_kind == "delta", lora=held,
                 holds_kv=kv[0] == _C.KVTransfer.HOLD)
         try:
             if kv[0] == _C.KVTransfer.LOAD:
@@ -432,9 +439,13 @@ class LLMEngine:
                 self.kv_connector.forget_load(request_id)
             with self._lock:
                 del self._requests[request_id]
-            if lora is not None:
-                self.lora_manager.release(lora.name)
+            if held is not None:
+                self.lora_manager.release(held)
             raise
+        if slot == _C.LORA_PENDING:
+            with self._lock:
+                if request_id in self._requests:  # (not already aborted and reported)
+                    self._lora_waiting[request_id] = lora
 
     def _kv_transfer(self, kv: KVTransferParams | None, params: SamplingParams):
         """(_C.KVTransfer, params) of a request's kv_transfer_params; ValueError when this
@@ -530,7 +541,41 @@ class LLMEngine:
                 out = self._fail(raw.request_id, request, error)
             if out is not None:
                 outputs.append(out)
+        if self._lora_waiting:  # slots this step's finished requests gave back
+            outputs += self._assign_waiting_loras()
         return outputs
+
+    def _assign_waiting_loras(self) -> list[RequestOutput]:
+        """Loads the adapters of waiting requests into the slots free now, first come first
+        served, and hands each its slot; an adapter that fails to load now ends its request
+        with an error (its output returned)."""
+        failed = []
+        with self._lock:
+            waiting = list(self._lora_waiting.items())
+        for request_id, lora in waiting:
+            try:
+                acquired = self.lora_manager.try_acquire(lora)
+            except Exception as error:  # e.g. its directory removed since it was checked
+                with self._lock:
+                    self._lora_waiting.pop(request_id, None)
+                    request = self._requests.get(request_id)
+                if request is not None:
+                    failed.append(self._fail(request_id, request, error,
+                                             f"LoRA adapter '{lora.name}' failed to load"))
+                continue
+            if acquired is None:
+                continue  # no free slot (a later request's adapter may be loaded already)
+            with self._lock:
+                self._lora_waiting.pop(request_id, None)
+                request = self._requests.get(request_id)
+                if request is not None:
+                    request.lora = lora.name  # released when it finishes (_forget)
+            if request is None or not self.engine.assign_lora(request_id, *acquired):
+                if request is not None:
+                    with self._lock:
+                        request.lora = None
+                self.lora_manager.release(lora.name)
+        return failed
 
     def _output(self, raw, request: _Request, finished_only: bool) -> RequestOutput | None:
         """The RequestOutput of one request's raw step output (None: nothing to report yet)."""
@@ -568,9 +613,11 @@ class LLMEngine:
             request.prompt_logprobs = [None, *raw.prompt_logprobs]
         return request.prompt_logprobs if arrived or not request.delta else None
 
-    def _fail(self, request_id: str, request: _Request, error: Exception) -> RequestOutput:
-        """Ends a request whose output could not be built with finish_reason "error" (the engine
-        aborts it; that abort's output, when it comes, finds the request gone)."""
+    def _fail(self, request_id: str, request: _Request, error: Exception,
+              what: str = "building this request's output failed") -> RequestOutput:
+        """Ends a request whose output could not be built (or whose adapter could not be loaded)
+        with finish_reason "error" (the engine aborts it; that abort's output, when it comes,
+        finds the request gone)."""
         self.engine.abort_request(request_id)
         completions = []
         for index in range(request.params.n):
@@ -580,12 +627,12 @@ class LLMEngine:
         self._forget(request_id, request)
         return RequestOutput(request_id, request.prompt, request.prompt_token_ids, completions,
                              True, request.final_metrics, 0,
-                             f"building this request's output failed: "
-                             f"{type(error).__name__}: {error}")
+                             f"{what}: {type(error).__name__}: {error}")
 
     def _forget(self, request_id: str, request: _Request) -> None:
         with self._lock:
             self._requests.pop(request_id, None)
+            self._lora_waiting.pop(request_id, None)
         if self.kv_connector is not None and self.kv_connector.role != "producer":
             self.kv_connector.forget_load(request_id)
         if request.lora is not None:

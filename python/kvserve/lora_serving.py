@@ -8,8 +8,10 @@ gate_up_proj, down_proj) holds max_loras slots of factors; a token runs with its
 (ops::lora_add: out += B (A x), gathered by slot, as punica / S-LoRA do), so requests for
 different adapters and for none share one batch. An adapter is read (PEFT format, kvserve.lora)
 when a request first names it, into a free slot or the least recently used one that no
-unfinished request holds; its scaling goes into B. The prefix cache is keyed by adapter: a request
-reuses cached blocks only of requests of the same adapter.
+unfinished request holds; its scaling goes into B. When every slot is held, the request waits
+(checked, and counted among the engine's waiting requests) until one frees, first come first
+served, while the requests behind it run, as in vLLM. The prefix cache is keyed by adapter: a
+request reuses cached blocks only of requests of the same adapter.
 """
 
 from __future__ import annotations
@@ -76,12 +78,21 @@ class LoRAManager:
         self._clock = 0
         self._lock = threading.Lock()
 
-    def acquire(self, request: LoRARequest) -> tuple[int, int]:
-        """(slot, prefix-cache key) of the adapter, loaded if it is not; one more user. Raises
-        ValueError when every slot holds an adapter that unfinished requests use, or for an
-        adapter that does not fit the model (FileNotFoundError when it is missing)."""
+    def acquire(self, request: LoRARequest) -> tuple[int, int] | None:
+        """(slot, prefix-cache key) of the adapter, loaded if it is not; one more user. None
+        when every slot holds an adapter that unfinished requests use (the adapter checked all
+        the same: try_acquire once one frees). Raises ValueError / TypeError for an adapter that
+        does not fit the model (FileNotFoundError when it is missing)."""
         if not isinstance(request, LoRARequest):
             raise TypeError(f"lora must be a LoRARequest, got {type(request).__name__}")
+        acquired = self.try_acquire(request)
+        if acquired is None:
+            self.factors(Path(request.path))  # its errors now, not when a slot frees
+        return acquired
+
+    def try_acquire(self, request: LoRARequest) -> tuple[int, int] | None:
+        """acquire without checking an adapter that finds no free slot (None: it reads nothing,
+        so a waiting request can try each step)."""
         path = Path(request.path)
         with self._lock:
             self._clock += 1
@@ -90,7 +101,10 @@ class LoRAManager:
                 raise ValueError(f"LoRA adapter '{request.name}' is loaded from {loaded.path}, "
                                  f"not {path}: one name, one adapter")
             if loaded is None:
-                loaded = self._load(request.name, path)
+                slot = self._free_slot()
+                if slot is None:
+                    return None
+                loaded = self._load(request.name, path, slot)
             loaded.users += 1
             loaded.last_used = self._clock
             return loaded.slot, loaded.key
@@ -107,9 +121,8 @@ class LoRAManager:
         with self._lock:
             return {name: a.slot for name, a in self._loaded.items()}
 
-    def _load(self, name: str, path: Path) -> _Loaded:
+    def _load(self, name: str, path: Path, slot: int) -> _Loaded:
         factors = self.factors(path)
-        slot = self._free_slot()
         if self._ranks > 1:
             parts = [self._shard(factors, rank) for rank in range(self._ranks)]
             self._engine.set_lora(slot, parts[0], parts[1:])
@@ -122,15 +135,13 @@ class LoRAManager:
         loaded = self._loaded[name] = _Loaded(path, slot, adapter_key(path))
         return loaded
 
-    def _free_slot(self) -> int:
+    def _free_slot(self) -> int | None:
+        """An empty slot, else the least recently used one no unfinished request holds; None."""
         if None in self._slots:
             return self._slots.index(None)
         idle = [(self._loaded[n].last_used, self._loaded[n].slot) for n in self._slots
                 if self._loaded[n].users == 0]
-        if not idle:
-            raise ValueError(f"all {self.max_loras} LoRA slots hold adapters that unfinished "
-                             "requests use; raise max_loras or wait")
-        return min(idle)[1]
+        return min(idle)[1] if idle else None
 
     def factors(self, path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """{kvserve projection: (a [r, in], b [r, out])} of a PEFT adapter, its scaling in b and

@@ -107,6 +107,29 @@ TEST(Scheduler, PreemptsTheNewestWhenBlocksRunOutAndResumesItByRecompute) {
   EXPECT_EQ(sequences.at(1).num_admissions, 2);  // readmitted: its KV is new
 }
 
+TEST(Scheduler, PassesOverSequencesWhoseAdapterWaitsForASlot) {
+  PagedBlockManager blocks({.num_blocks = 32, .block_size = 4});
+  SequenceTable sequences;
+  Scheduler scheduler({8, 100, 64}, blocks, sequences);
+  scheduler.add(0, prompt(1, 5), 0, 9, Scheduler::kLoraPending);
+  scheduler.add(1, prompt(40, 3), 0, 9, /*lora_slot=*/0, /*cache_key=*/3);
+  // The first in line waits for its adapter; the one behind it runs.
+  EXPECT_EQ(step(scheduler), (Trace{{1, 0, 3, true}}));
+  EXPECT_EQ(scheduler.waiting(), (std::vector<int64_t>{0}));
+  EXPECT_EQ(step(scheduler), (Trace{{1, 3, 1, true}}));
+  scheduler.set_lora(0, /*lora_slot=*/1, /*cache_key=*/7);
+  EXPECT_EQ(sequences.at(0).cache_key, 7u);
+  const SchedulerOutput out = scheduler.schedule();
+  ASSERT_EQ(out.scheduled.size(), 2u);
+  EXPECT_EQ(out.scheduled[1].seq_id, 0);
+  EXPECT_EQ(out.scheduled[1].lora_slot, 1);
+  scheduler.update_computed(out);
+  // A sequence that holds blocks keeps its adapter.
+  EXPECT_THROW(scheduler.set_lora(0, 0, 0), std::logic_error);
+  EXPECT_THROW(scheduler.set_lora(9, 0, 0), std::out_of_range);
+  scheduler.check_invariants();
+}
+
 TEST(Scheduler, KeepsItsSequencesInTheSharedTable) {
   PagedBlockManager blocks({.num_blocks = 32, .block_size = 4});
   SequenceTable sequences;

@@ -1,7 +1,8 @@
 """LoRA adapters served per request (LLM(enable_lora=True)) against the same adapters merged into
 their base by kvserve.merge_lora (itself checked against peft's merge_and_unload in
 tests/models/test_lora.py): greedy tokens and their logprobs agree, for batches that mix
-adapters and the base model, across slot reuse, with the prefix cache keyed by adapter."""
+adapters and the base model, across slot reuse, with requests waiting for a busy slot, with the
+prefix cache keyed by adapter."""
 
 from __future__ import annotations
 
@@ -109,13 +110,57 @@ def test_prefix_cache_is_keyed_by_adapter(adapters):
     assert base_run.outputs[0].token_ids != want.outputs[0].token_ids
 
 
+def test_requests_wait_for_a_slot_first_come_first_served(adapters):
+    """Three adapters through one slot: a request whose adapter finds every slot held waits,
+    counted among the waiting requests, while those behind it that need no new slot run; it
+    takes the first slot that frees; an abort while it waits ends it cleanly."""
+    base, made = adapters["LlamaForCausalLM"]
+    engine = kvserve.LLMEngine(base, dtype=torch.float32, enable_lora=True, max_loras=1,
+                               max_lora_rank=8, log_memory_plan=False)
+    requests = [("qv", PROMPTS[0]), ("patterns", PROMPTS[1]), (None, PROMPTS[2]),
+                ("qv", PROMPTS[1]), ("all-linear-rslora", PROMPTS[0]),
+                ("patterns", PROMPTS[2])]
+    for i, (name, prompt) in enumerate(requests):
+        engine.add_request(str(i), prompt, GREEDY,
+                           lora=LoRARequest(name, made[name][0]) if name else None)
+    engine.abort_request("4")  # while it waits for its slot
+    finished, first_step = [], []
+    while engine.has_unfinished_requests():
+        step = engine.step()
+        if not first_step:
+            first_step = sorted(o.request_id for o in step)
+            # 1 and 5 wait; the base model and qv's run, and 4's abort is reported.
+            assert first_step == ["0", "2", "3", "4"]
+            assert engine.get_stats().num_waiting_requests >= 2
+        finished += [o for o in step if o.finished]
+    order = [o.request_id for o in finished]
+    assert sorted(order) == [str(i) for i in range(6)]
+    for waited in ("1", "5"):  # patterns' slot frees once qv's requests end
+        assert order.index(waited) > max(order.index("0"), order.index("3"))
+    outputs = {o.request_id: o for o in finished}
+    assert outputs["4"].outputs[0].finish_reason == "abort"
+    assert outputs["4"].outputs[0].token_ids == []
+    references = {None: kvserve.LLM(base, dtype=torch.float32)}
+    for i, (name, prompt) in enumerate(requests):
+        if i == 4:
+            continue
+        if name not in references:
+            references[name] = kvserve.LLM(made[name][1], dtype=torch.float32)
+        got = outputs[str(i)].outputs[0]
+        assert_same([(got.token_ids, [lp.logprob for lp in got.logprobs])],
+                    greedy(references[name], [prompt]))
+    bm = engine.block_manager
+    assert bm.num_sequences() == 0 and bm.num_free_blocks() == bm.num_usable_blocks()
+    assert engine._lora_waiting == {}
+    assert all(a.users == 0 for a in engine.lora_manager._loaded.values())
+
+
 def test_busy_slots_and_bad_adapters_are_clear_errors(adapters, tmp_path, checkpoint_factory):
     base, made = adapters["LlamaForCausalLM"]
     engine = kvserve.LLMEngine(base, dtype=torch.float32, enable_lora=True, max_loras=1,
                                max_lora_rank=4, log_memory_plan=False)
     engine.add_request("a", PROMPTS[0], GREEDY, lora=LoRARequest("qv", made["qv"][0]))
-    with pytest.raises(ValueError, match="all 1 LoRA slots"):
-        engine.add_request("b", PROMPTS[0], GREEDY, lora=LoRARequest("p", made["patterns"][0]))
+    # Its adapter is checked before it waits for the busy slot.
     with pytest.raises(ValueError, match="above max_lora_rank 4"):  # rank 8 > 4, slot busy too
         engine.add_request("c", PROMPTS[0], GREEDY,
                            lora=LoRARequest("r", made["all-linear-rslora"][0]))
@@ -131,6 +176,20 @@ def test_busy_slots_and_bad_adapters_are_clear_errors(adapters, tmp_path, checkp
     assert [o.request_id for o in outputs if o.finished] == ["a"]
     # Its slot is free again: another adapter now loads.
     engine.add_request("g", PROMPTS[1], GREEDY, lora=LoRARequest("p", made["patterns"][0]))
+    # One that waits for the busy slot, its directory gone when the slot frees: an error
+    # output, and the engine serves on.
+    gone = tmp_path / "gone"
+    import shutil
+    shutil.copytree(made["qv"][0], gone)
+    engine.add_request("w", PROMPTS[0], GREEDY, lora=LoRARequest("gone", gone))
+    shutil.rmtree(gone)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    ended = {o.request_id: o for o in outputs if o.finished}
+    assert ended["g"].outputs[0].finish_reason == "length"
+    assert ended["w"].outputs[0].finish_reason == "error"
+    assert "LoRA adapter 'gone' failed to load" in ended["w"].error
     with pytest.raises(ValueError, match="enable_lora"):
         kvserve.LLM(base).generate(PROMPTS[:1], GREEDY, lora=LoRARequest("qv", made["qv"][0]))
     with pytest.raises(ValueError, match="max_loras"):

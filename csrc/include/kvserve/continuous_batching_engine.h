@@ -60,7 +60,10 @@ class ContinuousBatchingEngine {
   /// lora_slot: the LoRA adapter its tokens run with (a slot of set_lora; -1: the base model);
   /// lora_key: salts its prefix-cache hashes, so that requests share cached blocks only with
   /// requests of the same adapter (0: the base model's; one key per adapter ever loaded, not per
-  /// slot, since a slot is reused). A slot outside [-1, num_lora_slots) is invalid.
+  /// slot, since a slot is reused). A slot outside [-1, num_lora_slots) is invalid, but for
+  /// Scheduler::kLoraPending: an adapter that waits for a free slot; the request waits (as
+  /// waiting requests do, counted among them) until assign_lora names its slot, and those behind
+  /// it run meanwhile.
   /// kv_transfer: kHold or kLoad (see KVTransfer) need n = 1; kLoad also no prompt_logprobs and
   /// no draft model (whose KV the transfer does not bring).
   void add_request(const std::string& request_id, const std::vector<int64_t>& prompt_token_ids,
@@ -87,6 +90,11 @@ class ContinuousBatchingEngine {
   /// Frees a held request's blocks (thread-safe; at once when no step runs, else before the
   /// next step's work). False when nothing is held under that id.
   bool release_kv(const std::string& request_id);
+
+  /// The slot and prefix-cache key of a request added with Scheduler::kLoraPending, now that its
+  /// adapter is loaded (thread-safe; applied before the next step's work). False when no such
+  /// request is unfinished. Throws std::invalid_argument for a slot outside [0, num_lora_slots).
+  bool assign_lora(const std::string& request_id, int32_t lora_slot, uint64_t lora_key);
 
   /// Loads one LoRA adapter's factors into `slot` of the model (CausalLM::set_lora), or clears
   /// the slot when `factors` is empty; waits for a running step to end. The caller must not
@@ -174,10 +182,12 @@ class ContinuousBatchingEngine {
     size_t completion;
   };
   struct Command {  ///< a queued change from another thread
-    enum class Kind { kAdd, kAbort, kLoaded, kLoadFailed, kRelease };
+    enum class Kind { kAdd, kAbort, kLoaded, kLoadFailed, kRelease, kAssignLora };
     Kind kind;
     std::unique_ptr<Request> request;  ///< kAdd
-    std::string id;                    ///< kAbort, kRelease: the request's
+    std::string id;                    ///< kAbort, kRelease, kAssignLora: the request's
+    int32_t lora_slot = -1;            ///< kAssignLora
+    uint64_t lora_key = 0;             ///< kAssignLora
     int64_t load_id = -1;              ///< kLoaded, kLoadFailed
     int64_t token = -1;                ///< kLoaded: the first token
     std::optional<TokenLogprobs> logprobs;
@@ -198,6 +208,9 @@ class ContinuousBatchingEngine {
   void try_apply_commands();
   void apply_commands();  ///< owner: under step_mutex_
   void admit(std::unique_ptr<Request> request);
+  /// What a request's first sequence salts its prefix-cache hashes with.
+  static uint64_t cache_key(const Request& request, int64_t seq_id);
+  void assign_lora_now(const Command& c);
   void abort_now(const std::string& request_id);
   /// A load ended (Command kLoaded / kLoadFailed): the request decodes from its first token,
   /// or ends with the error; a request that ended meanwhile just frees its blocks.

@@ -76,7 +76,8 @@ class Scheduler {
   /// when the id exists, the prompt is empty or longer than max_model_len, or the prompt alone
   /// could never fit in the block pool. The sequence will hold at most max_new_tokens tokens
   /// after its prompt (it caps the draft tokens scheduled for it). lora_slot: the LoRA adapter
-  /// slot its tokens run with (-1: none); cache_key: what its prefix-cache hashes are salted
+  /// slot its tokens run with (-1: none; kLoraPending: not admitted until set_lora gives it
+  /// one, while the sequences behind it are); cache_key: what its prefix-cache hashes are salted
   /// with (0: none), so that sequences share cached blocks only under one key (one adapter).
   /// load_prompt: the prompt's KV comes from elsewhere (a KV transfer from a prefill engine):
   /// when admitted, the sequence gets blocks for its whole prompt (its prefix-cache hit
@@ -87,6 +88,14 @@ class Scheduler {
   void add(int64_t seq_id, std::vector<int32_t> prompt_token_ids, int64_t priority = 0,
            int64_t max_new_tokens = std::numeric_limits<int64_t>::max(), int32_t lora_slot = -1,
            uint64_t cache_key = 0, bool load_prompt = false, int64_t num_samples = 1);
+
+  /// A waiting sequence's adapter slot and prefix-cache key (its adapter was loaded after it
+  /// was added with kLoraPending). Throws std::out_of_range for an unknown sequence and
+  /// std::logic_error for one that holds blocks.
+  void set_lora(int64_t seq_id, int32_t lora_slot, uint64_t cache_key);
+
+  /// add's lora_slot of a sequence whose adapter waits for a free slot.
+  static constexpr int32_t kLoraPending = -2;
 
   /// A loading sequence's load ended. ok: its prompt's KV is written; the prompt counts as
   /// computed (its full blocks enter the prefix cache) and the sequence runs (append its first
