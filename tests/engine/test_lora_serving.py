@@ -6,6 +6,8 @@ prefix cache keyed by adapter."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -179,7 +181,6 @@ def test_busy_slots_and_bad_adapters_are_clear_errors(adapters, tmp_path, checkp
     # One that waits for the busy slot, its directory gone when the slot frees: an error
     # output, and the engine serves on.
     gone = tmp_path / "gone"
-    import shutil
     shutil.copytree(made["qv"][0], gone)
     engine.add_request("w", PROMPTS[0], GREEDY, lora=LoRARequest("gone", gone))
     shutil.rmtree(gone)
