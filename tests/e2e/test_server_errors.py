@@ -252,3 +252,14 @@ def test_a_long_conversation_is_not_a_list_of_prompts(server):
     r = post(server, "/v1/chat/completions", body={"model": NAME, "messages": messages,
                                                     "max_tokens": 2})
     assert r.status_code == 200, r.text
+
+
+def test_ignored_fields_are_named_once_in_the_log(server, caplog):
+    body = completion()
+    body.update(guided_json={"type": "object"}, bad_words=["x"], temperature=0)
+    with caplog.at_level("WARNING", logger="kvserve.server"):
+        for _ in range(2):
+            assert post(server, "/v1/completions", body=body).status_code == 200
+    warned = [r.getMessage() for r in caplog.records if r.name == "kvserve.server"]
+    assert len(warned) == 1 and "'bad_words', 'guided_json'" in warned[0]
+    assert "temperature" not in warned[0]

@@ -6,16 +6,18 @@ min_tokens, stop_token_ids, include_stop_str_in_output, allowed_token_ids,
 truncate_prompt_tokens.
 Fields of the API that kvserve does not implement are a 400 when set to anything but their
 default (suffix, best_of != n, tools and the older functions, non-text response_format or
-modalities, audio output), never silently ignored. A completion's echo puts the prompt before
+modalities, audio output), never silently ignored; fields outside both are ignored, as vLLM
+ignores them, with a warning naming each (once per name). A completion's echo puts the prompt before
 each choice's text, and with logprobs its tokens' logprobs before the generated ones' (the first
 prompt token's are null): the engine's prompt_logprobs."""
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvserve.engine import SamplingParams
 
@@ -27,6 +29,23 @@ Seed = Annotated[int, Field(ge=0, le=2**64 - 1)]
 MaxTokens = Annotated[int, Field(ge=1, le=2**63 - 1)]
 # A logit_bias key: a token id as a JSON string (19 digits at most: within int64).
 _TOKEN_ID = re.compile(r"-?[0-9]{1,19}")
+
+_logger = logging.getLogger("kvserve.server")
+# Names of ignored request fields already warned about: each once, and at most this many, so
+# that requests full of made-up names cannot flood the log.
+_warned_fields: set[str] = set()
+_MAX_WARNED_FIELDS = 256
+
+
+def _warn_ignored(fields: list[str]) -> None:
+    new = sorted({f[:64] for f in fields} - _warned_fields)
+    room = _MAX_WARNED_FIELDS - len(_warned_fields)
+    if not new or room <= 0:
+        return
+    new = new[:room]
+    _warned_fields.update(new)
+    _logger.warning("request fields that kvserve does not take were ignored: %s (each named "
+                    "once)", ", ".join(map(repr, new)))
 
 
 class APIError(Exception):
@@ -77,6 +96,15 @@ class _Sampling(BaseModel):
     user: str | None = None
     # vLLM's disaggregated-serving handshake (kvserve.kv_transfer.KVTransferParams).
     kv_transfer_params: dict | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _note_ignored_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            ignored = [k for k in data if isinstance(k, str) and k not in cls.model_fields]
+            if ignored:
+                _warn_ignored(ignored)
+        return data
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None,
