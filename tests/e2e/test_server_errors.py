@@ -254,7 +254,9 @@ def test_a_long_conversation_is_not_a_list_of_prompts(server):
     assert r.status_code == 200, r.text
 
 
-def test_ignored_fields_are_named_once_in_the_log(server, caplog):
+def test_ignored_fields_are_named_once_in_the_log(server, caplog, monkeypatch):
+    from kvserve.server import protocol
+    monkeypatch.setattr(protocol, "_warned_fields", set())  # whatever other tests sent
     body = completion()
     body.update(guided_json={"type": "object"}, bad_words=["x"], temperature=0)
     with caplog.at_level("WARNING", logger="kvserve.server"):
@@ -263,3 +265,9 @@ def test_ignored_fields_are_named_once_in_the_log(server, caplog):
     warned = [r.getMessage() for r in caplog.records if r.name == "kvserve.server"]
     assert len(warned) == 1 and "'bad_words', 'guided_json'" in warned[0]
     assert "temperature" not in warned[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvserve.server"):
+        protocol._warn_ignored([f"f{i}" for i in range(400)])
+        protocol._warn_ignored(["another"])
+    assert len(protocol._warned_fields) == protocol._MAX_WARNED_FIELDS
+    assert len([r for r in caplog.records if r.name == "kvserve.server"]) == 1
