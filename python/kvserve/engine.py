@@ -446,6 +446,7 @@ class LLMEngine:
             with self._lock:
                 if request_id in self._requests:  # (not already aborted and reported)
                     self._lora_waiting[request_id] = lora
+            self.lora_manager.drain()
 
     def _kv_transfer(self, kv: KVTransferParams | None, params: SamplingParams):
         """(_C.KVTransfer, params) of a request's kv_transfer_params; ValueError when this
@@ -575,6 +576,12 @@ class LLMEngine:
                     with self._lock:
                         request.lora = None
                 self.lora_manager.release(lora.name)
+        with self._lock:
+            still_waiting = bool(self._lora_waiting)
+        if still_waiting:
+            self.lora_manager.drain()  # (another adapter, once the drained one was replaced)
+        else:
+            self.lora_manager.stop_draining()
         return failed
 
     def _output(self, raw, request: _Request, finished_only: bool) -> RequestOutput | None:

@@ -10,8 +10,10 @@ different adapters and for none share one batch. An adapter is read (PEFT format
 when a request first names it, into a free slot or the least recently used one that no
 unfinished request holds; its scaling goes into B. When every slot is held, the request waits
 (checked, and counted among the engine's waiting requests) until one frees, first come first
-served, while the requests behind it run, as in vLLM. The prefix cache is keyed by adapter: a
-request reuses cached blocks only of requests of the same adapter.
+served, while the requests behind it run, as in vLLM. So that a steady stream of requests for
+the loaded adapters cannot hold every slot forever, one of them (the least recently used) then
+drains: its new requests wait too, and its slot frees when its running ones end. The prefix
+cache is keyed by adapter: a request reuses cached blocks only of requests of the same adapter.
 """
 
 from __future__ import annotations
@@ -76,7 +78,20 @@ class LoRAManager:
         self._slots: list[str | None] = [None] * max_loras
         self._loaded: dict[str, _Loaded] = {}
         self._clock = 0
+        self._draining: str | None = None  # an adapter that takes no new users (drain)
         self._lock = threading.Lock()
+
+    def drain(self) -> None:
+        """A request waits for a slot: unless one already does, the least recently used loaded
+        adapter takes no new users until its slot frees (a waiting request then gets it)."""
+        with self._lock:
+            if self._draining is None and self._loaded:
+                self._draining = min(self._loaded, key=lambda n: self._loaded[n].last_used)
+
+    def stop_draining(self) -> None:
+        """No request waits for a slot any more."""
+        with self._lock:
+            self._draining = None
 
     def acquire(self, request: LoRARequest) -> tuple[int, int] | None:
         """(slot, prefix-cache key) of the adapter, loaded if it is not; one more user. None
@@ -87,7 +102,10 @@ class LoRAManager:
             raise TypeError(f"lora must be a LoRARequest, got {type(request).__name__}")
         acquired = self.try_acquire(request)
         if acquired is None:
-            self.factors(Path(request.path))  # its errors now, not when a slot frees
+            with self._lock:
+                checked = request.name in self._loaded  # (it loaded once: a draining one)
+            if not checked:
+                self.factors(Path(request.path))  # its errors now, not when a slot frees
         return acquired
 
     def try_acquire(self, request: LoRARequest) -> tuple[int, int] | None:
@@ -100,6 +118,8 @@ class LoRAManager:
             if loaded is not None and loaded.path.resolve() != path.resolve():
                 raise ValueError(f"LoRA adapter '{request.name}' is loaded from {loaded.path}, "
                                  f"not {path}: one name, one adapter")
+            if loaded is not None and request.name == self._draining:
+                return None  # its slot is being freed for a waiting request
             if loaded is None:
                 slot = self._free_slot()
                 if slot is None:
@@ -131,6 +151,8 @@ class LoRAManager:
         previous = self._slots[slot]
         if previous is not None:
             del self._loaded[previous]
+            if previous == self._draining:  # drained: the next wait chooses another
+                self._draining = None
         self._slots[slot] = name
         loaded = self._loaded[name] = _Loaded(path, slot, adapter_key(path))
         return loaded

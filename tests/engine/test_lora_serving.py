@@ -114,8 +114,9 @@ def test_prefix_cache_is_keyed_by_adapter(adapters):
 
 def test_requests_wait_for_a_slot_first_come_first_served(adapters):
     """Three adapters through one slot: a request whose adapter finds every slot held waits,
-    counted among the waiting requests, while those behind it that need no new slot run; it
-    takes the first slot that frees; an abort while it waits ends it cleanly."""
+    counted among the waiting requests, while the base model's behind it runs; the loaded
+    adapter drains (its later request waits too), and the waiting ones take the slot in turn;
+    an abort while it waits ends a request cleanly."""
     base, made = adapters["LlamaForCausalLM"]
     engine = kvserve.LLMEngine(base, dtype=torch.float32, enable_lora=True, max_loras=1,
                                max_lora_rank=8, log_memory_plan=False)
@@ -131,14 +132,15 @@ def test_requests_wait_for_a_slot_first_come_first_served(adapters):
         step = engine.step()
         if not first_step:
             first_step = sorted(o.request_id for o in step)
-            # 1 and 5 wait; the base model and qv's run, and 4's abort is reported.
-            assert first_step == ["0", "2", "3", "4"]
+            # 1, 3 (qv drains) and 5 wait; 0 and the base model run; 4's abort is reported.
+            assert first_step == ["0", "2", "4"]
             assert engine.get_stats().num_waiting_requests >= 2
         finished += [o for o in step if o.finished]
     order = [o.request_id for o in finished]
     assert sorted(order) == [str(i) for i in range(6)]
-    for waited in ("1", "5"):  # patterns' slot frees once qv's requests end
-        assert order.index(waited) > max(order.index("0"), order.index("3"))
+    # 1 takes the slot qv frees; 5, waiting for patterns too, runs beside it; 3 (qv) after them.
+    assert order.index("0") < order.index("1") < order.index("3")
+    assert order.index("0") < order.index("5") < order.index("3")
     outputs = {o.request_id: o for o in finished}
     assert outputs["4"].outputs[0].finish_reason == "abort"
     assert outputs["4"].outputs[0].token_ids == []
@@ -230,3 +232,36 @@ def test_adapters_on_a_checkpoints_own_module_names(tmp_path, checkpoint_factory
         PROMPTS, params, use_tqdm=False, lora=LoRARequest("a", tmp_path / "adapter"))]
     assert got == [hf_greedy(reference, prompt, 12) for prompt in PROMPTS]
     assert got != [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def test_a_stream_of_requests_for_the_loaded_adapter_cannot_starve_a_waiting_one(adapters):
+    """One slot, a new request for its adapter every step: the request for another adapter
+    that waits gets the slot once the loaded adapter drains (its new requests wait too), and
+    everything ends, each as its merged model."""
+    base, made = adapters["LlamaForCausalLM"]
+    engine = kvserve.LLMEngine(base, dtype=torch.float32, enable_lora=True, max_loras=1,
+                               max_lora_rank=8, log_memory_plan=False)
+    qv, patterns = (LoRARequest(n, made[n][0]) for n in ("qv", "patterns"))
+    engine.add_request("q0", PROMPTS[0], GREEDY, lora=qv)
+    engine.add_request("p", PROMPTS[1], GREEDY, lora=patterns)
+    finished, step = {}, 0
+    while engine.has_unfinished_requests():
+        if step < 40:
+            engine.add_request(f"q{step + 1}", PROMPTS[step % 3], GREEDY, lora=qv)
+        for o in engine.step():
+            if o.finished:
+                finished[o.request_id] = (o, step)
+        step += 1
+        assert step < 400
+    assert finished["p"][1] < 40, "the waiting adapter's request starved"
+    references = {name: kvserve.LLM(made[name][1], dtype=torch.float32)
+                  for name in ("qv", "patterns")}
+    for request_id, (out, _) in finished.items():
+        c = out.outputs[0]
+        prompt = PROMPTS[1] if request_id == "p" else PROMPTS[(int(request_id[1:]) - 1) % 3]
+        if request_id == "q0":
+            prompt = PROMPTS[0]
+        assert_same([(c.token_ids, [lp.logprob for lp in c.logprobs])],
+                    greedy(references["patterns" if request_id == "p" else "qv"], [prompt]))
+    assert engine._lora_waiting == {}
+    assert all(a.users == 0 for a in engine.lora_manager._loaded.values())
