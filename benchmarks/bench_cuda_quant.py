@@ -5,8 +5,10 @@ of y = x W^T with bf16 activations on:
   * bf16: torch.nn.functional.linear (cuBLAS), the baseline;
   * int8 (one scale per row), int4 (asymmetric, groups of 128: AWQ's grid), fp8 E4M3 (one scale
     per row): kvserve's `quantized_linear`, with each CUDA body named by --kernels (auto: the
-    one it picks; mma: tensor cores on the packed weight; gemv: the GEMV up to 8 tokens, which
-    unpacks the weight in registers; dequantize: rows dequantized in blocks for cuBLAS);
+    one it picks; mma: tensor cores on the packed weight in blocks of 16 rows; wide: tensor cores
+    in blocks of 128-256 rows sharing the inputs staged in shared memory, the k-blocks split
+    among blocks to fill the GPU; gemv: the GEMV up to 8 tokens, which unpacks the weight in
+    registers; dequantize: rows dequantized in blocks for cuBLAS);
   * LLM.int8() (int8 per row, activation outliers >= 6 in floating point): `llm_int8_linear`.
 Each timing cycles through enough copies of the weight to read past the L2 cache, as a model's
 layers do, and covers --calls calls back to back (CUDA events); medians of --repeats, the
@@ -17,6 +19,7 @@ speed-up over bf16, and the relative error against the dequantized weight in fp3
     python benchmarks/bench_cuda_quant.py
     python benchmarks/bench_cuda_quant.py --tokens 1 8 --repeats 5
     python benchmarks/bench_cuda_quant.py --kernels mma gemv dequantize
+    python benchmarks/bench_cuda_quant.py --kernels wide mma --tokens 8 16 32 64 128 256
 """
 
 from __future__ import annotations
@@ -138,7 +141,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+",
                         default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     parser.add_argument("--kernels", nargs="+", default=["auto"],
-                        choices=["auto", "mma", "gemv", "dequantize"])
+                        choices=["auto", "mma", "wide", "gemv", "dequantize"])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--calls", type=int, default=20)

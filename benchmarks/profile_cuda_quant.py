@@ -30,7 +30,8 @@ def main() -> None:
     parser.add_argument("--format", default="int8", choices=list(QUANTIZERS))
     parser.add_argument("--tokens", type=int, default=8)
     parser.add_argument("--calls", type=int, default=4)
-    parser.add_argument("--kernel", default="auto", choices=["auto", "mma", "gemv", "dequantize"])
+    parser.add_argument("--kernel", default="auto",
+                        choices=["auto", "mma", "wide", "gemv", "dequantize"])
     args = parser.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -15,9 +15,9 @@
 #             occupancy, warp stalls): prefill of 8,192 tokens (128- and 64-row tiles), decode of
 #             1 x 160 and 64 x 8,192 (benchmarks/profile_cuda_attention.py); PROFILE_CASES
 #             ("case args;case args") replaces them
-#   profile-quant   the same over quantized_linear's tensor-core kernel (gate_up of Llama-3-8B,
+#   profile-quant   the same over quantized_linear's tensor-core kernels (gate_up of Llama-3-8B,
 #             int8 and int4 at 8 and 64 tokens; benchmarks/profile_cuda_quant.py);
-#             PROFILE_QUANT_CASES replaces them
+#             PROFILE_QUANT_CASES replaces them ("--format int8 --tokens 64 --kernel wide")
 #     bash scripts/cuda_session.sh test bench-attention
 # DEADLINE=S: every stage ends within S seconds of the start (cut short, or skipped when under
 # 20 s are left), so a lease's time limit still leaves the logs. TEST_TIMEOUT, BENCH_TIMEOUT:
@@ -157,8 +157,8 @@ Achieved Occupancy|Registers Per|Stall" "$out/ncu-$name.log" | head -24
         name=$(echo "$case" | tr -d '-' | tr ' ' '_')
         timeout "$(limit 90)" ncu --clock-control none --section SpeedOfLight \
           --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section Occupancy \
-          --section WarpStateStats --section LaunchStats --kernel-name regex:quantized_gemm_mma \
-          --launch-skip 2 --launch-count 1 \
+          --section WarpStateStats --section LaunchStats \
+          --kernel-name "regex:quantized_gemm_(mma|wide)" --launch-skip 2 --launch-count 1 \
           $python benchmarks/profile_cuda_quant.py $case > "$out/ncu-quant-$name.log" 2>&1
         echo "ncu quant $case: exit $?"
         grep -E "quantized_gemm|Duration|Compute \(SM\) Throughput|Memory Throughput|\

@@ -63,10 +63,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_cuda_quantized_linear_kernel", &kvserve::ops::set_quantized_linear_kernel,
         pybind11::arg("name"),
         "Which CUDA body runs quantized_linear from now on: auto (the fastest that applies), mma "
-        "(tensor cores), gemv (the GEMV up to 8 tokens, then the dequantizing GEMM) or dequantize "
+        "(tensor cores), wide (tensor cores in wide blocks of rows sharing staged inputs), gemv "
+        "(the GEMV up to 8 tokens, then the dequantizing GEMM) or dequantize "
         "(KVSERVE_QUANTIZED_LINEAR_KERNEL sets it at start-up).");
   m.def("cuda_quantized_linear_kernel", &kvserve::ops::quantized_linear_kernel_name,
-        "The CUDA quantized linear kernel choice: auto, mma, gemv or dequantize.");
+        "The CUDA quantized linear kernel choice: auto, mma, gemv, dequantize or wide.");
   kvserve::bindings::bind_kv_cache(m);
   kvserve::bindings::bind_model(m);
   kvserve::bindings::bind_continuous_batching_engine(m);

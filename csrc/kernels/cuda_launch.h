@@ -91,6 +91,40 @@ inline bool tensor_cores(int device) {
   return device_attribute<cudaDevAttrComputeCapabilityMajor>(device) >= 8;
 }
 
+/// Lets `kernel` start with `shared_bytes` of dynamic shared memory: beyond 48 KiB a kernel must
+/// opt in (a function attribute: no stream work, allowed while a graph is captured).
+inline void allow_shared_bytes(const void* kernel, size_t shared_bytes) {
+  if (shared_bytes > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(shared_bytes)));
+  }
+}
+
+/// Blocks of `kernel` (`threads` threads, `shared_bytes` of dynamic shared memory) one
+/// multiprocessor of `device` holds at once: asked once per device and kernel (a query of the
+/// function's attributes, no stream work), outside graph capture on `stream` (the engine's first
+/// step of a size runs eagerly before its capture; a capture that comes first assumes one block
+/// and asks next time).
+inline int resident_blocks(const void* kernel, int device, cudaStream_t stream, int threads,
+                           size_t shared_bytes) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, const void*>, int> known;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(device, kernel);
+  auto it = known.find(key);
+  if (it == known.end()) {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+    if (capturing != cudaStreamCaptureStatusNone) return 1;
+    allow_shared_bytes(kernel, shared_bytes);
+    int blocks = 0;
+    C10_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, shared_bytes));
+    it = known.emplace(key, std::max(blocks, 1)).first;
+  }
+  return it->second;
+}
+
 /// Blocks of `threads` threads that cover n items.
 inline unsigned int blocks_for(int64_t n, int threads) {
   return static_cast<unsigned int>((n + threads - 1) / threads);

@@ -1,9 +1,9 @@
 #pragma once
 // Tensor-core and asynchronous-copy primitives of the CUDA kernel bodies (sm_80 and later): the
 // warp-wide m16n8k16 matrix multiply-accumulate in fp32 of bf16 or fp16 operands, ldmatrix
-// (four 8x8 tiles of 16-bit entries from shared memory, optionally transposed) and 16-byte
-// cp.async copies from global to shared memory in commit groups; and the block's dynamic shared
-// memory (a kernel that takes it from here runs in the emulator). Fragment layouts are PTX's
+// (four 8x8 tiles of 16-bit entries from shared memory, optionally transposed), 4-, 8- and
+// 16-byte cp.async copies from global to shared memory in commit groups, and the block's dynamic
+// shared memory (a kernel that takes it from here runs in the emulator). Fragment layouts are PTX's
 // (lane = 4 * g + c): A (16 x 16, row-major) a0 = A[g][2c, 2c+1], a1 = A[g+8][2c, 2c+1],
 // a2 = A[g][2c+8, 2c+9], a3 = A[g+8][2c+8, 2c+9]; B (16 x 8, by column) b0 = B[2c, 2c+1][g],
 // b1 = B[2c+8, 2c+9][g]; C (16 x 8, fp32) c0, c1 = C[g][2c, 2c+1], c2, c3 = C[g+8][2c, 2c+1].
@@ -52,6 +52,7 @@ void ldmatrix_x4<false>(uint32_t (&r)[4], const void* shared_row);
 template <>
 void ldmatrix_x4<true>(uint32_t (&r)[4], const void* shared_row);
 void cp_async_16(void* shared_dst, const void* global_src, bool fill);
+void cp_async_8(void* shared_dst, const void* global_src, bool fill);
 void cp_async_4(void* shared_dst, const void* global_src, bool fill);
 void cp_async_commit();
 template <int PENDING>
@@ -115,6 +116,15 @@ __device__ inline void cp_async_16(void* shared_dst, const void* global_src, boo
       static_cast<uint32_t>(__cvta_generic_to_shared(shared_dst));
   [[maybe_unused]] const int bytes = fill ? 16 : 0;
   KVSERVE_SM80(asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                            ::"r"(address), "l"(global_src), "r"(bytes)));
+}
+
+/// The same for 8 bytes (both addresses 8-byte aligned).
+__device__ inline void cp_async_8(void* shared_dst, const void* global_src, bool fill) {
+  [[maybe_unused]] const uint32_t address =
+      static_cast<uint32_t>(__cvta_generic_to_shared(shared_dst));
+  [[maybe_unused]] const int bytes = fill ? 8 : 0;
+  KVSERVE_SM80(asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n"
                             ::"r"(address), "l"(global_src), "r"(bytes)));
 }
 

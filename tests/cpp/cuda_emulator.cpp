@@ -76,6 +76,7 @@ struct Block {
 Block* g_block = nullptr;
 CopyTiming g_copy_timing = CopyTiming::kLate;
 Schedule g_schedule = Schedule::kInterleaved;
+BlockOrder g_block_order = BlockOrder::kForward;
 
 Block& block() {
   if (g_block == nullptr) fail("a device function ran outside an emulated launch");
@@ -156,6 +157,7 @@ float half_to_float(uint16_t bits) {
 
 void set_copy_timing(CopyTiming timing) { g_copy_timing = timing; }
 void set_schedule(Schedule schedule) { g_schedule = schedule; }
+void set_block_order(BlockOrder order) { g_block_order = order; }
 
 void fail(const char* what) {
   std::fprintf(stderr, "cuda emulator: %s\n", what);
@@ -283,34 +285,32 @@ void launch_blocks(dim3 grid, dim3 dim, size_t shared_bytes, const std::function
     stacks.emplace_back(new char[kStackBytes]);
   }
   std::unique_ptr<unsigned char[]> shared(new unsigned char[shared_bytes + 16]);  // 16-aligned
-  for (unsigned z = 0; z < grid.z; ++z) {
-    for (unsigned y = 0; y < grid.y; ++y) {
-      for (unsigned x = 0; x < grid.x; ++x) {
-        Block b;
-        b.grid = grid;
-        b.dim = dim;
-        b.index = make_uint3(x, y, z);
-        b.shared = shared_bytes > 0 ? shared.get() : nullptr;
-        b.shared_bytes = shared_bytes;
-        std::memset(shared.get(), 0xFF, shared_bytes + 16);
-        b.body = &body;
-        b.threads.resize(threads);
-        b.warps.resize(threads / 32);
-        g_block = &b;
-        for (int i = 0; i < threads; ++i) {
-          Thread& t = b.threads[i];
-          t.linear = i;
-          t.index = make_uint3(i % dim.x, (i / dim.x) % dim.y, i / (dim.x * dim.y));
-          getcontext(&t.context);
-          t.context.uc_stack.ss_sp = stacks[i].get();
-          t.context.uc_stack.ss_size = kStackBytes;
-          t.context.uc_link = nullptr;
-          makecontext(&t.context, thread_entry, 0);
-        }
-        run_block(b, stacks);
-        g_block = nullptr;
-      }
+  const unsigned blocks = grid.x * grid.y * grid.z;
+  for (unsigned i = 0; i < blocks; ++i) {
+    const unsigned linear = g_block_order == BlockOrder::kForward ? i : blocks - 1 - i;
+    Block b;
+    b.grid = grid;
+    b.dim = dim;
+    b.index = make_uint3(linear % grid.x, (linear / grid.x) % grid.y, linear / (grid.x * grid.y));
+    b.shared = shared_bytes > 0 ? shared.get() : nullptr;
+    b.shared_bytes = shared_bytes;
+    std::memset(shared.get(), 0xFF, shared_bytes + 16);
+    b.body = &body;
+    b.threads.resize(threads);
+    b.warps.resize(threads / 32);
+    g_block = &b;
+    for (int t = 0; t < threads; ++t) {
+      Thread& thread = b.threads[t];
+      thread.linear = t;
+      thread.index = make_uint3(t % dim.x, (t / dim.x) % dim.y, t / (dim.x * dim.y));
+      getcontext(&thread.context);
+      thread.context.uc_stack.ss_sp = stacks[t].get();
+      thread.context.uc_stack.ss_size = kStackBytes;
+      thread.context.uc_link = nullptr;
+      makecontext(&thread.context, thread_entry, 0);
     }
+    run_block(b, stacks);
+    g_block = nullptr;
   }
 }
 
@@ -423,6 +423,10 @@ static void cp_async(void* shared_dst, const void* global_src, size_t bytes, boo
 
 void cp_async_16(void* shared_dst, const void* global_src, bool fill) {
   cp_async(shared_dst, global_src, 16, fill);
+}
+
+void cp_async_8(void* shared_dst, const void* global_src, bool fill) {
+  cp_async(shared_dst, global_src, 8, fill);
 }
 
 void cp_async_4(void* shared_dst, const void* global_src, bool fill) {

@@ -45,6 +45,12 @@ void set_copy_timing(CopyTiming timing);
 enum class Schedule { kInterleaved, kWarpsAhead, kWarpsAheadReversed };
 void set_schedule(Schedule schedule);
 
+/// The order the blocks of a grid run in (one after another): by index, or from the last (so a
+/// kernel whose blocks meet through global memory, the last to arrive finishing the work, is
+/// seen with each block in that role).
+enum class BlockOrder { kForward, kReversed };
+void set_block_order(BlockOrder order);
+
 /// Bytes a warp primitive's lane may pass in or out.
 constexpr size_t kSlotBytes = 64;
 
@@ -132,6 +138,16 @@ inline int __all_sync(unsigned mask, int predicate) {
                                                      for (int l = 0; l < 32; ++l) out[l] = all;
                                                    });
 }
+
+// Blocks run one after another and threads take turns on one OS thread: every read-modify-write
+// is atomic, and a fence has nothing to order.
+inline int atomicAdd(int* address, int value) {
+  const int old = *address;
+  *address = old + value;
+  return old;
+}
+
+inline void __threadfence() {}
 
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 

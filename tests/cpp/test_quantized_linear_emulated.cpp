@@ -4,10 +4,12 @@
 // and without zeros, fp8 E4M3; per-row and grouped scales, fp32 or fp16; bias or none; each
 // input dtype), and
 // the word-wise kernels they stand beside, which the vector ones must equal (the dequantization
-// bit for bit).
+// bit for bit); and the wide tensor-core GEMM with its k-blocks split among blocks, in each block
+// order and schedule.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/rand.h>
 #include <ATen/ops/randn.h>
+#include <ATen/ops/zeros.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -21,6 +23,7 @@
 #include "kernels/linear/quantized_linear.h"
 #include "kernels/linear/quantized_linear_kernel.cuh"
 #include "kernels/linear/quantized_linear_mma_kernel.cuh"
+#include "kernels/linear/quantized_linear_wide_kernel.cuh"
 #include "quantized_test_weights.h"
 #include "tensor_values.h"
 
@@ -271,6 +274,124 @@ void run_mma_all(at::ScalarType dtype, double tolerance) {
 TEST(QuantizedLinearEmulated, TensorCoreKernelMatchesTheCpuOp) {
   run_mma_all<__nv_bfloat16>(at::kBFloat16, 1e-2);
   run_mma_all<__half>(at::kHalf, 2e-3);
+}
+
+// out [m, n] from the wide tensor-core GEMM, its k-blocks split among `splits` blocks per tile;
+// the counters must be left at zero.
+template <typename T, QuantFormat F>
+at::Tensor wide_gemm(const at::Tensor& x, const Weight& w, const std::optional<at::Tensor>& b,
+                     int splits) {
+  const int64_t n = w.q.size(0), k = x.size(1), m = x.size(0);
+  at::Tensor out = at::empty({m, n}, x.options());
+  auto with_tiles = [&](auto tiles_constant) {
+    constexpr int kTiles = decltype(tiles_constant)::value;
+    const int64_t tiles = cuda::wide_gemm_tiles(m, n, kTiles);
+    at::Tensor partials = at::empty({splits, m, n}, at::kFloat);
+    at::Tensor counters = at::zeros({tiles}, at::kInt);
+    with_params(w, [&](auto scales, auto zeros) {
+      auto launch = [&](auto kernel) {
+        emu::launch(kernel, dim3(static_cast<unsigned int>(tiles * splits)),
+                    dim3(cuda::kWideGemmThreads), cuda::wide_gemm_shared_bytes<F>(kTiles),
+                    static_cast<const T*>(x.data_ptr()), x.stride(0), m,
+                    static_cast<const uint8_t*>(w.q.data_ptr()), scales, zeros,
+                    b ? static_cast<const T*>(b->data_ptr()) : nullptr,
+                    static_cast<T*>(out.data_ptr()), n, k, w.group_size, splits,
+                    partials.data_ptr<float>(), counters.data_ptr<int>());
+      };
+      using Q = Param<decltype(scales)>;
+      if (w.zeros) {
+        launch(cuda::quantized_gemm_wide_kernel<T, F, kTiles, true, Q>);
+      } else {
+        launch(cuda::quantized_gemm_wide_kernel<T, F, kTiles, false, Q>);
+      }
+    });
+    EXPECT_EQ(counters.count_nonzero().item<int64_t>(), 0);
+  };
+  switch (cuda::mma_gemm_tiles(m)) {
+    case 1: with_tiles(std::integral_constant<int, 1>{}); break;
+    case 2: with_tiles(std::integral_constant<int, 2>{}); break;
+    case 4: with_tiles(std::integral_constant<int, 4>{}); break;
+    default: with_tiles(std::integral_constant<int, 8>{}); break;
+  }
+  return out;
+}
+
+template <typename T, QuantFormat F>
+void run_wide_case(at::ScalarType dtype, int64_t n, int64_t k, int64_t group_size, bool zeros,
+                   bool bias, std::initializer_list<int64_t> tokens,
+                   std::initializer_list<int> splits, double tolerance, bool half = false) {
+  SCOPED_TRACE(std::string(c10::toString(dtype)) + " format " +
+               std::to_string(static_cast<int>(F)) + " n " + std::to_string(n) + " k " +
+               std::to_string(k) + " group " + std::to_string(group_size) +
+               (zeros ? " zeros" : "") + (bias ? " bias" : "") + (half ? " fp16 scales" : ""));
+  at::manual_seed(17);
+  const Weight w = random_weight<F>(n, k, group_size, zeros, half);
+  const std::optional<at::Tensor> b =
+      bias ? std::optional<at::Tensor>(at::randn({n}).to(dtype)) : std::nullopt;
+  const int64_t pad = 16 / at::elementSize(dtype);  // rows 16 bytes apart, strided
+  const at::Tensor wide = at::randn({std::max(tokens), k + pad}).to(dtype);
+  const at::Tensor weight = dequantized<T, F>(w, k, dtype, true).to(at::kFloat);
+  for (const int64_t m : tokens) {
+    const at::Tensor x = wide.narrow(0, 0, m).narrow(1, 0, k);
+    const at::Tensor expected = ops::quantized_linear(x, w.q, w.scales, w.zeros, group_size, b);
+    at::Tensor sums = x.to(at::kFloat).matmul(weight.t());
+    if (b) sums = sums.add(b->to(at::kFloat));
+    for (const int split : splits) {
+      SCOPED_TRACE("tokens " + std::to_string(m) + " splits " + std::to_string(split));
+      // Blocks in index order, threads in turns, copies landing late; then the last block first
+      // (another block adds the splits), one warp running ahead, copies landing at once.
+      emu::set_block_order(emu::BlockOrder::kForward);
+      const at::Tensor actual = wide_gemm<T, F>(x, w, b, split);
+      emu::set_block_order(emu::BlockOrder::kReversed);
+      emu::set_schedule(emu::Schedule::kWarpsAheadReversed);
+      emu::set_copy_timing(emu::CopyTiming::kEarly);
+      const at::Tensor again = wide_gemm<T, F>(x, w, b, split);
+      emu::set_block_order(emu::BlockOrder::kForward);
+      emu::set_schedule(emu::Schedule::kInterleaved);
+      emu::set_copy_timing(emu::CopyTiming::kLate);
+      EXPECT_TRUE(again.equal(actual));  // the splits add in one order, whoever adds them
+      EXPECT_LE(actual.to(at::kFloat).sub(expected.to(at::kFloat)).norm().item<double>(),
+                tolerance * expected.to(at::kFloat).norm().item<double>());
+      EXPECT_LE(test_util::worst_relative_error(sums.to(dtype), actual),
+                dtype == at::kBFloat16 ? 8e-3 : 1e-3);
+    }
+  }
+}
+
+// (n, k, group): rows that fill no block (128 rows up to 16 tokens, 256 beyond) or several;
+// inputs that end inside a k-block (4 vectors) and inputs of one k-block; splits that divide the
+// k-blocks unevenly; token counts in part of a tile, in one, in two blocks of 64.
+template <typename T>
+void run_wide_all(at::ScalarType dtype, double tolerance) {
+  run_wide_case<T, QuantFormat::kInt8>(dtype, 13, 96, 96, false, true, {1, 8, 9}, {1, 2},
+                                       tolerance);
+  run_wide_case<T, QuantFormat::kInt8>(dtype, 300, 1040, 16, true, false, {5, 33, 70}, {1, 3},
+                                       tolerance);
+  run_wide_case<T, QuantFormat::kInt4>(dtype, 140, 1056, 32, true, true, {17, 64}, {1, 4},
+                                       tolerance);
+  run_wide_case<T, QuantFormat::kInt4>(dtype, 9, 160, 32, false, false, {2}, {1, 2}, tolerance);
+  run_wide_case<T, QuantFormat::kFp8E4M3>(dtype, 20, 48, 48, false, true, {70}, {1}, tolerance);
+  run_wide_case<T, QuantFormat::kInt4>(dtype, 33, 512, 128, true, true, {40}, {2}, tolerance,
+                                       true);
+}
+
+TEST(QuantizedLinearEmulated, WideTensorCoreKernelMatchesTheCpuOpWithSplitInputs) {
+  run_wide_all<__nv_bfloat16>(at::kBFloat16, 1e-2);
+  run_wide_all<__half>(at::kHalf, 2e-3);
+}
+
+TEST(QuantizedLinearEmulated, WideKernelSplitsFillOneWave) {
+  // 132 multiprocessors, one block each: a Llama-3-8B q/k/v projection (6144 rows, 4096 int8
+  // inputs = 64 k-blocks) at 64 tokens makes 24 tiles of 256 rows, so 5 splits; at 16 tokens 48
+  // tiles of 128 rows, 2 splits; gate_up (28672 rows) fills the GPU alone.
+  EXPECT_EQ(cuda::wide_gemm_splits(cuda::wide_gemm_tiles(64, 6144, 8), 64, 132), 5);
+  EXPECT_EQ(cuda::wide_gemm_splits(cuda::wide_gemm_tiles(16, 6144, 2), 64, 132), 2);
+  EXPECT_EQ(cuda::wide_gemm_splits(cuda::wide_gemm_tiles(64, 28672, 8), 64, 132), 1);
+  // Never shorter than the pipeline's depth twice over: 16 k-blocks split at most in 2.
+  EXPECT_EQ(cuda::wide_gemm_splits(1, 16, 132), 2);
+  EXPECT_EQ(cuda::wide_gemm_splits(1, 7, 132), 1);
+  EXPECT_EQ(cuda::wide_gemm_k_blocks<QuantFormat::kInt4>(1056), 9);
+  EXPECT_EQ(cuda::wide_gemm_k_blocks<QuantFormat::kInt8>(4096), 64);
 }
 
 TEST(QuantizedLinearEmulated, VectorPathNeedsAlignedData) {

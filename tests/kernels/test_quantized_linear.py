@@ -286,7 +286,7 @@ def quantized_linear_kernel():
 def test_quantized_linear_kernel_choice_is_checked(quantized_linear_kernel):
     quantized_linear_kernel("mma")
     assert kvserve._C.cuda_quantized_linear_kernel() == "mma"
-    with pytest.raises(ValueError, match="auto, mma, gemv or dequantize"):
+    with pytest.raises(ValueError, match="auto, mma, gemv, dequantize or wide"):
         quantized_linear_kernel("marlin")
     assert kvserve._C.cuda_quantized_linear_kernel() == "mma"
 
@@ -304,7 +304,7 @@ ALIGNED_CASES = [
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kernel", ["auto", "mma", "gemv", "dequantize"])
+@pytest.mark.parametrize("kernel", ["auto", "mma", "wide", "gemv", "dequantize"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fmt, n, k, group_size", ALIGNED_CASES)
 @pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 17, 33, 64, 65, 130, 300])
@@ -328,7 +328,7 @@ def test_cuda_every_kernel_on_aligned_inputs(kernel, fmt, n, k, group_size, m, d
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kernel", ["mma", "gemv"])
+@pytest.mark.parametrize("kernel", ["mma", "wide", "gemv"])
 @pytest.mark.parametrize("group_size", [32, 128])
 def test_cuda_int4_symmetric_and_fractional_zeros_on_tensor_cores(kernel, group_size,
                                                                   quantized_linear_kernel):
@@ -339,6 +339,24 @@ def test_cuda_int4_symmetric_and_fractional_zeros_on_tensor_cores(kernel, group_
     q.zeros = q.zeros + 0.375
     check_cuda(q, x, b, torch.bfloat16)
     check_cuda(half_params(q), x, b, torch.bfloat16)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("m", [16, 64, 100])
+def test_cuda_wide_kernel_adds_split_inputs_in_one_order(fmt, m, quantized_linear_kernel):
+    """Few rows and long ones: the wide body splits the inputs among blocks, and the last block
+    of a tile to finish adds the splits in split order, so every call gives the same bits."""
+    quantized_linear_kernel("wide")
+    x, b = operands(m, 8192, 200, torch.bfloat16, True)
+    q = quantized(fmt, 200, 8192, 128)
+    args = (on_cuda(x), on_cuda(q.qweight), on_cuda(q.scales), on_cuda(q.zeros), q.group_size,
+            on_cuda(b))
+    first = ops.quantized_linear(*args)
+    for _ in range(4):
+        assert torch.equal(ops.quantized_linear(*args), first)
+    expected = reference.quantized_linear(x, q.qweight, q.scales, q.zeros, q.group_size, b)
+    assert (first.cpu().double() - expected).norm() <= 1e-2 * expected.norm()
 
 
 @pytest.mark.cuda

@@ -4,9 +4,6 @@
 #include <torch/library.h>
 
 #include <cstdint>
-#include <map>
-#include <mutex>
-#include <utility>
 
 #include "kernels/attention/paged_attention.h"
 #include "kernels/attention/paged_attention_checks.h"
@@ -16,52 +13,24 @@
 namespace kvserve::ops {
 namespace {
 
-
-
-// Starts a kernel on the current stream; beyond 48 KiB of dynamic shared memory a kernel must
-// opt in (a function attribute: no stream work, allowed while a graph is captured).
+// Starts a kernel on the current stream, with the shared memory it asks for.
 struct StreamLaunch {
   cudaStream_t stream;
   int device;
   using Kernel = void (*)(cuda::PagedAttentionParams);
 
-  static void allow_shared_bytes(Kernel kernel, size_t shared_bytes) {
-    if (shared_bytes > 48 * 1024) {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(shared_bytes)));
-    }
-  }
-
   bool tensor_cores() const { return cuda::tensor_cores(device); }
 
   void operator()(Kernel kernel, dim3 grid, int threads, size_t shared_bytes,
                   const cuda::PagedAttentionParams& p) const {
-    allow_shared_bytes(kernel, shared_bytes);
+    cuda::allow_shared_bytes(reinterpret_cast<const void*>(kernel), shared_bytes);
     kernel<<<grid, threads, shared_bytes, stream>>>(p);
     KVSERVE_CUDA_CHECK_LAUNCH();
   }
 
-  // Blocks of `kernel` one multiprocessor holds at once: asked once per device and kernel (a
-  // query of the function's attributes, no stream work), outside graph capture (the engine's
-  // first step of a size runs eagerly before its capture; a capture that comes first assumes
-  // one block and asks next time).
   int resident_blocks(Kernel kernel, int threads, size_t shared_bytes) const {
-    static std::mutex mutex;
-    static std::map<std::pair<int, const void*>, int> known;
-    const std::lock_guard<std::mutex> lock(mutex);
-    const auto key = std::make_pair(device, reinterpret_cast<const void*>(kernel));
-    auto it = known.find(key);
-    if (it == known.end()) {
-      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-      C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
-      if (capturing != cudaStreamCaptureStatusNone) return 1;
-      allow_shared_bytes(kernel, shared_bytes);
-      int blocks = 0;
-      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads,
-                                                                   shared_bytes));
-      it = known.emplace(key, std::max(blocks, 1)).first;
-    }
-    return it->second;
+    return cuda::resident_blocks(reinterpret_cast<const void*>(kernel), device, stream, threads,
+                                 shared_bytes);
   }
 };
 

@@ -1,8 +1,10 @@
 // CUDA launcher for quantized_linear: the shared checks, then, by the number of tokens and the
 // kernel choice (quantized_linear_kernel_choice.h): the quantized GEMV (each weight row read once
 // for all of a few tokens; by 16-byte vectors where the data is aligned for them); tensor cores
-// on the packed weight for bf16 / fp16 inputs (quantized_linear_mma_kernel.cuh); or blocks of
-// rows dequantized to the input dtype and multiplied by cuBLAS through at::linear.
+// on the packed weight for bf16 / fp16 inputs, in blocks of 16 rows
+// (quantized_linear_mma_kernel.cuh) or of 128-256 rows sharing the inputs staged in shared
+// memory (quantized_linear_wide_kernel.cuh); or blocks of rows dequantized to the input dtype and
+// multiplied by cuBLAS through at::linear.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <torch/library.h>
@@ -17,6 +19,7 @@
 #include "kernels/linear/quantized_linear_kernel.cuh"
 #include "kernels/linear/quantized_linear_kernel_choice.h"
 #include "kernels/linear/quantized_linear_mma_kernel.cuh"
+#include "kernels/linear/quantized_linear_wide_kernel.cuh"
 
 namespace kvserve::ops {
 namespace {
@@ -196,6 +199,61 @@ at::Tensor mma_gemm(const at::Tensor& input, const Weight<P>& w,
   return out;
 }
 
+// Whether the wide tensor-core GEMM applies: where the narrow one does, with its shared memory
+// (up to 139 KiB for int4 at 64 tokens a block) within what the device lets a block opt into.
+template <typename T, cuda::QuantFormat F, typename P>
+bool wide_applies(const at::Tensor& input, const Weight<P>& w) {
+  const int64_t m = input.size(0);
+  const int tiles = cuda::mma_gemm_tiles(m);
+  return mma_applies<T, F, P>(input, w) &&
+         cuda::wide_gemm_shared_bytes<F>(tiles) <=
+             static_cast<size_t>(cuda::device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(
+                 input.device().index())) &&
+         cuda::wide_gemm_tiles(m, w.n, tiles) * cuda::wide_gemm_k_blocks<F>(w.k) <= INT32_MAX;
+}
+
+template <typename T, cuda::QuantFormat F, typename P>
+at::Tensor wide_gemm(const at::Tensor& input, const Weight<P>& w,
+                     const std::optional<at::Tensor>& bias) {
+  at::Tensor out = at::empty({input.size(0), w.n}, input.options());
+  if constexpr (!std::is_same_v<T, float>) {
+    const int64_t m = input.size(0);
+    const int device = input.device().index();
+    const cudaStream_t stream = cuda::current_stream();
+    dispatch_tiles(cuda::mma_gemm_tiles(m), [&](auto tiles) {
+      constexpr int kTiles = decltype(tiles)::value;
+      auto* kernel = w.zeros != nullptr
+                         ? cuda::quantized_gemm_wide_kernel<T, F, kTiles, true, P>
+                         : cuda::quantized_gemm_wide_kernel<T, F, kTiles, false, P>;
+      constexpr size_t kShared = cuda::wide_gemm_shared_bytes<F>(kTiles);
+      const void* address = reinterpret_cast<const void*>(kernel);
+      const int64_t tile_count = cuda::wide_gemm_tiles(m, w.n, kTiles);
+      const int64_t resident = static_cast<int64_t>(cuda::multiprocessors(device)) *
+                               cuda::resident_blocks(address, device, stream,
+                                                     cuda::kWideGemmThreads, kShared);
+      const int splits =
+          cuda::wide_gemm_splits(tile_count, cuda::wide_gemm_k_blocks<F>(w.k), resident);
+      at::Tensor partials, counters;
+      if (splits > 1) {
+        partials = at::empty({splits, m, w.n}, input.options().dtype(at::kFloat));
+        counters = at::empty({tile_count}, input.options().dtype(at::kInt));
+        // A memset node, not a fill kernel: less of the host's time per call.
+        C10_CUDA_CHECK(cudaMemsetAsync(counters.data_ptr(), 0, tile_count * sizeof(int), stream));
+      }
+      cuda::allow_shared_bytes(address, kShared);
+      kernel<<<static_cast<unsigned int>(tile_count * splits), cuda::kWideGemmThreads, kShared,
+               stream>>>(static_cast<const T*>(input.data_ptr()), input.stride(0), m, w.q,
+                         w.scales, w.zeros,
+                         bias ? static_cast<const T*>(bias->data_ptr()) : nullptr,
+                         static_cast<T*>(out.data_ptr()), w.n, w.k, w.group_size, splits,
+                         splits > 1 ? partials.data_ptr<float>() : nullptr,
+                         splits > 1 ? counters.data_ptr<int>() : nullptr);
+      KVSERVE_CUDA_CHECK_LAUNCH();
+    });
+  }
+  return out;
+}
+
 template <typename T, cuda::QuantFormat F, typename P>
 at::Tensor run(const at::Tensor& input, const at::Tensor& qweight, const at::Tensor& scales,
                const std::optional<at::Tensor>& zeros, int64_t group_size,
@@ -210,8 +268,13 @@ at::Tensor run(const at::Tensor& input, const at::Tensor& qweight, const at::Ten
                     rows_are_words<F>(qweight, k)};
   using Kernel = QuantizedLinearKernel;
   const Kernel choice = quantized_linear_kernel();
+  if (choice == Kernel::kWide && wide_applies<T, F, P>(input, w)) {
+    return wide_gemm<T, F>(input, w, bias);
+  }
+  // Where wide does not apply (fp32 inputs, a device with less shared memory) it runs as auto.
+  const bool as_auto = choice == Kernel::kAuto || choice == Kernel::kWide;
   const bool mma = (choice == Kernel::kMma ||
-                    (choice == Kernel::kAuto && m > kMaxAutoGemvTokens && m <= kMaxMmaTokens)) &&
+                    (as_auto && m > kMaxAutoGemvTokens && m <= kMaxMmaTokens)) &&
                    mma_applies<T, F, P>(input, w);
   if (mma) return mma_gemm<T, F>(input, w, bias);
   // k == 0 takes the GEMV: it writes the bias (or 0) where a 0-wide grid could not launch.

@@ -9,14 +9,14 @@
 namespace kvserve::ops {
 namespace {
 
-constexpr std::array<const char*, 4> kNames = {"auto", "mma", "gemv", "dequantize"};
+constexpr std::array<const char*, 5> kNames = {"auto", "mma", "gemv", "dequantize", "wide"};
 
 QuantizedLinearKernel parse(const std::string& name) {
   for (size_t i = 0; i < kNames.size(); ++i) {
     if (name == kNames[i]) return static_cast<QuantizedLinearKernel>(i);
   }
   throw std::invalid_argument(
-      "quantized linear kernel must be auto, mma, gemv or dequantize, got '" + name + "'");
+      "quantized linear kernel must be auto, mma, gemv, dequantize or wide, got '" + name + "'");
 }
 
 std::atomic<int>& choice() {
