@@ -42,22 +42,24 @@ constexpr int kWideGemmMinSplitBlocks = 2 * kWideGemmStages;
 
 /// 16-row tiles a warp computes for `tiles` token tiles: two from 32 tokens, where the inputs'
 /// reads from shared memory would otherwise outweigh the weights' from memory.
-constexpr int wide_gemm_row_tiles(int tiles) { return tiles >= 4 ? 2 : 1; }
+__host__ __device__ constexpr int wide_gemm_row_tiles(int tiles) { return tiles >= 4 ? 2 : 1; }
 
 /// Rows of a block.
-constexpr int wide_gemm_rows(int tiles) { return 16 * kWideGemmWarps * wide_gemm_row_tiles(tiles); }
+__host__ __device__ constexpr int wide_gemm_rows(int tiles) {
+  return 16 * kWideGemmWarps * wide_gemm_row_tiles(tiles);
+}
 
 /// Bytes of one token's inputs of a k-block in shared memory: 4 vectors of 16-bit inputs and 32
 /// bytes of padding.
 template <QuantFormat F>
-constexpr int wide_gemm_token_bytes() {
+__host__ __device__ constexpr int wide_gemm_token_bytes() {
   return 2 * 4 * kVectorInputs<F> + 32;
 }
 
 /// Bytes of one stage: the tokens' inputs, then every warp's weight vectors ([warp][row tile]
 /// [row half][lane] 16-byte vectors).
 template <QuantFormat F>
-constexpr size_t wide_gemm_stage_bytes(int tiles) {
+__host__ __device__ constexpr size_t wide_gemm_stage_bytes(int tiles) {
   return static_cast<size_t>(8 * tiles) * wide_gemm_token_bytes<F>() +
          static_cast<size_t>(kWideGemmWarps) * wide_gemm_row_tiles(tiles) * 2 * 32 * 16;
 }
