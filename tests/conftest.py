@@ -56,9 +56,11 @@ SERIAL = ("tests/e2e/", "tests/distributed/test_tensor_parallel_launch.py",
 # tests/distributed); the quantized checkpoints end to end (their ops' kernel tests run
 # sanitized); the support table's trials (every feature's own tests run sanitized); and tests
 # whose time goes to Python or transformers, which the sanitizer does not see: llama2.c
-# conversion, GGUF files (read and converted to kvserve's layouts in Python), perplexity against
-# transformers, resident memory, detokenization, distillation, scripts/train_tiny.py and
-# `kvserve train-eagle` (PyTorch training around forwards the other tests cover), the
+# conversion, GGUF files (read and converted to kvserve's layouts in Python; the corrupt ones
+# also load in processes with limited address space, which ASan's shadow memory cannot take),
+# perplexity against transformers, resident memory, detokenization, distillation,
+# scripts/train_tiny.py and `kvserve train-eagle` (PyTorch training around forwards the other
+# tests cover), the
 # speculative sampler's statistical tests (the same C++ as its exact ones), the config variants
 # of the parity tests (each architecture's own parity test runs sanitized), speculative greedy
 # equality in its single-request and target-as-its-own-draft forms (the mixed-arrivals form
@@ -74,7 +76,8 @@ UNSANITIZED_FILES = (
     "tests/models/test_llm_int8.py", "tests/models/test_quantized_moe.py",
     "tests/models/test_w8a8.py", "tests/models/test_support_matrix.py",
     "tests/models/test_perplexity.py", "tests/models/test_weight_memory.py",
-    "tests/models/test_gguf.py", "tests/models/test_distill.py",
+    "tests/models/test_gguf.py", "tests/models/test_gguf_corrupt.py",
+    "tests/models/test_distill.py",
     "tests/models/test_train_tiny.py", "tests/models/test_train_eagle.py",
     "tests/engine/test_detokenizer.py")
 UNSANITIZED_NAMES = (

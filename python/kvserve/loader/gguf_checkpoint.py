@@ -17,7 +17,9 @@ what a Hugging Face directory would give:
   rows it reads). llama.cpp's converter permutes the rows of attn_q / attn_k (each head's halves
   interleaved for its RoPE); the permutation is undone here, on whole rows of blocks.
 
-Any other architecture or tensor type is a ValueError naming it.
+Any other architecture or tensor type is a ValueError naming it, as is a corrupt file: metadata
+counts past the end of the file (checked before the gguf package reads it, `gguf_bounds`),
+metadata that does not decode, and tensors whose bytes overlap or run past the end.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvserve.loader.gguf_bounds import check_metadata_bounds
 from kvserve.loader.safetensors_loader import _TensorReader
 from kvserve.quantization.gguf_blocks import BLOCKS, to_quantized
 from kvserve.quantization.weights import QuantizedWeight
@@ -60,10 +63,12 @@ class GGUFCheckpoint:
         except ImportError as e:
             raise ImportError("loading a GGUF file needs the gguf package: pip install gguf") from e
         self.path = Path(path)
+        check_metadata_bounds(self.path)
         try:
             self.reader = gguf.GGUFReader(str(self.path))
         except Exception as e:
             raise ValueError(f"{self.path}: not a GGUF file the gguf package reads: {e}") from e
+        _check_layout(self.path, self.reader.tensors)
         self.tensors = {}
         for tensor in self.reader.tensors:
             name = _hf_name(tensor.name)
@@ -76,13 +81,22 @@ class GGUFCheckpoint:
 
     def field(self, key: str, default=None):
         """A metadata value (arrays as lists), or default when the file has none."""
-        field = self.reader.fields.get(key)
-        if field is None:
+        if key not in self.reader.fields:
             if default is None:
                 raise ValueError(f"{self.path}: missing metadata {key!r}")
             return default
-        value = field.contents()
-        return value
+        return self.optional_field(key)
+
+    def optional_field(self, key: str):
+        """A metadata value, or None when the file has none."""
+        field = self.reader.fields.get(key)
+        if field is None:
+            return None
+        try:
+            return field.contents()
+        except (UnicodeDecodeError, ValueError, IndexError) as e:  # e.g. a string not in UTF-8
+            raise ValueError(f"{self.path}: metadata {key!r} cannot be read ({e}); the file is "
+                             "probably corrupt") from e
 
     # ------------------------------------------------------------------------------- config
     @cached_property
@@ -126,9 +140,9 @@ class GGUFCheckpoint:
                                  "step between)")
             config["rope_scaling"] = llama3
         for key in ("bos_token_id", "eos_token_id"):
-            value = self.reader.fields.get(f"tokenizer.ggml.{key}")
+            value = self.optional_field(f"tokenizer.ggml.{key}")
             if value is not None:
-                config[key] = int(value.contents())
+                config[key] = int(value)
         return config
 
     @property
@@ -201,6 +215,23 @@ class GGUFCheckpoint:
 
     def is_quantized(self, name: str) -> bool:
         return name in self.tensors and self.kind(name) in BLOCKS
+
+
+def _check_layout(path: Path, tensors) -> None:
+    """No two tensors' bytes may overlap, and none may run past the end of the file (llama.cpp
+    also refuses such files): a corrupt offset would otherwise read another tensor's bytes as
+    weights."""
+    size = path.stat().st_size
+    previous = None
+    for t in sorted(tensors, key=lambda t: (int(t.data_offset), int(t.n_bytes))):
+        begin, end = int(t.data_offset), int(t.data_offset) + int(t.n_bytes)
+        if end > size:
+            raise ValueError(f"{path}: tensor {t.name!r} ends at byte {end}, past the end of the "
+                             f"file ({size} bytes); it is truncated or corrupt")
+        if previous is not None and begin < previous[1]:
+            raise ValueError(f"{path}: tensor {t.name!r} (bytes {begin}..{end}) overlaps tensor "
+                             f"{previous[0]!r} (bytes ..{previous[1]}); the file is corrupt")
+        previous = (t.name, end)
 
 
 def _hf_name(name: str) -> str | None:
