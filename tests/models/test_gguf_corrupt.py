@@ -17,6 +17,7 @@ from tests.models.test_gguf import MIXES, SHAPE, write_gguf
 
 gguf = pytest.importorskip("gguf")
 from kvserve.loader.gguf_bounds import check_metadata_bounds  # noqa: E402
+from kvserve.server.chat_template import ChatTemplate  # noqa: E402
 from kvserve.testing.checkpoints import make_checkpoint  # noqa: E402
 
 
@@ -109,6 +110,10 @@ def test_special_token_outside_the_vocabulary_is_refused(good, tmp_path, key, me
     path = damaged(good, tmp_path, {value_at: (10**6).to_bytes(4, "little")})
     with pytest.raises(ValueError, match=message):
         kvserve.LLM(path)
+    # The server reads the special tokens again for the chat template.
+    with pytest.raises(ValueError, match=f"{key.split('.')[-1].split('_')[0]} token id 1000000 "
+                                         "is outside the vocabulary of 384 tokens"):
+        ChatTemplate.from_model_dir(path)
 
 
 def test_bit_flips_in_the_header_never_crash_or_hang(good, tmp_path):

@@ -87,6 +87,18 @@ class GGUFCheckpoint:
             return default
         return self.optional_field(key)
 
+    def special_token_id(self, name: str) -> int | None:
+        """tokenizer.ggml.<name>_token_id (name: bos, eos, unknown, padding), or None when the
+        file has none; a ValueError when it is outside the vocabulary."""
+        value = self.optional_field(f"tokenizer.ggml.{name}_token_id")
+        if value is None:
+            return None
+        size = len(self.reader.fields["tokenizer.ggml.tokens"].data)
+        if not 0 <= int(value) < size:
+            raise ValueError(f"{self.path}: the {name} token id {int(value)} is outside the "
+                             f"vocabulary of {size} tokens")
+        return int(value)
+
     def optional_field(self, key: str):
         """A metadata value, or None when the file has none."""
         field = self.reader.fields.get(key)

@@ -49,8 +49,8 @@ def gguf_tokenizer(checkpoint) -> Tokenizer:
     scores = [float(s) for s in checkpoint.field("tokenizer.ggml.scores")]
     types = [int(t) for t in checkpoint.field("tokenizer.ggml.token_type", [1] * len(tokens))]
     vocab = {token: i for i, token in enumerate(tokens)}
-    unk = checkpoint.optional_field("tokenizer.ggml.unknown_token_id")
-    unk_token = tokens[_token_id(checkpoint, "unknown", unk, tokens)] if unk is not None else None
+    unk = checkpoint.special_token_id("unknown")
+    unk_token = tokens[unk] if unk is not None else None
     tok = Tokenizer(models.BPE(vocab, _merges(tokens, scores, vocab), unk_token=unk_token,
                                fuse_unk=True, byte_fallback=True))
     prefix = bool(checkpoint.field("tokenizer.ggml.add_space_prefix", True))
@@ -93,21 +93,11 @@ def _byte_level(checkpoint) -> Tokenizer:
 
 def _prepend_bos(tok: Tokenizer, checkpoint, tokens: list[str], default: bool) -> None:
     """The BOS before every encoding when the file's add_bos_token (else `default`) says so."""
-    bos = checkpoint.optional_field("tokenizer.ggml.bos_token_id")
-    if bos is not None and bool(checkpoint.field("tokenizer.ggml.add_bos_token", default)):
-        bos_id = _token_id(checkpoint, "BOS", bos, tokens)
+    bos_id = checkpoint.special_token_id("bos")
+    if bos_id is not None and bool(checkpoint.field("tokenizer.ggml.add_bos_token", default)):
         tok.post_processor = processors.TemplateProcessing(
             single=f"{tokens[bos_id]} $A", pair=f"{tokens[bos_id]} $A $B",
             special_tokens=[(tokens[bos_id], bos_id)])
-
-
-def _token_id(checkpoint, role: str, value, tokens: list[str]) -> int:
-    """`value` as the id of a token of the vocabulary, else a ValueError."""
-    token_id = int(value)
-    if not 0 <= token_id < len(tokens):
-        raise ValueError(f"{checkpoint.path}: the {role} token id {token_id} is outside the "
-                         f"vocabulary of {len(tokens)} tokens")
-    return token_id
 
 
 def _merges(tokens: list[str], scores: list[float], vocab: dict[str, int]

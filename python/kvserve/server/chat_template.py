@@ -103,12 +103,12 @@ def _gguf_tokenizer_config(path: Path) -> dict:
     checkpoint = GGUFCheckpoint(path)
     tokens = checkpoint.field("tokenizer.ggml.tokens")
     config = {}
-    template = checkpoint.reader.fields.get("tokenizer.chat_template")
+    template = checkpoint.optional_field("tokenizer.chat_template")
     if template is not None:
-        config["chat_template"] = template.contents()
+        config["chat_template"] = template
     for name in ("bos", "eos", "unknown", "padding"):
-        field = checkpoint.reader.fields.get(f"tokenizer.ggml.{name}_token_id")
-        if field is not None:
+        token_id = checkpoint.special_token_id(name)
+        if token_id is not None:
             key = {"unknown": "unk", "padding": "pad"}.get(name, name) + "_token"
-            config[key] = tokens[int(field.contents())]
+            config[key] = tokens[token_id]
     return config
