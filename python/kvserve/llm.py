@@ -124,6 +124,67 @@ class LLM:
             bar.close()
         return [finished[request_id] for request_id in ids]
 
+    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True,
+             lora: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             chat_template: str | Path | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Answers one conversation or several, as vLLM's LLM.chat: each is rendered with the
+        checkpoint's chat template (or `chat_template`: template text or a file), tokenized
+        without adding special tokens (the template writes them), then run as generate runs
+        token-id prompts; one RequestOutput per conversation, in order.
+
+        messages: [{"role": ..., "content": ...}, ...] or a list of such lists; content is a
+            string, None, or text parts ([{"type": "text", "text": ...}]); other keys (name,
+            tool_calls) reach the template as given.
+        add_generation_prompt / continue_final_message / chat_template_kwargs: as
+            ChatTemplate.render takes them (continue_final_message continues the last message,
+            e.g. a prefilled assistant answer; chat_template_kwargs adds template variables
+            such as enable_thinking).
+        Raises ValueError for a model without a tokenizer or a chat template, malformed
+        messages, or a template that fails on them, before running anything."""
+        from kvserve.server.chat_template import ChatTemplate, message_text
+
+        if self.tokenizer is None:
+            raise ValueError(f"{self.model_dir} has no tokenizer.json to encode messages with")
+        if chat_template is not None:
+            template = ChatTemplate.from_model_dir(self.model_dir, chat_template)
+        else:
+            if not hasattr(self, "_chat_template"):
+                self._chat_template = ChatTemplate.from_model_dir(self.model_dir)
+            template = self._chat_template
+        if template is None:
+            raise ValueError(f"{self.model_dir} has no chat template (tokenizer_config.json or "
+                             "chat_template.jinja): pass chat_template=")
+        if isinstance(messages, Sequence) and messages and all(isinstance(m, dict)
+                                                               for m in messages):
+            conversations = [messages]
+        else:
+            conversations = list(messages) if isinstance(messages, Sequence) else []
+        if not conversations or not all(
+                isinstance(c, Sequence) and c and all(isinstance(m, dict) for m in c)
+                for c in conversations):
+            raise TypeError("messages must be a non-empty list of message dicts, or a list of "
+                            "such lists")
+        prompts = []
+        for conversation in conversations:
+            rendered = []
+            for m in conversation:
+                if not isinstance(m.get("role"), str):
+                    raise ValueError(f"every message needs a string role, got {m.get('role')!r}")
+                rendered.append({**m, "content": message_text(m.get("content"))})
+            text = template.render(rendered, add_generation_prompt, continue_final_message,
+                                   chat_template_kwargs)
+            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.generate(prompts, sampling_params, use_tqdm, lora)
+
+    def get_tokenizer(self):
+        """The model's tokenizer (kvserve.tokenizer.Tokenizer: encode, decode, vocab), as vLLM's
+        LLM.get_tokenizer; None for a checkpoint without tokenizer.json."""
+        return self.tokenizer
+
     @staticmethod
     def _prompt_list(prompts: PromptType) -> list:
         if isinstance(prompts, str):

@@ -264,6 +264,37 @@ def test_chat_renders_the_template_and_streams(client, offline):
                for t in content)
 
 
+def test_chat_continues_a_final_message_and_takes_template_variables(server, client, offline):
+    # vLLM's continue_final_message and chat_template_kwargs give the prompt LLM.chat gives.
+    template = TEMPLATE + "{% if style is defined %}({{ style }})\n{% endif %}"
+    messages = [{"role": "user", "content": "Speak, speak."},
+                {"role": "assistant", "content": "O, speak again, "}]
+    cases = [(messages, dict(add_generation_prompt=False, continue_final_message=True)),
+             (messages[:1], dict(chat_template_kwargs={"style": "verse"}))]
+    kept, server.state.chat_template = server.state.chat_template, ChatTemplate(template)
+    try:
+        for chat, options in cases:
+            want = offline.chat(chat, kvserve.SamplingParams(temperature=0, max_tokens=24),
+                                use_tqdm=False, chat_template=template, **options)[0]
+            r = client.chat.completions.create(model=NAME, messages=chat, extra_body=options,
+                                               **greedy())
+            assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+            assert r.choices[0].message.content == want.outputs[0].text
+    finally:
+        server.state.chat_template = kept
+
+
+@pytest.mark.parametrize("extra, param", [
+    (dict(continue_final_message=True), "continue_final_message"),
+    (dict(chat_template_kwargs={"add_generation_prompt": False}), "chat_template_kwargs"),
+])
+def test_chat_template_options_that_cannot_render_are_a_400(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=2, extra_body=extra)
+    assert info.value.body["param"] == param
+
+
 @pytest.mark.parametrize("extra, param", [
     (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     (dict(functions=[{"name": "f", "parameters": {}}]), "functions"),

@@ -92,6 +92,11 @@ def chat(content, **extra):
     (chat("\ud83d"), "lone surrogate"),
     (chat([{"type": "image_url", "image_url": {"url": "x"}}]), "only text content parts"),
     (chat("hi", max_completion_tokens=0), "max_completion_tokens"),
+    (chat("hi", chat_template_kwargs={"x": ["\udc00"]}), "lone surrogate"),
+    (chat("hi", chat_template_kwargs={"messages": []}), "may not set messages"),
+    (chat("hi", chat_template_kwargs=["enable_thinking"]), "chat_template_kwargs"),
+    (chat("hi", continue_final_message=True), "exclude each other"),
+    (chat(5), "content"),
     (chat("y" * 600), "more than 500"),
     (completion(temperature=float("nan")), "temperature"),
 ])

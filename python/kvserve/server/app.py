@@ -160,8 +160,7 @@ def build_app(state: ServerState) -> FastAPI:
         messages = [m.as_template_input() for m in body.messages]
         state.limits.check_chars([m["content"] for m in messages], param="messages")
         # Rendering and tokenizing a long conversation take time: off the event loop.
-        prompt = await asyncio.to_thread(_chat_prompt, state, messages,
-                                         body.add_generation_prompt)
+        prompt = await asyncio.to_thread(_chat_prompt, state, messages, body)
         try:  # before the rest of the context is counted
             prompt = engine.engine.truncate_prompt(prompt, body.truncate_prompt_tokens)
         except ValueError as e:
@@ -210,12 +209,13 @@ def _check_model(state: ServerState, model: str | None):
                    param="model", code="model_not_found")
 
 
-def _chat_prompt(state: ServerState, messages: list[dict], add_generation_prompt: bool
-                 ) -> list[int]:
+def _chat_prompt(state: ServerState, messages: list[dict], body) -> list[int]:
     try:
-        text = state.chat_template.render(messages, add_generation_prompt)
+        text = state.chat_template.render(messages, body.add_generation_prompt,
+                                          body.continue_final_message,
+                                          body.chat_template_kwargs)
     except ChatTemplateError as e:
-        raise APIError(400, str(e), param="messages") from e
+        raise APIError(400, str(e), param=e.field) from e
     state.limits.check_chars([text], param="messages")
     # The template writes any special tokens itself.
     return state.engine.engine.tokenizer.encode(text, add_special_tokens=False)

@@ -15,7 +15,12 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
 class ChatTemplateError(ValueError):
-    """A template that cannot render these messages (it raised, or it is malformed)."""
+    """A template that cannot render these messages (it raised, or it is malformed), or options
+    it cannot render with; `field` names the request field at fault."""
+
+    def __init__(self, message: str, field: str = "messages"):
+        super().__init__(message)
+        self.field = field
 
 
 def _raise_exception(message: str):
@@ -80,19 +85,69 @@ class ChatTemplate:
         return cls(source, tokens) if source else None
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
-               **kwargs) -> str:
-        """The prompt text of `messages` ([{"role": ..., "content": ...}, ...]). Raises
-        ChatTemplateError when the template rejects them."""
+               continue_final_message: bool = False, variables: dict | None = None) -> str:
+        """The prompt text of `messages` ([{"role": ..., "content": ...}, ...]).
+
+        add_generation_prompt: end with the template's cue for the assistant's turn.
+        continue_final_message: end the text right after the last message's content, with no
+            end-of-turn mark, so that the model continues that message (a prefilled answer);
+            not with add_generation_prompt.
+        variables: more template variables (chat_template_kwargs: enable_thinking, ...); they
+            may override the special tokens but not `messages` or `add_generation_prompt`.
+        Raises ChatTemplateError when the template rejects the messages, or when the last
+        message's text is not in what it writes (it cannot be continued)."""
+        variables = variables or {}
+        reserved = sorted({"messages", "add_generation_prompt"} & variables.keys())
+        if reserved:
+            raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(reserved)}",
+                                    "chat_template_kwargs")
+        if continue_final_message and add_generation_prompt:
+            raise ChatTemplateError("continue_final_message and add_generation_prompt exclude "
+                                    "each other: set add_generation_prompt to false",
+                                    "continue_final_message")
         try:
-            return self.template.render(messages=messages,
-                                        add_generation_prompt=add_generation_prompt,
-                                        **self.special_tokens, **kwargs)
+            text = self.template.render({**self.special_tokens, **variables}, messages=messages,
+                                        add_generation_prompt=add_generation_prompt)
         except ChatTemplateError:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError,
                 IndexError, RecursionError) as e:  # what messages can make a template do
             raise ChatTemplateError(f"the chat template failed on these messages: "
                                     f"{type(e).__name__}: {e}") from e
+        return _cut_after_final_message(text, messages) if continue_final_message else text
+
+
+def message_text(content) -> str | None:
+    """A message's content as templates read it: a string, None, or OpenAI's content parts, of
+    which only text ones ({"type": "text", "text": ...}) are supported, joined. ValueError for
+    anything else."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(part, dict) for part in content):
+        kinds = {part.get("type") for part in content} - {"text"}
+        if kinds:
+            raise ValueError(f"only text content parts are supported, got {sorted(map(str, kinds))}")
+        texts = [part.get("text", "") for part in content]
+        if all(isinstance(t, str) for t in texts):
+            return "".join(texts)
+    raise ValueError(f"a message's content must be a string or a list of text parts, got "
+                     f"{type(content).__name__}")
+
+
+def _cut_after_final_message(text: str, messages: list[dict]) -> str:
+    """`text` up to the end of the last message's content (transformers' continue_final_message:
+    templates may strip the content's outer whitespace, so the stripped text is looked for and
+    the content's trailing whitespace kept only where the template kept it)."""
+    final = message_text(messages[-1].get("content")) if messages else None
+    if not final or not final.strip():
+        raise ChatTemplateError("continue_final_message needs a last message with text")
+    start = text.rfind(final.strip())
+    if start < 0:
+        raise ChatTemplateError("continue_final_message: the last message's text is not in "
+                                "what the chat template writes, so it cannot be continued")
+    kept = final.lstrip()
+    end = start + (len(kept) if text.startswith(kept, start) else len(final.strip()))
+    return text[:end]
 
 
 def _gguf_tokenizer_config(path: Path) -> dict:

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvserve.engine import SamplingParams
+from kvserve.server.chat_template import message_text
 
 
 # Integers as the engine takes them (C++ int64): a larger JSON number is a 400 naming the field,
@@ -195,11 +196,10 @@ class ChatMessage(BaseModel):
 
     def as_template_input(self) -> dict:
         """The message as chat templates read it: content parts of type text joined."""
-        content = self.content
-        if isinstance(content, list):
-            if any(part.get("type") != "text" for part in content):
-                raise APIError(400, "only text content parts are supported", param="messages")
-            content = "".join(part.get("text", "") for part in content)
+        try:
+            content = message_text(self.content)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from e
         return {**(self.model_extra or {}), "role": self.role, "content": content}
 
 
@@ -222,6 +222,8 @@ class ChatCompletionRequest(_Sampling):
     modalities: list[str] | None = None
     audio: dict | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: continue the last (assistant) message
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more template variables
 
     def check_supported(self) -> None:
         if self.tools:
@@ -239,6 +241,7 @@ class ChatCompletionRequest(_Sampling):
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         check_text([m.model_dump() for m in self.messages], "messages")
+        check_text(self.chat_template_kwargs, "chat_template_kwargs")
         check_text(self.stop, "stop")
 
     def requested_max_tokens(self) -> int | None:
