@@ -46,7 +46,8 @@ void bind_sampler(py::module_& m) {
                        std::optional<int64_t> prompt_logprobs,
                        std::optional<std::map<int64_t, double>> logit_bias,
                        std::optional<std::vector<int64_t>> allowed_token_ids,
-                       std::optional<int64_t> truncate_prompt_tokens) {
+                       std::optional<int64_t> truncate_prompt_tokens,
+                       std::optional<std::vector<std::string>> bad_words) {
              SamplingParams p;
              p.n = n;
              p.temperature = temperature;
@@ -72,6 +73,7 @@ void bind_sampler(py::module_& m) {
              p.logit_bias = logit_bias.value_or(std::map<int64_t, double>{});
              p.allowed_token_ids = std::move(allowed_token_ids);
              p.truncate_prompt_tokens = truncate_prompt_tokens;
+             p.bad_words = bad_words.value_or(std::vector<std::string>{});
              p.validate();
              return p;
            }),
@@ -83,7 +85,7 @@ void bind_sampler(py::module_& m) {
            py::arg("stop") = py::none(), py::arg("include_stop_str_in_output") = false,
            py::arg("logprobs") = py::none(), py::arg("prompt_logprobs") = py::none(),
            py::arg("logit_bias") = py::none(), py::arg("allowed_token_ids") = py::none(),
-           py::arg("truncate_prompt_tokens") = py::none())
+           py::arg("truncate_prompt_tokens") = py::none(), py::arg("bad_words") = py::none())
       .def_readwrite("n", &SamplingParams::n)
       .def_readwrite("temperature", &SamplingParams::temperature)
       .def_readwrite("top_k", &SamplingParams::top_k)
@@ -106,6 +108,11 @@ void bind_sampler(py::module_& m) {
       .def_readwrite("logit_bias", &SamplingParams::logit_bias)
       .def_readwrite("allowed_token_ids", &SamplingParams::allowed_token_ids)
       .def_readwrite("truncate_prompt_tokens", &SamplingParams::truncate_prompt_tokens)
+      .def_readwrite("bad_words", &SamplingParams::bad_words)
+      .def_readwrite("bad_words_token_ids", &SamplingParams::bad_words_token_ids,
+                     "the token sequences banned; LLMEngine.add_request fills them from bad_words")
+      .def("__copy__", [](const SamplingParams& p) { return p; })
+      .def("__deepcopy__", [](const SamplingParams& p, const py::dict&) { return p; })
       .def("validate", &SamplingParams::validate);  // __repr__: kvserve/sampling_params.py
 
   py::class_<TokenLogprobs>(m, "TokenLogprobs",

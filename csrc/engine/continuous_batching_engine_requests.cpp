@@ -90,6 +90,20 @@ void ContinuousBatchingEngine::validate(const std::string& request_id,
       }
     }
   }
+  if (!params.bad_words.empty() && params.bad_words_token_ids.empty()) {
+    throw std::invalid_argument(
+        "bad_words are banned by their tokens: LLMEngine.add_request tokenizes them (a C++ "
+        "caller sets bad_words_token_ids)");
+  }
+  for (const std::vector<int64_t>& word : params.bad_words_token_ids) {
+    for (int64_t id : word) {
+      if (id >= vocab) {
+        throw std::invalid_argument("bad word token id " + std::to_string(id) +
+                                    " is outside the vocabulary [0, " + std::to_string(vocab) +
+                                    ")");
+      }
+    }
+  }
   // At most one entry per vocabulary entry (a map), so no larger than the logits it changes.
   if (!params.logit_bias.empty() && params.logit_bias.rbegin()->first >= vocab) {
     throw std::invalid_argument("logit_bias token id " +

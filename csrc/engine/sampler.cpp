@@ -85,6 +85,16 @@ void apply_cells(at::Tensor& logits, CellUpdates& cells) {
   logits.index_put_(index, penalized.sub(to_tensor(cells.subtract, device)));
 }
 
+// Sets the logits at (rows[i], tokens[i]) to -inf.
+void mask_cells(at::Tensor& logits, const std::vector<int64_t>& rows,
+                const std::vector<int64_t>& tokens) {
+  if (rows.empty()) return;
+  const at::Device device = logits.device();
+  const c10::List<std::optional<at::Tensor>> index{to_tensor(rows, device),
+                                                   to_tensor(tokens, device)};
+  logits.index_put_(index, at::scalar_tensor(kNegInf, logits.options()));
+}
+
 // While fewer than min_tokens tokens were generated, EOS (unless ignore_eos) and the stop token
 // ids are masked to -inf. Ids outside the vocabulary can never be sampled and are skipped.
 void mask_until_min_tokens(at::Tensor& logits, const std::vector<SamplingRow>& rows) {
@@ -107,11 +117,32 @@ void mask_until_min_tokens(at::Tensor& logits, const std::vector<SamplingRow>& r
       for (int64_t id : *rows[r].eos_token_ids) mask(r, id);
     }
   }
-  if (mask_row.empty()) return;
-  const at::Device device = logits.device();
-  const c10::List<std::optional<at::Tensor>> index{to_tensor(mask_row, device),
-                                                   to_tensor(mask_token, device)};
-  logits.index_put_(index, at::scalar_tensor(kNegInf, logits.options()));
+  mask_cells(logits, mask_row, mask_token);
+}
+
+// Masks to -inf the last token of every bad word whose other tokens end the row's output so far
+// (a one-token word everywhere): the output can never complete one. Costs the words' length,
+// never the vocabulary.
+void mask_bad_words(at::Tensor& logits, const std::vector<SamplingRow>& rows) {
+  const int64_t vocab = logits.size(1);
+  std::vector<int64_t> mask_row, mask_token;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const auto& words = rows[r].params->bad_words_token_ids;
+    if (words.empty()) continue;
+    const std::vector<int64_t>& out = *rows[r].output_token_ids;  // checked by apply_history
+    for (const std::vector<int64_t>& word : words) {
+      const size_t before = word.size() - 1;
+      if (before > out.size() || !std::equal(word.begin(), word.end() - 1, out.end() - before)) {
+        continue;
+      }
+      TORCH_CHECK(word.back() >= 0 && word.back() < vocab, "Sampler: row ", r,
+                  " has a bad word token id ", word.back(), " outside the vocabulary [0, ",
+                  vocab, ")");
+      mask_row.push_back(static_cast<int64_t>(r));
+      mask_token.push_back(word.back());
+    }
+  }
+  mask_cells(logits, mask_row, mask_token);
 }
 
 // Masks to -inf every logit of a row with allowed_token_ids but those ids' (kept values gathered,
@@ -161,8 +192,8 @@ void add_logit_bias(at::Tensor& logits, const std::vector<SamplingRow>& rows) {
   logits.index_put_(index, to_tensor(bias, device), /*accumulate=*/true);
 }
 
-// Applies allowed_token_ids, min_tokens, then logit_bias, then the repetition penalty, then
-// presence/frequency, in place (vLLM's order).
+// Applies allowed_token_ids, bad words, min_tokens, then logit_bias, then the repetition penalty,
+// then presence/frequency, in place (vLLM's order).
 void apply_history(at::Tensor& logits, const std::vector<SamplingRow>& rows) {
   const int64_t vocab = logits.size(1);
   std::vector<int64_t> slot;
@@ -171,13 +202,14 @@ void apply_history(at::Tensor& logits, const std::vector<SamplingRow>& rows) {
     const SamplingParams& p = *rows[r].params;
     if (!p.needs_token_history()) continue;
     TORCH_CHECK(rows[r].prompt_token_ids && rows[r].output_token_ids, "Sampler: row ", r,
-                " uses penalties or min_tokens but has no prompt/output token ids");
+                " uses penalties, min_tokens or bad words but has no prompt/output token ids");
     if (p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0) {
       if (slot.empty()) slot.assign(vocab, -1);
       add_penalty_cells(static_cast<int64_t>(r), rows[r], vocab, slot, cells);
     }
   }
   keep_allowed_tokens(logits, rows);
+  mask_bad_words(logits, rows);
   mask_until_min_tokens(logits, rows);  // -inf stays -inf through the bias and penalties below
   add_logit_bias(logits, rows);
   apply_cells(logits, cells);

@@ -53,6 +53,27 @@ void SamplingParams::validate() const {
       require(id >= 0, "allowed_token_ids must be non-negative, got " + std::to_string(id));
     }
   }
+  require(static_cast<int64_t>(bad_words.size()) <= kMaxBadWords,
+          "at most " + std::to_string(kMaxBadWords) + " bad_words, got " +
+              std::to_string(bad_words.size()));
+  for (const std::string& word : bad_words) {
+    require(word.find_first_not_of(" \t\n\r\f\v") != std::string::npos,
+            "bad_words must not be empty or blank");
+    require(static_cast<int64_t>(word.size()) <= kMaxBadWordBytes,
+            "a bad word may have at most " + std::to_string(kMaxBadWordBytes) +
+                " bytes, got one of " + std::to_string(word.size()));
+  }
+  require(static_cast<int64_t>(bad_words_token_ids.size()) <= 2 * kMaxBadWords,
+          "at most " + std::to_string(2 * kMaxBadWords) + " bad_words_token_ids sequences, got " +
+              std::to_string(bad_words_token_ids.size()));
+  for (const std::vector<int64_t>& word : bad_words_token_ids) {
+    require(!word.empty() && static_cast<int64_t>(word.size()) <= kMaxBadWordTokens,
+            "a bad_words_token_ids sequence must have 1 to " + std::to_string(kMaxBadWordTokens) +
+                " tokens, got " + std::to_string(word.size()));
+    for (int64_t id : word) {
+      require(id >= 0, "bad_words_token_ids must be non-negative, got " + std::to_string(id));
+    }
+  }
   for (const auto& [id, bias] : logit_bias) {
     require(id >= 0, "logit_bias token ids must be non-negative, got " + std::to_string(id));
     require(std::isfinite(bias) && std::abs(bias) <= kMaxLogitBias,
@@ -63,7 +84,7 @@ void SamplingParams::validate() const {
 
 bool SamplingParams::needs_token_history() const {
   return repetition_penalty != 1.0 || presence_penalty != 0.0 || frequency_penalty != 0.0 ||
-         min_tokens > 0;
+         min_tokens > 0 || !bad_words_token_ids.empty();
 }
 
 bool SamplingParams::changes_logits() const {

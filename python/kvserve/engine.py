@@ -17,6 +17,7 @@ run one after the other.
 
 from __future__ import annotations
 
+import copy
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -246,6 +247,7 @@ class LLMEngine:
             self.kv_connector = TorchDistributedConnector(
                 self.engine, args.kv_role, args.kv_host, args.kv_port, args.kv_transfer_timeout)
         self._requests: dict[str, _Request] = {}  # under _lock
+        self._bad_words_cache: dict[tuple[str, ...], list[list[int]]] = {}
         # Requests whose adapter waits for a free LoRA slot, first come first served (under
         # _lock): the C++ engine holds them as waiting (Scheduler::kLoraPending).
         self._lora_waiting: dict[str, LoRARequest] = {}
@@ -405,6 +407,9 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self._tokenize(prompt)
+        if params.bad_words and not params.bad_words_token_ids:
+            params = copy.copy(params)  # the caller's object (often shared by prompts) unchanged
+            params.bad_words_token_ids = self._bad_words_token_ids(tuple(params.bad_words))
         kept = self.truncate_prompt(ids, params.truncate_prompt_tokens)
         if len(kept) < len(ids):  # the output's prompt text is what was kept
             ids = kept
@@ -471,6 +476,28 @@ class LLMEngine:
                              f"got {keep}")
         keep = self.max_model_len if keep == -1 else keep
         return ids[-keep:] if len(ids) > keep else ids
+
+    def _bad_words_token_ids(self, words: tuple[str, ...]) -> list[list[int]]:
+        """The token sequences that spell `words` in an output, as vLLM finds them: each word
+        (leading whitespace dropped) on its own, and also after a space when that spells it with
+        another first token in as many tokens (a word inside a sentence). Remembered for the
+        last 64 word lists (one SamplingParams often serves many prompts)."""
+        if self.tokenizer is None:
+            raise ValueError(f"bad_words need a tokenizer and {self.model_dir} has no "
+                             "tokenizer.json")
+        cache = self._bad_words_cache
+        if words not in cache:
+            sequences = []
+            for word in words:
+                alone = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+                spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+                sequences += [alone] if alone else []
+                if alone and len(spaced) == len(alone) and spaced[0] != alone[0]:
+                    sequences.append(spaced)
+            if len(cache) >= 64:
+                cache.clear()
+            cache[words] = sequences
+        return cache[words]
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -15,7 +15,8 @@ SamplingParams = _C.SamplingParams
 FIELDS = ("n", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
           "presence_penalty", "frequency_penalty", "seed", "max_tokens", "min_tokens",
           "ignore_eos", "stop", "stop_token_ids", "include_stop_str_in_output", "logprobs",
-          "prompt_logprobs", "logit_bias", "allowed_token_ids", "truncate_prompt_tokens")
+          "prompt_logprobs", "logit_bias", "allowed_token_ids", "truncate_prompt_tokens",
+          "bad_words")
 
 
 def _repr(params: SamplingParams) -> str:

@@ -42,6 +42,7 @@ sampling_kwargs = st.fixed_dictionaries({}, optional={
     "allowed_token_ids": st.one_of(st.none(), st.lists(extreme_ints, max_size=4),
                                    st.just(list(range(5000)))),
     "truncate_prompt_tokens": st.one_of(st.none(), extreme_ints),
+    "bad_words": st.one_of(st.none(), st.lists(texts, max_size=4), st.just(["w"] * 200)),
 })
 
 prompts = st.one_of(

@@ -184,6 +184,26 @@ def test_logit_bias_as_openai_sends_it(client, offline):
     assert r.choices[0].message.content == offline.tokenizer.decode([plain[2]] * 4)
 
 
+def test_bad_words_as_vllm_takes_them(client, offline):
+    """vLLM's bad_words (completions and chat): the output LLM.generate gives with them."""
+    free = offline.generate([PROMPTS[1]], kvserve.SamplingParams(temperature=0, max_tokens=16),
+                            use_tqdm=False)[0].outputs[0].text
+    words = [w for w in free.split() if w.isalpha()][:3]
+    want = offline.generate([PROMPTS[1]], kvserve.SamplingParams(
+        temperature=0, max_tokens=16, bad_words=words), use_tqdm=False)[0].outputs[0].text
+    assert want != free
+    r = client.completions.create(model=NAME, prompt=PROMPTS[1], temperature=0, max_tokens=16,
+                                  extra_body={"bad_words": words})
+    assert r.choices[0].text == want
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}],
+                                       temperature=0, max_tokens=8,
+                                       extra_body={"bad_words": words})
+    assert r.choices[0].message.content == offline.chat(
+        [{"role": "user", "content": "hi"}], kvserve.SamplingParams(
+            temperature=0, max_tokens=8, bad_words=words), use_tqdm=False,
+        chat_template=TEMPLATE)[0].outputs[0].text
+
+
 def test_unset_fields_take_the_generation_config_defaults(client, offline):
     """The shipped model's generation_config.json says temperature 0.8 and top_k 50: a request
     that leaves them unset samples with them (vLLM's server does the same); a field it sets

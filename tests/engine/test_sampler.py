@@ -3,6 +3,7 @@ SamplingParams validation. Masks are checked against kvserve.testing.reference a
 Hugging Face transformers' logits warpers; sampled tokens against the filtered distribution with
 chi-square tests. Penalties against reference.apply_penalties and transformers'
 RepetitionPenaltyLogitsProcessor; logit_bias against transformers' SequenceBiasLogitsProcessor;
+bad words against its NoBadWordsLogitsProcessor over the output tokens;
 logprobs against torch.log_softmax of the raw logits."""
 
 import itertools
@@ -13,6 +14,7 @@ import pytest
 import torch
 from scipy import stats
 from transformers.generation.logits_process import (MinPLogitsWarper,
+                                                    NoBadWordsLogitsProcessor,
                                                     RepetitionPenaltyLogitsProcessor,
                                                     SequenceBiasLogitsProcessor,
                                                     TemperatureLogitsWarper, TopKLogitsWarper,
@@ -256,6 +258,10 @@ def test_sampler_rejects_mismatched_rows():
         (dict(logit_bias={-1: 1.0}), "logit_bias token ids must be non-negative"),
         (dict(allowed_token_ids=[]), "allowed_token_ids must not be empty"),
         (dict(allowed_token_ids=[3, -2]), "allowed_token_ids must be non-negative"),
+        (dict(bad_words=["ok", " \n "]), "bad_words must not be empty or blank"),
+        (dict(bad_words=[""]), "bad_words must not be empty or blank"),
+        (dict(bad_words=["x"] * 129), "at most 128 bad_words"),
+        (dict(bad_words=["y" * 1025]), "at most 1024 bytes"),
         (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens must be None, -1"),
         (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens must be None, -1"),
     ],
@@ -297,7 +303,8 @@ def test_new_fields_default_off_and_keywords_only():
     assert (params.n, params.repetition_penalty, params.presence_penalty,
             params.frequency_penalty, params.min_tokens, params.logprobs, params.stop,
             params.include_stop_str_in_output, params.logit_bias,
-            params.allowed_token_ids) == (1, 1.0, 0.0, 0.0, 0, None, [], False, {}, None)
+            params.allowed_token_ids, params.bad_words,
+            params.bad_words_token_ids) == (1, 1.0, 0.0, 0.0, 0, None, [], False, {}, None, [], [])
     with pytest.raises(TypeError):
         SamplingParams(1.0)  # keyword-only
 
@@ -307,21 +314,24 @@ def test_sampling_params_keywords_and_repr():
                             repetition_penalty=1.1, presence_penalty=-0.5,
                             frequency_penalty=0.25, seed=9, max_tokens=30, min_tokens=4,
                             ignore_eos=True, stop_token_ids=[7, 8],
-                            include_stop_str_in_output=True, logit_bias={9: -1.5, 2: 3.0})
+                            include_stop_str_in_output=True, logit_bias={9: -1.5, 2: 3.0},
+                            bad_words=["thou"])
     assert (params.n, params.logprobs, params.stop, params.min_tokens) == (2, 3, ["\n\n", "it's"], 4)
     assert repr(params) == (
         "SamplingParams(n=2, temperature=0.7, top_k=5, top_p=1.0, min_p=0.0, "
         "repetition_penalty=1.1, presence_penalty=-0.5, frequency_penalty=0.25, seed=9, "
         "max_tokens=30, min_tokens=4, ignore_eos=True, stop=['\\n\\n', \"it's\"], "
         "stop_token_ids=[7, 8], include_stop_str_in_output=True, logprobs=3, prompt_logprobs=None, "
-        "logit_bias={2: 3.0, 9: -1.5}, allowed_token_ids=None, truncate_prompt_tokens=None)")
+        "logit_bias={2: 3.0, 9: -1.5}, allowed_token_ids=None, truncate_prompt_tokens=None, "
+        "bad_words=['thou'])")
     assert SamplingParams(stop="###").stop == ["###"], "a single stop string, as in the OpenAI API"
     assert "logprobs=None" in repr(SamplingParams())
-    # The repr (Python's, kvserve.sampling_params) lists every field the C++ struct binds.
+    # The repr (Python's, kvserve.sampling_params) lists every field the C++ struct binds but
+    # bad_words_token_ids, which the engine derives from bad_words.
     from kvserve.sampling_params import FIELDS
 
     bound = {name for name, value in vars(SamplingParams).items() if isinstance(value, property)}
-    assert bound == set(FIELDS)
+    assert bound == set(FIELDS) | {"bad_words_token_ids"}
 
 
 # ------------------------------------------------------------------------ penalties and min_tokens
@@ -476,6 +486,54 @@ def test_logit_bias_equals_transformers_then_penalties(vocab):
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-6)
     assert torch.equal(tokens, want.argmax(1))
     assert (want.argmax(1) != logits.argmax(1)).sum() >= 3, "the biases must move most argmaxes"
+
+
+def bad_words_for(g, output, vocab):
+    """Words that end the output (prefix met: banned), that do not, one-token ones, and ones
+    longer than the output."""
+    words = [[int(torch.randint(0, vocab, (1,), generator=g))] for _ in range(2)]
+    for length in (2, 3):
+        if len(output) >= length - 1:
+            words.append(output[len(output) - (length - 1):] + [int(torch.randint(0, vocab, (1,),
+                                                                                   generator=g))])
+        words.append(torch.randint(0, vocab, (length,), generator=g).tolist())
+    words.append([0] * (len(output) + 2))
+    return words
+
+
+@pytest.mark.parametrize("vocab", [3, 50, 1000])
+def test_bad_words_equal_transformers_over_the_output(vocab):
+    """A word's last token is masked where the output ends with its other tokens, as
+    transformers' NoBadWordsLogitsProcessor masks it over input_ids = the output (vLLM looks at
+    the output only); the prompt plays no part; the bias and penalties come after."""
+    g = torch.Generator().manual_seed(vocab)
+    rows = 8
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    prompts, outputs = random_history(g, rows, vocab, 12)
+    outputs[0] = []
+    words = [bad_words_for(g, out, vocab) for out in outputs]
+    params = [SamplingParams(temperature=0.0) for _ in range(rows)]
+    for p, w in zip(params, words):
+        p.bad_words_token_ids = w
+    params[1].repetition_penalty = 1.3
+    params[2].logit_bias = {w[0]: 100.0 for w in words[2]}  # a banned token stays banned
+    got = logits.clone()
+    tokens, _ = Sampler().sample_rows(got, params, [RequestRandom(0)] * rows, prompts, outputs)
+    want = logits.clone()
+    for r in range(rows):
+        if outputs[r]:
+            hf = NoBadWordsLogitsProcessor(words[r], eos_token_id=None)
+            want[r] = hf(torch.tensor([outputs[r]]), logits[r:r + 1].clone())[0]
+        else:  # nothing generated yet: only the one-token words apply
+            want[r, [w[0] for w in words[r] if len(w) == 1]] = float("-inf")
+    want[2] = want[2] + torch.tensor([100.0 if t in {w[0] for w in words[2]} else 0.0
+                                      for t in range(vocab)])
+    want = reference.apply_penalties(want, prompts, outputs, *zip(*[
+        (p.repetition_penalty, 0.0, 0.0) for p in params]))
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-6)
+    # A row whose every token is banned has no distribution: -1 (the engine ends it, "error").
+    assert torch.equal(tokens, torch.where(want.isneginf().all(1), -1, want.argmax(1)))
+    assert (got.isneginf().sum(1) >= min(2, vocab)).all()
 
 
 def test_logit_bias_leaves_min_tokens_masked_and_logprobs_raw():
@@ -661,3 +719,16 @@ def test_sample_rows_rejects_bad_rows():
     with pytest.raises(RuntimeError, match="token id 10 in its history, outside the vocabulary"):
         Sampler().sample_rows(logits, [SamplingParams(repetition_penalty=1.1)] * 2, randoms,
                               [[1], [10]], [[], []])
+
+
+@pytest.mark.parametrize("sequences, match", [
+    ([[]], "1 to 256 tokens"),
+    ([[1] * 257], "1 to 256 tokens"),
+    ([[4, -1]], "bad_words_token_ids must be non-negative"),
+    ([[1]] * 257, "at most 256 bad_words_token_ids"),
+])
+def test_bad_words_token_ids_are_checked(sequences, match):
+    params = SamplingParams()
+    params.bad_words_token_ids = sequences
+    with pytest.raises(ValueError, match=match):
+        params.validate()

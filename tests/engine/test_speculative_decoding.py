@@ -327,6 +327,24 @@ def test_greedy_with_logit_bias_equals_plain_decoding(plain, name):
         assert s.acceptance_rate > 0.9
 
 
+@pytest.mark.parametrize("name", ["draft", "self-draft", "ngram"])
+def test_greedy_with_bad_words_equals_plain_decoding(plain, name):
+    # A bad word's ban depends on the tokens before it: each verified position must see the
+    # drafts accepted before it, and the drafts the ban, or the output leaves plain decoding's.
+    free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    first = plain.generate(PROMPTS[1:3], free, use_tqdm=False)
+    words = sorted({w for o in first for w in o.outputs[0].text.split() if w.isalpha()})[:6]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, bad_words=words)
+    want = tokens(plain.generate(PROMPTS[1:3], params, use_tqdm=False))
+    assert want != tokens(first)
+    llm = LLM(TARGET, dtype="float32", **SPECULATION[name])
+    assert tokens(llm.generate(PROMPTS[1:3], params, use_tqdm=False)) == want
+    s = llm.llm_engine.get_stats()
+    assert s.num_accepted_tokens > 0
+    if name == "self-draft":
+        assert s.acceptance_rate > 0.9
+
+
 @pytest.mark.parametrize("name", ["draft", "ngram"])
 def test_seeded_samples_do_not_depend_on_the_batch_at_a_fixed_k(name):
     # Each request draws its drafts and verification numbers from its own stream, so at a fixed

@@ -18,6 +18,10 @@ struct SamplingParams {
   static constexpr double kGreedyTemperature = 1e-5;
   /// A logit_bias value's bound either way (OpenAI's).
   static constexpr double kMaxLogitBias = 100.0;
+  /// bad_words: words at most, and bytes and tokens of one at most.
+  static constexpr int64_t kMaxBadWords = 128;
+  static constexpr int64_t kMaxBadWordBytes = 1024;
+  static constexpr int64_t kMaxBadWordTokens = 256;
 
   int64_t n = 1;  ///< samples per prompt (the engine forks the sequence); in [1, kMaxN]
   double temperature = 1.0;  ///< finite, >= 0; below kGreedyTemperature: greedy
@@ -58,6 +62,15 @@ struct SamplingParams {
   /// Set: only these token ids can be sampled, every other logit masked to -inf first (vLLM's
   /// allowed_token_ids); not empty. The engine checks them against the vocabulary.
   std::optional<std::vector<int64_t>> allowed_token_ids;
+  /// Words the output never contains as tokens (vLLM's bad_words): a word's last token is masked
+  /// to -inf wherever the output so far ends with its other tokens (a one-token word: always).
+  /// Tokenized by the Python engine into bad_words_token_ids (each word alone and after a space);
+  /// the prompt is not looked at, as in vLLM.
+  std::vector<std::string> bad_words;
+  /// The token sequences the sampler bans (see bad_words): filled from bad_words by
+  /// LLMEngine.add_request, or set directly by a C++ caller. The engine checks the ids against
+  /// the vocabulary.
+  std::vector<std::vector<int64_t>> bad_words_token_ids;
   /// Set: only the prompt's last N tokens are kept (-1: the last max_model_len; vLLM's
   /// truncate_prompt_tokens). Applied by the Python engine when it tokenizes the prompt.
   std::optional<int64_t> truncate_prompt_tokens;
@@ -66,10 +79,11 @@ struct SamplingParams {
   /// depend on the model (max_tokens vs max_model_len, logprobs vs vocabulary) are the engine's.
   void validate() const;
 
-  /// True when the penalties or min_tokens need the request's token history.
+  /// True when the penalties, min_tokens or bad words need the request's token history.
   bool needs_token_history() const;
-  /// True when the logits change before temperature and the filters: allowed_token_ids,
-  /// penalties, min_tokens or logit_bias (a greedy draw then is not the raw logits' argmax).
+  /// True when the logits change before temperature and the filters: allowed_token_ids, bad
+  /// words, penalties, min_tokens or logit_bias (a greedy draw then is not the raw logits'
+  /// argmax).
   bool changes_logits() const;
 };
 

@@ -90,6 +90,7 @@ class _Sampling(BaseModel):
     stop_token_ids: list[Int64] | None = None
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[Int64] | None = None
+    bad_words: list[str] | None = None
     truncate_prompt_tokens: Int64 | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -123,7 +124,7 @@ class _Sampling(BaseModel):
             seed=self.seed, logit_bias=self.token_biases(), min_tokens=self.min_tokens,
             stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            allowed_token_ids=self.allowed_token_ids,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens)
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
@@ -186,6 +187,7 @@ class CompletionRequest(_Sampling):
             raise APIError(400, "best_of other than n is not supported", param="best_of")
         check_text(self.prompt, "prompt")
         check_text(self.stop, "stop")
+        check_text(self.bad_words, "bad_words")
 
 
 class ChatMessage(BaseModel):
@@ -243,6 +245,7 @@ class ChatCompletionRequest(_Sampling):
         check_text([m.model_dump() for m in self.messages], "messages")
         check_text(self.chat_template_kwargs, "chat_template_kwargs")
         check_text(self.stop, "stop")
+        check_text(self.bad_words, "bad_words")
 
     def requested_max_tokens(self) -> int | None:
         """max_completion_tokens, else the older max_tokens; None: the rest of the context."""
