@@ -15,7 +15,9 @@ from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 
-PromptType = str | Sequence[str] | Sequence[Sequence[int]]
+# A prompt: text, token ids, or vLLM's TextPrompt / TokensPrompt dicts ({"prompt": text},
+# {"prompt_token_ids": ids}).
+PromptType = str | dict | Sequence[str | dict | Sequence[int]]
 
 
 class LLM:
@@ -65,18 +67,22 @@ class LLM:
     def generate(self, prompts: PromptType,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
-                 lora: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 lora: LoRARequest | Sequence[LoRARequest | None] | None = None, *,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                  ) -> list[RequestOutput]:
         """Completes every prompt; one RequestOutput per prompt, in order.
 
-        prompts: a string, a list of strings, or a list of token-id lists.
+        prompts: a string, a list of strings, or a list of token-id lists; vLLM's prompt dicts
+            ({"prompt": text} or {"prompt_token_ids": ids}) too, alone or in the list.
         sampling_params: one SamplingParams for all prompts or one per prompt (default:
             get_default_sampling_params(): the checkpoint's generation_config.json, else
             SamplingParams(), i.e. temperature 1, 16 tokens).
         use_tqdm: a progress bar over finished prompts with the output tokens/s.
-        lora: a LoRA adapter for all prompts, or one (or None) per prompt (enable_lora=True).
+        lora: a LoRA adapter for all prompts, or one (or None) per prompt (enable_lora=True);
+            lora_request is the same, by vLLM's name.
         Raises ValueError / TypeError for bad prompts or parameters before running anything.
         """
+        lora = self._one_lora(lora, lora_request)
         prompts = self._prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
         if lora is None or isinstance(lora, LoRARequest):
@@ -130,7 +136,9 @@ class LLM:
              lora: LoRARequest | Sequence[LoRARequest | None] | None = None,
              chat_template: str | Path | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, *,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         """Answers one conversation or several, as vLLM's LLM.chat: each is rendered with the
         checkpoint's chat template (or `chat_template`: template text or a file), tokenized
         without adding special tokens (the template writes them), then run as generate runs
@@ -147,6 +155,7 @@ class LLM:
         messages, or a template that fails on them, before running anything."""
         from kvserve.server.chat_template import ChatTemplate, message_text
 
+        lora = self._one_lora(lora, lora_request)
         if self.tokenizer is None:
             raise ValueError(f"{self.model_dir} has no tokenizer.json to encode messages with")
         if chat_template is not None:
@@ -186,15 +195,32 @@ class LLM:
         return self.tokenizer
 
     @staticmethod
+    def _one_lora(lora, lora_request):
+        if lora is not None and lora_request is not None:
+            raise ValueError("give lora or lora_request (vLLM's name), not both")
+        return lora if lora is not None else lora_request
+
+    @staticmethod
     def _prompt_list(prompts: PromptType) -> list:
-        if isinstance(prompts, str):
-            return [prompts]
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
         if not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise TypeError("prompts must be a string, a non-empty list of strings, "
                             "or a non-empty list of token-id lists")
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
             raise TypeError("prompts must be a list of prompts: wrap one token-id list in a list")
-        return list(prompts)
+        return [LLM._prompt_of(p) if isinstance(p, dict) else p for p in prompts]
+
+    @staticmethod
+    def _prompt_of(prompt: dict):
+        """The text or token ids of vLLM's TextPrompt / TokensPrompt."""
+        keys = set(prompt)
+        if keys == {"prompt"} or keys == {"prompt_token_ids"}:
+            return prompt[keys.pop()]
+        unsupported = sorted(str(k) for k in keys - {"prompt", "prompt_token_ids"})
+        why = (f"; not supported: {', '.join(unsupported)}" if unsupported else
+               ", not both" if keys else f", got {prompt!r}")
+        raise ValueError('a prompt dict holds either "prompt" (text) or "prompt_token_ids"' + why)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate uses without sampling_params: the checkpoint's generation_config.json

@@ -143,6 +143,10 @@ def test_bad_prompts_raise_and_the_llm_keeps_serving(checkpoint_factory, tmp_pat
         ([], TypeError, "prompts must be"),
         ([[1.5, 2]], TypeError, "a prompt must be"),
         (None, TypeError, "prompts must be"),
+        ([{"prompt_token_ids": good, "prompt": "x"}], ValueError, "not both"),
+        ([{"prompt": "x", "multi_modal_data": {}}], ValueError, "not supported: multi_modal_data"),
+        ([good, {}], ValueError, 'either "prompt"'),
+        ({"prompt_token_ids": [1.5]}, TypeError, "a prompt must be"),
     ]
     for prompts, error, message in cases:
         with pytest.raises(error, match=message):
@@ -151,11 +155,23 @@ def test_bad_prompts_raise_and_the_llm_keeps_serving(checkpoint_factory, tmp_pat
         assert llm.generate([good], GREEDY)[0].outputs[0].token_ids == expected
     with pytest.raises(ValueError, match="one SamplingParams or a list of 2"):
         llm.generate([good, good], [GREEDY])
+    with pytest.raises(ValueError, match="lora or lora_request"):
+        llm.generate([good], GREEDY, lora=kvserve.LoRARequest("a", "/nowhere"),
+                     lora_request=kvserve.LoRARequest("a", "/nowhere"))
     # A params object broken after construction is caught when it is used.
     broken = kvserve.SamplingParams(temperature=0)
     broken.top_p = 7.0
     with pytest.raises(ValueError, match="top_p"):
         llm.generate([good], broken)
+
+
+def test_vllm_prompt_dicts_are_prompts(checkpoint_factory):
+    llm = kvserve.LLM(checkpoint_factory("LlamaForCausalLM"), max_model_len=32)
+    good = [1, 20, 21, 22]
+    want = [o.outputs[0].token_ids for o in llm.generate([good, "hello"], GREEDY)]
+    got = llm.generate([{"prompt_token_ids": good}, {"prompt": "hello"}], GREEDY)
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert llm.generate({"prompt_token_ids": good}, GREEDY)[0].outputs[0].token_ids == want[0]
 
 
 def test_text_prompt_without_tokenizer(checkpoint_copy):
