@@ -37,15 +37,38 @@ FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_p
          "qkv_proj": ("qkv_proj", None), "gate_up_proj": ("gate_up_proj", None)}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class LoRARequest:
-    """An adapter for a request: its name (one adapter per name) and its PEFT directory."""
+    """An adapter for a request: its name (one adapter per name) and its PEFT directory.
+
+    LoRARequest(name, path), or vLLM's LoRARequest(lora_name, lora_int_id, lora_path) (its
+    keywords too), so that vLLM scripts run unchanged: the integer id is checked and not used
+    (kvserve keys adapters by name)."""
     name: str
     path: str | Path
 
-    def __post_init__(self):
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"a LoRA adapter needs a non-empty name, got {self.name!r}")
+    def __init__(self, name: str | None = None, *args, path: str | Path | None = None,
+                 lora_name: str | None = None, lora_int_id: int | None = None,
+                 lora_path: str | Path | None = None):
+        if len(args) == 2:  # vLLM's positional (lora_name, lora_int_id, lora_path)
+            lora_int_id, lora_path = args
+        elif len(args) == 1:
+            path = args[0]
+        elif args:
+            raise TypeError(f"LoRARequest takes (name, path) or (lora_name, lora_int_id, "
+                            f"lora_path), got {len(args) + 1} positional arguments")
+        if lora_int_id is not None and (isinstance(lora_int_id, bool) or
+                                        not isinstance(lora_int_id, int) or lora_int_id < 1):
+            raise ValueError(f"lora_int_id must be a positive integer, got {lora_int_id!r}")
+        names = [v for v in (name, lora_name) if v is not None]
+        paths = [v for v in (path, lora_path) if v is not None]
+        if len(names) != 1 or len(paths) != 1:
+            raise TypeError("LoRARequest needs one name (name or lora_name) and one path (path "
+                            "or lora_path)")
+        if not isinstance(names[0], str) or not names[0]:
+            raise ValueError(f"a LoRA adapter needs a non-empty name, got {names[0]!r}")
+        object.__setattr__(self, "name", names[0])
+        object.__setattr__(self, "path", paths[0])
 
 
 AdapterRef = LoRARequest

@@ -67,6 +67,25 @@ def test_each_adapter_equals_its_merged_model(adapters, architecture):
     assert_same(greedy(llm, PROMPTS), greedy(kvserve.LLM(base, dtype=torch.float32), PROMPTS))
 
 
+def test_vllms_lora_request_form_is_the_same_adapter(adapters):
+    # vLLM scripts: LoRARequest(lora_name, lora_int_id, lora_path) passed as lora_request=.
+    base, made = adapters["LlamaForCausalLM"]
+    adapter = made["qv"][0]
+    llm = kvserve.LLM(base, dtype=torch.float32, enable_lora=True, max_loras=1, max_lora_rank=8)
+    want = greedy(llm, PROMPTS, LoRARequest("qv", adapter))
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False,
+                        lora_request=LoRARequest("qv", 1, str(adapter)))
+    assert_same([(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs])
+                 for o in outs], want)
+    assert LoRARequest(lora_name="qv", lora_int_id=7, lora_path=adapter) == LoRARequest("qv",
+                                                                                       adapter)
+    for args, kwargs, error in [(("qv",), {}, TypeError), (("qv", 0, adapter), {}, ValueError),
+                                (("qv", adapter), dict(lora_path=adapter), TypeError),
+                                (("", adapter), {}, ValueError)]:
+        with pytest.raises(error):
+            LoRARequest(*args, **kwargs)
+
+
 def test_one_batch_mixes_adapters_and_the_base_model(adapters):
     base, made = adapters["LlamaForCausalLM"]
     names = list(made)
