@@ -59,6 +59,10 @@ class Tokenizer:
             return full[len(prefix):]
         return self.decode(token_ids)  # the boundary changed the prefix (e.g. a split character)
 
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """Each id's token as the vocabulary spells it (byte-level marks included)."""
+        return [self._tok.id_to_token(i) for i in token_ids]
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)

@@ -204,6 +204,41 @@ def test_bad_words_as_vllm_takes_them(client, offline):
         chat_template=TEMPLATE)[0].outputs[0].text
 
 
+def test_tokenize_and_detokenize_as_vllm_serves_them(server, offline):
+    def post(path, **body):
+        return httpx.post(server.url + path, json=body, timeout=30)
+
+    text = PROMPTS[1]
+    r = post("/tokenize", model=NAME, prompt=text, return_token_strs=True).json()
+    want = offline.tokenizer.encode(text)
+    assert r["tokens"] == want and r["count"] == len(want) and r["max_model_len"] == 256
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(MODEL / "tokenizer.json"))
+    assert r["token_strs"] == hf.convert_ids_to_tokens(want)
+    r = post("/tokenize", prompt=text, add_special_tokens=False).json()
+    assert r["tokens"] == offline.tokenizer.encode(text, add_special_tokens=False)
+    assert "token_strs" not in r
+    messages = [{"role": "user", "content": "Speak, speak."}]
+    r = post("/tokenize", model=NAME, messages=messages).json()
+    chat = offline.chat(messages, kvserve.SamplingParams(max_tokens=1), use_tqdm=False,
+                        chat_template=TEMPLATE)[0]
+    assert r["tokens"] == chat.prompt_token_ids
+    r = post("/detokenize", model=NAME, tokens=want).json()
+    assert r["prompt"] == offline.tokenizer.decode(want)
+    assert httpx.get(server.url + "/version").json()["version"]
+    for path, body, status, param in [
+            ("/tokenize", dict(prompt="x", messages=messages), 400, "prompt"),
+            ("/tokenize", dict(), 400, "prompt"),
+            ("/tokenize", dict(messages=[]), 400, "messages"),
+            ("/tokenize", dict(prompt="x", model="other"), 404, "model"),
+            ("/detokenize", dict(tokens=[1, 10**6]), 400, "tokens"),
+            ("/detokenize", dict(tokens=[-1]), 400, "tokens"),
+            ("/detokenize", dict(tokens="abc"), 400, "tokens")]:
+        r = post(path, **body)
+        assert r.status_code == status, (path, body, r.text)
+        assert r.json()["error"]["param"] == param, (path, body, r.text)
+
+
 def test_unset_fields_take_the_generation_config_defaults(client, offline):
     """The shipped model's generation_config.json says temperature 0.8 and top_k 50: a request
     that leaves them unset samples with them (vLLM's server does the same); a field it sets

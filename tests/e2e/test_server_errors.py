@@ -141,6 +141,18 @@ def test_the_key_is_checked_before_the_body(server):
                                        headers={"authorization": header}), 401)
 
 
+def test_tokenize_routes_sit_behind_the_key_and_the_limits(server):
+    for path, body in [("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})]:
+        assert_openai_error(httpx.post(server.url + path, json=body), 401)
+        assert post(server, path, body=body).status_code == 200
+    assert_openai_error(post(server, "/tokenize", body={"prompt": "x" * 501}), 400,
+                        "more than 500")
+    assert_openai_error(post(server, "/tokenize", body={"messages": [
+        {"role": "user", "content": "y" * 600}]}), 400, "more than 500")
+    assert_openai_error(post(server, "/tokenize", body={"prompt": "\ud800"}), 400,
+                        "lone surrogate")
+
+
 def test_bearer_tokens_compare_in_constant_time_and_any_case():
     assert bearer_token_matches("bEaReR k", "k")
     assert not bearer_token_matches(None, "k")

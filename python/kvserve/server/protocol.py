@@ -275,3 +275,34 @@ def check_text(value, param: str) -> None:
         for key, item in value.items():
             check_text(key, param)
             check_text(item, param)
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's): a prompt, or chat messages rendered with the model's template.
+    add_special_tokens defaults to true for a prompt and false for messages (the template writes
+    them), as in vLLM."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    def check_supported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give either prompt or messages", param="prompt")
+        if self.messages is not None and not self.messages:
+            raise APIError(400, "messages must not be empty", param="messages")
+        check_text(self.prompt, "prompt")
+        check_text([m.model_dump() for m in self.messages or []], "messages")
+        check_text(self.chat_template_kwargs, "chat_template_kwargs")
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[Int64]
