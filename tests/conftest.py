@@ -58,7 +58,9 @@ SERIAL = ("tests/e2e/", "tests/distributed/test_tensor_parallel_launch.py",
 # whose time goes to Python or transformers, which the sanitizer does not see: llama2.c
 # conversion, GGUF files (read and converted to kvserve's layouts in Python; the corrupt ones
 # also load in processes with limited address space, which ASan's shadow memory cannot take),
-# perplexity against transformers, resident memory, detokenization, distillation,
+# perplexity against transformers, resident memory, detokenization, chat templates and bad
+# words against transformers (the sampler's bad-word mask runs sanitized in test_sampler.py),
+# distillation,
 # scripts/train_tiny.py and `kvserve train-eagle` (PyTorch training around forwards the other
 # tests cover), the
 # speculative sampler's statistical tests (the same C++ as its exact ones), the config variants
@@ -79,7 +81,8 @@ UNSANITIZED_FILES = (
     "tests/models/test_gguf.py", "tests/models/test_gguf_corrupt.py",
     "tests/models/test_distill.py",
     "tests/models/test_train_tiny.py", "tests/models/test_train_eagle.py",
-    "tests/engine/test_detokenizer.py")
+    "tests/engine/test_detokenizer.py", "tests/engine/test_chat_template.py",
+    "tests/engine/test_bad_words.py")
 UNSANITIZED_NAMES = (
     "test_cpu_capability_variants", "test_train_tiny", "ten_thousand_tokens",
     "test_bf16_logits_within_tolerance", "follow_the_target_distribution",
