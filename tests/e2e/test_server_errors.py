@@ -279,13 +279,14 @@ def test_ignored_fields_are_named_once_in_the_log(server, caplog, monkeypatch):
     from kvserve.server import protocol
     monkeypatch.setattr(protocol, "_warned_fields", set())  # whatever other tests sent
     body = completion()
-    body.update(guided_json={"type": "object"}, bad_words=["x"], temperature=0)
+    body.update(guided_json={"type": "object"}, guided_regex="x+", bad_words=["x"],
+                temperature=0)
     with caplog.at_level("WARNING", logger="kvserve.server"):
         for _ in range(2):
             assert post(server, "/v1/completions", body=body).status_code == 200
     warned = [r.getMessage() for r in caplog.records if r.name == "kvserve.server"]
-    assert len(warned) == 1 and "'bad_words', 'guided_json'" in warned[0]
-    assert "temperature" not in warned[0]
+    assert len(warned) == 1 and "'guided_json', 'guided_regex'" in warned[0]
+    assert "temperature" not in warned[0] and "bad_words" not in warned[0]  # both taken
     caplog.clear()
     with caplog.at_level("WARNING", logger="kvserve.server"):
         protocol._warn_ignored([f"f{i}" for i in range(400)])
