@@ -9,9 +9,11 @@ For each model (random weights of a real shape, bf16, built on the GPU and saved
     transformers `generate` on the same model object, prompts and token counts (greedy,
     min_new_tokens = max_new_tokens, its default dynamic cache).
 kvserve runs once per --modes entry: `graphs` (CUDA graphs for its decode steps,
-enforce_eager=False, the default), `eager` (enforce_eager=True), and either with `-<kernel>`
-appended (`graphs-rows`: paged_attention's row kernel forced, kvserve._C.set_cuda_attention_kernel,
-set before each of that engine's calls so that its graphs capture it). Medians of --repeats, the
+enforce_eager=False, the default), `async` (graphs and async_scheduling: each step launched
+before the last one's samples reach the host), `eager` (enforce_eager=True), and any with
+`-<kernel>` appended (`graphs-rows`: paged_attention's row kernel forced,
+kvserve._C.set_cuda_attention_kernel, set before each of that engine's calls so that its graphs
+capture it). Medians of --repeats, the
 engines interleaved. Prints a markdown table; writes JSON to --out.
 With --profile-steps N (default 32), each mode's batch-1 decode is then profiled for N steps
 (torch.profiler, kvserve.testing.bench.device_profile): wall and GPU-busy ms per step (their gap
@@ -152,8 +154,8 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cache", default="/tmp/kvserve-bench-checkpoints")
-    parser.add_argument("--modes", nargs="+", default=["graphs", "eager"],
-                        help="graphs | eager, optionally -mma / -rows / -general")
+    parser.add_argument("--modes", nargs="+", default=["graphs", "async", "eager"],
+                        help="graphs | async | eager, optionally -mma / -rows / -general")
     parser.add_argument("--profile-steps", type=int, default=32,
                         help="decode steps profiled per mode (0: none)")
     parser.add_argument("--out", default="benchmarks/results/cuda_e2e.json")
@@ -169,7 +171,8 @@ def main() -> None:
                                      max_model_len=2048, max_num_seqs=args.batch,
                                      max_num_batched_tokens=4096, kv_cache_memory=8 << 30,
                                      log_memory_plan=False,
-                                     enforce_eager=mode.startswith("eager"))
+                                     enforce_eager=mode.startswith("eager"),
+                                     async_scheduling=mode.startswith("async"))
                    for mode in args.modes}
 
         def use(mode):  # the mode's attention kernel, for this engine's next calls

@@ -105,6 +105,7 @@ void bind_outputs(py::module_& m) {
       .def_readonly("num_failed_requests", &EngineStats::num_failed_requests)
       .def_readonly("num_steps", &EngineStats::num_steps)
       .def_readonly("num_cuda_graph_steps", &EngineStats::num_cuda_graph_steps)
+      .def_readonly("num_async_steps", &EngineStats::num_async_steps)
       .def_readonly("num_generated_tokens", &EngineStats::num_generated_tokens)
       .def_readonly("num_computed_prompt_tokens", &EngineStats::num_computed_prompt_tokens)
       .def_readonly("num_loaded_prompt_tokens", &EngineStats::num_loaded_prompt_tokens)
@@ -202,8 +203,9 @@ void bind_continuous_batching_engine(py::module_& m) {
                        int64_t cuda_graph_max_batch, int64_t max_stop_strings,
                        int64_t max_stop_string_length, int64_t max_waiting_requests,
                        std::optional<at::ScalarType> ssm_state_dtype,
-                       int64_t num_state_snapshots) {
+                       int64_t num_state_snapshots, bool async_scheduling) {
              EngineConfig c;
+             c.async_scheduling = async_scheduling;
              c.ssm_state_dtype = ssm_state_dtype;
              c.num_state_snapshots = num_state_snapshots;
              c.max_num_seqs = max_num_seqs;
@@ -238,7 +240,9 @@ void bind_continuous_batching_engine(py::module_& m) {
            py::arg("max_stop_string_length") = defaults.max_stop_string_length,
            py::arg("max_waiting_requests") = defaults.max_waiting_requests,
            py::arg("ssm_state_dtype") = py::none(),
-           py::arg("num_state_snapshots") = defaults.num_state_snapshots)
+           py::arg("num_state_snapshots") = defaults.num_state_snapshots,
+           py::arg("async_scheduling") = defaults.async_scheduling)
+      .def_readonly("async_scheduling", &EngineConfig::async_scheduling)
       .def_readonly("ssm_state_dtype", &EngineConfig::ssm_state_dtype)
       .def_readonly("num_state_snapshots", &EngineConfig::num_state_snapshots)
       .def_readonly("kv_cache_memory", &EngineConfig::kv_cache_memory)

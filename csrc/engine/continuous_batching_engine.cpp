@@ -16,20 +16,8 @@ namespace kvserve {
 namespace {
 
 using engine_helpers::contains;
+using engine_helpers::message_of;
 using engine_helpers::now;
-
-/// What an exception says, without a c10::Error's C++ backtrace.
-std::string message_of(std::exception_ptr error) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    return e.what();
-  } catch (...) {
-    return "an unknown exception";
-  }
-}
 
 const char* kNoDistribution =
     "the model's logits held no token with a non-zero probability (NaN or inf in the logits, or "
@@ -76,6 +64,9 @@ ContinuousBatchingEngine::ContinuousBatchingEngine(std::shared_ptr<CausalLM> mod
                .cuda_graph_max_batch = config_.cuda_graph_max_batch,
                .max_model_len = config_.max_model_len,
                .workers = std::move(workers)}) {
+  if (config_.async_scheduling && workers_ && workers_->size() > 1) {
+    throw std::invalid_argument("async_scheduling is not supported with tensor parallelism yet");
+  }
   if (speculator_) {
     stats_.accepted_per_position.assign(config_.speculative.num_speculative_tokens, 0);
   }
@@ -89,22 +80,37 @@ std::vector<RequestOutput> ContinuousBatchingEngine::step(bool finished_only) {
   apply_commands();
   std::vector<RequestOutput> outputs = take_aborted_outputs();
   report_loaded(outputs);
+  const bool overlap = can_overlap();
+  if (in_flight_ && !overlap) {
+    // The next step needs the launched one's samples on the host: this call only takes them.
+    finish_in_flight(outputs, finished_only);
+    publish_stats();
+    return outputs;
+  }
   const int64_t num_speculative =
       speculator_ ? speculator_->num_speculative_tokens(scheduler_.num_running()) : 0;
-  const SchedulerOutput work = scheduler_.schedule(num_speculative);
+  SchedulerOutput work = scheduler_.schedule(num_speculative);
   queue_loads(work);
   if (work.empty()) {
-    // Loads in flight are progress: their requests run once their KV arrives.
-    if (scheduler_.num_loading() == 0) {
+    // Loads in flight are progress: their requests run once their KV arrives; so is a
+    // launched step's samples.
+    if (in_flight_) {
+      finish_in_flight(outputs, finished_only);
+      num_idle_steps_ = 0;
+    } else if (scheduler_.num_loading() == 0) {
       fail_if_stalled(outputs);
     } else {
       num_idle_steps_ = 0;
     }
   } else {
     num_idle_steps_ = 0;
-    const StepSamples samples = plan_samples(work);
-    const ModelRunnerOutput result = execute(work, samples);
-    update_from_output(work, samples, result, outputs, finished_only);
+    StepSamples samples = plan_samples(work);
+    if (overlap) {
+      launch_step(std::move(work), std::move(samples), outputs, finished_only);
+    } else {
+      const ModelRunnerOutput result = execute(work, samples);
+      update_from_output(work, samples, result, outputs, finished_only);
+    }
     block_manager_.commit_state_snapshots();  // states saved this step now serve prefix hits
   }
   publish_stats();
@@ -204,21 +210,32 @@ ModelRunnerOutput ContinuousBatchingEngine::execute(const SchedulerOutput& work,
     }
     return runner_.execute(work, samples.targets, samples.prompt_targets);
   } catch (...) {
-    // The step's K/V may be partial: end its requests with an error (their clients must not
-    // take a truncated output for a finished one) and drop any cache entry the step created.
-    std::vector<std::string> failed;
-    for (const ScheduledSequence& s : work.scheduled) {
-      const std::string& id = where_.at(s.seq_id).request->id;
-      if (std::find(failed.begin(), failed.end(), id) == failed.end()) failed.push_back(id);
-    }
-    const std::string error = "the engine step running this request failed: " +
-                              message_of(std::current_exception());
-    for (const std::string& id : failed) end_request(id, "error", error);
-    block_manager_.reset_prefix_cache();
-    block_manager_.discard_state_snapshots();  // states the step did not finish writing
-    publish_stats();
+    fail_step(&work, message_of(std::current_exception()));
     throw;
   }
+}
+
+void ContinuousBatchingEngine::fail_step(const SchedulerOutput* work, const std::string& error) {
+  // The step's K/V may be partial: end its requests with an error (their clients must not take a
+  // truncated output for a finished one) and drop any cache entry the step created. A step in
+  // flight is lost with it: its samples may never arrive.
+  std::vector<std::string> failed;
+  auto add = [&](const SchedulerOutput& w) {
+    for (const ScheduledSequence& s : w.scheduled) {
+      auto where = where_.find(s.seq_id);
+      if (where == where_.end()) continue;
+      const std::string& id = where->second.request->id;
+      if (std::find(failed.begin(), failed.end(), id) == failed.end()) failed.push_back(id);
+    }
+  };
+  if (work) add(*work);
+  if (in_flight_) add(in_flight_->work);
+  in_flight_.reset();
+  const std::string message = "the engine step running this request failed: " + error;
+  for (const std::string& id : failed) end_request(id, "error", message);
+  block_manager_.reset_prefix_cache();
+  block_manager_.discard_state_snapshots();  // states the step did not finish writing
+  publish_stats();
 }
 
 void ContinuousBatchingEngine::update_from_output(const SchedulerOutput& work,
@@ -226,14 +243,7 @@ void ContinuousBatchingEngine::update_from_output(const SchedulerOutput& work,
                                                   const ModelRunnerOutput& result,
                                                   std::vector<RequestOutput>& outputs,
                                                   bool finished_only) {
-  for (const ScheduledSequence& s : work.scheduled) {
-    const int64_t prompt = sequences_.at(s.seq_id).num_prompt_tokens;
-    stats_.num_computed_prompt_tokens +=
-        std::max<int64_t>(0, std::min(s.num_computed + s.num_new_tokens, prompt) - s.num_computed);
-  }
-  scheduler_.update_computed(work);
-  ++stats_.num_steps;
-  if (result.cuda_graph) ++stats_.num_cuda_graph_steps;
+  advance(work, result.cuda_graph);
   for (Request* request : samples.forking) {
     const int64_t parent = request->completions.front().seq_id;
     for (size_t c = 1; c < request->completions.size(); ++c) {
@@ -247,10 +257,34 @@ void ContinuousBatchingEngine::update_from_output(const SchedulerOutput& work,
     std::vector<TokenLogprobs>& scored = samples.prompt_requests[k]->prompt_logprobs;
     scored.insert(scored.end(), result.prompt_logprobs[k].begin(), result.prompt_logprobs[k].end());
   }
+  take_samples(work, samples, result, outputs, finished_only, /*pending=*/false);
+}
+
+void ContinuousBatchingEngine::advance(const SchedulerOutput& work, bool cuda_graph) {
+  for (const ScheduledSequence& s : work.scheduled) {
+    const int64_t prompt = sequences_.at(s.seq_id).num_prompt_tokens;
+    stats_.num_computed_prompt_tokens +=
+        std::max<int64_t>(0, std::min(s.num_computed + s.num_new_tokens, prompt) - s.num_computed);
+  }
+  scheduler_.update_computed(work);
+  ++stats_.num_steps;
+  if (cuda_graph) ++stats_.num_cuda_graph_steps;
+}
+
+void ContinuousBatchingEngine::take_samples(const SchedulerOutput& work,
+                                            const StepSamples& samples,
+                                            const ModelRunnerOutput& result,
+                                            std::vector<RequestOutput>& outputs,
+                                            bool finished_only, bool pending) {
   const double t = now();
   const uint64_t mark = ++next_mark_;
   std::vector<Request*> touched;
   for (size_t i = 0; i < samples.targets.size(); ++i) {
+    if (pending) {
+      // Ended since the launch (a stop, an abort): its request may be gone.
+      const int64_t seq_id = work.scheduled[samples.targets[i].scheduled_index].seq_id;
+      if (where_.count(seq_id) == 0) continue;
+    }
     auto [request_ptr, completion_ptr] = samples.completions[i];
     Request& request = *request_ptr;
     Completion& completion = *completion_ptr;
@@ -278,7 +312,7 @@ void ContinuousBatchingEngine::update_from_output(const SchedulerOutput& work,
       ++m.num_generated_tokens;
       ++stats_.num_generated_tokens;
       const bool accepted_draft = static_cast<int64_t>(j) < sampled.num_accepted;
-      if (!append_token(request, completion, token, accepted_draft)) break;
+      if (!append_token(request, completion, token, accepted_draft, pending)) break;
     }
   }
   stats_.propose_seconds += result.propose_seconds;
@@ -343,7 +377,7 @@ void ContinuousBatchingEngine::count_speculation(Request& request, const Sampled
 }
 
 bool ContinuousBatchingEngine::append_token(Request& request, Completion& completion,
-                                            int64_t token, bool kv_written) {
+                                            int64_t token, bool kv_written, bool pending) {
   const SamplingParams& p = request.params;
   const int64_t generated = static_cast<int64_t>(completion.output.token_ids.size());
   const bool may_stop = generated >= p.min_tokens;
@@ -353,6 +387,9 @@ bool ContinuousBatchingEngine::append_token(Request& request, Completion& comple
   } else if (generated >= p.max_tokens ||
              static_cast<int64_t>(request.prompt.size()) + generated >= config_.max_model_len) {
     end_completion(completion, "length");
+  } else if (pending) {
+    scheduler_.set_pending_token(completion.seq_id, static_cast<int32_t>(token));
+    return true;
   } else {
     scheduler_.append_token(completion.seq_id, static_cast<int32_t>(token), kv_written);
     return true;

@@ -76,7 +76,8 @@ int64_t CudaGraphRunner::num_graphs() const {
 }
 
 at::Tensor CudaGraphRunner::forward(const ForwardBatchBuilder& builder,
-                                    const std::vector<LayerKVCache>& caches) {
+                                    const std::vector<LayerKVCache>& caches,
+                                    const TokenFeed* feed) {
 #if KVSERVE_WITH_CUDA
   const int64_t size = builder.num_sequences();
   if (padded_size(size) != size || builder.num_tokens() != size ||
@@ -88,6 +89,7 @@ at::Tensor CudaGraphRunner::forward(const ForwardBatchBuilder& builder,
   if (found != graphs_->steps.end()) {
     CapturedStep& step = found->second;
     builder.build(device, table_width_, step.batch.storage);
+    if (feed) feed->apply(step.batch.input_ids);
     step.graph->replay();
     return step.hidden;
   }
@@ -95,6 +97,7 @@ at::Tensor CudaGraphRunner::forward(const ForwardBatchBuilder& builder,
   // a side stream, ordered after the caller's stream and before its next work.
   CapturedStep step;
   step.batch = builder.build(device, table_width_);
+  if (feed) feed->apply(step.batch.input_ids);
   const ForwardBatch& batch = step.batch;
   at::Tensor hidden = model_.forward(batch.input_ids, batch.positions, batch.metadata, caches);
   const c10::cuda::CUDAGuard guard(device);
@@ -126,6 +129,7 @@ at::Tensor CudaGraphRunner::forward(const ForwardBatchBuilder& builder,
 #else
   (void)builder;
   (void)caches;
+  (void)feed;
   throw std::logic_error("CudaGraphRunner: this build has no CUDA");
 #endif
 }

@@ -93,6 +93,10 @@ EngineConfig resolve_engine_config(EngineConfig c, const ModelConfig& model, at:
       bad("ssm_state_dtype must be float32 or the model's dtype, got " +
           std::string(c10::toString(*c.ssm_state_dtype)));
     }
+    if (c.async_scheduling) {
+      bad("async_scheduling is not supported for models with state-space layers (" +
+          model.architecture + ") yet");
+    }
     if (!c.speculative.method.empty() || draft != nullptr) {
       bad("speculative decoding is not supported for models with state-space layers (" +
           model.architecture + "): it would need a state per draft position");
@@ -130,6 +134,9 @@ EngineConfig resolve_engine_config(EngineConfig c, const ModelConfig& model, at:
     bad("num_blocks must be >= 2 (block 0 is the null block), got " + number(c.num_blocks));
   }
   c.speculative.validate();
+  if (c.async_scheduling && (!c.speculative.method.empty() || draft != nullptr)) {
+    bad("async_scheduling is not supported with speculative decoding yet");
+  }
   if (c.max_logprobs < 0) bad("max_logprobs must be >= 0, got " + number(c.max_logprobs));
   if (c.cuda_graph_max_batch < 0) {
     bad("cuda_graph_max_batch must be >= 0, got " + number(c.cuda_graph_max_batch));

@@ -4,11 +4,14 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <exception>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -24,6 +27,19 @@ inline double now() {
 
 inline bool contains(const std::vector<int64_t>& ids, int64_t id) {
   return std::find(ids.begin(), ids.end(), id) != ids.end();
+}
+
+/// What an exception says, without a c10::Error's C++ backtrace.
+inline std::string message_of(std::exception_ptr error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "an unknown exception";
+  }
 }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }

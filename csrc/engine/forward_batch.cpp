@@ -323,4 +323,12 @@ ForwardBatch ForwardBatchBuilder::build(at::Device device, int64_t table_width,
   return batch;
 }
 
+void TokenFeed::apply(at::Tensor& input_ids) const {
+  if (rows.empty()) return;
+  const at::Device device = input_ids.device();
+  const at::Tensor fed =
+      tokens.index_select(0, engine_helpers::to_tensor(sources, device)).clamp_min_(0);
+  input_ids.index_copy_(0, engine_helpers::to_tensor(rows, device), fed);
+}
+
 }  // namespace kvserve

@@ -79,10 +79,22 @@ ModelRunner::~ModelRunner() {
   }
 }
 
-ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
-                                       const std::vector<SamplingTarget>& targets,
-                                       const std::vector<PromptLogprobsTarget>& prompt_targets) {
-  ModelRunnerOutput out;
+std::vector<std::pair<int32_t, int32_t>> ModelRunner::prepare(
+    const SchedulerOutput& work, const std::vector<SamplingTarget>& targets,
+    const std::vector<PromptLogprobsTarget>& prompt_targets, const TokenFeed* feed) {
+  // Every token still being sampled (kPendingToken) must be one that `feed` fills.
+  std::vector<int64_t> pending;
+  int64_t row = 0;
+  for (const ScheduledSequence& s : work.scheduled) {
+    for (const int32_t token : s.token_ids) {
+      if (token == kPendingToken) pending.push_back(row);
+      ++row;
+    }
+  }
+  if (pending != (feed ? feed->rows : std::vector<int64_t>{})) {
+    throw std::logic_error("ModelRunner: the step's tokens still being sampled are not the ones "
+                           "its token feed fills");
+  }
   std::vector<std::pair<int32_t, int32_t>> copies;
   for (const BlockCopy& c : work.block_copies) copies.emplace_back(c.src, c.dst);
   kv_cache_.copy_blocks(copies);
@@ -120,6 +132,15 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
                               " tokens of sequence " + std::to_string(s.seq_id));
     }
   }
+  return copies;
+}
+
+ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
+                                       const std::vector<SamplingTarget>& targets,
+                                       const std::vector<PromptLogprobsTarget>& prompt_targets) {
+  ModelRunnerOutput out;
+  const std::vector<std::pair<int32_t, int32_t>> copies =
+      prepare(work, targets, prompt_targets, nullptr);
   Proposals proposals;
   proposals.tokens.resize(work.scheduled.size());
   if (speculator_) {
@@ -193,23 +214,8 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
       hidden_rows.push_back(starts[t.scheduled_index] + t.position + static_cast<int64_t>(j));
     }
   }
-  at::Tensor hidden;
-  const int64_t graph_size =
-      graphs_ && decode_only && builder.max_table_blocks() <= graphs_->table_width()
-          ? graphs_->padded_size(builder.num_sequences())
-          : 0;
-  if (graph_size > 0) {
-    while (builder.num_sequences() < graph_size) builder.add_padding();
-    hidden = graphs_->forward(builder, kv_cache_.layers());
-    out.cuda_graph = true;
-  } else {
-    if (workers_) {
-      send_to_workers(*workers_, WorkerCommand::kStep,
-                      pack_step(copies, hidden_rows, num_sampled_rows, builder));
-    }
-    const ForwardBatch batch = builder.build(model_->device());
-    hidden = model_->forward(batch.input_ids, batch.positions, batch.metadata, kv_cache_.layers());
-  }
+  const at::Tensor hidden = run_forward(builder, decode_only, copies, hidden_rows,
+                                        num_sampled_rows, nullptr, out.cuda_graph);
   // States saved at block boundaries, now that the forward has written them.
   std::vector<std::pair<int32_t, int32_t>> snapshots;
   for (const StateCopy& c : work.state_snapshots) snapshots.emplace_back(c.src, c.dst);
@@ -264,6 +270,90 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
     }
   }
   if (verifies) out.verify_seconds = seconds_since(forward_started);
+  return out;
+}
+
+at::Tensor ModelRunner::run_forward(ForwardBatchBuilder& builder, bool decode_only,
+                                    const std::vector<std::pair<int32_t, int32_t>>& copies,
+                                    const std::vector<int64_t>& hidden_rows,
+                                    int64_t num_sampled_rows, const TokenFeed* feed,
+                                    bool& cuda_graph) {
+  const int64_t graph_size =
+      graphs_ && decode_only && builder.max_table_blocks() <= graphs_->table_width()
+          ? graphs_->padded_size(builder.num_sequences())
+          : 0;
+  if (graph_size > 0) {
+    while (builder.num_sequences() < graph_size) builder.add_padding();
+    cuda_graph = true;
+    return graphs_->forward(builder, kv_cache_.layers(), feed);
+  }
+  if (workers_) {
+    if (feed && !feed->rows.empty()) {
+      throw std::logic_error("ModelRunner: pending tokens cannot go to tensor-parallel workers");
+    }
+    send_to_workers(*workers_, WorkerCommand::kStep,
+                    pack_step(copies, hidden_rows, num_sampled_rows, builder));
+  }
+  ForwardBatch batch = builder.build(model_->device());
+  if (feed) feed->apply(batch.input_ids);
+  return model_->forward(batch.input_ids, batch.positions, batch.metadata, kv_cache_.layers());
+}
+
+LaunchedStep ModelRunner::launch(const SchedulerOutput& work,
+                                 const std::vector<SamplingTarget>& targets,
+                                 const TokenFeed& feed) {
+  if (speculator_ || workers_) {
+    throw std::logic_error("ModelRunner::launch: no asynchronous steps with speculation or "
+                           "tensor parallelism");
+  }
+  const std::vector<std::pair<int32_t, int32_t>> copies = prepare(work, targets, {}, &feed);
+  ForwardBatchBuilder builder(kv_cache_.block_size(), model_->lora_enabled());
+  std::vector<int64_t> starts;
+  int64_t num_rows = 0;
+  bool decode_only = true;
+  for (const ScheduledSequence& s : work.scheduled) {
+    if (kv_cache_.layout().has_state() && s.state_slot < 0) {
+      throw std::invalid_argument("scheduled sequence " + std::to_string(s.seq_id) +
+                                  " has no state slot; the model keeps states");
+    }
+    builder.add_grouped(std::vector<int64_t>(s.token_ids.begin(), s.token_ids.end()),
+                        s.num_computed, s.block_tables, s.lora_slot, s.state_slot);
+    starts.push_back(num_rows);
+    num_rows += s.num_new_tokens;
+    decode_only = decode_only && s.num_new_tokens == 1;
+  }
+  std::vector<int64_t> hidden_rows;
+  std::vector<SamplingRow> rows;
+  for (const SamplingTarget& t : targets) {
+    hidden_rows.push_back(starts[t.scheduled_index] + t.position);
+    rows.push_back(t.row);
+  }
+  LaunchedStep step;
+  const at::Tensor hidden =
+      run_forward(builder, decode_only, copies, hidden_rows,
+                  static_cast<int64_t>(hidden_rows.size()), &feed, step.cuda_graph);
+  std::vector<std::pair<int32_t, int32_t>> snapshots;
+  for (const StateCopy& c : work.state_snapshots) snapshots.emplace_back(c.src, c.dst);
+  kv_cache_.copy_states(snapshots);
+  at::Tensor logits = hidden_rows.empty()
+                          ? at::Tensor()
+                          : model_->compute_logits(
+                                hidden.index_select(0, to_tensor(hidden_rows, hidden.device())));
+  if (logits.defined()) step.samples = sampler_.begin_sample(logits, rows);
+  return step;
+}
+
+ModelRunnerOutput ModelRunner::finish(LaunchedStep& step) {
+  ModelRunnerOutput out;
+  out.cuda_graph = step.cuda_graph;
+  if (step.samples.num_rows == 0) return out;
+  SamplerOutput sampled = sampler_.finish_sample(step.samples);
+  out.samples.resize(step.samples.num_rows);
+  const int64_t* token = sampled.token_ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < step.samples.num_rows; ++i) {
+    out.samples[i].token_ids = {token[i]};
+    out.samples[i].logprobs = {std::move(sampled.logprobs[i])};
+  }
   return out;
 }
 

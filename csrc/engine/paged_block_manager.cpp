@@ -22,6 +22,16 @@ void check_tokens(const std::vector<int32_t>& tokens, const char* what) {
   }
 }
 
+// append_slots' tokens: kPendingToken may stand last (asynchronous scheduling).
+void check_new_tokens(const std::vector<int32_t>& tokens) {
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] < 0 && !(tokens[i] == kPendingToken && i + 1 == tokens.size())) {
+      throw std::invalid_argument("append_slots: token ids must be non-negative, got " +
+                                  std::to_string(tokens[i]));
+    }
+  }
+}
+
 void check_prompt(const std::vector<int32_t>& prompt_tokens, const char* what) {
   if (prompt_tokens.empty()) throw std::invalid_argument(std::string(what) + ": empty prompt");
   check_tokens(prompt_tokens, what);
@@ -324,7 +334,7 @@ bool PagedBlockManager::can_append_slots(int64_t seq_id, int64_t num_new_tokens,
 std::vector<BlockCopy> PagedBlockManager::append_slots(int64_t seq_id,
                                                        const std::vector<int32_t>& new_tokens,
                                                        int64_t num_lookahead) {
-  check_tokens(new_tokens, "append_slots");
+  check_new_tokens(new_tokens);
   if (!can_append_slots(seq_id, static_cast<int64_t>(new_tokens.size()), num_lookahead)) {
     throw std::runtime_error("append_slots: not enough free KV cache blocks for " +
                              std::to_string(new_tokens.size()) + " more tokens and " +
@@ -403,6 +413,11 @@ void PagedBlockManager::mark_computed(int64_t seq_id, int64_t num_computed_token
   if (!enable_prefix_caching_) return;
   for (; seq.num_hashed < num_computed_tokens / block_size_; ++seq.num_hashed) {
     const int64_t index = seq.num_hashed;
+    const auto first = seq.tokens.begin() + index * block_size_;
+    if (std::find(first, first + block_size_, kPendingToken) != first + block_size_) {
+      throw std::logic_error("mark_computed: sequence " + std::to_string(seq_id) +
+                             " has a block with a token still being sampled");
+    }
     const uint64_t hash = hash_fn_(seq.chain_hash, seq.tokens.data() + index * block_size_,
                                    block_size_, seq.extra_key);
     for (int64_t g = 0; g < num_groups(); ++g) {
@@ -415,6 +430,16 @@ void PagedBlockManager::mark_computed(int64_t seq_id, int64_t num_computed_token
     seq.chain_hash = hash;
   }
   if (num_state_snapshots_ > 0) ready_state_snapshot(seq_id, seq);
+}
+
+void PagedBlockManager::set_pending_token(int64_t seq_id, int32_t token) {
+  Sequence& seq = sequence(seq_id);
+  if (seq.tokens.empty() || seq.tokens.back() != kPendingToken || token < 0) {
+    throw std::invalid_argument("set_pending_token: sequence " + std::to_string(seq_id) +
+                                " has no pending last token, or the token " +
+                                std::to_string(token) + " is negative");
+  }
+  seq.tokens.back() = token;
 }
 
 void PagedBlockManager::fork(int64_t parent_id, int64_t child_id) {

@@ -1,5 +1,6 @@
 #include "kvserve/sampler.h"
 
+#include <ATen/ops/empty.h>
 #include <ATen/ops/log_softmax.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/softmax.h>
@@ -7,7 +8,10 @@
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros_like.h>
 
+#include <c10/core/impl/VirtualGuardImpl.h>
+
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <stdexcept>
@@ -217,24 +221,23 @@ void apply_history(at::Tensor& logits, const std::vector<SamplingRow>& rows) {
 
 PendingLogprobs raw_logprobs(const at::Tensor& logits, const std::vector<SamplingRow>& rows) {
   PendingLogprobs pending;
-  int64_t max_top = 0;
   for (size_t r = 0; r < rows.size(); ++r) {
     if (!rows[r].params->logprobs) continue;
     pending.rows.push_back(static_cast<int64_t>(r));
-    max_top = std::max(max_top, std::min(*rows[r].params->logprobs, logits.size(1)));
+    pending.num_top.push_back(std::min(*rows[r].params->logprobs, logits.size(1)));
   }
   if (pending.rows.empty()) return pending;
+  const int64_t max_top = *std::max_element(pending.num_top.begin(), pending.num_top.end());
   const at::Tensor selected = logits.index_select(0, to_tensor(pending.rows, logits.device()));
   pending.logprobs = at::log_softmax(selected, 1, at::kFloat);
   std::tie(pending.top_values, pending.top_ids) = at::topk(pending.logprobs, max_top, 1);
   return pending;
 }
 
-std::vector<std::optional<TokenLogprobs>> complete_logprobs(PendingLogprobs& pending,
-                                                          const at::Tensor& tokens,
-                                                          const std::vector<SamplingRow>& rows) {
-  std::vector<std::optional<TokenLogprobs>> out(rows.size());
-  if (pending.rows.empty()) return out;
+// The sampled tokens' logprobs and ranks beside the top entries, on the logits' device:
+// {ids, logprob, rank, top values, top ids}.
+std::array<at::Tensor, 5> gather_logprobs(const PendingLogprobs& pending,
+                                          const at::Tensor& tokens) {
   const at::Tensor index = to_tensor(pending.rows, tokens.device());
   const at::Tensor drawn = tokens.index_select(0, index);
   // A row that had nothing to sample (token -1) gathers at 0; its entry is dropped below.
@@ -242,26 +245,49 @@ std::vector<std::optional<TokenLogprobs>> complete_logprobs(PendingLogprobs& pen
   const at::Tensor sampled_logprob = pending.logprobs.gather(1, sampled);
   // vLLM's rank: how many tokens are at least as likely as the sampled one.
   const at::Tensor rank = pending.logprobs.ge(sampled_logprob).sum(1);
-  const at::Tensor ids = drawn.cpu().contiguous(), logprob = sampled_logprob.cpu().contiguous();
-  const at::Tensor ranks = rank.cpu().contiguous();
-  const at::Tensor top_values = pending.top_values.cpu().contiguous();
-  const at::Tensor top_ids = pending.top_ids.cpu().contiguous();
+  return {drawn, sampled_logprob, rank, pending.top_values, pending.top_ids};
+}
+
+// The entries from gather_logprobs' tensors on the host (contiguous).
+std::vector<std::optional<TokenLogprobs>> read_logprobs(const std::vector<int64_t>& logprob_rows,
+                                                        const std::vector<int64_t>& num_top,
+                                                        int64_t num_rows,
+                                                        const std::array<at::Tensor, 5>& host) {
+  std::vector<std::optional<TokenLogprobs>> out(num_rows);
+  if (logprob_rows.empty()) return out;
+  const auto& [ids, logprob, ranks, top_values, top_ids] = host;
   const int64_t max_top = top_ids.size(1);
-  for (size_t i = 0; i < pending.rows.size(); ++i) {
-    const int64_t r = pending.rows[i];
+  for (size_t i = 0; i < logprob_rows.size(); ++i) {
     TokenLogprobs result;
     result.token_id = ids.data_ptr<int64_t>()[i];
     if (result.token_id < 0) continue;
     result.logprob = logprob.data_ptr<float>()[i];
     result.rank = ranks.data_ptr<int64_t>()[i];
-    const int64_t num_top = std::min(*rows[r].params->logprobs, max_top);
-    for (int64_t k = 0; k < num_top; ++k) {
+    for (int64_t k = 0; k < num_top[i]; ++k) {
       result.top.emplace_back(top_ids.data_ptr<int64_t>()[i * max_top + k],
                               top_values.data_ptr<float>()[i * max_top + k]);
     }
-    out[r] = std::move(result);
+    out[logprob_rows[i]] = std::move(result);
   }
   return out;
+}
+
+std::vector<std::optional<TokenLogprobs>> complete_logprobs(PendingLogprobs& pending,
+                                                          const at::Tensor& tokens,
+                                                          int64_t num_rows) {
+  if (pending.rows.empty()) return std::vector<std::optional<TokenLogprobs>>(num_rows);
+  std::array<at::Tensor, 5> host = gather_logprobs(pending, tokens);
+  for (at::Tensor& t : host) t = t.cpu().contiguous();
+  return read_logprobs(pending.rows, pending.num_top, num_rows, host);
+}
+
+// `t` copied to the host without waiting: pinned memory and a non-blocking copy off the CPU (the
+// caller records an event after the copies), `t` itself on the CPU.
+at::Tensor copy_to_host(const at::Tensor& t) {
+  if (t.device().is_cpu()) return t.contiguous();
+  at::Tensor host = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
+  host.copy_(t, /*non_blocking=*/true);
+  return host;
 }
 
 bool is_greedy(const SamplingParams& p) { return p.temperature < SamplingParams::kGreedyTemperature; }
@@ -351,7 +377,7 @@ SamplerOutput Sampler::sample(at::Tensor& logits, const std::vector<SamplingRow>
   apply_history(logits, rows);
   SamplerOutput out;
   const at::Tensor tokens = filter_and_draw(logits, rows);
-  out.logprobs = complete_logprobs(pending, tokens, rows);
+  out.logprobs = complete_logprobs(pending, tokens, static_cast<int64_t>(rows.size()));
   out.token_ids = tokens.cpu();
   if (want_probs) out.probs = distributions(logits, out.token_ids, rows);
   return out;
@@ -372,7 +398,50 @@ PendingLogprobs Sampler::begin_logprobs(const at::Tensor& logits,
 
 std::vector<std::optional<TokenLogprobs>> Sampler::finish_logprobs(
     PendingLogprobs& pending, const at::Tensor& tokens, const std::vector<SamplingRow>& rows) const {
-  return complete_logprobs(pending, tokens, rows);
+  return complete_logprobs(pending, tokens, static_cast<int64_t>(rows.size()));
+}
+
+PendingSamples Sampler::begin_sample(at::Tensor& logits,
+                                     const std::vector<SamplingRow>& rows) const {
+  check_rows(logits, rows);
+  PendingLogprobs logprobs = raw_logprobs(logits, rows);  // before anything changes the logits
+  apply_history(logits, rows);
+  PendingSamples pending;
+  pending.token_ids = filter_and_draw(logits, rows);
+  pending.num_rows = static_cast<int64_t>(rows.size());
+  pending.host_ids = copy_to_host(pending.token_ids);
+  if (!logprobs.rows.empty()) {
+    const std::array<at::Tensor, 5> gathered = gather_logprobs(logprobs, pending.token_ids);
+    pending.host_logprob = copy_to_host(gathered[1]);
+    pending.host_rank = copy_to_host(gathered[2]);
+    pending.host_top_values = copy_to_host(gathered[3]);
+    pending.host_top_ids = copy_to_host(gathered[4]);
+    pending.logprob_rows = std::move(logprobs.rows);
+    pending.num_top = std::move(logprobs.num_top);
+  }
+  const at::Device device = logits.device();
+  if (!device.is_cpu()) {
+    const c10::impl::VirtualGuardImpl guard(device.type());
+    pending.copied.emplace(device.type());
+    pending.copied->record(guard.getStream(device));
+  }
+  return pending;
+}
+
+SamplerOutput Sampler::finish_sample(PendingSamples& pending) const {
+  if (pending.copied) pending.copied->synchronize();
+  SamplerOutput out;
+  out.token_ids = pending.host_ids;
+  if (!pending.logprob_rows.empty()) {
+    const at::Tensor ids = pending.host_ids.index_select(
+        0, to_tensor(pending.logprob_rows, at::kCPU));
+    out.logprobs = read_logprobs(pending.logprob_rows, pending.num_top, pending.num_rows,
+                                 {ids, pending.host_logprob, pending.host_rank,
+                                  pending.host_top_values, pending.host_top_ids});
+  } else {
+    out.logprobs.resize(pending.num_rows);
+  }
+  return out;
 }
 
 at::Tensor Sampler::sample(at::Tensor& logits, const std::vector<const SamplingParams*>& params,

@@ -155,7 +155,8 @@ void Scheduler::schedule_running(bool decodes, int64_t& budget, SchedulerOutput&
     if (!entry(id).allocated) continue;  // preempted earlier in this step
     const SequenceState& s = sequence(id);
     const int64_t remaining = s.num_tokens() - s.num_computed_tokens;
-    if ((remaining == 1) != decodes) continue;
+    // Nothing to compute: its last step's sample is not appended yet (asynchronous scheduling).
+    if (remaining == 0 || (remaining == 1) != decodes) continue;
     const int64_t drafts = decodes ? reserve_draft_slots(id, num_speculative_tokens, budget, out)
                                    : 0;
     if (drafts == 0 && !reserve_slots(id, out)) continue;
@@ -405,6 +406,21 @@ void Scheduler::append_token(int64_t seq_id, int32_t token, bool kv_written) {
   s.token_ids.push_back(token);
   blocks_.append_slots(seq_id, {token}, lookahead - 1);
   blocks_.mark_computed(seq_id, ++s.num_computed_tokens);
+}
+
+void Scheduler::set_pending_token(int64_t seq_id, int32_t token) {
+  const Entry& e = entry(seq_id);
+  SequenceState& s = *e.state;
+  if (s.token_ids.empty() || s.token_ids.back() != kPendingToken || token < 0) {
+    throw std::invalid_argument("set_pending_token: sequence " + std::to_string(seq_id) +
+                                " has no pending last token, or the token " +
+                                std::to_string(token) + " is negative");
+  }
+  // The block manager holds the token once a schedule reserved its slot.
+  if (e.allocated && blocks_.num_tokens(seq_id) == s.num_tokens()) {
+    blocks_.set_pending_token(seq_id, token);
+  }
+  s.token_ids.back() = token;
 }
 
 void Scheduler::fork(int64_t parent_id, int64_t child_id) {

@@ -122,6 +122,12 @@ class EngineArgs:
         True, "print weights, KV capacity and concurrency at start-up (stderr)", cli=False)
     enforce_eager: bool = option(
         False, "on a GPU, launch every decode step's kernels instead of replaying CUDA graphs")
+    async_scheduling: bool = option(
+        _CONFIG.async_scheduling, "launch each step before the previous one's tokens reach the "
+        "host, so that scheduling and output processing overlap the device's forward (vLLM's "
+        "--async-scheduling); outputs are the same. Steps run one at a time while a request "
+        "uses penalties, min_tokens, bad_words, n > 1, prompt_logprobs or a KV transfer; not "
+        "with speculative decoding, tensor parallelism or state-space models")
     enable_lora: bool = option(
         False, "serve LoRA adapters per request (LoRARequest), unmerged")
     max_loras: int = option(4, "LoRA adapters in the model at once")
@@ -205,7 +211,8 @@ class EngineArgs:
             max_waiting_requests=self.max_waiting_requests,
             ssm_state_dtype=(dtype if self.mamba_ssm_cache_dtype == "auto"
                              else getattr(torch, self.mamba_ssm_cache_dtype)),
-            num_state_snapshots=self.num_state_snapshots)
+            num_state_snapshots=self.num_state_snapshots,
+            async_scheduling=self.async_scheduling)
         return _C.resolve_engine_config(c, config, dtype, draft_config)
 
 

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <limits>
+#include <optional>
 #include <stdexcept>
 
 #include "models/model_factory.h"
@@ -136,6 +137,65 @@ TEST(ModelRunner, RunsAStepFromItsSchedulerOutputAlone) {
       if (s.samples) h.scheduler.append_token(s.seq_id, 3);
     }
   }
+}
+
+// Asynchronous scheduling: steps launched back to back, each fed the last one's samples on the
+// device (the scheduled token a kPendingToken), give the synchronous steps' tokens and logprobs.
+TEST(ModelRunner, LaunchedStepsFedOnTheDeviceEqualExecutedSteps) {
+  SamplingParams params = greedy();
+  params.logprobs = 3;
+  RequestRandom random(0);
+  auto model = tiny_model();
+  const std::vector<std::vector<int32_t>> prompts = {{1, 5, 9}, {4, 8, 15, 16, 23}};
+  Harness sync(model), launched(model);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    sync.scheduler.add(static_cast<int64_t>(i), prompts[i]);
+    launched.scheduler.add(static_cast<int64_t>(i), prompts[i]);
+  }
+  std::optional<LaunchedStep> in_flight;
+  for (int step = 0; step < 5; ++step) {
+    const SchedulerOutput want_work = sync.scheduler.schedule();
+    const auto want = sync.runner.execute(
+        want_work, {{0, want_work.scheduled[0].num_new_tokens - 1, SamplingRow{&params, &random}},
+                    {1, want_work.scheduled[1].num_new_tokens - 1, SamplingRow{&params, &random}}});
+    sync.scheduler.update_computed(want_work);
+    for (int64_t i = 0; i < 2; ++i) {
+      sync.scheduler.append_token(i, static_cast<int32_t>(want.samples[i].token_ids[0]));
+    }
+    const SchedulerOutput work = launched.scheduler.schedule();
+    TokenFeed feed;
+    if (in_flight) {
+      feed.tokens = in_flight->samples.token_ids;
+      feed.rows = {0, 1};  // each sequence decodes its pending token
+      feed.sources = {0, 1};
+      EXPECT_EQ(work.scheduled[1].token_ids, std::vector<int32_t>{kPendingToken});
+    }
+    LaunchedStep next = launched.runner.launch(
+        work, {{0, work.scheduled[0].num_new_tokens - 1, SamplingRow{&params, &random}},
+               {1, work.scheduled[1].num_new_tokens - 1, SamplingRow{&params, &random}}},
+        feed);
+    if (in_flight) {
+      const auto got = launched.runner.finish(*in_flight);
+      for (int64_t i = 0; i < 2; ++i) {
+        launched.scheduler.set_pending_token(i, static_cast<int32_t>(got.samples[i].token_ids[0]));
+      }
+    }
+    launched.scheduler.update_computed(work);
+    for (int64_t i = 0; i < 2; ++i) launched.scheduler.append_token(i, kPendingToken);
+    in_flight.emplace(std::move(next));
+    // The step just launched is the synchronous one: compare once its samples are in.
+    const auto got = launched.runner.finish(*in_flight);
+    for (int64_t i = 0; i < 2; ++i) {
+      EXPECT_EQ(got.samples[i].token_ids, want.samples[i].token_ids) << "step " << step;
+      ASSERT_TRUE(got.samples[i].logprobs[0] && want.samples[i].logprobs[0]);
+      EXPECT_EQ(got.samples[i].logprobs[0]->top, want.samples[i].logprobs[0]->top);
+      EXPECT_EQ(got.samples[i].logprobs[0]->rank, want.samples[i].logprobs[0]->rank);
+    }
+  }
+  // A pending token that no feed fills is refused before the forward.
+  const SchedulerOutput unfed = launched.scheduler.schedule();
+  EXPECT_THROW(launched.runner.launch(unfed, {}, TokenFeed{}), std::logic_error);
+  EXPECT_THROW(launched.runner.execute(unfed, {}), std::logic_error);
 }
 
 TEST(ModelRunner, RejectsAScheduledSequenceWithoutItsTokensOrTables) {

@@ -329,7 +329,9 @@ TEST(PagedBlockManager, RejectsBadArgumentsAndFailedCallsChangeNothing) {
       {[](auto& m) { m.allocate(1, {1}); }, "id taken"},
       {[](auto& m) { m.allocate(2, {}); }, "empty prompt"},
       {[](auto& m) { m.allocate(2, {1, -3}); }, "negative token"},
-      {[](auto& m) { m.append_slots(1, {-1}); }, "negative token"},
+      {[](auto& m) { m.append_slots(1, {-2}); }, "negative token"},
+      {[](auto& m) { m.append_slots(1, {kPendingToken, 5}); }, "pending token not last"},
+      {[](auto& m) { m.set_pending_token(1, 5); }, "no pending token"},
       {[](auto& m) { m.can_allocate({}); }, "empty prompt"},
       {[](auto& m) { m.can_append_slots(1, -1); }, "negative count"},
       {[](auto& m) { m.mark_computed(1, 6); }, "past the tokens"},
@@ -553,6 +555,22 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Combine(::testing::Values(1, 4), ::testing::Bool(),
                        ::testing::Values(std::vector<int64_t>{0, 3}, std::vector<int64_t>{5, 0, 9},
                                          std::vector<int64_t>{6})));
+
+// A pending token (asynchronous scheduling) may end the appended tokens; the block holding it is
+// never hashed before its value is set.
+TEST(PagedBlockManager, APendingTokenIsHashedOnlyOnceSet) {
+  PagedBlockManager m({.num_blocks = 8, .block_size = 4, .enable_prefix_caching = true});
+  m.allocate(1, {5, 6, 7});
+  m.mark_computed(1, 3);
+  m.append_slots(1, {kPendingToken});
+  EXPECT_THROW(m.mark_computed(1, 4), std::logic_error);
+  m.set_pending_token(1, 8);
+  m.mark_computed(1, 4);
+  EXPECT_EQ(m.allocate(2, {5, 6, 7, 8, 9}), 4);
+  m.free(1);
+  m.free(2);
+  m.check_invariants();
+}
 
 }  // namespace
 }  // namespace kvserve

@@ -59,6 +59,38 @@ TEST(Scheduler, ChunkedPrefillUnderTheTokenBudgetThenDecodesFirst) {
   scheduler.check_invariants();
 }
 
+// Asynchronous scheduling: a sequence whose sample is still on its way ends with kPendingToken;
+// it is scheduled as a decode, its block enters the prefix cache only once the value is set, and
+// a sequence with nothing left to compute is passed over without stopping the others' prefills.
+TEST(Scheduler, PendingTokensAreScheduledAndHashedOnlyOnceSet) {
+  PagedBlockManager blocks({.num_blocks = 32, .block_size = 4, .enable_prefix_caching = true});
+  SequenceTable sequences;
+  Scheduler scheduler({/*max_num_seqs=*/8, /*max_num_batched_tokens=*/6, /*max_model_len=*/64},
+                      blocks, sequences);
+  scheduler.add(0, prompt(100, 3));
+  scheduler.add(1, prompt(200, 2));
+  SchedulerOutput first = scheduler.schedule();
+  EXPECT_EQ(trace(first), (Trace{{0, 0, 3, true}, {1, 0, 2, true}}));
+  scheduler.update_computed(first);
+  scheduler.append_token(0, kPendingToken);  // seq 1's next token would end it: none pending
+  scheduler.add(2, prompt(300, 9));
+  SchedulerOutput second = scheduler.schedule();
+  // Seq 0 decodes its pending token (the block's 4th), seq 1 is passed over, seq 2 prefills.
+  EXPECT_EQ(trace(second), (Trace{{0, 3, 1, true}, {2, 0, 5, false}}));
+  EXPECT_EQ(second.scheduled[0].token_ids, std::vector<int32_t>{kPendingToken});
+  scheduler.check_invariants();
+  scheduler.set_pending_token(0, 42);  // the launched step's sample arrived
+  EXPECT_THROW(scheduler.set_pending_token(0, 43), std::invalid_argument);
+  scheduler.update_computed(second);
+  EXPECT_EQ(sequences.at(0).token_ids, (std::vector<int32_t>{100, 101, 102, 42}));
+  // The block it completed is cached with the token's value: a prompt that starts with it hits.
+  scheduler.add(3, {100, 101, 102, 42, 9});
+  SchedulerOutput third = scheduler.schedule();
+  EXPECT_EQ(sequences.at(3).num_computed_tokens, 4);
+  scheduler.check_invariants();
+  (void)third;
+}
+
 TEST(Scheduler, AdmitsByPriorityThenArrivalAndRespectsMaxNumSeqs) {
   PagedBlockManager blocks({.num_blocks = 64, .block_size = 4});
   SequenceTable sequences;

@@ -140,6 +140,34 @@ def test_ngram_speculation_keeps_greedy_output(checkpoint_factory):
     assert speculative == plain
 
 
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Gemma2ForCausalLM",
+                                          "DeepseekV2ForCausalLM"])
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
+def test_async_scheduling_equals_synchronous_steps(checkpoint_factory, architecture,
+                                                   enforce_eager):
+    """Each step launched before the last one's samples reach the host, fed them on the device
+    (through a graph's inputs too): the synchronous steps' tokens and logprobs, greedy and
+    seeded, while requests finish at different steps."""
+    path = checkpoint_factory(architecture)
+    prompts = (PROMPTS * 2)[:5]
+    params = [kvserve.SamplingParams(temperature=t, seed=3, max_tokens=n, ignore_eos=True,
+                                     logprobs=2)
+              for t, n in zip((0, 0.9, 0, 0.9, 0), (3, 9, 17, 24, 30))]
+
+    def run(llm):
+        return [(o.outputs[0].token_ids, [(x.token_id, round(x.logprob, 3), x.rank)
+                                          for x in o.outputs[0].logprobs])
+                for o in llm.generate(prompts, params)]
+
+    sync = kvserve.LLM(path, device="cuda", enforce_eager=enforce_eager)
+    launched = kvserve.LLM(path, device="cuda", enforce_eager=enforce_eager,
+                           async_scheduling=True)
+    assert run(launched) == run(sync)
+    stats = launched.llm_engine.engine.get_stats()
+    assert stats.num_async_steps == stats.num_steps
+    assert (stats.num_cuda_graph_steps > 0) != enforce_eager
+
+
 def test_seeded_sampling_is_reproducible(checkpoint_factory):
     llm = kvserve.LLM(checkpoint_factory("LlamaForCausalLM"), device="cuda")
     params = kvserve.SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=7, max_tokens=16,

@@ -122,7 +122,9 @@ def test_errors_name_the_problem_and_change_nothing():
     with pytest.raises(ValueError, match="token ids must be non-negative, got -2"):
         m.allocate(2, [1, -2])
     with pytest.raises(ValueError, match="token ids must be non-negative"):
-        m.append_slots(1, [-1])
+        m.append_slots(1, [-3])
+    with pytest.raises(ValueError, match="token ids must be non-negative"):
+        m.append_slots(1, [-1, 5])  # a pending token (-1) only ends the appended tokens
     with pytest.raises(ValueError, match="cannot set 6"):
         m.mark_computed(1, 6)
     with pytest.raises(ValueError, match="num_new_tokens must be >= 0"):

@@ -240,13 +240,45 @@ class ContinuousBatchingEngine {
   void update_from_output(const SchedulerOutput& work, const StepSamples& samples,
                           const ModelRunnerOutput& result, std::vector<RequestOutput>& outputs,
                           bool finished_only);
+  /// The scheduler's side of a step that ran: what it computed, and the step counters.
+  void advance(const SchedulerOutput& work, bool cuda_graph);
+  /// The step's samples into their completions (stop conditions, outputs). pending: the step
+  /// was launched asynchronously; its sequences end with kPendingToken (set here) and those
+  /// that ended since are skipped.
+  void take_samples(const SchedulerOutput& work, const StepSamples& samples,
+                    const ModelRunnerOutput& result, std::vector<RequestOutput>& outputs,
+                    bool finished_only, bool pending);
+
+  // Asynchronous scheduling (EngineConfig::async_scheduling), in
+  // continuous_batching_engine_async.cpp.
+  /// A step launched by launch_step whose samples are not taken yet.
+  struct LaunchedWork {
+    SchedulerOutput work;
+    StepSamples samples;
+    LaunchedStep launched;
+  };
+  /// Whether the next step may launch before the last one's samples are taken: async
+  /// scheduling is on and no live request needs its samples on the host first.
+  bool can_overlap() const;
+  /// Launches `work`, feeding the in-flight step's samples on the device, then takes those
+  /// samples, advances the scheduler past `work` and leaves it in flight, each of its sequences
+  /// ending with a kPendingToken (but those whose next token ends them by length).
+  void launch_step(SchedulerOutput work, StepSamples samples, std::vector<RequestOutput>& outputs,
+                   bool finished_only);
+  /// Waits for the in-flight step's samples and takes them.
+  void finish_in_flight(std::vector<RequestOutput>& outputs, bool finished_only);
+  /// A launch or a wait failed: ends the requests of `work` and of the step in flight with the
+  /// error and drops the prefix cache.
+  void fail_step(const SchedulerOutput* work, const std::string& error);
   /// Ends every waiting request with an error after two steps in a row scheduled nothing.
   void fail_if_stalled(std::vector<RequestOutput>& outputs);
   /// Ends `completion` with `reason`, freeing its sequence.
   void end_completion(Completion& completion, const std::string& reason);
   /// Appends `token` to `completion` (kv_written: an accepted draft whose KV the step wrote) and
   /// applies the stop conditions. False when the completion ended.
-  bool append_token(Request& request, Completion& completion, int64_t token, bool kv_written);
+  /// pending: the token is the sequence's kPendingToken's value (asynchronous scheduling).
+  bool append_token(Request& request, Completion& completion, int64_t token, bool kv_written,
+                    bool pending = false);
   /// Counts a target's verified drafts in the request's metrics and the engine's stats.
   void count_speculation(Request& request, const SampledTokens& sampled);
   bool all_finished(const Request& request) const;
@@ -275,6 +307,7 @@ class ContinuousBatchingEngine {
   EngineStats stats_;
   std::atomic<int64_t> num_injected_failures_{0};
   std::vector<std::string> loaded_;  ///< requests whose load ended since the last step
+  std::optional<LaunchedWork> in_flight_;  ///< asynchronous scheduling's launched step
 
   // Shared with other threads, under inbox_mutex_.
   mutable std::mutex inbox_mutex_;

@@ -45,8 +45,10 @@ class CudaGraphRunner {
   /// padded_size() with ForwardBatchBuilder::add_padding and with tables of at most
   /// table_width() blocks: hidden states [padded size, hidden_size], in memory that the next
   /// replay overwrites. Captures the size's graph first if it has none (that step's result comes
-  /// from an eager forward).
-  at::Tensor forward(const ForwardBatchBuilder& builder, const std::vector<LayerKVCache>& caches);
+  /// from an eager forward). `feed` (may be null) fills tokens still on the device after the
+  /// batch's upload.
+  at::Tensor forward(const ForwardBatchBuilder& builder, const std::vector<LayerKVCache>& caches,
+                     const TokenFeed* feed = nullptr);
 
   int64_t num_graphs() const;
 

@@ -67,6 +67,13 @@ struct EngineConfig {
   /// Requests queued or waiting to run at most; add_request beyond it throws EngineOverloaded
   /// (a server's 429). 0: no limit (LLM.generate submits every prompt at once).
   int64_t max_waiting_requests = 0;
+  /// Launch each step before the previous one's samples reach the host (vLLM's async
+  /// scheduling): a step's tokens feed the next on the device, and step() returns the previous
+  /// step's outputs while the device runs the new one. Steps run one at a time, as without it,
+  /// whenever a live request needs its history on the host (penalties, min_tokens, bad words),
+  /// n > 1, prompt logprobs or a KV transfer. Not with speculative decoding or state-space
+  /// layers (refused), nor tensor parallelism (the engine refuses).
+  bool async_scheduling = false;
 };
 
 /// `config` checked against the model that will run it (its config and weight dtype) and an

@@ -34,6 +34,8 @@ struct EngineStats {
   int64_t num_failed_requests = 0;    ///< ended with finish_reason "error"
   int64_t num_steps = 0;              ///< steps that ran a forward
   int64_t num_cuda_graph_steps = 0;   ///< of which the forward replayed a CUDA graph
+  /// Of which launched before the previous step's samples were taken (async scheduling).
+  int64_t num_async_steps = 0;
   int64_t num_generated_tokens = 0;
   int64_t num_computed_prompt_tokens = 0;  ///< prompt tokens a forward computed (recomputes too)
   int64_t num_loaded_prompt_tokens = 0;    ///< prompt tokens whose KV a transfer brought

@@ -20,6 +20,17 @@ struct ForwardBatch {
   at::Tensor storage;
 };
 
+/// Tokens of a batch that an earlier step sampled and that are still on the device only
+/// (asynchronous scheduling): row rows[i] of the batch's input_ids takes tokens[sources[i]]
+/// (a token below 0, a sample that failed, feeds 0: its request ends with an error).
+struct TokenFeed {
+  at::Tensor tokens;  ///< int64 on the batch's device (PendingSamples::token_ids)
+  std::vector<int64_t> rows, sources;
+
+  /// Writes the fed tokens into `input_ids` (int64 [T] on the tokens' device), in stream order.
+  void apply(at::Tensor& input_ids) const;
+};
+
 /// Collects sequences (new tokens + where their context lives in the cache) into a ForwardBatch.
 class ForwardBatchBuilder {
  public:

@@ -14,6 +14,7 @@
 #include "kvserve/causal_lm.h"
 #include "kvserve/communicator.h"
 #include "kvserve/cuda_graph_runner.h"
+#include "kvserve/forward_batch.h"
 #include "kvserve/paged_kv_cache.h"
 #include "kvserve/sampler.h"
 #include "kvserve/scheduler.h"
@@ -76,6 +77,12 @@ struct ModelRunnerOutput {
   bool cuda_graph = false;       ///< the forward replayed a CUDA graph
 };
 
+/// A step launched by ModelRunner::launch whose samples are still on their way to the host.
+struct LaunchedStep {
+  PendingSamples samples;  ///< one row per SamplingTarget, in their order
+  bool cuda_graph = false;
+};
+
 /// How a ModelRunner is made; name the fields: ModelRunner(model, sequences, {.num_blocks = 64}).
 struct ModelRunnerOptions {
   int64_t num_blocks = 0;   ///< KV pool blocks of every layer, the null block included
@@ -121,11 +128,32 @@ class ModelRunner {
   ModelRunnerOutput execute(const SchedulerOutput& work, const std::vector<SamplingTarget>& targets,
                             const std::vector<PromptLogprobsTarget>& prompt_targets = {});
 
+  /// execute() for asynchronous scheduling: the same step, launched without waiting for its
+  /// samples, which ModelRunner::finish reads. `feed` fills the tokens an earlier launched step
+  /// sampled (kPendingToken in the scheduled token ids) from its device tensor. One plain sample
+  /// per target: no speculation, no prompt logprobs, no other ranks (std::logic_error).
+  LaunchedStep launch(const SchedulerOutput& work, const std::vector<SamplingTarget>& targets,
+                      const TokenFeed& feed);
+  /// Waits for a launched step's samples: one SampledTokens per target.
+  ModelRunnerOutput finish(LaunchedStep& step);
+
   CausalLM& model() { return *model_; }
   const CausalLM& model() const { return *model_; }
   const PagedKVCache& kv_cache() const { return kv_cache_; }
 
  private:
+  // The step's block and state copies, after checking that its sequences, targets and prompt
+  // targets fit its tokens, and that `feed` (may be null) fills exactly its pending tokens.
+  // Returns the block copies (the workers replay them).
+  std::vector<std::pair<int32_t, int32_t>> prepare(
+      const SchedulerOutput& work, const std::vector<SamplingTarget>& targets,
+      const std::vector<PromptLogprobsTarget>& prompt_targets, const TokenFeed* feed);
+  // Hidden states of the builder's batch: a CUDA graph's replay where it fits (cuda_graph set),
+  // else an eager forward that the workers run too. `feed` (may be null) fills pending tokens.
+  at::Tensor run_forward(ForwardBatchBuilder& builder, bool decode_only,
+                         const std::vector<std::pair<int32_t, int32_t>>& copies,
+                         const std::vector<int64_t>& hidden_rows, int64_t num_sampled_rows,
+                         const TokenFeed* feed, bool& cuda_graph);
   // Samples `targets` from the logits of the step's sampled rows: the plain ones' rows first
   // (logit_row_of_target), then each verified target's drafts + 1.
   void sample_targets(at::Tensor logits, const std::vector<SamplingTarget>& targets,

@@ -12,6 +12,7 @@
 
 #include "kvserve/block_pool.h"
 #include "kvserve/block_table_policy.h"
+#include "kvserve/sequence_state.h"
 
 namespace kvserve {
 
@@ -128,13 +129,18 @@ class PagedBlockManager {
   /// the next tokens). If the last block is partially filled and shared, the sequence gets a
   /// fresh copy of it first; the returned copies must be applied to the KV tensors before the
   /// step. Throws std::runtime_error when out of blocks, std::invalid_argument on a negative
-  /// token id or lookahead.
+  /// token id (but a last kPendingToken) or lookahead.
   std::vector<BlockCopy> append_slots(int64_t seq_id, const std::vector<int32_t>& new_tokens,
                                       int64_t num_lookahead = 0);
 
+  /// The sampled value of the kPendingToken that ends `seq_id`'s tokens. Throws
+  /// std::invalid_argument when its last token is not pending or `token` is negative.
+  void set_pending_token(int64_t seq_id, int32_t token);
+
   /// Records that the first `num_computed_tokens` tokens of `seq_id` have their KV written; full
   /// blocks among them enter the prefix cache. Throws std::invalid_argument if the count goes
-  /// backwards or past the sequence's tokens.
+  /// backwards or past the sequence's tokens, std::logic_error if such a block holds a
+  /// kPendingToken.
   void mark_computed(int64_t seq_id, int64_t num_computed_tokens);
 
   /// Registers `child_id` sharing all of `parent_id`'s blocks, tokens and computed count (not its

@@ -7,6 +7,7 @@
 // greedy argmax (temperature 0) or one draw from the row's random stream.
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
 
 #include <cstdint>
 #include <optional>
@@ -50,8 +51,22 @@ struct SamplerOutput {
 /// changes the logits and completed once the tokens are known.
 struct PendingLogprobs {
   std::vector<int64_t> rows;       ///< batch rows that asked, ascending
+  std::vector<int64_t> num_top;    ///< per row that asked: its top entries (params.logprobs)
   at::Tensor logprobs;             ///< fp32 [rows.size(), vocab]
   at::Tensor top_values, top_ids;  ///< [rows.size(), max N]
+};
+
+/// A draw whose tokens and logprobs are still on the logits' device, being copied to the host
+/// (asynchronous scheduling: the next step is launched before they are read). Holds no pointer
+/// into the rows it was drawn for.
+struct PendingSamples {
+  at::Tensor token_ids;  ///< int64 [rows] on the logits' device: what a next step can feed on
+  int64_t num_rows = 0;
+  std::vector<int64_t> logprob_rows, num_top;  ///< rows that asked for logprobs, their N
+  /// The host copies (pinned off the CPU) of the tokens, the sampled tokens' logprobs and ranks
+  /// and the top entries; complete once `copied` is reached.
+  at::Tensor host_ids, host_logprob, host_rank, host_top_values, host_top_ids;
+  std::optional<c10::Event> copied;  ///< off the CPU
 };
 
 /// Sampler for a batch of rows.
@@ -77,6 +92,14 @@ class Sampler {
   std::vector<std::optional<TokenLogprobs>> finish_logprobs(
       PendingLogprobs& pending, const at::Tensor& tokens,
       const std::vector<SamplingRow>& rows) const;
+
+  /// sample() in two halves. The first draws (every host-side part of sampling: the random
+  /// draws, the parameters' upload) and starts copying the results to the host without waiting
+  /// for them; the second waits for the copies and returns what sample() returns (no probs).
+  /// Between the two the caller may launch more work on the device, and the rows' params and
+  /// histories may go away.
+  PendingSamples begin_sample(at::Tensor& logits, const std::vector<SamplingRow>& rows) const;
+  SamplerOutput finish_sample(PendingSamples& pending) const;
 
   /// The history-free form: temperature, top-k, top-p and min-p only (penalties, min_tokens and
   /// logprobs are not applied). Returns int64 [rows] on the CPU.

@@ -129,6 +129,13 @@ class Scheduler {
   /// step already wrote in the next draft slot: it counts as computed at once.
   void append_token(int64_t seq_id, int32_t token, bool kv_written = false);
 
+  /// Asynchronous scheduling: append_token(seq_id, kPendingToken) stands for a token that a
+  /// launched step is still sampling, so that the next schedule() gives the sequence its slot;
+  /// this sets its value once known. A running sequence whose every token is computed is
+  /// skipped by schedule() (its step's sample ends it or appends). Throws std::invalid_argument
+  /// when the sequence's last token is not pending or `token` is negative.
+  void set_pending_token(int64_t seq_id, int32_t token);
+
   /// A new running sequence `child` sharing all of `parent`'s tokens and blocks (for n > 1
   /// samples of one prompt): call after the parent's prefill, before either appends a token.
   void fork(int64_t parent_id, int64_t child_id);

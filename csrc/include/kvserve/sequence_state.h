@@ -11,6 +11,11 @@
 
 namespace kvserve {
 
+/// A token that a launched step is still sampling (asynchronous scheduling): it stands at the end
+/// of a sequence until the engine learns it (Scheduler::set_pending_token). The step after the
+/// launched one feeds it on the device; it never enters a prefix-cache hash.
+constexpr int32_t kPendingToken = -1;
+
 struct SequenceState {
   int64_t seq_id = 0;
   std::vector<int32_t> token_ids;  ///< the prompt, then every token appended since

@@ -1,0 +1,237 @@
+"""Asynchronous scheduling (EngineArgs.async_scheduling): each step is launched before the previous
+one's samples reach the host, the new step fed those samples on the device. The engine must give
+exactly what it gives without it: greedy and seeded tokens and logprobs, through arrivals, stops,
+aborts, length limits, preemption, chunked prefill and prefix caching, and while requests that need
+their history on the host (penalties, n > 1) make it step one at a time."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import kvserve
+from kvserve import SamplingParams
+from tests.engine_loop import drain
+from tests.engine_loop import fp32_engine as engine
+from tests.engine_loop import run_arrivals as run
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def mixed_requests(count: int, seed: int = 0):
+    """(prompt ids, max_tokens, arrival step) of `count` requests of mixed lengths."""
+    rng = random.Random(seed)
+    return [([1] + [rng.randrange(3, 381) for _ in range(rng.randrange(1, 40))],
+             rng.randrange(1, 20), rng.randrange(0, 16)) for _ in range(count)]
+
+
+# Paged K/V (Llama), MLA latents (DeepSeek-V2) and sliding-window groups beside full ones
+# (Gemma 2): the pending token lands in each kind of cache.
+@pytest.fixture(scope="module", params=["LlamaForCausalLM", "DeepseekV2ForCausalLM",
+                                        "Gemma2ForCausalLM"])
+def model_path(request, checkpoint_factory):
+    return checkpoint_factory(request.param)
+
+
+@pytest.fixture(scope="module")
+def path(checkpoint_factory):
+    return checkpoint_factory("LlamaForCausalLM")
+
+
+@pytest.fixture(scope="module")
+def synchronous(model_path):
+    """mixed_requests(24) through the engine without asynchronous scheduling."""
+    return run(engine(model_path), mixed_requests(24))
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    {"max_num_batched_tokens": 16},  # chunked prefill beside pending decodes
+    {"block_size": 4, "num_blocks": 48, "enable_prefix_caching": False},  # preemption
+    {"max_num_seqs": 3},  # requests wait for a running one to end
+], ids=["arrivals", "chunked-prefill", "preemption", "few-seqs"])
+def test_async_equals_synchronous(model_path, synchronous, options):
+    e = engine(model_path, async_scheduling=True, **options)
+    assert run(e, mixed_requests(24)) == synchronous
+    stats = e.get_stats()
+    assert stats.num_async_steps == stats.num_steps > 0
+    if "num_blocks" in options:
+        assert e.get_stats().num_preemptions > 0
+
+
+def test_prefix_caching_agrees_and_hits(path):
+    system = [1] + list(range(100, 140))
+    requests = [(system + [200 + i] * (i % 5 + 1), 8, i % 3) for i in range(12)]
+    sync = engine(path, block_size=8)
+    e = engine(path, block_size=8, async_scheduling=True)
+    assert run(e, requests) == run(sync, requests)
+    # Full blocks of generated tokens enter the cache too, each with its sampled token.
+    stats = e.get_stats()
+    assert stats.prefix_cache_hits >= 11 * 40
+    follow = [(system + [200] + run(sync, [(system + [200], 8, 0)])["0"], 4, 0)]
+    assert run(e, follow) == run(sync, follow)
+
+
+def outputs(e, requests, params_of, steps_to_abort=()):
+    """Final (token ids, finish reason, logprobs) per request id; requests are (id, prompt,
+    arrival step); ids in steps_to_abort are aborted at that step."""
+    pending = sorted(requests, key=lambda r: r[2])
+    aborts = dict(steps_to_abort)
+    final, step = {}, 0
+    while pending or e.has_unfinished_requests():
+        while pending and pending[0][2] <= step:
+            rid, prompt, _ = pending.pop(0)
+            e.add_request(rid, prompt, params_of(rid))
+        for rid, at in aborts.items():
+            if at == step:
+                e.abort_request(rid)
+        for out in e.step():
+            if out.finished:
+                o = out.outputs[0]
+                lp = [(x.token_id, round(x.logprob, 4), x.rank,
+                       [(t, round(v, 4)) for t, v in x.top]) for x in (o.logprobs or [])] \
+                    if o.logprobs and not isinstance(o.logprobs[0], dict) else o.logprobs
+                final[out.request_id] = (list(o.token_ids), o.finish_reason, str(lp))
+        step += 1
+    blocks = e.block_manager
+    assert blocks.num_free_blocks() == blocks.num_usable_blocks() and blocks.num_sequences() == 0
+    return final
+
+
+def test_seeded_sampling_logprobs_stops_and_aborts(path):
+    rng = random.Random(3)
+    requests = [(str(i), [1] + [rng.randrange(3, 381) for _ in range(rng.randrange(2, 30))],
+                 rng.randrange(0, 12)) for i in range(20)]
+    sync = outputs(engine(path), requests, lambda rid: SamplingParams(
+        temperature=0.9, top_p=0.95, seed=int(rid), max_tokens=16, ignore_eos=True))
+    # Stop token ids that end some requests early: a token each one sampled without them.
+    stop_ids = sorted({tokens[5] for tokens, _, _ in sync.values() if len(tokens) > 6})[:4]
+
+    def params(rid):
+        return SamplingParams(temperature=0.9, top_p=0.95, seed=int(rid), max_tokens=16,
+                              ignore_eos=True, logprobs=3, stop_token_ids=stop_ids)
+
+    aborts = [("4", 6), ("9", 3), ("13", 20)]
+    want = outputs(engine(path), requests, params, aborts)
+    got = outputs(engine(path, async_scheduling=True), requests, params, aborts)
+    # An abort ends a request one step sooner in its tokens: the step that sampled the last ones
+    # was still running when it came.
+    for rid, _ in aborts:
+        (tokens, reason, _), (want_tokens, want_reason, _) = got.pop(rid), want.pop(rid)
+        assert reason == want_reason and tokens == want_tokens[:len(tokens)]
+    assert got == want
+    assert any(reason == "stop" for _, reason, _ in want.values())
+
+
+def test_max_model_len_ends_requests_by_length(path):
+    # Each request may fill the context exactly (the engine refuses more).
+    requests = [([1] + list(range(5, 5 + n)), 31 - n, i) for i, n in enumerate((10, 27, 30))]
+    sync = run(engine(path, max_model_len=32), requests)
+    assert run(engine(path, max_model_len=32, async_scheduling=True), requests) == sync
+    assert [len(sync[str(i)]) for i in range(3)] == [21, 4, 1]
+
+
+def test_stop_strings_end_as_without_async(path):
+    prompt = "Once upon a time"
+    sync = engine(path)
+    reference = kvserve.LLM(path, dtype="float32").generate(
+        prompt, SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)[0].outputs[0]
+    stop = reference.text[len(reference.text) // 2:][:3]
+    assert stop
+    e = engine(path, async_scheduling=True)
+    for target in (sync, e):
+        target.add_request("s", prompt, SamplingParams(max_tokens=24, stop=[stop], **GREEDY))
+        target.add_request("t", prompt, SamplingParams(max_tokens=24, **GREEDY))
+    want, got = drain(sync), drain(e)
+    for rid in ("s", "t"):
+        assert got[rid].outputs[0].text == want[rid].outputs[0].text
+        assert got[rid].outputs[0].token_ids == want[rid].outputs[0].token_ids
+        assert got[rid].outputs[0].finish_reason == want[rid].outputs[0].finish_reason
+    assert want["s"].outputs[0].finish_reason == "stop"
+
+
+def test_streamed_deltas_add_up_to_the_output(path):
+    e = engine(path, async_scheduling=True)
+    e.add_request("d", [1, 5, 6, 7], SamplingParams(max_tokens=12, **GREEDY),
+                  output_kind="delta")
+    tokens, finished = [], 0
+    while e.has_unfinished_requests():
+        for out in e.step():
+            tokens += out.outputs[0].token_ids
+            finished += out.finished
+    assert finished == 1 and tokens == run(engine(path), [([1, 5, 6, 7], 12, 0)])["0"]
+
+
+def test_requests_that_need_history_step_one_at_a_time(path):
+    """A penalized request and an n = 2 request arrive among plain ones: the engine steps
+    synchronously while they run, and every output is what the synchronous engine gives."""
+    requests = [(str(i), [1] + list(range(10 + i, 20 + 2 * i)), i) for i in range(10)]
+
+    def params(rid):
+        if rid == "3":
+            return SamplingParams(max_tokens=10, repetition_penalty=1.5, presence_penalty=0.5,
+                                  **GREEDY)
+        if rid == "5":
+            return SamplingParams(max_tokens=10, n=2, temperature=0.8, seed=5, ignore_eos=True)
+        if rid == "6":
+            return SamplingParams(max_tokens=10, min_tokens=4, bad_words=["e"],
+                                  **GREEDY)
+        return SamplingParams(max_tokens=12, **GREEDY)
+
+    def all_outputs(e):
+        final = {}
+        pending = list(requests)
+        step = 0
+        while pending or e.has_unfinished_requests():
+            while pending and pending[0][2] <= step:
+                rid, prompt, _ = pending.pop(0)
+                e.add_request(rid, prompt, params(rid))
+            for out in e.step():
+                if out.finished:
+                    final[out.request_id] = [list(o.token_ids) for o in out.outputs]
+            step += 1
+        return final
+
+    e = engine(path, async_scheduling=True)
+    assert all_outputs(e) == all_outputs(engine(path))
+    stats = e.get_stats()
+    assert 0 < stats.num_async_steps < stats.num_steps
+
+
+def test_a_failed_step_ends_its_requests_and_the_engine_keeps_serving(path):
+    e = engine(path, async_scheduling=True)
+    for i in range(3):
+        e.add_request(f"a{i}", [1, 5 + i, 6], SamplingParams(max_tokens=20, **GREEDY))
+    e.step()
+    e.step()
+    e.engine.inject_step_failures(1)
+    with pytest.raises(RuntimeError, match="injected"):
+        e.step()
+    final = drain(e)
+    assert {final[f"a{i}"].outputs[0].finish_reason for i in range(3)} == {"error"}
+    e.add_request("b", [1, 5, 6, 7], SamplingParams(max_tokens=12, **GREEDY))
+    assert drain(e)["b"].outputs[0].token_ids == run(engine(path), [([1, 5, 6, 7], 12, 0)])["0"]
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"speculative_method": "ngram"}, "speculative decoding"),
+])
+def test_unsupported_combinations_are_refused(path, options, message):
+    with pytest.raises(ValueError, match=message):
+        engine(path, async_scheduling=True, **options)
+
+
+def test_state_space_models_are_refused(checkpoint_factory):
+    with pytest.raises(ValueError, match="state-space"):
+        engine(checkpoint_factory("Mamba2ForCausalLM"), async_scheduling=True)
+
+
+def test_the_option_reaches_the_cli_and_llm(path):
+    args = kvserve.EngineArgs.from_cli_args(
+        kvserve.EngineArgs.add_cli_args(__import__("argparse").ArgumentParser()).parse_args(
+            ["--async-scheduling"]), model=str(path))
+    assert args.async_scheduling
+    llm = kvserve.LLM(path, dtype="float32", async_scheduling=True, log_memory_plan=False)
+    out = llm.generate([[1, 5, 6, 7]], SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == run(engine(path), [([1, 5, 6, 7], 12, 0)])["0"]
