@@ -55,11 +55,13 @@ prompts = st.one_of(
 )
 
 
-@pytest.fixture(scope="module")
-def served(checkpoint_factory):
+# An engine stepping one step at a time, and one launching each step before the last one's
+# samples are in (async scheduling).
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
+def served(request, checkpoint_factory):
     e = LLMEngine(checkpoint_factory("LlamaForCausalLM"), dtype="float32",
                   max_model_len=MAX_MODEL_LEN, block_size=4, num_blocks=64,
-                  log_memory_plan=False)
+                  log_memory_plan=False, async_scheduling=request.param)
     yield e
     # Still serving after everything the fuzzers threw at it.
     e.add_request("final", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0,

@@ -2,7 +2,8 @@
 a loopback port (the shipped model, fp32): greedy completions and chat equal LLM.generate's,
 streamed or not; n > 1, logprobs, stop strings, usage; OpenAI-shaped errors with their statuses;
 a disconnect mid-stream or mid-request frees the request's blocks; /metrics parses and its
-counters match the work done; many concurrent streams with cancellations lose nothing."""
+counters match the work done; many concurrent streams with cancellations lose nothing; all of it
+with async scheduling too."""
 
 from __future__ import annotations
 
@@ -34,9 +35,12 @@ TEMPLATE = ("{% for m in messages %}{{ m['role'] | upper }}:\n{{ m['content'] }}
 PROMPTS = ["ROMEO:\n", "JULIET:\nO Romeo, Romeo!", "First Citizen:\nBefore we proceed"]
 
 
-@pytest.fixture(scope="module")
-def engine():
-    with AsyncLLMEngine(MODEL, dtype="float32", max_model_len=256, num_blocks=64) as e:
+# Every test of the server runs on an engine that steps one step at a time and on one that
+# launches each step before the last one's samples are in (async scheduling): same answers.
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
+def engine(request):
+    with AsyncLLMEngine(MODEL, dtype="float32", max_model_len=256, num_blocks=64,
+                        async_scheduling=request.param) as e:
         yield e
 
 

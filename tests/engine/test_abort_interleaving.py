@@ -31,7 +31,20 @@ def greedy_texts(llm):
     return [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
+# Each test runs on an engine that steps one step at a time and on one that launches each step
+# before the last one's samples are in (async scheduling), whose outputs come a step later.
+ASYNC_SCHEDULING = [False]
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["sync", "async-scheduling"])
+def async_scheduling(request):
+    ASYNC_SCHEDULING[0] = request.param
+    yield
+    ASYNC_SCHEDULING[0] = False
+
+
 def engine(**kwargs) -> LLMEngine:
+    kwargs.setdefault("async_scheduling", ASYNC_SCHEDULING[0])
     return LLMEngine(MODEL, dtype="float32", max_model_len=256, num_blocks=200,
                      log_memory_plan=False, **kwargs)
 
