@@ -9,6 +9,7 @@
 // them ends (a stop token, a stop string, an abort) was already fed to the newer step: its row
 // there is computed and dropped. One whose next token ends it by length gets no kPendingToken,
 // so that nothing is scheduled past its limits.
+#include <algorithm>
 #include <exception>
 #include <string>
 #include <unordered_map>
@@ -23,12 +24,16 @@ using engine_helpers::message_of;
 
 bool ContinuousBatchingEngine::can_overlap() const {
   if (!config_.async_scheduling) return false;
-  // What a step needs of the one before it on the host: the histories of the sampler's
-  // penalties, min_tokens and bad words; the n samples' forks; prompt logprobs' order of rows;
-  // the blocks of a KV transfer.
+  // What a step needs of the one before it on the host: a bad word of several tokens, whose
+  // match runs on the host over the last tokens; the n samples' forks; prompt logprobs' order of
+  // rows; the blocks of a KV transfer. (Penalties and min_tokens count a pending token on the
+  // device: Sampler's pending_source.)
   for (const auto& [id, request] : requests_) {
     const SamplingParams& p = request->params;
-    if (p.n > 1 || p.prompt_logprobs || p.needs_token_history() ||
+    const bool long_bad_word =
+        std::any_of(p.bad_words_token_ids.begin(), p.bad_words_token_ids.end(),
+                    [](const std::vector<int64_t>& word) { return word.size() > 1; });
+    if (p.n > 1 || p.prompt_logprobs || long_bad_word ||
         request->kv_transfer != KVTransfer::kNone) {
       return false;
     }
@@ -49,6 +54,7 @@ void ContinuousBatchingEngine::launch_step(SchedulerOutput work, StepSamples sam
       source[previous.work.scheduled[index].seq_id] = static_cast<int64_t>(i);
     }
     int64_t row = 0;
+    std::unordered_map<int64_t, int64_t> pending_source;  // seq id -> its pending token's entry
     for (const ScheduledSequence& s : work.scheduled) {
       for (const int32_t token : s.token_ids) {
         if (token == kPendingToken) {
@@ -59,9 +65,15 @@ void ContinuousBatchingEngine::launch_step(SchedulerOutput work, StepSamples sam
           }
           feed.rows.push_back(row);
           feed.sources.push_back(found->second);
+          pending_source[s.seq_id] = found->second;
         }
         ++row;
       }
+    }
+    // The sampler counts each sequence's pending token in its history (penalties, min_tokens).
+    for (SamplingTarget& target : samples.targets) {
+      const auto found = pending_source.find(work.scheduled[target.scheduled_index].seq_id);
+      if (found != pending_source.end()) target.row.pending_source = found->second;
     }
   }
   LaunchedStep launched;

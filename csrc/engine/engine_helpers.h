@@ -45,7 +45,7 @@ inline std::string message_of(std::exception_ptr error) {
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 /// A copy of host values as a 1-D tensor on `device` (int64 -> kLong, int32 -> kInt,
-/// float -> kFloat). Always a copy: the result never aliases the vector, on any device. On a GPU
+/// float -> kFloat, double -> kDouble). Always a copy: the result never aliases the vector, on any device. On a GPU
 /// the values are staged in pinned memory and copied without waiting for the device (a copy
 /// from pageable memory would synchronise the stream: each one a round trip in the middle of a
 /// step); torch's host allocator keeps the staging buffer until the copy has run. Not for use
@@ -53,10 +53,11 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 template <typename T>
 at::Tensor to_tensor(const std::vector<T>& values, at::Device device) {
   static_assert(std::is_same_v<T, int64_t> || std::is_same_v<T, int32_t> ||
-                std::is_same_v<T, float>);
+                std::is_same_v<T, float> || std::is_same_v<T, double>);
   const at::ScalarType dtype = std::is_same_v<T, int64_t>   ? at::kLong
                                : std::is_same_v<T, int32_t> ? at::kInt
-                                                            : at::kFloat;
+                               : std::is_same_v<T, float>   ? at::kFloat
+                                                            : at::kDouble;
   const int64_t n = static_cast<int64_t>(values.size());
   if (!device.is_cuda()) {
     return at::from_blob(const_cast<T*>(values.data()), {n}, at::TensorOptions().dtype(dtype))

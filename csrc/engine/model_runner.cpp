@@ -339,7 +339,7 @@ LaunchedStep ModelRunner::launch(const SchedulerOutput& work,
                           ? at::Tensor()
                           : model_->compute_logits(
                                 hidden.index_select(0, to_tensor(hidden_rows, hidden.device())));
-  if (logits.defined()) step.samples = sampler_.begin_sample(logits, rows);
+  if (logits.defined()) step.samples = sampler_.begin_sample(logits, rows, feed.tokens);
   return step;
 }
 

@@ -2,10 +2,12 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/log_softmax.h>
+#include <ATen/ops/ones_like.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/topk.h>
 #include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -34,6 +36,9 @@ struct CellUpdates {
   std::vector<int64_t> row, token;
   std::vector<float> divide_positive;  // repetition penalty (1: none)
   std::vector<float> subtract;         // presence * (count > 0) + frequency * count
+  // What `subtract` is made of, for a history whose last token is still on the device.
+  std::vector<int64_t> count;
+  std::vector<double> presence, frequency;
 
   size_t size() const { return row.size(); }
 };
@@ -73,6 +78,9 @@ void add_penalty_cells(int64_t r, const SamplingRow& row, int64_t vocab,
     cells.divide_positive.push_back(repeated[k] ? static_cast<float>(p.repetition_penalty) : 1.0f);
     cells.subtract.push_back(static_cast<float>(
         p.presence_penalty * (counts[k] > 0) + p.frequency_penalty * counts[k]));
+    cells.count.push_back(counts[k]);
+    cells.presence.push_back(p.presence_penalty);
+    cells.frequency.push_back(p.frequency_penalty);
     slot[cells.token[first + k]] = -1;
   }
 }
@@ -87,6 +95,73 @@ void apply_cells(at::Tensor& logits, CellUpdates& cells) {
   // Hugging Face / vLLM: a positive logit is divided by the penalty, a negative one multiplied.
   const at::Tensor penalized = at::where(x.gt(0), x.div(divide), x.mul(divide));
   logits.index_put_(index, penalized.sub(to_tensor(cells.subtract, device)));
+}
+
+// presence * (count > 0) + frequency * count, in double as on the host, then float.
+at::Tensor penalty_subtract(const at::Tensor& presence, const at::Tensor& frequency,
+                            const at::Tensor& count) {
+  const at::Tensor n = count.to(at::kDouble);
+  return presence.mul(count.gt(0).to(at::kDouble)).add(frequency.mul(n)).to(at::kFloat);
+}
+
+// The penalties of rows whose history ends with a token still on the device (`pending_row`:
+// per row, its entry of `pending` or -1), exactly as if the token were among `cells`: a cell of
+// the same token counts it once more; a row whose token has no cell gets one, with the count 1.
+void apply_cells_with_pending(at::Tensor& logits, const CellUpdates& cells,
+                              const std::vector<SamplingRow>& rows,
+                              const std::vector<int64_t>& pending_row, const at::Tensor& pending) {
+  const at::Device device = logits.device();
+  // Rows with a penalty and a pending token: their pending token, and their penalties.
+  std::vector<int64_t> prow, psource, pindex_of_row(rows.size(), -1);
+  std::vector<float> prep;
+  std::vector<double> ppresence, pfrequency;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const SamplingParams& p = *rows[r].params;
+    if (pending_row[r] < 0 || (p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 &&
+                               p.frequency_penalty == 0.0)) {
+      continue;
+    }
+    pindex_of_row[r] = static_cast<int64_t>(prow.size());
+    prow.push_back(static_cast<int64_t>(r));
+    psource.push_back(pending_row[r]);
+    prep.push_back(static_cast<float>(p.repetition_penalty));
+    ppresence.push_back(p.presence_penalty);
+    pfrequency.push_back(p.frequency_penalty);
+  }
+  if (prow.empty()) {  // no penalized row waits for its token
+    CellUpdates copy = cells;
+    apply_cells(logits, copy);
+    return;
+  }
+  const at::Tensor tokens = pending.index_select(0, to_tensor(psource, device)).clamp_min(0);
+  at::Tensor matched = at::zeros({static_cast<int64_t>(prow.size())},
+                                 at::TensorOptions().dtype(at::kLong).device(device));
+  if (cells.size() > 0) {
+    std::vector<int64_t> cell_pending(cells.size());
+    for (size_t k = 0; k < cells.size(); ++k) cell_pending[k] = pindex_of_row[cells.row[k]];
+    const at::Tensor which = to_tensor(cell_pending, device);
+    const at::Tensor cell_tokens = to_tensor(cells.token, device);
+    const at::Tensor match =
+        which.ge(0).logical_and(tokens.index_select(0, which.clamp_min(0)).eq(cell_tokens));
+    const at::Tensor count = to_tensor(cells.count, device).add(match.to(at::kLong));
+    const c10::List<std::optional<at::Tensor>> index{to_tensor(cells.row, device), cell_tokens};
+    const at::Tensor x = logits.index(index);
+    const at::Tensor divide = to_tensor(cells.divide_positive, device);
+    const at::Tensor penalized = at::where(x.gt(0), x.div(divide), x.mul(divide));
+    logits.index_put_(index, penalized.sub(penalty_subtract(to_tensor(cells.presence, device),
+                                                            to_tensor(cells.frequency, device),
+                                                            count)));
+    matched.index_add_(0, which.clamp_min(0), match.logical_and(which.ge(0)).to(at::kLong));
+  }
+  // The pending tokens without a cell, each a cell of count 1 (one per row: no write collides).
+  const c10::List<std::optional<at::Tensor>> index{to_tensor(prow, device), tokens};
+  const at::Tensor x = logits.index(index);
+  const at::Tensor divide = to_tensor(prep, device);
+  const at::Tensor penalized = at::where(x.gt(0), x.div(divide), x.mul(divide));
+  const at::Tensor once = at::ones_like(matched);
+  const at::Tensor fresh = penalized.sub(penalty_subtract(to_tensor(ppresence, device),
+                                                          to_tensor(pfrequency, device), once));
+  logits.index_put_(index, at::where(matched.gt(0), x, fresh));
 }
 
 // Sets the logits at (rows[i], tokens[i]) to -inf.
@@ -112,8 +187,10 @@ void mask_until_min_tokens(at::Tensor& logits, const std::vector<SamplingRow>& r
   };
   for (size_t r = 0; r < rows.size(); ++r) {
     const SamplingParams& p = *rows[r].params;
-    if (p.min_tokens == 0 ||
-        static_cast<int64_t>(rows[r].output_token_ids->size()) >= p.min_tokens) {
+    if (p.min_tokens == 0) continue;  // (no history needed: the row may have none)
+    const int64_t generated = static_cast<int64_t>(rows[r].output_token_ids->size()) +
+                              (rows[r].pending_source >= 0 ? 1 : 0);
+    if (generated >= p.min_tokens) {
       continue;
     }
     for (int64_t id : p.stop_token_ids) mask(r, id);
@@ -135,6 +212,8 @@ void mask_bad_words(at::Tensor& logits, const std::vector<SamplingRow>& rows) {
     if (words.empty()) continue;
     const std::vector<int64_t>& out = *rows[r].output_token_ids;  // checked by apply_history
     for (const std::vector<int64_t>& word : words) {
+      TORCH_CHECK_VALUE(word.size() == 1 || rows[r].pending_source < 0, "Sampler: row ", r,
+                        " has a bad word of several tokens and a pending last token");
       const size_t before = word.size() - 1;
       if (before > out.size() || !std::equal(word.begin(), word.end() - 1, out.end() - before)) {
         continue;
@@ -198,12 +277,22 @@ void add_logit_bias(at::Tensor& logits, const std::vector<SamplingRow>& rows) {
 
 // Applies allowed_token_ids, bad words, min_tokens, then logit_bias, then the repetition penalty,
 // then presence/frequency, in place (vLLM's order).
-void apply_history(at::Tensor& logits, const std::vector<SamplingRow>& rows) {
+void apply_history(at::Tensor& logits, const std::vector<SamplingRow>& rows,
+                   const at::Tensor& pending = {}) {
   const int64_t vocab = logits.size(1);
   std::vector<int64_t> slot;
   CellUpdates cells;
+  std::vector<int64_t> pending_row(rows.size(), -1);
+  bool any_pending = false;
   for (size_t r = 0; r < rows.size(); ++r) {
     const SamplingParams& p = *rows[r].params;
+    if (rows[r].pending_source >= 0) {
+      TORCH_CHECK_VALUE(pending.defined() && rows[r].pending_source < pending.numel(),
+                        "Sampler: row ", r, " has pending token ", rows[r].pending_source,
+                        " outside the pending tokens");
+      pending_row[r] = rows[r].pending_source;
+      any_pending = any_pending || p.needs_token_history();
+    }
     if (!p.needs_token_history()) continue;
     TORCH_CHECK(rows[r].prompt_token_ids && rows[r].output_token_ids, "Sampler: row ", r,
                 " uses penalties, min_tokens or bad words but has no prompt/output token ids");
@@ -216,7 +305,11 @@ void apply_history(at::Tensor& logits, const std::vector<SamplingRow>& rows) {
   mask_bad_words(logits, rows);
   mask_until_min_tokens(logits, rows);  // -inf stays -inf through the bias and penalties below
   add_logit_bias(logits, rows);
-  apply_cells(logits, cells);
+  if (any_pending) {
+    apply_cells_with_pending(logits, cells, rows, pending_row, pending);
+  } else {
+    apply_cells(logits, cells);
+  }
 }
 
 PendingLogprobs raw_logprobs(const at::Tensor& logits, const std::vector<SamplingRow>& rows) {
@@ -401,11 +494,11 @@ std::vector<std::optional<TokenLogprobs>> Sampler::finish_logprobs(
   return complete_logprobs(pending, tokens, static_cast<int64_t>(rows.size()));
 }
 
-PendingSamples Sampler::begin_sample(at::Tensor& logits,
-                                     const std::vector<SamplingRow>& rows) const {
+PendingSamples Sampler::begin_sample(at::Tensor& logits, const std::vector<SamplingRow>& rows,
+                                     const at::Tensor& pending_tokens) const {
   check_rows(logits, rows);
   PendingLogprobs logprobs = raw_logprobs(logits, rows);  // before anything changes the logits
-  apply_history(logits, rows);
+  apply_history(logits, rows, pending_tokens);
   PendingSamples pending;
   pending.token_ids = filter_and_draw(logits, rows);
   pending.num_rows = static_cast<int64_t>(rows.size());

@@ -1,8 +1,9 @@
 """Asynchronous scheduling (EngineArgs.async_scheduling): each step is launched before the previous
 one's samples reach the host, the new step fed those samples on the device. The engine must give
 exactly what it gives without it: greedy and seeded tokens and logprobs, through arrivals, stops,
-aborts, length limits, preemption, chunked prefill and prefix caching, and while requests that need
-their history on the host (penalties, n > 1) make it step one at a time."""
+aborts, length limits, preemption, chunked prefill, prefix caching and penalties that count the
+token still on the device, and while requests that need their tokens on the host (n > 1, a bad
+word of several tokens) make it step one at a time."""
 
 from __future__ import annotations
 
@@ -163,10 +164,50 @@ def test_streamed_deltas_add_up_to_the_output(path):
     assert finished == 1 and tokens == run(engine(path), [([1, 5, 6, 7], 12, 0)])["0"]
 
 
-def test_requests_that_need_history_step_one_at_a_time(path):
-    """A penalized request and an n = 2 request arrive among plain ones: the engine steps
-    synchronously while they run, and every output is what the synchronous engine gives."""
+def test_penalties_and_min_tokens_count_the_pending_token(path):
+    """Penalties and min_tokens see each sequence's last token while it is still on the device:
+    every step runs ahead, and tokens and logprobs are the synchronous engine's, through
+    repetitions of prompt and output tokens, seeded sampling and stop tokens."""
+    rng = random.Random(5)
+    requests = [(str(i), [1] + [rng.randrange(3, 40) for _ in range(rng.randrange(2, 20))],
+                 rng.randrange(0, 8)) for i in range(24)]
+
+    def params(rid):
+        r = random.Random(int(rid))
+        return SamplingParams(
+            max_tokens=r.randrange(4, 20), ignore_eos=True, logprobs=2,
+            temperature=r.choice([0.0, 0.9]), seed=int(rid),
+            repetition_penalty=r.choice([1.0, 1.4, 0.7]),
+            presence_penalty=r.choice([0.0, 0.6, -0.4]),
+            frequency_penalty=r.choice([0.0, 0.3, -0.5]),
+            min_tokens=r.choice([0, 3]), stop_token_ids=r.choice([[], [5, 9]]))
+
+    e = engine(path, async_scheduling=True)
+    assert outputs(e, requests, params) == outputs(engine(path), requests, params)
+    stats = e.get_stats()
+    assert stats.num_async_steps == stats.num_steps
+
+
+def test_min_tokens_lets_a_stop_token_through_right_when_reached(path):
+    """A stop token first sampled at position k with min_tokens = k: the step that samples it
+    counts the pending token among the k before it, so the request stops there."""
+    prompt = [1, 5, 6, 7]
+    tokens = run(engine(path), [(prompt, 16, 0)])["0"]
+    k = next(k for k in range(2, len(tokens)) if tokens[k] not in tokens[:k])
+    params = SamplingParams(max_tokens=16, min_tokens=k, stop_token_ids=[tokens[k]], **GREEDY)
+    for e in (engine(path), engine(path, async_scheduling=True)):
+        e.add_request("m", prompt, params)
+        out = drain(e)["m"].outputs[0]
+        assert (out.token_ids, out.finish_reason) == (tokens[:k + 1], "stop")
+
+
+def test_requests_that_need_their_tokens_on_the_host_step_one_at_a_time(path):
+    """An n = 2 request and one with a bad word of several tokens arrive among plain ones: the
+    engine steps synchronously while they run, and every output is what the synchronous engine
+    gives."""
     requests = [(str(i), [1] + list(range(10 + i, 20 + 2 * i)), i) for i in range(10)]
+    e = engine(path)
+    word = e.tokenizer.decode(run(e, [([1, 5, 6, 7], 12, 0)])["0"][2:5])
 
     def params(rid):
         if rid == "3":
@@ -175,8 +216,7 @@ def test_requests_that_need_history_step_one_at_a_time(path):
         if rid == "5":
             return SamplingParams(max_tokens=10, n=2, temperature=0.8, seed=5, ignore_eos=True)
         if rid == "6":
-            return SamplingParams(max_tokens=10, min_tokens=4, bad_words=["e"],
-                                  **GREEDY)
+            return SamplingParams(max_tokens=10, min_tokens=4, bad_words=[word], **GREEDY)
         return SamplingParams(max_tokens=12, **GREEDY)
 
     def all_outputs(e):
@@ -193,9 +233,9 @@ def test_requests_that_need_history_step_one_at_a_time(path):
             step += 1
         return final
 
-    e = engine(path, async_scheduling=True)
-    assert all_outputs(e) == all_outputs(engine(path))
-    stats = e.get_stats()
+    launched = engine(path, async_scheduling=True)
+    assert all_outputs(launched) == all_outputs(engine(path))
+    stats = launched.get_stats()
     assert 0 < stats.num_async_steps < stats.num_steps
 
 

@@ -130,8 +130,9 @@ class ModelRunner {
 
   /// execute() for asynchronous scheduling: the same step, launched without waiting for its
   /// samples, which ModelRunner::finish reads. `feed` fills the tokens an earlier launched step
-  /// sampled (kPendingToken in the scheduled token ids) from its device tensor. One plain sample
-  /// per target: no speculation, no prompt logprobs, no other ranks (std::logic_error).
+  /// sampled (kPendingToken in the scheduled token ids) from its device tensor, which is also
+  /// where the targets' rows' pending_source point. One plain sample per target: no
+  /// speculation, no prompt logprobs, no other ranks (std::logic_error).
   LaunchedStep launch(const SchedulerOutput& work, const std::vector<SamplingTarget>& targets,
                       const TokenFeed& feed);
   /// Waits for a launched step's samples: one SampledTokens per target.

@@ -28,6 +28,10 @@ struct SamplingRow {
   const std::vector<int64_t>* prompt_token_ids = nullptr;
   const std::vector<int64_t>* output_token_ids = nullptr;  ///< generated so far
   const std::vector<int64_t>* eos_token_ids = nullptr;
+  /// >= 0: one more output token follows output_token_ids, still on the device: entry
+  /// `pending_source` of begin_sample's pending_tokens (asynchronous scheduling). Penalties and
+  /// min_tokens count it; a bad word of several tokens cannot be matched across it.
+  int64_t pending_source = -1;
 };
 
 /// Log-probabilities of one sampled token, from log_softmax of the raw fp32 logits.
@@ -98,7 +102,10 @@ class Sampler {
   /// for them; the second waits for the copies and returns what sample() returns (no probs).
   /// Between the two the caller may launch more work on the device, and the rows' params and
   /// histories may go away.
-  PendingSamples begin_sample(at::Tensor& logits, const std::vector<SamplingRow>& rows) const;
+  /// pending_tokens: int64 on the logits' device, the tokens rows' pending_source index (rows
+  /// with a bad word of several tokens may have none: std::invalid_argument).
+  PendingSamples begin_sample(at::Tensor& logits, const std::vector<SamplingRow>& rows,
+                              const at::Tensor& pending_tokens = {}) const;
   SamplerOutput finish_sample(PendingSamples& pending) const;
 
   /// The history-free form: temperature, top-k, top-p and min-p only (penalties, min_tokens and
