@@ -174,6 +174,7 @@ ContinuousBatchingEngine::StepSamples ContinuousBatchingEngine::plan_samples(
            SamplingRow{&request.params, &completion.random, &request.prompt,
                        &completion.output.token_ids, &config_.eos_token_ids}});
       samples.completions.push_back({&request, &completion});
+      samples.seq_ids.push_back(completion.seq_id);
     }
   }
   plan_prompt_logprobs(work, samples);
@@ -244,15 +245,7 @@ void ContinuousBatchingEngine::update_from_output(const SchedulerOutput& work,
                                                   std::vector<RequestOutput>& outputs,
                                                   bool finished_only) {
   advance(work, result.cuda_graph);
-  for (Request* request : samples.forking) {
-    const int64_t parent = request->completions.front().seq_id;
-    for (size_t c = 1; c < request->completions.size(); ++c) {
-      Completion& child = request->completions[c];
-      scheduler_.fork(parent, child.seq_id);
-      where_[child.seq_id] = {request, c};
-      child.forked = true;
-    }
-  }
+  fork_samples(samples);
   for (size_t k = 0; k < samples.prompt_requests.size(); ++k) {
     std::vector<TokenLogprobs>& scored = samples.prompt_requests[k]->prompt_logprobs;
     scored.insert(scored.end(), result.prompt_logprobs[k].begin(), result.prompt_logprobs[k].end());
@@ -271,6 +264,18 @@ void ContinuousBatchingEngine::advance(const SchedulerOutput& work, bool cuda_gr
   if (cuda_graph) ++stats_.num_cuda_graph_steps;
 }
 
+void ContinuousBatchingEngine::fork_samples(const StepSamples& samples) {
+  for (Request* request : samples.forking) {
+    const int64_t parent = request->completions.front().seq_id;
+    for (size_t c = 1; c < request->completions.size(); ++c) {
+      Completion& child = request->completions[c];
+      scheduler_.fork(parent, child.seq_id);
+      where_[child.seq_id] = {request, c};
+      child.forked = true;
+    }
+  }
+}
+
 void ContinuousBatchingEngine::take_samples(const SchedulerOutput& work,
                                             const StepSamples& samples,
                                             const ModelRunnerOutput& result,
@@ -280,11 +285,8 @@ void ContinuousBatchingEngine::take_samples(const SchedulerOutput& work,
   const uint64_t mark = ++next_mark_;
   std::vector<Request*> touched;
   for (size_t i = 0; i < samples.targets.size(); ++i) {
-    if (pending) {
-      // Ended since the launch (a stop, an abort): its request may be gone.
-      const int64_t seq_id = work.scheduled[samples.targets[i].scheduled_index].seq_id;
-      if (where_.count(seq_id) == 0) continue;
-    }
+    // Ended since the launch (a stop, an abort): its request may be gone.
+    if (pending && where_.count(samples.seq_ids[i]) == 0) continue;
     auto [request_ptr, completion_ptr] = samples.completions[i];
     Request& request = *request_ptr;
     Completion& completion = *completion_ptr;

@@ -25,15 +25,15 @@ using engine_helpers::message_of;
 bool ContinuousBatchingEngine::can_overlap() const {
   if (!config_.async_scheduling) return false;
   // What a step needs of the one before it on the host: a bad word of several tokens, whose
-  // match runs on the host over the last tokens; the n samples' forks; prompt logprobs' order of
-  // rows; the blocks of a KV transfer. (Penalties and min_tokens count a pending token on the
+  // match runs on the host over the last tokens; prompt logprobs' rows (scored apart from the
+  // sampled ones); the blocks of a KV transfer. (Penalties and min_tokens count a pending token on the
   // device: Sampler's pending_source.)
   for (const auto& [id, request] : requests_) {
     const SamplingParams& p = request->params;
     const bool long_bad_word =
         std::any_of(p.bad_words_token_ids.begin(), p.bad_words_token_ids.end(),
                     [](const std::vector<int64_t>& word) { return word.size() > 1; });
-    if (p.n > 1 || p.prompt_logprobs || long_bad_word ||
+    if (p.prompt_logprobs || long_bad_word ||
         request->kv_transfer != KVTransfer::kNone) {
       return false;
     }
@@ -49,9 +49,8 @@ void ContinuousBatchingEngine::launch_step(SchedulerOutput work, StepSamples sam
     feed.tokens = in_flight_->launched.samples.token_ids;
     std::unordered_map<int64_t, int64_t> source;  // seq id -> its row of the launched samples
     const LaunchedWork& previous = *in_flight_;
-    for (size_t i = 0; i < previous.samples.targets.size(); ++i) {
-      const int64_t index = previous.samples.targets[i].scheduled_index;
-      source[previous.work.scheduled[index].seq_id] = static_cast<int64_t>(i);
+    for (size_t i = 0; i < previous.samples.seq_ids.size(); ++i) {
+      source[previous.samples.seq_ids[i]] = static_cast<int64_t>(i);
     }
     int64_t row = 0;
     std::unordered_map<int64_t, int64_t> pending_source;  // seq id -> its pending token's entry
@@ -96,8 +95,8 @@ void ContinuousBatchingEngine::launch_step(SchedulerOutput work, StepSamples sam
   });
   advance(live, launched.cuda_graph);
   ++stats_.num_async_steps;
-  for (const SamplingTarget& target : samples.targets) {
-    const int64_t seq_id = work.scheduled[target.scheduled_index].seq_id;
+  fork_samples(samples);  // a prompt's n samples, each with its own pending token below
+  for (const int64_t seq_id : samples.seq_ids) {
     const auto where = where_.find(seq_id);
     if (where == where_.end()) continue;
     const Request& request = *where->second.request;

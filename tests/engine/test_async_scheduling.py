@@ -1,8 +1,8 @@
 """Asynchronous scheduling (EngineArgs.async_scheduling): each step is launched before the previous
 one's samples reach the host, the new step fed those samples on the device. The engine must give
 exactly what it gives without it: greedy and seeded tokens and logprobs, through arrivals, stops,
-aborts, length limits, preemption, chunked prefill, prefix caching and penalties that count the
-token still on the device, and while requests that need their tokens on the host (n > 1, a bad
+aborts, length limits, preemption, chunked prefill, prefix caching, n samples and penalties that
+count the token still on the device, and while requests that need their tokens on the host (a bad
 word of several tokens) make it step one at a time."""
 
 from __future__ import annotations
@@ -201,10 +201,50 @@ def test_min_tokens_lets_a_stop_token_through_right_when_reached(path):
         assert (out.token_ids, out.finish_reason) == (tokens[:k + 1], "stop")
 
 
+@pytest.mark.parametrize("options", [{}, {"block_size": 4, "num_blocks": 40,
+                                         "enable_prefix_caching": False}],
+                         ids=["pool", "preemption"])
+def test_n_samples_fork_behind_their_pending_tokens(path, options):
+    """A prompt's n samples fork in the step that samples their first tokens, each sequence
+    behind its own pending token (a shared last block copied on write): the synchronous
+    engine's samples, seeded, with logprobs and penalties."""
+    rng = random.Random(7)
+    requests = [(str(i), [1] + [rng.randrange(3, 381) for _ in range(rng.randrange(2, 14))],
+                 rng.randrange(0, 6)) for i in range(10)]
+
+    def params(rid):
+        return SamplingParams(n=1 + int(rid) % 3, temperature=0.9, seed=int(rid), logprobs=1,
+                              max_tokens=6 + int(rid), ignore_eos=True,
+                              frequency_penalty=0.4 * (int(rid) % 2))
+
+    def samples(e):
+        final, pending, step = {}, sorted(requests, key=lambda r: r[2]), 0
+        while pending or e.has_unfinished_requests():
+            while pending and pending[0][2] <= step:
+                rid, prompt, _ = pending.pop(0)
+                e.add_request(rid, prompt, params(rid))
+            for out in e.step():
+                if out.finished:
+                    final[out.request_id] = [
+                        (list(o.token_ids), [round(x.logprob, 4) for x in o.logprobs])
+                        for o in out.outputs]
+            step += 1
+        blocks = e.block_manager
+        assert blocks.num_free_blocks() == blocks.num_usable_blocks()
+        return final
+
+    e = engine(path, async_scheduling=True, **options)
+    assert samples(e) == samples(engine(path, **options))
+    stats = e.get_stats()
+    assert stats.num_async_steps == stats.num_steps
+    if options:
+        assert stats.num_preemptions > 0
+
+
 def test_requests_that_need_their_tokens_on_the_host_step_one_at_a_time(path):
-    """An n = 2 request and one with a bad word of several tokens arrive among plain ones: the
-    engine steps synchronously while they run, and every output is what the synchronous engine
-    gives."""
+    """A request with a bad word of several tokens arrives among others (penalized, n = 2,
+    plain): the engine steps synchronously while it runs, and every output is what the
+    synchronous engine gives."""
     requests = [(str(i), [1] + list(range(10 + i, 20 + 2 * i)), i) for i in range(10)]
     e = engine(path)
     word = e.tokenizer.decode(run(e, [([1, 5, 6, 7], 12, 0)])["0"][2:5])

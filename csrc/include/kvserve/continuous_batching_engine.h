@@ -197,6 +197,7 @@ class ContinuousBatchingEngine {
   struct StepSamples {
     std::vector<SamplingTarget> targets;
     std::vector<std::pair<Request*, Completion*>> completions;  ///< one per target
+    std::vector<int64_t> seq_ids;  ///< one per target: its completion's sequence
     std::vector<Request*> forking;
     std::vector<PromptLogprobsTarget> prompt_targets;
     std::vector<Request*> prompt_requests;  ///< one per prompt target
@@ -242,6 +243,8 @@ class ContinuousBatchingEngine {
                           bool finished_only);
   /// The scheduler's side of a step that ran: what it computed, and the step counters.
   void advance(const SchedulerOutput& work, bool cuda_graph);
+  /// The step sampled the first tokens of these requests' n samples: their sequences fork.
+  void fork_samples(const StepSamples& samples);
   /// The step's samples into their completions (stop conditions, outputs). pending: the step
   /// was launched asynchronously; its sequences end with kPendingToken (set here) and those
   /// that ended since are skipped.
