@@ -32,9 +32,23 @@ PROMPTS = ["ROMEO:\n", "JULIET:\nO Romeo, Romeo!", "First Citizen:\nBefore we pr
            "KING HENRY:\n", "HAMLET:\nTo be", "MERCUTIO:\n"]
 
 
+# Every attack runs on an engine stepping one step at a time and on one that launches each step
+# before the last one's samples are in (async scheduling).
+ASYNC_SCHEDULING = [False]
+
+
+@pytest.fixture(scope="module", autouse=True, params=[False, True],
+                ids=["sync", "async-scheduling"])
+def async_scheduling(request):
+    ASYNC_SCHEDULING[0] = request.param
+    yield
+    ASYNC_SCHEDULING[0] = False
+
+
 def serve(**engine_kwargs):
     engine_kwargs = dict(dtype="float32", max_model_len=1024, num_blocks=400,
-                         max_stream_lag=1.0, max_consecutive_failures=2) | engine_kwargs
+                         max_stream_lag=1.0, max_consecutive_failures=2,
+                         async_scheduling=ASYNC_SCHEDULING[0]) | engine_kwargs
     engine = AsyncLLMEngine(MODEL, **engine_kwargs)
     state = ServerState(NAME, limits=ServerLimits(max_body_bytes=64 << 10))
     state.ready(engine, None)
@@ -42,7 +56,7 @@ def serve(**engine_kwargs):
 
 
 @pytest.fixture(scope="module")
-def roomy():
+def roomy(async_scheduling):
     engine, server = serve(max_num_seqs=16, max_waiting_requests=256)
     with server:
         yield engine, server
