@@ -9,7 +9,6 @@
 // them ends (a stop token, a stop string, an abort) was already fed to the newer step: its row
 // there is computed and dropped. One whose next token ends it by length gets no kPendingToken,
 // so that nothing is scheduled past its limits.
-#include <algorithm>
 #include <exception>
 #include <string>
 #include <unordered_map>
@@ -24,19 +23,10 @@ using engine_helpers::message_of;
 
 bool ContinuousBatchingEngine::can_overlap() const {
   if (!config_.async_scheduling) return false;
-  // What a step needs of the one before it on the host: a bad word of several tokens, whose
-  // match runs on the host over the last tokens; prompt logprobs' rows (scored apart from the
-  // sampled ones); the blocks of a KV transfer. (Penalties and min_tokens count a pending token on the
-  // device: Sampler's pending_source.)
+  // What a step needs of the one before it on the host: the blocks of a KV transfer. (The
+  // sampler takes a pending token on the device: SamplingRow::pending_source.)
   for (const auto& [id, request] : requests_) {
-    const SamplingParams& p = request->params;
-    const bool long_bad_word =
-        std::any_of(p.bad_words_token_ids.begin(), p.bad_words_token_ids.end(),
-                    [](const std::vector<int64_t>& word) { return word.size() > 1; });
-    if (p.prompt_logprobs || long_bad_word ||
-        request->kv_transfer != KVTransfer::kNone) {
-      return false;
-    }
+    if (request->kv_transfer != KVTransfer::kNone) return false;
   }
   return true;
 }
@@ -81,7 +71,7 @@ void ContinuousBatchingEngine::launch_step(SchedulerOutput work, StepSamples sam
       --num_injected_failures_;
       throw std::runtime_error("an injected step failure (inject_step_failures)");
     }
-    launched = runner_.launch(work, samples.targets, feed);
+    launched = runner_.launch(work, samples.targets, samples.prompt_targets, feed);
   } catch (...) {
     fail_step(&work, message_of(std::current_exception()));
     throw;
@@ -96,6 +86,12 @@ void ContinuousBatchingEngine::launch_step(SchedulerOutput work, StepSamples sam
   advance(live, launched.cuda_graph);
   ++stats_.num_async_steps;
   fork_samples(samples);  // a prompt's n samples, each with its own pending token below
+  for (size_t k = 0; k < samples.prompt_requests.size(); ++k) {
+    std::vector<TokenLogprobs>& scored = samples.prompt_requests[k]->prompt_logprobs;
+    scored.insert(scored.end(), launched.prompt_logprobs[k].begin(),
+                  launched.prompt_logprobs[k].end());
+  }
+  launched.prompt_logprobs.clear();
   for (const int64_t seq_id : samples.seq_ids) {
     const auto where = where_.find(seq_id);
     if (where == where_.end()) continue;

@@ -240,6 +240,18 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
     if (verifies) out.verify_seconds = seconds_since(forward_started);
     return out;
   }
+  out.prompt_logprobs =
+      score_prompt(hidden, rows_index, slices, next_slice, num_sampled_rows, prompt_targets);
+  if (verifies) out.verify_seconds = seconds_since(forward_started);
+  return out;
+}
+
+std::vector<std::vector<TokenLogprobs>> ModelRunner::score_prompt(
+    const at::Tensor& hidden, const at::Tensor& rows_index,
+    const std::vector<std::pair<int64_t, int64_t>>& slices, size_t first_slice,
+    int64_t num_sampled_rows, const std::vector<PromptLogprobsTarget>& prompt_targets) {
+  std::vector<std::vector<TokenLogprobs>> scored_rows(prompt_targets.size());
+  if (prompt_targets.empty()) return scored_rows;
   // Each prompt row's target and the token it scores, in the order of the rows.
   std::vector<SamplingParams> prompt_params(prompt_targets.size());
   std::vector<SamplingRow> prompt_rows;
@@ -252,9 +264,8 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
       target_of_row.push_back(static_cast<int64_t>(k));
     }
   }
-  out.prompt_logprobs.resize(prompt_targets.size());
-  for (; next_slice < slices.size(); ++next_slice) {
-    const auto [begin, count] = slices[next_slice];
+  for (size_t slice = first_slice; slice < slices.size(); ++slice) {
+    const auto [begin, count] = slices[slice];
     const at::Tensor logits =
         model_->compute_logits(hidden.index_select(0, rows_index.narrow(0, begin, count)));
     const int64_t first = begin - num_sampled_rows;
@@ -264,13 +275,13 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
     const at::Tensor tokens =
         to_tensor(std::vector<int64_t>(scored.begin() + first, scored.begin() + first + count),
                   logits.device());
-    std::vector<std::optional<TokenLogprobs>> entries = sampler_.finish_logprobs(pending, tokens, rows);
+    std::vector<std::optional<TokenLogprobs>> entries =
+        sampler_.finish_logprobs(pending, tokens, rows);
     for (int64_t r = 0; r < count; ++r) {
-      out.prompt_logprobs[target_of_row[first + r]].push_back(std::move(*entries[r]));
+      scored_rows[target_of_row[first + r]].push_back(std::move(*entries[r]));
     }
   }
-  if (verifies) out.verify_seconds = seconds_since(forward_started);
-  return out;
+  return scored_rows;
 }
 
 at::Tensor ModelRunner::run_forward(ForwardBatchBuilder& builder, bool decode_only,
@@ -301,12 +312,14 @@ at::Tensor ModelRunner::run_forward(ForwardBatchBuilder& builder, bool decode_on
 
 LaunchedStep ModelRunner::launch(const SchedulerOutput& work,
                                  const std::vector<SamplingTarget>& targets,
+                                 const std::vector<PromptLogprobsTarget>& prompt_targets,
                                  const TokenFeed& feed) {
   if (speculator_ || workers_) {
     throw std::logic_error("ModelRunner::launch: no asynchronous steps with speculation or "
                            "tensor parallelism");
   }
-  const std::vector<std::pair<int32_t, int32_t>> copies = prepare(work, targets, {}, &feed);
+  const std::vector<std::pair<int32_t, int32_t>> copies =
+      prepare(work, targets, prompt_targets, &feed);
   ForwardBatchBuilder builder(kv_cache_.block_size(), model_->lora_enabled());
   std::vector<int64_t> starts;
   int64_t num_rows = 0;
@@ -322,24 +335,39 @@ LaunchedStep ModelRunner::launch(const SchedulerOutput& work,
     num_rows += s.num_new_tokens;
     decode_only = decode_only && s.num_new_tokens == 1;
   }
+  // Rows of `hidden` whose logits are needed: one per target, then the prompt rows scored.
   std::vector<int64_t> hidden_rows;
   std::vector<SamplingRow> rows;
   for (const SamplingTarget& t : targets) {
     hidden_rows.push_back(starts[t.scheduled_index] + t.position);
     rows.push_back(t.row);
   }
+  const int64_t num_sampled_rows = static_cast<int64_t>(hidden_rows.size());
+  for (const PromptLogprobsTarget& t : prompt_targets) {
+    for (size_t j = 0; j < t.token_ids.size(); ++j) {
+      hidden_rows.push_back(starts[t.scheduled_index] + t.position + static_cast<int64_t>(j));
+    }
+  }
+  decode_only = decode_only && prompt_targets.empty();
   LaunchedStep step;
-  const at::Tensor hidden =
-      run_forward(builder, decode_only, copies, hidden_rows,
-                  static_cast<int64_t>(hidden_rows.size()), &feed, step.cuda_graph);
+  const at::Tensor hidden = run_forward(builder, decode_only, copies, hidden_rows,
+                                        num_sampled_rows, &feed, step.cuda_graph);
   std::vector<std::pair<int32_t, int32_t>> snapshots;
   for (const StateCopy& c : work.state_snapshots) snapshots.emplace_back(c.src, c.dst);
   kv_cache_.copy_states(snapshots);
-  at::Tensor logits = hidden_rows.empty()
-                          ? at::Tensor()
-                          : model_->compute_logits(
-                                hidden.index_select(0, to_tensor(hidden_rows, hidden.device())));
-  if (logits.defined()) step.samples = sampler_.begin_sample(logits, rows, feed.tokens);
+  if (hidden_rows.empty()) return step;
+  const at::Tensor rows_index = to_tensor(hidden_rows, hidden.device());
+  const auto slices = logits_slices(num_sampled_rows, static_cast<int64_t>(hidden_rows.size()));
+  size_t next_slice = 0;
+  if (num_sampled_rows > 0) {
+    const auto [begin, count] = slices[next_slice++];
+    at::Tensor logits =
+        model_->compute_logits(hidden.index_select(0, rows_index.narrow(0, begin, count)));
+    step.samples = sampler_.begin_sample(logits, rows, feed.tokens);
+  }
+  // Scored now: the host waits for the forward in a step that scores prompt tokens.
+  step.prompt_logprobs =
+      score_prompt(hidden, rows_index, slices, next_slice, num_sampled_rows, prompt_targets);
   return step;
 }
 

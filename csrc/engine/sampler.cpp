@@ -1,6 +1,7 @@
 #include "kvserve/sampler.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full_like.h>
 #include <ATen/ops/log_softmax.h>
 #include <ATen/ops/ones_like.h>
 #include <ATen/ops/scalar_tensor.h>
@@ -15,6 +16,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <map>
 #include <limits>
 #include <stdexcept>
 #include <tuple>
@@ -204,28 +206,58 @@ void mask_until_min_tokens(at::Tensor& logits, const std::vector<SamplingRow>& r
 // Masks to -inf the last token of every bad word whose other tokens end the row's output so far
 // (a one-token word everywhere): the output can never complete one. Costs the words' length,
 // never the vocabulary.
-void mask_bad_words(at::Tensor& logits, const std::vector<SamplingRow>& rows) {
+void mask_bad_words(at::Tensor& logits, const std::vector<SamplingRow>& rows,
+                    const at::Tensor& pending) {
   const int64_t vocab = logits.size(1);
   std::vector<int64_t> mask_row, mask_token;
+  // Words whose next-to-last token is a row's pending token (still on the device): each
+  // (row, token) cell once, masked where any of its words' pending token matches.
+  std::map<std::pair<int64_t, int64_t>, int64_t> cell_of;
+  std::vector<int64_t> cell_row, cell_token, cell, source, required;
   for (size_t r = 0; r < rows.size(); ++r) {
     const auto& words = rows[r].params->bad_words_token_ids;
     if (words.empty()) continue;
     const std::vector<int64_t>& out = *rows[r].output_token_ids;  // checked by apply_history
+    const bool pends = rows[r].pending_source >= 0;
     for (const std::vector<int64_t>& word : words) {
-      TORCH_CHECK_VALUE(word.size() == 1 || rows[r].pending_source < 0, "Sampler: row ", r,
-                        " has a bad word of several tokens and a pending last token");
+      // The word's tokens before its last must end the output (the pending token last).
       const size_t before = word.size() - 1;
-      if (before > out.size() || !std::equal(word.begin(), word.end() - 1, out.end() - before)) {
+      const size_t known = pends && before > 0 ? before - 1 : before;
+      if (known > out.size() ||
+          !std::equal(word.begin(), word.begin() + known, out.end() - known)) {
         continue;
       }
       TORCH_CHECK(word.back() >= 0 && word.back() < vocab, "Sampler: row ", r,
                   " has a bad word token id ", word.back(), " outside the vocabulary [0, ",
                   vocab, ")");
-      mask_row.push_back(static_cast<int64_t>(r));
-      mask_token.push_back(word.back());
+      if (known == before) {
+        mask_row.push_back(static_cast<int64_t>(r));
+        mask_token.push_back(word.back());
+        continue;
+      }
+      const auto key = std::make_pair(static_cast<int64_t>(r), word.back());
+      const auto [it, added] = cell_of.emplace(key, static_cast<int64_t>(cell_row.size()));
+      if (added) {
+        cell_row.push_back(key.first);
+        cell_token.push_back(key.second);
+      }
+      cell.push_back(it->second);
+      source.push_back(rows[r].pending_source);
+      required.push_back(word[before - 1]);
     }
   }
   mask_cells(logits, mask_row, mask_token);
+  if (cell.empty()) return;
+  const at::Device device = logits.device();
+  const at::Tensor hit = pending.index_select(0, to_tensor(source, device))
+                             .eq(to_tensor(required, device))
+                             .to(at::kLong);
+  const at::Tensor hits = at::zeros({static_cast<int64_t>(cell_row.size())}, hit.options())
+                              .index_add_(0, to_tensor(cell, device), hit);
+  const c10::List<std::optional<at::Tensor>> index{to_tensor(cell_row, device),
+                                                   to_tensor(cell_token, device)};
+  const at::Tensor x = logits.index(index);
+  logits.index_put_(index, at::where(hits.gt(0), at::full_like(x, kNegInf), x));
 }
 
 // Masks to -inf every logit of a row with allowed_token_ids but those ids' (kept values gathered,
@@ -302,7 +334,7 @@ void apply_history(at::Tensor& logits, const std::vector<SamplingRow>& rows,
     }
   }
   keep_allowed_tokens(logits, rows);
-  mask_bad_words(logits, rows);
+  mask_bad_words(logits, rows, pending);
   mask_until_min_tokens(logits, rows);  // -inf stays -inf through the bias and penalties below
   add_logit_bias(logits, rows);
   if (any_pending) {

@@ -173,7 +173,7 @@ TEST(ModelRunner, LaunchedStepsFedOnTheDeviceEqualExecutedSteps) {
     LaunchedStep next = launched.runner.launch(
         work, {{0, work.scheduled[0].num_new_tokens - 1, SamplingRow{&params, &random}},
                {1, work.scheduled[1].num_new_tokens - 1, SamplingRow{&params, &random}}},
-        feed);
+        {}, feed);
     if (in_flight) {
       const auto got = launched.runner.finish(*in_flight);
       for (int64_t i = 0; i < 2; ++i) {
@@ -194,7 +194,7 @@ TEST(ModelRunner, LaunchedStepsFedOnTheDeviceEqualExecutedSteps) {
   }
   // A pending token that no feed fills is refused before the forward.
   const SchedulerOutput unfed = launched.scheduler.schedule();
-  EXPECT_THROW(launched.runner.launch(unfed, {}, TokenFeed{}), std::logic_error);
+  EXPECT_THROW(launched.runner.launch(unfed, {}, {}, TokenFeed{}), std::logic_error);
   EXPECT_THROW(launched.runner.execute(unfed, {}), std::logic_error);
 }
 

@@ -1,9 +1,9 @@
 """Asynchronous scheduling (EngineArgs.async_scheduling): each step is launched before the previous
 one's samples reach the host, the new step fed those samples on the device. The engine must give
 exactly what it gives without it: greedy and seeded tokens and logprobs, through arrivals, stops,
-aborts, length limits, preemption, chunked prefill, prefix caching, n samples and penalties that
-count the token still on the device, and while requests that need their tokens on the host (a bad
-word of several tokens) make it step one at a time."""
+aborts, length limits, preemption, chunked prefill, prefix caching, n samples, prompt logprobs, and
+penalties, min_tokens and bad words that count the token still on the device; and while a KV
+transfer makes it step one at a time."""
 
 from __future__ import annotations
 
@@ -247,26 +247,80 @@ def test_n_samples_fork_behind_their_pending_tokens(path, options):
         assert stats.num_preemptions > 0
 
 
-def test_requests_that_need_their_tokens_on_the_host_step_one_at_a_time(path):
-    """A request with a bad word of several tokens arrives among others (penalized, n = 2,
-    plain): the engine steps synchronously while it runs, and every output is what the
-    synchronous engine gives."""
-    requests = [(str(i), [1] + list(range(10 + i, 20 + 2 * i)), i) for i in range(10)]
-    e = engine(path)
-    word = e.tokenizer.decode(run(e, [([1, 5, 6, 7], 12, 0)])["0"][2:5])
+def test_prompt_logprobs_are_scored_in_launched_steps(path):
+    """Prompt logprobs of prompts prefilled in chunks beside decoding sequences: every step runs
+    ahead, and each prompt's scores are the synchronous engine's."""
+    rng = random.Random(11)
+    requests = [(str(i), [1] + [rng.randrange(3, 381) for _ in range(rng.randrange(3, 40))],
+                 rng.randrange(0, 6)) for i in range(8)]
 
     def params(rid):
-        if rid == "3":
-            return SamplingParams(max_tokens=10, repetition_penalty=1.5, presence_penalty=0.5,
-                                  **GREEDY)
-        if rid == "5":
-            return SamplingParams(max_tokens=10, n=2, temperature=0.8, seed=5, ignore_eos=True)
-        if rid == "6":
-            return SamplingParams(max_tokens=10, min_tokens=4, bad_words=[word], **GREEDY)
-        return SamplingParams(max_tokens=12, **GREEDY)
+        return SamplingParams(max_tokens=8, prompt_logprobs=int(rid) % 3 or None, logprobs=1,
+                              **GREEDY)
 
-    launched = engine(path, async_scheduling=True)
-    assert outputs(launched, requests, params) == outputs(engine(path), requests, params)
+    def scored(e):
+        final, pending, step = {}, sorted(requests, key=lambda r: r[2]), 0
+        while pending or e.has_unfinished_requests():
+            while pending and pending[0][2] <= step:
+                rid, prompt, _ = pending.pop(0)
+                e.add_request(rid, prompt, params(rid))
+            for out in e.step():
+                if out.finished:
+                    final[out.request_id] = (out.outputs[0].token_ids, str(out.prompt_logprobs))
+            step += 1
+        return final
+
+    e = engine(path, async_scheduling=True, max_num_batched_tokens=16)
+    got = scored(e)
+    assert got == scored(engine(path, max_num_batched_tokens=16))
+    assert sum(p != "None" for _, p in got.values()) >= 4
+    stats = e.get_stats()
+    assert stats.num_async_steps == stats.num_steps
+
+
+def test_bad_words_match_across_the_pending_token(path):
+    """Bad words of one, two and three tokens, whose next-to-last token is the one still on the
+    device: masked where they match, as by the synchronous engine, every step ahead."""
+    prompt = [1, 5, 6, 7]
+    tokens = run(engine(path), [(prompt, 16, 0)])["0"]
+    words = [tokens[1:3], tokens[4:7], tokens[9:10], [tokens[2], tokens[0]]]
+    requests = [(str(i), prompt if i % 2 else [1] + list(range(10 + i, 20 + 2 * i)), i)
+                for i in range(8)]
+
+    def params(rid):
+        p = SamplingParams(max_tokens=16, **GREEDY)
+        p.bad_words_token_ids = words
+        return p
+
+    e = engine(path, async_scheduling=True)
+    got = outputs(e, requests, params)
+    assert got == outputs(engine(path), requests, params)
+    assert got["1"][0][0] != tokens  # the words bit
+    stats = e.get_stats()
+    assert stats.num_async_steps == stats.num_steps
+
+
+def test_a_kv_transfer_makes_the_engine_step_one_at_a_time(path):
+    """A request whose KV a decode engine will pull arrives among plain ones on a producer: the
+    engine steps synchronously while it runs, and every output is the synchronous engine's."""
+    requests = [(str(i), [1] + list(range(10 + i, 20 + 2 * i)), i) for i in range(8)]
+
+    def tokens(e):
+        final, pending, step = {}, list(requests), 0
+        while pending or e.has_unfinished_requests():
+            while pending and pending[0][2] <= step:
+                rid, prompt, _ = pending.pop(0)
+                e.add_request(rid, prompt, SamplingParams(max_tokens=10, **GREEDY),
+                              kv_transfer_params={"do_remote_decode": True} if rid == "3"
+                              else None)
+            for out in e.step():
+                if out.finished:
+                    final[out.request_id] = out.outputs[0].token_ids
+            step += 1
+        return final
+
+    launched = engine(path, async_scheduling=True, kv_role="producer")
+    assert tokens(launched) == tokens(engine(path, kv_role="producer"))
     stats = launched.get_stats()
     assert 0 < stats.num_async_steps < stats.num_steps
 

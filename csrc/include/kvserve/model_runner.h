@@ -80,6 +80,8 @@ struct ModelRunnerOutput {
 /// A step launched by ModelRunner::launch whose samples are still on their way to the host.
 struct LaunchedStep {
   PendingSamples samples;  ///< one row per SamplingTarget, in their order
+  /// One per PromptLogprobsTarget, as ModelRunnerOutput's (scored before launch returns).
+  std::vector<std::vector<TokenLogprobs>> prompt_logprobs;
   bool cuda_graph = false;
 };
 
@@ -132,8 +134,10 @@ class ModelRunner {
   /// samples, which ModelRunner::finish reads. `feed` fills the tokens an earlier launched step
   /// sampled (kPendingToken in the scheduled token ids) from its device tensor, which is also
   /// where the targets' rows' pending_source point. One plain sample per target: no
-  /// speculation, no prompt logprobs, no other ranks (std::logic_error).
+  /// speculation, no other ranks (std::logic_error). `prompt_targets` are scored before it
+  /// returns (the host then waits for the forward).
   LaunchedStep launch(const SchedulerOutput& work, const std::vector<SamplingTarget>& targets,
+                      const std::vector<PromptLogprobsTarget>& prompt_targets,
                       const TokenFeed& feed);
   /// Waits for a launched step's samples: one SampledTokens per target.
   ModelRunnerOutput finish(LaunchedStep& step);
@@ -155,6 +159,12 @@ class ModelRunner {
                          const std::vector<std::pair<int32_t, int32_t>>& copies,
                          const std::vector<int64_t>& hidden_rows, int64_t num_sampled_rows,
                          const TokenFeed* feed, bool& cuda_graph);
+  // The entries of `prompt_targets` from the logits of the rows of `hidden` that rows_index
+  // lists, in slices[first_slice..] (after the num_sampled_rows sampled rows).
+  std::vector<std::vector<TokenLogprobs>> score_prompt(
+      const at::Tensor& hidden, const at::Tensor& rows_index,
+      const std::vector<std::pair<int64_t, int64_t>>& slices, size_t first_slice,
+      int64_t num_sampled_rows, const std::vector<PromptLogprobsTarget>& prompt_targets);
   // Samples `targets` from the logits of the step's sampled rows: the plain ones' rows first
   // (logit_row_of_target), then each verified target's drafts + 1.
   void sample_targets(at::Tensor logits, const std::vector<SamplingTarget>& targets,

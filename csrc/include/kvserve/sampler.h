@@ -29,8 +29,8 @@ struct SamplingRow {
   const std::vector<int64_t>* output_token_ids = nullptr;  ///< generated so far
   const std::vector<int64_t>* eos_token_ids = nullptr;
   /// >= 0: one more output token follows output_token_ids, still on the device: entry
-  /// `pending_source` of begin_sample's pending_tokens (asynchronous scheduling). Penalties and
-  /// min_tokens count it; a bad word of several tokens cannot be matched across it.
+  /// `pending_source` of begin_sample's pending_tokens (asynchronous scheduling). Penalties,
+  /// min_tokens and bad words count it, on the device.
   int64_t pending_source = -1;
 };
 
@@ -102,8 +102,7 @@ class Sampler {
   /// for them; the second waits for the copies and returns what sample() returns (no probs).
   /// Between the two the caller may launch more work on the device, and the rows' params and
   /// histories may go away.
-  /// pending_tokens: int64 on the logits' device, the tokens rows' pending_source index (rows
-  /// with a bad word of several tokens may have none: std::invalid_argument).
+  /// pending_tokens: int64 on the logits' device, the tokens rows' pending_source index.
   PendingSamples begin_sample(at::Tensor& logits, const std::vector<SamplingRow>& rows,
                               const at::Tensor& pending_tokens = {}) const;
   SamplerOutput finish_sample(PendingSamples& pending) const;
