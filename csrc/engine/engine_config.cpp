@@ -93,10 +93,6 @@ EngineConfig resolve_engine_config(EngineConfig c, const ModelConfig& model, at:
       bad("ssm_state_dtype must be float32 or the model's dtype, got " +
           std::string(c10::toString(*c.ssm_state_dtype)));
     }
-    if (c.async_scheduling) {
-      bad("async_scheduling is not supported for models with state-space layers (" +
-          model.architecture + ") yet");
-    }
     if (!c.speculative.method.empty() || draft != nullptr) {
       bad("speculative decoding is not supported for models with state-space layers (" +
           model.architecture + "): it would need a state per draft position");

@@ -126,8 +126,7 @@ class EngineArgs:
         _CONFIG.async_scheduling, "launch each step before the previous one's tokens reach the "
         "host, so that scheduling and output processing overlap the device's forward (vLLM's "
         "--async-scheduling); outputs are the same. Steps run one at a time while a request "
-        "has a KV transfer; not with speculative decoding, tensor parallelism or state-space "
-        "models")
+        "has a KV transfer; not with speculative decoding or tensor parallelism")
     enable_lora: bool = option(
         False, "serve LoRA adapters per request (LoRARequest), unmerged")
     max_loras: int = option(4, "LoRA adapters in the model at once")

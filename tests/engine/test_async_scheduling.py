@@ -342,15 +342,39 @@ def test_a_failed_step_ends_its_requests_and_the_engine_keeps_serving(path):
 
 @pytest.mark.parametrize("options, message", [
     ({"speculative_method": "ngram"}, "speculative decoding"),
+    ({"tensor_parallel_size": 2}, "tensor parallelism"),
 ])
 def test_unsupported_combinations_are_refused(path, options, message):
     with pytest.raises(ValueError, match=message):
         engine(path, async_scheduling=True, **options)
 
 
-def test_state_space_models_are_refused(checkpoint_factory):
-    with pytest.raises(ValueError, match="state-space"):
-        engine(checkpoint_factory("Mamba2ForCausalLM"), async_scheduling=True)
+@pytest.mark.parametrize("architecture", ["Mamba2ForCausalLM", "GraniteMoeHybridForCausalLM",
+                                          "FalconH1ForCausalLM", "JambaForCausalLM"])
+@pytest.mark.parametrize("options", [
+    {"max_num_batched_tokens": 9},
+    {"block_size": 4, "num_blocks": 16, "max_num_batched_tokens": 16, "num_state_snapshots": 4},
+], ids=["chunked-prefill", "preemption-snapshots"])
+def test_state_space_models(checkpoint_factory, architecture, options):
+    """State slots beside the blocks: a launched step writes the states of sequences whose last
+    samples may end them (their slots are handed out again only after), chunked prefills carry
+    states across launched steps, snapshots serve prefix hits, n samples fork a state."""
+    path = checkpoint_factory(architecture)
+    rng = random.Random(13)
+    prompts = [[1] + [rng.randrange(3, 90) for _ in range(rng.randrange(3, 20))]
+               for _ in range(4)]
+    requests = [(str(i), prompts[i % 4], i) for i in range(8)]
+
+    def params(rid):
+        return SamplingParams(max_tokens=6 + int(rid), n=1 + int(rid) % 2, temperature=0.8,
+                              seed=int(rid), ignore_eos=True, logprobs=1)
+
+    e = engine(path, async_scheduling=True, **options)
+    got, want = outputs(e, requests, params), outputs(engine(path, **options), requests, params)
+    assert strip_logprobs(got) == strip_logprobs(want)
+    assert logprob_values(got) == pytest.approx(logprob_values(want), abs=1e-4)
+    stats = e.get_stats()
+    assert stats.num_async_steps == stats.num_steps
 
 
 def test_the_option_reaches_the_cli_and_llm(path):

@@ -70,8 +70,8 @@ struct EngineConfig {
   /// Launch each step before the previous one's samples reach the host (vLLM's async
   /// scheduling): a step's tokens feed the next on the device, and step() returns the previous
   /// step's outputs while the device runs the new one. Steps run one at a time, as without it,
-  /// whenever a live request has a KV transfer. Not with speculative decoding or state-space layers (refused), nor tensor
-  /// parallelism (the engine refuses).
+  /// whenever a live request has a KV transfer. Not with speculative decoding (refused), nor
+  /// tensor parallelism (the engine refuses).
   bool async_scheduling = false;
 };
 
