@@ -80,13 +80,6 @@ std::vector<RequestOutput> ContinuousBatchingEngine::step(bool finished_only) {
   apply_commands();
   std::vector<RequestOutput> outputs = take_aborted_outputs();
   report_loaded(outputs);
-  const bool overlap = can_overlap();
-  if (in_flight_ && !overlap) {
-    // The next step needs the launched one's samples on the host: this call only takes them.
-    finish_in_flight(outputs, finished_only);
-    publish_stats();
-    return outputs;
-  }
   const int64_t num_speculative =
       speculator_ ? speculator_->num_speculative_tokens(scheduler_.num_running()) : 0;
   SchedulerOutput work = scheduler_.schedule(num_speculative);
@@ -105,7 +98,7 @@ std::vector<RequestOutput> ContinuousBatchingEngine::step(bool finished_only) {
   } else {
     num_idle_steps_ = 0;
     StepSamples samples = plan_samples(work);
-    if (overlap) {
+    if (config_.async_scheduling) {
       launch_step(std::move(work), std::move(samples), outputs, finished_only);
     } else {
       const ModelRunnerOutput result = execute(work, samples);

@@ -21,16 +21,6 @@ namespace kvserve {
 
 using engine_helpers::message_of;
 
-bool ContinuousBatchingEngine::can_overlap() const {
-  if (!config_.async_scheduling) return false;
-  // What a step needs of the one before it on the host: the blocks of a KV transfer. (The
-  // sampler takes a pending token on the device: SamplingRow::pending_source.)
-  for (const auto& [id, request] : requests_) {
-    if (request->kv_transfer != KVTransfer::kNone) return false;
-  }
-  return true;
-}
-
 void ContinuousBatchingEngine::launch_step(SchedulerOutput work, StepSamples samples,
                                            std::vector<RequestOutput>& outputs,
                                            bool finished_only) {

@@ -1,9 +1,9 @@
 """Asynchronous scheduling (EngineArgs.async_scheduling): each step is launched before the previous
 one's samples reach the host, the new step fed those samples on the device. The engine must give
 exactly what it gives without it: greedy and seeded tokens and logprobs, through arrivals, stops,
-aborts, length limits, preemption, chunked prefill, prefix caching, n samples, prompt logprobs, and
-penalties, min_tokens and bad words that count the token still on the device; and while a KV
-transfer makes it step one at a time."""
+aborts, length limits, preemption, chunked prefill, prefix caching, n samples, prompt logprobs, a
+producer's held KV, and penalties, min_tokens and bad words that count the token still on the
+device."""
 
 from __future__ import annotations
 
@@ -300,29 +300,36 @@ def test_bad_words_match_across_the_pending_token(path):
     assert stats.num_async_steps == stats.num_steps
 
 
-def test_a_kv_transfer_makes_the_engine_step_one_at_a_time(path):
-    """A request whose KV a decode engine will pull arrives among plain ones on a producer: the
-    engine steps synchronously while it runs, and every output is the synchronous engine's."""
+def test_a_producers_held_request_among_plain_ones(path):
+    """A request whose KV a decode engine will pull, ending by a stop token after a pending
+    token was scheduled behind it, holds its blocks among plain requests on a producer; every
+    output is the synchronous engine's (tests/engine/test_kv_transfer.py pulls such KV)."""
     requests = [(str(i), [1] + list(range(10 + i, 20 + 2 * i)), i) for i in range(8)]
+    first = run(engine(path), [(requests[3][1], 4, 0)])["0"]
 
     def tokens(e):
         final, pending, step = {}, list(requests), 0
         while pending or e.has_unfinished_requests():
             while pending and pending[0][2] <= step:
                 rid, prompt, _ = pending.pop(0)
-                e.add_request(rid, prompt, SamplingParams(max_tokens=10, **GREEDY),
-                              kv_transfer_params={"do_remote_decode": True} if rid == "3"
-                              else None)
+                held = rid == "3"
+                e.add_request(rid, prompt, SamplingParams(
+                    max_tokens=10, stop_token_ids=[first[2]] if held else None, **GREEDY),
+                    kv_transfer_params={"do_remote_decode": True} if held else None)
             for out in e.step():
                 if out.finished:
-                    final[out.request_id] = out.outputs[0].token_ids
+                    final[out.request_id] = (out.outputs[0].token_ids,
+                                             out.outputs[0].finish_reason)
             step += 1
+        assert e.get_stats().num_held_requests == 1
         return final
 
     launched = engine(path, async_scheduling=True, kv_role="producer")
-    assert tokens(launched) == tokens(engine(path, kv_role="producer"))
+    got = tokens(launched)
+    assert got == tokens(engine(path, kv_role="producer"))
+    assert got["3"][1] == "stop"
     stats = launched.get_stats()
-    assert 0 < stats.num_async_steps < stats.num_steps
+    assert stats.num_async_steps == stats.num_steps
 
 
 def test_a_failed_step_ends_its_requests_and_the_engine_keeps_serving(path):

@@ -88,7 +88,8 @@ def wait_for(condition, seconds: float = 10.0) -> bool:
     ("DeepseekV2ForCausalLM", {}),               # MLA: the latent cache moves
     ("Gemma2ForCausalLM", {}),                   # a sliding-window group and a global one
     ("LlamaForCausalLM", {"kv_cache_dtype": "int8"}),  # entries and their scales
-], ids=["llama", "deepseek-mla", "gemma2-hybrid", "llama-int8-kv"])
+    ("LlamaForCausalLM", {"async_scheduling": True}),  # both engines launch steps ahead
+], ids=["llama", "deepseek-mla", "gemma2-hybrid", "llama-int8-kv", "llama-async"])
 def test_disaggregated_greedy_equals_colocated(checkpoint_factory, architecture, options):
     """Every prompt prefilled on the producer and decoded on the consumer gives the colocated
     tokens; the consumer computes no prompt token, both pools are whole afterwards. A second

@@ -260,9 +260,6 @@ class ContinuousBatchingEngine {
     StepSamples samples;
     LaunchedStep launched;
   };
-  /// Whether the next step may launch before the last one's samples are taken: async
-  /// scheduling is on and no live request needs its samples on the host first.
-  bool can_overlap() const;
   /// Launches `work`, feeding the in-flight step's samples on the device, then takes those
   /// samples, advances the scheduler past `work` and leaves it in flight, each of its sequences
   /// ending with a kPendingToken (but those whose next token ends them by length).

@@ -69,9 +69,8 @@ struct EngineConfig {
   int64_t max_waiting_requests = 0;
   /// Launch each step before the previous one's samples reach the host (vLLM's async
   /// scheduling): a step's tokens feed the next on the device, and step() returns the previous
-  /// step's outputs while the device runs the new one. Steps run one at a time, as without it,
-  /// whenever a live request has a KV transfer. Not with speculative decoding (refused), nor
-  /// tensor parallelism (the engine refuses).
+  /// step's outputs while the device runs the new one. Not with speculative decoding
+  /// (refused), nor tensor parallelism (the engine refuses).
   bool async_scheduling = false;
 };
 
