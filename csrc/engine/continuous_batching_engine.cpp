@@ -64,9 +64,6 @@ ContinuousBatchingEngine::ContinuousBatchingEngine(std::shared_ptr<CausalLM> mod
                .cuda_graph_max_batch = config_.cuda_graph_max_batch,
                .max_model_len = config_.max_model_len,
                .workers = std::move(workers)}) {
-  if (config_.async_scheduling && workers_ && workers_->size() > 1) {
-    throw std::invalid_argument("async_scheduling is not supported with tensor parallelism yet");
-  }
   if (speculator_) {
     stats_.accepted_per_position.assign(config_.speculative.num_speculative_tokens, 0);
   }

@@ -54,6 +54,9 @@ ModelRunner::ModelRunner(std::shared_ptr<CausalLM> model, const SequenceTable& s
   if (workers_ && workers_->rank() != 0) {
     throw std::invalid_argument("ModelRunner: the engine runs on rank 0 of its workers' group");
   }
+  if (workers_ && (!model_->ranks() || model_->ranks()->size() != workers_->size())) {
+    throw std::invalid_argument("ModelRunner: the model is not split over its workers' ranks");
+  }
   if (workers_ && kv_cache_.layout().has_state()) {
     throw std::invalid_argument("tensor parallelism is not supported for models with "
                                 "state-space layers yet");
@@ -299,11 +302,9 @@ at::Tensor ModelRunner::run_forward(ForwardBatchBuilder& builder, bool decode_on
     return graphs_->forward(builder, kv_cache_.layers(), feed);
   }
   if (workers_) {
-    if (feed && !feed->rows.empty()) {
-      throw std::logic_error("ModelRunner: pending tokens cannot go to tensor-parallel workers");
-    }
     send_to_workers(*workers_, WorkerCommand::kStep,
-                    pack_step(copies, hidden_rows, num_sampled_rows, builder));
+                    pack_step(copies, hidden_rows, num_sampled_rows, builder, feed));
+    if (feed) send_fed_tokens(*model_->ranks(), *feed);
   }
   ForwardBatch batch = builder.build(model_->device());
   if (feed) feed->apply(batch.input_ids);
@@ -314,9 +315,8 @@ LaunchedStep ModelRunner::launch(const SchedulerOutput& work,
                                  const std::vector<SamplingTarget>& targets,
                                  const std::vector<PromptLogprobsTarget>& prompt_targets,
                                  const TokenFeed& feed) {
-  if (speculator_ || workers_) {
-    throw std::logic_error("ModelRunner::launch: no asynchronous steps with speculation or "
-                           "tensor parallelism");
+  if (speculator_) {
+    throw std::logic_error("ModelRunner::launch: no asynchronous steps with speculation");
   }
   const std::vector<std::pair<int32_t, int32_t>> copies =
       prepare(work, targets, prompt_targets, &feed);

@@ -48,7 +48,7 @@ std::pair<WorkerCommand, std::vector<int64_t>> receive_from_rank0(Communicator& 
 
 std::vector<int64_t> pack_step(const std::vector<std::pair<int32_t, int32_t>>& block_copies,
                                const std::vector<int64_t>& logit_rows, int64_t num_sampled_rows,
-                               const ForwardBatchBuilder& batch) {
+                               const ForwardBatchBuilder& batch, const TokenFeed* feed) {
   std::vector<int64_t> m = {static_cast<int64_t>(block_copies.size())};
   for (const auto& [src, dst] : block_copies) {
     m.push_back(src);
@@ -57,9 +57,22 @@ std::vector<int64_t> pack_step(const std::vector<std::pair<int32_t, int32_t>>& b
   m.push_back(num_sampled_rows);
   m.push_back(static_cast<int64_t>(logit_rows.size()));
   m.insert(m.end(), logit_rows.begin(), logit_rows.end());
+  const bool fed = feed && !feed->rows.empty();
+  m.push_back(fed ? feed->tokens.size(0) : 0);
+  m.push_back(fed ? static_cast<int64_t>(feed->rows.size()) : 0);
+  if (fed) {
+    m.insert(m.end(), feed->rows.begin(), feed->rows.end());
+    m.insert(m.end(), feed->sources.begin(), feed->sources.end());
+  }
   const std::vector<int64_t> packed = batch.pack();
   m.insert(m.end(), packed.begin(), packed.end());
   return m;
+}
+
+void send_fed_tokens(Communicator& ranks, const TokenFeed& feed) {
+  if (feed.rows.empty()) return;
+  at::Tensor tokens = feed.tokens.contiguous();  // read, not written, by the root
+  ranks.broadcast_(tokens, 0);
 }
 
 std::vector<int64_t> pack_lora(int64_t slot, const std::vector<LoraFactors>& worker_factors) {
@@ -203,14 +216,44 @@ int64_t TensorParallelWorker::serve() {
     if (num_sampled_rows < 0 || num_sampled_rows > num_rows) {
       throw std::runtime_error("tensor-parallel worker: a malformed step message");
     }
-    const std::vector<int64_t> rows(message.begin() + static_cast<std::ptrdiff_t>(pos),
-                                    message.begin() + static_cast<std::ptrdiff_t>(pos + num_rows));
-    const std::vector<int64_t> packed(message.begin() + static_cast<std::ptrdiff_t>(pos + num_rows),
+    const auto take = [&](int64_t n) {
+      const auto first = message.begin() + static_cast<std::ptrdiff_t>(pos);
+      pos += static_cast<size_t>(n);
+      return std::vector<int64_t>(first, first + n);
+    };
+    const std::vector<int64_t> rows = take(num_rows);
+    // The fed tokens' count, then the rows they fill and their sources among the tokens.
+    if (pos >= message.size() || message[pos] < 0) {
+      throw std::runtime_error("tensor-parallel worker: a malformed step message");
+    }
+    const int64_t num_fed_tokens = message[pos++];
+    const int64_t num_fed_rows = count(2);
+    TokenFeed feed;
+    feed.rows = take(num_fed_rows);
+    feed.sources = take(num_fed_rows);
+    if ((num_fed_rows > 0) != (num_fed_tokens > 0)) {
+      throw std::runtime_error("tensor-parallel worker: a malformed step message");
+    }
+    for (const int64_t source : feed.sources) {
+      if (source < 0 || source >= num_fed_tokens) {
+        throw std::runtime_error("tensor-parallel worker: a malformed step message");
+      }
+    }
+    const std::vector<int64_t> packed(message.begin() + static_cast<std::ptrdiff_t>(pos),
                                       message.end());
     ++steps;
     try {
+      if (num_fed_rows > 0) {  // rank 0 sends them after the message, whatever follows
+        feed.tokens = at::empty({num_fed_tokens}, at::TensorOptions()
+                                                      .dtype(at::kLong)
+                                                      .device(model_->device()));
+        const std::shared_ptr<Communicator> ranks = model_->ranks();
+        if (!ranks) throw std::logic_error("tensor-parallel worker: the model has no ranks");
+        ranks->broadcast_(feed.tokens, 0);
+      }
       kv_cache_.copy_blocks(copies);
-      const ForwardBatch batch = ForwardBatchBuilder::unpack(packed).build(model_->device());
+      ForwardBatch batch = ForwardBatchBuilder::unpack(packed).build(model_->device());
+      feed.apply(batch.input_ids);
       const at::Tensor hidden =
           model_->forward(batch.input_ids, batch.positions, batch.metadata, kv_cache_.layers());
       if (!rows.empty()) {

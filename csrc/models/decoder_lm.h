@@ -77,6 +77,7 @@ class DecoderLM : public CausalLM {
   const ModelConfig& config() const override { return config_; }
   at::ScalarType dtype() const override { return dtype_; }
   at::Device device() const override { return device_; }
+  std::shared_ptr<Communicator> ranks() const override { return vocab_parallel_; }
 
   std::vector<LoraTarget> lora_targets() override {
     std::vector<LoraTarget> targets;

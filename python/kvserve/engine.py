@@ -175,9 +175,6 @@ class LLMEngine:
         config = args.engine_config(info.config, self.dtype, self.kv_cache_dtype,
                                     info.eos_token_ids, self.draft_config)
         self.max_model_len = config.max_model_len
-        if args.async_scheduling and args.tensor_parallel_size > 1:
-            # Before any rank starts: the workers would need each step's fed tokens too.
-            raise ValueError("async_scheduling is not supported with tensor parallelism yet")
         if info.config.num_ssm_layers() > 0:
             for name, used in (("tensor_parallel_size > 1", args.tensor_parallel_size > 1),
                                ("kv_role (disaggregated prefill)", args.kv_role is not None)):

@@ -125,8 +125,7 @@ class EngineArgs:
     async_scheduling: bool = option(
         _CONFIG.async_scheduling, "launch each step before the previous one's tokens reach the "
         "host, so that scheduling and output processing overlap the device's forward (vLLM's "
-        "--async-scheduling); outputs are the same. Not with speculative decoding or tensor "
-        "parallelism")
+        "--async-scheduling); outputs are the same. Not with speculative decoding")
     enable_lora: bool = option(
         False, "serve LoRA adapters per request (LoRARequest), unmerged")
     max_loras: int = option(4, "LoRA adapters in the model at once")

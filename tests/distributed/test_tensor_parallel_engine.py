@@ -5,8 +5,10 @@ and prefix caching, for GQA with one KV head and an odd vocabulary, biases (Qwen
 embeddings with sliding windows (Gemma 2), a mixture of experts (Qwen3-MoE), latent attention
 with experts (DeepSeek-V3: heads split, the latent cache replicated) and an int8 checkpoint; LoRA
 adapters split with their projections. Requests arriving over the steps and preempted get the
-tokens they get alone. A worker that dies gives the caller an error, not a hang; what cannot be
-split is refused before any process starts."""
+tokens they get alone. Each of these runs with asynchronous scheduling too (the workers get
+each step's fed tokens over the device group), which also samples, with penalties and n > 1,
+what one synchronous rank samples. A worker that dies gives the caller an error, not a hang;
+what cannot be split is refused before any process starts."""
 
 from __future__ import annotations
 
@@ -60,8 +62,12 @@ def _generate(llm: LLM) -> list:
     return [o.outputs[0] for o in outputs] + [outputs[1].prompt_logprobs[1:]]
 
 
+SCHEDULING = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+
+
+@SCHEDULING
 @pytest.mark.parametrize("case", list(CASES))
-def test_two_ranks_generate_what_one_does(tmp_path, case):
+def test_two_ranks_generate_what_one_does(tmp_path, case, async_scheduling):
     arch, overrides = CASES[case]
     method = overrides.get("quantize")
     path = make_checkpoint(tmp_path / "plain", arch, **{k: v for k, v in overrides.items()
@@ -77,9 +83,11 @@ def test_two_ranks_generate_what_one_does(tmp_path, case):
     # sharded weights on the exact path.
     options = OPTIONS | (dict(quantized_activation="exact") if method else {})
     want = _generate(LLM(path, **options))
-    llm = LLM(path, tensor_parallel_size=2, distributed_timeout=60.0, **options)
+    llm = LLM(path, tensor_parallel_size=2, distributed_timeout=60.0,
+              async_scheduling=async_scheduling, **options)
     try:
         got = _generate(llm)
+        assert (llm.llm_engine.get_stats().num_async_steps > 0) == async_scheduling
         # Both ranks' pools hold the blocks rank 0 agreed.
         assert llm.kv_cache.num_blocks == 96
         assert llm.llm_engine.block_manager.prefix_cache_hits() > 0
@@ -111,7 +119,40 @@ def test_two_ranks_generate_what_one_does(tmp_path, case):
             assert [v for _, v in x.top] == pytest.approx([v for _, v in y.top], abs=1e-4)
 
 
-def test_lora_adapters_are_split_with_their_projections(tmp_path):
+@pytest.mark.parametrize("case", ["llama-one-kv-head", "deepseek-v3-mla-moe"])
+def test_async_scheduling_at_two_ranks_samples_what_one_rank_does(tmp_path, case):
+    """Seeded sampling with penalties, min_tokens and two samples of a prompt: every rank's
+    forward reads tokens that rank 0 sampled a step before and never copied to the host."""
+    arch, overrides = CASES[case]
+    path = make_checkpoint(tmp_path, arch, **overrides)
+
+    def params(i):
+        return SamplingParams(max_tokens=12, temperature=0.9, top_k=50, seed=i, n=1 + i % 2,
+                              repetition_penalty=1.4, presence_penalty=0.5, min_tokens=4,
+                              logprobs=1)
+
+    def generate(llm):
+        outputs = llm.generate(PROMPTS, [params(i) for i in range(len(PROMPTS))],
+                               use_tqdm=False)
+        return [(c.token_ids, [x.logprob for x in c.logprobs])
+                for o in outputs for c in o.outputs]
+
+    want = generate(LLM(path, **OPTIONS))
+    llm = LLM(path, tensor_parallel_size=2, distributed_timeout=60.0, async_scheduling=True,
+              **OPTIONS)
+    try:
+        got = generate(llm)
+        assert llm.llm_engine.get_stats().num_async_steps > 0
+    finally:
+        llm.llm_engine.shutdown()
+    assert len(got) == 4  # n = 1, 2, 1
+    for (a, a_logprobs), (b, b_logprobs) in zip(want, got, strict=True):
+        assert a == b
+        assert a_logprobs == pytest.approx(b_logprobs, abs=1e-4)
+
+
+@SCHEDULING
+def test_lora_adapters_are_split_with_their_projections(tmp_path, async_scheduling):
     """Two adapters and the base model in one batch, at tp=2 and tp=1: every rank gets its part
     of each adapter (B's columns of q/k/v and gate/up, A's columns of o and down), with one
     key/value head replicated on both ranks."""
@@ -130,7 +171,8 @@ def test_lora_adapters_are_split_with_their_projections(tmp_path):
         return [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False, lora=loras)]
 
     want = generate(LLM(path, **options))
-    llm = LLM(path, tensor_parallel_size=2, distributed_timeout=60.0, **options)
+    llm = LLM(path, tensor_parallel_size=2, distributed_timeout=60.0,
+              async_scheduling=async_scheduling, **options)
     try:
         got = generate(llm)
         base = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
@@ -144,7 +186,9 @@ def test_lora_adapters_are_split_with_their_projections(tmp_path):
     assert got[0].token_ids != base[0].token_ids or got[2].token_ids != base[2].token_ids
 
 
-def test_arrivals_and_preemption_at_two_ranks_give_each_requests_tokens_alone(tmp_path):
+@SCHEDULING
+def test_arrivals_and_preemption_at_two_ranks_give_each_requests_tokens_alone(tmp_path,
+                                                                             async_scheduling):
     """The engine's invariance at tp=2: mixed requests arriving over the steps, in a pool small
     enough to preempt some, each get the greedy tokens it gets alone on one rank."""
     from tests.engine_loop import fp32_engine, run_arrivals
@@ -157,7 +201,8 @@ def test_arrivals_and_preemption_at_two_ranks_give_each_requests_tokens_alone(tm
     alone = {str(i): run_arrivals(one, [(prompt, n, 0)])["0"]
              for i, (prompt, n, _) in enumerate(requests)}
     engine = fp32_engine(path, tensor_parallel_size=2, distributed_timeout=60.0, block_size=4,
-                         num_blocks=24, enable_prefix_caching=False)
+                         num_blocks=24, enable_prefix_caching=False,
+                         async_scheduling=async_scheduling)
     try:
         assert run_arrivals(engine, requests) == alone
         assert engine.get_stats().num_preemptions > 0
@@ -165,9 +210,11 @@ def test_arrivals_and_preemption_at_two_ranks_give_each_requests_tokens_alone(tm
         engine.shutdown()
 
 
-def test_a_worker_that_dies_is_an_error_not_a_hang(tmp_path):
+@SCHEDULING
+def test_a_worker_that_dies_is_an_error_not_a_hang(tmp_path, async_scheduling):
     path = make_checkpoint(tmp_path, "LlamaForCausalLM")
-    llm = LLM(path, tensor_parallel_size=2, distributed_timeout=30.0, **OPTIONS)
+    llm = LLM(path, tensor_parallel_size=2, distributed_timeout=30.0,
+              async_scheduling=async_scheduling, **OPTIONS)
     try:
         worker = llm.llm_engine.ranks.processes[0]
         worker.kill()

@@ -51,14 +51,16 @@ def test_torchrun_runs_the_ranks_of_one_command(alone):
 def test_torchrun_as_two_nodes_runs_one_command(alone):
     """Two torchrun launchers, one per node (--nnodes 2 --node-rank 0|1), meeting at node 0's
     address, as on two machines: rank 0 prints the text, rank 1 is its worker. (Both nodes are
-    this machine: the rendezvous and the Gloo groups go over TCP as between machines.)"""
+    this machine: the rendezvous and the Gloo groups go over TCP as between machines.) With
+    asynchronous scheduling: rank 1 is fed each step's tokens over the device group."""
     port = str(free_port())
 
     def node(rank: int) -> list[str]:
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                 "--nproc-per-node", "1", "--node-rank", str(rank), "--master-addr",
                 "127.0.0.1", "--master-port", port, "-m", "kvserve", *GENERATE,
-                "--tensor-parallel-size", "2", "--distributed-timeout", "60"]
+                "--tensor-parallel-size", "2", "--distributed-timeout", "60",
+                "--async-scheduling"]
 
     worker = subprocess.Popen(node(1), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True)
@@ -101,7 +103,8 @@ def test_torchrun_ranks_must_match_the_tensor_parallel_size():
     assert "torchrun started" in launched.stderr
 
 
-def test_the_server_answers_at_two_ranks_as_at_one():
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_the_server_answers_at_two_ranks_as_at_one(async_scheduling):
     openai = pytest.importorskip("openai")
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
@@ -113,7 +116,8 @@ def test_the_server_answers_at_two_ranks_as_at_one():
     params = kvserve.SamplingParams(temperature=0, max_tokens=16)
     want = [o.outputs[0].text for o in offline.generate(PROMPTS, params, use_tqdm=False)]
     with AsyncLLMEngine(MODEL, dtype="float32", max_model_len=256, num_blocks=64,
-                        tensor_parallel_size=2, distributed_timeout=60.0) as engine:
+                        tensor_parallel_size=2, distributed_timeout=60.0,
+                        async_scheduling=async_scheduling) as engine:
         state = ServerState("shakespeare")
         state.ready(engine, None)
         with BackgroundServer(state) as server:

@@ -5,12 +5,14 @@
 #include <ATen/core/Tensor.h>
 
 #include <map>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "kvserve/attention_metadata.h"
+#include "kvserve/communicator.h"
 #include "kvserve/model_config.h"
 
 namespace kvserve {
@@ -80,6 +82,11 @@ class CausalLM {
   /// The part of weight_bytes() that is the input embedding held apart from the LM head (0 when
   /// the two are tied): a decode step reads one row of it a token, and every byte of the rest.
   virtual int64_t embedding_bytes() const { return 0; }
+
+  /// The device group of a model split over ranks (tensor parallelism): where its shards meet in
+  /// the forward's collectives, and where other tensors of a step go between its ranks. Null
+  /// for a model held whole by one rank.
+  virtual std::shared_ptr<Communicator> ranks() const { return nullptr; }
 
   // LoRA adapters served without merging: every target projection holds `slots` adapters of rank
   // up to `rank`; a token runs with the adapter of its slot (AttentionMetadata::lora_slots).

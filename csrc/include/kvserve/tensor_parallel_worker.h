@@ -33,11 +33,18 @@ std::pair<WorkerCommand, std::vector<int64_t>> receive_from_rank0(Communicator& 
 
 /// A step's message: the copy-on-write pairs, the rows of the forward's output whose logits
 /// rank 0 computes (every rank computes its vocabulary's share of them, in the slices of
-/// logits_slices: the first num_sampled_rows are sampled, the rest score prompts), then the
-/// batch (ForwardBatchBuilder::pack).
+/// logits_slices: the first num_sampled_rows are sampled, the rest score prompts), the rows and
+/// sources of `feed` (may be null) and the length of its tokens, then the batch
+/// (ForwardBatchBuilder::pack). A feed's tokens (asynchronous scheduling: sampled by the step
+/// before, on rank 0's device only) follow the message over the model's device group
+/// (send_fed_tokens), so that no rank waits on the host for them.
 std::vector<int64_t> pack_step(const std::vector<std::pair<int32_t, int32_t>>& block_copies,
                                const std::vector<int64_t>& logit_rows, int64_t num_sampled_rows,
-                               const ForwardBatchBuilder& batch);
+                               const ForwardBatchBuilder& batch, const TokenFeed* feed = nullptr);
+
+/// Rank 0: a step's fed tokens to the workers over `ranks` (the model's device group), after
+/// the step's message; nothing when the feed has no rows.
+void send_fed_tokens(Communicator& ranks, const TokenFeed& feed);
 
 /// A LoRA message: the slot, then worker_factors[i], rank i + 1's shard of the adapter (each
 /// target's name, the shapes of a and b, their values in fp32, two to a value of the message).
