@@ -1,9 +1,10 @@
 """Driving an LLMEngine in tests: an fp32 engine without the start-up print, a loop that steps
-until every request finished and checks that the pool is whole afterwards, and one that adds
-requests at their arrival steps."""
+until every request finished and checks that the pool is whole afterwards, one that adds
+requests at their arrival steps, and the request mixes the invariance tests feed it."""
 
 from __future__ import annotations
 
+import random
 import time
 
 from kvserve import LLMEngine, SamplingParams
@@ -49,6 +50,21 @@ def run_arrivals(e: LLMEngine, requests, params: SamplingParams | None = None) -
     blocks = e.block_manager
     assert blocks.num_free_blocks() == blocks.num_usable_blocks() and blocks.num_sequences() == 0
     return results
+
+
+def mixed_requests(count: int, seed: int = 0, max_prompt: int = 60, max_tokens: int = 24,
+                   max_arrival: int = 20) -> list[tuple[list[int], int, int]]:
+    """(prompt ids, max_tokens, arrival step) of `count` requests of mixed lengths, their ids
+    below 381 (any test vocabulary)."""
+    rng = random.Random(seed)
+    return [([1] + [rng.randrange(3, 381) for _ in range(rng.randrange(1, max_prompt))],
+             rng.randrange(1, max_tokens), rng.randrange(0, max_arrival)) for _ in range(count)]
+
+
+def shared_prefix_requests() -> tuple[list[int], list[tuple[list[int], int, int]]]:
+    """A 41-token system prompt, and 12 requests (as mixed_requests') that start with it."""
+    system = [1] + list(range(100, 140))
+    return system, [(system + [200 + i] * (i % 5 + 1), 8, i % 3) for i in range(12)]
 
 
 def wait_idle(async_engine, timeout: float = 20.0) -> None:

@@ -138,6 +138,46 @@ std::vector<std::pair<int32_t, int32_t>> ModelRunner::prepare(
   return copies;
 }
 
+std::vector<int64_t> ModelRunner::add_sequences(const SchedulerOutput& work,
+                                                const Proposals* proposals,
+                                                ForwardBatchBuilder& builder, bool& decode_only) {
+  std::vector<int64_t> bounds = {0};
+  for (size_t i = 0; i < work.scheduled.size(); ++i) {
+    const ScheduledSequence& s = work.scheduled[i];
+    std::vector<int64_t> fed(s.token_ids.begin(), s.token_ids.end());
+    if (proposals) fed.insert(fed.end(), proposals->tokens[i].begin(), proposals->tokens[i].end());
+    if (kv_cache_.layout().has_state() && s.state_slot < 0) {
+      throw std::invalid_argument("scheduled sequence " + std::to_string(s.seq_id) +
+                                  " has no state slot; the model keeps states");
+    }
+    builder.add_grouped(fed, s.num_computed, s.block_tables, s.lora_slot, s.state_slot);
+    bounds.push_back(bounds.back() + static_cast<int64_t>(fed.size()));
+    decode_only = decode_only && fed.size() == 1;
+  }
+  return bounds;
+}
+
+namespace {
+
+// Appends the rows of the step's hidden states that score `prompt_targets`, in their order;
+// `starts`: the first row of each scheduled sequence.
+void append_prompt_rows(const std::vector<PromptLogprobsTarget>& prompt_targets,
+                        const std::vector<int64_t>& starts, std::vector<int64_t>& hidden_rows) {
+  for (const PromptLogprobsTarget& t : prompt_targets) {
+    for (size_t j = 0; j < t.token_ids.size(); ++j) {
+      hidden_rows.push_back(starts[t.scheduled_index] + t.position + static_cast<int64_t>(j));
+    }
+  }
+}
+
+}  // namespace
+
+void ModelRunner::save_state_snapshots(const SchedulerOutput& work) {
+  std::vector<std::pair<int32_t, int32_t>> snapshots;
+  for (const StateCopy& c : work.state_snapshots) snapshots.emplace_back(c.src, c.dst);
+  kv_cache_.copy_states(snapshots);
+}
+
 ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
                                        const std::vector<SamplingTarget>& targets,
                                        const std::vector<PromptLogprobsTarget>& prompt_targets) {
@@ -171,22 +211,8 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
   const auto forward_started = std::chrono::steady_clock::now();
 
   ForwardBatchBuilder builder(kv_cache_.block_size(), model_->lora_enabled());
-  std::vector<int64_t> starts;  // first row of each scheduled sequence in the flattened batch
-  int64_t num_rows = 0;
   bool decode_only = !verifies && prompt_targets.empty();
-  for (size_t i = 0; i < work.scheduled.size(); ++i) {
-    const ScheduledSequence& s = work.scheduled[i];
-    std::vector<int64_t> fed(s.token_ids.begin(), s.token_ids.end());
-    fed.insert(fed.end(), proposals.tokens[i].begin(), proposals.tokens[i].end());
-    if (kv_cache_.layout().has_state() && s.state_slot < 0) {
-      throw std::invalid_argument("scheduled sequence " + std::to_string(s.seq_id) +
-                                  " has no state slot; the model keeps states");
-    }
-    builder.add_grouped(fed, s.num_computed, s.block_tables, s.lora_slot, s.state_slot);
-    starts.push_back(num_rows);
-    num_rows += static_cast<int64_t>(fed.size());
-    decode_only = decode_only && fed.size() == 1;
-  }
+  const std::vector<int64_t> starts = add_sequences(work, &proposals, builder, decode_only);
   // Rows of `hidden` whose logits are needed: plain targets first, each row once (consecutive
   // targets at one row are the n samples of a prompt), then each verified target's k + 1 rows.
   std::vector<int64_t> hidden_rows, logit_row_of_target;
@@ -213,20 +239,13 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
     if (!proposals.tokens[t.scheduled_index].empty()) {
       throw std::invalid_argument("prompt logprobs of a sequence that has drafts");
     }
-    for (size_t j = 0; j < t.token_ids.size(); ++j) {
-      hidden_rows.push_back(starts[t.scheduled_index] + t.position + static_cast<int64_t>(j));
-    }
   }
+  append_prompt_rows(prompt_targets, starts, hidden_rows);
   const at::Tensor hidden = run_forward(builder, decode_only, copies, hidden_rows,
                                         num_sampled_rows, nullptr, out.cuda_graph);
-  // States saved at block boundaries, now that the forward has written them.
-  std::vector<std::pair<int32_t, int32_t>> snapshots;
-  for (const StateCopy& c : work.state_snapshots) snapshots.emplace_back(c.src, c.dst);
-  kv_cache_.copy_states(snapshots);
+  save_state_snapshots(work);
   if (speculator_) {  // a proposer that drafts from the target's hidden states keeps them
-    std::vector<int64_t> bounds = starts;
-    bounds.push_back(num_rows);
-    speculator_->observe(work, bounds, hidden);
+    speculator_->observe(work, starts, hidden);
   }
   out.samples.resize(targets.size());
   if (hidden_rows.empty()) return out;
@@ -321,20 +340,8 @@ LaunchedStep ModelRunner::launch(const SchedulerOutput& work,
   const std::vector<std::pair<int32_t, int32_t>> copies =
       prepare(work, targets, prompt_targets, &feed);
   ForwardBatchBuilder builder(kv_cache_.block_size(), model_->lora_enabled());
-  std::vector<int64_t> starts;
-  int64_t num_rows = 0;
-  bool decode_only = true;
-  for (const ScheduledSequence& s : work.scheduled) {
-    if (kv_cache_.layout().has_state() && s.state_slot < 0) {
-      throw std::invalid_argument("scheduled sequence " + std::to_string(s.seq_id) +
-                                  " has no state slot; the model keeps states");
-    }
-    builder.add_grouped(std::vector<int64_t>(s.token_ids.begin(), s.token_ids.end()),
-                        s.num_computed, s.block_tables, s.lora_slot, s.state_slot);
-    starts.push_back(num_rows);
-    num_rows += s.num_new_tokens;
-    decode_only = decode_only && s.num_new_tokens == 1;
-  }
+  bool decode_only = prompt_targets.empty();
+  const std::vector<int64_t> starts = add_sequences(work, nullptr, builder, decode_only);
   // Rows of `hidden` whose logits are needed: one per target, then the prompt rows scored.
   std::vector<int64_t> hidden_rows;
   std::vector<SamplingRow> rows;
@@ -343,18 +350,11 @@ LaunchedStep ModelRunner::launch(const SchedulerOutput& work,
     rows.push_back(t.row);
   }
   const int64_t num_sampled_rows = static_cast<int64_t>(hidden_rows.size());
-  for (const PromptLogprobsTarget& t : prompt_targets) {
-    for (size_t j = 0; j < t.token_ids.size(); ++j) {
-      hidden_rows.push_back(starts[t.scheduled_index] + t.position + static_cast<int64_t>(j));
-    }
-  }
-  decode_only = decode_only && prompt_targets.empty();
+  append_prompt_rows(prompt_targets, starts, hidden_rows);
   LaunchedStep step;
   const at::Tensor hidden = run_forward(builder, decode_only, copies, hidden_rows,
                                         num_sampled_rows, &feed, step.cuda_graph);
-  std::vector<std::pair<int32_t, int32_t>> snapshots;
-  for (const StateCopy& c : work.state_snapshots) snapshots.emplace_back(c.src, c.dst);
-  kv_cache_.copy_states(snapshots);
+  save_state_snapshots(work);
   if (hidden_rows.empty()) return step;
   const at::Tensor rows_index = to_tensor(hidden_rows, hidden.device());
   const auto slices = logits_slices(num_sampled_rows, static_cast<int64_t>(hidden_rows.size()));

@@ -87,16 +87,19 @@ void add_penalty_cells(int64_t r, const SamplingRow& row, int64_t vocab,
   }
 }
 
+// Logits x with their penalties: Hugging Face's and vLLM's repetition penalty (a positive logit
+// divided by it, a negative one multiplied), then `subtract` (presence and frequency) taken off.
+at::Tensor penalize(const at::Tensor& x, const at::Tensor& divide, const at::Tensor& subtract) {
+  return at::where(x.gt(0), x.div(divide), x.mul(divide)).sub(subtract);
+}
+
 void apply_cells(at::Tensor& logits, CellUpdates& cells) {
   if (cells.size() == 0) return;
   const at::Device device = logits.device();
   const c10::List<std::optional<at::Tensor>> index{to_tensor(cells.row, device),
                                                    to_tensor(cells.token, device)};
-  const at::Tensor x = logits.index(index);
-  const at::Tensor divide = to_tensor(cells.divide_positive, device);
-  // Hugging Face / vLLM: a positive logit is divided by the penalty, a negative one multiplied.
-  const at::Tensor penalized = at::where(x.gt(0), x.div(divide), x.mul(divide));
-  logits.index_put_(index, penalized.sub(to_tensor(cells.subtract, device)));
+  logits.index_put_(index, penalize(logits.index(index), to_tensor(cells.divide_positive, device),
+                                    to_tensor(cells.subtract, device)));
 }
 
 // presence * (count > 0) + frequency * count, in double as on the host, then float.
@@ -147,22 +150,19 @@ void apply_cells_with_pending(at::Tensor& logits, const CellUpdates& cells,
         which.ge(0).logical_and(tokens.index_select(0, which.clamp_min(0)).eq(cell_tokens));
     const at::Tensor count = to_tensor(cells.count, device).add(match.to(at::kLong));
     const c10::List<std::optional<at::Tensor>> index{to_tensor(cells.row, device), cell_tokens};
-    const at::Tensor x = logits.index(index);
-    const at::Tensor divide = to_tensor(cells.divide_positive, device);
-    const at::Tensor penalized = at::where(x.gt(0), x.div(divide), x.mul(divide));
-    logits.index_put_(index, penalized.sub(penalty_subtract(to_tensor(cells.presence, device),
-                                                            to_tensor(cells.frequency, device),
-                                                            count)));
+    logits.index_put_(index, penalize(logits.index(index),
+                                      to_tensor(cells.divide_positive, device),
+                                      penalty_subtract(to_tensor(cells.presence, device),
+                                                       to_tensor(cells.frequency, device), count)));
     matched.index_add_(0, which.clamp_min(0), match.logical_and(which.ge(0)).to(at::kLong));
   }
   // The pending tokens without a cell, each a cell of count 1 (one per row: no write collides).
   const c10::List<std::optional<at::Tensor>> index{to_tensor(prow, device), tokens};
   const at::Tensor x = logits.index(index);
-  const at::Tensor divide = to_tensor(prep, device);
-  const at::Tensor penalized = at::where(x.gt(0), x.div(divide), x.mul(divide));
-  const at::Tensor once = at::ones_like(matched);
-  const at::Tensor fresh = penalized.sub(penalty_subtract(to_tensor(ppresence, device),
-                                                          to_tensor(pfrequency, device), once));
+  const at::Tensor fresh =
+      penalize(x, to_tensor(prep, device),
+               penalty_subtract(to_tensor(ppresence, device), to_tensor(pfrequency, device),
+                                at::ones_like(matched)));
   logits.index_put_(index, at::where(matched.gt(0), x, fresh));
 }
 

@@ -240,14 +240,17 @@ def test_what_cannot_run_is_refused_before_any_rank_starts(tmp_path, options, me
 
 
 @pytest.mark.cuda
-def test_two_ranks_on_one_gpu_generate_what_one_does(tmp_path):
+@SCHEDULING
+def test_two_ranks_on_one_gpu_generate_what_one_does(tmp_path, async_scheduling):
     """Both ranks on one GPU over Gloo (NCCL refuses two ranks on one device): correctness only
-    (`scripts/cuda_session.sh test-distributed`)."""
+    (`scripts/cuda_session.sh test-distributed`); with asynchronous scheduling, the fed tokens
+    go from rank 0's CUDA tensor to rank 1's."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     path = make_checkpoint(tmp_path, "LlamaForCausalLM", num_key_value_heads=1, vocab_size=383)
     want = _generate(LLM(path, device="cuda", **OPTIONS))
-    llm = LLM(path, device="cuda", tensor_parallel_size=2, distributed_timeout=120.0, **OPTIONS)
+    llm = LLM(path, device="cuda", tensor_parallel_size=2, distributed_timeout=120.0,
+              async_scheduling=async_scheduling, **OPTIONS)
     try:
         got = _generate(llm)
     finally:

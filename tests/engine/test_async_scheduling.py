@@ -13,6 +13,7 @@ import pytest
 
 import kvserve
 from kvserve import SamplingParams
+from tests import engine_loop
 from tests.engine_loop import drain
 from tests.engine_loop import fp32_engine as engine
 from tests.engine_loop import run_arrivals as run
@@ -21,10 +22,7 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 def mixed_requests(count: int, seed: int = 0):
-    """(prompt ids, max_tokens, arrival step) of `count` requests of mixed lengths."""
-    rng = random.Random(seed)
-    return [([1] + [rng.randrange(3, 381) for _ in range(rng.randrange(1, 40))],
-             rng.randrange(1, 20), rng.randrange(0, 16)) for _ in range(count)]
+    return engine_loop.mixed_requests(count, seed, max_prompt=40, max_tokens=20, max_arrival=16)
 
 
 # Paged K/V (Llama), MLA latents (DeepSeek-V2) and sliding-window groups beside full ones
@@ -62,8 +60,7 @@ def test_async_equals_synchronous(model_path, synchronous, options):
 
 
 def test_prefix_caching_agrees_and_hits(path):
-    system = [1] + list(range(100, 140))
-    requests = [(system + [200 + i] * (i % 5 + 1), 8, i % 3) for i in range(12)]
+    system, requests = engine_loop.shared_prefix_requests()
     sync = engine(path, block_size=8)
     e = engine(path, block_size=8, async_scheduling=True)
     assert run(e, requests) == run(sync, requests)

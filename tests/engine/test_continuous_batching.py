@@ -12,7 +12,7 @@ import torch
 import kvserve
 from kvserve import SamplingParams
 from kvserve.config import load_checkpoint_info
-from tests.engine_loop import drain
+from tests.engine_loop import drain, mixed_requests, shared_prefix_requests
 from tests.engine_loop import fp32_engine as engine
 from tests.engine_loop import run_arrivals as run
 
@@ -24,13 +24,6 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def path(checkpoint_factory):
     return checkpoint_factory("LlamaForCausalLM")
-
-
-def mixed_requests(count: int, seed: int = 0):
-    """(prompt ids, max_tokens, arrival step) of `count` requests of mixed lengths."""
-    rng = random.Random(seed)
-    return [([1] + [rng.randrange(3, 381) for _ in range(rng.randrange(1, 60))],  # any vocabulary
-             rng.randrange(1, 24), rng.randrange(0, 20)) for _ in range(count)]
 
 
 # The invariance tests run on a Llama (paged K/V), a DeepSeek-V2 (MLA latents, MoE), a Gemma 2
@@ -78,8 +71,7 @@ def test_chunked_prefill_gives_identical_results(model_path, alone):
 
 
 def test_prefix_caching_on_and_off_agree(model_path):
-    system = [1] + list(range(100, 140))
-    requests = [(system + [200 + i] * (i % 5 + 1), 8, i % 3) for i in range(12)]
+    _, requests = shared_prefix_requests()
     on = engine(model_path, block_size=8)
     off = engine(model_path, block_size=8, enable_prefix_caching=False)
     assert run(on, requests) == run(off, requests)

@@ -153,6 +153,13 @@ class ModelRunner {
   std::vector<std::pair<int32_t, int32_t>> prepare(
       const SchedulerOutput& work, const std::vector<SamplingTarget>& targets,
       const std::vector<PromptLogprobsTarget>& prompt_targets, const TokenFeed* feed);
+  // Adds each scheduled sequence's new tokens, then its drafts (`proposals` may be null), to
+  // `builder`; clears decode_only unless every sequence feeds one token. Returns each one's first
+  // row in the batch, then the batch's rows.
+  std::vector<int64_t> add_sequences(const SchedulerOutput& work, const Proposals* proposals,
+                                     ForwardBatchBuilder& builder, bool& decode_only);
+  // The states saved at block boundaries, copied once the forward has written them.
+  void save_state_snapshots(const SchedulerOutput& work);
   // Hidden states of the builder's batch: a CUDA graph's replay where it fits (cuda_graph set),
   // else an eager forward that the workers run too. `feed` (may be null) fills pending tokens.
   at::Tensor run_forward(ForwardBatchBuilder& builder, bool decode_only,
