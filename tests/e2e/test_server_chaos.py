@@ -3,7 +3,8 @@ strings that match early (every stream kept to the end equals its non-streamed t
 afterwards), readers that stop reading (aborted after max_stream_lag, memory bounded, the others
 served), a flood past the waiting bound (429s with Retry-After, no 500, no hang), oversized and
 malformed bodies amid real traffic, and injected step failures (500s and error events, /health
-503, and recovery once the fault clears)."""
+503, and recovery once the fault clears). Each on one rank, stepping synchronously or with async
+scheduling, and on two ranks with async scheduling."""
 
 from __future__ import annotations
 
@@ -32,31 +33,36 @@ PROMPTS = ["ROMEO:\n", "JULIET:\nO Romeo, Romeo!", "First Citizen:\nBefore we pr
            "KING HENRY:\n", "HAMLET:\nTo be", "MERCUTIO:\n"]
 
 
-# Every attack runs on an engine stepping one step at a time and on one that launches each step
-# before the last one's samples are in (async scheduling).
-ASYNC_SCHEDULING = [False]
+# Every attack runs on an engine stepping one step at a time, on one that launches each step
+# before the last one's samples are in (async scheduling), and on a model split over two ranks
+# (the engine's process and the worker it spawns) with async scheduling.
+ENGINE_OPTIONS = [{}]
 
 
-@pytest.fixture(scope="module", autouse=True, params=[False, True],
-                ids=["sync", "async-scheduling"])
-def async_scheduling(request):
-    ASYNC_SCHEDULING[0] = request.param
+@pytest.fixture(scope="module", autouse=True, params=[
+    {}, {"async_scheduling": True},
+    {"async_scheduling": True, "tensor_parallel_size": 2, "distributed_timeout": 60.0}],
+    ids=["sync", "async-scheduling", "tp2-async-scheduling"])
+def engine_options(request):
+    ENGINE_OPTIONS[0] = request.param
     yield
-    ASYNC_SCHEDULING[0] = False
+    ENGINE_OPTIONS[0] = {}
 
 
 def serve(**engine_kwargs):
     engine_kwargs = dict(dtype="float32", max_model_len=1024, num_blocks=400,
                          max_stream_lag=1.0, max_consecutive_failures=2,
-                         async_scheduling=ASYNC_SCHEDULING[0]) | engine_kwargs
+                         **ENGINE_OPTIONS[0]) | engine_kwargs
     engine = AsyncLLMEngine(MODEL, **engine_kwargs)
     state = ServerState(NAME, limits=ServerLimits(max_body_bytes=64 << 10))
     state.ready(engine, None)
     return engine, BackgroundServer(state, send_buffer_bytes=8192)
 
 
-@pytest.fixture(scope="module")
-def roomy(async_scheduling):
+# An engine per test: a process holds one tensor-parallel engine at a time (torch.distributed's
+# one default group), and some attacks need an engine of their own.
+@pytest.fixture
+def roomy(engine_options):
     engine, server = serve(max_num_seqs=16, max_waiting_requests=256)
     with server:
         yield engine, server
