@@ -17,13 +17,16 @@ void bind_tensor_parallel_worker(py::module_& m) {
       "serve() runs the forward of every step rank 0's engine sends.")
       .def(py::init([](std::shared_ptr<CausalLM> model, std::shared_ptr<Communicator> control,
                        int64_t num_blocks, int64_t block_size,
-                       std::optional<at::ScalarType> kv_cache_dtype) {
+                       std::optional<at::ScalarType> kv_cache_dtype, int64_t num_state_slots,
+                       std::optional<at::ScalarType> ssm_state_dtype) {
              return std::make_unique<TensorParallelWorker>(
                  std::move(model), std::move(control),
-                 TensorParallelWorkerOptions{num_blocks, block_size, kv_cache_dtype});
+                 TensorParallelWorkerOptions{num_blocks, block_size, kv_cache_dtype,
+                                             num_state_slots, ssm_state_dtype});
            }),
            py::arg("model"), py::arg("control"), py::arg("num_blocks"), py::arg("block_size"),
-           py::arg("kv_cache_dtype") = py::none())
+           py::arg("kv_cache_dtype") = py::none(), py::arg("num_state_slots") = 0,
+           py::arg("ssm_state_dtype") = py::none())
       .def("serve", &TensorParallelWorker::serve, py::call_guard<py::gil_scoped_release>(),
            "Runs rank 0's steps until it stops the workers; the number of steps. Raises when the "
            "control group fails (rank 0 gone, or its timeout).")

@@ -57,10 +57,6 @@ ModelRunner::ModelRunner(std::shared_ptr<CausalLM> model, const SequenceTable& s
   if (workers_ && (!model_->ranks() || model_->ranks()->size() != workers_->size())) {
     throw std::invalid_argument("ModelRunner: the model is not split over its workers' ranks");
   }
-  if (workers_ && kv_cache_.layout().has_state()) {
-    throw std::invalid_argument("tensor parallelism is not supported for models with "
-                                "state-space layers yet");
-  }
   if (options.group_windows != kv_cache_.layout().group_windows()) {
     throw std::invalid_argument("ModelRunner: the block manager's groups of layers do not match "
                                 "the model's sliding windows");
@@ -82,7 +78,7 @@ ModelRunner::~ModelRunner() {
   }
 }
 
-std::vector<std::pair<int32_t, int32_t>> ModelRunner::prepare(
+StepCopies ModelRunner::prepare(
     const SchedulerOutput& work, const std::vector<SamplingTarget>& targets,
     const std::vector<PromptLogprobsTarget>& prompt_targets, const TokenFeed* feed) {
   // Every token still being sampled (kPendingToken) must be one that `feed` fills.
@@ -98,12 +94,12 @@ std::vector<std::pair<int32_t, int32_t>> ModelRunner::prepare(
     throw std::logic_error("ModelRunner: the step's tokens still being sampled are not the ones "
                            "its token feed fills");
   }
-  std::vector<std::pair<int32_t, int32_t>> copies;
-  for (const BlockCopy& c : work.block_copies) copies.emplace_back(c.src, c.dst);
-  kv_cache_.copy_blocks(copies);
-  std::vector<std::pair<int32_t, int32_t>> state_copies;
-  for (const StateCopy& c : work.state_copies) state_copies.emplace_back(c.src, c.dst);
-  kv_cache_.copy_states(state_copies);
+  StepCopies copies;
+  for (const BlockCopy& c : work.block_copies) copies.blocks.emplace_back(c.src, c.dst);
+  for (const StateCopy& c : work.state_copies) copies.states.emplace_back(c.src, c.dst);
+  for (const StateCopy& c : work.state_snapshots) copies.snapshots.emplace_back(c.src, c.dst);
+  kv_cache_.copy_blocks(copies.blocks);
+  kv_cache_.copy_states(copies.states);
 
   const size_t num_groups = kv_cache_.layout().group_windows().size();
   for (const ScheduledSequence& s : work.scheduled) {
@@ -172,18 +168,11 @@ void append_prompt_rows(const std::vector<PromptLogprobsTarget>& prompt_targets,
 
 }  // namespace
 
-void ModelRunner::save_state_snapshots(const SchedulerOutput& work) {
-  std::vector<std::pair<int32_t, int32_t>> snapshots;
-  for (const StateCopy& c : work.state_snapshots) snapshots.emplace_back(c.src, c.dst);
-  kv_cache_.copy_states(snapshots);
-}
-
 ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
                                        const std::vector<SamplingTarget>& targets,
                                        const std::vector<PromptLogprobsTarget>& prompt_targets) {
   ModelRunnerOutput out;
-  const std::vector<std::pair<int32_t, int32_t>> copies =
-      prepare(work, targets, prompt_targets, nullptr);
+  const StepCopies copies = prepare(work, targets, prompt_targets, nullptr);
   Proposals proposals;
   proposals.tokens.resize(work.scheduled.size());
   if (speculator_) {
@@ -243,7 +232,7 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
   append_prompt_rows(prompt_targets, starts, hidden_rows);
   const at::Tensor hidden = run_forward(builder, decode_only, copies, hidden_rows,
                                         num_sampled_rows, nullptr, out.cuda_graph);
-  save_state_snapshots(work);
+  kv_cache_.copy_states(copies.snapshots);  // saved now that the forward has written them
   if (speculator_) {  // a proposer that drafts from the target's hidden states keeps them
     speculator_->observe(work, starts, hidden);
   }
@@ -307,7 +296,7 @@ std::vector<std::vector<TokenLogprobs>> ModelRunner::score_prompt(
 }
 
 at::Tensor ModelRunner::run_forward(ForwardBatchBuilder& builder, bool decode_only,
-                                    const std::vector<std::pair<int32_t, int32_t>>& copies,
+                                    const StepCopies& copies,
                                     const std::vector<int64_t>& hidden_rows,
                                     int64_t num_sampled_rows, const TokenFeed* feed,
                                     bool& cuda_graph) {
@@ -337,8 +326,7 @@ LaunchedStep ModelRunner::launch(const SchedulerOutput& work,
   if (speculator_) {
     throw std::logic_error("ModelRunner::launch: no asynchronous steps with speculation");
   }
-  const std::vector<std::pair<int32_t, int32_t>> copies =
-      prepare(work, targets, prompt_targets, &feed);
+  const StepCopies copies = prepare(work, targets, prompt_targets, &feed);
   ForwardBatchBuilder builder(kv_cache_.block_size(), model_->lora_enabled());
   bool decode_only = prompt_targets.empty();
   const std::vector<int64_t> starts = add_sequences(work, nullptr, builder, decode_only);
@@ -354,7 +342,7 @@ LaunchedStep ModelRunner::launch(const SchedulerOutput& work,
   LaunchedStep step;
   const at::Tensor hidden = run_forward(builder, decode_only, copies, hidden_rows,
                                         num_sampled_rows, &feed, step.cuda_graph);
-  save_state_snapshots(work);
+  kv_cache_.copy_states(copies.snapshots);  // saved now that the forward has written them
   if (hidden_rows.empty()) return step;
   const at::Tensor rows_index = to_tensor(hidden_rows, hidden.device());
   const auto slices = logits_slices(num_sampled_rows, static_cast<int64_t>(hidden_rows.size()));

@@ -46,13 +46,16 @@ std::pair<WorkerCommand, std::vector<int64_t>> receive_from_rank0(Communicator& 
   return {static_cast<WorkerCommand>(h[0]), std::move(payload)};
 }
 
-std::vector<int64_t> pack_step(const std::vector<std::pair<int32_t, int32_t>>& block_copies,
-                               const std::vector<int64_t>& logit_rows, int64_t num_sampled_rows,
-                               const ForwardBatchBuilder& batch, const TokenFeed* feed) {
-  std::vector<int64_t> m = {static_cast<int64_t>(block_copies.size())};
-  for (const auto& [src, dst] : block_copies) {
-    m.push_back(src);
-    m.push_back(dst);
+std::vector<int64_t> pack_step(const StepCopies& copies, const std::vector<int64_t>& logit_rows,
+                               int64_t num_sampled_rows, const ForwardBatchBuilder& batch,
+                               const TokenFeed* feed) {
+  std::vector<int64_t> m;
+  for (const auto* pairs : {&copies.blocks, &copies.states, &copies.snapshots}) {
+    m.push_back(static_cast<int64_t>(pairs->size()));
+    for (const auto& [src, dst] : *pairs) {
+      m.push_back(src);
+      m.push_back(dst);
+    }
   }
   m.push_back(num_sampled_rows);
   m.push_back(static_cast<int64_t>(logit_rows.size()));
@@ -174,7 +177,7 @@ TensorParallelWorker::TensorParallelWorker(std::shared_ptr<CausalLM> model,
           *model_, options.num_blocks, options.block_size,
           KVCacheLayout::for_model(model_->config(), true).group_windows() !=
               std::vector<int64_t>{0},
-          options.kv_cache_dtype)) {}
+          options.kv_cache_dtype, options.num_state_slots, options.ssm_state_dtype)) {}
 
 int64_t TensorParallelWorker::serve() {
   int64_t steps = 0;
@@ -203,10 +206,12 @@ int64_t TensorParallelWorker::serve() {
       }
       return message[pos++];
     };
-    std::vector<std::pair<int32_t, int32_t>> copies;
-    for (int64_t i = 0, n = count(2); i < n; ++i, pos += 2) {
-      copies.emplace_back(static_cast<int32_t>(message[pos]),
-                          static_cast<int32_t>(message[pos + 1]));
+    StepCopies copies;
+    for (auto* pairs : {&copies.blocks, &copies.states, &copies.snapshots}) {
+      for (int64_t i = 0, n = count(2); i < n; ++i, pos += 2) {
+        pairs->emplace_back(static_cast<int32_t>(message[pos]),
+                            static_cast<int32_t>(message[pos + 1]));
+      }
     }
     if (pos >= message.size()) {
       throw std::runtime_error("tensor-parallel worker: a malformed step message");
@@ -251,11 +256,13 @@ int64_t TensorParallelWorker::serve() {
         if (!ranks) throw std::logic_error("tensor-parallel worker: the model has no ranks");
         ranks->broadcast_(feed.tokens, 0);
       }
-      kv_cache_.copy_blocks(copies);
+      kv_cache_.copy_blocks(copies.blocks);
+      kv_cache_.copy_states(copies.states);
       ForwardBatch batch = ForwardBatchBuilder::unpack(packed).build(model_->device());
       feed.apply(batch.input_ids);
       const at::Tensor hidden =
           model_->forward(batch.input_ids, batch.positions, batch.metadata, kv_cache_.layers());
+      kv_cache_.copy_states(copies.snapshots);
       if (!rows.empty()) {
         const at::Tensor index =
             at::tensor(rows, at::TensorOptions().dtype(at::kLong)).to(hidden.device());

@@ -2,6 +2,8 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/exp.h>
+#include <ATen/ops/rsqrt.h>
+#include <ATen/ops/silu.h>
 
 #include <stdexcept>
 #include <string>
@@ -16,7 +18,7 @@ Mamba2Mixer::Mamba2Mixer(const ModelConfig& config, const std::string& p, const 
     : ssm_(config.ssm),
       norm_eps_(config.rms_norm_eps),
       in_proj_(Linear::load(w, p + "in_proj")),
-      out_proj_(Linear::load(w, p + "out_proj")) {
+      out_proj_(Linear::load_row_parallel(w, p + "out_proj")) {
   const SSMConfig& c = ssm_;
   const int64_t inner = c.inner_size(), conv_dim = c.conv_dim();
   check_linear_shape(in_proj_, p + "in_proj", inner + conv_dim + c.num_heads, config.hidden_size);
@@ -28,6 +30,24 @@ Mamba2Mixer::Mamba2Mixer(const ModelConfig& config, const std::string& p, const 
   D_ = ssm_weight(w, p + "D", {c.num_heads});
   dt_bias_ = ssm_weight(w, p + "dt_bias", {c.num_heads});
   if (c.norm != "gate_only") norm_weight_ = ssm_weight(w, p + "norm.weight", {inner});
+  if (c.norm_spans_ranks && c.norm != "gate_only" && w.communicator()->size() > 1) {
+    TORCH_CHECK(c.norm_groups == 1, p, ": a gated norm across ranks is one group a rank");
+    norm_ranks_ = w.communicator();
+  }
+}
+
+at::Tensor Mamba2Mixer::norm_across_ranks(const at::Tensor& y, const at::Tensor& z) const {
+  // The reference's order (testing/ssm_reference.py) in fp32: the gate, the mean square over
+  // every rank's channels, the weight, then (norm_then_gate) the gate.
+  const at::Tensor yf = y.to(at::kFloat), gate = at::silu(z.to(at::kFloat));
+  const bool gate_first = ssm_.norm == "gate_then_norm";
+  const at::Tensor h = gate_first ? yf.mul(gate) : yf;
+  at::Tensor sums = h.square().sum(1, /*keepdim=*/true);
+  norm_ranks_->all_reduce_(sums);
+  const double width = static_cast<double>(h.size(1) * norm_ranks_->size());
+  at::Tensor out = h.mul(at::rsqrt(sums.div(width).add(norm_eps_))).mul(norm_weight_.to(at::kFloat));
+  if (!gate_first) out.mul_(gate);
+  return out.to(y.scalar_type());
 }
 
 at::Tensor Mamba2Mixer::forward(const at::Tensor& hidden, const AttentionMetadata& metadata,
@@ -58,6 +78,7 @@ at::Tensor Mamba2Mixer::forward(const at::Tensor& hidden, const AttentionMetadat
   ops::ssm_scan(y, x, dt, A_, B, C, D_, dt_bias_, ssm_state, metadata.query_start_loc,
                 metadata.state_slots, metadata.has_initial_state, /*dt_softplus=*/true, c.dt_min,
                 c.dt_max);
+  if (norm_ranks_) return out_proj_.forward(norm_across_ranks(y.view({tokens, inner}), z));
   at::Tensor normed = at::empty({tokens, inner}, hidden.options());
   ops::rms_norm_gated(normed, y.view({tokens, inner}), z,
                       norm_weight_.defined() ? std::optional<at::Tensor>(norm_weight_)

@@ -6,6 +6,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <memory>
 #include <string>
 
 #include "kvserve/attention_metadata.h"
@@ -20,7 +21,9 @@ namespace kvserve {
 /// + H, hidden] (gate z, then x, B and C, then dt; + bias with ssm.proj_bias), conv1d.weight
 /// [conv_dim, kernel] (+ conv1d.bias), dt_bias [H], A_log [H] (A = -exp(A_log)), D [H],
 /// norm.weight [inner] (none when ssm.norm is gate_only), out_proj.weight [hidden, inner]
-/// (+ bias with ssm.out_proj_bias).
+/// (+ bias with ssm.out_proj_bias). Split over tensor-parallel ranks (the weights a rank's, the
+/// config its heads and groups: kvserve/loader/sharding.py), out_proj sums the ranks' outputs,
+/// and a gated norm with ssm.norm_spans_ranks sums their sums of squares.
 class Mamba2Mixer : public SsmMixer {
  public:
   Mamba2Mixer(const ModelConfig& config, const std::string& prefix, const WeightMap& weights);
@@ -41,6 +44,10 @@ class Mamba2Mixer : public SsmMixer {
   at::Tensor D_;            // [H]
   at::Tensor dt_bias_;      // [H]
   at::Tensor norm_weight_;  // [inner]; undefined: the gate alone
+  std::shared_ptr<Communicator> norm_ranks_;  // null: the norm's groups are this rank's
+
+  // The gated norm of y and z [T, inner] over every rank's channels (one group).
+  at::Tensor norm_across_ranks(const at::Tensor& y, const at::Tensor& z) const;
 };
 
 }  // namespace kvserve

@@ -176,11 +176,9 @@ class LLMEngine:
                                     info.eos_token_ids, self.draft_config)
         self.max_model_len = config.max_model_len
         if info.config.num_ssm_layers() > 0:
-            for name, used in (("tensor_parallel_size > 1", args.tensor_parallel_size > 1),
-                               ("kv_role (disaggregated prefill)", args.kv_role is not None)):
-                if used:
-                    raise ValueError(f"{name} is not supported for models with state-space "
-                                     f"layers ({info.config.architecture}) yet")
+            if args.kv_role is not None:
+                raise ValueError("kv_role (disaggregated prefill) is not supported for models "
+                                 f"with state-space layers ({info.config.architecture}) yet")
         if args.enable_lora:
             if ARCHITECTURES[info.config.architecture].fold_weights is not None:
                 raise ValueError(f"LoRA adapters are not supported for "
@@ -360,13 +358,18 @@ class LLMEngine:
             heads = ("KV: the latent, replicated on every rank" if kv.layout.latent else
                      f"KV {local_kv} of {kv_heads} KV heads a layer"
                      + (f" (each held by {copies} ranks)" if copies > 1 else ""))
+            if r.config.num_ssm_layers() > 0:
+                states = (f"states of {r.config.ssm.num_heads} of "
+                          f"{self.config.ssm.num_heads} state-space heads a layer")
+                heads = states if kv.layout.num_layers == 0 else f"{heads}; {states}"
             plan += (f"; tensor parallel, rank 0 of {size} (each rank the same): weights "
-                     f"{r.split_bytes / 2**20:.1f} MiB split (1/{size} of every projection, "
-                     f"of the embedding and of the LM head) + "
+                     f"{r.split_bytes / 2**20:.1f} MiB split (1/{size} of every projection"
+                     + (" and mixer" if r.config.num_ssm_layers() > 0 else "")
+                     + ", of the embedding and of the LM head) + "
                      f"{r.replicated_bytes / 2**20:.1f} MiB replicated (norms, routers"
                      + (", latent projections" if kv.layout.latent else "") + f"); {heads}"
-                     f", {kv.nbytes / kv.num_blocks / 2**10:.1f} KiB a block on each rank, "
-                     f"{kv.num_blocks - 1} blocks agreed")
+                     + (f", {kv.nbytes / kv.num_blocks / 2**10:.1f} KiB a block on each rank, "
+                        f"{kv.num_blocks - 1} blocks agreed" if kv.layout.num_layers else ""))
         spec = self.engine.config.speculative
         if self.draft_model is not None:
             c = self.draft_config

@@ -64,7 +64,7 @@ def load_rank_model(args, groups: ParallelGroups, eos_token_ids: list[int],
             local, dtype, kv_cache_dtype, eos_token_ids, draft_config)
     weights = load_weights(Path(args.model), info.config, dtype, args.device, shard=shard)
     split = sum(t.numel() * t.element_size() for name, t in weights.items()
-                if ("_proj" in name and not _replicated(name))
+                if ("_proj" in name and not _replicated(name)) or ".mixer." in name
                 or name.startswith(("embed_tokens.", "lm_head.")))
     total = sum(t.numel() * t.element_size() for t in weights.values())
     model = _C.create_causal_lm(local, weights, config.max_model_len,
@@ -92,8 +92,12 @@ def _worker_main(rank: int, world_size: int, init_method: str, args, threads: in
         if args.enable_lora:  # rank 0 sends each adapter's shard (LoRAManager._shard)
             rank_model.model.enable_lora(args.max_loras, args.max_lora_rank)
         c = rank_model.engine_config
+        # Rank 0's state pool: a slot a running sequence, and the saved states.
+        states = (c.max_num_seqs + c.num_state_snapshots
+                  if rank_model.config.num_ssm_layers() > 0 else 0)
         worker = _C.TensorParallelWorker(rank_model.model, groups.control_communicator(),
-                                         c.num_blocks, c.block_size, c.kv_cache_dtype)
+                                         c.num_blocks, c.block_size, c.kv_cache_dtype, states,
+                                         c.ssm_state_dtype)
         worker.serve()
     finally:
         destroy_parallel_groups()

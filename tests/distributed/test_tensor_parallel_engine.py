@@ -119,6 +119,59 @@ def test_two_ranks_generate_what_one_does(tmp_path, case, async_scheduling):
             assert [v for _, v in x.top] == pytest.approx([v for _, v in y.top], abs=1e-4)
 
 
+# State-space models split by head: the norm over every rank's heads (one group) or over groups
+# the ranks divide, B and C replicated (one group) or split, hybrids with attention (Bamba,
+# Granite 4 with experts and a fused shared MLP, FalconH1's parallel layers with its multipliers
+# folded into each rank's rows, Nemotron-H's MLP-only layers without a gate).
+STATE_CASES = {
+    "mamba2-one-group": ("Mamba2ForCausalLM", dict(n_groups=1)),
+    "mamba2-groups-split": ("Mamba2ForCausalLM", dict(n_groups=4)),
+    "bamba": ("BambaForCausalLM", dict(mamba_n_groups=1)),
+    "granite-hybrid-moe": ("GraniteMoeHybridForCausalLM", dict(mamba_n_groups=2)),
+    "falcon-h1-normed": ("FalconH1ForCausalLM", dict(mamba_n_groups=1, mamba_rms_norm=True)),
+    "nemotron-h": ("NemotronHForCausalLM", dict(n_groups=2)),
+}
+
+
+@SCHEDULING
+@pytest.mark.parametrize("case", list(STATE_CASES))
+def test_state_space_models_split_by_head(tmp_path, case, async_scheduling):
+    """Each rank keeps its heads' conv and SSM states; the saved states that prefix hits resume
+    from are copied on every rank."""
+    arch, overrides = STATE_CASES[case]
+    path = make_checkpoint(tmp_path, arch, **overrides)
+    options = OPTIONS | dict(num_state_snapshots=8)
+    want = _generate(LLM(path, **options))
+    llm = LLM(path, tensor_parallel_size=2, distributed_timeout=60.0,
+              async_scheduling=async_scheduling, **options)
+    try:
+        got = _generate(llm)
+        assert llm.llm_engine.block_manager.prefix_cache_hits() > 0
+        state_bytes = llm.llm_engine.kv_cache.state_bytes_per_sequence
+        heads = llm.llm_engine.config.ssm.num_heads
+        assert f"states of {heads // 2} of {heads} state-space heads" in (
+            llm.llm_engine.memory_plan())
+    finally:
+        llm.llm_engine.shutdown()
+    alone = LLM(path, **options).llm_engine.kv_cache.state_bytes_per_sequence
+    assert 0 < state_bytes < alone  # rank 0 holds its heads' states
+    for x, y in zip(want.pop(), got.pop(), strict=True):  # the scored prompt
+        assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-4)
+    for a, b in zip(want, got, strict=True):
+        assert a.token_ids == b.token_ids
+        assert [x.logprob for x in a.logprobs] == pytest.approx(
+            [y.logprob for y in b.logprobs], abs=1e-4)
+    # transformers' log-probabilities of the tokens the two ranks chose (teacher-forced: a
+    # near-tie that float rounding flips cannot fail it).
+    hf = load_hf_model(path)
+    for prompt, b in zip(PROMPTS, got):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + b.token_ids])).logits[0].double()
+        reference = torch.log_softmax(logits, -1)[len(prompt) - 1:-1]
+        assert [x.logprob for x in b.logprobs] == pytest.approx(
+            reference.gather(1, torch.tensor(b.token_ids)[:, None])[:, 0].tolist(), abs=1e-4)
+
+
 @pytest.mark.parametrize("case", ["llama-one-kv-head", "deepseek-v3-mla-moe"])
 def test_async_scheduling_at_two_ranks_samples_what_one_rank_does(tmp_path, case):
     """Seeded sampling with penalties, min_tokens and two samples of a prompt: every rank's
@@ -187,13 +240,17 @@ def test_lora_adapters_are_split_with_their_projections(tmp_path, async_scheduli
 
 
 @SCHEDULING
-def test_arrivals_and_preemption_at_two_ranks_give_each_requests_tokens_alone(tmp_path,
-                                                                             async_scheduling):
+@pytest.mark.parametrize("arch, overrides", [("LlamaForCausalLM", {}),
+                                             ("BambaForCausalLM", dict(mamba_n_groups=1))],
+                         ids=["llama", "bamba"])
+def test_arrivals_and_preemption_at_two_ranks_give_each_requests_tokens_alone(
+        tmp_path, arch, overrides, async_scheduling):
     """The engine's invariance at tp=2: mixed requests arriving over the steps, in a pool small
-    enough to preempt some, each get the greedy tokens it gets alone on one rank."""
+    enough to preempt some (a state-space model's preempted sequence gives its state slot back
+    on every rank), each get the greedy tokens it gets alone on one rank."""
     from tests.engine_loop import fp32_engine, run_arrivals
 
-    path = make_checkpoint(tmp_path, "LlamaForCausalLM")
+    path = make_checkpoint(tmp_path, arch, **overrides)
     rng = random.Random(0)
     requests = [([1] + [rng.randrange(3, 384) for _ in range(rng.randrange(1, 40))],
                  rng.randrange(1, 16), rng.randrange(0, 8)) for _ in range(12)]
@@ -237,6 +294,22 @@ def test_what_cannot_run_is_refused_before_any_rank_starts(tmp_path, options, me
     path = make_checkpoint(tmp_path, "LlamaForCausalLM")
     with pytest.raises(ValueError, match=message):
         LLM(path, dtype="float32", **options)
+
+
+@pytest.mark.parametrize("arch, overrides, message", [
+    ("MambaForCausalLM", {}, "Mamba \\(S6\\) mixers of MambaForCausalLM"),
+    ("Mamba2ForCausalLM", dict(num_heads=15, head_dim=16, n_groups=1),
+     "divide the 15 state-space heads"),
+    ("Mamba2ForCausalLM", dict(n_groups=5), "the 5 B/C groups"),
+    ("NemotronHForCausalLM", dict(n_groups=2, layers_block_type=["mamba", "moe"],
+                                  n_routed_experts=4, num_experts_per_tok=2),
+     "ungated experts of NemotronHForCausalLM"),
+])
+def test_state_space_models_the_ranks_cannot_split_are_refused(tmp_path, arch, overrides,
+                                                                message):
+    path = make_checkpoint(tmp_path, arch, **overrides)
+    with pytest.raises(ValueError, match=message):
+        LLM(path, dtype="float32", tensor_parallel_size=2)
 
 
 @pytest.mark.cuda

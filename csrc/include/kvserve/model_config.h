@@ -110,6 +110,9 @@ struct MoEConfig {
   X(int64_t, n_groups, 1)      /* groups of heads sharing B and C */                        \
   X(int64_t, conv_kernel, 4)                                                                \
   X(int64_t, norm_groups, 1)   /* groups of the gated RMSNorm over heads * head_dim */      \
+  /* a tensor-parallel rank's: its one norm group is part of a group over every rank's */   \
+  /* heads (its sums of squares are summed over the ranks) */                              \
+  X(bool, norm_spans_ranks, false)                                                          \
   /* the scan's output y and the gate z: gate_then_norm, RMSNorm(y * silu(z)) (Mamba2); */  \
   /* norm_then_gate, RMSNorm(y) * silu(z); gate_only, y * silu(z) (FalconH1's options) */   \
   X(std::string, norm, "gate_then_norm")                                                    \

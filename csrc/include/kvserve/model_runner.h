@@ -149,8 +149,8 @@ class ModelRunner {
  private:
   // The step's block and state copies, after checking that its sequences, targets and prompt
   // targets fit its tokens, and that `feed` (may be null) fills exactly its pending tokens.
-  // Returns the block copies (the workers replay them).
-  std::vector<std::pair<int32_t, int32_t>> prepare(
+  // Returns them with the state snapshots that follow the forward (the workers replay them).
+  StepCopies prepare(
       const SchedulerOutput& work, const std::vector<SamplingTarget>& targets,
       const std::vector<PromptLogprobsTarget>& prompt_targets, const TokenFeed* feed);
   // Adds each scheduled sequence's new tokens, then its drafts (`proposals` may be null), to
@@ -158,12 +158,10 @@ class ModelRunner {
   // row in the batch, then the batch's rows.
   std::vector<int64_t> add_sequences(const SchedulerOutput& work, const Proposals* proposals,
                                      ForwardBatchBuilder& builder, bool& decode_only);
-  // The states saved at block boundaries, copied once the forward has written them.
-  void save_state_snapshots(const SchedulerOutput& work);
   // Hidden states of the builder's batch: a CUDA graph's replay where it fits (cuda_graph set),
   // else an eager forward that the workers run too. `feed` (may be null) fills pending tokens.
   at::Tensor run_forward(ForwardBatchBuilder& builder, bool decode_only,
-                         const std::vector<std::pair<int32_t, int32_t>>& copies,
+                         const StepCopies& copies,
                          const std::vector<int64_t>& hidden_rows, int64_t num_sampled_rows,
                          const TokenFeed* feed, bool& cuda_graph);
   // The entries of `prompt_targets` from the logits of the rows of `hidden` that rows_index

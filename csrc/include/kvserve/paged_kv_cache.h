@@ -27,6 +27,13 @@ struct StatePoolOptions {
 /// [slots, conv_dim, conv_kernel - 1], value its SSM state [slots, heads, head_dim, state_size].
 constexpr int64_t kStateGroup = -1;
 
+/// A step's copies in the pool besides its forward's writes (src -> dst): the copy-on-write
+/// blocks and the state slots copied before it (a forked sequence's state, a prefix hit's saved
+/// one), the states saved at block boundaries after it.
+struct StepCopies {
+  std::vector<std::pair<int32_t, int32_t>> blocks, states, snapshots;
+};
+
 class PagedKVCache {
  public:
   /// Allocates num_blocks blocks per slot (zero-filled): per slot key

@@ -31,14 +31,15 @@ void send_to_workers(Communicator& control, WorkerCommand command,
 /// A worker: the next command and payload from rank 0.
 std::pair<WorkerCommand, std::vector<int64_t>> receive_from_rank0(Communicator& control);
 
-/// A step's message: the copy-on-write pairs, the rows of the forward's output whose logits
+/// A step's message: its block and state copies (before the forward) and state snapshots
+/// (after it), the rows of the forward's output whose logits
 /// rank 0 computes (every rank computes its vocabulary's share of them, in the slices of
 /// logits_slices: the first num_sampled_rows are sampled, the rest score prompts), the rows and
 /// sources of `feed` (may be null) and the length of its tokens, then the batch
 /// (ForwardBatchBuilder::pack). A feed's tokens (asynchronous scheduling: sampled by the step
 /// before, on rank 0's device only) follow the message over the model's device group
 /// (send_fed_tokens), so that no rank waits on the host for them.
-std::vector<int64_t> pack_step(const std::vector<std::pair<int32_t, int32_t>>& block_copies,
+std::vector<int64_t> pack_step(const StepCopies& copies,
                                const std::vector<int64_t>& logit_rows, int64_t num_sampled_rows,
                                const ForwardBatchBuilder& batch, const TokenFeed* feed = nullptr);
 
@@ -59,6 +60,10 @@ struct TensorParallelWorkerOptions {
   int64_t num_blocks = 0;   ///< KV pool blocks, the null block included: rank 0's
   int64_t block_size = 16;  ///< tokens per block
   std::optional<at::ScalarType> kv_cache_dtype;  ///< the model's dtype when unset
+  /// A model with state-space layers: rank 0's state pool slots (running sequences and saved
+  /// states), and the SSM states' dtype (fp32 when unset).
+  int64_t num_state_slots = 0;
+  std::optional<at::ScalarType> ssm_state_dtype;
 };
 
 /// A rank > 0 of a tensor-parallel model: its shard and its KV pool (grouped by sliding window

@@ -31,7 +31,7 @@ from safetensors import safe_open
 from kvserve import _C
 from kvserve.architectures import ARCHITECTURES, split_weights, weight_names
 from kvserve.loader.sharding import (Shard, check_shardable, local_columns, local_heads,
-                                     local_intermediate, local_vocab)
+                                     local_intermediate, local_ssm, local_vocab, shard_config)
 from kvserve.loader.weight_check import check_weights, moe_names
 from kvserve.loader.weight_index import WeightIndex, kvserve_name
 from kvserve.quantization import mxfp4
@@ -178,7 +178,7 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
         if not config.post_norms:
             w[out + "input_layernorm.weight"] = read(p + "input_layernorm.weight")
         if config.has_mixer(i):
-            _read_mixer(read, config, p + "mixer.", out + "mixer.", w)
+            _read_mixer(read, config, p + "mixer.", out + "mixer.", w, shard)
         if not config.has_attention(i):
             pass
         elif config.use_mla():
@@ -213,8 +213,8 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
                       shard=None if shard is None else (shard.rank,
                                                         *local_intermediate(config, shard)))
     fold = ARCHITECTURES[config.architecture].fold_weights
-    if fold is not None:
-        fold(config, hf, w)
+    if fold is not None:  # over the rank's rows, as its config counts them
+        fold(config if shard is None else shard_config(config, shard), hf, w)
     return {name: t.to(device).contiguous() for name, t in w.items()}
 
 
@@ -224,19 +224,24 @@ def _read_ungated_mlp(read: _TensorReader, c: _C.ModelConfig, mlp: str, out: str
                       plain: bool = False) -> None:
     """An MLP without a gate (Nemotron-H): up [intermediate, hidden], down [hidden,
     intermediate]; sizes (intermediate, hidden) and bias default to the dense MLP's. plain:
-    dequantized (routed experts that fused_moe runs)."""
-    if shard is not None:
-        raise ValueError(f"{c.architecture}: tensor parallelism does not split an MLP without "
-                         "a gate yet")
+    dequantized (routed experts that fused_moe runs). shard: up's rows and down's columns of the
+    rank's share of the intermediate size (down's bias on rank 0)."""
     inter, hidden = sizes or (c.intermediate_size, c.hidden_size)
-    for name, shape in (("up_proj", (inter, hidden)), ("down_proj", (hidden, inter))):
-        if plain:
+    first, n = (0, inter) if shard is None else local_columns(inter, shard)
+    for name, shape, part in (("up_proj", (inter, hidden), (0, first, n)),
+                              ("down_proj", (hidden, inter), (1, first, n))):
+        if shard is not None and plain:
+            w[out + name + ".weight"] = read.part(mlp + name, shape, part)
+        elif shard is not None:
+            read.put(w, out + name, [mlp + name], [shape], [part])
+        elif plain:
             w[out + name + ".weight"] = read.weight(mlp + name, shape)
         else:
             read.put(w, out + name, [mlp + name], [shape])
     if c.mlp_bias if bias is None else bias:
-        for name in ("up_proj", "down_proj"):
-            w[out + name + ".bias"] = read(mlp + name + ".bias")
+        w[out + "up_proj.bias"] = read.raw(mlp + "up_proj.bias", read.dtype, (0, first, n))
+        if shard is None or shard.rank == 0:  # added once to the ranks' sum
+            w[out + "down_proj.bias"] = read(mlp + "down_proj.bias")
 
 
 def _read_ungated_moe(read: _TensorReader, c: _C.ModelConfig, prefix: str, out: str,
@@ -264,25 +269,40 @@ def _read_ungated_moe(read: _TensorReader, c: _C.ModelConfig, prefix: str, out: 
 def _read_fused_mlp(read: _TensorReader, c: _C.ModelConfig, mlp: str, out: str,
                     w: dict[str, torch.Tensor], shard: Shard | None, inter: int) -> None:
     """An MLP of `inter` columns whose checkpoint holds gate and up as one tensor (gate rows
-    first)."""
-    if shard is not None:
-        raise ValueError(f"{c.architecture}: tensor parallelism does not split its fused MLP yet")
+    first). shard: the rows of the rank's columns of gate and of up, down's columns (its bias on
+    rank 0)."""
     hidden = c.hidden_size
-    w[out + "gate_up_proj.weight"] = read.weight(mlp + "gate_up_proj", (2 * inter, hidden))
-    w[out + "down_proj.weight"] = read.weight(mlp + "down_proj", (hidden, inter))
+    if shard is None:
+        w[out + "gate_up_proj.weight"] = read.weight(mlp + "gate_up_proj", (2 * inter, hidden))
+        w[out + "down_proj.weight"] = read.weight(mlp + "down_proj", (hidden, inter))
+        if c.mlp_bias:
+            for name in ("gate_up_proj", "down_proj"):
+                w[out + name + ".bias"] = read(mlp + name + ".bias")
+        return
+    first, n = local_columns(inter, shard)
+    rows = [(0, first, n), (0, inter + first, n)]  # of gate, then of up
+    w[out + "gate_up_proj.weight"] = torch.cat([
+        read.part(mlp + "gate_up_proj", (2 * inter, hidden), part) for part in rows])
+    w[out + "down_proj.weight"] = read.part(mlp + "down_proj", (hidden, inter), (1, first, n))
     if c.mlp_bias:
-        for name in ("gate_up_proj", "down_proj"):
-            w[out + name + ".bias"] = read(mlp + name + ".bias")
+        w[out + "gate_up_proj.bias"] = torch.cat([
+            read.raw(mlp + "gate_up_proj.bias", read.dtype, part) for part in rows])
+        if shard.rank == 0:  # added once to the ranks' sum
+            w[out + "down_proj.bias"] = read(mlp + "down_proj.bias")
 
 
 def _read_mixer(read: _TensorReader, c: _C.ModelConfig, mixer: str, out: str,
-                w: dict[str, torch.Tensor]) -> None:
+                w: dict[str, torch.Tensor], shard: Shard | None = None) -> None:
     """A state-space mixer's weights (csrc/layers/mamba2_mixer.h, mamba_mixer.h): its
     projections plain or quantized, the convolution's [conv_dim, 1, kernel] weight as [conv_dim,
-    kernel]; A_log in fp32, as the reference keeps it."""
+    kernel]; A_log in fp32, as the reference keeps it. shard: a Mamba2 mixer's part on that rank
+    (kvserve.loader.sharding)."""
     s = c.ssm
     if s.kind == "mamba":
         _read_mamba_mixer(read, c, mixer, out, w)
+        return
+    if shard is not None:
+        _read_mixer_shard(read, c, mixer, out, w, shard)
         return
     _read_mixer_common(read, c, mixer, out, w, (
         ("in_proj", (2 * s.inner_size + 2 * s.n_groups * s.state_size + s.num_heads,
@@ -304,6 +324,43 @@ def _read_mixer_common(read: _TensorReader, c: _C.ModelConfig, mixer: str, out: 
     if c.ssm.conv_bias:
         w[out + "conv1d.bias"] = read(mixer + "conv1d.bias")
     w[out + "A_log"] = read(mixer + "A_log", torch.float32)
+
+
+def _read_mixer_shard(read: _TensorReader, c: _C.ModelConfig, mixer: str, out: str,
+                      w: dict[str, torch.Tensor], shard: Shard) -> None:
+    """A rank's part of a Mamba2 mixer: its heads' rows of in_proj's z, x and dt, its groups'
+    rows of B and C, the same channels of the convolution, its heads of A, D and dt_bias and of
+    the norm's weight, its columns of out_proj (the bias on rank 0)."""
+    s = c.ssm
+    h0, h, g0, g = local_ssm(c, shard)
+    d, n, inner, bc = s.head_dim, s.state_size, s.inner_size, s.n_groups * s.state_size
+    heads = (h0 * d, h * d)  # the rank's channels of z, of x and of the norm
+    # Its channels of x, B and C among the convolution's, then its rows of in_proj: z, x, B, C,
+    # dt.
+    conv_rows = [heads, (inner + g0 * n, g * n), (inner + bc + g0 * n, g * n)]
+    in_rows = ([heads] + [(inner + first, count) for first, count in conv_rows]
+               + [(2 * inner + 2 * bc + h0, h)])
+    in_shape = (2 * inner + 2 * bc + s.num_heads, c.hidden_size)
+
+    def rows(name: str, parts: list[tuple[int, int]], dtype=None) -> torch.Tensor:
+        return torch.cat([read.raw(mixer + name, dtype or read.dtype, (0, *p)) for p in parts])
+
+    read.put(w, out + "in_proj", [mixer + "in_proj"] * 5, [in_shape] * 5,
+             [(0, *p) for p in in_rows])
+    if s.proj_bias:
+        w[out + "in_proj.bias"] = rows("in_proj.bias", in_rows)
+    read.put(w, out + "out_proj", [mixer + "out_proj"], [(c.hidden_size, inner)],
+             [(1, h0 * d, h * d)])
+    if s.out_proj_bias and shard.rank == 0:  # added once to the ranks' sum
+        w[out + "out_proj.bias"] = read(mixer + "out_proj.bias")
+    w[out + "conv1d.weight"] = rows("conv1d.weight", conv_rows).squeeze(1)
+    if s.conv_bias:
+        w[out + "conv1d.bias"] = rows("conv1d.bias", conv_rows)
+    w[out + "A_log"] = rows("A_log", [(h0, h)], torch.float32)
+    for name in ("D", "dt_bias"):
+        w[out + name] = rows(name, [(h0, h)])
+    if s.norm != "gate_only":
+        w[out + "norm.weight"] = rows("norm.weight", [heads])
 
 
 # A Mamba mixer's RMSNorms of dt, B and C (dt_bc_norm "weighted"): the checkpoint's names (Jamba's)

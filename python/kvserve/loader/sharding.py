@@ -14,6 +14,13 @@ rank holds, and the model config that rank's C++ model runs.
   their norms and so the latent KV cache are replicated on every rank. q/k norms per head are
   replicated; OLMo 2's over all heads at once are split with the heads, each rank's sums of
   squares summed over the ranks (the C++ Attention).
+- Mamba2 mixers (Mamba2 and the hybrids' state-space layers), by head as vLLM splits them: the
+  rows of in_proj's gate z, x and dt and of the convolution's x channels, A, D and dt_bias, the
+  gated norm's weight; B and C by group (a group replicated on the ranks whose heads read it,
+  when there are fewer groups than ranks); out_proj row-parallel. A gated norm over groups the
+  ranks divide stays per rank; one over all heads (a single group) sums each rank's sums of
+  squares over the ranks. Each rank keeps its heads' conv and SSM states. Mamba (S6) mixers are
+  not split yet.
 - Embedding and LM head: vocabulary-parallel, ceil(vocab / size) rows a rank (the last rank's
   padded with zero rows); a tied head is the same rows. Norms are replicated.
 - Quantized projections split along the same axis as plain ones, their scales and zeros with
@@ -55,21 +62,49 @@ def check_shardable(config: _C.ModelConfig, size: int) -> None:
         return
     name = config.architecture or "this model"
     moe = config.moe
+    if moe.num_experts and moe.activation == "relu2":
+        raise ValueError(f"tensor parallelism is not supported for the ungated experts of {name} "
+                         "yet")
     for label, size_of in (("expert intermediate size", moe.moe_intermediate_size),
                            ("shared experts' intermediate size", moe.shared_intermediate_size)):
         if moe.num_experts and size_of % size:
             raise ValueError(f"tensor_parallel_size {size} must divide the {label} {size_of} "
                              f"of {name}")
-    if config.num_heads % size:
+    if config.num_heads % size and _has_attention(config):
         raise ValueError(f"tensor_parallel_size {size} must divide the {config.num_heads} "
                          f"attention heads of {name}")
     kv = config.num_kv_heads
-    if kv % size and size % kv:
+    if kv % size and size % kv and _has_attention(config):
         raise ValueError(f"tensor_parallel_size {size} and the {kv} key/value heads of {name} "
                          "must divide one another (each rank holds whole key/value heads)")
-    if config.intermediate_size % size:
+    if config.intermediate_size % size and _has_mlp(config):
         raise ValueError(f"tensor_parallel_size {size} must divide the intermediate size "
                          f"{config.intermediate_size} of {name}")
+    if config.num_ssm_layers() > 0:
+        _check_ssm_shardable(config.ssm, size, name)
+
+
+def _has_attention(config: _C.ModelConfig) -> bool:
+    return any(config.has_attention(i) for i in range(config.num_layers))
+
+
+def _has_mlp(config: _C.ModelConfig) -> bool:
+    return any(config.has_mlp(i) for i in range(config.num_layers))
+
+
+def _check_ssm_shardable(s: _C.SSMConfig, size: int, name: str) -> None:
+    if s.kind == "mamba":
+        raise ValueError(f"tensor parallelism is not supported for the Mamba (S6) mixers of "
+                         f"{name} yet")
+    if s.num_heads % size:
+        raise ValueError(f"tensor_parallel_size {size} must divide the {s.num_heads} "
+                         f"state-space heads of {name}")
+    if s.n_groups % size and size % s.n_groups:
+        raise ValueError(f"tensor_parallel_size {size} and the {s.n_groups} B/C groups of "
+                         f"{name} must divide one another (each rank holds whole groups)")
+    if s.norm != "gate_only" and s.norm_groups % size and s.norm_groups != 1:
+        raise ValueError(f"tensor_parallel_size {size} must divide the {s.norm_groups} groups "
+                         f"of {name}'s gated norm (or the norm be one group)")
 
 
 def local_heads(config: _C.ModelConfig, shard: Shard) -> tuple[int, int, int, int]:
@@ -81,6 +116,17 @@ def local_heads(config: _C.ModelConfig, shard: Shard) -> tuple[int, int, int, in
         return shard.rank * q, q, shard.rank * kv, kv
     # Fewer key/value heads than ranks: the rank's query heads all read one of them.
     return shard.rank * q, q, shard.rank * kv_total // shard.size, 1
+
+
+def local_ssm(config: _C.ModelConfig, shard: Shard) -> tuple[int, int, int, int]:
+    """(first head, heads, first B/C group, groups) of the rank's part of a Mamba2 mixer."""
+    s = config.ssm
+    h = s.num_heads // shard.size
+    if s.n_groups >= shard.size:
+        g = s.n_groups // shard.size
+        return shard.rank * h, h, shard.rank * g, g
+    # Fewer groups than ranks: the rank's heads all read one group.
+    return shard.rank * h, h, shard.rank * s.n_groups // shard.size, 1
 
 
 def local_columns(size: int, shard: Shard) -> tuple[int, int]:
@@ -106,11 +152,21 @@ def shard_config(config: _C.ModelConfig, shard: Shard) -> _C.ModelConfig:
     check_shardable(config, shard.size)
     local = _C.ModelConfig(config)
     if shard.size > 1:
-        _, local.num_heads, _, local.num_kv_heads = local_heads(config, shard)
-        _, local.intermediate_size = local_intermediate(config, shard)
+        if _has_attention(config):
+            _, local.num_heads, _, local.num_kv_heads = local_heads(config, shard)
+        if _has_mlp(config):
+            _, local.intermediate_size = local_intermediate(config, shard)
         if config.moe.num_experts:
             moe = local.moe
             moe.moe_intermediate_size //= shard.size
             moe.shared_intermediate_size //= shard.size
             local.moe = moe
+        if config.num_ssm_layers() > 0:
+            ssm = local.ssm
+            _, ssm.num_heads, _, ssm.n_groups = local_ssm(config, shard)
+            if ssm.norm_groups % shard.size == 0:
+                ssm.norm_groups //= shard.size
+            else:  # one group over every rank's heads
+                ssm.norm_spans_ranks = True
+            local.ssm = ssm
     return local
