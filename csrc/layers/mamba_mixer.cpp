@@ -17,9 +17,9 @@ namespace kvserve {
 MambaMixer::MambaMixer(const ModelConfig& config, const std::string& p, const WeightMap& w)
     : ssm_(config.ssm),
       in_proj_(Linear::load(w, p + "in_proj")),
-      x_proj_(Linear::load(w, p + "x_proj")),
+      x_proj_(Linear::load_row_parallel(w, p + "x_proj")),
       dt_proj_(Linear::load(w, p + "dt_proj")),
-      out_proj_(Linear::load(w, p + "out_proj")) {
+      out_proj_(Linear::load_row_parallel(w, p + "out_proj")) {
   const SSMConfig& c = ssm_;
   const int64_t inner = c.inner_size(), N = c.state_size, R = c.time_step_rank;
   check_linear_shape(in_proj_, p + "in_proj", 2 * inner, config.hidden_size);

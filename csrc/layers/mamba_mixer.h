@@ -23,7 +23,9 @@ namespace kvserve {
 /// x_proj.weight [R + 2 * N, inner] (dt, B, C), dt_proj.weight [inner, R], dt_bias [inner],
 /// A_log [inner, N] (A = -exp(A_log)), D [inner], out_proj.weight [hidden, inner] (+ bias with
 /// ssm.out_proj_bias); with dt_bc_norm "weighted", dt_norm.weight [R], B_norm.weight [N] and
-/// C_norm.weight [N].
+/// C_norm.weight [N]. Split over tensor-parallel ranks (each a share of the inner channels:
+/// kvserve/loader/sharding.py), x_proj and out_proj sum the ranks' outputs: every rank gets the
+/// whole dt, B and C.
 class MambaMixer : public SsmMixer {
  public:
   MambaMixer(const ModelConfig& config, const std::string& prefix, const WeightMap& weights);

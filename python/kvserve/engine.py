@@ -359,8 +359,9 @@ class LLMEngine:
                      f"KV {local_kv} of {kv_heads} KV heads a layer"
                      + (f" (each held by {copies} ranks)" if copies > 1 else ""))
             if r.config.num_ssm_layers() > 0:
+                unit = "channels" if r.config.ssm.kind == "mamba" else "heads"
                 states = (f"states of {r.config.ssm.num_heads} of "
-                          f"{self.config.ssm.num_heads} state-space heads a layer")
+                          f"{self.config.ssm.num_heads} state-space {unit} a layer")
                 heads = states if kv.layout.num_layers == 0 else f"{heads}; {states}"
             plan += (f"; tensor parallel, rank 0 of {size} (each rank the same): weights "
                      f"{r.split_bytes / 2**20:.1f} MiB split (1/{size} of every projection"

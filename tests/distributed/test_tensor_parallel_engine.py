@@ -119,10 +119,10 @@ def test_two_ranks_generate_what_one_does(tmp_path, case, async_scheduling):
             assert [v for _, v in x.top] == pytest.approx([v for _, v in y.top], abs=1e-4)
 
 
-# State-space models split by head: the norm over every rank's heads (one group) or over groups
-# the ranks divide, B and C replicated (one group) or split, hybrids with attention (Bamba,
-# Granite 4 with experts and a fused shared MLP, FalconH1's parallel layers with its multipliers
-# folded into each rank's rows, Nemotron-H's MLP-only layers without a gate).
+# State-space models split by head (Mamba2 mixers): the norm over every rank's heads (one group)
+# or over groups the ranks divide, B and C replicated (one group) or split, hybrids with
+# attention (Bamba, Granite 4 with experts and a fused shared MLP, FalconH1's parallel layers with
+# its multipliers folded into each rank's rows, Nemotron-H's MLP-only layers without a gate).
 STATE_CASES = {
     "mamba2-one-group": ("Mamba2ForCausalLM", dict(n_groups=1)),
     "mamba2-groups-split": ("Mamba2ForCausalLM", dict(n_groups=4)),
@@ -130,6 +130,11 @@ STATE_CASES = {
     "granite-hybrid-moe": ("GraniteMoeHybridForCausalLM", dict(mamba_n_groups=2)),
     "falcon-h1-normed": ("FalconH1ForCausalLM", dict(mamba_n_groups=1, mamba_rms_norm=True)),
     "nemotron-h": ("NemotronHForCausalLM", dict(n_groups=2)),
+    # Mamba (S6) mixers by channel: Mamba, FalconMamba's unweighted norms of dt, B and C, Jamba's
+    # weighted ones beside attention and experts.
+    "mamba": ("MambaForCausalLM", {}),
+    "falcon-mamba": ("FalconMambaForCausalLM", {}),
+    "jamba": ("JambaForCausalLM", {}),
 }
 
 
@@ -149,7 +154,7 @@ def test_state_space_models_split_by_head(tmp_path, case, async_scheduling):
         assert llm.llm_engine.block_manager.prefix_cache_hits() > 0
         state_bytes = llm.llm_engine.kv_cache.state_bytes_per_sequence
         heads = llm.llm_engine.config.ssm.num_heads
-        assert f"states of {heads // 2} of {heads} state-space heads" in (
+        assert f"states of {heads // 2} of {heads} state-space " in (
             llm.llm_engine.memory_plan())
     finally:
         llm.llm_engine.shutdown()
@@ -297,7 +302,7 @@ def test_what_cannot_run_is_refused_before_any_rank_starts(tmp_path, options, me
 
 
 @pytest.mark.parametrize("arch, overrides, message", [
-    ("MambaForCausalLM", {}, "Mamba \\(S6\\) mixers of MambaForCausalLM"),
+    ("MambaForCausalLM", dict(intermediate_size=87), "divide the 87 state-space channels"),
     ("Mamba2ForCausalLM", dict(num_heads=15, head_dim=16, n_groups=1),
      "divide the 15 state-space heads"),
     ("Mamba2ForCausalLM", dict(n_groups=5), "the 5 B/C groups"),

@@ -299,7 +299,7 @@ def _read_mixer(read: _TensorReader, c: _C.ModelConfig, mixer: str, out: str,
     (kvserve.loader.sharding)."""
     s = c.ssm
     if s.kind == "mamba":
-        _read_mamba_mixer(read, c, mixer, out, w)
+        _read_mamba_mixer(read, c, mixer, out, w, shard)
         return
     if shard is not None:
         _read_mixer_shard(read, c, mixer, out, w, shard)
@@ -369,18 +369,46 @@ _DT_BC_NORMS = (("dt_layernorm", "dt_norm"), ("b_layernorm", "B_norm"), ("c_laye
 
 
 def _read_mamba_mixer(read: _TensorReader, c: _C.ModelConfig, mixer: str, out: str,
-                      w: dict[str, torch.Tensor]) -> None:
+                      w: dict[str, torch.Tensor], shard: Shard | None = None) -> None:
     """A Mamba mixer's weights (csrc/layers/mamba_mixer.h): dt_proj's bias as the scan's
-    dt_bias; the norms of dt, B and C where it has weighted ones."""
+    dt_bias; the norms of dt, B and C where it has weighted ones (whole on every rank). shard:
+    the rank's inner channels: in_proj's rows of x and of the gate, x_proj's and out_proj's
+    columns (out_proj's bias on rank 0), dt_proj's rows, the convolution, A_log, D and dt_bias."""
     s = c.ssm
     inner, states, rank = s.inner_size, s.state_size, s.time_step_rank
-    _read_mixer_common(read, c, mixer, out, w, (
-        ("in_proj", (2 * inner, c.hidden_size), s.proj_bias),
-        ("x_proj", (rank + 2 * states, inner), False),
-        ("dt_proj", (inner, rank), False),
-        ("out_proj", (c.hidden_size, inner), s.out_proj_bias)))
-    w[out + "D"] = read(mixer + "D")
-    w[out + "dt_bias"] = read(mixer + "dt_proj.bias")
+    in_shape = (2 * inner, c.hidden_size)
+    if shard is None:
+        _read_mixer_common(read, c, mixer, out, w, (
+            ("in_proj", in_shape, s.proj_bias),
+            ("x_proj", (rank + 2 * states, inner), False),
+            ("dt_proj", (inner, rank), False),
+            ("out_proj", (c.hidden_size, inner), s.out_proj_bias)))
+        w[out + "D"] = read(mixer + "D")
+        w[out + "dt_bias"] = read(mixer + "dt_proj.bias")
+    else:
+        first, n = local_ssm(c, shard)[:2]  # a Mamba mixer's heads are its channels
+
+        def rows(name: str, parts: list[tuple[int, int]], dtype=None) -> torch.Tensor:
+            return torch.cat([read.raw(mixer + name, dtype or read.dtype, (0, *p))
+                              for p in parts])
+
+        in_rows = [(first, n), (inner + first, n)]  # of x, then of the gate
+        read.put(w, out + "in_proj", [mixer + "in_proj"] * 2, [in_shape] * 2,
+                 [(0, *p) for p in in_rows])
+        if s.proj_bias:
+            w[out + "in_proj.bias"] = rows("in_proj.bias", in_rows)
+        for name, shape, part in (("x_proj", (rank + 2 * states, inner), (1, first, n)),
+                                  ("dt_proj", (inner, rank), (0, first, n)),
+                                  ("out_proj", (c.hidden_size, inner), (1, first, n))):
+            read.put(w, out + name, [mixer + name], [shape], [part])
+        if s.out_proj_bias and shard.rank == 0:  # added once to the ranks' sum
+            w[out + "out_proj.bias"] = read(mixer + "out_proj.bias")
+        w[out + "conv1d.weight"] = rows("conv1d.weight", [(first, n)]).squeeze(1)
+        if s.conv_bias:
+            w[out + "conv1d.bias"] = rows("conv1d.bias", [(first, n)])
+        w[out + "A_log"] = rows("A_log", [(first, n)], torch.float32)
+        w[out + "D"] = rows("D", [(first, n)])
+        w[out + "dt_bias"] = rows("dt_proj.bias", [(first, n)])
     if s.dt_bc_norm == "weighted":
         for name, ours in _DT_BC_NORMS:
             w[out + ours + ".weight"] = read(mixer + name + ".weight")

@@ -19,8 +19,10 @@ rank holds, and the model config that rank's C++ model runs.
   gated norm's weight; B and C by group (a group replicated on the ranks whose heads read it,
   when there are fewer groups than ranks); out_proj row-parallel. A gated norm over groups the
   ranks divide stays per rank; one over all heads (a single group) sums each rank's sums of
-  squares over the ranks. Each rank keeps its heads' conv and SSM states. Mamba (S6) mixers are
-  not split yet.
+  squares over the ranks. Each rank keeps its heads' conv and SSM states. Mamba (S6) mixers
+  (Mamba, FalconMamba, Jamba) by inner channel: in_proj's x and gate rows, the convolution, A,
+  D, dt_proj's rows and bias; x_proj (dt, B and C from every channel) and out_proj row-parallel,
+  so every rank gets the whole dt, B and C before their norms.
 - Embedding and LM head: vocabulary-parallel, ceil(vocab / size) rows a rank (the last rank's
   padded with zero rows); a tied head is the same rows. Norms are replicated.
 - Quantized projections split along the same axis as plain ones, their scales and zeros with
@@ -93,12 +95,12 @@ def _has_mlp(config: _C.ModelConfig) -> bool:
 
 
 def _check_ssm_shardable(s: _C.SSMConfig, size: int, name: str) -> None:
-    if s.kind == "mamba":
-        raise ValueError(f"tensor parallelism is not supported for the Mamba (S6) mixers of "
-                         f"{name} yet")
-    if s.num_heads % size:
+    if s.num_heads % size:  # a Mamba (S6) mixer's heads are its channels
+        heads = "channels" if s.kind == "mamba" else "heads"
         raise ValueError(f"tensor_parallel_size {size} must divide the {s.num_heads} "
-                         f"state-space heads of {name}")
+                         f"state-space {heads} of {name}")
+    if s.kind == "mamba":
+        return
     if s.n_groups % size and size % s.n_groups:
         raise ValueError(f"tensor_parallel_size {size} and the {s.n_groups} B/C groups of "
                          f"{name} must divide one another (each rank holds whole groups)")
