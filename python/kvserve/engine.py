@@ -31,7 +31,7 @@ from kvserve.config import (load_checkpoint_info, resolve_dtype, resolve_kv_cach
                             set_quantized_activation)
 from kvserve.engine_args import EngineArgs
 from kvserve.kv_transfer.params import KVTransferParams
-from kvserve.loader import load_weights
+from kvserve.loader import load_embedding, load_weights
 from kvserve.lora_serving import LoRAManager, LoRARequest
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams, generation_defaults
@@ -167,9 +167,6 @@ class LLMEngine:
                                  "supported yet")
             self.draft_config = mtp_configs(self.model_dir, info.hf_config, info.config)[1]
         if eagle3 and args.speculative_model is not None:  # an EAGLE-3 head on the target
-            if args.tensor_parallel_size > 1:
-                raise ValueError('speculative_method="eagle3" with tensor_parallel_size > 1 is '
-                                 "not supported yet")
             self.draft_config = eagle3_config(args.speculative_model, info.config)[0]
         # Every option checked (C++) before the weights load.
         config = args.engine_config(info.config, self.dtype, self.kv_cache_dtype,
@@ -219,6 +216,10 @@ class LLMEngine:
             del weights
         if eagle3 and args.speculative_model is not None:
             head = load_eagle3_weights(args.speculative_model, info.config, self.dtype, device)
+            if self.ranks is not None and "embed_tokens.weight" not in head.weights:
+                # The head runs on rank 0 alone, and rank 0's embedding holds its rows only.
+                head.weights["embed_tokens.weight"] = load_embedding(
+                    self.model_dir, info.config, self.dtype, device)
             if args.speculative_quantization is not None:
                 quantize_drafter(head.weights, head.config, args.speculative_quantization,
                                  args.speculative_model)

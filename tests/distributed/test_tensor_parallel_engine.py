@@ -22,7 +22,7 @@ from kvserve import LLM, LoRARequest, SamplingParams
 from kvserve.config import load_checkpoint_info
 from kvserve.loader import load_weights
 from kvserve.quantization.quantize import quantize_checkpoint
-from kvserve.testing.checkpoints import make_checkpoint
+from kvserve.testing.checkpoints import make_checkpoint, make_eagle3_head
 from kvserve.testing.hf_reference import load_hf_model
 
 PROMPTS = [[1, 17, 5, 99, 42, 7, 300, 12, 8, 3, 250, 64, 9, 10], [7, 300, 12],
@@ -207,6 +207,36 @@ def test_async_scheduling_at_two_ranks_samples_what_one_rank_does(tmp_path, case
     for (a, a_logprobs), (b, b_logprobs) in zip(want, got, strict=True):
         assert a == b
         assert a_logprobs == pytest.approx(b_logprobs, abs=1e-4)
+
+
+def test_an_eagle3_head_drafts_on_rank_0_as_on_one_rank(tmp_path):
+    """An EAGLE-3 head runs on rank 0 alone, over the streams rank 0's split target keeps (whole
+    after each layer's sums) and the target's whole embedding (rank 0's own holds half the
+    vocabulary): it drafts what it drafts beside one rank, step for step (the same acceptance
+    per position), and the greedy output is plain decoding's."""
+    target = make_checkpoint(tmp_path / "target", "LlamaForCausalLM", vocab_size=16,
+                             num_hidden_layers=4)
+    head = make_eagle3_head(tmp_path / "head", target, draft_vocab_size=14, aux_layers=[1, 2, 3],
+                            seed=2)
+    prompts = [[1, 7, 5, 9, 12, 7, 3, 12, 8, 3, 15, 14, 6], [1, 7, 5], [1, 10, 11, 12]]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+    def generate(llm):
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        s = llm.llm_engine.get_stats()
+        return tokens, (s.num_drafts, s.num_draft_tokens, list(s.accepted_per_position))
+
+    options = dict(OPTIONS, speculative_method="eagle3", speculative_model=head,
+                   num_speculative_tokens=3)
+    plain, _ = generate(LLM(target, **OPTIONS))
+    want, drafted = generate(LLM(target, **options))
+    llm = LLM(target, tensor_parallel_size=2, distributed_timeout=60.0, **options)
+    try:
+        got, drafted_split = generate(llm)
+    finally:
+        llm.llm_engine.shutdown()
+    assert got == want == plain
+    assert drafted_split == drafted and sum(drafted[2]) > 0
 
 
 @SCHEDULING

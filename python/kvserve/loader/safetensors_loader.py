@@ -138,35 +138,7 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
         shard = None
     if shard is not None:
         check_shardable(config, shard.size)
-    model_dir = Path(model_dir)
-    if model_dir.suffix == ".gguf" and model_dir.is_file():  # a llama.cpp file, read as it is
-        from kvserve.loader.gguf_checkpoint import GGUFCheckpoint, GGUFTensorReader
-
-        checkpoint = GGUFCheckpoint(model_dir)
-        # CUDA's quantized kernels take one level of scales (quantized_linear.h).
-        one_level = torch.device(device).type != "cpu"
-        hf, read = checkpoint.hf_config, GGUFTensorReader(checkpoint, dtype, one_level)
-    else:
-        config_path = model_dir / "config.json"
-        hf = json.loads(config_path.read_text())
-        quant = parse_quantization_config(hf)
-        if quant is not None and quant.bits != 8 and split_weights(config):
-            raise ValueError(f"{config_path}: a {quant.bits}-bit {config.architecture} "
-                             "checkpoint; kvserve reads its fused projections (q/k/v, gate/up) "
-                             "by rows, from plain or 8-bit weights only (int4 formats pack "
-                             "outputs in columns)")
-        index = (WeightIndex.from_dir(model_dir).renamed(weight_names(config))
-                 .split(split_weights(config)))
-        if quant is not None:  # its ignore list as the renamed index names the modules
-            renames = weight_names(config)  # which match a tensor's name: its module's + "."
-            quant.ignore = [p if p.startswith("re:")
-                            else kvserve_name(p + ".", renames).removesuffix(".")
-                            for p in quant.ignore]
-        if layers_of is not None:
-            index = layers_of(index)
-        check_weights(index, config, config_path, quant, mxfp4.is_mxfp4(hf),
-                      vocab=layers_of is None)
-        read = _TensorReader(index, dtype, quant)
+    hf, read = _open_checkpoint(Path(model_dir), config, dtype, device, layers_of)
     w: dict[str, torch.Tensor] = {"norm.weight": read("model.norm.weight")}
     if layers_of is None:
         _vocab_matrix(read, "model.embed_tokens", "embed_tokens", config, shard, w)
@@ -216,6 +188,59 @@ def load_weights(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
     if fold is not None:  # over the rank's rows, as its config counts them
         fold(config if shard is None else shard_config(config, shard), hf, w)
     return {name: t.to(device).contiguous() for name, t in w.items()}
+
+
+def _open_checkpoint(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
+                     device: torch.device | str,
+                     layers_of: Callable[[WeightIndex], WeightIndex] | None = None
+                     ) -> tuple[dict, _TensorReader]:
+    """The checkpoint's config.json values and a reader of its tensors, renamed as kvserve names
+    them and checked against `config` (a GGUF file's: its own reader)."""
+    if model_dir.suffix == ".gguf" and model_dir.is_file():  # a llama.cpp file, read as it is
+        from kvserve.loader.gguf_checkpoint import GGUFCheckpoint, GGUFTensorReader
+
+        checkpoint = GGUFCheckpoint(model_dir)
+        # CUDA's quantized kernels take one level of scales (quantized_linear.h).
+        one_level = torch.device(device).type != "cpu"
+        hf, read = checkpoint.hf_config, GGUFTensorReader(checkpoint, dtype, one_level)
+    else:
+        config_path = model_dir / "config.json"
+        hf = json.loads(config_path.read_text())
+        quant = parse_quantization_config(hf)
+        if quant is not None and quant.bits != 8 and split_weights(config):
+            raise ValueError(f"{config_path}: a {quant.bits}-bit {config.architecture} "
+                             "checkpoint; kvserve reads its fused projections (q/k/v, gate/up) "
+                             "by rows, from plain or 8-bit weights only (int4 formats pack "
+                             "outputs in columns)")
+        index = (WeightIndex.from_dir(model_dir).renamed(weight_names(config))
+                 .split(split_weights(config)))
+        if quant is not None:  # its ignore list as the renamed index names the modules
+            renames = weight_names(config)  # which match a tensor's name: its module's + "."
+            quant.ignore = [p if p.startswith("re:")
+                            else kvserve_name(p + ".", renames).removesuffix(".")
+                            for p in quant.ignore]
+        if layers_of is not None:
+            index = layers_of(index)
+        check_weights(index, config, config_path, quant, mxfp4.is_mxfp4(hf),
+                      vocab=layers_of is None)
+        read = _TensorReader(index, dtype, quant)
+    return hf, read
+
+
+def load_embedding(model_dir: Path, config: _C.ModelConfig, dtype: torch.dtype,
+                   device: torch.device | str = "cpu") -> torch.Tensor:
+    """The whole input embedding [vocab, hidden] in `dtype` (dequantized where the checkpoint
+    quantized it) times the config's embedding_multiplier, rounded as CausalLM.embed_inputs
+    rounds it: for a speculative head on rank 0 of a tensor-parallel target, whose own
+    embedding holds only its rows of the vocabulary."""
+    _, read = _open_checkpoint(Path(model_dir), config, dtype, device)
+    shape = (config.vocab_size, config.hidden_size)
+    table = (read.linear("model.embed_tokens", shape).dequantize().to(dtype)
+             if read.quantized("model.embed_tokens") else read.raw("model.embed_tokens.weight",
+                                                                   dtype))
+    if config.embedding_multiplier != 1.0:
+        table = table * torch.tensor(config.embedding_multiplier, dtype=table.dtype)
+    return table.to(device).contiguous()
 
 
 def _read_ungated_mlp(read: _TensorReader, c: _C.ModelConfig, mlp: str, out: str,
