@@ -51,7 +51,7 @@ ContinuousBatchingEngine::ContinuousBatchingEngine(std::shared_ptr<CausalLM> mod
                  block_manager_, sequences_),
       speculator_(SpeculativeDecoder::create(config_.speculative, *model_, std::move(draft_model),
                                              config_.num_blocks, config_.block_size,
-                                             config_.max_model_len)),
+                                             config_.max_model_len, workers)),
       workers_(workers),
       runner_(model_, sequences_,
               {.num_blocks = config_.num_blocks,

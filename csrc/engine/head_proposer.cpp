@@ -10,6 +10,7 @@
 #include "engine/draft_sampling.h"
 #include "engine/engine_helpers.h"
 #include "kvserve/forward_batch.h"
+#include "kvserve/tensor_parallel_worker.h"
 #include "models/draft_head.h"
 
 namespace kvserve {
@@ -31,14 +32,43 @@ struct Run {
 
 }  // namespace
 
-HeadProposer::HeadProposer(std::shared_ptr<DraftHead> head, int64_t num_blocks, int64_t block_size)
-    : head_(std::move(head)), kv_cache_(make_kv_cache(*head_, num_blocks, block_size)) {}
+HeadProposer::HeadProposer(std::shared_ptr<DraftHead> head, int64_t num_blocks, int64_t block_size,
+                           std::shared_ptr<Communicator> workers)
+    : head_(std::move(head)), kv_cache_(make_kv_cache(*head_, num_blocks, block_size)) {
+  const std::shared_ptr<Communicator> ranks = head_->ranks();
+  if (ranks && ranks->size() > 1) {
+    if (!workers || workers->size() != ranks->size()) {
+      throw std::invalid_argument(
+          "a speculative head split over " + std::to_string(ranks->size()) +
+          " ranks needs the control group of as many tensor-parallel ranks");
+    }
+    workers_ = std::move(workers);
+  }
+}
 
 Proposals HeadProposer::propose(const ProposalContext& context) {
   const SchedulerOutput& work = context.work;
   Proposals out;
   out.tokens.resize(work.scheduled.size());
   draft_sampling::copy_blocks(kv_cache_, work);
+  if (workers_) {
+    for (const BlockCopy& c : work.block_copies) pending_copies_.emplace_back(c.src, c.dst);
+  }
+  // The head's forward and logits, run by every rank of a split head (the workers told first).
+  const auto forward_depth = [&](int64_t d, const ForwardBatchBuilder& builder,
+                                 const at::Tensor& previous) {
+    if (workers_) {
+      send_draft_depth(*workers_, *head_->ranks(), d, pending_copies_, previous, builder);
+      pending_copies_.clear();
+    }
+    const ForwardBatch batch = builder.build(head_->device());
+    return head_->forward_depth(d, batch.input_ids, previous, batch.positions, batch.metadata,
+                                kv_cache_.layers());
+  };
+  const auto compute_logits = [&](const at::Tensor& hidden) {
+    if (workers_) send_draft_logits(*workers_, *head_->ranks(), hidden);
+    return head_->compute_logits(hidden);
+  };
   draft_sampling::forget_readmitted(tracks_, context.sequences);
 
   const int64_t num_depths = head_->num_depths();
@@ -121,10 +151,7 @@ Proposals HeadProposer::propose(const ProposalContext& context) {
       }
     }
     if (fed.empty()) break;
-    const ForwardBatch batch = builder.build(device);
-    const DraftHead::Output out_d =
-        head_->forward_depth(d, batch.input_ids, at::cat(previous, 0), batch.positions,
-                             batch.metadata, kv_cache_.layers());
+    const DraftHead::Output out_d = forward_depth(d, builder, at::cat(previous, 0));
     int64_t row = 0;
     for (Run* r : fed) {
       const int64_t n = r->last + 1 - r->start;
@@ -132,8 +159,7 @@ Proposals HeadProposer::propose(const ProposalContext& context) {
       row += n;
     }
     if (!drafting.empty()) {
-      sample(head_->compute_logits(
-                 out_d.for_logits.index_select(0, to_tensor(last_rows, device))),
+      sample(compute_logits(out_d.for_logits.index_select(0, to_tensor(last_rows, device))),
              drafting);
     }
   }
@@ -155,14 +181,11 @@ Proposals HeadProposer::propose(const ProposalContext& context) {
                   work.scheduled[r->entry].block_tables.at(0));
       previous.push_back(r->previous.narrow(0, r->previous.size(0) - 1, 1));
     }
-    const ForwardBatch batch = builder.build(device);
-    const DraftHead::Output out_d =
-        head_->forward_depth(num_depths - 1, batch.input_ids, at::cat(previous, 0),
-                             batch.positions, batch.metadata, kv_cache_.layers());
+    const DraftHead::Output out_d = forward_depth(num_depths - 1, builder, at::cat(previous, 0));
     for (size_t a = 0; a < active.size(); ++a) {
       active[a]->previous = out_d.for_next.narrow(0, static_cast<int64_t>(a), 1);
     }
-    sample(head_->compute_logits(out_d.for_logits), active);
+    sample(compute_logits(out_d.for_logits), active);
     std::vector<Run*> still;
     for (Run* r : active) {
       if (r->wanted > static_cast<int64_t>(out.tokens[r->entry].size())) still.push_back(r);

@@ -104,7 +104,8 @@ const std::vector<ProposerEntry>& proposer_registry() {
                  "method \"mtp\" drafts with the target checkpoint's multi-token-prediction "
                  "modules (an MtpHead), not with a draft model");
          require(head->device() == c.target.device(), "the MTP modules are on another device");
-         return std::make_unique<HeadProposer>(std::move(head), c.num_blocks, c.block_size);
+         return std::make_unique<HeadProposer>(std::move(head), c.num_blocks, c.block_size,
+                                               c.workers);
        }},
       {"eagle3", true,
        [](const ProposerContext& c) -> std::unique_ptr<Proposer> {
@@ -131,7 +132,8 @@ std::vector<std::string> speculative_methods() {
 
 std::unique_ptr<SpeculativeDecoder> SpeculativeDecoder::create(
     const SpeculativeConfig& config, const CausalLM& target, std::shared_ptr<CausalLM> draft,
-    int64_t num_blocks, int64_t block_size, int64_t max_model_len) {
+    int64_t num_blocks, int64_t block_size, int64_t max_model_len,
+    std::shared_ptr<Communicator> workers) {
   config.validate();
   if (!config.enabled()) {
     require(draft == nullptr, "a draft model was given but method is off");
@@ -142,8 +144,8 @@ std::unique_ptr<SpeculativeDecoder> SpeculativeDecoder::create(
     require(entry.needs_draft_model == (draft != nullptr),
             "method \"" + entry.method + (entry.needs_draft_model ? "\" needs a draft model"
                                                                   : "\" takes no draft model"));
-    const ProposerContext context{config, target, std::move(draft), num_blocks, block_size,
-                                  max_model_len};
+    const ProposerContext context{config,     target,        std::move(draft),  num_blocks,
+                                  block_size, max_model_len, std::move(workers)};
     return std::make_unique<SpeculativeDecoder>(config, entry.make(context));
   }
   throw std::logic_error("validate() let through speculative method " + config.method);

@@ -12,6 +12,7 @@
 #include "engine/engine_helpers.h"
 #include "kvserve/kv_cache_layout.h"
 #include "kvserve/model_runner.h"
+#include "models/draft_head.h"
 
 namespace kvserve {
 
@@ -32,7 +33,7 @@ std::pair<WorkerCommand, std::vector<int64_t>> receive_from_rank0(Communicator& 
   control.broadcast_(header, 0);
   const int64_t* h = header.data_ptr<int64_t>();
   if (h[0] < static_cast<int64_t>(WorkerCommand::kStep) ||
-      h[0] > static_cast<int64_t>(WorkerCommand::kSetLora) || h[1] < 0) {
+      h[0] > static_cast<int64_t>(WorkerCommand::kDraftLogits) || h[1] < 0) {
     throw std::runtime_error("tensor-parallel worker: a message that is no command (" +
                              std::to_string(h[0]) + ", " + std::to_string(h[1]) + ")");
   }
@@ -76,6 +77,46 @@ void send_fed_tokens(Communicator& ranks, const TokenFeed& feed) {
   if (feed.rows.empty()) return;
   at::Tensor tokens = feed.tokens.contiguous();  // read, not written, by the root
   ranks.broadcast_(tokens, 0);
+}
+
+namespace {
+
+// The shape and dtype of a tensor that follows a message over the device group.
+void put_shape(std::vector<int64_t>& m, const at::Tensor& t) {
+  TORCH_CHECK(t.dim() == 2, "a speculative head's rows must be [rows, width]");
+  m.push_back(t.size(0));
+  m.push_back(t.size(1));
+  m.push_back(static_cast<int64_t>(t.scalar_type()));
+}
+
+void broadcast_rows(Communicator& ranks, const at::Tensor& rows) {
+  if (rows.numel() == 0) return;  // the workers know the shape: they skip it too
+  at::Tensor values = rows.contiguous();  // read, not written, by the root
+  ranks.broadcast_(values, 0);
+}
+
+}  // namespace
+
+void send_draft_depth(Communicator& control, Communicator& ranks, int64_t depth,
+                      const std::vector<std::pair<int32_t, int32_t>>& copies,
+                      const at::Tensor& previous, const ForwardBatchBuilder& batch) {
+  std::vector<int64_t> m = {depth, static_cast<int64_t>(copies.size())};
+  for (const auto& [src, dst] : copies) {
+    m.push_back(src);
+    m.push_back(dst);
+  }
+  put_shape(m, previous);
+  const std::vector<int64_t> packed = batch.pack();
+  m.insert(m.end(), packed.begin(), packed.end());
+  send_to_workers(control, WorkerCommand::kDraft, m);
+  broadcast_rows(ranks, previous);
+}
+
+void send_draft_logits(Communicator& control, Communicator& ranks, const at::Tensor& hidden) {
+  std::vector<int64_t> m;
+  put_shape(m, hidden);
+  send_to_workers(control, WorkerCommand::kDraftLogits, m);
+  broadcast_rows(ranks, hidden);
 }
 
 std::vector<int64_t> pack_lora(int64_t slot, const std::vector<LoraFactors>& worker_factors) {
@@ -169,7 +210,8 @@ std::shared_ptr<Communicator> checked(std::shared_ptr<Communicator> control) {
 
 TensorParallelWorker::TensorParallelWorker(std::shared_ptr<CausalLM> model,
                                            std::shared_ptr<Communicator> control,
-                                           TensorParallelWorkerOptions options)
+                                           TensorParallelWorkerOptions options,
+                                           std::shared_ptr<DraftHead> head)
     : model_(std::move(model)),
       control_(checked(std::move(control))),
       // Grouped as ContinuousBatchingEngine groups its block manager without a draft model.
@@ -177,13 +219,81 @@ TensorParallelWorker::TensorParallelWorker(std::shared_ptr<CausalLM> model,
           *model_, options.num_blocks, options.block_size,
           KVCacheLayout::for_model(model_->config(), true).group_windows() !=
               std::vector<int64_t>{0},
-          options.kv_cache_dtype, options.num_state_slots, options.ssm_state_dtype)) {}
+          options.kv_cache_dtype, options.num_state_slots, options.ssm_state_dtype)),
+      head_(std::move(head)) {
+  if (head_) {
+    if (!head_->ranks() || !model_->ranks()) {
+      throw std::invalid_argument(
+          "TensorParallelWorker: a worker's speculative head is split over the ranks with its "
+          "model");
+    }
+    // As HeadProposer's pool on rank 0.
+    head_cache_ = std::make_unique<PagedKVCache>(
+        engine_helpers::make_kv_cache(*head_, options.num_blocks, options.block_size));
+  }
+}
+
+void TensorParallelWorker::run_draft(WorkerCommand command, const std::vector<int64_t>& message) {
+  if (!head_) {
+    throw std::runtime_error(
+        "tensor-parallel worker: rank 0 runs a split speculative head, this rank has none");
+  }
+  size_t pos = 0;
+  const auto next = [&]() {
+    if (pos >= message.size()) {
+      throw std::runtime_error("tensor-parallel worker: a malformed draft message");
+    }
+    return message[pos++];
+  };
+  int64_t depth = 0;
+  std::vector<std::pair<int32_t, int32_t>> copies;
+  if (command == WorkerCommand::kDraft) {
+    depth = next();
+    const int64_t n = next();
+    if (n < 0 || static_cast<size_t>(n) > (message.size() - pos) / 2) {
+      throw std::runtime_error("tensor-parallel worker: a malformed draft message");
+    }
+    for (int64_t i = 0; i < n; ++i, pos += 2) {
+      copies.emplace_back(static_cast<int32_t>(message[pos]),
+                          static_cast<int32_t>(message[pos + 1]));
+    }
+  }
+  const int64_t rows = next(), width = next(), dtype = next();
+  if (rows < 0 || width < 1 || dtype < 0 ||
+      dtype >= static_cast<int64_t>(at::ScalarType::NumOptions) ||
+      (command == WorkerCommand::kDraftLogits && pos != message.size())) {
+    throw std::runtime_error("tensor-parallel worker: a malformed draft message");
+  }
+  at::Tensor values =
+      at::empty({rows, width}, at::TensorOptions()
+                                   .dtype(static_cast<at::ScalarType>(dtype))
+                                   .device(head_->device()));
+  if (rows > 0) model_->ranks()->broadcast_(values, 0);
+  try {
+    if (command == WorkerCommand::kDraftLogits) {
+      head_->compute_logits(values);
+      return;
+    }
+    head_cache_->copy_blocks(copies);
+    const std::vector<int64_t> packed(message.begin() + static_cast<std::ptrdiff_t>(pos),
+                                      message.end());
+    const ForwardBatch batch = ForwardBatchBuilder::unpack(packed).build(head_->device());
+    head_->forward_depth(depth, batch.input_ids, values, batch.positions, batch.metadata,
+                         head_cache_->layers());
+  } catch (const std::exception&) {
+    // Rank 0 runs the same on the same inputs and reports the failure.
+  }
+}
 
 int64_t TensorParallelWorker::serve() {
   int64_t steps = 0;
   while (true) {
     auto [command, message] = receive_from_rank0(*control_);
     if (command == WorkerCommand::kStop) return steps;
+    if (command == WorkerCommand::kDraft || command == WorkerCommand::kDraftLogits) {
+      run_draft(command, message);
+      continue;
+    }
     if (command == WorkerCommand::kSetLora) {
       auto [slot, factors] = unpack_lora(message, control_->rank());
       try {

@@ -5,6 +5,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "kvserve/communicator.h"
+
 namespace kvserve {
 
 MtpHead::MtpHead(ModelConfig config, std::shared_ptr<CausalLM> target, std::vector<Depth> depths)
@@ -29,6 +31,12 @@ MtpHead::MtpHead(ModelConfig config, std::shared_ptr<CausalLM> target, std::vect
     }
     if (m.block->device() != target_->device() || m.block->dtype() != target_->dtype()) {
       throw std::invalid_argument(which + "is not on the target's device in its dtype");
+    }
+    const auto num_ranks = [](const CausalLM& model) {
+      return model.ranks() ? model.ranks()->size() : 1;
+    };
+    if (num_ranks(*m.block) != num_ranks(*target_)) {
+      throw std::invalid_argument(which + "is not split over the target's ranks");
     }
   }
 }

@@ -47,6 +47,10 @@ class MtpHead : public DraftHead {
 
   /// The target's LM head.
   at::Tensor compute_logits(const at::Tensor& hidden) override;
+  /// The target's device group: split over tensor-parallel ranks, the modules are split as the
+  /// target is (each rank's blocks its shard), and every rank runs each depth
+  /// (TensorParallelWorker).
+  std::shared_ptr<Communicator> ranks() const override { return target_->ranks(); }
   const ModelConfig& config() const override { return config_; }
   /// The modules' own weights (the shared embedding and LM head are the target's).
   int64_t weight_bytes() const override;

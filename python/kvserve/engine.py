@@ -38,7 +38,7 @@ from kvserve.sampling_params import SamplingParams, generation_defaults
 from kvserve.loader.eagle3_weights import eagle3_config, eagle3_head, load_eagle3_weights
 from kvserve.loader.mtp_weights import load_mtp_weights, mtp_configs, mtp_head
 from kvserve.speculative import load_draft_info, quantize_drafter
-from kvserve.tensor_parallel import TensorParallelRanks, load_rank_model
+from kvserve.tensor_parallel import TensorParallelRanks, load_rank_mtp_head, load_rank_model
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -162,9 +162,6 @@ class LLMEngine:
         self.draft_config = draft_info.config if draft_info is not None else None
         mtp = args.speculative_method == "mtp"
         if mtp:  # the checkpoint's own multi-token-prediction modules draft
-            if args.tensor_parallel_size > 1:
-                raise ValueError('speculative_method="mtp" with tensor_parallel_size > 1 is not '
-                                 "supported yet")
             self.draft_config = mtp_configs(self.model_dir, info.hf_config, info.config)[1]
         if eagle3 and args.speculative_model is not None:  # an EAGLE-3 head on the target
             self.draft_config = eagle3_config(args.speculative_model, info.config)[0]
@@ -225,7 +222,10 @@ class LLMEngine:
                                  args.speculative_model)
                 set_quantized_activation(head.config, args.quantized_activation, device)
             self.draft_model = eagle3_head(head, self.model, self.max_model_len)
-        if mtp:
+        if mtp and self.ranks is not None:  # split as the target is, run on every rank
+            self.draft_model = load_rank_mtp_head(args, self.ranks.groups, info, self.model,
+                                                  self.max_model_len)
+        elif mtp:
             self.draft_model = mtp_head(
                 load_mtp_weights(self.model_dir, info.hf_config, info.config, self.dtype, device),
                 self.model, self.max_model_len)
@@ -374,13 +374,18 @@ class LLMEngine:
                         f"{kv.num_blocks - 1} blocks agreed" if kv.layout.num_layers else ""))
         spec = self.engine.config.speculative
         if self.draft_model is not None:
-            c = self.draft_config
+            c = self.draft_model.config  # a rank's part of MTP modules split over the ranks
             draft_kv = (kv.num_blocks * _C.PagedKVCache.bytes_per_block(
                 _C.KVCacheLayout.for_model(c), kv.block_size, self.dtype))
             what = {"mtp": "MTP modules", "eagle3": "EAGLE-3 head"}.get(spec.method,
                                                                         "draft model")
+            where = ""
+            if self.ranks is not None:
+                where = (" on each rank, split as the target" if spec.method == "mtp"
+                         else " on rank 0 alone")
             plan += (f"; {what} {self.draft_model.weight_bytes / 2**20:.1f} MiB + KV "
-                     f"{draft_kv / 2**20:.1f} MiB, {spec.num_speculative_tokens} tokens per step")
+                     f"{draft_kv / 2**20:.1f} MiB{where}, {spec.num_speculative_tokens} tokens "
+                     "per step")
         elif spec.enabled:
             plan += (f"; n-gram speculation, {spec.num_speculative_tokens} tokens per step "
                      f"(suffixes of {spec.prompt_lookup_min}-{spec.prompt_lookup_max} tokens)")

@@ -30,6 +30,7 @@ from kvserve.config import (load_checkpoint_info, resolve_dtype, resolve_kv_cach
 from kvserve.distributed import (ParallelGroups, destroy_parallel_groups, free_port,
                                  init_parallel_groups, torchrun_rank)
 from kvserve.loader import load_weights
+from kvserve.loader.mtp_weights import load_mtp_weights, mtp_configs, mtp_head
 from kvserve.loader.sharding import Shard, check_shardable, shard_config
 
 
@@ -72,6 +73,17 @@ def load_rank_model(args, groups: ParallelGroups, eos_token_ids: list[int],
     return RankModel(model, local, config, split, total - split)
 
 
+def load_rank_mtp_head(args, groups: ParallelGroups, info, model: _C.CausalLM,
+                       max_positions: int) -> _C.MtpHead:
+    """This rank's shard of the checkpoint's multi-token-prediction modules (speculative_method
+    "mtp"), drafting over its shard of the target `model`: every rank runs each module's forward
+    that rank 0's proposer runs (info: the checkpoint's load_checkpoint_info)."""
+    dtype = resolve_dtype(args.dtype, info.checkpoint_dtype)
+    weights = load_mtp_weights(args.model, info.hf_config, info.config, dtype, args.device,
+                               Shard(groups.rank, groups.world_size))
+    return mtp_head(weights, model, max_positions, groups.device_communicator())
+
+
 def _replicated(name: str) -> bool:
     """Whether the projection `name` is every rank's whole: MLA's latent ones (kv_a, q_a)."""
     return "kv_a_proj" in name or "q_a_proj" in name
@@ -88,16 +100,21 @@ def _worker_main(rank: int, world_size: int, init_method: str, args, threads: in
                                   args.distributed_timeout)
     try:
         info = load_checkpoint_info(args.model)
-        rank_model = load_rank_model(args, groups, info.eos_token_ids)
+        mtp = args.speculative_method == "mtp"  # the modules' memory counted as rank 0 counts it
+        rank_model = load_rank_model(
+            args, groups, info.eos_token_ids,
+            mtp_configs(Path(args.model), info.hf_config, info.config)[1] if mtp else None)
         if args.enable_lora:  # rank 0 sends each adapter's shard (LoRAManager._shard)
             rank_model.model.enable_lora(args.max_loras, args.max_lora_rank)
         c = rank_model.engine_config
         # Rank 0's state pool: a slot a running sequence, and the saved states.
         states = (c.max_num_seqs + c.num_state_snapshots
                   if rank_model.config.num_ssm_layers() > 0 else 0)
+        head = (load_rank_mtp_head(args, groups, info, rank_model.model, c.max_model_len)
+                if mtp else None)
         worker = _C.TensorParallelWorker(rank_model.model, groups.control_communicator(),
                                          c.num_blocks, c.block_size, c.kv_cache_dtype, states,
-                                         c.ssm_state_dtype)
+                                         c.ssm_state_dtype, head)
         worker.serve()
     finally:
         destroy_parallel_groups()

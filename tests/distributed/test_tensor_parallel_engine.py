@@ -4,7 +4,8 @@ rank's (fp32), and its tokens transformers' greedy ones, over mixed batches with
 and prefix caching, for GQA with one KV head and an odd vocabulary, biases (Qwen2), tied
 embeddings with sliding windows (Gemma 2), a mixture of experts (Qwen3-MoE), latent attention
 with experts (DeepSeek-V3: heads split, the latent cache replicated) and an int8 checkpoint; LoRA
-adapters split with their projections. Requests arriving over the steps and preempted get the
+adapters split with their projections; speculative heads (an EAGLE-3 head on rank 0, MTP modules
+split over both ranks) drafting what they draft on one rank. Requests arriving over the steps and preempted get the
 tokens they get alone. Each of these runs with asynchronous scheduling too (the workers get
 each step's fed tokens over the device group), which also samples, with penalties and n > 1,
 what one synchronous rank samples. A worker that dies gives the caller an error, not a hang;
@@ -21,6 +22,8 @@ import torch
 from kvserve import LLM, LoRARequest, SamplingParams
 from kvserve.config import load_checkpoint_info
 from kvserve.loader import load_weights
+from kvserve.loader.mtp_weights import load_mtp_weights
+from kvserve.loader.sharding import Shard
 from kvserve.quantization.quantize import quantize_checkpoint
 from kvserve.testing.checkpoints import make_checkpoint, make_eagle3_head
 from kvserve.testing.hf_reference import load_hf_model
@@ -236,6 +239,65 @@ def test_an_eagle3_head_drafts_on_rank_0_as_on_one_rank(tmp_path):
     finally:
         llm.llm_engine.shutdown()
     assert got == want == plain
+    assert drafted_split == drafted and sum(drafted[2]) > 0
+
+
+@pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "Glm4MoeForCausalLM"])
+def test_mtp_modules_are_split_with_the_target(tmp_path, arch):
+    """A checkpoint's multi-token-prediction modules split as its layers are (latent attention
+    by head with DeepSeek-V3, key/value heads with GLM-4.5, experts by column) and run on both
+    ranks beside the target: tp=2 drafts what one rank drafts, step for step, through chunked
+    prefill and prefix hits, and the greedy output is plain decoding's; seeded samples (n = 2)
+    get one rank's tokens."""
+    from tests.models.test_mtp import two_module_checkpoint
+
+    path = two_module_checkpoint(tmp_path / "mtp", arch)
+    prompts = [[1, 17, 5, 9, 42, 7, 30, 12, 8, 3, 25, 14, 6], [1, 40, 41, 42, 43, 44],
+               [1, 17, 5, 9, 42, 7, 30, 12, 8, 3, 25, 14, 33]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
+    sampled = SamplingParams(temperature=1.0, top_k=8, seed=3, max_tokens=24, ignore_eos=True,
+                             n=2)
+
+    def generate(llm):
+        outputs = llm.generate(prompts, [greedy, sampled, greedy], use_tqdm=False)
+        # A hit on the first prompt's cached blocks: the modules attend over the rows each
+        # rank's pool kept of the first request, in draft distributions that sampled requests'
+        # acceptance reads.
+        outputs += llm.generate([prompts[0][:12]], sampled, use_tqdm=False)
+        s = llm.llm_engine.get_stats()
+        return ([(c.token_ids, [x.logprob for x in c.logprobs or []])
+                 for o in outputs for c in o.outputs], (s.num_drafts, s.num_draft_tokens,
+                                                        list(s.accepted_per_position)))
+
+    options = dict(OPTIONS, speculative_method="mtp", num_speculative_tokens=3,
+                   speculative_disable_batch_size=0, speculative_max_verify_tokens=0)
+    plain, _ = generate(LLM(path, **OPTIONS))
+    one = LLM(path, **options)
+    want, drafted = generate(one)
+    llm = LLM(path, tensor_parallel_size=2, distributed_timeout=60.0, **options)
+    try:
+        got, drafted_split = generate(llm)
+        # Each rank holds its part of the modules' layers (their eh_proj and norms whole).
+        assert "MTP modules" in llm.llm_engine.memory_plan()
+        assert "on each rank, split as the target" in llm.llm_engine.memory_plan()
+        assert (llm.llm_engine.draft_model.weight_bytes
+                < one.llm_engine.draft_model.weight_bytes)
+    finally:
+        llm.llm_engine.shutdown()
+    assert [p.exitcode for p in llm.llm_engine.ranks.processes] == [0]
+    info = load_checkpoint_info(path)
+
+    def projection_bytes(shard):  # the modules' split projections (not the latent ones)
+        w = load_mtp_weights(path, info.hf_config, info.config, torch.float32, shard=shard)
+        return sum(t.numel() * t.element_size() for block in w.blocks
+                   for name, t in block.items()
+                   if "_proj" in name and "kv_a_proj" not in name and "q_a_proj" not in name)
+
+    assert projection_bytes(Shard(0, 2)) <= 0.55 * projection_bytes(None)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert [want[i][0] for i in (0, 3)] == [plain[i][0] for i in (0, 3)]
+    for (_, a), (_, b) in zip(want, got, strict=True):
+        assert a == pytest.approx(b, abs=1e-4)
     assert drafted_split == drafted and sum(drafted[2]) > 0
 
 

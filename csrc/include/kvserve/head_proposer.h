@@ -15,11 +15,18 @@
 // A prefix-cache hit skips the target's forward over the positions it covers: the head then
 // attends over the rows its blocks hold from the sequence that computed them, whose last row read
 // that sequence's next token. Drafts differ then, never the output.
+//
+// A head split over tensor-parallel ranks with its target (MTP modules: DraftHead::ranks) runs
+// on every rank: before each of its forwards and logit computations on rank 0, the proposer sends
+// the workers the batch and the rows it reads (send_draft_depth, send_draft_logits), so that the
+// ranks meet in the same collectives; only rank 0 samples drafts. A head that is not split (an
+// EAGLE-3 head) runs on rank 0 alone.
 
 #include <cstdint>
 #include <memory>
 #include <unordered_map>
 
+#include "kvserve/communicator.h"
 #include "kvserve/paged_kv_cache.h"
 #include "kvserve/speculative_decoder.h"
 
@@ -30,7 +37,10 @@ class DraftHead;
 class HeadProposer : public Proposer {
  public:
   /// Allocates the head's KV pool: num_blocks blocks of block_size tokens, one layer per depth.
-  HeadProposer(std::shared_ptr<DraftHead> head, int64_t num_blocks, int64_t block_size);
+  /// workers: the tensor-parallel control group, which a head split over ranks needs (throws
+  /// std::invalid_argument without it).
+  HeadProposer(std::shared_ptr<DraftHead> head, int64_t num_blocks, int64_t block_size,
+               std::shared_ptr<Communicator> workers = nullptr);
 
   Proposals propose(const ProposalContext& context) override;
   void observe(const SchedulerOutput& work, const std::vector<int64_t>& starts,
@@ -41,6 +51,9 @@ class HeadProposer : public Proposer {
  private:
   std::shared_ptr<DraftHead> head_;
   PagedKVCache kv_cache_;
+  std::shared_ptr<Communicator> workers_;  ///< set for a split head
+  /// The pool's block copies that the workers' pools have yet to make (sent with a forward).
+  std::vector<std::pair<int32_t, int32_t>> pending_copies_;
   /// What the proposer holds of one sequence.
   struct Track {
     int64_t num_admissions = 0;  ///< the sequence's SequenceState::num_admissions then

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "kvserve/communicator.h"
 #include "kvserve/sampler.h"
 #include "kvserve/scheduler.h"
 #include "kvserve/sequence_state.h"
@@ -89,6 +90,9 @@ struct ProposerContext {
   int64_t num_blocks = 0;
   int64_t block_size = 0;
   int64_t max_model_len = 0;
+  /// The tensor-parallel control group (null on one rank): a head split over the ranks with the
+  /// target runs on every rank.
+  std::shared_ptr<Communicator> workers;
 };
 
 /// One speculative method: its SpeculativeConfig::method name, whether it drafts with a second
@@ -127,7 +131,8 @@ class SpeculativeDecoder {
                                                     const CausalLM& target,
                                                     std::shared_ptr<CausalLM> draft,
                                                     int64_t num_blocks, int64_t block_size,
-                                                    int64_t max_model_len);
+                                                    int64_t max_model_len,
+                                                    std::shared_ptr<Communicator> workers = nullptr);
 
   /// Draft slots per sequence for a step that starts with `num_running` running sequences: k,
   /// at most max_verify_tokens / num_running - 1, and 0 at and above disable_batch_size.

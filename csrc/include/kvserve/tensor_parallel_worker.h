@@ -5,7 +5,9 @@
 // ForwardBatch, over the control group (Gloo, on the host: a few KiB a step). A worker rank
 // holds its shard and a KV pool of the same blocks, and runs the forward and its share of the
 // logits, nothing else; the shards meet in the model's collectives (the device group). ModelRunner
-// sends (its options' `workers`); TensorParallelWorker receives.
+// sends (its options' `workers`); TensorParallelWorker receives. A speculative head split over
+// the ranks as its target is (MTP modules) runs the same way: HeadProposer sends each of its
+// forwards and logit rows, and the workers run them on their shards and a head pool of their own.
 
 #include <cstdint>
 #include <memory>
@@ -20,8 +22,17 @@
 
 namespace kvserve {
 
-/// What rank 0 tells the workers: run a step, stop, load a LoRA adapter's factors.
-enum class WorkerCommand : int64_t { kStep = 1, kStop = 2, kSetLora = 3 };
+class DraftHead;
+
+/// What rank 0 tells the workers: run a step, stop, load a LoRA adapter's factors, run a depth of
+/// a split speculative head, compute the head's logits of some rows.
+enum class WorkerCommand : int64_t {
+  kStep = 1,
+  kStop = 2,
+  kSetLora = 3,
+  kDraft = 4,
+  kDraftLogits = 5
+};
 
 /// Rank 0: broadcasts `command` and `payload` over `control` (a header of two values, then the
 /// payload). Blocks until every rank has it; throws (c10::Error) when a rank is gone.
@@ -47,6 +58,18 @@ std::vector<int64_t> pack_step(const StepCopies& copies,
 /// the step's message; nothing when the feed has no rows.
 void send_fed_tokens(Communicator& ranks, const TokenFeed& feed);
 
+/// Rank 0, a speculative head split over `ranks` (its device group): the forward of depth
+/// `depth` over `batch` for the workers to run beside rank 0's, with the head pool's block copies
+/// due before it (over `control`), then its `previous` rows (over `ranks`: they are
+/// DraftHead::forward_depth's, already whole on every rank but known only to rank 0's proposer).
+void send_draft_depth(Communicator& control, Communicator& ranks, int64_t depth,
+                      const std::vector<std::pair<int32_t, int32_t>>& copies,
+                      const at::Tensor& previous, const ForwardBatchBuilder& batch);
+
+/// Rank 0: the head's output rows whose logits it computes next (DraftHead::compute_logits),
+/// for the workers to compute their vocabulary's share of them.
+void send_draft_logits(Communicator& control, Communicator& ranks, const at::Tensor& hidden);
+
 /// A LoRA message: the slot, then worker_factors[i], rank i + 1's shard of the adapter (each
 /// target's name, the shapes of a and b, their values in fp32, two to a value of the message).
 std::vector<int64_t> pack_lora(int64_t slot, const std::vector<LoraFactors>& worker_factors);
@@ -71,9 +94,11 @@ struct TensorParallelWorkerOptions {
 class TensorParallelWorker {
  public:
   /// Throws std::invalid_argument when `control` is not a group of several ranks with this one
-  /// other than rank 0.
+  /// other than rank 0. head: this rank's shard of a speculative head split over the ranks (over
+  /// `model`), which gets a pool of options.num_blocks blocks as rank 0's HeadProposer has.
   TensorParallelWorker(std::shared_ptr<CausalLM> model, std::shared_ptr<Communicator> control,
-                       TensorParallelWorkerOptions options);
+                       TensorParallelWorkerOptions options,
+                       std::shared_ptr<DraftHead> head = nullptr);
 
   /// Runs rank 0's steps (and loads the LoRA factors it sends) until it stops the workers;
   /// returns how many steps ran. A forward that throws is skipped (rank 0's, run on the same
@@ -85,9 +110,14 @@ class TensorParallelWorker {
   const PagedKVCache& kv_cache() const { return kv_cache_; }
 
  private:
+  /// A kDraft or kDraftLogits message: the head's forward or logits, as rank 0 runs them.
+  void run_draft(WorkerCommand command, const std::vector<int64_t>& message);
+
   std::shared_ptr<CausalLM> model_;
   std::shared_ptr<Communicator> control_;
   PagedKVCache kv_cache_;
+  std::shared_ptr<DraftHead> head_;
+  std::unique_ptr<PagedKVCache> head_cache_;  ///< with head_
 };
 
 }  // namespace kvserve

@@ -9,7 +9,9 @@ checkpoint has them, are not read: the target's own are used.
 
 Each module's decoder layer loads as a one-layer model of the target's family (``load_weights``
 with a view of the checkpoint whose ``model.layers.0`` is the module and whose final norm is its
-``shared_head.norm``)."""
+``shared_head.norm``). With tensor parallelism each rank reads its shard of those layers, split
+as the target's are, and the whole ``enorm``, ``hnorm`` and ``eh_proj``; the modules then run on
+every rank beside the target's shard (kvserve/head_proposer.h)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from kvserve import _C
 from kvserve.architectures import weight_names
 from kvserve.config import _model_config
 from kvserve.loader.safetensors_loader import _TensorReader, load_weights
+from kvserve.loader.sharding import Shard, shard_config
 from kvserve.loader.weight_index import WeightIndex
 from kvserve.quantization.formats import parse_quantization_config
 
@@ -37,8 +40,8 @@ _TARGET_COPIES = ("embed_tokens.", "shared_head.head.")
 class MtpWeights:
     """What load_mtp_weights read: the configs and each module's tensors."""
 
-    block_config: _C.ModelConfig  # one module's decoder layer as a one-layer model
-    head_config: _C.ModelConfig   # every module's, one layer each (their KV layout)
+    block_config: _C.ModelConfig  # one module's decoder layer as a one-layer model (a rank's)
+    head_config: _C.ModelConfig   # every module's, one layer each (their KV layout; a rank's)
     blocks: list[dict[str, torch.Tensor]]  # per module, load_weights' names (layers.0.*, norm)
     head: dict[str, torch.Tensor]  # layers.<d>.enorm.weight, .hnorm.weight, .eh_proj.weight
 
@@ -94,15 +97,20 @@ def _module_view(index: WeightIndex, first: int, module: int) -> WeightIndex:
 
 
 def load_mtp_weights(model_dir: str | Path, hf: dict, target: _C.ModelConfig,
-                     dtype: torch.dtype, device: torch.device | str = "cpu") -> MtpWeights:
-    """Reads and checks every MTP module of the checkpoint (target: its decoder's config).
+                     dtype: torch.dtype, device: torch.device | str = "cpu",
+                     shard: Shard | None = None) -> MtpWeights:
+    """Reads and checks every MTP module of the checkpoint (target: its decoder's whole config;
+    shard: this tensor-parallel rank's part of their decoder layers, the configs the rank's).
     Raises ValueError (a missing or misshapen tensor named) and FileNotFoundError."""
     model_dir = Path(model_dir)
     block_config, head_config = mtp_configs(model_dir, hf, target)
     first = target.num_layers
-    blocks = [load_weights(model_dir, block_config, dtype, device,
+    blocks = [load_weights(model_dir, block_config, dtype, device, shard=shard,
                            layers_of=lambda index, d=d: _module_view(index, first, d))
               for d in range(head_config.num_layers)]
+    if shard is not None:
+        block_config, head_config = shard_config(block_config, shard), shard_config(head_config,
+                                                                                    shard)
     index = WeightIndex.from_dir(model_dir).renamed(weight_names(target))
     read = _TensorReader(index, dtype, parse_quantization_config(hf))
     hidden = target.hidden_size
@@ -130,10 +138,12 @@ def load_mtp_weights(model_dir: str | Path, hf: dict, target: _C.ModelConfig,
                       {name: t.to(device).contiguous() for name, t in head.items()})
 
 
-def mtp_head(weights: MtpWeights, target_model: _C.CausalLM, max_positions: int) -> _C.MtpHead:
+def mtp_head(weights: MtpWeights, target_model: _C.CausalLM, max_positions: int,
+             communicator: _C.Communicator | None = None) -> _C.MtpHead:
     """The modules as one _C.MtpHead drafting for `target_model` (whose embedding and LM head it
     uses): each module's decoder layer a one-layer model whose own vocabulary is a single
-    placeholder row, never read."""
+    placeholder row, never read. communicator: the target's device group, when the weights are a
+    tensor-parallel rank's."""
     config = _C.ModelConfig(weights.block_config)
     config.vocab_size, config.tie_word_embeddings = 1, True
     blocks = []
@@ -141,5 +151,5 @@ def mtp_head(weights: MtpWeights, target_model: _C.CausalLM, max_positions: int)
         norm = w["norm.weight"]
         w = {**w, "embed_tokens.weight": torch.zeros(1, config.hidden_size, dtype=norm.dtype,
                                                      device=norm.device)}
-        blocks.append(_C.create_causal_lm(config, w, max_positions))
+        blocks.append(_C.create_causal_lm(config, w, max_positions, communicator))
     return _C.MtpHead(weights.head_config, target_model, blocks, weights.head)
