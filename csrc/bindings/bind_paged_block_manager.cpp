@@ -36,23 +36,26 @@ void bind_paged_block_manager(py::module_& m) {
                 "KV cache block ids, reference counts and prefix cache; block 0 is the null block.")
       .def(py::init([](int64_t num_blocks, int64_t block_size, bool enable_prefix_caching,
                        double watermark, std::vector<int64_t> group_windows,
-                       int64_t num_state_slots, int64_t num_state_snapshots) {
+                       int64_t num_state_slots, int64_t num_state_snapshots,
+                       bool state_backups) {
              return M({.num_blocks = num_blocks,
                        .block_size = block_size,
                        .enable_prefix_caching = enable_prefix_caching,
                        .watermark = watermark,
                        .group_windows = std::move(group_windows),
                        .num_state_slots = num_state_slots,
-                       .num_state_snapshots = num_state_snapshots});
+                       .num_state_snapshots = num_state_snapshots,
+                       .state_backups = state_backups});
            }),
            py::arg("num_blocks"), py::arg("block_size") = 16,
            py::arg("enable_prefix_caching") = true, py::arg("watermark") = 0.01,
            py::arg("group_windows") = std::vector<int64_t>{0}, py::arg("num_state_slots") = 0,
-           py::arg("num_state_snapshots") = 0,
+           py::arg("num_state_snapshots") = 0, py::arg("state_backups") = false,
            "group_windows: per group of layers its sliding window in tokens (0: full attention). "
            "num_state_slots: state slots of a model with state-space layers (0: none). "
            "num_state_snapshots: slots for states saved at block boundaries (prefix hits of such "
-           "a model; 0: none, and prefix caching must then be off).")
+           "a model; 0: none, and prefix caching must then be off). state_backups: a backup slot "
+           "per sequence slot (speculative decoding over state-space layers).")
       .def("can_allocate", &M::can_allocate, py::arg("prompt_tokens"), py::arg("extra_key") = 0,
            py::arg("num_scheduled") = -1, py::arg("num_states") = 1)
       .def("allocate", &M::allocate, py::arg("seq_id"), py::arg("prompt_tokens"),
@@ -70,6 +73,11 @@ void bind_paged_block_manager(py::module_& m) {
       .def("num_state_snapshots", &M::num_state_snapshots)
       .def("num_cached_states", &M::num_cached_states)
       .def("num_state_pool_slots", &M::num_state_pool_slots)
+      .def("back_up_state", &M::back_up_state, py::arg("seq_id"),
+           "The StateCopy of the sequence's state into its backup slot, to do before a step that "
+           "verifies drafts.")
+      .def("restore_state", &M::restore_state, py::arg("seq_id"), py::arg("num_computed_tokens"),
+           "Queues the copy back (take_state_copies) and sets the computed tokens back.")
       .def("can_reserve_prefill", &M::can_reserve_prefill, py::arg("seq_id"), py::arg("end"))
       .def("reserve_prefill", &M::reserve_prefill, py::arg("seq_id"), py::arg("end"))
       .def("can_append_slots", &M::can_append_slots, py::arg("seq_id"), py::arg("num_new_tokens"),

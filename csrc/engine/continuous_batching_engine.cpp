@@ -45,7 +45,8 @@ ContinuousBatchingEngine::ContinuousBatchingEngine(std::shared_ptr<CausalLM> mod
                       .num_state_slots = model_->config().num_ssm_layers() > 0
                                              ? config_.max_num_seqs
                                              : 0,
-                      .num_state_snapshots = config_.num_state_snapshots}),
+                      .num_state_snapshots = config_.num_state_snapshots,
+                      .state_backups = config_.speculative.enabled()}),
       scheduler_(SchedulerConfig{config_.max_num_seqs, config_.max_num_batched_tokens,
                                  config_.max_model_len},
                  block_manager_, sequences_),
@@ -305,6 +306,12 @@ void ContinuousBatchingEngine::take_samples(const SchedulerOutput& work,
       ++stats_.num_generated_tokens;
       const bool accepted_draft = static_cast<int64_t>(j) < sampled.num_accepted;
       if (!append_token(request, completion, token, accepted_draft, pending)) break;
+    }
+    // State-space layers ran every draft: a rejected one sends the sequence back (its state
+    // restored) to recompute what it accepted.
+    if (scheduler_.has_sequence(samples.seq_ids[i])) {
+      scheduler_.settle_speculative_state(samples.seq_ids[i],
+                                          sampled.num_accepted == sampled.num_draft_tokens);
     }
   }
   stats_.propose_seconds += result.propose_seconds;

@@ -84,6 +84,10 @@ EngineConfig resolve_engine_config(EngineConfig c, const ModelConfig& model, at:
   }
   const KVCacheLayout layout = KVCacheLayout::for_model(model);
   int64_t state_bytes = 0;
+  if (draft != nullptr && KVCacheLayout::for_model(*draft).has_state()) {
+    bad("a draft model with state-space layers (" + draft->architecture +
+        ") is not supported: its states would have to go back with each rejected draft");
+  }
   if (!layout.has_state() && c.num_state_snapshots != 0) {
     bad("num_state_snapshots is for models with state-space layers; " + model.architecture +
         " has none");
@@ -93,9 +97,12 @@ EngineConfig resolve_engine_config(EngineConfig c, const ModelConfig& model, at:
       bad("ssm_state_dtype must be float32 or the model's dtype, got " +
           std::string(c10::toString(*c.ssm_state_dtype)));
     }
-    if (!c.speculative.method.empty() || draft != nullptr) {
-      bad("speculative decoding is not supported for models with state-space layers (" +
-          model.architecture + "): it would need a state per draft position");
+    const bool speculative = !c.speculative.method.empty() || draft != nullptr;
+    const std::vector<int64_t> group_windows = layout.group_windows();
+    if (speculative && std::any_of(group_windows.begin(), group_windows.end(),
+                                   [](int64_t window) { return window > 0; })) {
+      bad("speculative decoding is not supported for models with state-space layers and "
+          "sliding-window attention (" + model.architecture + ")");
     }
     if (c.num_state_snapshots < 0 || c.num_state_snapshots > kMaxStateSnapshots) {
       bad("num_state_snapshots must be in [0, " + number(kMaxStateSnapshots) + "], got " +
@@ -110,11 +117,14 @@ EngineConfig resolve_engine_config(EngineConfig c, const ModelConfig& model, at:
     c.cuda_graph_max_batch = 0;       // the graphs capture attention-only batches
     const int64_t per_state =
         layout.state.bytes_per_sequence(dtype, c.ssm_state_dtype.value_or(at::kFloat));
-    const int64_t states = c.max_num_seqs + c.num_state_snapshots;
+    // With speculation, a backup of each sequence's state (PagedBlockManager::back_up_state).
+    const int64_t states =
+        c.max_num_seqs * (speculative ? 2 : 1) + c.num_state_snapshots;
     // Without a budget, the states alone may take what the default KV budget would.
     const int64_t budget = c.kv_cache_memory > 0 ? c.kv_cache_memory : kDefaultKVCacheMemory;
     if (per_state > 0 && states > budget / per_state) {
-      bad("the state pool (max_num_seqs " + number(c.max_num_seqs) + " + num_state_snapshots " +
+      bad("the state pool (max_num_seqs " + number(c.max_num_seqs) +
+          (speculative ? " twice, with speculation's backups," : "") + " + num_state_snapshots " +
           number(c.num_state_snapshots) + " states of " + number(per_state) +
           " bytes) exceeds " + (c.kv_cache_memory > 0 ? "kv_cache_memory (" : "the default budget (") +
           number(budget) + " bytes): lower them" +

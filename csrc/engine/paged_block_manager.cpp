@@ -85,9 +85,34 @@ PagedBlockManager::PagedBlockManager(BlockManagerOptions options)
     free_states_.push_back(static_cast<int32_t>(slot));
   }
   num_state_snapshots_ = snapshots;
-  for (int64_t slot = num_state_pool_slots() - 1; slot >= num_state_slots_; --slot) {
+  for (int64_t slot = num_state_slots_ + snapshots - 1; slot >= num_state_slots_; --slot) {
     free_snapshots_.push_back(static_cast<int32_t>(slot));
   }
+  state_backups_ = options.state_backups && num_state_slots_ > 0;
+}
+
+StateCopy PagedBlockManager::back_up_state(int64_t seq_id) const {
+  const Sequence& seq = sequence(seq_id);
+  if (!state_backups_ || seq.state_slot < 0) {
+    throw std::logic_error("back_up_state: sequence " + std::to_string(seq_id) +
+                           " has no backup slot (a state pool with state_backups)");
+  }
+  const auto backup = static_cast<int32_t>(num_state_slots_ + num_state_snapshots_ +
+                                           seq.state_slot);
+  return StateCopy{seq.state_slot, backup};
+}
+
+void PagedBlockManager::restore_state(int64_t seq_id, int64_t num_computed_tokens) {
+  const StateCopy backup = back_up_state(seq_id);
+  Sequence& seq = sequence(seq_id);
+  if (num_computed_tokens < 0 || num_computed_tokens > seq.num_computed) {
+    throw std::invalid_argument("restore_state: sequence " + std::to_string(seq_id) + " has " +
+                                std::to_string(seq.num_computed) +
+                                " tokens computed; cannot go back to " +
+                                std::to_string(num_computed_tokens));
+  }
+  state_copies_.push_back({backup.dst, backup.src});
+  seq.num_computed = num_computed_tokens;
 }
 
 uint64_t PagedBlockManager::default_block_hash(uint64_t parent_hash, const int32_t* tokens,

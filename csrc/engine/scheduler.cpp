@@ -4,6 +4,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <utility>
 
 namespace kvserve {
 
@@ -126,6 +127,13 @@ SchedulerOutput Scheduler::schedule(int64_t num_speculative_tokens) {
     out.num_batched_tokens += s.num_new_tokens + s.num_speculative_tokens;
   }
   describe(out);
+  if (blocks_.keeps_state_backups()) {
+    for (const ScheduledSequence& sched : out.scheduled) {
+      if (sched.num_speculative_tokens == 0 || sched.state_slot < 0) continue;
+      out.state_copies.push_back(blocks_.back_up_state(sched.seq_id));
+      entry(sched.seq_id).state_backed_up_at = sched.num_computed;
+    }
+  }
   return out;
 }
 
@@ -140,6 +148,8 @@ void Scheduler::describe(SchedulerOutput& out) const {
     }
     sched.lora_slot = s.lora_slot;
     sched.state_slot = blocks_.state_slot(sched.seq_id);
+    // A state after verified drafts is no state of the sequence's tokens: none is saved then.
+    if (sched.num_speculative_tokens > 0) continue;
     const std::optional<StateCopy> snapshot =
         blocks_.snapshot_state(sched.seq_id, sched.num_computed + sched.num_new_tokens);
     if (snapshot) out.state_snapshots.push_back(*snapshot);
@@ -383,6 +393,14 @@ void Scheduler::update_computed(const SchedulerOutput& output) {
     s.num_computed_tokens += sched.num_new_tokens;
     blocks_.mark_computed(sched.seq_id, s.num_computed_tokens);
   }
+}
+
+void Scheduler::settle_speculative_state(int64_t seq_id, bool all_accepted) {
+  Entry& e = entry(seq_id);
+  const int64_t at = std::exchange(e.state_backed_up_at, -1);
+  if (at < 0 || all_accepted) return;
+  blocks_.restore_state(seq_id, at);
+  e.state->num_computed_tokens = at;
 }
 
 void Scheduler::append_token(int64_t seq_id, int32_t token, bool kv_written) {

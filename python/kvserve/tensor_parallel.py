@@ -107,8 +107,9 @@ def _worker_main(rank: int, world_size: int, init_method: str, args, threads: in
         if args.enable_lora:  # rank 0 sends each adapter's shard (LoRAManager._shard)
             rank_model.model.enable_lora(args.max_loras, args.max_lora_rank)
         c = rank_model.engine_config
-        # Rank 0's state pool: a slot a running sequence, and the saved states.
-        states = (c.max_num_seqs + c.num_state_snapshots
+        # Rank 0's state pool: a slot a running sequence (and its backup, with speculation),
+        # and the saved states.
+        states = (c.max_num_seqs * (2 if c.speculative.enabled else 1) + c.num_state_snapshots
                   if rank_model.config.num_ssm_layers() > 0 else 0)
         head = (load_rank_mtp_head(args, groups, info, rank_model.model, c.max_model_len)
                 if mtp else None)

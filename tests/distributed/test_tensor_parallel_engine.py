@@ -223,23 +223,46 @@ def test_an_eagle3_head_drafts_on_rank_0_as_on_one_rank(tmp_path):
                             seed=2)
     prompts = [[1, 7, 5, 9, 12, 7, 3, 12, 8, 3, 15, 14, 6], [1, 7, 5], [1, 10, 11, 12]]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    drafted = _drafts_as_one_rank(target, prompts, params, dict(
+        OPTIONS, speculative_method="eagle3", speculative_model=head, num_speculative_tokens=3))
+    assert sum(drafted[2]) > 0
 
+
+def _drafts_as_one_rank(path, prompts, params, options) -> tuple:
+    """Greedy speculation at tp=2 gives plain decoding's tokens and drafts what one rank drafts,
+    step for step (the same counts and acceptance per position); those counts."""
     def generate(llm):
         tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         s = llm.llm_engine.get_stats()
         return tokens, (s.num_drafts, s.num_draft_tokens, list(s.accepted_per_position))
 
-    options = dict(OPTIONS, speculative_method="eagle3", speculative_model=head,
-                   num_speculative_tokens=3)
-    plain, _ = generate(LLM(target, **OPTIONS))
-    want, drafted = generate(LLM(target, **options))
-    llm = LLM(target, tensor_parallel_size=2, distributed_timeout=60.0, **options)
+    plain, _ = generate(LLM(path, **{k: v for k, v in options.items()
+                                     if not k.startswith(("speculative", "num_speculative",
+                                                          "prompt_lookup"))}))
+    want, drafted = generate(LLM(path, **options))
+    llm = LLM(path, tensor_parallel_size=2, distributed_timeout=60.0, **options)
     try:
         got, drafted_split = generate(llm)
     finally:
         llm.llm_engine.shutdown()
     assert got == want == plain
-    assert drafted_split == drafted and sum(drafted[2]) > 0
+    assert drafted_split == drafted
+    return drafted
+
+
+@pytest.mark.parametrize("case", ["mamba2-groups-split", "granite-hybrid-moe", "jamba"])
+def test_speculation_over_split_states(tmp_path, case):
+    """N-gram drafts through states split by head or channel: every rank backs up its part of a
+    sequence's state before a step that verifies drafts and takes it back when one is rejected
+    (the step's state copies): tp=2 gives one rank's tokens and acceptance."""
+    arch, overrides = STATE_CASES[case]
+    path = make_checkpoint(tmp_path, arch, vocab_size=32, **overrides)
+    prompts = [[1, 5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6], [1, 9, 10, 11, 12], [1, 3, 4]]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    drafted = _drafts_as_one_rank(path, prompts, params, OPTIONS | dict(
+        num_state_snapshots=8, speculative_method="ngram", num_speculative_tokens=3,
+        prompt_lookup_min=1, speculative_disable_batch_size=0))
+    assert drafted[1] > sum(drafted[2])  # drafts rejected
 
 
 @pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "Glm4MoeForCausalLM"])

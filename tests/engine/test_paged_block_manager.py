@@ -197,6 +197,34 @@ def test_state_slots_beside_the_blocks():
         m.allocate(4, [1], num_states=0)
 
 
+
+def test_state_backups_for_speculative_steps():
+    """With state_backups each sequence slot has a backup slot after the snapshots'; restoring
+    queues the copy back and sets the computed tokens back (its hashed blocks stay cached)."""
+    from kvserve._C import StateCopy
+
+    m = PagedBlockManager(num_blocks=8, block_size=2, num_state_slots=2, num_state_snapshots=1,
+                          state_backups=True)
+    assert m.num_state_pool_slots() == 5
+    m.allocate(1, [5, 6, 7])
+    m.allocate(2, [8, 9])
+    assert m.back_up_state(2) == StateCopy(1, 4) and m.back_up_state(1) == StateCopy(0, 3)
+    m.append_slots(1, [], 3)  # a verified token and two draft slots
+    m.append_slots(1, [10, 11], 1)
+    m.mark_computed(1, 5)
+    m.restore_state(1, 2)
+    assert m.take_state_copies() == [StateCopy(3, 0)]
+    m.check_invariants()
+    m.mark_computed(1, 5)  # recomputed
+    with pytest.raises(ValueError, match="cannot go back to 6"):
+        m.restore_state(1, 6)
+    plain = PagedBlockManager(num_blocks=8, block_size=2, num_state_slots=2,
+                              enable_prefix_caching=False)
+    plain.allocate(1, [5])
+    assert plain.num_state_pool_slots() == 2
+    with pytest.raises(RuntimeError, match="has no backup slot"):
+        plain.back_up_state(1)
+
 def test_state_snapshots_serve_prefix_hits_from_the_step_after():
     """Prefix caching with state slots: snapshot_state plans the copy of a sequence's state at a
     block boundary into a snapshot slot (after the step's forward); once committed it serves

@@ -307,8 +307,6 @@ def test_mamba_states_hold_a_row_per_channel(checkpoint_factory):
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(speculative_method="ngram", num_speculative_tokens=2), "speculative decoding is not "
-     "supported for models with state-space layers"),
     # (tests/distributed/ splits the models whose heads and groups two ranks divide)
     (dict(tensor_parallel_size=2), "tensor_parallel_size 2 and the 5 B/C groups of "
      "Mamba2ForCausalLM must divide one another"),

@@ -69,6 +69,10 @@ struct BlockManagerOptions {
   /// Prefix caching with state slots needs at least one, and a first group of full attention
   /// (whose blocks identify the prefix).
   int64_t num_state_snapshots = 0;
+  /// With state slots, speculative decoding: one more slot per sequence slot (ids after the
+  /// snapshots') keeps a sequence's state from before a step that verifies drafts, for when a
+  /// draft is rejected (back_up_state, restore_state).
+  bool state_backups = false;
 };
 
 /// Copy state slot `src` into `dst` (every state layer) before the step: a forked sequence
@@ -179,8 +183,21 @@ class PagedBlockManager {
   /// Snapshot slots in the pool, and those holding a committed snapshot.
   int64_t num_state_snapshots() const { return num_state_snapshots_; }
   int64_t num_cached_states() const { return static_cast<int64_t>(snapshots_.size()); }
-  /// Slots of the state pool: sequences' and snapshots'.
-  int64_t num_state_pool_slots() const { return num_state_slots_ + num_state_snapshots_; }
+  /// Slots of the state pool: sequences', snapshots' and backups'.
+  int64_t num_state_pool_slots() const {
+    return num_state_slots_ + num_state_snapshots_ + (state_backups_ ? num_state_slots_ : 0);
+  }
+
+  /// Speculative decoding over state-space layers (BlockManagerOptions::state_backups): a step
+  /// that verifies drafts runs them through the sequence's state, which keeps them even when
+  /// they are rejected. back_up_state returns the copy of the sequence's state into its backup
+  /// slot, to apply before that step's forward; restore_state queues the copy back
+  /// (take_state_copies) and sets the sequence's computed tokens back to
+  /// `num_computed_tokens`, where the backup was taken (its blocks keep the K/V written since,
+  /// which the tokens' recomputation writes again). Throws std::logic_error without backups.
+  StateCopy back_up_state(int64_t seq_id) const;
+  bool keeps_state_backups() const { return state_backups_; }
+  void restore_state(int64_t seq_id, int64_t num_computed_tokens);
 
   /// Drops `seq_id`; blocks no longer referenced go back to the free queue (cached ones stay
   /// reusable by prefix hits until evicted).
@@ -350,6 +367,7 @@ class PagedBlockManager {
   BlockPool pool_;  ///< its map keys blocks by hash salted with the group (group_key)
   std::unordered_map<int64_t, Sequence> sequences_;
   int64_t num_state_slots_ = 0;
+  bool state_backups_ = false;
   std::vector<int32_t> free_states_;  // the last is handed out next
   std::vector<StateCopy> state_copies_;
   int64_t num_state_snapshots_ = 0;

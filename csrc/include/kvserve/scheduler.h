@@ -129,6 +129,14 @@ class Scheduler {
   /// step already wrote in the next draft slot: it counts as computed at once.
   void append_token(int64_t seq_id, int32_t token, bool kv_written = false);
 
+  /// With a state pool that keeps backups (speculative decoding over state-space layers): the
+  /// step that verified `seq_id`'s drafts ran them all through its state. When some were
+  /// rejected (`all_accepted` false), the state from before the step comes back and the
+  /// sequence's tokens from the step's first on count as not computed, so that the next step
+  /// recomputes them (the accepted drafts, then the new token) through the state. A no-op for a
+  /// sequence that verified nothing or has no state.
+  void settle_speculative_state(int64_t seq_id, bool all_accepted);
+
   /// Asynchronous scheduling: append_token(seq_id, kPendingToken) stands for a token that a
   /// launched step is still sampling, so that the next schedule() gives the sequence its slot;
   /// this sets its value once known. A running sequence whose every token is computed is
@@ -180,6 +188,8 @@ class Scheduler {
     bool allocated = false;  ///< holds blocks (running or loading)
     bool load_prompt = false;
     int64_t num_states = 1;  ///< state slots it takes when admitted (its samples, before forking)
+    /// While a step verifies its drafts through a backed-up state: its computed tokens then.
+    int64_t state_backed_up_at = -1;
     WaitKey wait_key;                          ///< while waiting
     std::list<int64_t>::iterator running_pos;  ///< while running
   };

@@ -17,9 +17,10 @@ sentence). What "ok" means, per feature:
 - lora: a peft adapter on the attention and dense MLP projections that transformers' model has as
   `nn.Linear` (attention's only when those are refused), served per request: its greedy tokens
   equal transformers' with peft's merged weights.
-- speculative: n-gram lookup, a draft model (the checkpoint drafting for itself) and, for the
-  architectures whose checkpoints carry multi-token-prediction modules, those (random modules
-  written into a copy): greedy tokens equal plain decoding's.
+- speculative: n-gram lookup, a draft model (the checkpoint drafting for itself; a Llama of its
+  vocabulary for a model with state-space layers) and, for the architectures whose checkpoints
+  carry multi-token-prediction modules, those (random modules written into a copy): greedy
+  tokens equal plain decoding's.
 - prefix_caching: a repeated prompt reuses cached blocks and gives the same tokens (a model with
   state-space layers with 4 state snapshots, its states saved at block boundaries).
 - cuda_graphs: whether the engine's resolved config keeps decode graphs for the model (the rule
@@ -179,12 +180,18 @@ def _speculative(path: Path, work: Path, plain: list[int]) -> dict[str, str]:
     import json
     import shutil
 
+    from kvserve.config import load_checkpoint_info
     from kvserve.loader.mtp_weights import MTP_ARCHITECTURES
-    from kvserve.testing.checkpoints import add_mtp_modules, make_eagle3_head
+    from kvserve.testing.checkpoints import add_mtp_modules, make_checkpoint, make_eagle3_head
 
     cell = {}
+    target = load_checkpoint_info(path).config
+    # The checkpoint drafts for itself; a model with state-space layers, which a draft cannot
+    # have, gets a Llama of its vocabulary.
+    draft = (make_checkpoint(work / "draft", "LlamaForCausalLM", vocab_size=target.vocab_size)
+             if target.num_ssm_layers() > 0 else path)
     trials = [("n-gram", path, dict(speculative_method="ngram", num_speculative_tokens=3)),
-              ("draft model", path, dict(speculative_model=path, num_speculative_tokens=3))]
+              ("draft model", path, dict(speculative_model=draft, num_speculative_tokens=3))]
     architecture = json.loads((path / "config.json").read_text())["architectures"][0]
     if architecture in MTP_ARCHITECTURES:  # the checkpoint with MTP modules written in
         with_modules = work / "mtp"
