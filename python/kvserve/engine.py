@@ -336,6 +336,9 @@ class LLMEngine:
             plan += (f"; prefix caching on: {snapshots} of the slots keep states saved at block "
                      "boundaries" if snapshots else
                      "; prefix caching off (num_state_snapshots saves states for it)")
+            if self.engine.config.speculative.enabled:
+                plan += (f"; {self.engine.config.max_num_seqs} of the slots back up states "
+                         "before steps that verify drafts")
         if kv.layout.groups:
             local = [g for g in kv.layout.groups if g.sliding_window]
             kinds = (f"{len(kv.layout.groups) - len(local)} global, {len(local)} local (window "

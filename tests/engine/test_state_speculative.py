@@ -45,6 +45,10 @@ def test_greedy_ngram_equals_plain_decoding(model, plain):
     assert [o.outputs[0].token_ids for o in generate(llm, PROMPTS, params)] == plain
     s = llm.llm_engine.get_stats()
     assert s.num_draft_tokens > s.num_accepted_tokens  # rejected drafts sent states back
+    # Each sequence's slot has a backup beside it, in the pool and the memory plan.
+    assert llm.llm_engine.kv_cache.num_state_slots == 2 * llm.llm_engine.engine.config.max_num_seqs
+    assert "of the slots back up states before steps that verify drafts" in (
+        llm.llm_engine.memory_plan())
 
 
 def test_mixed_arrivals_prefix_hits_and_preemption_equal_alone(model, plain):
