@@ -5,10 +5,11 @@ and prefix caching, for GQA with one KV head and an odd vocabulary, biases (Qwen
 embeddings with sliding windows (Gemma 2), a mixture of experts (Qwen3-MoE), latent attention
 with experts (DeepSeek-V3: heads split, the latent cache replicated) and an int8 checkpoint; LoRA
 adapters split with their projections; speculative heads (an EAGLE-3 head on rank 0, MTP modules
-split over both ranks) drafting what they draft on one rank. Requests arriving over the steps and preempted get the
-tokens they get alone. Each of these runs with asynchronous scheduling too (the workers get
-each step's fed tokens over the device group), which also samples, with penalties and n > 1,
-what one synchronous rank samples. A worker that dies gives the caller an error, not a hang;
+split over both ranks) and n-gram drafts through split states drafting what they draft on one
+rank. Requests arriving over the steps and preempted get the tokens they get alone. The plain
+cases run with asynchronous scheduling too (the workers get each step's fed tokens over the
+device group), which also samples, with penalties and n > 1, what one synchronous rank
+samples. A worker that dies gives the caller an error, not a hang;
 what cannot be split is refused before any process starts."""
 
 from __future__ import annotations
