@@ -289,10 +289,12 @@ void bind_continuous_batching_engine(py::module_& m) {
       .def_readonly("request_id", &KVLoad::request_id)
       .def_readonly("num_prompt_tokens", &KVLoad::num_prompt_tokens)
       .def_readonly("num_cached_tokens", &KVLoad::num_cached_tokens)
-      .def_readonly("block_tables", &KVLoad::block_tables);
+      .def_readonly("block_tables", &KVLoad::block_tables)
+      .def_readonly("state_slot", &KVLoad::state_slot);
   py::class_<HeldKV>(m, "HeldKV", "The blocks a finished producer request holds.")
       .def_readonly("block_tables", &HeldKV::block_tables)
-      .def_readonly("num_tokens", &HeldKV::num_tokens);
+      .def_readonly("num_tokens", &HeldKV::num_tokens)
+      .def_readonly("state_slot", &HeldKV::state_slot);
 
   py::class_<ContinuousBatchingEngine>(
       m, "ContinuousBatchingEngine",

@@ -73,6 +73,7 @@ void ContinuousBatchingEngine::queue_loads(const SchedulerOutput& work) {
     for (int64_t g = 0; g < block_manager_.num_groups(); ++g) {
       load.block_tables.push_back(block_manager_.block_table(seq_id, g));
     }
+    load.state_slot = block_manager_.state_slot(seq_id);
     loads.push_back(std::move(load));
   }
   std::lock_guard<std::mutex> lock(inbox_mutex_);
@@ -144,7 +145,8 @@ bool ContinuousBatchingEngine::hold_blocks(Request& request, Completion& complet
     return false;
   }
   const int64_t seq_id = completion.seq_id;
-  HeldKV held{.num_tokens = sequences_.at(seq_id).num_computed_tokens};
+  HeldKV held{.num_tokens = sequences_.at(seq_id).num_computed_tokens,
+              .state_slot = block_manager_.state_slot(seq_id)};
   for (int64_t g = 0; g < block_manager_.num_groups(); ++g) {
     held.block_tables.push_back(block_manager_.block_table(seq_id, g));
   }

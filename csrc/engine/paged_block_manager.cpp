@@ -537,6 +537,13 @@ int32_t PagedBlockManager::take_free_state() {
   return slot;
 }
 
+void PagedBlockManager::discard_state_copies_to(int32_t slot) {
+  if (slot < 0) return;
+  state_copies_.erase(std::remove_if(state_copies_.begin(), state_copies_.end(),
+                                     [slot](const StateCopy& c) { return c.dst == slot; }),
+                      state_copies_.end());
+}
+
 std::vector<StateCopy> PagedBlockManager::take_state_copies() {
   std::vector<StateCopy> copies;
   copies.swap(state_copies_);

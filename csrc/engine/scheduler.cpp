@@ -335,6 +335,9 @@ bool Scheduler::admit_load(int64_t seq_id) {
   } catch (const std::runtime_error&) {
     return false;
   }
+  // The transfer brings the state at the prompt's end: a prefix hit's saved state is not copied
+  // in (the transfer would overwrite it).
+  blocks_.discard_state_copies_to(blocks_.state_slot(seq_id));
   Entry& e = entry(seq_id);
   waiting_.erase(e.wait_key);
   e.allocated = true;

@@ -169,10 +169,10 @@ class LLMEngine:
         config = args.engine_config(info.config, self.dtype, self.kv_cache_dtype,
                                     info.eos_token_ids, self.draft_config)
         self.max_model_len = config.max_model_len
-        if info.config.num_ssm_layers() > 0:
-            if args.kv_role is not None:
-                raise ValueError("kv_role (disaggregated prefill) is not supported for models "
-                                 f"with state-space layers ({info.config.architecture}) yet")
+        if info.config.num_ssm_layers() > 0 and args.kv_role is not None and args.async_scheduling:
+            # A step launched ahead would run a held request's sampled token through its state.
+            raise ValueError("kv_role with async_scheduling is not supported for models with "
+                             f"state-space layers ({info.config.architecture})")
         if args.enable_lora:
             if ARCHITECTURES[info.config.architecture].fold_weights is not None:
                 raise ValueError(f"LoRA adapters are not supported for "

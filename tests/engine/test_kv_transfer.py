@@ -89,16 +89,30 @@ def wait_for(condition, seconds: float = 10.0) -> bool:
     ("Gemma2ForCausalLM", {}),                   # a sliding-window group and a global one
     ("LlamaForCausalLM", {"kv_cache_dtype": "int8"}),  # entries and their scales
     ("LlamaForCausalLM", {"async_scheduling": True}),  # both engines launch steps ahead
-], ids=["llama", "deepseek-mla", "gemma2-hybrid", "llama-int8-kv", "llama-async"])
+    # State-space layers: each request's state at the prompt's end moves after its pages (a
+    # Mamba2's blocks hold no bytes), and the consumer's prefix hits keep its saved states out
+    ("Mamba2ForCausalLM", {"num_state_snapshots": 32}),
+    ("GraniteMoeHybridForCausalLM", {"num_state_snapshots": 32}),
+    ("JambaForCausalLM", {"num_state_snapshots": 32}),
+], ids=["llama", "deepseek-mla", "gemma2-hybrid", "llama-int8-kv", "llama-async", "mamba2",
+        "granite-hybrid", "jamba"])
 def test_disaggregated_greedy_equals_colocated(checkpoint_factory, architecture, options):
     """Every prompt prefilled on the producer and decoded on the consumer gives the colocated
     tokens; the consumer computes no prompt token, both pools are whole afterwards. A second
     round whose prompts extend the first round's hits the consumer's prefix cache: only the
-    blocks after the hit move."""
+    blocks after the hit move. (A state model's consumer saves no state inside a loaded prompt,
+    so its second round extends the first round's output, a conversation's next turn: the hits
+    end at states its decode saved, and the transfer brings the state at the new prompt's end
+    in place of the hit's.)"""
     path = checkpoint_factory(architecture)
     greedy = dict(temperature=0.0, ignore_eos=True)
-    extended = [p + [11, 12, 13, 14, 15] for p in PROMPTS]
-    want = colocated(path, PROMPTS + extended, **options)
+    if "num_state_snapshots" in options:
+        first = colocated(path, PROMPTS, **options)
+        extended = [p + out[:9] for p, out in zip(PROMPTS, first)]
+        want = first + colocated(path, extended, **options)
+    else:
+        extended = [p + [11, 12, 13, 14, 15] for p in PROMPTS]
+        want = colocated(path, PROMPTS + extended, **options)
     producer, consumer = pair(path, **options)
     try:
         for i, prompt in enumerate(PROMPTS + extended):
@@ -227,6 +241,18 @@ def test_bad_kv_transfer_params_are_refused(checkpoint_factory, params, sampling
         assert not e.has_unfinished_requests()
     finally:
         e.shutdown()
+
+
+def test_a_state_model_producer_holds_the_state_at_the_prompts_end(checkpoint_factory):
+    """The state it sends is the one after the prompt: more than one token is refused."""
+    producer = fp32_engine(checkpoint_factory("Mamba2ForCausalLM"), kv_role="producer")
+    try:
+        with pytest.raises(ValueError, match="takes max_tokens = 1"):
+            producer.add_request("p", PROMPTS[1], SamplingParams(max_tokens=2),
+                                 kv_transfer_params={"do_remote_decode": True})
+    finally:
+        producer.shutdown()
+    assert not producer.has_unfinished_requests()
 
 
 def test_kv_transfer_params_need_a_kv_role(checkpoint_factory):

@@ -310,7 +310,8 @@ def test_mamba_states_hold_a_row_per_channel(checkpoint_factory):
     # (tests/distributed/ splits the models whose heads and groups two ranks divide)
     (dict(tensor_parallel_size=2), "tensor_parallel_size 2 and the 5 B/C groups of "
      "Mamba2ForCausalLM must divide one another"),
-    (dict(kv_role="producer"), "kv_role .* is not supported for models with state-space"),
+    (dict(kv_role="producer", async_scheduling=True), "kv_role with async_scheduling is not "
+     "supported for models with state-space layers"),
     (dict(num_state_snapshots=-1), r"num_state_snapshots must be in \[0, 1048576\], got -1"),
     (dict(num_state_snapshots=10**9), r"num_state_snapshots must be in \[0, 1048576\]"),
     # Memory: the states alone past the default budget, or past the one given.

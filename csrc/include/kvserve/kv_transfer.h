@@ -27,12 +27,16 @@ struct KVLoad {
   int64_t num_cached_tokens = 0;
   /// Per group of layers, the request's block table (position p in block p / block_size).
   std::vector<std::vector<int32_t>> block_tables;
+  /// A model with state-space layers: the request's state slot, which the transfer fills with
+  /// the producer's state at the prompt's end (-1: no state pool).
+  int32_t state_slot = -1;
 };
 
 /// The blocks a finished producer request holds.
 struct HeldKV {
   std::vector<std::vector<int32_t>> block_tables;  ///< per group of layers
   int64_t num_tokens = 0;                           ///< tokens whose KV they hold
+  int32_t state_slot = -1;  ///< the state after those tokens (-1: no state pool)
 };
 
 }  // namespace kvserve

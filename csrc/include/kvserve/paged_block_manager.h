@@ -159,6 +159,8 @@ class PagedBlockManager {
   /// The state copies queued by fork and by prefix hits (a snapshot into the new sequence's
   /// slot) since the last call, to apply before the next step.
   std::vector<StateCopy> take_state_copies();
+  /// Drops the queued state copies into `slot` (a sequence whose state another engine sends).
+  void discard_state_copies_to(int32_t slot);
   /// State slots in the pool for sequences (0: none), and those no sequence holds or keeps.
   int64_t num_state_slots() const { return num_state_slots_; }
   int64_t num_free_state_slots() const { return static_cast<int64_t>(free_states_.size()); }

@@ -32,7 +32,7 @@ from kvserve import _C
 from kvserve.kv_transfer.params import KVTransferParams
 from kvserve.kv_transfer.transport import (Channel, KVTransferClient, KVTransferError,
                                            KVTransferServer, kv_tensors, layout_fingerprint,
-                                           prompt_digest)
+                                           prompt_digest, state_tensors)
 
 KV_ROLES = ("producer", "consumer", "both")
 MAX_PRODUCERS = 16  # producers a consumer pulls from at once, each on a thread of its own
@@ -69,6 +69,7 @@ class _Hold:
     block_tables: list[list[int]]
     num_tokens: int
     deadline: float
+    state_slot: int = -1
 
 
 @dataclass
@@ -94,6 +95,8 @@ class TorchDistributedConnector(KVConnector):
         self.engine, self.role, self.timeout = engine, role, float(timeout)
         self.engine_id = f"kvserve-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.tensors = kv_tensors(engine.kv_cache)
+        # A model with state-space layers moves each request's state (its slot) after its pages.
+        self.states = state_tensors(engine.kv_cache)
         self.layout = layout_fingerprint(engine.kv_cache)
         windows = list(engine.kv_cache.layout.group_windows()) or [0]
         self.windows = windows
@@ -129,6 +132,10 @@ class TorchDistributedConnector(KVConnector):
                              "consumer (start it with kv_role 'consumer')")
         if (params.do_remote_decode or params.do_remote_prefill) and sampling.n != 1:
             raise ValueError(f"a disaggregated request takes n = 1, got n = {sampling.n}")
+        if params.do_remote_decode and self.states and sampling.max_tokens != 1:
+            raise ValueError("kv_transfer_params.do_remote_decode on a model with state-space "
+                             "layers takes max_tokens = 1: the state sent is the one at the "
+                             f"prompt's end, got max_tokens = {sampling.max_tokens}")
         if params.do_remote_prefill and sampling.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs needs the prompt computed here: not with "
                              "kv_transfer_params.do_remote_prefill")
@@ -153,7 +160,7 @@ class TorchDistributedConnector(KVConnector):
                      None if first is None else {"logprob": first.logprob, "rank": first.rank,
                                                  "top": [list(t) for t in first.top]},
                      [list(t) for t in held.block_tables], held.num_tokens,
-                     time.monotonic() + self.timeout)
+                     time.monotonic() + self.timeout, held.state_slot)
         with self.lock:
             self.holds[request_id] = hold
         return KVTransferParams(do_remote_prefill=True, remote_engine_id=self.engine_id,
@@ -196,6 +203,7 @@ class TorchDistributedConnector(KVConnector):
                            "first_logprobs": hold.first_logprobs, "num_blocks": len(ids)})
         try:
             channel.send_pages(self.tensors, ids)
+            channel.send_pages(self.states, torch.tensor([hold.state_slot], dtype=torch.int64))
             self.num_pulled += 1
         finally:
             self._release(request_id)
@@ -275,7 +283,7 @@ class TorchDistributedConnector(KVConnector):
                        "ranges": ranges}
             if client is None:
                 client = KVTransferClient(p.remote_host, p.remote_port, self.timeout)
-            reply = client.pull(request, self.tensors, ids)
+            reply = client.pull(request, self.tensors, ids, self.states, load.state_slot)
             first_token = int(reply["first_token"])
             logprobs = _logprobs(first_token, reply.get("first_logprobs"))
         except Exception as e:  # noqa: BLE001 - any failure ends this request, not the engine

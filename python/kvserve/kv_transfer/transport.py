@@ -43,10 +43,20 @@ def kv_tensors(kv_cache) -> list[torch.Tensor]:
     return out
 
 
+def state_tensors(kv_cache) -> list[torch.Tensor]:
+    """A model with state-space layers: every layer's conv and SSM states, each indexed by
+    state slot on dim 0 (none without a state pool)."""
+    if not kv_cache.layout.has_state():
+        return []
+    return list(kv_cache.conv_states) + list(kv_cache.ssm_states)
+
+
 def layout_fingerprint(kv_cache) -> list:
     """What must agree between producer and consumer for pages to mean the same: the block
-    size and every pool tensor's per-block shape and dtype."""
-    return [kv_cache.block_size] + [[list(t.shape[1:]), str(t.dtype)] for t in kv_tensors(kv_cache)]
+    size and every pool tensor's per-block shape and dtype, and the states' per-slot ones."""
+    pages = [[list(t.shape[1:]), str(t.dtype)] for t in kv_tensors(kv_cache)]
+    states = [["state", list(t.shape[1:]), str(t.dtype)] for t in state_tensors(kv_cache)]
+    return [kv_cache.block_size] + pages + states
 
 
 def prompt_digest(token_ids: list[int]) -> str:
@@ -94,6 +104,8 @@ class Channel:
                           datetime.timedelta(seconds=timeout))
 
     def send_pages(self, tensors: list[torch.Tensor], ids: torch.Tensor) -> None:
+        if not tensors:  # a model without attention layers: blocks of no bytes
+            return
         device = tensors[0].device
         for chunk in ids.split(blocks_per_message(tensors)):
             chunk = chunk.to(device)
@@ -102,6 +114,8 @@ class Channel:
                                       for t in tensors]).cpu())
 
     def recv_pages(self, tensors: list[torch.Tensor], ids: torch.Tensor) -> None:
+        if not tensors:
+            return
         device = tensors[0].device
         for chunk in ids.split(blocks_per_message(tensors)):
             sizes = [len(chunk) * block_bytes(t) for t in tensors]
@@ -173,10 +187,12 @@ class KVTransferClient:
         self.store.set(f"kvserve/conn/{self.index}", "1")
         self.channel = Channel(self.store, self.index, 1, timeout)
 
-    def pull(self, request: dict, tensors: list[torch.Tensor], ids: torch.Tensor) -> dict:
-        """Asks for `request`'s pages and writes them into blocks `ids` of `tensors`; returns
-        the producer's reply. Raises KVTransferError when the producer refuses, RuntimeError /
-        DistError when the connection breaks."""
+    def pull(self, request: dict, tensors: list[torch.Tensor], ids: torch.Tensor,
+             states: list[torch.Tensor] = (), slot: int = -1) -> dict:
+        """Asks for `request`'s pages and writes them into blocks `ids` of `tensors` (and, with
+        `states`, the producer's state into slot `slot` of them); returns the producer's reply.
+        Raises KVTransferError when the producer refuses, RuntimeError / DistError when the
+        connection breaks."""
         self.channel.control.send_json(request)
         reply = self.channel.data.recv_json()
         if not reply.get("ok"):
@@ -185,4 +201,5 @@ class KVTransferClient:
             raise KVTransferError(f"the producer sends {reply['num_blocks']} blocks, this engine "
                                   f"allocated {len(ids)}")
         self.channel.recv_pages(tensors, ids)
+        self.channel.recv_pages(list(states), torch.tensor([slot], dtype=torch.int64))
         return reply
