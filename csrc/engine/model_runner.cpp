@@ -172,7 +172,7 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
                                        const std::vector<SamplingTarget>& targets,
                                        const std::vector<PromptLogprobsTarget>& prompt_targets) {
   ModelRunnerOutput out;
-  const StepCopies copies = prepare(work, targets, prompt_targets, nullptr);
+  StepCopies copies = prepare(work, targets, prompt_targets, nullptr);
   Proposals proposals;
   proposals.tokens.resize(work.scheduled.size());
   if (speculator_) {
@@ -197,6 +197,17 @@ ModelRunnerOutput ModelRunner::execute(const SchedulerOutput& work,
     out.propose_seconds = seconds_since(started);
   }
   const bool verifies = proposals.num_tokens() > 0;
+  // A state that verifies drafts is backed up first (only where some were proposed), for when
+  // one is rejected (Scheduler::settle_speculative_state); the workers do it with the step.
+  std::vector<std::pair<int32_t, int32_t>> backups;
+  for (size_t i = 0; i < work.scheduled.size(); ++i) {
+    const ScheduledSequence& s = work.scheduled[i];
+    if (s.state_backup_slot >= 0 && !proposals.tokens[i].empty()) {
+      backups.emplace_back(s.state_slot, s.state_backup_slot);
+    }
+  }
+  kv_cache_.copy_states(backups);
+  copies.states.insert(copies.states.end(), backups.begin(), backups.end());
   const auto forward_started = std::chrono::steady_clock::now();
 
   ForwardBatchBuilder builder(kv_cache_.block_size(), model_->lora_enabled());

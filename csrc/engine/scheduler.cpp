@@ -128,9 +128,9 @@ SchedulerOutput Scheduler::schedule(int64_t num_speculative_tokens) {
   }
   describe(out);
   if (blocks_.keeps_state_backups()) {
-    for (const ScheduledSequence& sched : out.scheduled) {
+    for (ScheduledSequence& sched : out.scheduled) {
       if (sched.num_speculative_tokens == 0 || sched.state_slot < 0) continue;
-      out.state_copies.push_back(blocks_.back_up_state(sched.seq_id));
+      sched.state_backup_slot = blocks_.back_up_state(sched.seq_id).dst;
       entry(sched.seq_id).state_backed_up_at = sched.num_computed;
     }
   }

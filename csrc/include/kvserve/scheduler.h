@@ -46,6 +46,9 @@ struct ScheduledSequence {
   /// Its slot in the state pool of a model with state-space layers (-1: none). Its state holds
   /// the first num_computed tokens (none when num_computed is 0: the slot's content is stale).
   int32_t state_slot = -1;
+  /// With draft slots and a pool that keeps backups: where the state is to be copied before the
+  /// forward if drafts are proposed (PagedBlockManager::back_up_state; -1: nowhere).
+  int32_t state_backup_slot = -1;
 };
 
 /// What one step runs. Decodes come first, then prefill chunks (running, then newly admitted).
