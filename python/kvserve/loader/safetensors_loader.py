@@ -20,10 +20,10 @@ projections the C++ layers transform at load (MLA's) are dequantized to the mode
 
 from __future__ import annotations
 
+import functools
+import json
 from pathlib import Path
 from typing import Callable
-
-import json
 
 import torch
 from safetensors import safe_open
@@ -351,6 +351,12 @@ def _read_mixer_common(read: _TensorReader, c: _C.ModelConfig, mixer: str, out: 
     w[out + "A_log"] = read(mixer + "A_log", torch.float32)
 
 
+def _rows(read: _TensorReader, mixer: str, name: str, parts: list[tuple[int, int]],
+          dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Rows (first, count) of the mixer's tensor `name`, concatenated (a rank's part)."""
+    return torch.cat([read.raw(mixer + name, dtype or read.dtype, (0, *p)) for p in parts])
+
+
 def _read_mixer_shard(read: _TensorReader, c: _C.ModelConfig, mixer: str, out: str,
                       w: dict[str, torch.Tensor], shard: Shard) -> None:
     """A rank's part of a Mamba2 mixer: its heads' rows of in_proj's z, x and dt, its groups'
@@ -366,10 +372,7 @@ def _read_mixer_shard(read: _TensorReader, c: _C.ModelConfig, mixer: str, out: s
     in_rows = ([heads] + [(inner + first, count) for first, count in conv_rows]
                + [(2 * inner + 2 * bc + h0, h)])
     in_shape = (2 * inner + 2 * bc + s.num_heads, c.hidden_size)
-
-    def rows(name: str, parts: list[tuple[int, int]], dtype=None) -> torch.Tensor:
-        return torch.cat([read.raw(mixer + name, dtype or read.dtype, (0, *p)) for p in parts])
-
+    rows = functools.partial(_rows, read, mixer)
     read.put(w, out + "in_proj", [mixer + "in_proj"] * 5, [in_shape] * 5,
              [(0, *p) for p in in_rows])
     if s.proj_bias:
@@ -412,11 +415,7 @@ def _read_mamba_mixer(read: _TensorReader, c: _C.ModelConfig, mixer: str, out: s
         w[out + "dt_bias"] = read(mixer + "dt_proj.bias")
     else:
         first, n = local_ssm(c, shard)[:2]  # a Mamba mixer's heads are its channels
-
-        def rows(name: str, parts: list[tuple[int, int]], dtype=None) -> torch.Tensor:
-            return torch.cat([read.raw(mixer + name, dtype or read.dtype, (0, *p))
-                              for p in parts])
-
+        rows = functools.partial(_rows, read, mixer)
         in_rows = [(first, n), (inner + first, n)]  # of x, then of the gate
         read.put(w, out + "in_proj", [mixer + "in_proj"] * 2, [in_shape] * 2,
                  [(0, *p) for p in in_rows])
