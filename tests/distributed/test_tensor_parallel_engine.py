@@ -266,6 +266,21 @@ def test_speculation_over_split_states(tmp_path, case):
     assert drafted[1] > sum(drafted[2])  # drafts rejected
 
 
+def test_an_eagle3_head_drafts_for_a_split_hybrid(tmp_path):
+    """An EAGLE-3 head on rank 0 over a Granite 4 style hybrid split in two: its rejected drafts
+    send every rank's part of the states back."""
+    target = make_checkpoint(tmp_path / "target", "GraniteMoeHybridForCausalLM", vocab_size=32,
+                             mamba_n_groups=2)
+    head = make_eagle3_head(tmp_path / "head", target, draft_vocab_size=24, aux_layers=[0, 1, 2],
+                            seed=2)
+    prompts = [[1, 5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6], [1, 9, 10, 11, 12], [1, 3, 4]]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    drafted = _drafts_as_one_rank(target, prompts, params, OPTIONS | dict(
+        num_state_snapshots=8, speculative_method="eagle3", speculative_model=head,
+        num_speculative_tokens=3, speculative_disable_batch_size=0))
+    assert drafted[1] > sum(drafted[2])
+
+
 @pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "Glm4MoeForCausalLM"])
 def test_mtp_modules_are_split_with_the_target(tmp_path, arch):
     """A checkpoint's multi-token-prediction modules split as its layers are (latent attention
